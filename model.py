@@ -1,0 +1,207 @@
+"""
+One readable GPT for every residual design of DepthBench.
+
+The backbone is LLaMA-like (architectures.md §1):
+- token embedding and LM head, untied, no embedding scale
+- RoPE (theta 10000, NeoX "rotate-half", computed in fp32) on q and k
+- multi-head causal attention (16 heads by default), no biases, no QK-norm
+- SwiGLU MLP: W_2(silu(W_1 x) * W_3 x), no biases
+- truncated-normal init, std 0.02, clipped at +-3 std
+
+What is deliberately *not* here: norms, residual adds, the final norm. Attention and the MLP are
+pure branch functions; every norm placement, residual add, stream mixing and the final collapse live
+in residuals.py behind one small interface (see its module docstring). The trunk loop in
+`GPT.forward` is the whole contract between the two files.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from residuals import RESIDUALS
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50280     # the paper's GPT-NeoX vocab; train.py pads GPT-2's 50257 to 50304
+    n_layer: int = 24           # number of blocks (each block = attention sublayer + MLP sublayer)
+    d_model: int = 1024         # width; the paper's shapes use d = 16 * head_dim
+    n_head: int = 16            # query heads (MHA: as many key/value heads)
+    d_ff: int = 2736            # SwiGLU hidden size, ceil16(8d/3) in the paper's shape rule
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6      # every RMSNorm of the backbone
+    init_std: float = 0.02      # truncated normal, clipped at +-3 std
+    residual: str = "preln"     # key of residuals.RESIDUALS
+    residual_args: dict = field(default_factory=dict)  # constructor options of the design, e.g. {"n_groups": 8}
+
+    @property
+    def head_dim(self):
+        return self.d_model // self.n_head
+
+
+def rope_cos_sin(T, head_dim, theta, device):
+    """cos/sin tables (T, head_dim) in fp32, frequencies duplicated over the two halves."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)                                         # (T, hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE on (B, H, T, hd) in fp32; returns x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with RoPE. No norm inside.
+
+    `depth_kv` is the one door into attention, used only by MoDA (residuals.py): a pair (K_d, V_d)
+    of shape (B, T, S, H, hd) holding, for every token, the keys/values of S earlier sublayers at the
+    *same* token. Those S depth keys join the causal sequence keys in one softmax per query.
+    The forward also returns this layer's own pre-RoPE (k, v), (B, T, H, hd) each, which MoDA caches.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        assert cfg.n_head * hd == d, "d_model must equal n_head * head_dim"
+        self.n_head, self.head_dim = cfg.n_head, hd
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, d, bias=False)
+        self.wv = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, rope, depth_kv=None):
+        B, T, _ = x.shape
+        shape = (B, T, self.n_head, self.head_dim)
+        q, k, v = self.wq(x).view(shape), self.wk(x).view(shape), self.wv(x).view(shape)  # (B, T, H, hd)
+        cos, sin = rope
+        qr = apply_rope(q.transpose(1, 2), cos, sin)                                       # (B, H, T, hd)
+        kr = apply_rope(k.transpose(1, 2), cos, sin)
+        vt = v.transpose(1, 2)
+        if depth_kv is None:
+            o = F.scaled_dot_product_attention(qr, kr, vt, is_causal=True)
+        else:
+            o = self._joint_attention(qr, kr, vt, *depth_kv)
+        y = self.wo(o.transpose(1, 2).reshape(B, T, -1))
+        return y, (k, v)
+
+    def _joint_attention(self, q, k, v, kd, vd):
+        """One softmax per query over causal sequence keys and its own token's depth keys.
+
+        q, k, v: (B, H, T, hd); kd, vd: (B, T, S, H, hd). Written out with explicit logits (T x T
+        memory), which is exact and easy to check; it is not a fused kernel.
+        """
+        T, scale = q.size(2), 1.0 / math.sqrt(self.head_dim)
+        seq_logits = (q @ k.transpose(-2, -1)) * scale                              # (B, H, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        seq_logits = seq_logits.masked_fill(~causal, float("-inf"))
+        depth_logits = torch.einsum("bhtd,btshd->bhts", q, kd) * scale              # (B, H, T, S)
+        p = torch.cat([seq_logits, depth_logits], dim=-1).float().softmax(dim=-1).to(q.dtype)
+        p_seq, p_depth = p[..., :T], p[..., T:]
+        return p_seq @ v + torch.einsum("bhts,btshd->bhtd", p_depth, vd)           # (B, H, T, hd)
+
+
+class MLP(nn.Module):
+    """SwiGLU: W_2(silu(W_1 x) * W_3 x). No norm inside."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Just a container of the two sublayers; the residual design decides how they are wired."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+
+class GPT(nn.Module):
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.residual not in RESIDUALS:
+            raise ValueError(f"unknown residual {cfg.residual!r}; choose from {', '.join(RESIDUALS)}")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.res = RESIDUALS[cfg.residual](cfg, **cfg.residual_args)   # owns all norms and mixing
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Every init of the model, in one place.
+
+        - embedding, W_q, W_k, W_v, W_o, W_1, W_2, W_3, LM head: truncated normal(0, 0.02) at +-3 std
+        - then the design may rescale a sublayer (`res.scale_sublayer_init`: DeepNorm's beta on
+          v/o/FFN, HC/mHC's 1/sqrt(n) on W_o and W_2); scaling a +-3 std truncated normal by c gives
+          exactly the +-3 (c std) truncated normal
+        - then the design initialises its own parameters (`res.reset_parameters`: norm gains 1,
+          mixing weights, pseudo-queries, MoDA's W_kv)
+        """
+        std = self.cfg.init_std
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(m.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        for b, block in enumerate(self.blocks):
+            self.res.scale_sublayer_init(2 * b, block.attn)
+            self.res.scale_sublayer_init(2 * b + 1, block.mlp)
+        self.res.reset_parameters()
+
+    def forward(self, idx, targets=None, record=False):
+        """idx (B, T) token ids -> (logits (B, T, V), loss or None[, record]).
+
+        loss: mean token cross-entropy in fp32; targets equal to -1 are ignored.
+        record=True also returns a dict for diagnose.py: `states`, the depth states z_0..z_L
+        (z_l = what block l reads, z_L = what the head reads, before the final norm), and whatever
+        internals the design logs (mixing maps, depth-softmax weights).
+        """
+        B, T = idx.shape
+        rope = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
+        rec = {"states": []} if record else None
+        self.res.recording = rec
+        s = self.res.init_stream(self.wte(idx))                   # design-specific stream state
+        for b, block in enumerate(self.blocks):
+            if rec is not None:
+                rec["states"].append(self.res.depth_state(s, 2 * b))
+            h, kw = self.res.read(s, 2 * b)                       # attention input (+ MoDA's depth K/V)
+            y, kv = block.attn(h, rope, **kw)                     # kv: its pre-RoPE keys/values
+            s = self.res.write(s, 2 * b, y, kv)
+            h, kw = self.res.read(s, 2 * b + 1)                   # MLP input
+            s = self.res.write(s, 2 * b + 1, block.mlp(h, **kw))
+        if rec is not None:
+            rec["states"].append(self.res.depth_state(s, 2 * self.cfg.n_layer))
+        logits = self.lm_head(self.res.collapse(s))
+        self.res.recording = None
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return (logits, loss, rec) if record else (logits, loss)
+
+    def param_groups(self, weight_decay):
+        """AdamW groups (architectures.md §2): decay everything except what the design marks static."""
+        no_decay = {id(p) for p in self.res.no_decay_params()}
+        decay = [p for p in self.parameters() if id(p) not in no_decay]
+        static = [p for p in self.parameters() if id(p) in no_decay]
+        groups = [{"params": decay, "weight_decay": weight_decay}]
+        if static:
+            groups.append({"params": static, "weight_decay": 0.0})
+        return groups
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,176 @@
+"""
+Exact parameter counts and the width/depth solver of DepthBench (architectures.md §1.5-1.6).
+
+Shape rule (the paper's 400M family): 16 heads, an even head_dim, d = 16 * head_dim,
+d_ff = ceil(8d/3) rounded up to a multiple of 16, vocab 50280, untied embeddings.
+Aspect ratio AR = d / L.
+
+Every design runs at the shape solved from the Pre-LN count (the paper's convention); a design's
+own extra parameters come on top and are counted exactly by building the model on the meta device.
+
+    python shapes.py --params 405M --ar 9.1            # -> L=70, d=640, d_ff=1712, 409,229,440 params
+    python shapes.py --params 405M --layers 24 --residual mhc
+    python shapes.py --table                           # the paper's 400M family
+    python shapes.py --params 300M --fixed backbone --ar 9.1 --json
+"""
+import argparse
+import json
+import math
+
+N_HEAD = 16
+VOCAB = 50280
+TABLE_LAYERS = [16, 20, 24, 26, 28, 30, 32, 36, 42, 50, 56, 62, 70]  # the paper's 400M depths
+
+
+def ffn_dim(d):
+    """SwiGLU hidden size: ceil(8d/3), rounded up to a multiple of 16."""
+    return 16 * math.ceil(math.ceil(8 * d / 3) / 16)
+
+
+def backbone_params(L, d, d_ff):
+    """Blocks only: L * (4d^2 attention + 3 d d_ff SwiGLU + 2d pre-norm gains)."""
+    return L * (4 * d * d + 3 * d * d_ff + 2 * d)
+
+
+def preln_params(L, d, d_ff, vocab=VOCAB):
+    """Pre-LN total: backbone + embedding + LM head (untied) + final norm."""
+    return backbone_params(L, d, d_ff) + 2 * vocab * d + d
+
+
+def count_params(L, d, d_ff, residual="preln", vocab=VOCAB, n_head=N_HEAD, **residual_args):
+    """Exact total of the built model (meta device: no memory, no init), any registered design."""
+    import torch
+    from model import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=vocab, n_layer=L, d_model=d, n_head=n_head, d_ff=d_ff,
+                    residual=residual, residual_args=residual_args)
+    with torch.device("meta"):
+        return GPT(cfg).num_params()
+
+
+def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=256):
+    """The valid shape for a parameter budget and an aspect ratio (or a depth).
+
+    For every depth L, the width is the valid d (multiple of 32 = 16 heads x even head_dim) whose
+    Pre-LN count is closest to the budget; then the depth is `layers`, or the L whose d/L is
+    nearest to `ar`. `fixed` is "total" (embeddings included, the paper's fixed-total family) or
+    "backbone" (blocks only, the iso-backbone control). Returns a dict of the shape.
+    """
+    def count(L, d):
+        return backbone_params(L, d, ffn_dim(d)) if fixed == "backbone" else preln_params(L, d, ffn_dim(d), vocab)
+
+    def best_width(L):
+        # the count grows monotonically in d, so scan head_dim upward until it passes the budget
+        best, hd = None, 2
+        while True:
+            d = N_HEAD * hd
+            c = count(L, d)
+            if best is None or abs(c - budget) < abs(best[1] - budget):
+                best = (d, c)
+            if c > budget:
+                return best
+            hd += 2
+
+    depths = [layers] if layers is not None else range(1, max_layers + 1)
+    candidates = [(L, *best_width(L)) for L in depths]
+    if layers is None:
+        # nearest aspect ratio; ties go to the count closest to the budget
+        candidates.sort(key=lambda c: (abs(c[1] / c[0] - ar), abs(c[2] - budget)))
+    L, d, _ = candidates[0]
+    d_ff = ffn_dim(d)
+    return {"n_layer": L, "d_model": d, "d_ff": d_ff, "n_head": N_HEAD, "head_dim": d // N_HEAD,
+            "ar": d / L, "params": preln_params(L, d, d_ff, vocab), "backbone_params": backbone_params(L, d, d_ff)}
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr and exit code 2 (no usage dump); every script uses it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_count(text):
+    """'405M' -> 405_000_000; '1.6B', '300k', '12345' also work."""
+    units = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    mult = units.get(t[-1:], 1)
+    value = float(t[:-1] if t[-1:] in units else t) * mult
+    return int(round(value))
+
+
+def describe(shape, residual="preln", vocab=VOCAB):
+    """A few lines with every derived number of a shape."""
+    L, d, d_ff = shape["n_layer"], shape["d_model"], shape["d_ff"]
+    total = shape["params"]
+    lines = [f"shape      L={L}  d={d}  d_ff={d_ff}  heads={shape['n_head']}  head_dim={shape['head_dim']}  AR=d/L={shape['ar']:.2f}",
+             f"backbone   {shape['backbone_params']:,}  ({L} x {backbone_params(1, d, d_ff):,} per block)",
+             f"embed+head {2 * vocab * d:,}  (vocab {vocab}, untied) + final norm {d}",
+             f"Pre-LN     {preln_params(L, d, d_ff, vocab):,} total"]
+    if residual != "preln":
+        extra = total - preln_params(L, d, d_ff, vocab)
+        lines.append(f"{residual:<10} {total:,} total  (+{extra:,} = +{100 * extra / preln_params(L, d, d_ff, vocab):.2f}% design params)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from residuals import RESIDUALS
+    p = ArgParser(description="Parameter counts and the width/depth solver of DepthBench.")
+    p.add_argument("--params", default="405M", help="parameter budget, e.g. 405M, 1.6B (default 405M)")
+    p.add_argument("--fixed", choices=["total", "backbone"], default="total",
+                   help="what the budget counts: total (embeddings included) or backbone (blocks only)")
+    p.add_argument("--ar", type=float, help="target aspect ratio d_model / n_layer (e.g. 42.67, 9.1)")
+    p.add_argument("--layers", type=int, help="target depth (instead of --ar)")
+    p.add_argument("--residual", default="preln", help=f"design whose exact total to report: {', '.join(RESIDUALS)}")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (default 50280, the paper's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--table", action="store_true", help="print the paper's 400M family for this budget")
+    args = p.parse_args(argv)
+
+    fail = p.error
+
+    try:
+        budget = parse_count(args.params)
+    except ValueError:
+        fail(f"--params {args.params!r} is not a count like 405M")
+    if budget <= 0:
+        fail(f"--params must be positive, got {args.params}")
+    if args.residual not in RESIDUALS:
+        fail(f"unknown residual {args.residual!r}; choose from {', '.join(RESIDUALS)}")
+    if args.vocab <= 0:
+        fail("--vocab must be positive")
+
+    if args.table:
+        rows = []
+        for L in TABLE_LAYERS:
+            s = solve(budget, layers=L, fixed=args.fixed, vocab=args.vocab)
+            s["params"] = count_params(L, s["d_model"], s["d_ff"], args.residual, args.vocab)
+            rows.append(s)
+        if args.json:
+            print(json.dumps(rows))
+            return
+        print(f"{'L':>4} {'d':>6} {'d_ff':>6} {'hd':>4} {'d/L':>6} {'backbone':>14} {'total':>14}  ({args.residual})")
+        for s in rows:
+            print(f"{s['n_layer']:>4} {s['d_model']:>6} {s['d_ff']:>6} {s['head_dim']:>4} {s['ar']:>6.1f} "
+                  f"{s['backbone_params']:>14,} {s['params']:>14,}")
+        return
+
+    if (args.ar is None) == (args.layers is None):
+        fail("give exactly one of --ar and --layers (or --table)")
+    if args.ar is not None and args.ar <= 0:
+        fail(f"--ar must be positive, got {args.ar}")
+    if args.layers is not None and args.layers <= 0:
+        fail(f"--layers must be positive, got {args.layers}")
+    shape = solve(budget, ar=args.ar, layers=args.layers, fixed=args.fixed, vocab=args.vocab)
+    if args.ar is not None and abs(shape["ar"] - args.ar) > 0.1 * args.ar:
+        fail(f"no valid shape of {args.params} comes near AR {args.ar} (nearest: L={shape['n_layer']} d={shape['d_model']}, AR {shape['ar']:.2f})")
+    size = shape["backbone_params"] if args.fixed == "backbone" else shape["params"]
+    if abs(size - budget) > 0.1 * budget:
+        fail(f"no valid shape of depth {shape['n_layer']} comes within 10% of {args.params} (closest: {size:,})")
+    shape["params"] = count_params(shape["n_layer"], shape["d_model"], shape["d_ff"], args.residual, args.vocab)
+    if args.json:
+        print(json.dumps({k: shape[k] for k in ["n_layer", "d_model", "d_ff", "n_head", "head_dim", "ar", "params", "backbone_params"]}))
+    else:
+        print(describe(shape, args.residual, args.vocab))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""
+depthbench's tests: properties that could be false, parametrised over the residual registry.
+
+    python -m pytest -q test_all.py
+
+CPU only, fp32, tiny shapes; the whole suite runs in a few minutes on 2 cores.
+"""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shapes
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+
+PY = sys.executable
+ALL = list(RESIDUALS)
+
+
+def tiny(residual="preln", **kw):
+    """A tiny config: 3 blocks (so block 0, a middle block and the last block all exist)."""
+    args = dict(vocab_size=64, n_layer=3, d_model=64, n_head=4, d_ff=176, residual=residual)
+    args.update(kw)
+    return GPTConfig(**args)
+
+
+def build(residual="preln", seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(tiny(residual, **kw))
+
+
+def batch(B=2, T=16, V=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g)
+
+
+def run(*args, **kw):
+    return subprocess.run([PY, *args], capture_output=True, text=True, **kw)
+
+
+# ----------------------------------------------------------------------------- every design
+
+@pytest.mark.parametrize("residual", ALL)
+def test_loss_at_init_near_uniform(residual):
+    """At init the logits are small, so the loss is finite and within 0.3 nats of ln(V)."""
+    x = batch()
+    _, loss = build(residual)(x, x)
+    assert torch.isfinite(loss)
+    assert abs(loss.item() - math.log(64)) < 0.3
+
+
+@pytest.mark.parametrize("residual", ALL)
+def test_every_parameter_gets_a_finite_gradient(residual):
+    """One backward reaches every parameter (an unused one would break DDP) with finite values."""
+    model = build(residual)
+    x = batch()
+    model(x, x)[1].backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(p.grad).all(), f"{name} has a non-finite gradient"
+
+
+@pytest.mark.parametrize("residual", ALL)
+def test_causality(residual):
+    """Changing token t leaves the logits at positions < t unchanged (and does change position t)."""
+    model = build(residual)
+    x = batch(B=1, T=12)
+    t = 7
+    x2 = x.clone()
+    x2[0, t] = (x[0, t] + 1) % 64
+    with torch.no_grad():
+        a, b = model(x)[0], model(x2)[0]
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
+    assert (a[:, t] - b[:, t]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("residual", ALL)
+def test_same_seed_same_loss(residual):
+    """Same seed and data -> bit-identical loss, before and after one AdamW step."""
+    losses = []
+    for _ in range(2):
+        model = build(residual, seed=3)
+        opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3)
+        x = batch()
+        loss0 = model(x, x)[1]
+        loss0.backward()
+        opt.step()
+        losses.append((loss0.item(), model(x, x)[1].item()))
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("residual", ALL)
+def test_param_groups_partition_the_parameters(residual):
+    """AdamW groups hold every parameter exactly once; only design-declared ones skip decay."""
+    model = build(residual)
+    groups = model.param_groups(0.1)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    static = {id(p) for p in model.res.no_decay_params()}
+    for g in groups:
+        assert all((id(p) in static) == (g["weight_decay"] == 0.0) for p in g["params"])
+
+
+@pytest.mark.parametrize("residual", ALL)
+def test_meta_count_equals_built_model(residual):
+    """shapes.py's meta-device count equals sum(numel) of a real model, for every design."""
+    cfg = tiny(residual)
+    model = build(residual)
+    assert shapes.count_params(cfg.n_layer, cfg.d_model, cfg.d_ff, residual, vocab=cfg.vocab_size,
+                               n_head=cfg.n_head) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("residual", ALL)
+def test_recording_forward_returns_depth_states(residual):
+    """record=True returns L+1 depth states and the same logits as the plain forward."""
+    model = build(residual)
+    x = batch()
+    with torch.no_grad():
+        logits, _ = model(x)
+        logits_r, _, rec = model(x, record=True)
+    torch.testing.assert_close(logits, logits_r, rtol=0, atol=0)
+    assert len(rec["states"]) == model.cfg.n_layer + 1
+    assert model.res.recording is None
+
+
+# ----------------------------------------------------------------------------- parameter counts
+
+@pytest.mark.parametrize("L,d,d_ff,backbone,total", [
+    (24, 1024, 2736, 302_432_256, 405_406_720),
+    (16, 1216, 3248, 284_252_160, 406_534_336),
+    (70, 640, 1712, 344_870_400, 409_229_440),
+])
+def test_preln_counts_match_spec(L, d, d_ff, backbone, total):
+    """architectures.md §1.5 worked checks: analytic formula and the built model agree."""
+    assert shapes.backbone_params(L, d, d_ff) == backbone
+    assert shapes.preln_params(L, d, d_ff) == total
+    assert shapes.count_params(L, d, d_ff, "preln") == total
+
+
+@pytest.mark.parametrize("residual,extra_l24,extra_l70", [
+    ("sandwich", 49_152, 89_600), ("lns", 0, 0), ("deepnorm", 0, 0), ("keel", 48_128, 88_960),
+])
+def test_design_extra_params_match_spec(residual, extra_l24, extra_l70):
+    """architectures.md §11: each design's own parameters on top of Pre-LN, at L24 and L70."""
+    for (L, d, d_ff), extra in [((24, 1024, 2736), extra_l24), ((70, 640, 1712), extra_l70)]:
+        assert shapes.count_params(L, d, d_ff, residual) - shapes.preln_params(L, d, d_ff) == extra
+
+
+def test_ffn_rule():
+    """d_ff = ceil16(8d/3) reproduces the paper's table."""
+    assert [shapes.ffn_dim(d) for d in (1216, 1024, 992, 896, 640)] == [3248, 2736, 2656, 2400, 1712]
+
+
+@pytest.mark.parametrize("ar,L,d,params", [
+    (76, 16, 1216, 406_534_336), (56, 20, 1120, 414_087_520), (42.67, 24, 1024, 405_406_720),
+    (38.15, 26, 992, 407_661_408), (34.29, 28, 960, 406_249_920), (30.93, 30, 928, 403_847_968),
+    (28, 32, 896, 399_358_848), (9.1, 70, 640, 409_229_440),
+])
+def test_solver_reproduces_400m_family(ar, L, d, params):
+    """shapes.solve at 405M lands on architectures.md §1.6's rows to the parameter."""
+    s = shapes.solve(405_000_000, ar=ar)
+    assert (s["n_layer"], s["d_model"], s["params"]) == (L, d, params)
+    assert s["d_ff"] == shapes.ffn_dim(d) and s["head_dim"] * 16 == d
+
+
+def test_shapes_cli_json():
+    """The CLI's --json object has exactly the documented keys and the L70 numbers."""
+    import json
+    r = run("shapes.py", "--params", "405M", "--ar", "9.1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert list(out) == ["n_layer", "d_model", "d_ff", "n_head", "head_dim", "ar", "params", "backbone_params"]
+    assert (out["n_layer"], out["d_model"], out["d_ff"], out["params"]) == (70, 640, 1712, 409_229_440)
+
+
+@pytest.mark.parametrize("args", [
+    ["--residual", "nosuch", "--ar", "9.1"], ["--params=-5M", "--ar", "9.1"], ["--params", "0", "--ar", "9.1"],
+    ["--params", "lots", "--ar", "9.1"], ["--ar", "5000"], ["--ar", "9.1", "--layers", "3"], ["--ar"], ["--bogus"],
+])
+def test_shapes_cli_bad_input(args):
+    """Bad input: exit code 2, one line on stderr, no traceback."""
+    r = run("shapes.py", *args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- the five norm designs
+
+def test_deepnorm_constants_and_init():
+    """alpha = (2L)^1/4, beta = (8L)^-1/4 (spec table); beta scales W_v/W_o/FFN, not W_q/W_k."""
+    for L, alpha, beta in [(16, 2.378, 0.2973), (24, 2.632, 0.2686), (70, 3.440, 0.2056)]:
+        with torch.device("meta"):
+            res = GPT(GPTConfig(n_layer=L, d_model=64, n_head=4, d_ff=176, vocab_size=8, residual="deepnorm")).res
+        assert abs(res.alpha - alpha) < 1e-3 and abs(res.beta - beta) < 1e-4
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, d_model=256, n_head=4, d_ff=688, vocab_size=64, residual="deepnorm"))
+    beta, attn, mlp = model.res.beta, model.blocks[0].attn, model.blocks[0].mlp
+    for w in (attn.wq.weight, attn.wk.weight):
+        assert abs(w.std().item() / 0.02 - 0.987) < 0.03   # a +-3 sigma truncated normal has std 0.987 sigma
+    for w in (attn.wv.weight, attn.wo.weight, mlp.w1.weight, mlp.w2.weight, mlp.w3.weight):
+        assert abs(w.std().item() / (0.02 * beta) - 0.987) < 0.03
+        assert w.abs().max().item() <= 3 * 0.02 * beta + 1e-7
+
+
+def test_deepnorm_block_norm_is_mean_centred():
+    """DeepNorm's block norm is a LayerNorm (zero mean per token); its final norm an RMSNorm (not)."""
+    model = build("deepnorm")
+    s = torch.randn(2, 5, 64) + 3.0
+    out = model.res.write(s, 0, torch.zeros_like(s))
+    assert out.mean(-1).abs().max() < 1e-5
+    assert model.res.collapse(s).mean(-1).abs().min() > 0.1
+
+
+def test_lns_scales_count_blocks():
+    """LNS multiplies the pre-norm output of both sublayers of block b by 1/sqrt(b+1)."""
+    res = build("lns").res
+    assert res.scales == [1.0, 1.0, 1 / math.sqrt(2), 1 / math.sqrt(2), 1 / math.sqrt(3), 1 / math.sqrt(3)]
+
+
+def test_lns_first_block_equals_preln():
+    """On the same weights, LNS's block 0 output equals Pre-LN's; block 1's differs."""
+    pre, lns = build("preln"), build("lns")
+    lns.load_state_dict(pre.state_dict())
+    x = batch()
+    with torch.no_grad():
+        zp, zl = pre(x, record=True)[2]["states"], lns(x, record=True)[2]["states"]
+    torch.testing.assert_close(zp[1], zl[1], rtol=0, atol=0)
+    assert (zp[2] - zl[2]).abs().max() > 1e-4
+
+
+def test_keel_structure():
+    """KEEL: no post-norm after block 0's attention (that sublayer equals Pre-LN), alpha = 2L after block 0."""
+    keel = build("keel")
+    assert len(keel.res.post_norms) == 2 * 3 - 1
+    assert keel.res.alphas == [1.0, 1.0] + [6.0] * 4
+    pre = build("preln")
+    pre.load_state_dict(keel.state_dict(), strict=False)
+    s, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    torch.testing.assert_close(keel.res.write(s, 0, y), pre.res.write(s, 0, y))
+    torch.testing.assert_close(keel.res.read(s, 0)[0], pre.res.read(s, 0)[0])
+    # later sublayers: RMSNorm(alpha * s + y) has unit RMS per token (gains are 1)
+    out = keel.res.write(s, 3, y)
+    torch.testing.assert_close(out.pow(2).mean(-1), torch.ones(2, 5), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(6.0 * s + y, (64,), eps=1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_sandwich_normalises_the_branch_output():
+    """Sandwich-LN adds RMSNorm(y), so scaling the branch output by 100 changes nothing."""
+    res = build("sandwich").res
+    s, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    torch.testing.assert_close(res.write(s, 2, y), res.write(s, 2, 100 * y), rtol=1e-5, atol=1e-5)
