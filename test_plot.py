@@ -1,0 +1,244 @@
+"""
+Tests for plot.py: every figure draws a real (non-blank) PNG from small fixture JSON, the schema
+contract is enforced (unknown versions skipped with a message, junk files never crash), diverged runs
+are marked rather than dropped, and plot.py never imports torch.
+
+    /work/venv/bin/python -m pytest -q test_plot.py
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import matplotlib.image
+import pytest
+
+import plot
+
+HERE = Path(__file__).resolve().parent
+L = 4  # a tiny model: 4 layers, 8 sublayers, 5 depth states
+
+# -----------------------------------------------------------------------------
+# fixture JSON, shaped like what train.py / diagnose.py / profile_gpu.py write (schema version 1)
+
+
+def train_json(residual="preln", n_layer=4, d_model=128, lr=2e-3, seed=0, diverged=False, final=3.0):
+    steps = [{"step": s, "tokens": 1024 * s, "loss": 6.0 - 0.25 * s + 0.01 * seed, "lr": lr,
+              "grad_norm": 1.0, "tok_per_s": 1e4} for s in range(1, 11)]
+    if diverged:  # loss explodes, then NaN: what a real blow-up looks like in the log
+        steps[6:] = [dict(s, loss=v) for s, v in zip(steps[6:], [40.0, 1e4, math.nan, math.nan])]
+    return {"schema": "depthbench.train/1",
+            "config": {"residual": residual, "n_layer": n_layer, "d_model": d_model, "ar": d_model / n_layer,
+                       "lr": lr, "seed": seed, "params_budget": 2_000_000, "data": "synthetic"},
+            "params": {"total": 2_000_000, "backbone": 1_800_000, "residual_extra": 100},
+            "steps": steps,
+            "evals": [{"step": 10, "tokens": 10240, "val_loss": None if diverged else final,
+                       "answer_loss": None, "answer_acc": None, "per_level": None}],
+            "final": {"val_loss": None if diverged else final, "answer_loss": None, "answer_acc": None},
+            "diverged": diverged, "finished": True, "wall_s": 1.0, "peak_mem_bytes": 0, "device": "cpu",
+            "versions": {}}
+
+
+def tri(n, value, strict=True):
+    """n x n upper-triangular list of lists, null on and below the diagonal."""
+    return [[value(i, j) if (j > i if strict else True) else None for j in range(n)] for i in range(n)]
+
+
+def diagnose_json(residual="attnres", n_layer=L, d_model=64):
+    n, S = n_layer, 2 * n_layer  # S sublayers
+    rng = np.random.default_rng(n)
+    sub = [[(n - g) / n * 0.1 * (k + 1) if k + g < n + 1 else None for k in range(n)] for g in range(n)]
+    weights = [[1.0 / (c + 1) if s <= c else None for s in range(S + 1)] for c in range(S + 1)]
+    return {"schema": "depthbench.diagnose/1",
+            "meta": {"residual": residual, "n_layer": n, "d_model": d_model, "ar": d_model / n,
+                     "checkpoint": None, "num_samples": 4, "seq_len": 32, "dtype": "float32",
+                     "device": "cpu", "seed": 0},
+            "angular_distance": {"matrix": tri(n + 1, lambda i, j: (j - i) / (n + 1)), "subsequent": sub,
+                                 "definition": "mean arccos / pi"},
+            "causal_score": {"matrix": tri(n, lambda i, j: float(rng.uniform(0, 1))), "threshold": 0.45,
+                             "s_min": 1, "R_causal": 0.33, "n_pairs": 3, "n_above": 1, "variant": "mean_of_ratios"},
+            "permutation_score": {"matrix": tri(n, lambda i, j: float(rng.uniform(0, 0.4))), "threshold": 0.15,
+                                  "R_perm": 0.5, "R_perm_last34": 0.33, "baseline_loss": 3.0},
+            "logit_lens": {"states": [{"index": i, "early_exit_ce": 6 - i, "kl_to_final": 3 - 0.7 * i,
+                                       "top5_overlap": i / n} for i in range(n + 1)], "final_loss": 2.0},
+            "layer_pruning": {"baseline_loss": 3.0, "layers": [{"layer": i, "loss": 3.0 + 0.1 * (i + 1),
+                                                                "delta": 0.1 * (i + 1)} for i in range(n)]},
+            "attnres_weights": {"sublayer": weights, "block": [[1.0 / (c + 1) if s <= c else None
+                                                                for s in range(n + 1)] for c in range(n + 1)]},
+            "transport_erank": {"per_connector": [2.5 + 0.05 * k for k in range(S)], "mean": 2.7,
+                                "product": [2.5 / (k + 1) + 1 for k in range(S)]},
+            "dead_zone": {"tau": 0.05, "schedule": [0.01, 0.02, 0.3, 0.5, 0.04, 0.6, 0.7, 0.8][:S],
+                          "dead": [True, True, False, False, True, False, False, False][:S], "count_blocks": 1},
+            "nll": {"tasks": {"mbpp": {"category": "coding", "nll_mean": 2.0, "num_target_tokens": 100}},
+                    "categories": {"coding": {"nll_mean": 2.0}, "stem": {"nll_mean": 2.5},
+                                   "math": {"nll_mean": 1.8 + 0.1 * n}}}}
+
+
+def profile_json(gpu=True):
+    rows = []
+    for res in ["preln", "hc", "attnres"]:
+        for n, d in [(2, 192), (4, 128), (8, 96)]:
+            rows.append({"residual": res, "n_layer": n, "d_model": d, "d_ff": 8 * d // 3, "ar": d / n, "seq": 256,
+                         "batch": 8, "prefill_flops": 2e9 * n, "prefill_flops_head": 1e8,
+                         "residual_overhead_flops": 1e6, "train_flops_per_token": 1e7,
+                         "kv_cache_bytes": 4 * n * d * 256, "kv_cache_bytes_batch": 32 * n * d * 256,
+                         "weight_bytes": 4e6, "fwd_ms": 1.0 * n if gpu else None,
+                         "fwdbwd_ms": 3.0 * n if gpu else None, "tok_per_s": 1e5 if gpu else None,
+                         "peak_mem_bytes": 1e8 * n if gpu else None, "peak_mem_kind": "allocated" if gpu else None})
+    return {"schema": "depthbench.profile/1", "device": "NVIDIA H200", "dtype": "bfloat16", "rows": rows}
+
+
+def write(folder, rel, obj):
+    path = Path(folder) / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return path
+
+
+@pytest.fixture
+def full_dir(tmp_path):
+    """A folder with something for every figure: a small sweep, diagnoses of two designs and depths, a profile."""
+    runs = tmp_path / "runs"
+    for res in ["preln", "attnres"]:
+        for n, d in [(2, 192), (4, 128), (8, 96)]:
+            for lr in [1e-3, 2e-3]:
+                for seed in [0, 1]:
+                    write(runs, f"{res}_L{n}_lr{lr}_s{seed}/run.json",
+                          train_json(res, n, d, lr, seed, final=3.0 + 0.1 * n - 100 * lr + 0.01 * seed))
+    write(runs, "hc_L4_s0/run.json", train_json("hc", 4, 128, 2e-3, 0, diverged=True))
+    for res in ["preln", "hc", "attnres", "block_attnres"]:
+        for n in [4, 8]:
+            write(runs, f"diag/{res}_L{n}.json", diagnose_json(res, n, 256 // n))
+    write(runs, "profile/h200.json", profile_json())
+    return runs
+
+
+def assert_png(path):
+    """Exists, is a PNG by its magic bytes, has some size, and is not one flat colour."""
+    path = Path(path)
+    assert path.exists(), path
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5000
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img[..., :3].std() > 0.01  # a blank white canvas has std 0
+
+# -----------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("name,fn", plot.FIGURES, ids=[n for n, _ in plot.FIGURES])
+def test_each_figure_draws_a_png(full_dir, tmp_path, name, fn):
+    """Every figure function draws a non-blank PNG from fixture JSON and says what it drew."""
+    data, skipped = plot.load_folder(full_dir)
+    assert skipped == []
+    info = fn(data, tmp_path / "figs" / f"{name}.png")
+    assert "drew" in info, info
+    assert_png(tmp_path / "figs" / f"{name}.png")
+
+
+@pytest.mark.parametrize("name,fn", plot.FIGURES, ids=[n for n, _ in plot.FIGURES])
+def test_each_figure_skips_without_its_data(tmp_path, name, fn):
+    """With nothing to draw, a figure writes no file and gives a reason."""
+    info = fn({"train": [], "diagnose": [], "profile": []}, tmp_path / "x.png")
+    assert info.get("skipped") and not (tmp_path / "x.png").exists()
+
+
+def test_imports_without_torch():
+    """plot.py must work where torch is absent: importing it with torch blocked succeeds."""
+    code = "import sys; sys.modules['torch'] = None; import plot; assert 'torch' not in sys.modules or sys.modules['torch'] is None"
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_diverged_run_is_marked_not_dropped(full_dir, tmp_path):
+    """The diverged HC run shows up in what fig2 and the loss curves report as marked."""
+    data, _ = plot.load_folder(full_dir)
+    div = str(Path("hc_L4_s0") / "run.json")
+    assert plot.fig2_final_loss(data, tmp_path / "a.png")["diverged"] == [div]
+    assert plot.fig2_loss_curves(data, tmp_path / "b.png")["diverged"] == [div]
+
+
+def test_best_lr_is_lowest_mean_over_seeds(tmp_path):
+    """Per (design, AR) the LR with the lowest mean final val loss wins, and an LR with a diverged seed loses."""
+    runs = [train_json("preln", 4, 128, 1e-3, s, final=3.0 + s) for s in (0, 1)]       # mean 3.5
+    runs += [train_json("preln", 4, 128, 2e-3, s, final=3.2 + 0.1 * s) for s in (0, 1)]  # mean 3.25: best
+    runs += [train_json("preln", 4, 128, 4e-3, 0, final=2.0),                           # lower, but
+             train_json("preln", 4, 128, 4e-3, 1, diverged=True)]                       # one seed blew up
+    for i, r in enumerate(runs):
+        r["_path"] = f"r{i}.json"
+    info = plot.fig2_final_loss({"train": runs}, tmp_path / "f.png")
+    assert info["best_lr"] == {"preln@32": 2e-3}
+    assert info["diverged"] == ["r5.json"]
+
+
+def test_other_schema_version_is_skipped_by_name(tmp_path):
+    """A depthbench.train/2 file is not drawn; the reason names the version found and the one supported."""
+    write(tmp_path, "new/run.json", dict(train_json(), schema="depthbench.train/2"))
+    write(tmp_path, "ok/run.json", train_json())
+    data, skipped = plot.load_folder(tmp_path)
+    assert len(data["train"]) == 1 and data["train"][0]["_path"] == str(Path("ok/run.json"))
+    assert skipped == [(str(Path("new/run.json")), "schema depthbench.train/2, this plot.py reads version 1")]
+
+
+def test_junk_json_is_skipped_with_a_reason(tmp_path):
+    """Broken, schema-less, unknown-schema and incomplete files are listed as skipped, never raised."""
+    write(tmp_path, "broken.json", "{not json")
+    write(tmp_path, "list.json", [1, 2])
+    write(tmp_path, "other.json", {"schema": "somebody.else/1"})
+    write(tmp_path, "noconfig.json", {"schema": "depthbench.train/1"})
+    data, skipped = plot.load_folder(tmp_path)
+    assert sum(map(len, data.values())) == 0
+    reasons = dict(skipped)
+    assert "not valid JSON" in reasons["broken.json"]
+    assert "no 'schema'" in reasons["list.json"]
+    assert "unknown schema" in reasons["other.json"]
+    assert "config" in reasons["noconfig.json"]
+
+
+def test_main_draws_exactly_what_the_folder_supports(tmp_path, capsys):
+    """Train runs only: the two fig2 files are drawn, every diagnose/profile figure is listed as skipped."""
+    runs = tmp_path / "runs"
+    write(runs, "a/run.json", train_json("preln"))
+    write(runs, "b/run.json", train_json("hc", diverged=True))
+    write(runs, "c/run.json", dict(train_json(), schema="depthbench.train/2"))
+    diag = diagnose_json("preln")
+    diag["attnres_weights"] = {"skipped": "not an AttnRes model"}  # present but not applicable
+    for key in ["dead_zone", "transport_erank", "nll", "angular_distance", "causal_score",
+                "permutation_score", "logit_lens", "layer_pruning"]:
+        del diag[key]
+    write(runs, "diag.json", diag)
+    out = tmp_path / "figs"
+    assert plot.main([str(runs), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["fig2_final_loss_vs_ar.png", "fig2_loss_curves.png"]
+    text = capsys.readouterr().out
+    assert "skipped c/run.json: schema depthbench.train/2, this plot.py reads version 1" in text.replace("\\", "/")
+    assert "fig7_attnres_weights: skipped (no diagnose JSON with attnres_weights)" in text
+    assert "fig11_system_cost: skipped" in text
+    assert "1 diverged run(s) marked" in text
+
+
+def test_main_draws_everything_with_svg(full_dir, tmp_path, capsys):
+    """A complete folder gives every figure, as PNG and SVG; --only narrows it down."""
+    out = tmp_path / "figs"
+    assert plot.main([str(full_dir), "--out", str(out), "--svg"]) == 0
+    names = {n for n, _ in plot.FIGURES}
+    assert {p.stem for p in out.glob("*.png")} == names
+    assert {p.stem for p in out.glob("*.svg")} == names
+    assert "skipped (" not in capsys.readouterr().out
+
+
+def test_profile_without_gpu_timings_still_draws(tmp_path):
+    """A CPU profile (no measured times or memory) still gives the analytic panels."""
+    prof = dict(profile_json(gpu=False), _path="p.json")
+    assert "drew" in plot.fig11_system({"profile": [prof]}, tmp_path / "p.png")
+    assert_png(tmp_path / "p.png")
+
+
+@pytest.mark.parametrize("args", [["/no/such/folder"], [str(HERE), "--only", "fig99"], ["--bogus"]])
+def test_bad_arguments_exit_2_with_one_line(args):
+    """Bad arguments: exit status 2 and a single line on stderr (no usage block, no traceback)."""
+    r = subprocess.run([sys.executable, "plot.py", *args], cwd=HERE, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, r.stderr
