@@ -304,6 +304,11 @@ def prepare(source, out_dir, tokenizer="gpt2", val_tokens=None, shard_tokens=100
     if meta is not None and meta["config"] == config and shards_intact(out_dir, meta):
         print(f"reusing the shards in {out_dir} (meta.json matches these settings)")
         return meta
+    docs = iter(docs)  # read the first document now: an unreachable source fails before we delete anything
+    first = next(docs, None)
+    if first is None:
+        raise DataError(f"{source}: no documents")
+    docs = itertools.chain([first], docs)
 
     # start clean: meta.json first, so a crash from here on can never look like a finished run
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,355 @@
+"""
+Tests of data.py: shards, tokenizers, preparing real text, the synthetic task and the batch loader.
+CPU only, no network, about 15 s:
+
+    python -m pytest -q test_data.py
+
+Tests that need ../shared/data (the GPT-2 BPE cache and the Austen novels) skip where it is absent.
+"""
+
+import itertools
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import BatchLoader, DataError, SyntheticTask
+
+HERE = Path(__file__).resolve().parent
+TIKTOKEN_DIR = HERE.parent / "shared" / "data" / "tiktoken"
+AUSTEN_DIR = HERE.parent / "shared" / "data" / "austen"
+needs_tiktoken = pytest.mark.skipif(not TIKTOKEN_DIR.is_dir(), reason=f"no GPT-2 BPE cache at {TIKTOKEN_DIR}")
+needs_austen = pytest.mark.skipif(not AUSTEN_DIR.is_dir(), reason=f"no Austen texts at {AUSTEN_DIR}")
+
+
+def run_cli(*args, env=None, timeout=60):
+    """Run `python data.py ...` in a subprocess; return (returncode, stdout, stderr, seconds)."""
+    t0 = time.time()
+    r = subprocess.run([sys.executable, str(HERE / "data.py"), *args], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=timeout, cwd=HERE)
+    return r.returncode, r.stdout, r.stderr, time.time() - t0
+
+
+def tokenizer(name, monkeypatch):
+    if name == "gpt2":
+        if not TIKTOKEN_DIR.is_dir():
+            pytest.skip(f"no GPT-2 BPE cache at {TIKTOKEN_DIR}")
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
+    return data.get_tokenizer(name)
+
+
+# -----------------------------------------------------------------------------
+# shard files
+
+def test_shard_round_trip(tmp_path):
+    """The exact tokens and header fields come back, including the extreme ids 0 and 65535."""
+    tokens = np.array([0, 1, 50256, 65535, 7], dtype=np.uint16)
+    path = tmp_path / "s.bin"
+    data.write_shard(path, tokens, vocab_size=50257, eot=50256)
+    assert data.read_header(path) == {"n_tokens": 5, "vocab_size": 50257, "eot": 50256}
+    assert np.array_equal(data.read_shard(path), tokens)
+    assert path.stat().st_size == data.HEADER_BYTES + 2 * 5
+    assert not list(tmp_path.glob("*.tmp"))  # written to .tmp and renamed
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:-2], "truncated or corrupt"),                                  # one token short
+    (lambda b: np.int32(20240520).tobytes() + b[4:], "not a depthbench shard"),  # llm.c's magic
+    (lambda b: b[:100], "shorter than the"),                                     # not even a header
+])
+def test_damaged_shard_is_rejected_in_one_line(tmp_path, damage, message):
+    path = tmp_path / "s.bin"
+    data.write_shard(path, np.arange(10), 257, 256)
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DataError, match=message) as e:
+        data.read_shard(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+TEXT = "It is a truth universally acknowledged, — naïve café ☕ <|endoftext|>\n\n"
+
+
+@pytest.mark.parametrize("name, vocab, eot", [("bytes", 257, 256), ("gpt2", 50257, 50256)])
+def test_tokenizers_round_trip(name, vocab, eot, monkeypatch):
+    tok = tokenizer(name, monkeypatch)
+    ids = tok.encode_batch([TEXT])[0]
+    assert (tok.vocab_size, tok.eot) == (vocab, eot)
+    assert tok.decode(ids) == TEXT
+    assert eot not in ids  # text that spells out <|endoftext|> stays text
+    assert max(ids) < vocab
+
+
+@needs_tiktoken
+def test_gpt2_ids_match_reference(monkeypatch):
+    """The ids quoted in ../shared/data/README.md, and the padded vocab the model uses."""
+    assert tokenizer("gpt2", monkeypatch).encode_batch(["hello world"])[0] == [31373, 995]
+    assert data.padded_vocab_size(50257) == 50304 and data.padded_vocab_size(257) == 320
+
+
+def test_gpt2_download_offline_fails_fast_in_one_line(tmp_path):
+    """An empty tiktoken cache and an unreachable network (a proxy nobody listens on): exit 2 in
+    seconds with one line that names TIKTOKEN_CACHE_DIR, never a hang or a traceback."""
+    (tmp_path / "a.txt").write_text("hello")
+    dead = "http://127.0.0.1:9"
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": dead, "HTTP_PROXY": dead,
+           "https_proxy": dead, "http_proxy": dead, "NO_PROXY": "", "no_proxy": ""}
+    rc, out, err, seconds = run_cli("--source", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o"), env=env)
+    assert rc == 2 and seconds < 20
+    assert err.count("\n") == 1 and "TIKTOKEN_CACHE_DIR=../shared/data/tiktoken" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["HF_HUB_OFFLINE", "unreachable-hub"])
+def test_fineweb_offline_fails_fast_in_one_line(tmp_path, env):
+    rc, out, err, seconds = run_cli("--source", "fineweb-edu", "--tokenizer", "bytes", "--out", str(tmp_path), env=env)
+    assert rc == 2 and seconds < 20
+    assert err.count("\n") == 1 and "--source" in err and "Traceback" not in err
+
+
+# -----------------------------------------------------------------------------
+# preparing real text
+
+def split_tokens(out_dir, split):
+    meta = data.load_meta(out_dir)
+    return np.concatenate([data.read_shard(out_dir / s["file"]) for s in meta["shards"][split]]).tolist()
+
+
+@needs_austen
+@pytest.mark.parametrize("name", ["bytes", "gpt2"])
+def test_prepare_austen(tmp_path, monkeypatch, name, capsys):
+    """Three shortened novels: validation is exactly the first (sorted) document plus EOT, train is
+    the other two each followed by EOT, spread over several shards; a re-run touches nothing."""
+    tok = tokenizer(name, monkeypatch)
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = []
+    for f in ["persuasion.txt", "emma.txt", "northanger_abbey.txt"]:
+        docs.append((AUSTEN_DIR / f).read_text(encoding="utf-8")[:6000])
+        (src / f).write_text(docs[-1], encoding="utf-8")
+    docs = [docs[1], docs[2], docs[0]]  # sorted by file name: emma, northanger, persuasion
+    out = tmp_path / "out"
+    meta = data.prepare(str(src), out, name, val_tokens=10, shard_tokens=1000)
+    enc = [ids + [tok.eot] for ids in tok.encode_batch(docs)]
+    assert split_tokens(out, "val") == enc[0]
+    assert split_tokens(out, "train") == enc[1] + enc[2]
+    assert len(meta["shards"]["train"]) > 1 and all(s["tokens"] <= 1000 for s in meta["shards"]["train"])
+    assert split_tokens(out, "train").count(tok.eot) == 2 and tok.decode(split_tokens(out, "val")[:-1]) == docs[0]
+
+    stamps = {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
+    capsys.readouterr()
+    assert data.prepare(str(src), out, name, val_tokens=10, shard_tokens=1000) == meta
+    assert "reusing" in capsys.readouterr().out
+    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == stamps
+    # other settings rebuild (and leave no stale shard behind), and so does a damaged shard
+    data.prepare(str(src), out, name, val_tokens=10, shard_tokens=10**6)
+    assert sorted(f.name for f in out.iterdir()) == ["meta.json", "train_000000.bin", "val_000000.bin"]
+    (out / "train_000000.bin").write_bytes(b"junk")
+    data.prepare(str(src), out, name, val_tokens=10, shard_tokens=10**6)
+    assert split_tokens(out, "train") == enc[1] + enc[2]
+
+
+def test_prepare_jsonl_parquet_and_max_tokens(tmp_path):
+    """Rows of .jsonl and .parquet are documents; --max-tokens cuts the stream exactly."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    pq.write_table(pa.table({"text": ["three", "four"]}), tmp_path / "b.parquet")
+    out = tmp_path / "out"
+    data.prepare(str(tmp_path / "*"), out, "bytes", val_tokens=1)
+    tok = data.ByteTokenizer()
+    assert tok.decode(split_tokens(out, "val")) == "one"
+    train = split_tokens(out, "train")
+    assert train.count(256) == 3 and tok.decode(train) == "twothreefour"
+    data.prepare(str(tmp_path / "*"), out, "bytes", val_tokens=1, max_tokens=9)
+    assert len(split_tokens(out, "val") + split_tokens(out, "train")) == 9
+    with pytest.raises(DataError, match="nothing left for training"):
+        data.prepare(str(tmp_path / "*"), out, "bytes", val_tokens=10**6)
+    with pytest.raises(DataError, match="no field 'body'"):
+        data.prepare(str(tmp_path / "a.jsonl"), out, "bytes", text_field="body")
+
+
+# -----------------------------------------------------------------------------
+# the synthetic task
+
+def compose(p, q):
+    """Independent of data.py: apply p, then q."""
+    return tuple(q[p[i]] for i in range(len(p)))
+
+
+@pytest.mark.parametrize("group, k", [("s4", 4), ("s5", 3), ("s4", 1)])
+def test_synthetic_answers_and_levels(group, k):
+    """Replay each sequence with our own permutations: every answer is previous·e1·…·eg, its level is
+    g in 1..k, every other token has level -1, and every level 1..k occurs."""
+    task = SyntheticTask(max_gap=k, group=group)
+    perms = sorted(itertools.permutations(range(int(group[1]))))
+    seen = set()
+    for i in range(20):
+        tokens, levels = task.sequence("train", i, 200)
+        assert len(tokens) == len(levels) == 200 and tokens[0] == task.eq
+        state, gap, t = perms[tokens[1]], 0, 2
+        assert levels[:2] == [-1, -1]
+        while t < 200:
+            if tokens[t] == task.eq:
+                assert 1 <= gap <= k and levels[t] == -1
+                if t + 1 < 200:
+                    assert perms[tokens[t + 1]] == state and levels[t + 1] == gap
+                    seen.add(gap)
+                gap, t = 0, t + 2
+            else:
+                state, gap, t = compose(state, perms[tokens[t]]), gap + 1, t + 1
+                assert levels[t - 1] == -1 and gap <= k
+    assert seen == set(range(1, k + 1))
+
+
+def test_synthetic_splits_disjoint_and_deterministic():
+    task = SyntheticTask(max_gap=4)
+    train = {tuple(task.sequence("train", i, 64)[0]) for i in range(300)}
+    val = {tuple(task.sequence("val", i, 64)[0]) for i in range(300)}
+    assert len(train) == len(val) == 300 and not train & val
+    assert task.sequence("val", 7, 64) == SyntheticTask(max_gap=4).sequence("val", 7, 64)
+    assert task.sequence("val", 7, 64) != SyntheticTask(max_gap=4, seed=1).sequence("val", 7, 64)
+
+
+def oracle_loss(task, tokens):
+    """The loss of the best possible predictor on each target, worked out from the tokens alone."""
+    k, G = task.max_gap, task.eq
+    losses, gap = [math.log(G)], 0  # target 0 is the uniform start a0
+    for t in range(1, len(tokens) - 1):
+        if tokens[t] == G:  # a closing "=": the answer is determined
+            losses.append(0.0)
+        elif tokens[t - 1] == G:  # a0 or an answer: a uniform element follows
+            gap = 0
+            losses.append(math.log(G))
+        else:  # the gap-th element: "=" with the hazard of a uniform gap, else a uniform element
+            gap += 1
+            h = 1 / (k - gap + 1)
+            losses.append(-math.log(h if tokens[t + 1] == G else (1 - h) / G))
+    return losses
+
+
+def test_loss_floor_matches_the_oracle_and_the_formula():
+    """The oracle's mean loss on generated sequences agrees with loss_floor(T) (so the floor describes
+    what the generator really does), and the long-sequence limit is the closed form in the docstring."""
+    task, T = SyntheticTask(max_gap=4), 64
+    losses = [l for i in range(400) for l in oracle_loss(task, task.sequence("train", i, T + 1)[0])]
+    assert len(losses) == 400 * T
+    assert abs(np.mean(losses) - task.loss_floor(T)) < 0.03
+    assert abs(task.loss_floor(10**5) - task.loss_floor()) < 1e-4
+    assert abs(task.loss_floor() - 2.0737) < 1e-4  # the number quoted in the docstring
+    assert task.loss_floor(T) > task.loss_floor() > 0  # the uniform start makes short sequences dearer
+
+
+@pytest.mark.parametrize("k, T", [(1, 7), (3, 12), (4, 9)])
+def test_loss_floor_exact_by_enumerating_gaps(k, T):
+    """Exactly: average over every equally likely list of gaps the entropy of each of the T targets,
+    which depends only on the token before it (start, a0, answer: ln|G|; j-th element: the
+    "=" hazard; closing "=": 0)."""
+    task = SyntheticTask(max_gap=k)
+    G = task.eq
+
+    def entropy_after(j):  # after the j-th element of a segment
+        h = 1 / (k - j + 1)
+        return 0.0 if h == 1 else -h * math.log(h) - (1 - h) * math.log((1 - h) / G)
+
+    paths = list(itertools.product(range(1, k + 1), repeat=T // 3 + 1))  # enough segments to fill T targets
+    total = 0.0
+    for gaps in paths:
+        costs = [math.log(G), math.log(G)]  # after the opening "=" and after a0
+        for g in gaps:
+            costs += [entropy_after(j) for j in range(1, g + 1)] + [0.0, math.log(G)]
+        total += sum(costs[:T]) / T
+    assert abs(total / len(paths) - task.loss_floor(T)) < 1e-9
+
+
+# -----------------------------------------------------------------------------
+# the batch loader
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    """A small byte-level shard folder (bytes tokenizer: no download needed)."""
+    src = tmp_path_factory.mktemp("src")
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        (src / f"doc{i}.txt").write_text("".join(rng.choice(list("abcdefgh "), 3000)))
+    out = tmp_path_factory.mktemp("shards")
+    data.prepare(str(src), out, "bytes", val_tokens=100, shard_tokens=1500)
+    return out
+
+
+@pytest.fixture(params=["synthetic", "shards"])
+def source(request, shard_dir):
+    return SyntheticTask(max_gap=3) if request.param == "synthetic" else shard_dir
+
+
+def global_batch_rows(source, step, world_size, B=2, G=8, T=16):
+    """The rows of one optimizer step as read by all ranks, in slot order, and the per-rank sets."""
+    loaders = [BatchLoader(source, "train", B, T, G, rank=r, world_size=world_size) for r in range(world_size)]
+    slots, per_rank = [], []
+    for m in range(loaders[0].accum_steps):
+        for ld in loaders:
+            x, y, level = ld.get_batch(step, m)
+            assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
+            assert torch.equal(x[:, 1:], y[:, :-1])
+            slots.append(torch.cat([x, y[:, -1:]], 1))
+    for r in range(world_size):
+        per_rank.append({tuple(row) for m in range(loaders[0].accum_steps)
+                         for row in slots[m * world_size + r].tolist()})
+    return torch.cat(slots), per_rank
+
+
+def test_rank_slices_are_disjoint_and_add_up_to_the_global_batch(source):
+    for step in (0, 5):
+        single, _ = global_batch_rows(source, step, world_size=1)
+        for world in (2, 4):
+            rows, per_rank = global_batch_rows(source, step, world)
+            assert torch.equal(rows, single)  # the same global batch in the same order, whatever the world size
+            assert all(not a & b for a, b in itertools.combinations(per_rank, 2))
+    assert not torch.equal(global_batch_rows(source, 0, 1)[0], global_batch_rows(source, 1, 1)[0])
+
+
+def test_resume_gives_the_exact_next_batch(source):
+    a = BatchLoader(source, "train", 2, 16, global_batch=6)
+    for _ in range(4):
+        a.next_batch()
+    state = a.state_dict()
+    assert state == {"step": 1, "micro_step": 1}  # 4 micro-steps, 3 per step
+    b = BatchLoader(source, "train", 2, 16, global_batch=6)
+    b.load_state_dict(state)
+    for _ in range(4):  # crosses a step boundary
+        (xa, ya, la), (xb, yb, lb) = a.next_batch(), b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and (la is lb is None or torch.equal(la, lb))
+
+
+def test_synthetic_level_marks_answer_targets():
+    task = SyntheticTask(max_gap=4)
+    x, y, level = BatchLoader(task, "val", 4, 64).get_batch(0, 0)
+    answer = (x == task.eq) & (torch.arange(64) > 0)  # after a closing "=", i.e. not the opening one
+    assert torch.equal(level >= 1, answer) and bool((level[~answer] == -1).all()) and level.max() <= 4
+    assert bool((y[answer] < task.eq).all())
+
+
+def test_real_data_order(shard_dir):
+    """Train visits every window once per epoch, in a shuffled order that changes each epoch; val
+    reads in order; level is None; a window can straddle two shard files."""
+    T = 50
+    train = BatchLoader(shard_dir, "train", 1, T)
+    n, stream = train.n_windows, train.stream
+    in_order = [tuple(stream.read(w * T, T + 1)) for w in range(n)]
+    epochs = [[tuple(train.get_batch(g, 0)[0][0].tolist() + [train.get_batch(g, 0)[1][0, -1].item()])
+               for g in range(e * n, e * n + n)] for e in (0, 1)]
+    assert all(sorted(ep) == sorted(in_order) and ep != in_order for ep in epochs) and epochs[0] != epochs[1]
+    flat = np.concatenate([data.read_shard(shard_dir / s["file"]) for s in stream.meta["shards"]["train"]])
+    assert len(stream.shards) > 1 and stream.read(1450, 101).tolist() == flat[1450:1551].tolist()
+    val = BatchLoader(shard_dir, "val", 1, T)
+    x, y, level = val.get_batch(1, 0)
+    assert level is None and x[0].tolist() == val.stream.read(T, T).tolist()
