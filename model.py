@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from residuals import RESIDUALS
 
@@ -57,13 +58,34 @@ def apply_rope(x, cos, sin):
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def joint_attention(q, k, v, depth_k, depth_v, scale):
+    """Causal attention whose softmax also spans each query token's own depth keys (MoDA).
+
+    q, k, v: (B, H, T, hd) sequence part (q, k after RoPE); depth_k, depth_v: lists of S tensors
+    (B, T, H, hd), the keys/values of S earlier sublayers at the *same* token. One softmax per query
+    over its T causal sequence logits and its S depth logits. Written with explicit logits
+    (T x T memory): exact and easy to check, not a fused kernel. Returns the output (B, H, T, hd)
+    and the softmax mass each query puts on depth keys (B, H, T), detached, for diagnostics.
+    """
+    T = q.size(2)
+    seq_logits = (q @ k.transpose(-2, -1)) * scale                                # (B, H, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    seq_logits = seq_logits.masked_fill(~causal, float("-inf"))
+    kd, vd = torch.stack(depth_k, dim=2), torch.stack(depth_v, dim=2)              # (B, T, S, H, hd)
+    depth_logits = torch.einsum("bhtd,btshd->bhts", q, kd) * scale                 # (B, H, T, S)
+    p = torch.cat([seq_logits, depth_logits], dim=-1).float().softmax(dim=-1).to(q.dtype)
+    p_seq, p_depth = p[..., :T], p[..., T:]
+    o = p_seq @ v + torch.einsum("bhts,btshd->bhtd", p_depth, vd)
+    return o, p_depth.detach().sum(-1)
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with RoPE. No norm inside.
 
-    `depth_kv` is the one door into attention, used only by MoDA (residuals.py): a pair (K_d, V_d)
-    of shape (B, T, S, H, hd) holding, for every token, the keys/values of S earlier sublayers at the
-    *same* token. Those S depth keys join the causal sequence keys in one softmax per query.
-    The forward also returns this layer's own pre-RoPE (k, v), (B, T, H, hd) each, which MoDA caches.
+    `depth_kv` is the one door into attention, used only by MoDA (residuals.py): a pair of lists
+    (keys, values) of earlier sublayers at the same token, which join the causal keys in one softmax
+    (`joint_attention`). The forward returns (y, aux): aux holds this layer's *pre-RoPE* k and v,
+    (B, T, H, hd) each, which MoDA caches for later layers, and MoDA's depth-attention mass.
     """
 
     def __init__(self, cfg):
@@ -84,27 +106,16 @@ class Attention(nn.Module):
         qr = apply_rope(q.transpose(1, 2), cos, sin)                                       # (B, H, T, hd)
         kr = apply_rope(k.transpose(1, 2), cos, sin)
         vt = v.transpose(1, 2)
+        mass = None
         if depth_kv is None:
             o = F.scaled_dot_product_attention(qr, kr, vt, is_causal=True)
+        elif torch.is_grad_enabled():
+            # recompute the T x T logits in backward instead of keeping them for every layer
+            o, mass = checkpoint(joint_attention, qr, kr, vt, *depth_kv, self.head_dim ** -0.5, use_reentrant=False)
         else:
-            o = self._joint_attention(qr, kr, vt, *depth_kv)
+            o, mass = joint_attention(qr, kr, vt, *depth_kv, self.head_dim ** -0.5)
         y = self.wo(o.transpose(1, 2).reshape(B, T, -1))
-        return y, (k, v)
-
-    def _joint_attention(self, q, k, v, kd, vd):
-        """One softmax per query over causal sequence keys and its own token's depth keys.
-
-        q, k, v: (B, H, T, hd); kd, vd: (B, T, S, H, hd). Written out with explicit logits (T x T
-        memory), which is exact and easy to check; it is not a fused kernel.
-        """
-        T, scale = q.size(2), 1.0 / math.sqrt(self.head_dim)
-        seq_logits = (q @ k.transpose(-2, -1)) * scale                              # (B, H, T, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        seq_logits = seq_logits.masked_fill(~causal, float("-inf"))
-        depth_logits = torch.einsum("bhtd,btshd->bhts", q, kd) * scale              # (B, H, T, S)
-        p = torch.cat([seq_logits, depth_logits], dim=-1).float().softmax(dim=-1).to(q.dtype)
-        p_seq, p_depth = p[..., :T], p[..., T:]
-        return p_seq @ v + torch.einsum("bhts,btshd->bhtd", p_depth, vd)           # (B, H, T, hd)
+        return y, {"k": k, "v": v, "depth_mass": mass}
 
 
 class MLP(nn.Module):
@@ -180,8 +191,8 @@ class GPT(nn.Module):
             if rec is not None:
                 rec["states"].append(self.res.depth_state(s, 2 * b))
             h, kw = self.res.read(s, 2 * b)                       # attention input (+ MoDA's depth K/V)
-            y, kv = block.attn(h, rope, **kw)                     # kv: its pre-RoPE keys/values
-            s = self.res.write(s, 2 * b, y, kv)
+            y, aux = block.attn(h, rope, **kw)                    # aux: its pre-RoPE k, v (MoDA caches them)
+            s = self.res.write(s, 2 * b, y, aux)
             h, kw = self.res.read(s, 2 * b + 1)                   # MLP input
             s = self.res.write(s, 2 * b + 1, block.mlp(h, **kw))
         if rec is not None:

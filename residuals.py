@@ -10,9 +10,9 @@ The interface between model.py and a design (model.py's trunk loop is the whole 
     for every sublayer i = 0 .. 2L-1:
         h, kw = res.read(s, i)               # (B, T, D) sublayer input, *including any pre-norm*;
                                              # kw is {} except MoDA's {"depth_kv": (K, V)}
-        s = res.write(s, i, y, kv)           # fold the sublayer output y (B, T, D) back in, *including
-                                             # any post-norm / scaling / mixing*; kv = the attention's
-                                             # pre-RoPE (k, v) (None for MLPs; only MoDA uses it)
+        s = res.write(s, i, y, aux)          # fold the sublayer output y (B, T, D) back in, *including
+                                             # any post-norm / scaling / mixing*; aux = what attention
+                                             # exposes (its pre-RoPE k, v; None for MLPs; MoDA uses it)
     z = res.collapse(s)                      # (B, T, D) for the LM head, *including the final norm*
 
 plus
@@ -76,6 +76,33 @@ def reset_norms(module):
             nn.init.ones_(m.weight)
 
 
+def sinkhorn(logits, iters=20, eps=1e-6):
+    """Sinkhorn-Knopp as in Liger's mHC kernel: row softmax (+eps), a column step, then `iters - 1`
+    rounds of row and column normalisation. logits (..., n, n) -> approximately doubly stochastic;
+    the columns sum exactly to 1 after the last step."""
+    M = logits.float().softmax(dim=-1) + eps
+    M = M / (M.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        M = M / (M.sum(dim=-1, keepdim=True) + eps)
+        M = M / (M.sum(dim=-2, keepdim=True) + eps)
+    return M
+
+
+def depth_softmax(query, key_gain, sources, eps=1e-5):
+    """AttnRes' mix over depth for one consumer: softmax_j <query, key_gain * RMSNorm(v_j)> (scale 1),
+    then sum_j p_j v_j over the *raw* sources. query, key_gain (D,); sources: list of (B, T, D).
+
+    Written as a loop over sources, so autograd keeps nothing bigger than the sources themselves
+    (stacking them would keep an extra (S, B, T, D) copy per consumer, O(L^2) memory in all).
+    Returns the mix (B, T, D) and the weights (B, T, S).
+    """
+    gq = (key_gain.float() * query.float())
+    logits = [(v.float() @ gq) * torch.rsqrt(v.float().pow(2).mean(-1) + eps) for v in sources]  # S x (B, T)
+    p = torch.stack(logits, dim=-1).softmax(dim=-1)                                         # (B, T, S)
+    mix = sum(p[..., j, None] * v.float() for j, v in enumerate(sources))
+    return mix.to(sources[0].dtype), p
+
+
 # ----------------------------------------------------------------------------- norm-placement designs
 
 class PreLN(nn.Module):
@@ -101,7 +128,7 @@ class PreLN(nn.Module):
     def read(self, s, i):
         return self.norms[i](s), {}
 
-    def write(self, s, i, y, kv=None):
+    def write(self, s, i, y, aux=None):
         return s + y
 
     def collapse(self, s):
@@ -137,7 +164,7 @@ class SandwichLN(PreLN):
         super().__init__(cfg)
         self.post_norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(self.n_sub))
 
-    def write(self, s, i, y, kv=None):
+    def write(self, s, i, y, aux=None):
         return s + self.post_norms[i](y)
 
 
@@ -178,7 +205,7 @@ class DeepNorm(PreLN):
     def read(self, s, i):
         return s, {}
 
-    def write(self, s, i, y, kv=None):
+    def write(self, s, i, y, aux=None):
         return self.norms[i](self.alpha * s + y)
 
     @torch.no_grad()
@@ -206,10 +233,311 @@ class KEEL(PreLN):
         self.post_norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(self.n_sub - 1))
         self.alphas = [1.0, 1.0] + [float(self.n_sub)] * (self.n_sub - 2)
 
-    def write(self, s, i, y, kv=None):
+    def write(self, s, i, y, aux=None):
         if i == 0:
             return s + y
         return self.post_norms[i - 1](self.alphas[i] * s + y)
+
+
+# ----------------------------------------------------------------------------- cross-layer designs
+
+class HC(PreLN):
+    """Hyper-Connections, Zhu et al. (arXiv 2409.19606; architectures.md §6), n = 4 streams.
+
+    State: n streams H (B, T, n, D), each a copy of the embedding at the start. Per sublayer i, with
+    H_bar = H / rms(H) per stream (no gain, eps 1e-8) and the connector's parameters:
+        A    = A_static + s_a * tanh(H_bar W_a)       (B, T, n, n+1): row = input stream s,
+                                                      column 0 = branch input, 1..n = output stream t
+        beta = beta_static + s_b * tanh(H_bar w_b)    (B, T, n)
+        y    = F_i(RMSNorm_i(sum_s A[s, 0] h_s))
+        h'_t = sum_s A[s, t] h_s + beta_t y           (the width-mixed residual, the paper's form)
+    Collapse: sum of the streams, then the final RMSNorm.
+    Init: A_static column 0 = one-hot at i mod n, columns 1..n = I; beta_static = 1; W_a, w_b = 0;
+    s_a = s_b = 0.01; W_o and W_2 of every block divided by sqrt(n). At init the model equals Pre-LN
+    with an n-times residual, which the final norm cancels.
+    Params: 6d + 26 per connector (n = 4), 2L connectors; A_static, beta_static are not decayed.
+    Cost: n x wider residual activations; ~100 d extra FLOPs per token per sublayer.
+
+    The mixing maps are a pure function of H (`_maps`); read and write both call it, so the state
+    stays one tensor (the recomputation is ~n(n+2)d multiply-adds per token, negligible).
+    mHC subclasses this and overrides only how the maps are formed.
+    """
+    collapse_mode = "sum"
+
+    def __init__(self, cfg, n_streams=4):
+        super().__init__(cfg)
+        self.n = n_streams
+        self.conn = nn.ModuleList(self.make_connector(cfg.d_model, i) for i in range(self.n_sub))
+
+    def make_connector(self, d, i):
+        n, c = self.n, nn.Module()
+        c.static_alpha = nn.Parameter(torch.zeros(n, n + 1))
+        c.dynamic_alpha = nn.Parameter(torch.zeros(d, n + 1))
+        c.alpha_scale = nn.Parameter(torch.zeros(()))
+        c.static_beta = nn.Parameter(torch.zeros(n))
+        c.dynamic_beta = nn.Parameter(torch.zeros(d))
+        c.beta_scale = nn.Parameter(torch.zeros(()))
+        return c
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        for i, c in enumerate(self.conn):
+            c.static_alpha.zero_()
+            c.static_alpha[i % self.n, 0] = 1.0
+            c.static_alpha[:, 1:] = torch.eye(self.n)
+            c.static_beta.fill_(1.0)
+            c.dynamic_alpha.zero_(), c.dynamic_beta.zero_()
+            c.alpha_scale.fill_(0.01), c.beta_scale.fill_(0.01)
+
+    def no_decay_params(self):
+        return [p for c in self.conn for p in (c.static_alpha, c.static_beta)]
+
+    def _maps(self, H, i):
+        """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n_out, n_in) of sublayer i."""
+        c = self.conn[i]
+        Hbar = rms_norm(H, None, 1e-8)                                                    # (B, T, n, D)
+        A = c.static_alpha + c.alpha_scale * torch.tanh(Hbar @ c.dynamic_alpha)          # (B, T, n, n+1)
+        beta = c.static_beta + c.beta_scale * torch.tanh(Hbar @ c.dynamic_beta)          # (B, T, n)
+        return A[..., 0], beta, A[..., 1:].transpose(-1, -2)
+
+    def init_stream(self, x0):
+        return x0.unsqueeze(2).repeat(1, 1, self.n, 1)                                    # (B, T, n, D)
+
+    def read(self, s, i):
+        pre, post, res = self._maps(s, i)
+        if self.recording is not None:
+            self.log("H_pre", pre.mean((0, 1))), self.log("H_post", post.mean((0, 1)))
+            self.log("H_res", res.mean((0, 1)))                                          # token-averaged (n, n)
+        u = torch.einsum("btn,btnd->btd", pre.to(s.dtype), s)
+        return self.norms[i](u), {}
+
+    def write(self, s, i, y, aux=None):
+        pre, post, res = self._maps(s, i)
+        return torch.einsum("btoi,btid->btod", res.to(s.dtype), s) + post.to(s.dtype)[..., None] * y[:, :, None]
+
+    def collapse(self, s):
+        z = s.sum(2) if self.collapse_mode == "sum" else s.mean(2)
+        return self.norm_f(z)
+
+    def depth_state(self, s, i):
+        return s.flatten(2)                                                               # (B, T, n*D), stream-major
+
+    @torch.no_grad()
+    def scale_sublayer_init(self, i, module):
+        (module.wo if i % 2 == 0 else module.w2).weight.div_(math.sqrt(self.n))
+
+
+class MHC(HC):
+    """Manifold-constrained HC, DeepSeek (arXiv 2512.24880; architectures.md §7), Liger form, n = 4.
+
+    Per sublayer, with x = [h_1; ...; h_n] (nD, stream-major) and r = 1/sqrt(mean(x^2) + 1e-6):
+        m = r * (x Phi) in R^(n^2 + 2n), split [pre n | post n | res n*n (row o = output, col = input)]
+        H_pre  = sigmoid(a_pre  m_pre  + b_pre)
+        H_post = 2 sigmoid(a_post m_post + b_post)
+        H_res  = Sinkhorn(a_res mat(m_res) + b_res)        doubly stochastic, 20 iterations
+        y = F_i(RMSNorm_i(sum_s H_pre[s] h_s));  h'_o = sum_i H_res[o, i] h_i + H_post[o] y
+    Collapse: the *mean* of the streams, then the final RMSNorm. W_o, W_2 / sqrt(n) as HC.
+    Params: Phi (nD x 24), b (24), a_pre, a_post, a_res: 96d + 27 per connector (n = 4);
+    b and the three a's are not decayed, Phi is.
+
+    Init (`init=`):
+    - "uniform" (default): Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and
+      H_res ~ 11^T / n: the transport starts at the uniform matrix, consistent with the paper's
+      finding that mHC's transport stays near it (effective rank 1.44-1.65).
+    - "gap8" (the reference's latest): Phi = 0, b_pre = -8 with +8 at stream i mod n, b_post = 0,
+      b_res = 0 on the diagonal and -8 off it, a = 0.01: H_res ~ I (diagonal 0.998995), H_pre ~
+      one-hot. Beware: the sigmoid/softmax logits start saturated, so H_res gets almost no gradient
+      (users of other mHC implementations have reported exactly this).
+    """
+    collapse_mode = "mean"
+
+    def __init__(self, cfg, n_streams=4, init="uniform", sinkhorn_iters=20):
+        if init not in ("uniform", "gap8"):
+            raise ValueError(f"mHC init must be 'uniform' or 'gap8', got {init!r}")
+        self.init, self.sinkhorn_iters = init, sinkhorn_iters
+        super().__init__(cfg, n_streams)
+
+    def make_connector(self, d, i):
+        n, c = self.n, nn.Module()
+        c.phi = nn.Parameter(torch.zeros(n * d, n * n + 2 * n))
+        c.b = nn.Parameter(torch.zeros(n * n + 2 * n))
+        c.alpha_pre, c.alpha_post, c.alpha_res = (nn.Parameter(torch.zeros(())) for _ in range(3))
+        return c
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        PreLN.reset_parameters(self)
+        n = self.n
+        for i, c in enumerate(self.conn):
+            for a in (c.alpha_pre, c.alpha_post, c.alpha_res):
+                a.fill_(0.01)
+            c.b.zero_()
+            if self.init == "uniform":
+                c.phi.normal_(0.0, 0.02)
+            else:
+                c.phi.zero_()
+                c.b[:n] = -8.0
+                c.b[i % n] = 8.0
+                c.b[2 * n:] = (-8.0 * (1 - torch.eye(n))).flatten()
+
+    def no_decay_params(self):
+        return [p for c in self.conn for p in (c.b, c.alpha_pre, c.alpha_post, c.alpha_res)]
+
+    def _maps(self, H, i):
+        c, n = self.conn[i], self.n
+        x = H.flatten(2).float()                                                          # (B, T, nD)
+        m = (x @ c.phi.float()) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)     # (B, T, n^2 + 2n)
+        pre = torch.sigmoid(c.alpha_pre * m[..., :n] + c.b[:n])
+        post = 2 * torch.sigmoid(c.alpha_post * m[..., n:2 * n] + c.b[n:2 * n])
+        res_logits = c.alpha_res * m[..., 2 * n:] + c.b[2 * n:]
+        return pre, post, sinkhorn(res_logits.unflatten(-1, (n, n)), self.sinkhorn_iters)
+
+
+class BlockAttnRes(PreLN):
+    """Block Attention Residuals, Kimi (arXiv 2603.15031; architectures.md §8-9), N groups.
+
+    No residual stream. Sublayer outputs f_j are summed into N groups of consecutive sublayers
+    (group of j = floor(j N / 2L), so sizes differ by at most one when 2L/N is not an integer).
+    Sublayer k >= 1 reads a softmax over depth of its sources: the embedding, the completed groups,
+    and its own group's partial sum (if non-empty):
+        p_j = softmax_j <q_k, g_k * RMSNorm(v_j)>    (zero-init pseudo-query q_k, key gain g_k, scale 1)
+        u_k = RMSNorm_k( sum_j p_j v_j )            (the sublayer's pre-norm gain, eps 1e-5)
+    Sublayer 0 reads RMSNorm_0(e). The head reads the same mix with a final query over all groups,
+    normalised with the final norm's gain (eps 1e-5); it replaces the usual final norm.
+    State: (completed sources [e, G_0, ...], partial sum of the current group or None).
+    Params: q_k, g_k for k >= 1 and the final pair: 4dL, all decayed. Zero queries = uniform
+    weights at init. Cost: at most N + 1 sources per sublayer.
+    """
+
+    def __init__(self, cfg, n_groups=8):
+        super().__init__(cfg)
+        if n_groups < 1:
+            raise ValueError(f"n_groups must be >= 1, got {n_groups}")
+        self.n_groups = min(n_groups, self.n_sub)    # more groups than sublayers is Full AttnRes
+        self.group = [k * self.n_groups // self.n_sub for k in range(self.n_sub)]      # group of sublayer k
+        # row k - 1 belongs to consumer k = 1 .. 2L, where consumer 2L is the head's final readout
+        self.queries = nn.Parameter(torch.zeros(self.n_sub, cfg.d_model))
+        self.key_gains = nn.Parameter(torch.ones(self.n_sub, cfg.d_model))
+        self.eps = 1e-5  # the reference's AttnRes norms (key and fused output norm) use 1e-5
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.queries.zero_()
+        self.key_gains.fill_(1.0)
+
+    def init_stream(self, x0):
+        return [x0], None
+
+    def _mix(self, s, k):
+        """Raw (pre-norm) depth mix read by consumer k >= 1, and its weights over the sources."""
+        done, partial = s
+        sources = done if partial is None else done + [partial]
+        mix, p = depth_softmax(self.queries[k - 1], self.key_gains[k - 1], sources, self.eps)
+        if self.recording is not None:
+            self.log("attnres_weights", p.mean((0, 1)))                                  # (S,) per consumer
+        return mix
+
+    def read(self, s, i):
+        if i == 0:
+            return self.norms[0](s[0][0]), {}
+        return rms_norm(self._mix(s, i), self.norms[i].weight, self.eps), {}
+
+    def write(self, s, i, y, aux=None):
+        done, partial = s
+        if partial is None:                          # the first sublayer
+            return done, y
+        if self.group[i] != self.group[i - 1]:       # y starts a new group: the partial one is complete
+            return done + [partial], y
+        return done, partial + y
+
+    def collapse(self, s):
+        return rms_norm(self._mix(s, self.n_sub), self.norm_f.weight, self.eps)
+
+    def depth_state(self, s, i):
+        """z for diagnostics: the embedding (i = 0), the raw mix at a group boundary (and for the head),
+        else the running partial sum, the "block output" inside a group (diagnostics.md §1.3)."""
+        if i == 0:
+            return s[0][0]
+        if i == self.n_sub or self.group[i] != self.group[i - 1]:
+            with torch.no_grad():
+                recording, self.recording = self.recording, None
+                mix = self._mix(s, i)
+                self.recording = recording
+            return mix
+        return s[1]
+
+
+class FullAttnRes(BlockAttnRes):
+    """Full Attention Residuals (arXiv 2603.15031; architectures.md §8): every sublayer is its own
+    group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
+    Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg, n_groups=2 * cfg.n_layer)
+
+
+class MoDA(PreLN):
+    """Mixture-of-Depths Attention (arXiv 2603.15619; architectures.md §10), pre-norm by default.
+
+    Block b's attention takes one softmax per token over the causal sequence keys *and* the depth
+    keys/values that all earlier sublayers left at the same token (model.joint_attention):
+        attention sublayer 2b writes its own pre-RoPE (k, v) into slot 2b;
+        MLP sublayer 2b+1 writes [k'; v'] = W_kv RMSNorm_(2b+1)(h) into slot 2b+1 (no RoPE),
+        for every block but the last (nothing would read it).
+    The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
+    the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
+    State: (x (B, T, D), depth keys, depth values): lists of (B, T, H, hd), one per written slot.
+    Params: W_kv (d -> 2d, std 0.02, decayed) on blocks 0 .. L-2: 2 d^2 (L - 1), +12-14% at 400M.
+    Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query.
+    This is the only design that reaches into attention, through `depth_kv` in its signature.
+    """
+
+    def __init__(self, cfg, norm="pre"):
+        super().__init__(cfg)
+        if norm not in ("pre", "post"):
+            raise ValueError(f"MoDA norm must be 'pre' or 'post', got {norm!r}")
+        self.post = norm == "post"
+        self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
+        self.kv_proj = nn.ModuleList(nn.Linear(cfg.d_model, 2 * cfg.d_model, bias=False) for _ in range(cfg.n_layer - 1))
+        self.init_std = cfg.init_std
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        for lin in self.kv_proj:
+            nn.init.trunc_normal_(lin.weight, std=self.init_std, a=-3 * self.init_std, b=3 * self.init_std)
+
+    def init_stream(self, x0):
+        return x0, [], []
+
+    def read(self, s, i):
+        x, ks, vs = s
+        h = x if self.post else self.norms[i](x)
+        if i % 2 == 0 and ks:
+            return h, {"depth_kv": (ks, vs)}
+        return h, {}
+
+    def write(self, s, i, y, aux=None):
+        x, ks, vs = s
+        x_new = self.norms[i](x + y) if self.post else x + y
+        if i % 2 == 0:                                                # attention: cache its own k, v
+            if self.recording is not None and aux["depth_mass"] is not None:
+                self.log("moda_depth_mass", aux["depth_mass"].mean())
+            return x_new, ks + [aux["k"]], vs + [aux["v"]]
+        b = i // 2
+        if b == len(self.kv_proj):                                    # last block: no W_kv
+            return x_new, ks, vs
+        u = x if self.post else self.norms[i](x)                      # the MLP's input, recomputed
+        kv = self.kv_proj[b](u).unflatten(-1, (2, self.n_head, self.head_dim))  # (B, T, 2, H, hd)
+        return x_new, ks + [kv[:, :, 0]], vs + [kv[:, :, 1]]
+
+    def collapse(self, s):
+        return self.norm_f(s[0])
+
+    def depth_state(self, s, i):
+        return s[0]
 
 
 # ----------------------------------------------------------------------------- registry
@@ -220,4 +548,9 @@ RESIDUALS = {
     "lns": LNS,
     "deepnorm": DeepNorm,
     "keel": KEEL,
+    "hc": HC,
+    "mhc": MHC,
+    "attnres": FullAttnRes,
+    "block_attnres": BlockAttnRes,
+    "moda": MoDA,
 }
