@@ -1,45 +1,38 @@
 """
-data.py: everything depthbench feeds a model. Real text becomes token shards on disk, and an
-embedded synthetic task (generated on the fly) has answers that need composition depth.
+data.py: what depthbench feeds a model. Real text becomes token shards on disk; an embedded
+synthetic task, generated on the fly, has answers that need composition depth.
 
     python data.py --source ../shared/data/austen --tokenizer gpt2 --out data_cache/austen
     python data.py --source fineweb-edu --max-tokens 100000000 --out data_cache/fineweb
     python data.py --source synthetic --max-gap 4 --show 3
 
-Sources
-  fineweb-edu  HuggingFaceFW/fineweb-edu streamed with `datasets` (--fineweb-config sample-10BT),
-               cut at --max-tokens.
-  local files  a file, a folder or a glob of .txt (one file = one document), .jsonl (one JSON
-               object per line) and .parquet (one row per document) files, text in --text-field.
-  synthetic    never written to disk, see SyntheticTask below.
-
-Tokenizers: `gpt2` (tiktoken, vocab 50257, EOT 50256) and `bytes` (the 256 byte values + EOT 256,
-vocab 257, nothing to download). The model pads the vocab itself: padded_vocab_size(50257) = 50304.
+Sources: `fineweb-edu` (HuggingFaceFW/fineweb-edu streamed by `datasets`, --fineweb-config
+sample-10BT, cut at --max-tokens); local files: a file, folder or glob of .txt (a file is a document),
+.jsonl (a line is a document) and .parquet (a row is a document); `synthetic` (SyntheticTask, below).
+Tokenizers: `gpt2` (tiktoken, vocab 50257, EOT 50256) and `bytes` (UTF-8 bytes + EOT 256, vocab 257,
+no download). The model pads the vocab: padded_vocab_size(50257) = 50304.
 
 Shard format (llm.c style, so a shard describes itself)
   header  256 little-endian int32: [MAGIC, VERSION, n_tokens, vocab_size, eot, 0, ...]
-  body    n_tokens uint16 tokens (both vocabs are < 2**16)
-Documents are packed back to back, each followed by EOT (spec §1.1: EOS appended), and may
-straddle two shard files. An output folder holds
-  val_000000.bin          the first whole documents of the source, until at least --val-tokens
-                          tokens (Austen sorted by name: emma.txt), so no document is in both splits
-  train_000000.bin, ...   the rest, --shard-tokens tokens per file
-  meta.json               written last: the settings that made the shards and their token counts.
-Every file is written to a .tmp name and renamed, so a crash never leaves a half file that looks
-finished. A re-run whose settings match meta.json reuses the shards. A truncated or foreign shard
-raises DataError, a ValueError with a one-line message that the scripts print before exiting with 2.
+  body    n_tokens uint16 tokens
+Each document is followed by EOT (spec §1.1) and packed with no padding; it may straddle two files.
+  val_000000.bin         the first whole documents, until at least --val-tokens (Austen, sorted by
+                         name: emma.txt), so no document is in both splits
+  train_000000.bin, ...  the rest, --shard-tokens per file
+  meta.json              written last: the settings that made the shards, and their token counts
+Files are written to a .tmp name and renamed, so a crash never leaves a finished-looking half file.
+A re-run whose settings match meta.json reuses the shards. A truncated or foreign shard raises
+DataError, a ValueError with a one-line message, which the scripts print before exiting with 2.
 
-Batch order (BatchLoader): optimizer step s consumes `global_batch` sequences with global indices
-s*global_batch ... s*global_batch + global_batch - 1. They are cut into micro-batches of B
-sequences, and rank r at micro-step m takes slot m*world_size + r, i.e. indices
-s*global_batch + (m*world_size + r)*B + [0, B). The ranks therefore read disjoint slices, and the
-set of sequences in a step does not depend on the number of GPUs. A global index g maps to:
-  real, train  epoch g // n_windows, then window perm_epoch[g % n_windows], where the windows are
-               the non-overlapping T+1-token spans starting at multiples of T and perm_epoch is a
-               permutation seeded by (seed, epoch)
+Batch order (BatchLoader). Optimizer step s uses the global sequence indices s*global_batch + [0,
+global_batch), cut into micro-batches of B: rank r at micro-step m takes slot m*world_size + r,
+i.e. s*global_batch + (m*world_size + r)*B + [0, B). Ranks read disjoint slices, and a step's
+sequences do not depend on the number of GPUs. A global index g then maps to
+  real, train  window perm_e[g % n_windows] of epoch e = g // n_windows; windows are the T+1-token
+               spans starting at multiples of T, perm_e a permutation seeded by (seed, e)
   real, val    window g % n_windows, in order (the same eval batches every time)
-  synthetic    a sequence generated from an RNG seeded by (seed, split, g)
-So every batch is a pure function of (step, micro_step), and the loader's position is two ints.
+  synthetic    the sequence generated by an RNG seeded with (seed, split, g)
+So a batch is a pure function of (step, micro_step), and the loader's position is two ints.
 """
 
 import argparse
@@ -121,17 +114,15 @@ def check_tiktoken_files(timeout=5.0):
     try:
         requests.get(GPT2_URLS[0], timeout=timeout, stream=True).close()
     except requests.RequestException as e:
-        raise DataError(f"the GPT-2 BPE files are not in the tiktoken cache ({cache or 'disabled'}) and cannot be "
-                        f"downloaded ({type(e).__name__}); offline, run with TIKTOKEN_CACHE_DIR=../shared/data/tiktoken "
-                        f"or use --tokenizer bytes") from None
+        raise DataError(f"the GPT-2 BPE files are not in the tiktoken cache ({cache or 'disabled'}) and cannot "
+                        f"be downloaded ({type(e).__name__}); offline, run with "
+                        f"TIKTOKEN_CACHE_DIR=../shared/data/tiktoken or use --tokenizer bytes") from None
 
 
 def get_tokenizer(name):
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    if name == "bytes":
-        return ByteTokenizer()
-    raise DataError(f"unknown tokenizer {name!r} (choose gpt2 or bytes)")
+    if name not in ("gpt2", "bytes"):
+        raise DataError(f"unknown tokenizer {name!r} (choose gpt2 or bytes)")
+    return GPT2Tokenizer() if name == "gpt2" else ByteTokenizer()
 
 
 # -----------------------------------------------------------------------------
@@ -206,7 +197,10 @@ class ShardWriter:
 def list_files(source):
     """A file, a folder (searched recursively) or a glob -> the sorted .txt/.jsonl/.parquet files."""
     p = Path(source)
-    found = sorted(p.rglob("*")) if p.is_dir() else [p] if p.is_file() else sorted(map(Path, glob.glob(source, recursive=True)))
+    if p.is_dir():
+        found = sorted(p.rglob("*"))
+    else:
+        found = [p] if p.is_file() else sorted(map(Path, glob.glob(source, recursive=True)))
     files = [f for f in found if f.is_file() and f.suffix in TEXT_SUFFIXES]
     if not files:
         raise DataError(f"no .txt/.jsonl/.parquet files at {source!r} (give a file, a folder, a quoted glob, "
@@ -230,7 +224,7 @@ def file_documents(path, text_field):
         import pyarrow.parquet as pq  # comes with `datasets`
         pf = pq.ParquetFile(path)
         if text_field not in pf.schema_arrow.names:
-            raise DataError(f"{path}: no column {text_field!r}, it has {pf.schema_arrow.names} (choose with --text-field)")
+            raise DataError(f"{path}: no column {text_field!r}, only {pf.schema_arrow.names} (see --text-field)")
         for batch in pf.iter_batches(columns=[text_field]):
             yield from batch.column(0).to_pylist()
 
@@ -239,8 +233,7 @@ def fineweb_documents(config, timeout=5.0):
     """Stream FineWeb-Edu from the hub. Offline, `datasets` retries for half a minute and then
     prints a long traceback, so we ask the hub first (a few seconds) and turn failures into one line."""
     way_out = "offline, prepare local files instead: --source 'path/to/*.jsonl|*.parquet|*.txt'"
-    offline = any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    if not offline:
+    if os.environ.get("HF_HUB_OFFLINE", "0").upper() not in ("1", "ON", "YES", "TRUE"):  # else datasets fails fast
         import requests
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
         try:
@@ -254,7 +247,8 @@ def fineweb_documents(config, timeout=5.0):
         for row in datasets.load_dataset("HuggingFaceFW/fineweb-edu", name=config, split="train", streaming=True):
             yield row["text"]
     except OSError as e:  # ConnectionError, huggingface_hub's HTTP errors and missing files are all OSErrors
-        raise DataError(f"fineweb-edu ({config}) failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}; {way_out}") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"fineweb-edu ({config}) failed: {why}; {way_out}") from None
 
 
 def tokenize_documents(docs, tok, batch_size=256):
@@ -274,7 +268,7 @@ def load_meta(out_dir):
 
 
 def shards_intact(out_dir, meta):
-    """True when every shard meta.json names is whole and holds the token count it promises."""
+    """True when every shard that meta.json names is whole and holds the tokens it promises."""
     try:
         return all(read_header(Path(out_dir) / s["file"])["n_tokens"] == s["tokens"]
                    for split in ("val", "train") for s in meta["shards"][split])
@@ -283,45 +277,23 @@ def shards_intact(out_dir, meta):
         return False
 
 
-def prepare(source, out_dir, tokenizer="gpt2", val_tokens=None, shard_tokens=100_000_000,
-            max_tokens=None, text_field="text", fineweb_config="sample-10BT"):
-    """Tokenize a real source into shards in out_dir (see the module docstring); return the meta dict.
-    val_tokens defaults to 10M for fineweb-edu and 100k for local files (Austen: one novel)."""
-    out_dir = Path(out_dir)
-    tok = get_tokenizer(tokenizer)
-    if val_tokens is None:
-        val_tokens = 10_000_000 if source == "fineweb-edu" else 100_000
-    config = {"source": source, "tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
-              "val_tokens": val_tokens, "shard_tokens": shard_tokens, "max_tokens": max_tokens}
+def open_source(source, text_field, fineweb_config):
+    """(what identifies the source in meta.json, a lazy iterator over its documents)."""
     if source == "fineweb-edu":
-        config["fineweb_config"] = fineweb_config
-        docs = fineweb_documents(fineweb_config)
-    else:  # name each file with its size, so an edited file leads to a rebuild
-        files = list_files(source)
-        config.update(text_field=text_field, files=[[str(f.resolve()), f.stat().st_size] for f in files])
-        docs = (d for f in files for d in file_documents(f, text_field))
-    meta = load_meta(out_dir)
-    if meta is not None and meta["config"] == config and shards_intact(out_dir, meta):
-        print(f"reusing the shards in {out_dir} (meta.json matches these settings)")
-        return meta
-    docs = iter(docs)  # read the first document now: an unreachable source fails before we delete anything
-    first = next(docs, None)
-    if first is None:
-        raise DataError(f"{source}: no documents")
-    docs = itertools.chain([first], docs)
+        return {"fineweb_config": fineweb_config}, fineweb_documents(fineweb_config)
+    files = list_files(source)  # each file with its size, so an edited file leads to a rebuild
+    return ({"text_field": text_field, "files": [[str(f.resolve()), f.stat().st_size] for f in files]},
+            (d for f in files for d in file_documents(f, text_field)))
 
-    # start clean: meta.json first, so a crash from here on can never look like a finished run
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in [out_dir / "meta.json", *out_dir.glob("val_*.bin"), *out_dir.glob("train_*.bin")]:
-        old.unlink(missing_ok=True)
+
+def write_splits(docs, tok, out_dir, val_tokens, shard_tokens, max_tokens):
+    """Tokenize docs into val and train shards; return {split: [{"file", "tokens"}]} and the total."""
     from tqdm import tqdm
-    t0 = time.time()
     writers = {s: ShardWriter(out_dir, s, shard_tokens, tok) for s in ("val", "train")}
     split, total = "val", 0
     with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({tok.name})") as bar:
         for ids in tokenize_documents(docs, tok):
-            if max_tokens is not None:
-                ids = ids[:max_tokens - total]
+            ids = ids if max_tokens is None else ids[:max_tokens - total]
             writers[split].add(ids)
             total += len(ids)
             bar.update(len(ids))
@@ -332,10 +304,36 @@ def prepare(source, out_dir, tokenizer="gpt2", val_tokens=None, shard_tokens=100
     for w in writers.values():
         w.flush()
     if not writers["train"].shards:
-        raise DataError(f"nothing left for training: the validation split (whole documents, at least --val-tokens "
+        raise DataError(f"nothing left for training: validation (whole documents, at least --val-tokens "
                         f"{val_tokens}) took all {total} tokens; lower --val-tokens or add documents")
+    return {s: w.shards for s, w in writers.items()}, total
+
+
+def prepare(source, out_dir, tokenizer="gpt2", val_tokens=None, shard_tokens=100_000_000,
+            max_tokens=None, text_field="text", fineweb_config="sample-10BT"):
+    """Tokenize a real source into shards in out_dir, or reuse them; return the meta dict.
+    val_tokens defaults to 10M for fineweb-edu and 100k for local files (Austen: one novel)."""
+    out_dir, tok = Path(out_dir), get_tokenizer(tokenizer)
+    val_tokens = val_tokens or (10_000_000 if source == "fineweb-edu" else 100_000)
+    described, docs = open_source(source, text_field, fineweb_config)
+    config = {"source": source, "tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
+              "val_tokens": val_tokens, "shard_tokens": shard_tokens, "max_tokens": max_tokens, **described}
+    meta = load_meta(out_dir)
+    if meta is not None and meta["config"] == config and shards_intact(out_dir, meta):
+        print(f"reusing the shards in {out_dir} (meta.json matches these settings)")
+        return meta
+    first = next(docs, None)  # read now: an unreachable source fails before anything is deleted
+    if first is None:
+        raise DataError(f"{source}: no documents")
+
+    # start clean, meta.json first: from here on, a crash can never look like a finished run
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in [out_dir / "meta.json", *out_dir.glob("val_*.bin"), *out_dir.glob("train_*.bin")]:
+        old.unlink(missing_ok=True)
+    t0 = time.time()
+    shards, total = write_splits(itertools.chain([first], docs), tok, out_dir, val_tokens, shard_tokens, max_tokens)
     meta = {"format": "depthbench-shards", "version": VERSION, "config": config, "n_tokens": total,
-            "seconds": round(time.time() - t0, 2), "shards": {s: w.shards for s, w in writers.items()}}
+            "seconds": round(time.time() - t0, 2), "shards": shards}
     tmp = out_dir / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, out_dir / "meta.json")
@@ -360,22 +358,22 @@ class SyntheticTask:
     partial product were written right after its element, each answer would be a single table lookup,
     and a one-layer model would solve it.
 
-    S4 by default: it is non-abelian, so there is no order-free shortcut. The only thing an answer
-    reveals without composing is its sign, and its 24x24 table is quick to learn, so depth is the
-    bottleneck rather than memorising the table. S5 (--group s5) is non-solvable, so it has no
-    constant-depth shortcut at all (Barrington), but it has a 120x120 table and a larger vocab.
+    S4 by default: non-abelian, so order matters and the only order-free shortcut is the sign (a
+    parity count); its 24x24 table is quickly learnt, so depth rather than memory is the bottleneck.
+    S4 is solvable, so long products have few-layer shortcuts (Krohn-Rhodes); S5 (--group s5) is
+    not, and its word problem is NC1-complete (Barrington), at the price of a 120x120 table.
 
     Loss floor. Answers are determined by the context (0 nats). Elements are uniform (ln|G| each).
     After the j-th element of a segment, "=" comes next with probability 1/(k-j+1), since g is
     uniform. By the chain rule a segment carries ln k + (k+1)/2·ln|G| nats in (k+5)/2 tokens, so for
-    long sequences the floor is that ratio: 2.0735 nats/token for S4 and k = 4. loss_floor(T) gives
+    long sequences the floor is that ratio: 2.0737 nats/token for S4 and k = 4. loss_floor(T) gives
     the exact value for the T targets of one sequence, including the uniform a0 and the cut at the end.
     """
 
-    def __init__(self, max_gap=4, group="s4", seed=1337):
+    def __init__(self, max_gap=4, group="s4"):
         if max_gap < 1 or group not in ("s4", "s5"):
             raise DataError(f"synthetic task needs max_gap >= 1 and group s4|s5, got {max_gap}, {group!r}")
-        self.max_gap, self.group, self.seed = max_gap, group, seed
+        self.max_gap, self.group = max_gap, group
         self.elements = list(itertools.permutations(range(int(group[1]))))
         index = {p: i for i, p in enumerate(self.elements)}
         # mul[a][b] = a·b, as a list of lists because the generator indexes it one token at a time
@@ -383,12 +381,12 @@ class SyntheticTask:
         self.eq = len(self.elements)
         self.vocab_size = self.eq + 1
 
-    def sequence(self, split, index, length):
-        """Sequence number `index` of a split: (tokens, levels), two int lists of `length`.
-        levels[t] is g when token t is an answer written after a gap of g, else -1. The RNG is
-        seeded by (seed, split, index), so train and val never share a stream and any sequence
-        can be rebuilt from its index alone."""
-        rng = np.random.default_rng([self.seed, SPLITS[split], index])
+    def sequence(self, split, index, length, seed=1337):
+        """Sequence number `index` of a split: (tokens, levels), two int lists of `length`;
+        levels[t] = g when token t is an answer written after a gap of g, else -1. The RNG is seeded
+        by (seed, split, index): train and val never share a stream, and any sequence can be rebuilt
+        from its index alone."""
+        rng = np.random.default_rng([seed, SPLITS[split], index])
         gaps = rng.integers(1, self.max_gap + 1, size=length).tolist()
         elems = iter(rng.integers(0, self.eq, size=length + self.max_gap).tolist())
         state = next(elems)
@@ -436,6 +434,19 @@ class SyntheticTask:
                         for i, (w, l) in enumerate(zip(words, levels)))
 
 
+def answer_metrics(logits, y, level, max_gap):
+    """The synthetic task's metrics that count: answers only, per level. Returns a (max_gap, 3) tensor
+    whose row g-1 holds [summed cross-entropy, correct argmax predictions, count] over targets of
+    level g. They are sums, so they add up over micro-steps and ranks (all_reduce); then
+    loss = m[:, 0] / m[:, 2] and accuracy = m[:, 1] / m[:, 2]."""
+    logits, y, level = logits.flatten(0, 1).float(), y.flatten(), level.flatten().to(y.device)
+    keep = level > 0
+    ce = torch.nn.functional.cross_entropy(logits[keep], y[keep], reduction="none")
+    correct = (logits[keep].argmax(-1) == y[keep]).float()
+    sums = torch.zeros(max_gap, 3, device=logits.device)
+    return sums.index_add_(0, level[keep] - 1, torch.stack([ce, correct, torch.ones_like(ce)], 1))
+
+
 # -----------------------------------------------------------------------------
 # batches
 
@@ -445,7 +456,7 @@ class ShardStream:
     def __init__(self, folder, split):
         meta = load_meta(folder)
         if meta is None:
-            raise DataError(f"no meta.json in {folder}: prepare it first with python data.py --source ... --out {folder}")
+            raise DataError(f"no meta.json in {folder}: make it with python data.py --source ... --out {folder}")
         self.meta = meta
         self.shards = [read_shard(Path(folder) / s["file"]) for s in meta["shards"][split]]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # where each file begins in the stream
@@ -464,10 +475,9 @@ class ShardStream:
 
 
 class BatchLoader:
-    """(x, y, level) batches for one rank: x, y are (B, T) int64 with y = x shifted left by one.
-    level is (B, T) int64 for the synthetic task (the gap g where y is an answer, -1 elsewhere) and
-    None for real text. The order is in the module docstring: each batch is a pure function of
-    (step, micro_step), and the loader only remembers where it is."""
+    """(x, y, level) batches for one rank, in the order of the module docstring: x, y are (B, T)
+    int64, y = x shifted left by one; level is (B, T) int64 for the synthetic task (the gap g where
+    y is an answer, -1 elsewhere) and None for real text."""
 
     def __init__(self, source, split, batch_size, seq_len, global_batch=None, rank=0, world_size=1, seed=1337):
         """source: a SyntheticTask, or a folder of shards made by prepare(). global_batch: sequences
@@ -486,7 +496,7 @@ class BatchLoader:
             self.vocab_size = self.stream.meta["config"]["vocab_size"]
             self.n_windows = (len(self.stream) - 1) // seq_len
             if self.n_windows < 1:
-                raise DataError(f"{source}: the {split} split has {len(self.stream)} tokens, too few for one sequence of {seq_len}")
+                raise DataError(f"{source}: {split} has {len(self.stream)} tokens, fewer than T + 1 = {seq_len + 1}")
             self._perm_epoch, self._perm = None, None
         self.step, self.micro_step = 0, 0
 
@@ -510,7 +520,8 @@ class BatchLoader:
             seqs = np.stack([self.window(g) for g in self.sequence_indices(step, micro_step)])
             level = None
         else:
-            rows = [self.task.sequence(self.split, g, self.T + 1) for g in self.sequence_indices(step, micro_step)]
+            rows = [self.task.sequence(self.split, g, self.T + 1, self.seed)
+                    for g in self.sequence_indices(step, micro_step)]
             seqs = np.array([r[0] for r in rows], dtype=np.int64)
             level = torch.from_numpy(np.array([r[1][1:] for r in rows], dtype=np.int64))  # the level of each target
         seqs = torch.from_numpy(seqs)
@@ -546,13 +557,13 @@ def positive(text):
 
 
 def show_synthetic(args):
-    task = SyntheticTask(args.max_gap, args.group, args.seed)
+    task = SyntheticTask(args.max_gap, args.group)
     print(f"synthetic {args.group.upper()} running products, max gap {args.max_gap}: vocab {task.vocab_size} "
           f"({task.eq} elements + '='), answers ~{2 / (args.max_gap + 5):.1%} of targets")
     print(f"loss floor over all targets: {task.loss_floor(args.seq_len):.4f} nats/token at T={args.seq_len}, "
           f"{task.loss_floor():.4f} for long sequences; answers alone: 0")
     for i in range(args.show):
-        print(f"\nval sequence {i}:\n" + task.decode(*task.sequence("val", i, args.seq_len)))
+        print(f"\nval sequence {i}:\n" + task.decode(*task.sequence("val", i, args.seq_len, args.seed)))
 
 
 def show_shards(args, meta, out):
@@ -570,26 +581,26 @@ def show_shards(args, meta, out):
 
 
 def main(argv=None):
-    p = Parser(description="Prepare token shards from a real source, or show the synthetic task.")
-    p.add_argument("--source", required=True, help="'fineweb-edu', 'synthetic', or a .txt/.jsonl/.parquet file, folder or quoted glob")
+    p = Parser(prog="data.py", description="Prepare token shards from a real source, or show the synthetic task.")
+    p.add_argument("--source", required=True,
+                   help="'fineweb-edu', 'synthetic', or a .txt/.jsonl/.parquet file, folder or quoted glob")
     p.add_argument("--out", help="output folder for the shards (required for real sources)")
-    p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="gpt2 (tiktoken BPE) or bytes (UTF-8, vocab 257)")
-    p.add_argument("--val-tokens", type=positive, help="validation = the first whole documents, until at least this many tokens "
-                   "(default 10M for fineweb-edu, 100k for local files)")
+    p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"],
+                   help="gpt2 (tiktoken BPE) or bytes (UTF-8, vocab 257)")
+    p.add_argument("--val-tokens", type=positive, help="validation = the first whole documents, until at least "
+                   "this many tokens (default 10M for fineweb-edu, 100k for local files)")
     p.add_argument("--shard-tokens", type=positive, default=100_000_000, help="tokens per train shard file")
     p.add_argument("--max-tokens", type=positive, help="stop after this many tokens in all (default: the whole source)")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl rows / .parquet columns")
     p.add_argument("--fineweb-config", default="sample-10BT", help="the fineweb-edu subset to stream")
     p.add_argument("--max-gap", type=positive, default=4, help="synthetic: the largest gap k (compositions per answer)")
     p.add_argument("--group", default="s4", choices=["s4", "s5"], help="synthetic: the permutation group")
-    p.add_argument("--show", type=int, default=0, help="print this many decoded example sequences")
-    p.add_argument("--seq-len", type=positive, default=64, help="length of the shown sequences (and T for the loss floor)")
-    p.add_argument("--seed", type=int, default=1337, help="synthetic task seed / train window order seed")
+    p.add_argument("--show", type=positive, default=0, help="print this many decoded example sequences")
+    p.add_argument("--seq-len", type=positive, default=64, help="T of the shown sequences and the loss floor")
+    p.add_argument("--seed", type=int, default=1337, help="seeds synthetic sequences and train window order")
     args = p.parse_args(argv)
     if args.source != "synthetic" and args.out is None:
         p.error("--out is required to prepare shards from a real source")
-    if args.show < 0:
-        p.error(f"--show must be >= 0, got {args.show}")
     try:
         if args.source == "synthetic":
             show_synthetic(args)

@@ -1,6 +1,6 @@
 """
 Tests of data.py: shards, tokenizers, preparing real text, the synthetic task and the batch loader.
-CPU only, no network, about 15 s:
+CPU only, no network, about 10 s:
 
     python -m pytest -q test_data.py
 
@@ -217,7 +217,7 @@ def test_synthetic_splits_disjoint_and_deterministic():
     val = {tuple(task.sequence("val", i, 64)[0]) for i in range(300)}
     assert len(train) == len(val) == 300 and not train & val
     assert task.sequence("val", 7, 64) == SyntheticTask(max_gap=4).sequence("val", 7, 64)
-    assert task.sequence("val", 7, 64) != SyntheticTask(max_gap=4, seed=1).sequence("val", 7, 64)
+    assert task.sequence("val", 7, 64) != task.sequence("val", 7, 64, seed=1)
 
 
 def oracle_loss(task, tokens):
@@ -338,6 +338,21 @@ def test_synthetic_level_marks_answer_targets():
     assert bool((y[answer] < task.eq).all())
 
 
+def test_answer_metrics_count_answers_per_level():
+    """Perfect logits: accuracy 1 and ~0 loss on every level; uniform logits: loss ln(V) and the
+    counts are the number of answer targets of each level; non-answer targets never count."""
+    task = SyntheticTask(max_gap=3)
+    x, y, level = BatchLoader(task, "train", 4, 64).get_batch(0, 0)
+    V = data.padded_vocab_size(task.vocab_size)
+    counts = torch.tensor([(level == g).sum().item() for g in (1, 2, 3)], dtype=torch.float)
+    perfect = data.answer_metrics(20 * torch.nn.functional.one_hot(y, V).float(), y, level, 3)
+    assert torch.equal(perfect[:, 2], counts) and torch.equal(perfect[:, 1], counts) and perfect[:, 0].max() < 1e-3
+    uniform = data.answer_metrics(torch.zeros(4, 64, V), y, level, 3)
+    assert torch.allclose(uniform[:, 0] / uniform[:, 2], torch.full((3,), math.log(V)))
+    wrong_elsewhere = 20 * torch.nn.functional.one_hot(torch.where(level > 0, y, (y + 1) % V), V).float()
+    assert torch.equal(data.answer_metrics(wrong_elsewhere, y, level, 3)[:, 1], counts)
+
+
 def test_real_data_order(shard_dir):
     """Train visits every window once per epoch, in a shuffled order that changes each epoch; val
     reads in order; level is None; a window can straddle two shard files."""
@@ -353,3 +368,32 @@ def test_real_data_order(shard_dir):
     val = BatchLoader(shard_dir, "val", 1, T)
     x, y, level = val.get_batch(1, 0)
     assert level is None and x[0].tolist() == val.stream.read(T, T).tolist()
+
+
+# -----------------------------------------------------------------------------
+# command line (in-process: data.main(argv))
+
+def test_cli_show_synthetic(capsys):
+    data.main(["--source", "synthetic", "--max-gap", "4", "--show", "3", "--seq-len", "40"])
+    out = capsys.readouterr().out
+    assert out.count("val sequence") == 3 and "2.0737" in out and "vocab 25" in out
+
+
+def test_cli_prepare_prints_counts(tmp_path, capsys):
+    for i in range(2):
+        (tmp_path / f"{i}.txt").write_text(f"document {i} " * 50)
+    data.main(["--source", str(tmp_path / "*.txt"), "--tokenizer", "bytes", "--out", str(tmp_path / "o"),
+               "--val-tokens", "1", "--show", "1", "--seq-len", "20"])
+    out = capsys.readouterr().out
+    assert "val_000000.bin: 551 tokens" in out and "train_000000.bin: 551 tokens" in out  # 50 * 11 bytes + EOT
+    assert "document 1" in out.split("validation")[1]  # the shown sequence comes from train
+
+
+@pytest.mark.parametrize("argv", [["--source", "synthetic", "--max-gap", "0"], ["--source", "a.txt"],
+                                  ["--source", "synthetic", "--group", "s3"],
+                                  ["--source", "/no/such/*.txt", "--out", "o", "--tokenizer", "bytes"]])
+def test_cli_bad_arguments_exit_2_in_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        data.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("data.py: error:")
