@@ -252,3 +252,185 @@ def test_sandwich_normalises_the_branch_output():
     res = build("sandwich").res
     s, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
     torch.testing.assert_close(res.write(s, 2, y), res.write(s, 2, 100 * y), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the five cross-layer designs
+
+@pytest.mark.parametrize("residual,extra_l24,extra_l70", [
+    ("hc", 296_160, 541_240), ("mhc", 4_719_888, 8_605_380), ("attnres", 98_304, 179_200),
+    ("block_attnres", 98_304, 179_200), ("moda", 48_234_496, 56_524_800),
+])
+def test_cross_layer_extra_params_match_spec(residual, extra_l24, extra_l70):
+    """architectures.md §11: HC 2L(6d+26), mHC 2L(96d+27), AttnRes 4dL, MoDA 2d^2(L-1)."""
+    for (L, d, d_ff), extra in [((24, 1024, 2736), extra_l24), ((70, 640, 1712), extra_l70)]:
+        assert shapes.count_params(L, d, d_ff, residual) - shapes.preln_params(L, d, d_ff) == extra
+
+
+def test_hc_with_one_stream_equals_preln():
+    """HC with n = 1 (zero dynamic terms at init, 1/sqrt(1) output scale) is Pre-LN on the same weights."""
+    pre, hc = build("preln"), build("hc", residual_args={"n_streams": 1})
+    hc.load_state_dict(pre.state_dict(), strict=False)
+    x = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(hc(x)[0], pre(x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_block_attnres_with_one_sublayer_per_group_equals_full():
+    """Block AttnRes with N = 2L groups is Full AttnRes, on the same (trained-looking) weights."""
+    full = build("attnres")
+    with torch.no_grad():
+        full.res.queries.normal_(0, 0.5)          # non-uniform depth weights, so the test has teeth
+    block = build("block_attnres", residual_args={"n_groups": 6})
+    block.load_state_dict(full.state_dict())
+    x = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(block(x)[0], full(x)[0], rtol=0, atol=0)
+        coarse = build("block_attnres", residual_args={"n_groups": 2})
+        coarse.load_state_dict(full.state_dict())
+        assert (coarse(x)[0] - full(x)[0]).abs().max() > 1e-4
+
+
+def test_block_attnres_groups_spread_evenly():
+    """N = 8 groups over 2L sublayers: consecutive, sizes differ by at most one, for every 400M depth."""
+    for L in shapes.TABLE_LAYERS:
+        with torch.device("meta"):
+            res = GPT(GPTConfig(n_layer=L, d_model=32, n_head=2, d_ff=96, vocab_size=8, residual="block_attnres")).res
+        sizes = [res.group.count(g) for g in range(8)]
+        assert res.group == sorted(res.group) and max(sizes) - min(sizes) <= 1 and sum(sizes) == 2 * L
+
+
+def test_attnres_weights_uniform_at_init_and_sum_to_one():
+    """Zero queries: consumer k spreads weight 1/(k+1) over its k+1 sources; always sums to 1."""
+    model = build("attnres")
+    x = batch()
+    with torch.no_grad():
+        rec = model(x, record=True)[2]
+    weights = rec["attnres_weights"]
+    assert [len(w) for w in weights] == list(range(2, 2 * 3 + 2))   # consumers 1..2L (2L = the head)
+    for w in weights:
+        torch.testing.assert_close(w, torch.full_like(w, 1 / len(w)))
+    with torch.no_grad():
+        model.res.queries.normal_(0, 1.0)
+        for w in model(x, record=True)[2]["attnres_weights"]:
+            assert abs(w.sum().item() - 1) < 1e-5 and w.std() > 1e-3
+
+
+def test_sinkhorn_doubly_stochastic():
+    """The shared sinkhorn makes logits of mHC's scale doubly stochastic (columns exact, rows ~1e-3;
+    20 iterations do not converge for strongly peaked logits, as in the reference)."""
+    from residuals import sinkhorn
+    M = sinkhorn(torch.randn(5, 4, 4))
+    torch.testing.assert_close(M.sum(-2), torch.ones(5, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(M.sum(-1), torch.ones(5, 4), atol=1e-3, rtol=0)
+
+
+def _mhc_maps(model, x):
+    with torch.no_grad():
+        rec = model(x, record=True)[2]
+    return torch.stack(rec["H_res"]), torch.stack(rec["H_pre"]), torch.stack(rec["H_post"])
+
+
+def test_mhc_transport_doubly_stochastic_uniform_init_and_after_training():
+    """Default init: H_res ~ 11^T/4, H_pre ~ 1/2, H_post ~ 1; still doubly stochastic after AdamW steps."""
+    model = build("mhc")
+    x = batch()
+    res, pre, post = _mhc_maps(model, x)
+    torch.testing.assert_close(res, torch.full_like(res, 0.25), atol=0.02, rtol=0)
+    torch.testing.assert_close(pre, torch.full_like(pre, 0.5), atol=0.02, rtol=0)
+    torch.testing.assert_close(post, torch.ones_like(post), atol=0.05, rtol=0)
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=3e-2)
+    for _ in range(5):
+        opt.zero_grad()
+        model(x, x)[1].backward()
+        opt.step()
+    res2 = _mhc_maps(model, x)[0]
+    assert (res2 - res).abs().max() > 1e-3                      # the transport did move
+    # token-averaged maps of doubly stochastic matrices are doubly stochastic too
+    torch.testing.assert_close(res2.sum(-1), torch.ones(6, 4), atol=1e-3, rtol=0)
+    torch.testing.assert_close(res2.sum(-2), torch.ones(6, 4), atol=1e-4, rtol=0)
+
+
+def test_mhc_gap8_init():
+    """gap-8: H_res diagonal 1/(1+3e^-8) = 0.998995, H_pre ~ one-hot(k mod 4), H_post = 1."""
+    model = build("mhc", residual_args={"init": "gap8"})
+    res, pre, post = _mhc_maps(model, batch())
+    diag = 1 / (1 + 3 * math.exp(-8))
+    torch.testing.assert_close(torch.diagonal(res, dim1=-2, dim2=-1), torch.full((6, 4), diag), atol=1e-5, rtol=0)
+    onehot = torch.nn.functional.one_hot(torch.arange(6) % 4, 4).float()
+    torch.testing.assert_close(pre, onehot * (2 * torch.sigmoid(torch.tensor(8.0)) - 1) + torch.sigmoid(torch.tensor(-8.0)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(post, torch.ones_like(post), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_residual_mixing_reaches_the_output(residual):
+    """Perturbing the residual-transport of a middle connector changes the loss (a shipped HC bug
+    computed the mixing but added the branch to the un-mixed streams)."""
+    model = build(residual)
+    x = batch()
+    with torch.no_grad():
+        # make the streams differ and their read-out non-uniform first: a doubly stochastic mix of
+        # identical streams is the identity, and it keeps the stream sum, which uniform H_pre reads
+        if residual == "hc":
+            model.res.conn[0].dynamic_alpha.normal_()
+        else:
+            for c in model.res.conn:
+                c.b[:8].copy_(torch.randn(8))
+        loss0 = model(x, x)[1].item()
+        c = model.res.conn[1]
+        if residual == "hc":
+            c.static_alpha[:, 1:] += 0.5 * torch.randn(4, 4)
+        else:
+            c.b[8:] += 2.0 * torch.randn(16)
+        assert abs(model(x, x)[1].item() - loss0) > 1e-4
+
+
+def test_hc_streams_and_collapse():
+    """HC at init, on Pre-LN's weights: the 4 streams stay identical copies of Pre-LN's stream, and the
+    summed (4x) collapse gives Pre-LN's logits after the final norm."""
+    pre, hc = build("preln"), build("hc")
+    hc.load_state_dict(pre.state_dict(), strict=False)   # also replaces the 1/sqrt(n)-scaled W_o, W_2
+    x = batch()
+    with torch.no_grad():
+        logits, _, rec = hc(x, record=True)
+        # not bit-exact: the final norm's eps (1e-6) weighs less against the 4x larger sum
+        torch.testing.assert_close(logits, pre(x)[0], rtol=5e-3, atol=1e-3)
+    z = rec["states"][-1].unflatten(-1, (4, 64))
+    torch.testing.assert_close(z, z[:, :, :1].expand_as(z), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(z[:, :, 0], pre(x, record=True)[2]["states"][-1], rtol=1e-4, atol=1e-5)
+
+
+def test_moda_depth_path_sends_gradient_to_earlier_layers():
+    """With T = 1 a token's sequence softmax has one key, so Pre-LN's block-0 W_k gets no gradient;
+    MoDA's later blocks read block 0's keys through depth attention, so its W_k does."""
+    x = batch(B=2, T=1)
+    for residual, expect_grad in [("preln", False), ("moda", True)]:
+        model = build(residual)
+        model(x, x)[1].backward()
+        g = model.blocks[0].attn.wk.weight.grad.abs().max().item()
+        assert (g > 1e-8) == expect_grad, (residual, g)
+
+
+def test_moda_records_depth_mass_and_checkpoint_path_matches():
+    """MoDA's depth attention takes a share of the softmax mass in (0, 1); the checkpointed
+    training path and the no-grad path give the same logits."""
+    model = build("moda")
+    x = batch()
+    with torch.no_grad():
+        logits_ng, _, rec = model(x, record=True)
+    mass = torch.stack(rec["moda_depth_mass"])
+    assert len(mass) == 2 and ((mass > 0) & (mass < 1)).all()    # blocks 1 and 2 have depth keys
+    torch.testing.assert_close(model(x)[0].detach(), logits_ng, rtol=1e-6, atol=1e-6)
+
+
+def test_moda_post_norm_variant():
+    """MoDA norm='post' runs, is causal, and differs from the pre-norm variant on the same weights."""
+    pre = build("moda")
+    post = build("moda", residual_args={"norm": "post"})
+    post.load_state_dict(pre.state_dict())
+    x = batch()
+    with torch.no_grad():
+        a, b = pre(x)[0], post(x)[0]
+        assert (a - b).abs().max() > 1e-3
+        x2 = x.clone(); x2[:, 9] = (x2[:, 9] + 1) % 64
+        torch.testing.assert_close(post(x2)[0][:, :9], b[:, :9], rtol=0, atol=1e-6)
