@@ -47,33 +47,44 @@ def tri(n, value, strict=True):
 
 
 def diagnose_json(residual="attnres", n_layer=L, d_model=64):
+    """Every metric filled in, except the design-specific ones, which are {"skipped": ...} for other designs as
+    diagnose.py writes them. Values shift a little per design so lines don't sit on top of each other."""
     n, S = n_layer, 2 * n_layer  # S sublayers
-    rng = np.random.default_rng(n)
+    rng = np.random.default_rng(n + len(residual))
+    o = 0.1 * plot.design_order(residual)
     sub = [[(n - g) / n * 0.1 * (k + 1) if k + g < n + 1 else None for k in range(n)] for g in range(n)]
     weights = [[1.0 / (c + 1) if s <= c else None for s in range(S + 1)] for c in range(S + 1)]
-    return {"schema": "depthbench.diagnose/1",
-            "meta": {"residual": residual, "n_layer": n, "d_model": d_model, "ar": d_model / n,
-                     "checkpoint": None, "num_samples": 4, "seq_len": 32, "dtype": "float32",
-                     "device": "cpu", "seed": 0},
-            "angular_distance": {"matrix": tri(n + 1, lambda i, j: (j - i) / (n + 1)), "subsequent": sub,
-                                 "definition": "mean arccos / pi"},
-            "causal_score": {"matrix": tri(n, lambda i, j: float(rng.uniform(0, 1))), "threshold": 0.45,
-                             "s_min": 1, "R_causal": 0.33, "n_pairs": 3, "n_above": 1, "variant": "mean_of_ratios"},
-            "permutation_score": {"matrix": tri(n, lambda i, j: float(rng.uniform(0, 0.4))), "threshold": 0.15,
-                                  "R_perm": 0.5, "R_perm_last34": 0.33, "baseline_loss": 3.0},
-            "logit_lens": {"states": [{"index": i, "early_exit_ce": 6 - i, "kl_to_final": 3 - 0.7 * i,
-                                       "top5_overlap": i / n} for i in range(n + 1)], "final_loss": 2.0},
-            "layer_pruning": {"baseline_loss": 3.0, "layers": [{"layer": i, "loss": 3.0 + 0.1 * (i + 1),
-                                                                "delta": 0.1 * (i + 1)} for i in range(n)]},
-            "attnres_weights": {"sublayer": weights, "block": [[1.0 / (c + 1) if s <= c else None
-                                                                for s in range(n + 1)] for c in range(n + 1)]},
-            "transport_erank": {"per_connector": [2.5 + 0.05 * k for k in range(S)], "mean": 2.7,
-                                "product": [2.5 / (k + 1) + 1 for k in range(S)]},
-            "dead_zone": {"tau": 0.05, "schedule": [0.01, 0.02, 0.3, 0.5, 0.04, 0.6, 0.7, 0.8][:S],
-                          "dead": [True, True, False, False, True, False, False, False][:S], "count_blocks": 1},
-            "nll": {"tasks": {"mbpp": {"category": "coding", "nll_mean": 2.0, "num_target_tokens": 100}},
-                    "categories": {"coding": {"nll_mean": 2.0}, "stem": {"nll_mean": 2.5},
-                                   "math": {"nll_mean": 1.8 + 0.1 * n}}}}
+    schedule = [0.01 if k % 3 == 0 else 0.2 + 0.6 * k / S for k in range(S)]
+    lens = [{"index": i, "early_exit_ce": 6 - i * (4 - o) / n, "kl_to_final": (3 - o) * (1 - i / n),
+             "top5_overlap": (i / n) ** (1 + o)} for i in range(n + 1)]
+    doc = {"schema": "depthbench.diagnose/1",
+           "meta": {"residual": residual, "n_layer": n, "d_model": d_model, "ar": d_model / n, "checkpoint": None,
+                    "num_samples": 4, "seq_len": 32, "dtype": "float32", "device": "cpu", "seed": 0},
+           "angular_distance": {"matrix": tri(n + 1, lambda i, j: (j - i) / (n + 1)), "subsequent": sub,
+                                "definition": "mean arccos / pi"},
+           "causal_score": {"matrix": tri(n, lambda i, j: float(rng.uniform(0, 1))), "threshold": 0.45, "s_min": 1,
+                            "R_causal": 0.05 + 0.2 * o, "n_pairs": 3, "n_above": 1, "variant": "mean_of_ratios"},
+           "permutation_score": {"matrix": tri(n, lambda i, j: float(rng.uniform(0, 0.4))), "threshold": 0.15,
+                                 "R_perm": 0.1 + 0.3 * o, "R_perm_last34": 0.33, "baseline_loss": 3.0},
+           "logit_lens": {"states": lens, "final_loss": 2.0 + o},
+           "layer_pruning": {"baseline_loss": 3.0,
+                             "layers": [{"layer": i, "loss": 3.1 + 0.1 * i, "delta": 0.1 + 0.1 * i} for i in range(n)]},
+           "attnres_weights": {"sublayer": weights, "block": [[1.0 / (c + 1) if s <= c else None for s in range(n + 1)]
+                                                              for c in range(n + 1)]},
+           "transport_erank": {"per_connector": [(2.6 if residual == "hc" else 1.5) + 0.02 * k for k in range(S)],
+                               "mean": 2.7, "product": [2.5 / (k + 1) + 1 for k in range(S)]},
+           "dead_zone": {"tau": 0.05, "schedule": schedule, "dead": [v < 0.05 for v in schedule],
+                         "count_blocks": 1},
+           "nll": {"tasks": {"mbpp": {"category": "coding", "nll_mean": 2.0, "num_target_tokens": 100}},
+                   "categories": {"coding": {"nll_mean": 2.0 + o}, "stem": {"nll_mean": 2.5},
+                                  "math": {"nll_mean": 1.8 + 0.1 * n - o}}}}
+    if residual not in ("attnres", "block_attnres"):
+        doc["attnres_weights"] = {"skipped": "not an AttnRes model"}
+    if residual != "block_attnres":
+        doc["dead_zone"] = {"skipped": "not Block AttnRes"}
+    if residual not in ("hc", "mhc"):
+        doc["transport_erank"] = {"skipped": "not HC/mHC"}
+    return doc
 
 
 def profile_json(gpu=True):
@@ -146,10 +157,11 @@ def test_each_figure_skips_without_its_data(tmp_path, name, fn):
 
 
 def test_imports_without_torch():
-    """plot.py must work where torch is absent: importing it with torch blocked succeeds."""
-    code = "import sys; sys.modules['torch'] = None; import plot; assert 'torch' not in sys.modules or sys.modules['torch'] is None"
-    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    """plot.py must work where torch is absent: it imports with torch blocked, and never pulls torch in."""
+    for code in ["import sys; sys.modules['torch'] = None; import plot",  # any 'import torch' would raise
+                 "import sys, plot; assert 'torch' not in sys.modules"]:
+        r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
 
 
 def test_diverged_run_is_marked_not_dropped(full_dir, tmp_path):
@@ -217,6 +229,27 @@ def test_main_draws_exactly_what_the_folder_supports(tmp_path, capsys):
     assert "fig7_attnres_weights: skipped (no diagnose JSON with attnres_weights)" in text
     assert "fig11_system_cost: skipped" in text
     assert "1 diverged run(s) marked" in text
+
+
+def test_malformed_fields_cost_a_figure_not_the_run(tmp_path, capsys):
+    """Schema-valid JSON with junk inside (strings for lists, nulls, wrong types): main finishes, prints a
+    one-line FAILED or a figure for each, and never raises."""
+    run = dict(train_json(), steps="x", evals=5, final=None)
+    run["config"] = dict(run["config"], lr="abc", n_layer=None)
+    diag = diagnose_json("block_attnres")
+    for key, field in [("angular_distance", "subsequent"), ("causal_score", "matrix"), ("attnres_weights", "block")]:
+        diag[key][field] = "oops"
+    diag["logit_lens"]["states"] = [1, None]
+    diag["layer_pruning"]["layers"] = "x"
+    diag["dead_zone"] = {"schedule": [None, "a", 0.3]}
+    diag["nll"] = {"categories": {"coding": 3}}
+    prof = {"schema": "depthbench.profile/1", "rows": [1, {"residual": "hc"}, {"residual": "preln", "ar": "x"}]}
+    for name, obj in [("run.json", run), ("diag.json", diag), ("prof.json", prof)]:
+        write(tmp_path / "runs", name, obj)
+    assert plot.main([str(tmp_path / "runs"), "--out", str(tmp_path / "figs")]) in (0, 1)
+    lines = capsys.readouterr().out.splitlines()
+    names = [n for n, _ in plot.FIGURES]
+    assert sorted(line.split(":")[0] for line in lines if line.split(":")[0] in names) == sorted(names)
 
 
 def test_main_draws_everything_with_svg(full_dir, tmp_path, capsys):
