@@ -22,6 +22,8 @@ plus
     res.depth_state(s, i)                    # diagnostics: the depth state z read by sublayer i
                                              # (i = 2L: what the head reads), before any norm
     res.recording                            # None, or a dict the design logs internals into
+    res.sublayer_params(i)                   # diagnostics: {name: tensor} the design owns for sublayer
+                                             # i, so a weight swap can move them with their block
 
 Rules: every parameter a design creates is used on every forward (DDP needs no
 find_unused_parameters); per-layer constants are Python floats computed in __init__ from i and L.
@@ -146,6 +148,12 @@ class PreLN(nn.Module):
     def no_decay_params(self):
         return []
 
+    def sublayer_params(self, i):
+        """The design's own tensors that belong to sublayer i, by a name shared across sublayers
+        (diagnose.py's block swap exchanges tensors of equal name and shape). Rows of a stacked
+        parameter are returned as views, so writing into them writes the parameter."""
+        return {"norm": self.norms[i].weight}
+
     def log(self, key, value):
         """Append an internal tensor to the recording forward's dict (no-op when not recording)."""
         if self.recording is not None:
@@ -166,6 +174,9 @@ class SandwichLN(PreLN):
 
     def write(self, s, i, y, aux=None):
         return s + self.post_norms[i](y)
+
+    def sublayer_params(self, i):
+        return {**super().sublayer_params(i), "post_norm": self.post_norms[i].weight}
 
 
 class LNS(PreLN):
@@ -238,6 +249,10 @@ class KEEL(PreLN):
             return s + y
         return self.post_norms[i - 1](self.alphas[i] * s + y)
 
+    def sublayer_params(self, i):
+        own = super().sublayer_params(i)
+        return own if i == 0 else {**own, "post_norm": self.post_norms[i - 1].weight}
+
 
 # ----------------------------------------------------------------------------- cross-layer designs
 
@@ -292,6 +307,10 @@ class HC(PreLN):
 
     def no_decay_params(self):
         return [p for c in self.conn for p in (c.static_alpha, c.static_beta)]
+
+    def sublayer_params(self, i):
+        conn = {f"conn.{name}": p for name, p in self.conn[i].named_parameters()}
+        return {**super().sublayer_params(i), **conn}
 
     def _maps(self, H, i):
         """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n_out, n_in) of sublayer i."""
@@ -430,6 +449,12 @@ class BlockAttnRes(PreLN):
     def init_stream(self, x0):
         return [x0], None
 
+    def sublayer_params(self, i):
+        # row i belongs to consumer i + 1, the mix that first reads sublayer i's output: block b owns
+        # its MLP-side mixer (row 2b) and the mixer that reads its output (row 2b + 1, the head's for
+        # the last block), the reference's swap rule (diagnostics.md §1.5)
+        return {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
+
     def _mix(self, s, k):
         """Raw (pre-norm) depth mix read by consumer k >= 1, and its weights over the sources."""
         done, partial = s
@@ -511,6 +536,12 @@ class MoDA(PreLN):
 
     def init_stream(self, x0):
         return x0, [], []
+
+    def sublayer_params(self, i):
+        own = super().sublayer_params(i)
+        if i % 2 == 1 and i // 2 < len(self.kv_proj):                  # the MLP slot's W_kv
+            own["kv_proj"] = self.kv_proj[i // 2].weight
+        return own
 
     def read(self, s, i):
         x, ks, vs = s
