@@ -77,7 +77,8 @@ def check_schema(obj):
     kind = name.split(".")[1]
     # only what every figure of this kind needs; all other fields are optional and checked per figure
     key = {"train": "config", "diagnose": "meta", "profile": "rows"}[kind]
-    ok = isinstance(obj.get(key), list) if kind == "profile" else isinstance((obj.get(key) or {}).get("residual"), str)
+    v = obj.get(key)
+    ok = isinstance(v, list) if kind == "profile" else isinstance(v, dict) and isinstance(v.get("residual"), str)
     return (kind, None) if ok else (None, f"schema {obj['schema']} but no usable {key!r}")
 
 
@@ -260,10 +261,12 @@ def fig2_final_loss(data, out_path, svg=False):
     best_lr, points = {}, {}
     for (res, ar), by_lr in groups.items():
         # best LR = fewest diverged seeds, then lowest mean final val loss: an LR that sometimes blows
-        # up should not win because its surviving seeds happen to be good
+        # up should not win because its surviving seeds happen to be good. Unfinished runs (killed or
+        # still going) would bring a too-early loss, so they are left out.
         scored = []
         for lr, rs in by_lr.items():
-            vals = [final_val(r) for r in rs if not r.get("diverged") and math.isfinite(final_val(r))]
+            vals = [final_val(r) for r in rs if r.get("finished", True) and not r.get("diverged")
+                    and math.isfinite(final_val(r))]
             if vals:
                 scored.append((sum(bool(r.get("diverged")) for r in rs), np.mean(vals), lr, vals))
         if scored:
@@ -288,13 +291,14 @@ def fig2_final_loss(data, out_path, svg=False):
     if diverged:
         ax.text(0.01, 0.01, "× at top: a run that diverged (any LR) at that shape", transform=ax.transAxes)
     ar_axis(ax, [ar for _, ar in groups])
-    budgets = {num(r["config"].get("params_budget")) for r in runs}
+    budgets = {b for b in (num(r["config"].get("params_budget")) for r in runs) if math.isfinite(b)}
     budget = f" (budget {budgets.pop() / 1e6:.3g}M params)" if len(budgets) == 1 else ""
     ax.set(ylabel="final validation loss (nats/token)", title=f"Final validation loss vs aspect ratio{budget}")
     legend_once(ax, [ax])
     save(fig, out_path, svg)
-    return {"drew": f"{len(points)} (design, AR) points from {len(runs)} runs, {len(diverged)} diverged run(s) marked",
-            "best_lr": best_lr, "diverged": diverged}
+    unfinished = sum(not r.get("finished", True) and not r.get("diverged") for r in runs)
+    return {"drew": f"{len(points)} (design, AR) points from {len(runs)} runs, {len(diverged)} diverged run(s) "
+                    f"marked, {unfinished} unfinished left out", "best_lr": best_lr, "diverged": diverged}
 
 
 def fig2_loss_curves(data, out_path, svg=False):
@@ -341,8 +345,7 @@ def fig4_nll(data, out_path, svg=False):
     docs = [g for g in with_metric(data, "nll.categories") if isinstance(g["nll"]["categories"], dict)]
     if not docs:
         return {"skipped": "no diagnose JSON with nll.categories"}
-    cats = ["coding", "stem", "math"]
-    cats += sorted({c for g in docs for c in g["nll"]["categories"]} - set(cats))
+    cats = ["coding", "stem", "math"]  # the paper's three; per-task values stay in the JSON
     fig, axes = plt.subplots(1, len(cats), figsize=(4.5 * len(cats), 4))
     for ax, cat in zip(axes, cats):
         points = {}  # (design, AR) -> values; several JSONs of one shape (seeds) are averaged

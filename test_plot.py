@@ -173,16 +173,19 @@ def test_diverged_run_is_marked_not_dropped(full_dir, tmp_path):
 
 
 def test_best_lr_is_lowest_mean_over_seeds(tmp_path):
-    """Per (design, AR) the LR with the lowest mean final val loss wins, and an LR with a diverged seed loses."""
+    """Per (design, AR) the LR with the lowest mean final val loss wins; an LR with a diverged seed loses, and
+    an unfinished run does not count."""
     runs = [train_json("preln", 4, 128, 1e-3, s, final=3.0 + s) for s in (0, 1)]       # mean 3.5
     runs += [train_json("preln", 4, 128, 2e-3, s, final=3.2 + 0.1 * s) for s in (0, 1)]  # mean 3.25: best
     runs += [train_json("preln", 4, 128, 4e-3, 0, final=2.0),                           # lower, but
              train_json("preln", 4, 128, 4e-3, 1, diverged=True)]                       # one seed blew up
+    runs += [dict(train_json("preln", 4, 128, 8e-3, 0, final=1.0), finished=False)]     # killed early: ignored
     for i, r in enumerate(runs):
         r["_path"] = f"r{i}.json"
     info = plot.fig2_final_loss({"train": runs}, tmp_path / "f.png")
     assert info["best_lr"] == {"preln@32": 2e-3}
     assert info["diverged"] == ["r5.json"]
+    assert "1 unfinished left out" in info["drew"]
 
 
 def test_other_schema_version_is_skipped_by_name(tmp_path):
@@ -200,6 +203,7 @@ def test_junk_json_is_skipped_with_a_reason(tmp_path):
     write(tmp_path, "list.json", [1, 2])
     write(tmp_path, "other.json", {"schema": "somebody.else/1"})
     write(tmp_path, "noconfig.json", {"schema": "depthbench.train/1"})
+    write(tmp_path, "listmeta.json", {"schema": "depthbench.diagnose/1", "meta": [1]})
     data, skipped = plot.load_folder(tmp_path)
     assert sum(map(len, data.values())) == 0
     reasons = dict(skipped)
@@ -207,6 +211,7 @@ def test_junk_json_is_skipped_with_a_reason(tmp_path):
     assert "no 'schema'" in reasons["list.json"]
     assert "unknown schema" in reasons["other.json"]
     assert "config" in reasons["noconfig.json"]
+    assert "meta" in reasons["listmeta.json"]
 
 
 def test_main_draws_exactly_what_the_folder_supports(tmp_path, capsys):
