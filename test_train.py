@@ -1,0 +1,220 @@
+"""
+Tests of train.py: the LR schedule, gradient accumulation, DDP, resume, divergence, the grid, bad input,
+the GPT-2 path on real text and the README's quick-start command with the run.json / ckpt.pt contracts.
+CPU only, eager, no network, well under a minute on two cores:
+
+    python -m pytest -q test_train.py
+
+Most runs call train.main() in-process on a tiny model (2 layers, d=64); the README command and the
+2-process DDP run are real subprocesses. The GPT-2 test skips where ../shared/data is absent.
+"""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from data import BatchLoader, SyntheticTask
+from model import GPT, GPTConfig
+
+HERE = Path(__file__).resolve().parent
+TIKTOKEN_DIR = HERE.parent / "shared" / "data" / "tiktoken"
+AUSTEN_DIR = HERE.parent / "shared" / "data" / "austen"
+# 2 layers, d=64 (2 heads of 32): 100,608 backbone params; 8 sequences of 32 tokens per step in 2 micro-batches
+TINY = ["--layers", "2", "--params", "100k", "--seq-len", "32", "--global-batch", "8", "--batch-size", "4",
+        "--eval-iters", "1", "--log-every", "1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on two busy cores, two OpenMP threads that wait on each other are ~20x slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def run_main(argv, capsys):
+    """train.main(argv) in this process -> (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def load_run(root, name=None):
+    paths = list(Path(root).glob(f"{name or '*'}/run.json"))
+    assert len(paths) == 1, paths
+    return json.loads(paths[0].read_text())
+
+
+def test_lr_schedule():
+    """Linear warmup from 0 to the peak, then a cosine down to 0.1 x peak at the end; never negative."""
+    peak, warmup, total = 2e-3, 10, 100
+    lrs = [train.get_lr(t, peak, warmup, total) for t in range(total + 5)]
+    assert lrs[0] == 0 and all(a < b for a, b in zip(lrs[:warmup], lrs[1:warmup + 1]))   # strictly rising
+    assert max(lrs) == lrs[warmup] == peak                                                # peak at step W
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))                    # then only falling
+    assert lrs[total] == pytest.approx(0.1 * peak) and lrs[-1] == pytest.approx(0.1 * peak)
+    assert min(lrs) >= 0
+    assert train.get_lr(55, peak, warmup, total) == pytest.approx(0.1 * peak + 0.9 * peak * 0.5)  # half-way: the mid value
+
+
+@pytest.mark.parametrize("residual", ["preln", "attnres"])
+def test_grad_accumulation_equals_big_batch(residual):
+    """4 micro-batches of 2 (train.forward_backward) give the gradients of one batch of 8."""
+    task = SyntheticTask(max_gap=4)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, d_model=64, n_head=2, d_ff=176, residual=residual))
+    grads, losses = [], []
+    for batch_size in (8, 2):
+        m = copy.deepcopy(model)
+        loader = BatchLoader(task, "train", batch_size, 32, global_batch=8, seed=0)
+        losses.append(train.forward_backward(m, loader, loader.accum_steps, nullcontext(), "cpu", ddp=False))
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert loader.accum_steps == 4
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for g_big, g_acc in zip(*grads):
+        torch.testing.assert_close(g_acc, g_big, rtol=1e-4, atol=1e-6)
+
+
+def test_readme_quickstart_writes_the_contracts(tmp_path):
+    """The README's command, shortened by --max-steps only: run.json and ckpt.pt as plot.py and diagnose.py read them."""
+    r = subprocess.run([sys.executable, "train.py", "--max-steps", "3", "--out", str(tmp_path)], cwd=HERE,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for word in ("shape", "params", "batch", "schedule", "device", "loss floor", "grad accum", "compile off"):
+        assert word in r.stdout  # every derived number is printed
+    run = load_run(tmp_path)
+    assert set(run) == {"schema", "config", "params", "steps", "evals", "final", "diverged", "finished", "wall_s",
+                        "peak_mem_bytes", "device", "versions"}
+    assert run["schema"] == "depthbench.train/1"
+    cfg = run["config"]
+    for key in ("residual", "n_layer", "d_model", "d_ff", "n_head", "ar", "lr", "seed", "params_budget", "data",
+                "data_dir", "tokenizer", "max_gap", "seq_len", "global_batch", "total_steps", "warmup_steps"):
+        assert key in cfg, key
+    assert (cfg["residual"], cfg["n_layer"], cfg["d_model"], cfg["data"]) == ("preln", 4, 128, "synthetic")
+    assert cfg["total_steps"] > 3 and cfg["max_steps"] == 3
+    assert run["params"]["total"] == run["params"]["backbone"] + 2 * 64 * 128 + 128 + run["params"]["residual_extra"]
+    assert [s["step"] for s in run["steps"]] == [1, 2, 3]
+    assert all(set(s) == {"step", "tokens", "loss", "lr", "grad_norm", "tok_per_s"} for s in run["steps"])
+    assert run["steps"][-1]["tokens"] == 3 * cfg["global_batch"] * cfg["seq_len"]
+    (ev,) = run["evals"]  # evaluated at the stop step
+    assert set(ev) == {"step", "tokens", "val_loss", "answer_loss", "answer_acc", "per_level"}
+    assert ev["step"] == 3 and set(ev["per_level"]) == {"1", "2", "3", "4"}
+    assert all(set(m) == {"loss", "acc"} for m in ev["per_level"].values())
+    assert run["final"] == {k: ev[k] for k in ("val_loss", "answer_loss", "answer_acc")}
+    assert run["diverged"] is False and run["finished"] is False  # stopped early, resumable
+    assert run["wall_s"] > 0 and run["peak_mem_bytes"] > 0 and run["device"] == "cpu"
+    assert set(run["versions"]) == {"python", "torch", "cuda", "git_commit"}
+
+    ckpt = torch.load(next(tmp_path.glob("*/ckpt.pt")), map_location="cpu", weights_only=True)
+    assert set(ckpt) == {"model", "model_config", "config", "step", "optimizer", "rng", "loader", "log"}
+    assert ckpt["step"] == 3 and ckpt["loader"] == {"step": 3, "micro_step": 0}
+    assert ckpt["config"] == cfg and ckpt["log"]["steps"] == run["steps"]
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])  # strict: every key, every shape
+    assert isinstance(ckpt["rng"]["cpu"], torch.Tensor)
+
+    import plot  # plot.py accepts it as a train JSON
+    assert plot.check_schema(run) == ("train", None)
+
+
+def test_resume_equals_uninterrupted(tmp_path, capsys):
+    """6 steps in one go == 3 steps, stop, --resume to 6: the same losses and weights, bit for bit."""
+    args = TINY + ["--residual", "hc", "--steps", "6", "--eval-every", "3"]
+    assert run_main(args + ["--ckpt-every", "3", "--out", str(tmp_path / "a")], capsys)[0] == 0
+    assert run_main(args + ["--max-steps", "3", "--out", str(tmp_path / "b")], capsys)[0] == 0
+    half = load_run(tmp_path / "b")
+    assert half["finished"] is False and len(half["steps"]) == 3
+    code, out, _ = run_main(args + ["--resume", "--out", str(tmp_path / "b")], capsys)
+    assert code == 0 and "resumed from" in out
+    a, b = load_run(tmp_path / "a"), load_run(tmp_path / "b")
+    assert b["finished"] is True and [s["step"] for s in b["steps"]] == list(range(1, 7))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [s[key] for s in a["steps"]] == [s[key] for s in b["steps"]], key
+    assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
+    wa, wb = (torch.load(next((tmp_path / r).glob("*/ckpt.pt")), weights_only=True)["model"] for r in "ab")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_ranks_match_one(tmp_path, capsys):
+    """torchrun with 2 gloo processes at the same global batch gives the losses of 1 process."""
+    args = TINY + ["--steps", "3", "--ckpt-every", "100"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", *args, "--out", str(tmp_path / "two")], cwd=HERE, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert run_main(args + ["--out", str(tmp_path / "one")], capsys)[0] == 0
+    one, two = load_run(tmp_path / "one"), load_run(tmp_path / "two")
+    assert (one["config"]["world_size"], one["config"]["grad_accum"]) == (1, 2)
+    assert (two["config"]["world_size"], two["config"]["grad_accum"]) == (2, 1)
+    for key in ("loss", "grad_norm"):
+        assert [s[key] for s in two["steps"]] == pytest.approx([s[key] for s in one["steps"]], rel=1e-5), key
+    assert two["final"]["val_loss"] == pytest.approx(one["final"]["val_loss"], rel=1e-5)
+    assert two["final"]["answer_acc"] == pytest.approx(one["final"]["answer_acc"], abs=1e-6)
+
+
+def test_diverged_run_is_recorded(tmp_path, capsys):
+    """A NaN/inf loss stops the run, run.json says diverged, the exit code is 1 with one line on stderr."""
+    code, _, err = run_main(TINY + ["--lr", "1e6", "--steps", "50", "--out", str(tmp_path)], capsys)
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1 and "diverged" in err
+    run = load_run(tmp_path)
+    assert run["diverged"] is True and run["finished"] is False
+    assert run["steps"][-1]["loss"] is None or run["steps"][-1]["grad_norm"] is None  # the non-finite step, as null
+    assert len(run["steps"]) < 50
+
+
+def test_grid_skips_finished_runs(tmp_path, capsys):
+    """A grid over two seeds runs only the seed that has not finished; progress lines count the runs."""
+    args = TINY + ["--steps", "2", "--out", str(tmp_path)]
+    assert run_main(args + ["--seed", "0"], capsys)[0] == 0
+    first = (tmp_path / "preln_ar32_lr3e-3_s0" / "run.json").read_text()
+    code, out, _ = run_main(args + ["--seed", "0,1"], capsys)
+    assert code == 0
+    assert "[1/2] preln ar=32 lr=3e-3 seed=0" in out and "[2/2] preln ar=32 lr=3e-3 seed=1" in out
+    assert out.count("skipping") == 1
+    assert (tmp_path / "preln_ar32_lr3e-3_s0" / "run.json").read_text() == first  # untouched
+    assert load_run(tmp_path, "preln_ar32_lr3e-3_s1")["finished"] is True
+
+
+@pytest.mark.parametrize("argv", [
+    ["--residual", "preln,nope"],                    # unknown design (in a grid: nothing runs)
+    ["--ar", "1000"],                                # no shape of the budget comes near AR 1000
+    ["--data", "/nonexistent/texts"],                # unreachable data
+    ["--global-batch", "33"],                        # not a multiple of the micro-batch
+    ["--lr", "abc"],                                 # not a number
+    ["--ar", "32", "--layers", "4"],                 # both
+    ["--params", "lots"],                            # not a count
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv):
+    code, _, err = run_main(argv + ["--out", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "shards")], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("train.py: error:")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "shards").exists()  # nothing half-written
+
+
+@pytest.mark.skipif(not (TIKTOKEN_DIR.is_dir() and AUSTEN_DIR.is_dir()), reason=f"no GPT-2 BPE cache / Austen texts in {HERE.parent / 'shared' / 'data'}")
+def test_gpt2_on_austen(tmp_path, capsys, monkeypatch):
+    """Real text: Austen -> GPT-2 shards -> 2 steps; the vocab is padded and there are no answer metrics."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
+    code, out, _ = run_main(TINY + ["--data", str(AUSTEN_DIR), "--tokenizer", "gpt2", "--steps", "2",
+                                    "--data-dir", str(tmp_path / "shards"), "--out", str(tmp_path / "runs")], capsys)
+    assert code == 0
+    assert (tmp_path / "shards" / "meta.json").exists()
+    run = load_run(tmp_path / "runs")
+    assert run["config"]["vocab_size"] == 50304 and run["config"]["tokenizer"] == "gpt2"
+    assert run["finished"] is True
+    ev = run["evals"][-1]
+    assert ev["answer_loss"] is None and ev["answer_acc"] is None and ev["per_level"] is None
+    assert abs(ev["val_loss"] - math.log(50304)) < 1.0  # barely trained: near uniform over the vocab

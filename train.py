@@ -1,0 +1,564 @@
+"""
+train.py: train one DepthBench model, or a grid of them, and log everything to run.json.
+
+    python train.py                                  # CPU preset: tiny model, synthetic S4 task, a few minutes
+    python train.py --max-steps 3 --out /tmp/runs    # the same run, stopped after 3 steps (a smoke test)
+    python train.py --residual preln,hc --seed 0,1   # a grid: every combination in turn, finished runs skipped
+    torchrun --standalone --nproc_per_node=8 train.py --preset 400m --residual hc --ar 42.67
+
+Two presets. `cpu` (the default without CUDA): L=4, d=128 on the embedded synthetic task (data.py's
+S4 running products), fp32, eager. `400m` (the default with CUDA): the paper's recipe (architectures.md
+§2): 405M total parameters at an aspect ratio AR = d_model / n_layer, 20 tokens per parameter, global
+batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup then cosine to 0.1x peak,
+the paper's peak LR per design, FineWeb-Edu with the GPT-2 tokenizer, bf16 autocast, torch.compile.
+Any flag overrides its preset value; every derived number is printed before training.
+
+Each run writes {out}/{name}/run.json (config, params, per-step losses, evals; plot.py reads it) and
+{out}/{name}/ckpt.pt (diagnose.py reads it), both atomically. --resume continues a run from ckpt.pt
+with the same losses as an uninterrupted run (bit-for-bit on CPU): the batches are a pure function of
+the step (data.py) and the LR a pure function of the step (get_lr). Exit codes: 0 ok, 1 a run
+diverged (NaN/inf loss), 2 bad input (one line on stderr, nothing written).
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import data
+from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+from shapes import ArgParser, backbone_params, parse_count, preln_params, solve
+
+SCHEMA = "depthbench.train/1"
+PAPER_LR = {"lns": 1e-2, "deepnorm": 1e-3}       # the paper's Table 4 optimum; every other design: 2e-3
+PAPER_MICRO_BATCH = {"hc": 8, "mhc": 8, "moda": 4}  # what fit in memory in the paper; every other design: 16
+VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
+
+# Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
+# so that a real-text vocab (50k rows of embedding) does not eat the tiny budget; the paper fixes the total.
+PRESETS = {
+    "cpu": dict(params="0.8M", fixed="backbone", layers=[4], data="synthetic", seq_len=128, global_batch=32,
+                batch_size=32, steps=400, lr=[3e-3], eval_every=100, eval_iters=8, ckpt_every=200, log_every=20),
+    "400m": dict(params="405M", fixed="total", ar=[42.67], data="fineweb-edu", seq_len=2048, global_batch=512,
+                 batch_size=None, steps=None, lr=None, eval_every=250, eval_iters=8, ckpt_every=1000, log_every=10),
+}
+
+
+def print0(*a, **kw):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*a, **kw, flush=True)
+
+
+def fail(message, code=2):
+    """One line on stderr (from rank 0) and exit: bad input is 2, a diverged run 1."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def get_lr(step, peak, warmup, total, final_frac=0.1):
+    """LR of optimizer step `step` (0-based), architectures.md §2 (OLMo's CosWithWarmup): linear from 0
+    over `warmup` steps, then a cosine from peak down to final_frac * peak at step `total`."""
+    if step < warmup:
+        return peak * step / warmup
+    if step >= total:
+        return final_frac * peak
+    progress = (step - warmup) / (total - warmup)
+    return final_frac * peak + (1 - final_frac) * peak * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- command line
+
+def csv(kind):
+    """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01]; every list makes a grid axis."""
+    def parse(text):
+        try:
+            return [kind(v) for v in text.split(",")]
+        except ValueError:
+            raise ValueError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+    parse.__name__ = f"list of {kind.__name__}"
+    return parse
+
+
+def build_parser():
+    p = ArgParser(prog="train.py", description="Train DepthBench models (one run, or a grid of comma-separated values).")
+    # what to train (comma-separated values make a grid)
+    p.add_argument("--preset", choices=list(PRESETS), help="cpu (tiny, synthetic) or 400m (the paper's recipe); "
+                   "default: 400m with CUDA, cpu without")
+    p.add_argument("--residual", type=csv(str), default=["preln"], help=f"design(s): {', '.join(RESIDUALS)}")
+    p.add_argument("--ar", type=csv(float), help="aspect ratio(s) d_model / n_layer (400m default 42.67: L=24, d=1024)")
+    p.add_argument("--layers", type=csv(int), help="depth(s) n_layer, instead of --ar (cpu default 4)")
+    p.add_argument("--params", help="parameter budget the shape is solved for, e.g. 405M (400m) or 0.8M (cpu)")
+    p.add_argument("--fixed", choices=["total", "backbone"], help="what --params counts: total (400m) or backbone (cpu)")
+    p.add_argument("--lr", type=csv(float), help="peak LR(s); default: the paper's per design (2e-3, LNS 1e-2, "
+                   "DeepNorm 1e-3) for 400m, 3e-3 for cpu")
+    p.add_argument("--seed", type=csv(int), default=[42], help="seed(s) of init and train data order (the paper's 42)")
+    # design options (GPTConfig.residual_args)
+    p.add_argument("--streams", type=int, default=4, help="hc/mhc: number of residual streams n")
+    p.add_argument("--mhc-init", choices=["uniform", "gap8"], default="uniform", help="mhc: start of the transport logits")
+    p.add_argument("--n-groups", type=int, default=8, help="block_attnres: number of sublayer groups N")
+    p.add_argument("--moda-norm", choices=["pre", "post"], default="pre", help="moda: pre-norm or post-norm variant")
+    # data
+    p.add_argument("--data", help="synthetic | fineweb-edu | a local .txt/.jsonl/.parquet file, folder or quoted glob")
+    p.add_argument("--data-dir", help="where token shards of real data go (default data_cache/<source>-<tokenizer>)")
+    p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="tokenizer of real data")
+    p.add_argument("--max-gap", type=int, default=4, help="synthetic: largest gap (compositions per answer)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (400m 2048, cpu 128)")
+    # batch and schedule
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step over all ranks (400m 512, cpu 32)")
+    p.add_argument("--batch-size", type=int, help="micro-batch per rank (400m: 16, HC/mHC 8, MoDA 4; cpu 32)")
+    p.add_argument("--steps", type=int, help="length of the LR schedule in steps (400m: 20 tokens per parameter; cpu 400)")
+    p.add_argument("--max-steps", type=int, help="stop after this many steps without changing the schedule (resume later)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (the design's static params get 0)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
+    # evaluation, logging, checkpoints
+    p.add_argument("--eval-every", type=int, help="evaluate every this many steps, and at the end (400m 250, cpu 100)")
+    p.add_argument("--eval-iters", type=int, help="global batches of validation data per eval, the same every time")
+    p.add_argument("--ckpt-every", type=int, help="write ckpt.pt every this many steps, and at the end")
+    p.add_argument("--log-every", type=int, help="print a training line every this many steps (run.json keeps all)")
+    p.add_argument("--out", default="runs", help="root folder of the run folders")
+    p.add_argument("--resume", action="store_true", help="continue each run from its ckpt.pt (if it has one)")
+    # system
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model (default: on with CUDA, off on CPU)")
+    return p
+
+
+# ----------------------------------------------------------------------------- resolving a run's config
+
+def format_lr(lr):
+    """2e-3 -> '2e-3', 1.5e-3 -> '1.5e-3' (for run names)."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def residual_args(args, residual):
+    """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
+    opts = {"hc": {"n_streams": args.streams}, "mhc": {"n_streams": args.streams, "init": args.mhc_init},
+            "block_attnres": {"n_groups": args.n_groups}, "moda": {"norm": args.moda_norm}}.get(residual, {})
+    tag = "".join([f"_n{args.streams}" if "n_streams" in opts and args.streams != 4 else "",
+                   "_gap8" if opts.get("init") == "gap8" else "",
+                   f"_g{args.n_groups}" if "n_groups" in opts and args.n_groups != 8 else "",
+                   "_post" if opts.get("norm") == "post" else ""])
+    return opts, tag
+
+
+def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_size):
+    """Everything one run needs, as the flat dict that goes into run.json and ckpt.pt."""
+    budget = parse_count(args.params)
+    shape = solve(budget, **{shape_key: shape_value}, fixed=args.fixed, vocab=vocab_size)
+    L, d = shape["n_layer"], shape["d_model"]
+    if shape_key == "ar" and abs(shape["ar"] - shape_value) > 0.1 * shape_value:
+        raise ValueError(f"no valid shape of {args.params} comes near AR {shape_value:g} "
+                         f"(nearest: L={L} d={d}, AR {shape['ar']:.2f})")
+    size = shape["backbone_params"] if args.fixed == "backbone" else shape["params"]
+    if abs(size - budget) > 0.1 * budget:
+        raise ValueError(f"no valid shape at depth {L} comes within 10% of {args.params} {args.fixed} params "
+                         f"(closest: d={d}, {size:,})")
+    # the cpu preset keeps head_dim 32 (d / 32 heads): the paper's 16 heads would be 8-dim at d = 128
+    n_head = 16 if args.preset == "400m" else d // 32
+    lr = lr if lr is not None else PAPER_LR.get(residual, 2e-3)
+    batch_size = args.batch_size or PAPER_MICRO_BATCH.get(residual, 16)
+    if args.global_batch % (batch_size * world_size):
+        raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {batch_size} "
+                         f"x world size {world_size}")
+    tokens_per_step = args.global_batch * args.seq_len
+    # 400m: 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
+    steps = args.steps or round(20 * budget / tokens_per_step)
+    opts, tag = residual_args(args, residual)
+    other_budget = "_bb" if args.fixed != PRESETS[args.preset]["fixed"] and args.fixed == "backbone" else (
+        "_tot" if args.fixed != PRESETS[args.preset]["fixed"] else "")
+    name = f"{residual}{tag}_ar{round(d / L, 2):g}_lr{format_lr(lr)}_s{seed}{other_budget}"
+    return {
+        "name": name, "preset": args.preset, "residual": residual, "residual_args": opts,
+        "n_layer": L, "d_model": d, "d_ff": shape["d_ff"], "n_head": n_head, "head_dim": d // n_head, "ar": d / L,
+        "vocab_size": vocab_size, "params_budget": budget, "fixed": args.fixed,
+        "lr": lr, "final_lr_frac": 0.1, "warmup_steps": round(0.1 * steps), "total_steps": steps,
+        "max_steps": args.max_steps, "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
+        "grad_clip": args.grad_clip, "seed": seed,
+        "data": args.data, "data_dir": args.data_dir, "tokenizer": None if args.data == "synthetic" else args.tokenizer,
+        "max_gap": args.max_gap, "seq_len": args.seq_len, "batch_size": batch_size, "global_batch": args.global_batch,
+        "world_size": world_size, "grad_accum": args.global_batch // (batch_size * world_size),
+        "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
+        "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
+        "log_every": args.log_every, "out": args.out, "compile": args.compile, "device": args.device,
+        "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
+    }
+
+
+# keys that define a run's maths: a checkpoint made with other values cannot be resumed
+RESUME_KEYS = ["residual", "residual_args", "n_layer", "d_model", "d_ff", "n_head", "vocab_size", "lr", "warmup_steps",
+               "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap", "seq_len", "global_batch"]
+
+
+# ----------------------------------------------------------------------------- one training run
+
+def forward_backward(model, loader, accum, ctx, device, ddp):
+    """Gradients of one optimizer step: `accum` micro-batches of equal size, each loss the mean over its
+    tokens, divided by accum, so the summed gradient is the mean over the whole batch (DDP then averages
+    the ranks' equal shares). Only the last micro-step all-reduces (no_sync on the others)."""
+    total = torch.zeros((), device=device)
+    for micro in range(accum):
+        x, y, _ = loader.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with model.no_sync() if ddp and micro < accum - 1 else nullcontext():
+            with ctx:
+                _, loss = model(x, y)
+            (loss / accum).backward()
+        total += loss.detach()
+    return total / accum
+
+
+@torch.no_grad()
+def evaluate(model, loader, iters, ctx, device, max_gap):
+    """Mean token CE over `iters` fixed global batches of validation data, and for the synthetic task the
+    answer-only loss/accuracy overall and per level. Sums are all-reduced, so every rank gets the same."""
+    model.eval()
+    sums = torch.zeros(2, device=device)                  # summed CE, tokens
+    answers = torch.zeros(max_gap, 3, device=device)      # per level: summed CE, correct, count
+    for it in range(iters):
+        for micro in range(loader.accum_steps):
+            x, y, level = loader.get_batch(it, micro)
+            x, y = x.to(device), y.to(device)
+            with ctx:
+                logits, loss = model(x, y)
+            sums += torch.stack([loss.float() * y.numel(), torch.tensor(float(y.numel()), device=device)])
+            if level is not None:
+                answers += answer_metrics(logits, y, level, max_gap)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+        dist.all_reduce(answers)
+    model.train()
+    out = {"val_loss": (sums[0] / sums[1]).item(), "answer_loss": None, "answer_acc": None, "per_level": None}
+    if level is not None:
+        a = answers.tolist()
+        total = answers.sum(0)
+        out["answer_loss"], out["answer_acc"] = (total[0] / total[2]).item(), (total[1] / total[2]).item()
+        out["per_level"] = {str(g + 1): {"loss": r[0] / r[2], "acc": r[1] / r[2]} for g, r in enumerate(a) if r[2] > 0}
+    return out
+
+
+def write_json(path, obj):
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def finite_or_none(x):
+    return x if math.isfinite(x) else None  # JSON has no NaN; null marks a non-finite value
+
+
+def versions():
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"python": sys.version.split()[0], "torch": str(torch.__version__),  # TorchVersion would not load with weights_only
+            "cuda": torch.version.cuda, "git_commit": commit}
+
+
+def train_run(cfg, env, resume):
+    """Train one resolved config to its end (or --max-steps); returns False if it diverged."""
+    rank, world, device = env["rank"], env["world_size"], env["device"]
+    master, ddp, cuda = rank == 0, world > 1, device.startswith("cuda")
+    run_dir = Path(cfg["out"]) / cfg["name"]
+    json_path, ckpt_path = run_dir / "run.json", run_dir / "ckpt.pt"
+
+    # data: both loaders cut each global batch the same way, whatever the number of ranks (data.py)
+    synthetic = cfg["data"] == "synthetic"
+    source = SyntheticTask(cfg["max_gap"]) if synthetic else cfg["data_dir"]
+    B, T, G = cfg["batch_size"], cfg["seq_len"], cfg["global_batch"]
+    train_loader = BatchLoader(source, "train", B, T, G, rank, world, seed=cfg["seed"])
+    val_loader = BatchLoader(source, "val", B, T, G, rank, world, seed=VAL_SEED if synthetic else cfg["seed"])
+    accum = train_loader.accum_steps
+
+    # model and optimizer; `raw` is what we save (no DDP/compile prefixes in the state dict)
+    torch.manual_seed(cfg["seed"])
+    mcfg = GPTConfig(vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"],
+                     d_ff=cfg["d_ff"], residual=cfg["residual"], residual_args=dict(cfg["residual_args"]))
+    raw = GPT(mcfg).to(device)
+    groups = raw.param_groups(cfg["weight_decay"])
+    opt = torch.optim.AdamW(groups, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], fused=cuda)
+    total = raw.num_params()
+    preln = preln_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"])
+    params = {"total": total, "backbone": backbone_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"]),
+              "residual_extra": total - preln}
+
+    log = {"schema": SCHEMA, "config": cfg, "params": params, "steps": [], "evals": [],
+           "final": {"val_loss": None, "answer_loss": None, "answer_acc": None},
+           "diverged": False, "finished": False, "wall_s": 0.0, "peak_mem_bytes": 0, "device": env["device_name"],
+           "versions": versions()}
+    step = 0
+    if resume and ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        changed = [k for k in RESUME_KEYS if ckpt["config"].get(k) != cfg.get(k)]
+        if changed:
+            was = ", ".join(f"{k}={ckpt['config'].get(k)!r}" for k in changed)
+            fail(f"cannot resume {ckpt_path}: it was made with other settings ({was}); use another --out")
+        raw.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        train_loader.load_state_dict(ckpt["loader"])
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+        if cuda and "cuda" in ckpt["rng"]:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+        step, old = ckpt["step"], ckpt["log"]
+        log.update(steps=old["steps"], evals=old["evals"], wall_s=old["wall_s"], peak_mem_bytes=old["peak_mem_bytes"])
+        print0(f"resumed from {ckpt_path} at step {step}")
+    elif master:
+        ckpt_path.unlink(missing_ok=True)  # starting over: a stale checkpoint of an older run must not survive
+    saved_step = step
+
+    model = torch.compile(raw) if cfg["compile"] else raw
+    train_model = DDP(model, device_ids=[env["local_rank"]] if cuda else None) if ddp else model
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()  # CPU stays fp32
+
+    # every derived number, before the first step
+    stop = min(cfg["total_steps"], cfg["max_steps"] or cfg["total_steps"])
+    n_static = sum(p.numel() for g in groups if g["weight_decay"] == 0.0 for p in g["params"])
+    print0(f"run        {cfg['name']}  ->  {run_dir}")
+    print0(f"shape      L={cfg['n_layer']} d={cfg['d_model']} d_ff={cfg['d_ff']} heads={cfg['n_head']} "
+           f"head_dim={cfg['head_dim']} AR={cfg['ar']:.2f}" + ("  (cpu preset: head_dim 32, not the paper's 16 heads)"
+                                                              if cfg["preset"] == "cpu" else ""))
+    print0(f"params     total {total:,} = backbone {params['backbone']:,} + embedding/head/final norm "
+           f"{preln - params['backbone']:,} + design extra {params['residual_extra']:,}  "
+           f"(budget {cfg['params_budget']:,} {cfg['fixed']}; vocab {cfg['vocab_size']})")
+    if synthetic:
+        task = source
+        print0(f"data       synthetic S4 running products, max gap {cfg['max_gap']}, vocab {task.vocab_size} (padded to "
+               f"{cfg['vocab_size']}); loss floor {task.loss_floor(T):.4f} nats/token at T={T}, answers alone 0; "
+               f"chance accuracy {1 / task.eq:.1%}")
+    else:
+        print0(f"data       {cfg['data']} ({cfg['tokenizer']}) shards in {cfg['data_dir']}")
+    print0(f"batch      {G} seqs x {T} tokens = {cfg['tokens_per_step']:,} tokens/step = micro-batch {B} x world {world} "
+           f"x grad accum {accum}")
+    print0(f"schedule   {cfg['total_steps']:,} steps = {cfg['total_tokens']:,} tokens ({cfg['total_tokens'] / total:.1f} "
+           f"per param), warmup {cfg['warmup_steps']}, peak lr {cfg['lr']:g} -> cosine to {cfg['lr'] * cfg['final_lr_frac']:g}"
+           + (f"; stopping at step {stop} (--max-steps)" if stop < cfg["total_steps"] else ""))
+    print0(f"optimizer  AdamW betas {tuple(cfg['betas'])} eps {cfg['eps']:g} wd {cfg['weight_decay']:g} "
+           f"({n_static:,} design params without decay), clip {cfg['grad_clip']:g}")
+    print0(f"eval       every {cfg['eval_every']} steps on {cfg['eval_iters']} global batches "
+           f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
+    print0(f"device     {env['device_name']}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}, "
+           f"world size {world}")
+
+    def save_json():
+        log["wall_s"] = wall_before + time.time() - t_start
+        log["peak_mem_bytes"] = max(log["peak_mem_bytes"], torch.cuda.max_memory_allocated(device) if cuda
+                                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+        if master:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_json(json_path, log)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    wall_before, t_start = log["wall_s"], time.time()
+    while True:
+        last = step >= stop
+        if last:
+            log["finished"] = step >= cfg["total_steps"]
+        if step > 0 and (step % cfg["eval_every"] == 0 or last) and not (log["evals"] and log["evals"][-1]["step"] == step):
+            ev = evaluate(model, val_loader, cfg["eval_iters"], ctx, device, cfg["max_gap"])
+            log["evals"].append({"step": step, "tokens": step * cfg["tokens_per_step"], **ev})
+            log["final"] = {k: ev[k] for k in ("val_loss", "answer_loss", "answer_acc")}
+            levels = "" if ev["per_level"] is None else (
+                f" | answers loss {ev['answer_loss']:.4f} acc {ev['answer_acc']:.1%} | by gap " +
+                " ".join(f"{g}: {m['acc']:.0%}" for g, m in ev["per_level"].items()))
+            print0(f"eval step {step} | val loss {ev['val_loss']:.4f}" + levels)
+            save_json()
+        if step > 0 and (step % cfg["ckpt_every"] == 0 or last) and step != saved_step:
+            save_json()  # first, so the log in the checkpoint has this step's wall time
+            if master:
+                rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(device)} if cuda else {})}
+                tmp = ckpt_path.with_suffix(".pt.tmp")
+                torch.save({"model": raw.state_dict(), "model_config": dataclasses.asdict(mcfg), "config": cfg,
+                            "step": step, "optimizer": opt.state_dict(), "rng": rng,
+                            "loader": train_loader.state_dict(), "log": log}, tmp)
+                os.replace(tmp, ckpt_path)
+            saved_step = step
+        if last:
+            break
+
+        # one optimizer step
+        t0 = time.time()
+        lr = get_lr(step, cfg["lr"], cfg["warmup_steps"], cfg["total_steps"], cfg["final_lr_frac"])
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = forward_backward(train_model, train_loader, accum, ctx, device, ddp)
+        if ddp:
+            dist.all_reduce(loss)  # for the log only (the gradients are already averaged); gloo has no AVG
+            loss /= world
+        clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip).item()
+        loss = loss.item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            log["diverged"] = True  # stop before this update makes the weights non-finite too
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.time() - t0
+        step += 1
+        log["steps"].append({"step": step, "tokens": step * cfg["tokens_per_step"], "loss": finite_or_none(loss),
+                             "lr": lr, "grad_norm": finite_or_none(grad_norm), "tok_per_s": cfg["tokens_per_step"] / dt})
+        if step == 1 or step % cfg["log_every"] == 0 or step == stop or log["diverged"]:
+            print0(f"step {step:>5}/{cfg['total_steps']} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
+                   f"| {dt * 1000:.0f} ms | {cfg['tokens_per_step'] / dt:,.0f} tok/s")
+        if log["diverged"]:
+            log["final"] = {"val_loss": None, "answer_loss": None, "answer_acc": None}
+            save_json()
+            print0(f"diverged at step {step} (loss {loss}, grad norm {grad_norm}); run.json records it")
+            if master:
+                print(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}); see {json_path}",
+                      file=sys.stderr, flush=True)
+            return False
+    print0(f"done: {cfg['name']} at step {step} in {log['wall_s']:.1f} s" + ("" if log["finished"] else
+           f" (stopped by --max-steps; --resume continues to step {cfg['total_steps']})"))
+    return True
+
+
+# ----------------------------------------------------------------------------- setup and the grid
+
+def init_distributed(device_flag):
+    """torchrun sets RANK/LOCAL_RANK/WORLD_SIZE: one process per GPU (nccl), or per CPU worker (gloo)."""
+    cuda = torch.cuda.is_available() and device_flag != "cpu"
+    if device_flag == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but torch sees no CUDA device")
+    env = {"rank": 0, "local_rank": 0, "world_size": 1, "device": "cuda" if cuda else "cpu"}
+    if "RANK" in os.environ:
+        env.update(rank=int(os.environ["RANK"]), local_rank=int(os.environ["LOCAL_RANK"]),
+                   world_size=int(os.environ["WORLD_SIZE"]))
+        if cuda:
+            env["device"] = f"cuda:{env['local_rank']}"
+            torch.cuda.set_device(env["device"])
+        dist.init_process_group("nccl" if cuda else "gloo")
+    env["device_name"] = torch.cuda.get_device_name(env["device"]) if cuda else "cpu"
+    return env
+
+
+def on_rank0(fn, env):
+    """Run fn on rank 0 only and hand every rank its result, or its DataError, so all ranks stop together."""
+    out = [None, None]
+    if env["rank"] == 0:
+        try:
+            out[0] = fn()
+        except DataError as e:
+            out[1] = str(e)
+    if env["world_size"] > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[1] is not None:
+        fail(out[1])
+    return out[0]
+
+
+def prepare_data(args, cfg):
+    """Token shards of a real source (rank 0 writes them; data.py reuses shards whose settings match)."""
+    if args.data == "fineweb-edu":
+        # what the schedule reads, rounded up to whole billions so the shards serve every run of a budget
+        need = math.ceil((cfg["total_tokens"] + 1) / 1e9) * 10**9
+        data.prepare("fineweb-edu", args.data_dir, args.tokenizer, max_tokens=need + 10_000_000)
+    else:
+        data.prepare(args.data, args.data_dir, args.tokenizer)
+
+
+def run_state(path):
+    """'finished', 'partial' (a run.json or ckpt.pt exists) or 'new' for a run folder."""
+    try:
+        return "finished" if json.loads((path / "run.json").read_text()).get("finished") else "partial"
+    except (OSError, ValueError):
+        return "partial" if (path / "ckpt.pt").exists() else "new"
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    args.preset = args.preset or ("400m" if cuda else "cpu")
+    if args.ar is None and args.layers is None:
+        args.ar, args.layers = PRESETS[args.preset].get("ar"), PRESETS[args.preset].get("layers")
+    elif args.ar is not None and args.layers is not None:
+        parser.error("give --ar or --layers, not both")
+    for key, value in PRESETS[args.preset].items():
+        if key not in ("ar", "layers") and getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.compile is None:
+        args.compile = cuda  # eager on CPU: a cold compile costs more than a short CPU run saves
+    args.device = "cuda" if cuda else "cpu"
+    if args.data != "synthetic" and args.data_dir is None:
+        slug = "fineweb-edu" if args.data == "fineweb-edu" else re.sub(r"[^A-Za-z0-9]+", "_", args.data).strip("_")[-40:]
+        args.data_dir = f"data_cache/{slug}-{args.tokenizer}"
+    if args.data == "synthetic":
+        args.data_dir = None
+    bad = [r for r in args.residual if r not in RESIDUALS]
+    if bad:
+        parser.error(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
+    positive = {"--seq-len": args.seq_len, "--global-batch": args.global_batch, "--eval-every": args.eval_every,
+                "--eval-iters": args.eval_iters, "--ckpt-every": args.ckpt_every, "--log-every": args.log_every,
+                "--max-gap": args.max_gap, "--streams": args.streams, "--n-groups": args.n_groups,
+                "--steps": args.steps or 1, "--max-steps": args.max_steps or 1, "--batch-size": args.batch_size or 1}
+    for flag, value in positive.items():
+        if value < 1:
+            parser.error(f"{flag} must be positive, got {value}")
+    if any(v <= 0 for v in (args.lr or []) + (args.ar or [])) or any(v < 1 for v in args.layers or []):
+        parser.error("--lr, --ar and --layers must be positive")
+    try:
+        parse_count(args.params)
+    except (ValueError, IndexError):
+        parser.error(f"--params {args.params!r} is not a count like 405M")
+
+    # every run of the grid is resolved (and so checked) before anything is written
+    env = init_distributed(args.device)
+    vocab = padded_vocab_size(SyntheticTask(args.max_gap).vocab_size if args.data == "synthetic" else
+                              {"gpt2": data.GPT2Tokenizer.vocab_size, "bytes": data.ByteTokenizer.vocab_size}[args.tokenizer])
+    shape_axis = [("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers]
+    runs, names = [], set()
+    for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):
+        try:
+            cfg = resolve(args, residual, key, value, lr, seed, vocab, env["world_size"])
+        except ValueError as e:
+            fail(str(e))
+        if cfg["name"] not in names:  # two ARs can solve to the same shape
+            runs.append(cfg)
+            names.add(cfg["name"])
+    if args.data != "synthetic":
+        on_rank0(lambda: prepare_data(args, runs[0]), env)
+
+    diverged = []
+    for k, cfg in enumerate(runs):
+        path = Path(cfg["out"]) / cfg["name"]
+        print0(f"\n[{k + 1}/{len(runs)}] {cfg['residual']} ar={cfg['ar']:.4g} lr={format_lr(cfg['lr'])} "
+               f"seed={cfg['seed']}  ({path})")
+        state = on_rank0(lambda: run_state(path), env)
+        if state == "finished":
+            print0("finished already (run.json says so): skipping")
+            continue
+        if state == "partial" and not args.resume:
+            print0("this run folder holds an unfinished run: starting over (--resume continues it)")
+        if args.compile:
+            torch._dynamo.reset()  # a fresh compile cache per shape
+        if not train_run(cfg, env, args.resume):
+            diverged.append(cfg["name"])
+        if cuda:
+            torch.cuda.empty_cache()
+    if len(runs) > 1:
+        print0(f"\ngrid done: {len(runs)} runs, {len(diverged)} diverged" + (f" ({', '.join(diverged)})" if diverged else ""))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(1 if diverged else 0)
+
+
+if __name__ == "__main__":
+    main()
