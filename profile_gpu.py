@@ -1,0 +1,348 @@
+"""
+What each residual design costs at a shape: analytic FLOPs and bytes, measured time and memory (Fig. 11).
+
+    # the paper's sweep on one GPU (400M family, AR 76 -> 9.1, T = 4096, batch 8, bf16 autocast):
+    python profile_gpu.py --residual all --params 405M --ar 76,42.67,28,9.1 --seq 4096 --batch 8 --out runs/profile/gpu.json
+    # formulas only, any machine, instant: 2.98e12 / 4.33e12 FLOPs and 318.8 / 734.0 MB of KV cache per sequence
+    python profile_gpu.py --analytic-only --shapes 16x1216,70x640 --seq 4096 --json
+    # a CPU table in a few minutes (2 cores)
+    python profile_gpu.py --params 20M --ar 32,4 --vocab 8192 --seq 256 --batch 4 --repeats 3 --threads 1
+
+Analytic fields (diagnostics.md §15; a multiply-add is 2 FLOPs; norms, softmax, RoPE and adds are not counted):
+- prefill_flops: one forward of T tokens, the spec's formula A = 2·T·N_blk + 2·L·d·T², N_blk = L(4d² + 3·d·d_ff),
+  attention scores counted causally (half of T×T), LM head left out: the only variant that gives the paper's
+  3.0 T at AR 76. It is the backbone's count, the same for every design; a design's extra work is on top:
+- residual_overhead_flops: per sequence, from `design_cost` below (null for a design it does not know).
+- prefill_flops_head: A + 2·T·d·V (the head on every position).
+- train_flops_per_token: 3 × (prefill_flops_head + residual_overhead_flops) / T: backward = 2 × forward, causal
+  attention, head included: ≈ 6·N_blk + 6·L·d·T + 6·d·V (OLMo's 6·params + 12·L·d·T is non-causal).
+- kv_cache_bytes per sequence (and _batch): 2 (K, V)·L·T·d·bytes = 4·L·d·T in bf16 (MHA). The same for every
+  design: HC streams and AttnRes sources live within one token's forward pass, and MoDA's depth K/V, though a
+  (B, T, 2L, d) buffer in training, are a token's own earlier sublayers: decoding recomputes them, caches nothing more.
+- weight_bytes: the design's exact parameter count (meta device) × bytes per element.
+- residual_state_bytes per sequence: what the design keeps alive across sublayers, per token d for the norm designs,
+  4d for HC/mHC (4 streams), (2L+1)·d for Full AttnRes (every source), (N+1)·d for Block AttnRes (group sums),
+  d + 4·L·d for MoDA (the stream and the depth K/V).
+Bytes use --dtype's element size; --dtype is bf16 with --analytic-only unless told otherwise.
+
+Measured fields, labelled with the device: fwd_ms, a prefill of the batch under inference mode with logits for the
+last position only (B·T·V logits would dominate the memory, §15.4); fwdbwd_ms, forward + loss + backward on every
+position (no optimizer step). Medians of --repeats after warm-up; CUDA events on GPU, perf_counter on CPU. tok_per_s
+= B·T / fwdbwd time (training; device-hours for 8B tokens = 8e9 / tok_per_s / 3600). utilization = achieved training
+FLOP/s / peak_flops, the best of a few square matmuls in the same run and dtype. On CUDA the weights stay fp32 under
+bf16 autocast, as in training. peak_mem_bytes (prefill) and peak_mem_train_bytes (fwd+bwd): CUDA max_memory_allocated
+after reset_peak_memory_stats; on CPU each row runs in a fresh process (freed memory stays resident, so rows in one
+process would share peaks), which reports its peak RSS (Linux VmHWM, reset per window) above its RSS before the model.
+"""
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+import shapes
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+
+PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
+ATTNRES_C = 4                 # FLOPs per source and channel of a depth mix: score dot (2) + weighted sum (2); 6 with RMS
+BLOCK_GROUPS = 8              # Block AttnRes groups over the 2L sublayers (architectures.md, decision 4)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization"]
+
+
+def attnres_sources(L, N):
+    """Sources read by all depth mixes of AttnRes with N groups spread evenly over the 2L sublayers.
+
+    Sublayer k >= 1 reads the embedding and every group touched so far: g(k-1) + 2 sources, g(j) = floor(jN / 2L).
+    Sublayer 0 has no mix; the head's readout reads the embedding and all N groups. Each mix sees at most N + 1.
+    N = 2L is Full AttnRes: sum_{k=1}^{2L-1} (k+1) + (2L+1) = 2L² + 3L.
+    """
+    N = min(N, 2 * L)
+    return sum((k - 1) * N // (2 * L) + 2 for k in range(1, 2 * L)) + N + 1
+
+
+def design_cost(residual, L, d, T):
+    """(extra forward FLOPs per sequence, residual state per token in units of d); (None, None) if unknown."""
+    if residual in ("preln", "sandwich", "lns", "deepnorm", "keel"):
+        return 0, 1  # only norms and adds, which formula A does not count for Pre-LN either
+    if residual == "hc":   # 2L connectors of ~96d per token: dynamic alpha/beta projections, width mix, write-back
+        return 192 * L * d * T, 4
+    if residual == "mhc":  # 2L connectors of ~244d: the (4d x 24) phi projection (192d), pre/res/post mixes (~48d)
+        return 488 * L * d * T, 4
+    if residual == "attnres":
+        return ATTNRES_C * d * attnres_sources(L, 2 * L) * T, 2 * L + 1
+    if residual == "block_attnres":
+        return ATTNRES_C * d * attnres_sources(L, BLOCK_GROUPS) * T, min(BLOCK_GROUPS, 2 * L) + 1
+    if residual == "moda":  # W_kv (2·d·2d) on blocks 0..L-2; block i's queries see 2i depth keys, 2d + 2d each
+        return 4 * d * d * (L - 1) * T + 4 * d * L * (L - 1) * T, 1 + 4 * L
+    return None, None
+
+
+def analytic(residual, L, d, d_ff, T, B, V, params, elem_bytes):
+    """The analytic fields of one row (module docstring)."""
+    A = 2 * T * L * (4 * d * d + 3 * d * d_ff) + 2 * L * d * T * T  # QKᵀ, AV: 2 matmuls x 2 FLOPs x d·T²/2
+    head = 2 * T * d * V
+    over, state = design_cost(residual, L, d, T)
+    kv = 2 * L * T * d * elem_bytes
+    return {"prefill_flops": A, "prefill_flops_head": A + head, "residual_overhead_flops": over,
+            "train_flops_per_token": 3 * (A + head + (over or 0)) / T, "kv_cache_bytes": kv,
+            "kv_cache_bytes_batch": kv * B, "weight_bytes": params * elem_bytes,
+            "residual_state_bytes": None if state is None else state * d * T * elem_bytes}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def timed(fn, repeats, dev, warmup=1):
+    """Milliseconds of each of `repeats` calls of fn, after `warmup` untimed ones (allocator, kernel choice)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":  # events time the GPU's work, not the host's kernel launches
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def peak_flops(dev, dtype):
+    """The device's matmul peak in FLOP/s, measured: the best of a few n x n matmuls in the run's dtype."""
+    n = 8192 if dev.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    return 2 * n ** 3 / (min(timed(lambda: a @ b, 5, dev, warmup=2)) / 1e3)
+
+
+def reset_peak(dev):
+    """Start a peak-memory window: CUDA's allocator statistics, or (Linux) the kernel's peak-RSS mark."""
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: VmHWM := VmRSS
+
+
+def memory(dev, field="VmHWM"):
+    """Bytes: CUDA max_memory_allocated, or this process's VmHWM (peak) / VmRSS (now) on Linux, else None."""
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev)
+    if not os.path.exists("/proc/self/clear_refs"):
+        return None
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def measure(job):
+    """Build one model on the device, time a prefill and a training step, and read their memory peaks."""
+    dev, B, T = torch.device(job["device"]), job["batch"], job["seq"]
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    torch.manual_seed(0)
+    base = 0 if dev.type == "cuda" else memory(dev, "VmRSS")  # CPU: interpreter + torch, before the model
+    cfg = GPTConfig(vocab_size=job["vocab"], n_layer=job["n_layer"], d_model=job["d_model"], n_head=job["heads"],
+                    d_ff=job["d_ff"], residual=job["residual"])
+    with dev:  # parameters are created and initialised on the device itself: no slow CPU init and copy
+        model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16) if job["dtype"] == "bf16" else nullcontext()
+    warmup = 2 if dev.type == "cuda" else 1
+
+    def prefill():
+        with torch.inference_mode(), amp:
+            model(idx)
+
+    def train_step():
+        with amp:
+            _, loss = model(idx, targets=idx)  # any targets do for timing
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def window(fn):
+        """(median ms, peak bytes) of fn's timed runs."""
+        reset_peak(dev)
+        ms = statistics.median(timed(fn, job["repeats"], dev, warmup))
+        peak = memory(dev)
+        return ms, None if peak is None else peak - base
+
+    # the head sees only the last position in the prefill (a hook, so that model.py stays as it is)
+    hook = model.lm_head.register_forward_pre_hook(lambda m, a: (a[0][:, -1:],))
+    fwd, fwd_peak = window(prefill)
+    hook.remove()
+    step, step_peak = window(train_step)
+    return {"fwd_ms": fwd, "peak_mem_bytes": fwd_peak, "fwdbwd_ms": step, "peak_mem_train_bytes": step_peak}
+
+
+def run_measured(jobs, dev):
+    """measure() every job: in this process on CUDA, in a fresh process per job on CPU (per-row RSS peaks)."""
+    results = []
+    for job in jobs:
+        print(f"measuring {job['residual']} L{job['n_layer']} d{job['d_model']} ...", file=sys.stderr, flush=True)
+        try:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                results.append(measure(job))
+            else:
+                with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    results.append(pool.submit(measure, job).result())
+        except Exception as e:  # one design running out of memory (MoDA's T x T logits at T = 4096) ends only its row
+            results.append({"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200]})
+    return results
+
+
+# ----------------------------------------------------------------------------- output
+
+def write_json(path, obj):
+    """Write atomically: a temporary file in the same folder, then os.replace (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def summary(doc):
+    """One line per row; x = measured ratio to Pre-LN at the same shape, when Pre-LN was measured."""
+    rows, measured = doc["rows"], doc["peak_flops"] is not None
+    ref = {(r["n_layer"], r["d_model"]): r for r in rows if r["residual"] == "preln" and r.get("fwdbwd_ms")}
+    fmt = lambda x, f: "-" if x is None else format(x, f)
+    print(f"{doc['device']}, {doc['dtype']}, T={rows[0]['seq']}, batch {rows[0]['batch']}"
+          + (f", matmul peak {doc['peak_flops'] / 1e12:.3f} TFLOP/s" if measured else ""))
+    print(f"{'design':<14}{'L':>4}{'d':>6}{'AR':>6}{'params':>9}{'prefill':>10}{'+design':>8}{'KV MB':>8}{'state MB':>9}"
+          + (f"{'fwd ms':>9}{'step ms':>9}{'x':>6}{'tok/s':>8}{'peak MB':>9}{'x':>6}{'train MB':>9}{'x':>6}{'util':>6}"
+             if measured else ""))
+    for r in rows:
+        p = ref.get((r["n_layer"], r["d_model"]), {})
+        ratio = lambda k: fmt(r.get(k) / p[k] if r.get(k) is not None and p.get(k) else None, ".2f")
+        mb = lambda k: fmt(None if r.get(k) is None else r[k] / 1e6, ".1f")
+        over = r["residual_overhead_flops"]
+        line = (f"{r['residual']:<14}{r['n_layer']:>4}{r['d_model']:>6}{r['ar']:>6.1f}{r['params'] / 1e6:>8.1f}M"
+                f"{r['prefill_flops']:>10.3e}{fmt(over and 100 * over / r['prefill_flops'], '.1f'):>7}%"
+                f"{mb('kv_cache_bytes'):>8}{mb('residual_state_bytes'):>9}")
+        if measured:
+            line += (f"{fmt(r['fwd_ms'], '.1f'):>9}{fmt(r['fwdbwd_ms'], '.1f'):>9}{ratio('fwdbwd_ms'):>6}"
+                     f"{fmt(r['tok_per_s'], '.0f'):>8}{mb('peak_mem_bytes'):>9}{ratio('peak_mem_bytes'):>6}"
+                     f"{mb('peak_mem_train_bytes'):>9}{ratio('peak_mem_train_bytes'):>6}"
+                     f"{fmt(r['utilization'] and 100 * r['utilization'], '.1f'):>5}%  {r.get('error', '')}")
+        print(line)
+    print("prefill: formula A, FLOPs per sequence (no head); +design: residual_overhead_flops, % of it; KV, state:"
+          " MB per sequence" + ("; step = fwd+bwd; peak = prefill, train = step; x = ratio to Pre-LN" if measured else ""))
+
+
+def parse_shapes(p, args):
+    """[(L, d)] from --shapes LxD,... or from --params and --ar through shapes.solve."""
+    if args.shapes:
+        if args.params or args.ar:
+            p.error("give --shapes or --params/--ar, not both")
+        dims = [re.fullmatch(r"\s*([1-9]\d*)x([1-9]\d*)\s*", t) for t in args.shapes.split(",")]
+        for text, m in zip(args.shapes.split(","), dims):
+            if not m:
+                p.error(f"--shapes: {text!r} is not a shape LxD like 16x1216")
+        return [(int(m[1]), int(m[2])) for m in dims]
+    try:
+        budget, ars = shapes.parse_count(args.params or "405M"), [float(a) for a in (args.ar or PAPER_AR).split(",")]
+    except ValueError:
+        p.error(f"--params {args.params!r} / --ar {args.ar!r}: expected a count like 405M and numbers like 76,9.1")
+    if budget <= 0 or min(ars) <= 0:
+        p.error("--params and --ar must be positive")
+    dims = []
+    for ar in ars:
+        s = shapes.solve(budget, ar=ar, vocab=args.vocab)
+        if abs(s["ar"] - ar) > 0.1 * ar:
+            p.error(f"no shape of {budget:,} params comes near AR {ar} (nearest: L{s['n_layer']} d{s['d_model']})")
+        dims.append((s["n_layer"], s["d_model"]))
+    return dims
+
+
+def main(argv=None):
+    p = shapes.ArgParser(description="FLOPs, KV cache, memory and time of the residual designs, per shape.")
+    p.add_argument("--residual", default="all", help=f"'all' or a comma list of: {', '.join(RESIDUALS)}")
+    p.add_argument("--shapes", help="explicit shapes LxD, comma separated, e.g. 16x1216,70x640 (d_ff = shapes.ffn_dim(d))")
+    p.add_argument("--params", help="budget solved with shapes.solve at each --ar, e.g. 405M (the default without --shapes)")
+    p.add_argument("--ar", help=f"aspect ratios d/L for --params, comma separated (default {PAPER_AR}, the paper's)")
+    p.add_argument("--heads", type=int, default=shapes.N_HEAD, help="attention heads (default 16; head_dim must be even)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length T (default 4096, as in Fig. 11)")
+    p.add_argument("--batch", type=int, default=8, help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
+    p.add_argument("--vocab", type=int, default=shapes.VOCAB, help="vocabulary size (default 50280, the paper's)")
+    p.add_argument("--analytic-only", action="store_true", help="formulas only: build and run no model")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to measure (auto: cuda if any)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="bf16 (autocast) or fp32; default bf16 on CUDA and with "
+                   "--analytic-only, fp32 on CPU")
+    p.add_argument("--threads", type=int, help="CPU threads when measuring (default torch's); 1 is steadier on shared cores")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs after warm-up; the median is kept (default 10)")
+    p.add_argument("--out", help="write the JSON to this file (atomically)")
+    p.add_argument("--json", action="store_true", help="print the JSON on stdout instead of the table")
+    args = p.parse_args(argv)
+
+    designs = list(RESIDUALS) if args.residual == "all" else args.residual.split(",")
+    for name in designs:
+        if name not in RESIDUALS:
+            p.error(f"unknown residual {name!r}; choose from all, {', '.join(RESIDUALS)}")
+    for flag in ["seq", "batch", "vocab", "repeats", "heads", "threads"]:
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            p.error(f"--{flag} must be positive, got {getattr(args, flag)}")
+    dims = parse_shapes(p, args)
+    for L, d in dims:
+        if d % args.heads or (d // args.heads) % 2:
+            p.error(f"d={d} must split into {args.heads} heads of an even head_dim (RoPE rotates pairs)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device")
+    dev = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)  # for the matmul peak here; every measuring process sets it too
+    dtype = args.dtype or ("bf16" if dev.type == "cuda" or args.analytic_only else "fp32")
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
+        f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    print(f"device {device}, dtype {dtype}, {len(dims)} shapes x {len(designs)} designs", file=sys.stderr)
+
+    rows, jobs = [], []
+    for L, d in dims:
+        for res in designs:
+            d_ff = shapes.ffn_dim(d)
+            params = shapes.count_params(L, d, d_ff, res, args.vocab, args.heads)
+            rows.append({"residual": res, "n_layer": L, "d_model": d, "d_ff": d_ff, "ar": d / L, "seq": args.seq,
+                         "batch": args.batch, "params": params,
+                         **analytic(res, L, d, d_ff, args.seq, args.batch, args.vocab, params, DTYPES[dtype].itemsize),
+                         **dict.fromkeys(MEASURED)})
+            jobs.append({"residual": res, "n_layer": L, "d_model": d, "d_ff": d_ff, "heads": args.heads, "vocab": args.vocab,
+                         "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "threads": args.threads,
+                         "device": str(dev), "dtype": dtype})
+    peak = None
+    if not args.analytic_only:
+        peak = peak_flops(dev, DTYPES[dtype])
+        kind = "cuda max_memory_allocated" if dev.type == "cuda" else "cpu peak RSS above the RSS before the model"
+        for row, got in zip(rows, run_measured(jobs, dev)):
+            row.update(got, peak_mem_kind=kind)
+            if "fwdbwd_ms" in got:
+                row["tok_per_s"] = row["batch"] * row["seq"] / (got["fwdbwd_ms"] / 1e3)
+                row["utilization"] = row["train_flops_per_token"] * row["tok_per_s"] / peak
+    doc = {"schema": "depthbench.profile/1", "device": device, "dtype": str(DTYPES[dtype]).removeprefix("torch."),
+           "peak_flops": peak, "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
+           "rows": rows}
+    if args.out:
+        write_json(args.out, doc)
+        print(f"wrote {args.out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        summary(doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""
+profile_gpu.py's tests: the formulas by hand and against torch's FLOP counter, the CLI's errors, the JSON.
+
+    python -m pytest -q test_profile.py
+
+CPU only. The measured run spawns one small process per registered design (about half a minute on 2 cores).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import profile_gpu
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+
+ROW_KEYS = ["residual", "n_layer", "d_model", "d_ff", "ar", "seq", "batch", "params", "prefill_flops",
+            "prefill_flops_head", "residual_overhead_flops", "train_flops_per_token", "kv_cache_bytes",
+            "kv_cache_bytes_batch", "weight_bytes", "residual_state_bytes", "fwd_ms", "fwdbwd_ms", "tok_per_s",
+            "peak_mem_bytes", "peak_mem_kind", "utilization"]
+
+
+def test_formulas_paper_shape_L16_d1216():
+    """The widest 400M shape at T = 4096, V = 50280, bf16: every field from arithmetic written out here."""
+    a = lambda res: profile_gpu.analytic(res, 16, 1216, 3248, 4096, 8, 50280, params=406_534_336, elem_bytes=2)
+    r = a("preln")
+    # N_blk = 16 (4 * 1216^2 + 3 * 1216 * 3248) = 16 (5,914,624 + 11,848,704) = 284,213,248
+    # A = 2 * 4096 * 284,213,248 + 2 * 16 * 1216 * 4096^2 = 2,328,274,927,616 + 652,835,028,992
+    assert r["prefill_flops"] == 2_981_109_956_608                      # diagnostics.md §15.2: 2.981 T
+    # + head 2 * 4096 * 1216 * 50280 = 500,862,812,160
+    assert r["prefill_flops_head"] == 3_481_972_768_768                 # 3.482 T
+    assert r["train_flops_per_token"] == 3 * 3_481_972_768_768 / 4096   # 2,550,273,024
+    assert r["kv_cache_bytes"] == 318_767_104                           # 4 * 16 * 1216 * 4096: 318.8 MB
+    assert r["kv_cache_bytes_batch"] == 2_550_136_832                   # x 8
+    assert r["weight_bytes"] == 813_068_672                             # 2 bytes per parameter
+    assert r["residual_state_bytes"] == 9_961_472                       # 1216 * 4096 * 2
+    assert r["residual_overhead_flops"] == 0
+    assert a("hc")["residual_overhead_flops"] == 15_300_820_992         # 192 * 16 * 1216 * 4096: +0.015 T
+    assert a("mhc")["residual_overhead_flops"] == 38_889_586_688        # 488 * 16 * 1216 * 4096: +0.039 T
+    assert a("attnres")["residual_overhead_flops"] == 11_156_848_640    # 4 * 1216 * (2 * 256 + 48) * 4096
+    # MoDA: W_kv 4 * 1216^2 * 15 * 4096 = 363,394,498,560; depth keys 4 * 1216 * (16 * 15) * 4096 = 4,781,506,560
+    assert a("moda")["residual_overhead_flops"] == 368_176_005_120
+    assert a("hc")["residual_state_bytes"] == 4 * 9_961_472
+
+
+def test_formulas_small_shape_L8_d64():
+    """L = 8, d = 64, d_ff = 176, T = 32, V = 100, batch 2, fp32: 16 sublayers, so Block AttnRes (N = 8) != Full."""
+    a = lambda res: profile_gpu.analytic(res, 8, 64, 176, 32, 2, 100, params=1000, elem_bytes=4)
+    r = a("preln")
+    # N_blk = 8 (4 * 64^2 + 3 * 64 * 176) = 8 (16,384 + 33,792) = 401,408
+    # A = 2 * 32 * 401,408 + 2 * 8 * 64 * 32^2 = 25,690,112 + 1,048,576
+    assert r["prefill_flops"] == 26_738_688
+    assert r["prefill_flops_head"] == 26_738_688 + 409_600               # 2 * 32 * 64 * 100
+    assert r["kv_cache_bytes"] == 131_072 and r["kv_cache_bytes_batch"] == 262_144  # 2 * 8 * 32 * 64 * 4, x 2
+    assert r["weight_bytes"] == 4000
+    # Full AttnRes: 2L^2 + 3L = 152 source visits, 4d FLOPs each, per token
+    assert a("attnres")["residual_overhead_flops"] == 4 * 64 * 152 * 32  # 1,245,184
+    # Block AttnRes, group of sublayer j = floor(j * 8 / 16) = j // 2; sublayer k >= 1 reads (k - 1) // 2 + 2 sources:
+    # k = 1..15 -> 2,2,3,3,4,4,5,5,6,6,7,7,8,8,9 (sum 79), the final readout 9: 88 visits
+    assert a("block_attnres")["residual_overhead_flops"] == 4 * 64 * 88 * 32  # 720,896
+    # MoDA: W_kv 4 * 64^2 * 7 * 32 = 3,670,016; depth keys 4 * 64 * (8 * 7) * 32 = 458,752
+    assert a("moda")["residual_overhead_flops"] == 4_128_768
+    assert a("hc")["residual_overhead_flops"] == 3_145_728               # 192 * 8 * 64 * 32
+    assert a("mhc")["residual_overhead_flops"] == 7_995_392              # 488 * 8 * 64 * 32
+    # residual state per sequence (T * 4 bytes = 128 per unit of d = 64): 1, 4, 2L+1 = 17, N+1 = 9, 1+4L = 33 units
+    assert [a(k)["residual_state_bytes"] for k in ["keel", "mhc", "attnres", "block_attnres", "moda"]] == \
+           [8_192, 32_768, 139_264, 73_728, 270_336]
+    # a design with no formula here (a future 11th) has null overhead/state, not a made-up zero
+    assert a("eleventh")["residual_overhead_flops"] is None and a("eleventh")["residual_state_bytes"] is None
+
+
+@pytest.mark.parametrize("L", [1, 2, 5, 16])
+def test_block_attnres_with_one_group_per_sublayer_is_full(L):
+    assert profile_gpu.attnres_sources(L, 2 * L) == 2 * L * L + 3 * L
+    assert profile_gpu.attnres_sources(L, 99) == 2 * L * L + 3 * L   # more groups than sublayers: Full
+
+
+@pytest.mark.parametrize("res,visits", [("attnres", 152), ("block_attnres", 88)])
+def test_attnres_source_count_matches_the_model(res, visits):
+    """The analytic source count equals the sources the implemented design actually mixes (L = 8)."""
+    if res not in RESIDUALS:
+        pytest.skip(f"{res} is not registered")
+    model = GPT(GPTConfig(vocab_size=32, n_layer=8, d_model=32, n_head=4, d_ff=96, residual=res))
+    _, _, rec = model(torch.zeros(1, 4, dtype=torch.long), record=True)
+    N = 8 if res == "block_attnres" else 16
+    assert sum(w.numel() for w in rec["attnres_weights"]) == visits == profile_gpu.attnres_sources(8, N)
+
+
+def test_flop_counter_agrees_with_analytic_preln():
+    """torch's FlopCounterMode on a tiny Pre-LN forward counts exactly the analytic matmuls.
+
+    It counts every position of the LM head, and attention over the full T x T (non-causal), while formula A
+    counts attention causally and leaves the head out; so compare the parts: the linear layers + head (aten.mm),
+    and, with SDPA's math backend (two bmm's; CPU's fused kernel has no FLOP formula), attention = 2 x the causal term.
+    """
+    L, d, d_ff, T, V, B = 2, 64, 176, 16, 128, 2
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=4, d_ff=d_ff))
+    r = profile_gpu.analytic("preln", L, d, d_ff, T, B, V, model.num_params(), 4)
+    idx = torch.randint(0, V, (B, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        model(idx)
+    counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    causal_scores = 2 * L * d * T * T                          # 65,536
+    linear_and_head = r["prefill_flops_head"] - causal_scores  # 2 T N_blk + 2 T d V = 688,128 + 262,144 per sequence
+    assert linear_and_head == 2 * T * 2 * (4 * 64 ** 2 + 3 * 64 * 176) + 2 * T * 64 * 128
+    assert counts["aten.mm"] == B * linear_and_head
+    assert counts["aten.bmm"] == B * 2 * causal_scores         # non-causal: the full T x T, twice the causal count
+
+
+@pytest.mark.parametrize("argv", [["--residual", "nope"], ["--shapes", "12y34"], ["--shapes", "2x64", "--seq", "0"],
+                                  ["--shapes", "2x64", "--batch", "-1"], ["--shapes", "2x60"],
+                                  ["--shapes", "2x64", "--params", "20M"], ["--params", "lots"]])
+def test_bad_input_exits_2_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        profile_gpu.main(argv + ["--analytic-only"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "error:" in err and len(err.splitlines()) == 1, err
+
+
+def test_bad_input_from_the_shell_has_no_traceback():
+    p = subprocess.run([sys.executable, "profile_gpu.py", "--shapes", "12y34"], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "12y34" in p.stderr
+
+
+def test_analytic_json_acceptance_and_atomic_write(tmp_path, monkeypatch, capsys):
+    """The acceptance command's numbers; the file is complete before it takes the final name."""
+    out = tmp_path / "prof.json"
+    out.write_text("old")
+    seen = []
+
+    def checked_replace(src, dst):  # at the moment of the swap: the new file is whole, the old one untouched
+        assert os.path.dirname(os.path.abspath(src)) == str(tmp_path) and open(dst).read() == "old"
+        seen.append(json.load(open(src)))
+        os.rename(src, dst)
+
+    monkeypatch.setattr(profile_gpu.os, "replace", checked_replace)
+    profile_gpu.main(["--analytic-only", "--shapes", "16x1216,70x640", "--seq", "4096", "--json", "--out", str(out)])
+    doc = json.loads(capsys.readouterr().out)
+    assert len(seen) == 1 and json.loads(out.read_text()) == doc == seen[0]
+    assert os.listdir(tmp_path) == ["prof.json"]  # no temporary file left behind
+    assert doc["schema"] == "depthbench.profile/1" and doc["dtype"] == "bfloat16" and doc["peak_flops"] is None
+    assert isinstance(doc["device"], str)
+    assert len(doc["rows"]) == 2 * len(RESIDUALS)
+    for row in doc["rows"]:
+        assert set(ROW_KEYS) <= set(row)
+        want = {16: (2.98e12, 318.8), 70: (4.33e12, 734.0)}[row["n_layer"]]  # FLOPs, decimal MB
+        assert math.isclose(row["prefill_flops"], want[0], rel_tol=0.01)
+        assert round(row["kv_cache_bytes"] / 1e6, 1) == want[1]
+        assert row["fwd_ms"] is None and row["utilization"] is None
+
+
+def test_tiny_measured_run_every_design(tmp_path):
+    """A real measured CPU run: finite positive timings for every registered design, the table on stdout."""
+    out = tmp_path / "m.json"
+    p = subprocess.run([sys.executable, "profile_gpu.py", "--shapes", "2x64", "--seq", "32", "--batch", "2",
+                        "--repeats", "2", "--threads", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["device"].startswith("cpu") and doc["dtype"] == "float32" and doc["peak_flops"] > 0
+    assert [r["residual"] for r in doc["rows"]] == list(RESIDUALS)
+    for r in doc["rows"]:
+        assert "error" not in r, r
+        for k in ["fwd_ms", "fwdbwd_ms", "tok_per_s", "utilization"]:
+            assert math.isfinite(r[k]) and r[k] > 0, (r["residual"], k, r[k])
+        assert r["peak_mem_bytes"] is None or r["peak_mem_bytes"] >= 0
+        assert r["peak_mem_kind"].startswith("cpu")
+    lines = p.stdout.splitlines()
+    assert all(any(line.startswith(res + " ") for line in lines) for res in RESIDUALS)
