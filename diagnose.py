@@ -1,0 +1,693 @@
+"""
+diagnose.py: the layer-wise diagnostics of DepthBench (diagnostics.md) for one model, as one JSON file.
+
+    python diagnose.py runs/preln_L6 --metrics all --out diag.json          # a run folder holding ckpt.pt
+    python diagnose.py runs/hc_L6/ckpt.pt --metrics angular,causal --num-samples 16 --seq-len 128
+    python diagnose.py --init attnres --layers 6 --width 128 --heads 4       # a fresh model, synthetic text
+    python diagnose.py runs/austen_L6 --metrics nll --nll-data fixtures/nll  # NLL offline, on local JSONL
+
+Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll. DEFINITIONS below says
+what each computes; the JSON carries it next to the numbers. The depth states z_0..z_L (spec §1.3)
+come from the model's own recording forward, `model(idx, record=True)`, never from hooks. The
+interventions (§1.5) need a trunk loop that can leave a block out: `trunk` is GPT.forward's loop,
+line for line, plus the skip rules. A swap exchanges two blocks' weights in place, together with
+the residual's own tensors of those blocks (`sublayer_params` in residuals.py), each distinct tensor
+exactly once. Everything runs in fp32 (angles and sums in fp64), in eval mode, without gradients.
+"""
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import data
+import shapes
+from model import GPT, GPTConfig, rope_cos_sin
+from residuals import HC, LNS, RESIDUALS, BlockAttnRes, MoDA, rms_norm
+
+SCHEMA = "depthbench.diagnose/1"
+METRICS = {"angular": "angular_distance", "causal": "causal_score", "perm": "permutation_score",
+           "lens": "logit_lens", "pruning": "layer_pruning", "attnres": "attnres_weights",
+           "erank": "transport_erank", "deadzone": "dead_zone", "nll": "nll"}
+# what each metric computes; written into its JSON object as "definition"
+DEFINITIONS = {
+    "angular": "d(i, j) = mean over tokens of arccos(cos(z_i, z_j)) / pi for depth states i < j (spec §2): z_0 = "
+               "embedding, z_l = stream before the final norm (HC/mHC: n streams concatenated; AttnRes: raw depth mix "
+               "at group boundaries); subsequent[n-1][l] = d(l, l+n)",
+    "causal": "u_l = z_(l+1) - z_l; C(s, l) = mean over tokens of |u_l(block s skipped) - u_l| / max(|u_l|, eps), "
+              "s < l (§3, skip rules §1.5); matrix_ratio_of_means = mean |du| / mean |u|; R_causal = share of pairs "
+              "ceil(L/4) <= s < l <= L-1 (0-based) with C > threshold",
+    "perm": "P(i, j) = |loss(blocks i and j swapped) - loss| / loss, mean next-token CE (§4); a swap moves every "
+            "tensor of the two blocks incl. the residual's own (norms, HC/mHC connectors, AttnRes: MLP-side mixer "
+            "+ the mixer reading the block's output, LNS: its scale) exactly once; R_perm = share of pairs i < j "
+            "with P > threshold; R_perm_last34 = the same over pairs with i, j >= ceil(L/4)",
+    "lens": "p_l = softmax(W_out Norm_f(r_l)) (§5), r_l = what the head would read at state l (HC/mHC: streams "
+            "reduced as the model does; AttnRes: block l's attention-side mix, the final mix at l = L); per position: "
+            "CE = -log p_l(next token), KL(p_final || p_l), |top5(p_l) & top5(p_final)| / 5; means over positions",
+    "pruning": "delta(l) = mean next-token CE with block l skipped (skip rules §1.5) - baseline CE (§6)",
+    "attnres": "w[c][j] = depth-softmax weight of consumer c on source j, mean over tokens (§10); consumers 0..2L "
+               "(sublayers; 2L = the head's readout), sources 0 = embedding, 1 + g = group g (Full AttnRes: sublayer "
+               "g, so 2k+1 = attn k, 2k+2 = MLP k); null = not visible; block: rows = each block's attention-side "
+               "consumer and the readout, Full AttnRes sums each block's two sources, Block AttnRes keeps groups",
+    "erank": "erank(M) = exp(H(p)), p = sigma / sum(sigma) (§11); M = a connector's token-averaged stream transport "
+             "(mHC: H_res; HC: A_r = alpha[:, 1:]) as [out, in]; product[k] = erank(M_k ... M_0); "
+             "per_connector_sq uses p = sigma^2 / sum(sigma^2)",
+    "deadzone": "schedule[k] = token-averaged weight of sublayer k's depth softmax on non-embedding sources (§12; "
+                "sublayer 0 reads only the embedding: 0); dead when < tau; count_blocks = blocks with both dead",
+    "nll": "-sum log p(answer tokens | prompt), teacher-forced (§13); the prompt's trailing whitespace moves to the "
+           "answer, answer tokens = tokens(prompt + answer) after tokens(prompt), left-truncated to max_len + 1; "
+           "nll_mean = nll_sum / num_target_tokens, pooled over tokens per task, per category and over all",
+}
+# task -> (category, hub dataset, config, split), as the reference's NLL script (spec §13)
+NLL_TASKS = {"mbpp": ("coding", "google-research-datasets/mbpp", "full", "test"),
+             "humaneval": ("coding", "openai/openai_humaneval", None, "test"),
+             "sciq": ("stem", "allenai/sciq", None, "test"),
+             "gpqa_diamond": ("stem", "Idavidrein/gpqa", "gpqa_diamond", "train"),
+             "gsm8k": ("math", "openai/gsm8k", "main", "test"),
+             "math500": ("math", "HuggingFaceH4/MATH-500", None, "test")}
+
+
+class DiagError(ValueError):
+    """A problem the user can fix; main prints it as one line and exits with 2."""
+
+
+# ----------------------------------------------------------------------------- model and calibration text
+
+def load_model(args):
+    """-> (model, the run's train config, checkpoint path or None, step or None)."""
+    if args.init:  # the vocab follows the text: the tokenizer's, else the synthetic task's
+        vocab = args.vocab or {"gpt2": data.padded_vocab_size(50257), "bytes": 257}.get(args.tokenizer)
+        vocab = vocab or data.SyntheticTask(args.max_gap).vocab_size
+        torch.manual_seed(args.seed)
+        cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
+                        d_ff=shapes.ffn_dim(args.width), residual=args.init, residual_args=args.residual_args)
+        run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
+               "max_gap": args.max_gap, "seed": args.seed}
+        return GPT(cfg), run, None, None
+    path = Path(args.checkpoint)
+    path = path / "ckpt.pt" if path.is_dir() else path
+    if not path.is_file():
+        raise DiagError(f"{args.checkpoint}: no checkpoint (give a run folder holding ckpt.pt, a .pt file, or --init)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except Exception as e:  # unpickling, a missing key and a shape mismatch all mean: not our checkpoint
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {why})") from None
+    return model, ckpt.get("config") or {}, str(path), ckpt.get("step")
+
+
+def calibration(args, run, vocab):
+    """The calibration windows -> (x, y) int64 (N, T), y = x shifted by one, and a description.
+
+    auto = the run's own validation data: its synthetic task, or the val split of its token shards.
+    A shard folder gives its val windows in order (data.BatchLoader, as train.py evaluates). Text
+    files are tokenized whole (EOT after each document) and N windows of T + 1 tokens start at
+    positions drawn uniformly, with replacement, by random.Random(seed) (spec §1.2).
+    """
+    N, T, src = args.num_samples, args.seq_len, args.calib
+    if src == "auto":
+        src = "synthetic" if run.get("data") == "synthetic" else run.get("data_dir")
+        if not src:
+            raise DiagError("the checkpoint names no data_dir: give --calib synthetic, a shard folder or text files")
+    if src == "synthetic":
+        task = data.SyntheticTask(run.get("max_gap") or args.max_gap, run.get("group") or "s4")
+        x, y, _ = data.BatchLoader(task, "val", N, T, seed=args.seed).get_batch(0, 0)
+        what = f"synthetic {task.group} max_gap {task.max_gap}, val split, seed {args.seed}"
+    elif (Path(src) / "meta.json").exists():
+        x, y, _ = data.BatchLoader(src, "val", N, T, seed=args.seed).get_batch(0, 0)
+        what = f"val split of {src} (windows 0..{N - 1})"
+    else:
+        tok = data.get_tokenizer(args.tokenizer or run.get("tokenizer") or "bytes")
+        docs = (d for f in data.list_files(src) for d in data.file_documents(f, "text"))
+        ids = [t for doc in data.tokenize_documents(docs, tok) for t in doc]
+        if len(ids) < 2:
+            raise DiagError(f"{src}: no text to calibrate on")
+        ids = ids * math.ceil((T + 1) / len(ids))                       # too short: repeat it (spec §1.2)
+        rng = random.Random(args.seed)
+        starts = [rng.randint(0, len(ids) - T - 1) for _ in range(N)]
+        w = torch.tensor([ids[s:s + T + 1] for s in starts])
+        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        what = f"{src} ({len(ids)} {tok.name} tokens), {N} random windows, seed {args.seed}"
+    if int(x.max()) >= vocab or int(y.max()) >= vocab:
+        raise DiagError(f"calibration tokens reach id {int(max(x.max(), y.max()))} but the model's vocab is {vocab}")
+    return x, y, what
+
+
+# ----------------------------------------------------------------------------- the trunk, with interventions
+# (isinstance(res, BlockAttnRes) covers Full AttnRes too: it is the case of one-sublayer groups)
+
+def newest(s):
+    """AttnRes: the newest source of the bank (the current group's partial sum, else the last committed one)."""
+    done, partial = s
+    return done[-1] if partial is None else partial
+
+
+def skip_sublayer(res, s, i):
+    """The stream state when sublayer i is left out (spec §1.5, skip_block)."""
+    if isinstance(res, MoDA):
+        # the reference's depth-KV slots of a skipped block stay zero: later attention still sees the
+        # slot (a zero key takes softmax mass exp(0) and brings back nothing)
+        x, ks, vs = s
+        if i % 2 == 1 and i // 2 == len(res.kv_proj):               # the last MLP writes no slot anyway
+            return s
+        zero = x.new_zeros(*x.shape[:2], res.n_head, res.head_dim)
+        return x, ks + [zero], vs + [zero]
+    if isinstance(res, BlockAttnRes):
+        # nothing joins the bank, but a group that ends here is still committed, so later sublayers
+        # land in their own group exactly as in the full model
+        done, partial = s
+        ends_group = partial is not None and i > 0 and res.group[i] != res.group[i - 1]
+        return (done + [partial], None) if ends_group else s
+    return s  # residual family and HC/mHC: the block returns its input (all n streams) unchanged
+
+
+def read(res, s, i, override):
+    if i == override:  # AttnRes next-output rule: the identity on the newest source, with the consumer's norm
+        return rms_norm(newest(s), res.norms[i].weight, res.eps), {}
+    return res.read(s, i)
+
+
+def depth_state(res, s, i, override):
+    if i == override:
+        return newest(s)
+    z = res.depth_state(s, i)
+    return newest(s) if z is None else z  # Block AttnRes whose group began in a skipped block: no partial yet
+
+
+def readout(res, s, i, override):
+    """What the logit lens decodes before sublayer i (spec §5): the head's own input. AttnRes reads
+    the mix of consumer i (block i/2's attention-side query; the final query at i = 2L), normalised
+    with the final norm's gain as the model's own readout does."""
+    if not isinstance(res, BlockAttnRes):
+        return res.collapse(s)               # residual stream, or HC streams reduced as the model does
+    z = s[0][0] if i == 0 else newest(s) if i == override else res._mix(s, i)
+    return rms_norm(z, res.norm_f.weight, res.eps)
+
+
+def trunk(model, idx, skip=None, lens=False):
+    """GPT.forward's trunk loop with block `skip` left out -> (logits, states z_0..z_L, lens readouts).
+    Skip rules (spec §1.5) in skip_sublayer, plus AttnRes' "next-output" rule: when the first consumer
+    after the hole is a group boundary (always for Full AttnRes; the head), it reads its newest source
+    instead of mixing, and that is also its depth state."""
+    res, L = model.res, model.cfg.n_layer
+    rope = rope_cos_sin(idx.size(1), model.cfg.head_dim, model.cfg.rope_theta, idx.device)
+    s = res.init_stream(model.wte(idx))
+    states, readouts, override = [], [], None
+    for b, block in enumerate(model.blocks):
+        states.append(depth_state(res, s, 2 * b, override))
+        if lens:
+            readouts.append(readout(res, s, 2 * b, override))
+        if b == skip:
+            s = skip_sublayer(res, skip_sublayer(res, s, 2 * b), 2 * b + 1)
+            nxt = 2 * b + 2
+            if isinstance(res, BlockAttnRes) and (nxt == 2 * L or res.group[nxt] != res.group[nxt - 1]):
+                override = nxt
+            continue
+        h, kw = read(res, s, 2 * b, override)
+        y, aux = block.attn(h, rope, **kw)
+        s = res.write(s, 2 * b, y, aux)
+        h, kw = res.read(s, 2 * b + 1)
+        s = res.write(s, 2 * b + 1, block.mlp(h, **kw))
+    states.append(depth_state(res, s, 2 * L, override))
+    if lens:
+        readouts.append(readout(res, s, 2 * L, override))
+    z = rms_norm(newest(s), res.norm_f.weight, res.eps) if override == 2 * L else res.collapse(s)
+    return model.lm_head(z), states, readouts
+
+
+def block_tensors(model, b):
+    """{name: tensor} that block b owns: its attention and MLP weights, and the residual's own
+    tensors of its two sublayers (norm gains, HC/mHC connectors, AttnRes mixers, MoDA's W_kv)."""
+    own = {f"block.{n}": p for n, p in model.blocks[b].named_parameters()}
+    for side, i in (("attn", 2 * b), ("mlp", 2 * b + 1)):
+        own.update({f"{side}.{n}": t for n, t in model.res.sublayer_params(i).items()})
+    return own
+
+
+@torch.no_grad()
+def swap_blocks(model, i, j):
+    """Exchange the weights of blocks i and j in place (spec §1.5); calling it twice restores the model.
+
+    Tensors pair up by name; one without a partner of the same shape stays (KEEL block 0 has no
+    attention post-norm). Each distinct tensor moves exactly once: a tensor reachable under two
+    names is swapped the first time only (the reference swapped HC's shared modules twice, a no-op).
+    LNS's per-block scale travels with the block, as the reference intends. Returns the swap count.
+    """
+    a, b = block_tensors(model, i), block_tensors(model, j)
+    seen, n = set(), 0
+    for name, ta in a.items():
+        tb = b.get(name)
+        keys = [(t.data_ptr(), tuple(t.shape), t.stride()) for t in (ta, tb)] if tb is not None else []
+        if tb is None or ta.shape != tb.shape or keys[0] == keys[1] or seen & set(keys):
+            continue
+        seen.update(keys)
+        tmp = ta.clone()
+        ta.copy_(tb)
+        tb.copy_(tmp)
+        n += 1
+    if isinstance(model.res, LNS):
+        sc = model.res.scales
+        for k in (0, 1):
+            sc[2 * i + k], sc[2 * j + k] = sc[2 * j + k], sc[2 * i + k]
+    return n
+
+
+# ----------------------------------------------------------------------------- metric math
+
+def ce_sum(logits, y):
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double().item()
+
+
+def angle_sums(states, chunk=1024):
+    """states: S tensors (N, D') -> (S, S) fp64 sums over tokens of the angle between z_i and z_j.
+    fp64, so that a state with itself gives 0, not the ~1e-4 that arccos makes of fp32 rounding."""
+    out = 0
+    for k in range(0, states[0].size(0), chunk):                         # bounds the fp64 copy
+        Z = F.normalize(torch.stack([z[k:k + chunk] for z in states]).double(), dim=-1)  # (S, n, D')
+        out = out + torch.arccos(torch.einsum("ind,jnd->ijn", Z, Z).clamp(-1.0, 1.0)).sum(-1)
+    return out.cpu()
+
+
+def erank(M, squared=False):
+    """Effective rank exp(H(p)) of a matrix, p = sigma / sum(sigma) (Roy & Vetterli), or sigma^2-normalised."""
+    sv = torch.linalg.svdvals(M.double())
+    sv = sv ** 2 if squared else sv
+    p = sv / sv.sum()
+    p = p[p > 0]
+    return math.exp(-(p * p.log()).sum().item())
+
+
+def share_above(M, threshold, L, lo=0):
+    """Over the pairs lo <= a < b <= L-1 (0-based blocks): (number of pairs, how many have M[a][b] > threshold,
+    their share). R_causal is lo = ceil(L/4); R_perm is lo = 0 and, in its last-three-quarters form, ceil(L/4)."""
+    pairs = [(a, b) for a in range(lo, L) for b in range(a + 1, L)]
+    above = sum(M[a][b] is not None and M[a][b] > threshold for a, b in pairs)
+    return len(pairs), above, (above / len(pairs) if pairs else None)
+
+
+def dead_zone(weights, L, tau):
+    """weights: the token-averaged depth-softmax weights of consumers 0..2L (index 0 = the embedding).
+    A sublayer is dead when its mix puts < tau on non-embedding sources; a block when both of its are."""
+    schedule = [1.0 - w[0] for w in weights[:2 * L]]
+    dead = [v < tau for v in schedule]
+    return {"tau": tau, "schedule": schedule, "dead": dead, "head": 1.0 - weights[2 * L][0],
+            "count_sublayers": sum(dead), "count_blocks": sum(dead[2 * b] and dead[2 * b + 1] for b in range(L))}
+
+
+def triangle(M, ok):
+    """Tensor -> list of lists, None where ok(i, j) is false."""
+    return [[float(M[i][j]) if ok(i, j) else None for j in range(len(M[i]))] for i in range(len(M))]
+
+
+# ----------------------------------------------------------------------------- the sweeps
+
+@torch.no_grad()
+def sweep(model, batches, todo, eps):
+    """One pass over the calibration batches: the recording forward (states, design internals), the
+    logit lens, and one forward per skipped block (shared by causal score and pruning). Raw fp64 sums."""
+    L = model.cfg.n_layer
+    z64 = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
+    acc = {"tokens": 0, "loss": 0.0, "angles": z64(L + 1, L + 1), "skip_loss": z64(L), "ratio": z64(L, L),
+           "du": z64(L, L), "u": z64(L), "lens": z64(L + 1, 3), "H_res": 0, "attnres_weights": 0}
+    bar = tqdm(total=len(batches) * (1 + L * bool({"causal", "pruning"} & todo)), desc="layers", unit="fwd")
+    for x, y in batches:
+        n = x.numel()
+        logits, _, rec = model(x, record=True)
+        acc["tokens"] += n
+        acc["loss"] += ce_sum(logits, y)
+        states = [z.float().flatten(0, 1) for z in rec["states"]]           # L+1 x (N, D'), stream-major for HC
+        if "angular" in todo:
+            acc["angles"] += angle_sums(states)
+        for key in ("H_res", "attnres_weights"):                            # token means of this batch -> sums
+            if key in rec:
+                acc[key] = [a + v.double().cpu() * n for a, v in zip(acc[key] or [0] * len(rec[key]), rec[key])]
+        if "lens" in todo:
+            acc["lens"] += lens_sums(model, trunk(model, x, lens=True)[2], logits, y)
+        bar.update()
+        u = torch.stack([b - a for a, b in zip(states, states[1:])])        # (L, N, D') the blocks' updates
+        u_norm = u.norm(dim=-1)                                               # (L, N)
+        acc["u"] += u_norm.double().sum(-1).cpu()
+        for s in range(L) if {"causal", "pruning"} & todo else []:
+            logits_s, z, _ = trunk(model, x, skip=s)
+            acc["skip_loss"][s] += ce_sum(logits_s, y)
+            if s < L - 1 and "causal" in todo:
+                z = [t.float().flatten(0, 1) for t in z]
+                d = torch.stack([z[l + 1] - z[l] - u[l] for l in range(s + 1, L)]).norm(dim=-1)  # (L-s-1, N)
+                acc["ratio"][s, s + 1:] += (d / u_norm[s + 1:].clamp_min(eps)).double().sum(-1).cpu()
+                acc["du"][s, s + 1:] += d.double().sum(-1).cpu()
+            bar.update()
+    bar.close()
+    return acc
+
+
+def lens_sums(model, readouts, final_logits, y):
+    """(L+1, 3) sums over positions of [early-exit CE, KL(p_final || p_l), top-5 overlap] per state."""
+    logp_f = final_logits.float().log_softmax(-1)
+    k = min(5, logp_f.size(-1))
+    top_f = logp_f.topk(k).indices
+    rows = []
+    for r in readouts:
+        logp = model.lm_head(r).float().log_softmax(-1)
+        ce = -logp.gather(-1, y[..., None])
+        kl = (logp_f.exp() * (logp_f - logp)).sum(-1)
+        overlap = (logp.topk(k).indices[..., :, None] == top_f[..., None, :]).any(-1).sum(-1) / k
+        rows.append(torch.stack([v.double().sum() for v in (ce, kl, overlap)]).cpu())
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def permutation(model, batches, threshold):
+    """P(i, j) = |loss(blocks i, j swapped) - loss| / loss for every pair i < j (spec §4) -> its JSON object."""
+    L = model.cfg.n_layer
+    if L < 2:
+        return {"skipped": "needs at least 2 blocks"}
+
+    def loss():
+        return sum(ce_sum(model(x)[0], y) for x, y in batches) / sum(y.numel() for _, y in batches)
+    base, P = loss(), [[None] * L for _ in range(L)]
+    with tqdm(total=L * (L - 1) // 2, desc="swaps", unit="pair") as bar:
+        for i in range(L):
+            for j in range(i + 1, L):
+                swap_blocks(model, i, j)
+                P[i][j] = abs(loss() - base) / base
+                swap_blocks(model, i, j)
+                bar.update()
+    n, above, share = share_above(P, threshold, L)
+    n34, above34, share34 = share_above(P, threshold, L, math.ceil(L / 4))
+    return {"matrix": P, "threshold": threshold, "R_perm": share, "n_pairs": n, "n_above": above,
+            "R_perm_last34": share34, "n_pairs_last34": n34, "n_above_last34": above34, "s_min": math.ceil(L / 4),
+            "baseline_loss": base, "swap_dedup": True, "definition": DEFINITIONS["perm"]}
+
+
+# ----------------------------------------------------------------------------- downstream NLL (Fig. 4)
+
+def nll_pair(task, row):
+    """(prompt, target) of one example in the reference's formats (spec §13; the answer text is the target)."""
+    if task == "mbpp":
+        tests = (list(row["test_list"]) + ["", "", ""])[:3]
+        prompt = (f"You are an expert Python programmer, and here is your task: {row['text']} "
+                  "Your code should pass these tests:\n\n" + "\n".join(tests) + "\n[BEGIN]\n")
+        return prompt, row["code"] if row["code"].endswith("\n") else row["code"] + "\n"
+    if task == "humaneval":
+        return row["prompt"], row["canonical_solution"]
+    if task == "sciq":
+        prompt = f"Question: {row['question']}\nAnswer:"
+        target = f" {row['correct_answer']}\nExplanation: {row['support']}"
+    elif task == "gpqa_diamond":
+        correct = row["Correct Answer"].strip()
+        options = [correct] + [row[f"Incorrect Answer {k}"].strip() for k in (1, 2, 3)]
+        key = row.get("Record ID") or row["Question"]  # the shuffle is seeded by the record, so it is stable
+        random.Random(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")).shuffle(options)
+        choices = "".join(f"{c}. {o}\n" for c, o in zip("ABCD", options))
+        prompt = f"Question: {row['Question']}\nChoices:\n{choices}Answer:"
+        expl = (row.get("Explanation") or "").strip()
+        target = f" {correct}" + (f"\nExplanation: {expl}" if expl else "")
+    elif task == "gsm8k":
+        prompt, target = f"Question: {row['question']}\nAnswer:", f" {row['answer']}"
+    else:  # math500
+        prompt, target = f"Problem:\n{row['problem']}\n\nSolution:", f" {row.get('solution') or row['answer']}"
+    if not prompt[-1:].isspace() and not target[:1].isspace():  # leading-separator rule
+        target = " " + target
+    return prompt, target
+
+
+def encode_pair(tok, prompt, target):
+    """lm-eval's _encode_pair: the prompt's trailing whitespace moves to the target; the continuation is
+    tokens(prompt + target) after the first len(tokens(prompt)) tokens. No BOS, no special tokens."""
+    n = len(prompt) - len(prompt.rstrip())
+    if n:
+        prompt, target = prompt[:-n], prompt[-n:] + target
+    whole, ctx = tok.encode_batch([prompt + target, prompt])
+    return list(ctx), list(whole[len(ctx):])
+
+
+def nll_rows(task, nll_data, limit):
+    """The task's rows: from {task}.jsonl under nll_data (None if there is none), else from the hub."""
+    if nll_data:
+        path = Path(nll_data) / f"{task}.jsonl"
+        if not path.exists():
+            return None
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        import datasets
+        rows = datasets.load_dataset(*NLL_TASKS[task][1:3], split=NLL_TASKS[task][3])
+    return [rows[k] for k in range(min(len(rows), limit or len(rows)))]
+
+
+@torch.no_grad()
+def nll_task(model, tok, rows, task, max_len, batch_size, device):
+    """Summed NLL of the answer tokens over all examples, and how many answer tokens were scored."""
+    seqs = []
+    for row in rows:
+        ctx, cont = encode_pair(tok, *nll_pair(task, row))
+        seq = (ctx + cont)[-(max_len + 1):]           # left-truncate to the model's training length
+        seqs.append((seq, min(len(cont), len(seq) - 1)))
+    total, count = 0.0, 0
+    for k in range(0, len(seqs), batch_size):
+        chunk = seqs[k:k + batch_size]
+        x = torch.zeros(len(chunk), max(len(s) for s, _ in chunk) - 1, dtype=torch.long)  # right-padded
+        for r, (seq, _) in enumerate(chunk):
+            x[r, :len(seq) - 1] = torch.tensor(seq[:-1])
+        if int(x.max()) >= model.cfg.vocab_size:
+            raise DiagError(f"{task}: token ids reach {int(x.max())}, beyond the model's vocab {model.cfg.vocab_size}")
+        logp = model(x.to(device))[0].float().log_softmax(-1)
+        for r, (seq, n) in enumerate(chunk):
+            tgt = torch.tensor(seq[len(seq) - n:], device=device)
+            total -= logp[r, len(seq) - 1 - n:len(seq) - 1].gather(-1, tgt[:, None]).double().sum().item()
+            count += n
+    return total, count
+
+
+def pooled(nll_sum, tokens, **extra):
+    mean = nll_sum / tokens if tokens else None
+    return {**extra, "nll_mean": mean, "nll_sum": nll_sum, "num_target_tokens": tokens,
+            "perplexity": None if mean is None else math.exp(min(mean, 700.0))}
+
+
+def nll_metric(model, args, tok, device):
+    tasks = {}
+    for task in tqdm(args.nll_tasks, desc="nll", unit="task"):
+        try:
+            rows = nll_rows(task, args.nll_data, args.nll_limit) or f"no {task}.jsonl in {args.nll_data}"
+        except Exception as e:  # a gated or missing dataset costs that task only (the hub itself was checked)
+            rows = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        if isinstance(rows, str):
+            tasks[task] = {"skipped": rows}
+            continue
+        s, n = nll_task(model, tok, rows, task, args.nll_max_len, args.batch_size, device)
+        tasks[task] = pooled(s, n, category=NLL_TASKS[task][0], num_examples=len(rows))
+    done = {t: v for t, v in tasks.items() if "skipped" not in v}
+    def pool(ts):  # a category or all tasks: pooled over tokens, not a mean of the task means
+        return pooled(sum(done[t]["nll_sum"] for t in ts), sum(done[t]["num_target_tokens"] for t in ts), tasks=ts)
+    cats = dict.fromkeys(v["category"] for v in done.values())
+    return {"tasks": tasks, "categories": {c: pool([t for t in done if done[t]["category"] == c]) for c in cats},
+            "aggregate": pool(list(done)), "source": args.nll_data or "huggingface hub", "max_len": args.nll_max_len,
+            "definition": DEFINITIONS["nll"]}
+
+
+def check_hub(timeout=5.0):
+    """Offline, `datasets` retries for half a minute and then prints a traceback: ask the hub first."""
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")      # read when huggingface_hub is first imported
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    if os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
+        return                                             # datasets then reads its cache or fails at once
+    import requests
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        requests.get(endpoint, timeout=timeout, stream=True).close()
+    except requests.RequestException as e:
+        raise DiagError(f"cannot reach the HuggingFace hub at {endpoint} ({type(e).__name__}); offline, use "
+                        f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics") from None
+
+
+# ----------------------------------------------------------------------------- metrics -> JSON objects
+
+def layer_metrics(model, acc, todo, args):
+    """The sums of `sweep` -> the JSON objects of the layer metrics; {"skipped": why} where one does not apply."""
+    res, L, N = model.res, model.cfg.n_layer, acc["tokens"]
+    base, out = acc["loss"] / N, {}
+    if "angular" in todo:
+        D = acc["angles"] / (N * math.pi)
+        sub = [[float(D[l, l + n]) if l + n <= L else None for l in range(L)] for n in range(1, L + 1)]
+        out["angular"] = {"matrix": triangle(D, lambda i, j: i < j), "subsequent": sub}
+    if "causal" in todo and L < 2:
+        out["causal"] = {"skipped": "needs at least 2 blocks"}
+    elif "causal" in todo:
+        C = triangle(acc["ratio"] / N, lambda s, l: s < l)
+        RoM = torch.where(acc["u"] > 1e-8 * N, acc["du"] / acc["u"].clamp_min(1e-300), torch.zeros(()))
+        n_pairs, n_above, share = share_above(C, args.causal_threshold, L, math.ceil(L / 4))
+        out["causal"] = {"matrix": C, "matrix_ratio_of_means": triangle(RoM, lambda s, l: s < l),
+                         "threshold": args.causal_threshold, "s_min": math.ceil(L / 4), "R_causal": share,
+                         "n_pairs": n_pairs, "n_above": n_above, "variant": "mean_of_ratios", "eps": args.eps}
+    if "pruning" in todo:
+        out["pruning"] = {"baseline_loss": base, "metric": "lm_loss", "layers": [
+            {"layer": l, "loss": v, "delta": v - base} for l, v in enumerate((acc["skip_loss"] / N).tolist())]}
+    if "lens" in todo:
+        out["lens"] = {"final_loss": base, "states": [
+            {"index": l, "early_exit_ce": ce, "kl_to_final": kl, "top5_overlap": top}
+            for l, (ce, kl, top) in enumerate((acc["lens"] / N).tolist())]}
+    if isinstance(res, BlockAttnRes) and {"attnres", "deadzone"} & todo:
+        w = [[1.0]] + [(v / N).tolist() for v in acc["attnres_weights"]]     # consumer 0 reads the embedding only
+        rows = [r + [None] * (res.n_groups + 1 - len(r)) for r in w]
+        block = [rows[2 * b] for b in range(L)] + [rows[2 * L]]
+        if res.n_groups == 2 * L:                                             # Full AttnRes: sum per block
+            block = [[r[0]] + [None if r[1 + 2 * k] is None else r[1 + 2 * k] + (r[2 + 2 * k] or 0.0)
+                               for k in range(L)] for r in block]
+        out["attnres"] = {"sublayer": rows, "block": block, "n_groups": res.n_groups}
+        if res.n_groups < 2 * L:
+            out["deadzone"] = {**dead_zone(w, L, args.dead_tau), "n_groups": res.n_groups}
+    if isinstance(res, HC) and "erank" in todo:
+        Ms, prod = [v / N for v in acc["H_res"]], []
+        for M in Ms:
+            prod.append(M if not prod else M @ prod[-1])
+        per = [erank(M) for M in Ms]
+        out["erank"] = {"per_connector": per, "mean": sum(per) / len(per), "product": [erank(P) for P in prod],
+                        "per_connector_sq": [erank(M, squared=True) for M in Ms], "n_streams": res.n,
+                        "matrices": [M.tolist() for M in Ms]}
+    why = {"attnres": "AttnRes only: this design has no depth softmax",
+           "deadzone": "Block AttnRes only: this design has no groups of several sublayers",
+           "erank": "HC/mHC only: this design has no stream-transport matrix"}
+    for m in todo & set(why) - set(out):
+        out[m] = {"skipped": why[m]}
+    return {m: {**v, "definition": DEFINITIONS[m]} if "skipped" not in v else v for m, v in out.items()}
+
+
+def write_json(obj, path):
+    """Strict JSON (NaN/inf -> null), written to a temp file and renamed: a crash never leaves half a file."""
+    obj = json.loads(json.dumps(obj), parse_constant=lambda _: None)  # json writes NaN; read it back as null
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, allow_nan=False))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse_args(argv):
+    p = shapes.ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
+    pos = data.positive
+    p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, or a .pt file (or use --init)")
+    p.add_argument("--metrics", default="all", help=f"comma list of {', '.join(METRICS)}, or all (default)")
+    p.add_argument("--out", help="output JSON (default: diagnose.json in the checkpoint's folder, or here for --init)")
+    g = p.add_argument_group("a fresh model instead of a checkpoint")
+    g.add_argument("--init", choices=list(RESIDUALS), help="diagnose a freshly initialised model of this design")
+    g.add_argument("--layers", type=pos, default=6, help="--init: blocks L (default 6)")
+    g.add_argument("--width", type=pos, default=128, help="--init: d_model (default 128)")
+    g.add_argument("--heads", type=pos, default=4, help="--init: attention heads (default 4)")
+    g.add_argument("--vocab", type=pos, help="--init: vocab size (default: the tokenizer's, else the synthetic task's)")
+    g.add_argument("--residual-args", type=json.loads, default={},
+                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}'")
+    g = p.add_argument_group("calibration text and compute")
+    g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
+    g.add_argument("--tokenizer", choices=["gpt2", "bytes"], help="for text files and NLL (default: the run's)")
+    g.add_argument("--max-gap", type=pos, default=4, help="synthetic task's max gap if the run says none (default 4)")
+    g.add_argument("--num-samples", type=pos, default=32, help="calibration windows (default 32)")
+    g.add_argument("--seq-len", type=pos, help="tokens per window (default: the run's seq_len, else 128)")
+    g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL: examples) per forward pass (default 8)")
+    g.add_argument("--seed", type=int, help="seeds the window choice and --init (default: the run's seed, else 1337)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    g.add_argument("--threads", type=pos, default=1, help="CPU threads (default 1: tiny models run several "
+                   "times faster single-threaded, most of all on a shared machine)")
+    g = p.add_argument_group("metric settings")
+    g.add_argument("--causal-threshold", type=float, default=0.45, help="R_causal counts C > this (default 0.45)")
+    g.add_argument("--perm-threshold", type=float, default=0.15, help="R_perm counts P > this (default 0.15)")
+    g.add_argument("--dead-tau", type=float, default=0.05, help="dead when non-embedding weight < this (0.05)")
+    g.add_argument("--eps", type=float, default=1e-8, help="floor of |u_l| in the causal ratio (default 1e-8)")
+    g = p.add_argument_group("downstream NLL")
+    g.add_argument("--nll-data", help="folder of local {task}.jsonl in each dataset's own fields (e.g. fixtures/nll)")
+    g.add_argument("--nll-tasks", default=",".join(NLL_TASKS), help=f"comma list of {', '.join(NLL_TASKS)}")
+    g.add_argument("--nll-limit", type=pos, help="at most this many examples per task (default: all)")
+    g.add_argument("--nll-max-len", type=pos, help="context length, left-truncated (default: the run's seq_len)")
+    args = p.parse_args(argv)
+
+    if (args.checkpoint is None) == (args.init is None):
+        p.error("give a checkpoint or --init RESIDUAL (one of them)")
+    args.todo = set(METRICS) if args.metrics == "all" else {m.strip() for m in args.metrics.split(",") if m.strip()}
+    if not args.todo or args.todo - set(METRICS):
+        bad = ", ".join(sorted(args.todo - set(METRICS))) or "(none)"
+        p.error(f"unknown metric(s) {bad}; choose from {', '.join(METRICS)}, all")
+    args.nll_tasks = [t.strip() for t in args.nll_tasks.split(",") if t.strip()]
+    if not args.nll_tasks or set(args.nll_tasks) - set(NLL_TASKS):
+        p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
+    if not isinstance(args.residual_args, dict):
+        p.error(f"--residual-args must be a JSON object, got {args.residual_args!r}")
+    if args.init and args.width % args.heads:
+        p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if args.nll_data and not Path(args.nll_data).is_dir():
+        p.error(f"--nll-data {args.nll_data}: not a folder")
+    return args
+
+
+def setup(args):
+    """Model, calibration batches and the derived settings; every problem a user can fix is a DiagError."""
+    args.seed = 1337 if args.init and args.seed is None else args.seed
+    model, run, ckpt_path, step = load_model(args)
+    args.seed = run.get("seed", 1337) if args.seed is None else args.seed
+    args.seq_len = args.seq_len or run.get("seq_len") or 128
+    args.nll_max_len = args.nll_max_len or run.get("seq_len") or args.seq_len
+    args.tok_name, args.nll_skip = args.tokenizer or run.get("tokenizer"), None
+    if "nll" in args.todo:
+        if args.tok_name is None or (run.get("data") == "synthetic" and not args.tokenizer):
+            args.nll_skip = "the model reads synthetic-task tokens, not text (--tokenizer forces a text tokenizer)"
+        elif not args.nll_data:
+            check_hub()  # fail fast, before any compute
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    model = model.float().to(device).eval()
+    x, y, calib = calibration(args, run, model.cfg.vocab_size)
+    batches = [(a.to(device), b.to(device)) for a, b in zip(x.split(args.batch_size), y.split(args.batch_size))]
+    cfg, res = model.cfg, model.res
+    meta = {"residual": cfg.residual, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "ar": cfg.d_model / cfg.n_layer,
+            "n_head": cfg.n_head, "d_ff": cfg.d_ff, "vocab_size": cfg.vocab_size, "residual_args": cfg.residual_args,
+            "n_streams": getattr(res, "n", None), "n_groups": getattr(res, "n_groups", None),
+            "checkpoint": ckpt_path, "step": step, "init": args.init, "calibration": calib, "num_samples": len(x),
+            "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": "float32", "device": str(device),
+            "threads": torch.get_num_threads() if device.type == "cpu" else None, "seed": args.seed,
+            "torch": torch.__version__, "timings_s": {}}
+    return model, batches, meta, device
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.time()
+    try:
+        model, batches, meta, device = setup(args)
+        cfg, todo, timings = model.cfg, args.todo, meta["timings_s"]
+        print(f"diagnose: {cfg.residual} L={cfg.n_layer} d={cfg.d_model} on {device} ({meta['threads'] or 'GPU'} "
+              f"threads), fp32, {meta['num_samples']} x {args.seq_len} tokens from {meta['calibration']}; "
+              f"metrics: {', '.join(m for m in METRICS if m in todo)}")
+        out, t0 = {"schema": SCHEMA, "meta": meta}, time.time()
+        if todo - {"perm", "nll"}:  # every layer metric comes from one sweep over the calibration batches
+            acc = sweep(model, batches, todo, args.eps)
+            out.update({METRICS[m]: obj for m, obj in layer_metrics(model, acc, todo, args).items()})
+            timings["layers"], t0 = round(time.time() - t0, 2), time.time()
+        if "perm" in todo:
+            out["permutation_score"] = permutation(model, batches, args.perm_threshold)
+            timings["perm"], t0 = round(time.time() - t0, 2), time.time()
+        if "nll" in todo:
+            tok = data.get_tokenizer(args.tok_name) if not args.nll_skip else None
+            out["nll"] = {"skipped": args.nll_skip} if args.nll_skip else nll_metric(model, args, tok, device)
+            timings["nll"] = round(time.time() - t0, 2)
+    except (DiagError, data.DataError) as e:
+        print(f"diagnose.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
+        sys.exit(2)
+    meta["wall_s"] = round(time.time() - t_start, 2)
+    path = args.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")
+    write_json(out, path)
+    print(f"wrote {path} in {meta['wall_s']}s")
+
+
+if __name__ == "__main__":
+    main()
