@@ -5,7 +5,7 @@ What each residual design costs at a shape: analytic FLOPs and bytes, measured t
     python profile_gpu.py --residual all --params 405M --ar 76,42.67,28,9.1 --seq 4096 --batch 8 --out runs/profile/gpu.json
     # formulas only, any machine, instant: 2.98e12 / 4.33e12 FLOPs and 318.8 / 734.0 MB of KV cache per sequence
     python profile_gpu.py --analytic-only --shapes 16x1216,70x640 --seq 4096 --json
-    # a CPU table in a few minutes (2 cores)
+    # a CPU table: about 10 minutes on 2 shared cores (one thread: spinning threads stall when cores are shared)
     python profile_gpu.py --params 20M --ar 32,4 --vocab 8192 --seq 256 --batch 4 --repeats 3 --threads 1
 
 Analytic fields (diagnostics.md §15; a multiply-add is 2 FLOPs; norms, softmax, RoPE and adds are not counted):
@@ -25,14 +25,16 @@ Analytic fields (diagnostics.md §15; a multiply-add is 2 FLOPs; norms, softmax,
   d + 4·L·d for MoDA (the stream and the depth K/V).
 Bytes use --dtype's element size; --dtype is bf16 with --analytic-only unless told otherwise.
 
-Measured fields, labelled with the device: fwd_ms, a prefill of the batch under inference mode with logits for the
-last position only (B·T·V logits would dominate the memory, §15.4); fwdbwd_ms, forward + loss + backward on every
-position (no optimizer step). Medians of --repeats after warm-up; CUDA events on GPU, perf_counter on CPU. tok_per_s
-= B·T / fwdbwd time (training; device-hours for 8B tokens = 8e9 / tok_per_s / 3600). utilization = achieved training
-FLOP/s / peak_flops, the best of a few square matmuls in the same run and dtype. On CUDA the weights stay fp32 under
-bf16 autocast, as in training. peak_mem_bytes (prefill) and peak_mem_train_bytes (fwd+bwd): CUDA max_memory_allocated
-after reset_peak_memory_stats; on CPU each row runs in a fresh process (freed memory stays resident, so rows in one
-process would share peaks), which reports its peak RSS (Linux VmHWM, reset per window) above its RSS before the model.
+Measured fields, labelled with the device (medians of --repeats after warm-up; CUDA events on GPU, perf_counter on CPU):
+- fwd_ms: a prefill of the batch under inference mode, logits for the last position only (B·T·V logits would
+  dominate the memory, §15.4); fwdbwd_ms: forward + loss + backward on every position, no optimizer step.
+- tok_per_s = B·T / fwdbwd time (training; device-hours for 8B tokens = 8e9 / tok_per_s / 3600); utilization =
+  achieved training FLOP/s / peak_flops, the best of a few square matmuls in the same run and dtype.
+- peak_mem_bytes (prefill) and the extra field peak_mem_train_bytes (fwd+bwd): on CUDA max_memory_allocated after
+  reset_peak_memory_stats, with fp32 weights under bf16 autocast as in training; on CPU each row runs in a fresh
+  process (freed memory stays resident, so rows sharing a process would share peaks) and reports its peak RSS
+  (Linux VmHWM, reset per window) above its RSS before the model was built.
+- error (extra, only when set): why a row has no measurement; an OOM ends only its own row.
 """
 import concurrent.futures
 import json
@@ -240,7 +242,7 @@ def summary(doc):
                      f"{fmt(r['tok_per_s'], '.0f'):>8}{mb('peak_mem_bytes'):>9}{ratio('peak_mem_bytes'):>6}"
                      f"{mb('peak_mem_train_bytes'):>9}{ratio('peak_mem_train_bytes'):>6}"
                      f"{fmt(r['utilization'] and 100 * r['utilization'], '.1f'):>5}%  {r.get('error', '')}")
-        print(line)
+        print(line.rstrip())
     print("prefill: formula A, FLOPs per sequence (no head); +design: residual_overhead_flops, % of it; KV, state:"
           " MB per sequence" + ("; step = fwd+bwd; peak = prefill, train = step; x = ratio to Pre-LN" if measured else ""))
 
