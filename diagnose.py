@@ -60,7 +60,8 @@ DEFINITIONS = {
              "(mHC: H_res; HC: A_r = alpha[:, 1:]) as [out, in]; product[k] = erank(M_k ... M_0); "
              "per_connector_sq uses p = sigma^2 / sum(sigma^2)",
     "deadzone": "schedule[k] = token-averaged weight of sublayer k's depth softmax on non-embedding sources (§12; "
-                "sublayer 0 reads only the embedding: 0); dead when < tau; count_blocks = blocks with both dead",
+                "sublayer 0 reads only the embedding: 0); dead when < tau; count_blocks = blocks with both dead; "
+                "Fig. 9 is Block AttnRes', Full AttnRes (groups of one sublayer) gets the same numbers",
     "nll": "-sum log p(answer tokens | prompt), teacher-forced (§13); the prompt's trailing whitespace moves to the "
            "answer, answer tokens = tokens(prompt + answer) after tokens(prompt), left-truncated to max_len + 1; "
            "nll_mean = nll_sum / num_target_tokens, pooled over tokens per task, per category and over all",
@@ -543,8 +544,7 @@ def layer_metrics(model, acc, todo, args):
             block = [[r[0]] + [None if r[1 + 2 * k] is None else r[1 + 2 * k] + (r[2 + 2 * k] or 0.0)
                                for k in range(L)] for r in block]
         out["attnres"] = {"sublayer": rows, "block": block, "n_groups": res.n_groups}
-        if res.n_groups < 2 * L:
-            out["deadzone"] = {**dead_zone(w, L, args.dead_tau), "n_groups": res.n_groups}
+        out["deadzone"] = {**dead_zone(w, L, args.dead_tau), "n_groups": res.n_groups}  # Full AttnRes too
     if isinstance(res, HC) and "erank" in todo:
         Ms, prod = [v / N for v in acc["H_res"]], []
         for M in Ms:
@@ -553,11 +553,9 @@ def layer_metrics(model, acc, todo, args):
         out["erank"] = {"per_connector": per, "mean": sum(per) / len(per), "product": [erank(P) for P in prod],
                         "per_connector_sq": [erank(M, squared=True) for M in Ms], "n_streams": res.n,
                         "matrices": [M.tolist() for M in Ms]}
-    why = {"attnres": "AttnRes only: this design has no depth softmax",
-           "deadzone": "Block AttnRes only: this design has no groups of several sublayers",
-           "erank": "HC/mHC only: this design has no stream-transport matrix"}
-    for m in todo & set(why) - set(out):
-        out[m] = {"skipped": why[m]}
+    for m in todo & {"attnres", "deadzone", "erank"} - set(out):
+        out[m] = {"skipped": "HC/mHC only: this design has no stream-transport matrix" if m == "erank"
+                  else "AttnRes only: this design has no depth softmax"}
     return {m: {**v, "definition": DEFINITIONS[m]} if "skipped" not in v else v for m, v in out.items()}
 
 

@@ -245,7 +245,7 @@ def test_design_metrics_apply_only_to_their_designs():
     for key in ("attnres", "deadzone", "erank"):
         assert set(pre[key]) == {"skipped"} and pre[key]["skipped"]
     assert hc["erank"]["per_connector"] == pytest.approx([4.0] * 6)  # HC starts at A_r = I
-    assert "skipped" in hc["attnres"] and "skipped" in full["deadzone"] and "skipped" not in block["deadzone"]
+    assert "skipped" in hc["attnres"] and "skipped" not in full["deadzone"] and "skipped" not in block["deadzone"]
     rows = full["attnres"]["sublayer"]
     assert len(rows) == 7 and all(sum(v for v in r if v is not None) == pytest.approx(1.0) for r in rows)
     assert rows[3][4] is None and rows[3][3] is not None            # consumer 3 sees sources 0..3
