@@ -556,7 +556,7 @@ def layer_metrics(model, acc, todo, args):
     for m in todo & {"attnres", "deadzone", "erank"} - set(out):
         out[m] = {"skipped": "HC/mHC only: this design has no stream-transport matrix" if m == "erank"
                   else "AttnRes only: this design has no depth softmax"}
-    return {m: {**v, "definition": DEFINITIONS[m]} if "skipped" not in v else v for m, v in out.items()}
+    return {m: {**v, "definition": DEFINITIONS[m]} if "skipped" not in v else v for m, v in out.items() if m in todo}
 
 
 def write_json(obj, path):
