@@ -328,12 +328,18 @@ class HC(PreLN):
         if self.recording is not None:
             self.log("H_pre", pre.mean((0, 1))), self.log("H_post", post.mean((0, 1)))
             self.log("H_res", res.mean((0, 1)))                                          # token-averaged (n, n)
-        u = torch.einsum("btn,btnd->btd", pre.to(s.dtype), s)
+        u = (pre.to(s.dtype)[..., None] * s).sum(2)                                      # sum_s H_pre[s] h_s
         return self.norms[i](u), {}
 
     def write(self, s, i, y, aux=None):
         pre, post, res = self._maps(s, i)
-        return torch.einsum("btoi,btid->btod", res.to(s.dtype), s) + post.to(s.dtype)[..., None] * y[:, :, None]
+        res, post = res.to(s.dtype), post.to(s.dtype)
+        # h'_o = sum_i H_res[o, i] h_i + H_post[o] y, as n broadcast multiply-adds: an einsum here becomes
+        # a batched matmul of B*T tiny n x n matrices, which is several times slower on CPU
+        out = post[..., None] * y[:, :, None]
+        for j in range(self.n):
+            out = out + res[..., j, None] * s[:, :, None, j]
+        return out                                                                       # (B, T, n, D)
 
     def collapse(self, s):
         z = s.sum(2) if self.collapse_mode == "sum" else s.mean(2)
