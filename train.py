@@ -83,58 +83,66 @@ def get_lr(step, peak, warmup, total, final_frac=0.1):
 
 # ----------------------------------------------------------------------------- command line
 
+def positive(kind):
+    """argparse type: a number > 0 (argparse turns the ValueError into a one-line error)."""
+    def parse(text):
+        if (value := kind(text)) <= 0:
+            raise ValueError(text)
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def csv(kind):
     """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01]; every list makes a grid axis."""
     def parse(text):
-        try:
-            return [kind(v) for v in text.split(",")]
-        except ValueError:
-            raise ValueError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
-    parse.__name__ = f"list of {kind.__name__}"
+        return [kind(v) for v in text.split(",")]
+    parse.__name__ = f"comma-separated {kind.__name__}"
     return parse
 
 
 def build_parser():
-    p = ArgParser(prog="train.py", description="Train DepthBench models (one run, or a grid of comma-separated values).")
+    p = ArgParser(prog="train.py", description="Train DepthBench models: one run, or a grid of comma-separated values.")
+    add, pint = p.add_argument, positive(int)
     # what to train (comma-separated values make a grid)
-    p.add_argument("--preset", choices=list(PRESETS), help="cpu (tiny, synthetic) or 400m (the paper's recipe); "
-                   "default: 400m with CUDA, cpu without")
-    p.add_argument("--residual", type=csv(str), default=["preln"], help=f"design(s): {', '.join(RESIDUALS)}")
-    p.add_argument("--ar", type=csv(float), help="aspect ratio(s) d_model / n_layer (400m default 42.67: L=24, d=1024)")
-    p.add_argument("--layers", type=csv(int), help="depth(s) n_layer, instead of --ar (cpu default 4)")
-    p.add_argument("--params", help="parameter budget the shape is solved for, e.g. 405M (400m) or 0.8M (cpu)")
-    p.add_argument("--fixed", choices=["total", "backbone"], help="what --params counts: total (400m) or backbone (cpu)")
-    p.add_argument("--lr", type=csv(float), help="peak LR(s); default: the paper's per design (2e-3, LNS 1e-2, "
-                   "DeepNorm 1e-3) for 400m, 3e-3 for cpu")
-    p.add_argument("--seed", type=csv(int), default=[42], help="seed(s) of init and train data order (the paper's 42)")
+    add("--preset", choices=list(PRESETS), help="cpu (tiny, synthetic) or 400m (the paper's recipe); "
+        "default: 400m with CUDA, cpu without. Flags below marked (preset) default to the preset's value")
+    add("--residual", type=csv(str), default=["preln"], help=f"design(s): {', '.join(RESIDUALS)}")
+    add("--ar", type=csv(positive(float)), help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
+    add("--layers", type=csv(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 4)")
+    add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu 0.8M)")
+    add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
+    add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's per design, 2e-3, LNS 1e-2, "
+        "DeepNorm 1e-3; cpu 3e-3)")
+    add("--seed", type=csv(int), default=[42], help="seed(s) of the init and the train data order (the paper's 42)")
     # design options (GPTConfig.residual_args)
-    p.add_argument("--streams", type=int, default=4, help="hc/mhc: number of residual streams n")
-    p.add_argument("--mhc-init", choices=["uniform", "gap8"], default="uniform", help="mhc: start of the transport logits")
-    p.add_argument("--n-groups", type=int, default=8, help="block_attnres: number of sublayer groups N")
-    p.add_argument("--moda-norm", choices=["pre", "post"], default="pre", help="moda: pre-norm or post-norm variant")
+    add("--streams", type=pint, default=4, help="hc/mhc: number of residual streams n")
+    add("--mhc-init", choices=["uniform", "gap8"], default="uniform", help="mhc: start of the transport logits")
+    add("--n-groups", type=pint, default=8, help="block_attnres: number of sublayer groups N")
+    add("--moda-norm", choices=["pre", "post"], default="pre", help="moda: pre-norm or post-norm variant")
     # data
-    p.add_argument("--data", help="synthetic | fineweb-edu | a local .txt/.jsonl/.parquet file, folder or quoted glob")
-    p.add_argument("--data-dir", help="where token shards of real data go (default data_cache/<source>-<tokenizer>)")
-    p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="tokenizer of real data")
-    p.add_argument("--max-gap", type=int, default=4, help="synthetic: largest gap (compositions per answer)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (400m 2048, cpu 128)")
+    add("--data", help="synthetic | fineweb-edu | a .txt/.jsonl/.parquet file, folder or quoted glob (preset)")
+    add("--data-dir", help="token shards of real data (default data_cache/<source>-<tokenizer>)")
+    add("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="tokenizer of real data")
+    add("--max-gap", type=pint, default=4, help="synthetic: the largest gap (compositions per answer)")
+    add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu 128)")
     # batch and schedule
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step over all ranks (400m 512, cpu 32)")
-    p.add_argument("--batch-size", type=int, help="micro-batch per rank (400m: 16, HC/mHC 8, MoDA 4; cpu 32)")
-    p.add_argument("--steps", type=int, help="length of the LR schedule in steps (400m: 20 tokens per parameter; cpu 400)")
-    p.add_argument("--max-steps", type=int, help="stop after this many steps without changing the schedule (resume later)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (the design's static params get 0)")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
+    add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu 32)")
+    add("--batch-size", type=pint, help="micro-batch per rank (preset: 16, HC/mHC 8, MoDA 4; cpu 32)")
+    add("--steps", type=pint, help="length of the LR schedule (preset: 20 tokens per budgeted param; cpu 400)")
+    add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
+    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay (a design's static params get 0)")
+    add("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
     # evaluation, logging, checkpoints
-    p.add_argument("--eval-every", type=int, help="evaluate every this many steps, and at the end (400m 250, cpu 100)")
-    p.add_argument("--eval-iters", type=int, help="global batches of validation data per eval, the same every time")
-    p.add_argument("--ckpt-every", type=int, help="write ckpt.pt every this many steps, and at the end")
-    p.add_argument("--log-every", type=int, help="print a training line every this many steps (run.json keeps all)")
-    p.add_argument("--out", default="runs", help="root folder of the run folders")
-    p.add_argument("--resume", action="store_true", help="continue each run from its ckpt.pt (if it has one)")
+    add("--eval-every", type=pint, help="evaluate every this many steps and at the end (preset: 250, cpu 100)")
+    add("--eval-iters", type=pint, help="global batches of validation data per eval, the same ones each time (preset)")
+    add("--ckpt-every", type=pint, help="write ckpt.pt every this many steps and at the end (preset)")
+    add("--log-every", type=pint, help="print a training line every this many steps; run.json keeps all (preset)")
+    add("--out", default="runs", help="root folder of the run folders")
+    add("--resume", action="store_true", help="continue each run from its ckpt.pt (if it has one)")
     # system
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model (default: on with CUDA, off on CPU)")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on with CUDA)")
     return p
 
 
@@ -150,11 +158,8 @@ def residual_args(args, residual):
     """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
     opts = {"hc": {"n_streams": args.streams}, "mhc": {"n_streams": args.streams, "init": args.mhc_init},
             "block_attnres": {"n_groups": args.n_groups}, "moda": {"norm": args.moda_norm}}.get(residual, {})
-    tag = "".join([f"_n{args.streams}" if "n_streams" in opts and args.streams != 4 else "",
-                   "_gap8" if opts.get("init") == "gap8" else "",
-                   f"_g{args.n_groups}" if "n_groups" in opts and args.n_groups != 8 else "",
-                   "_post" if opts.get("norm") == "post" else ""])
-    return opts, tag
+    defaults = {"n_streams": 4, "init": "uniform", "n_groups": 8, "norm": "pre"}
+    return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != defaults[k])
 
 
 def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_size):
@@ -180,9 +185,8 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     # 400m: 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
     steps = args.steps or round(20 * budget / tokens_per_step)
     opts, tag = residual_args(args, residual)
-    other_budget = "_bb" if args.fixed != PRESETS[args.preset]["fixed"] and args.fixed == "backbone" else (
-        "_tot" if args.fixed != PRESETS[args.preset]["fixed"] else "")
-    name = f"{residual}{tag}_ar{round(d / L, 2):g}_lr{format_lr(lr)}_s{seed}{other_budget}"
+    tag += f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's kind of budget
+    name = f"{residual}{tag}_ar{round(d / L, 2):g}_lr{format_lr(lr)}_s{seed}"
     return {
         "name": name, "preset": args.preset, "residual": residual, "residual_args": opts,
         "n_layer": L, "d_model": d, "d_ff": shape["d_ff"], "n_head": n_head, "head_dim": d // n_head, "ar": d / L,
@@ -202,7 +206,8 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
 
 # keys that define a run's maths: a checkpoint made with other values cannot be resumed
 RESUME_KEYS = ["residual", "residual_args", "n_layer", "d_model", "d_ff", "n_head", "vocab_size", "lr", "warmup_steps",
-               "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap", "seq_len", "global_batch"]
+               "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap", "seq_len",
+               "global_batch"]
 
 
 # ----------------------------------------------------------------------------- one training run
@@ -268,8 +273,9 @@ def versions():
                                 capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"python": sys.version.split()[0], "torch": str(torch.__version__),  # TorchVersion would not load with weights_only
-            "cuda": torch.version.cuda, "git_commit": commit}
+    # str(): torch.__version__ is a TorchVersion, which torch.load(weights_only=True) refuses
+    return {"python": sys.version.split()[0], "torch": str(torch.__version__), "cuda": torch.version.cuda,
+            "git_commit": commit}
 
 
 def train_run(cfg, env, resume):
@@ -339,15 +345,16 @@ def train_run(cfg, env, resume):
            f"(budget {cfg['params_budget']:,} {cfg['fixed']}; vocab {cfg['vocab_size']})")
     if synthetic:
         task = source
-        print0(f"data       synthetic S4 running products, max gap {cfg['max_gap']}, vocab {task.vocab_size} (padded to "
-               f"{cfg['vocab_size']}); loss floor {task.loss_floor(T):.4f} nats/token at T={T}, answers alone 0; "
-               f"chance accuracy {1 / task.eq:.1%}")
+        print0(f"data       synthetic S4 running products, max gap {cfg['max_gap']}, vocab {task.vocab_size} "
+               f"(padded to {cfg['vocab_size']}); loss floor {task.loss_floor(T):.4f} nats/token at T={T} "
+               f"(answers alone: 0); chance answer accuracy {1 / task.eq:.1%}")
     else:
         print0(f"data       {cfg['data']} ({cfg['tokenizer']}) shards in {cfg['data_dir']}")
-    print0(f"batch      {G} seqs x {T} tokens = {cfg['tokens_per_step']:,} tokens/step = micro-batch {B} x world {world} "
-           f"x grad accum {accum}")
-    print0(f"schedule   {cfg['total_steps']:,} steps = {cfg['total_tokens']:,} tokens ({cfg['total_tokens'] / total:.1f} "
-           f"per param), warmup {cfg['warmup_steps']}, peak lr {cfg['lr']:g} -> cosine to {cfg['lr'] * cfg['final_lr_frac']:g}"
+    print0(f"batch      {G} seqs x {T} tokens = {cfg['tokens_per_step']:,} tokens/step = micro-batch {B} "
+           f"x world {world} x grad accum {accum}")
+    print0(f"schedule   {cfg['total_steps']:,} steps = {cfg['total_tokens']:,} tokens "
+           f"({cfg['total_tokens'] / total:.1f} per param), warmup {cfg['warmup_steps']}, "
+           f"peak lr {cfg['lr']:g} -> cosine to {cfg['lr'] * cfg['final_lr_frac']:g}"
            + (f"; stopping at step {stop} (--max-steps)" if stop < cfg["total_steps"] else ""))
     print0(f"optimizer  AdamW betas {tuple(cfg['betas'])} eps {cfg['eps']:g} wd {cfg['weight_decay']:g} "
            f"({n_static:,} design params without decay), clip {cfg['grad_clip']:g}")
@@ -371,7 +378,8 @@ def train_run(cfg, env, resume):
         last = step >= stop
         if last:
             log["finished"] = step >= cfg["total_steps"]
-        if step > 0 and (step % cfg["eval_every"] == 0 or last) and not (log["evals"] and log["evals"][-1]["step"] == step):
+        evaluated = log["evals"] and log["evals"][-1]["step"] == step  # (a resumed run's last step)
+        if step > 0 and (step % cfg["eval_every"] == 0 or last) and not evaluated:
             ev = evaluate(model, val_loader, cfg["eval_iters"], ctx, device, cfg["max_gap"])
             log["evals"].append({"step": step, "tokens": step * cfg["tokens_per_step"], **ev})
             log["final"] = {k: ev[k] for k in ("val_loss", "answer_loss", "answer_acc")}
@@ -413,7 +421,8 @@ def train_run(cfg, env, resume):
         dt = time.time() - t0
         step += 1
         log["steps"].append({"step": step, "tokens": step * cfg["tokens_per_step"], "loss": finite_or_none(loss),
-                             "lr": lr, "grad_norm": finite_or_none(grad_norm), "tok_per_s": cfg["tokens_per_step"] / dt})
+                             "lr": lr, "grad_norm": finite_or_none(grad_norm),
+                             "tok_per_s": cfg["tokens_per_step"] / dt})
         if step == 1 or step % cfg["log_every"] == 0 or step == stop or log["diverged"]:
             print0(f"step {step:>5}/{cfg['total_steps']} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
                    f"| {dt * 1000:.0f} ms | {cfg['tokens_per_step'] / dt:,.0f} tok/s")
@@ -465,13 +474,17 @@ def on_rank0(fn, env):
 
 
 def prepare_data(args, cfg):
-    """Token shards of a real source (rank 0 writes them; data.py reuses shards whose settings match)."""
-    if args.data == "fineweb-edu":
-        # what the schedule reads, rounded up to whole billions so the shards serve every run of a budget
-        need = math.ceil((cfg["total_tokens"] + 1) / 1e9) * 10**9
+    """Token shards of a real source, written by rank 0. data.py reuses shards whose settings match; for
+    fineweb-edu, shards made earlier (say by data.py) with the same tokenizer are used as they are."""
+    if args.data != "fineweb-edu":
+        return data.prepare(args.data, args.data_dir, args.tokenizer)
+    meta, need = data.load_meta(args.data_dir), cfg["total_tokens"] + 1
+    if meta and (meta["config"]["source"], meta["config"]["tokenizer"]) == ("fineweb-edu", args.tokenizer):
+        have = meta["n_tokens"] - sum(s["tokens"] for s in meta["shards"]["val"])
+        print(f"using the fineweb-edu shards in {args.data_dir}: {have:,} train tokens, the schedule reads {need:,}"
+              + (" (so some data repeats)" if have < need else ""))
+    else:  # what the schedule reads, plus 10M validation tokens (data.py's default for fineweb-edu)
         data.prepare("fineweb-edu", args.data_dir, args.tokenizer, max_tokens=need + 10_000_000)
-    else:
-        data.prepare(args.data, args.data_dir, args.tokenizer)
 
 
 def run_state(path):
@@ -498,31 +511,22 @@ def main(argv=None):
         args.compile = cuda  # eager on CPU: a cold compile costs more than a short CPU run saves
     args.device = "cuda" if cuda else "cpu"
     if args.data != "synthetic" and args.data_dir is None:
-        slug = "fineweb-edu" if args.data == "fineweb-edu" else re.sub(r"[^A-Za-z0-9]+", "_", args.data).strip("_")[-40:]
+        slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # ../shared/data/austen -> shared_data_austen
         args.data_dir = f"data_cache/{slug}-{args.tokenizer}"
     if args.data == "synthetic":
         args.data_dir = None
     bad = [r for r in args.residual if r not in RESIDUALS]
     if bad:
         parser.error(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
-    positive = {"--seq-len": args.seq_len, "--global-batch": args.global_batch, "--eval-every": args.eval_every,
-                "--eval-iters": args.eval_iters, "--ckpt-every": args.ckpt_every, "--log-every": args.log_every,
-                "--max-gap": args.max_gap, "--streams": args.streams, "--n-groups": args.n_groups,
-                "--steps": args.steps or 1, "--max-steps": args.max_steps or 1, "--batch-size": args.batch_size or 1}
-    for flag, value in positive.items():
-        if value < 1:
-            parser.error(f"{flag} must be positive, got {value}")
-    if any(v <= 0 for v in (args.lr or []) + (args.ar or [])) or any(v < 1 for v in args.layers or []):
-        parser.error("--lr, --ar and --layers must be positive")
     try:
-        parse_count(args.params)
-    except (ValueError, IndexError):
+        assert parse_count(args.params) > 0
+    except (ValueError, AssertionError):
         parser.error(f"--params {args.params!r} is not a count like 405M")
 
     # every run of the grid is resolved (and so checked) before anything is written
     env = init_distributed(args.device)
-    vocab = padded_vocab_size(SyntheticTask(args.max_gap).vocab_size if args.data == "synthetic" else
-                              {"gpt2": data.GPT2Tokenizer.vocab_size, "bytes": data.ByteTokenizer.vocab_size}[args.tokenizer])
+    tokenizer = {"gpt2": data.GPT2Tokenizer, "bytes": data.ByteTokenizer}[args.tokenizer]  # the class: no download
+    vocab = padded_vocab_size((SyntheticTask(args.max_gap) if args.data == "synthetic" else tokenizer).vocab_size)
     shape_axis = [("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers]
     runs, names = [], set()
     for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):
@@ -549,12 +553,15 @@ def main(argv=None):
             print0("this run folder holds an unfinished run: starting over (--resume continues it)")
         if args.compile:
             torch._dynamo.reset()  # a fresh compile cache per shape
-        if not train_run(cfg, env, args.resume):
-            diverged.append(cfg["name"])
+        try:
+            if not train_run(cfg, env, args.resume):
+                diverged.append(cfg["name"])
+        except DataError as e:  # e.g. a shard that was truncated since it was made
+            fail(str(e))
         if cuda:
             torch.cuda.empty_cache()
     if len(runs) > 1:
-        print0(f"\ngrid done: {len(runs)} runs, {len(diverged)} diverged" + (f" ({', '.join(diverged)})" if diverged else ""))
+        print0(f"\ngrid done: {len(runs)} runs, {len(diverged)} diverged {' '.join(diverged)}")
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(1 if diverged else 0)
