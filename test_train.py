@@ -196,6 +196,7 @@ def test_grid_skips_finished_runs(tmp_path, capsys):
     ["--lr", "abc"],                                 # not a number
     ["--ar", "32", "--layers", "4"],                 # both
     ["--params", "lots"],                            # not a count
+    pytest.param(["--device", "cuda"], marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv):
     code, _, err = run_main(argv + ["--out", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "shards")], capsys)
