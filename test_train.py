@@ -219,3 +219,16 @@ def test_gpt2_on_austen(tmp_path, capsys, monkeypatch):
     ev = run["evals"][-1]
     assert ev["answer_loss"] is None and ev["answer_acc"] is None and ev["per_level"] is None
     assert abs(ev["val_loss"] - math.log(50304)) < 1.0  # barely trained: near uniform over the vocab
+
+
+def test_compiled_run_matches_eager_and_saves_plain_keys(tmp_path, capsys):
+    """--compile (inductor, the one compiling test: ~30 s cold) trains like eager, and ckpt.pt holds the raw
+    module's keys (no `_orig_mod.` prefix) so diagnose.py loads it into a plain GPT."""
+    args = TINY + ["--steps", "2"]
+    assert run_main(args + ["--out", str(tmp_path / "eager")], capsys)[0] == 0
+    assert run_main(args + ["--compile", "--out", str(tmp_path / "compiled")], capsys)[0] == 0
+    eager, compiled = load_run(tmp_path / "eager"), load_run(tmp_path / "compiled")
+    assert compiled["config"]["compile"] is True and eager["config"]["compile"] is False
+    assert [s["loss"] for s in compiled["steps"]] == pytest.approx([s["loss"] for s in eager["steps"]], rel=1e-4)
+    ckpt = torch.load(next((tmp_path / "compiled").glob("*/ckpt.pt")), weights_only=True)
+    GPT(GPTConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])  # strict

@@ -434,10 +434,9 @@ def train_run(cfg, env, resume):
         if log["diverged"]:
             log["final"] = {"val_loss": None, "answer_loss": None, "answer_acc": None}
             save_json()
-            print0(f"diverged at step {step} (loss {loss}, grad norm {grad_norm}); run.json records it")
-            if master:
-                print(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}); see {json_path}",
-                      file=sys.stderr, flush=True)
+            if master:  # the one line of a diverged run, on stderr; the grid goes on with the next run
+                print(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}, grad norm "
+                      f"{grad_norm}); see {json_path}", file=sys.stderr, flush=True)
             return False
     print0(f"done: {cfg['name']} at step {step} in {log['wall_s']:.1f} s" + ("" if log["finished"] else
            f" (stopped by --max-steps; --resume continues to step {cfg['total_steps']})"))
