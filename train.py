@@ -329,8 +329,11 @@ def train_run(cfg, env, resume):
         step, old = ckpt["step"], ckpt["log"]
         log.update(steps=old["steps"], evals=old["evals"], wall_s=old["wall_s"], peak_mem_bytes=old["peak_mem_bytes"])
         print0(f"resumed from {ckpt_path} at step {step}")
-    elif master:
-        ckpt_path.unlink(missing_ok=True)  # starting over: a stale checkpoint of an older run must not survive
+    else:
+        if resume:
+            print0("--resume, but no ckpt.pt in the run folder yet: starting from step 0")
+        if master:
+            ckpt_path.unlink(missing_ok=True)  # starting over: a stale checkpoint of an older run must not survive
     saved_step = step
 
     model = torch.compile(raw) if cfg["compile"] else raw
