@@ -367,7 +367,7 @@ def train_run(cfg, env, resume):
            f"({n_static:,} design params without decay), clip {cfg['grad_clip']:g}")
     print0(f"eval       every {cfg['eval_every']} steps on {cfg['eval_iters']} global batches "
            f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
-    threads = "" if cuda else f" ({torch.get_num_threads()} threads; on busy cores OMP_NUM_THREADS=1 can be faster)"
+    threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
     print0(f"device     {env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}, "
            f"world size {world}")
 
