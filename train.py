@@ -10,7 +10,7 @@ Two presets. `cpu` (the default without CUDA): L=4, d=128 on the embedded synthe
 S4 running products), fp32, eager; 400 steps take ~75 s on two idle cores (Pre-LN). What it learns in
 that time is the sequence structure, not the group: val loss 4.12 -> 2.787, where a model that predicts
 everything but the answers would stop at ~2.80, and answer accuracy stays at chance (1/24), as it did
-after 1,200 steps too. `400m` (the default with CUDA): the paper's recipe (architectures.md
+after 1,500 steps too. `400m` (the default with CUDA): the paper's recipe (architectures.md
 §2): 405M total parameters at an aspect ratio AR = d_model / n_layer, 20 tokens per parameter, global
 batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup then cosine to 0.1x peak,
 the paper's peak LR per design, FineWeb-Edu with the GPT-2 tokenizer, bf16 autocast, torch.compile.
