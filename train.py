@@ -4,12 +4,13 @@ train.py: train one DepthBench model, or a grid of them, and log everything to r
     python train.py                                  # CPU preset: tiny model, synthetic S4 task, a few minutes
     python train.py --max-steps 3 --out /tmp/runs    # the same run, stopped after 3 steps (a smoke test)
     python train.py --residual preln,hc --seed 0,1   # a grid: every combination in turn, finished runs skipped
+    python data.py --source fineweb-edu --max-tokens 8200000000 --out data_cache/fineweb-edu-gpt2  # once, first
     torchrun --standalone --nproc_per_node=8 train.py --preset 400m --residual hc --ar 42.67
 
 Two presets. `cpu` (the default without CUDA): L=4, d=128 on the embedded synthetic task (data.py's
 S4 running products), fp32, eager; 400 steps take ~75 s on two idle cores (Pre-LN). What it learns in
 that time is the sequence structure, not the group: val loss 4.12 -> 2.787, where a model that predicts
-everything but the answers would stop at ~2.80, and answer accuracy stays at chance (1/24), as it did
+everything but the answers would stop at ~2.79, and answer accuracy stays at chance (1/24), as it did
 after 1,500 steps too. `400m` (the default with CUDA): the paper's recipe (architectures.md
 §2): 405M total parameters at an aspect ratio AR = d_model / n_layer, 20 tokens per parameter, global
 batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup then cosine to 0.1x peak,
@@ -479,7 +480,9 @@ def on_rank0(fn, env):
 
 def prepare_data(args, cfg):
     """Token shards of a real source, written by rank 0. data.py reuses shards whose settings match; for
-    fineweb-edu, shards made earlier (say by data.py) with the same tokenizer are used as they are."""
+    fineweb-edu, shards made earlier (say by data.py) with the same tokenizer are used as they are. Make
+    fineweb-edu's shards before a torchrun job: tokenizing 8B tokens takes hours, and the other ranks wait
+    for rank 0 in a collective whose timeout (10 min for NCCL) is much shorter."""
     if args.data != "fineweb-edu":
         return data.prepare(args.data, args.data_dir, args.tokenizer)
     meta, need = data.load_meta(args.data_dir), cfg["total_tokens"] + 1
