@@ -453,3 +453,15 @@ def test_compiles_as_one_graph(residual):
     assert loss_c.item() == loss.item()
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+
+
+def test_readme_quick_start_matches_ci():
+    """The README opens with two commands: install + train, and the tests; .ci/run installs the same
+    requirements and runs the same test command (test_train.py runs the train command itself)."""
+    readme = open("README.md").read()
+    block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert commands == ["pip install -r requirements.txt && python train.py", "python -m pytest -q"]
+    ci = [line.strip() for line in open(".ci/run").read().splitlines()]
+    assert ci[-1] == commands[1]
+    assert "python -m pip install -q -r requirements.txt" in ci
