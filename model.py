@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from residuals import RESIDUALS
 
@@ -62,30 +61,47 @@ def joint_attention(q, k, v, depth_k, depth_v, scale):
     """Causal attention whose softmax also spans each query token's own depth keys (MoDA).
 
     q, k, v: (B, H, T, hd) sequence part (q, k after RoPE); depth_k, depth_v: lists of S tensors
-    (B, T, H, hd), the keys/values of S earlier sublayers at the *same* token. One softmax per query
-    over its T causal sequence logits and its S depth logits. Written with explicit logits
-    (T x T memory): exact and easy to check, not a fused kernel. Returns the output (B, H, T, hd)
-    and the softmax mass each query puts on depth keys (B, H, T), detached, for diagnostics.
+    (B, H, T, hd), the keys/values of S earlier sublayers at the *same* token. The result is exactly
+    one softmax per query over its causal sequence logits and its S depth logits:
+
+        o_t = (Z_seq * o_seq + Z_depth * o_depth) / (Z_seq + Z_depth)
+
+    The depth half is small (S keys per token) and done by hand. The sequence half goes through
+    the fused SDPA kernel (no T x T logits kept), with one extra "sink" key per query that stands
+    for all its depth keys: an extra query coordinate lse_depth / scale against a sink key with a 1
+    in that coordinate gives the sink exactly the logit lse_depth = log Z_depth, and a 1 in an extra
+    value channel reads out its share Z_depth / (Z_seq + Z_depth). A dummy first query lets SDPA's
+    top-left causal mask show every query the sink (key 0) and the sequence keys up to itself.
+    Returns the output (B, H, T, hd) and the depth share (B, H, T), detached, for diagnostics.
     """
-    T = q.size(2)
-    seq_logits = (q @ k.transpose(-2, -1)) * scale                                # (B, H, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    seq_logits = seq_logits.masked_fill(~causal, float("-inf"))
-    kd, vd = torch.stack(depth_k, dim=2), torch.stack(depth_v, dim=2)              # (B, T, S, H, hd)
-    depth_logits = torch.einsum("bhtd,btshd->bhts", q, kd) * scale                 # (B, H, T, S)
-    p = torch.cat([seq_logits, depth_logits], dim=-1).float().softmax(dim=-1).to(q.dtype)
-    p_seq, p_depth = p[..., :T], p[..., T:]
-    o = p_seq @ v + torch.einsum("bhts,btshd->bhtd", p_depth, vd)
-    return o, p_depth.detach().sum(-1)
+    B, H, T, hd = q.shape
+    # a loop over the S slots, each read once (stacking them would copy O(S) per layer, O(L^2) in all)
+    depth_logits = torch.stack([(q * kj).sum(-1) for kj in depth_k], dim=-1).float() * scale  # (B, H, T, S)
+    lse_depth = depth_logits.logsumexp(dim=-1)                                     # (B, H, T)
+    p_depth = depth_logits.softmax(dim=-1).to(q.dtype)
+    o_depth = sum(p_depth[..., j, None] * vj for j, vj in enumerate(depth_v))      # (B, H, T, hd)
+    pad = 8                                             # extra coordinates, a multiple of 8 for fused kernels
+    e0 = F.one_hot(torch.tensor(0, device=q.device), pad).to(q.dtype)               # (pad,) = [1, 0, ...]
+    q_aug = torch.cat([q, (lse_depth / scale).to(q.dtype)[..., None] * e0], dim=-1)  # (B, H, T, hd + pad)
+    k_aug = F.pad(k, (0, pad))
+    v_aug = F.pad(v, (0, pad))
+    sink = torch.cat([q.new_zeros(hd), e0]).expand(B, H, 1, hd + pad)              # the sink's key and value
+    out = F.scaled_dot_product_attention(
+        torch.cat([q_aug.new_zeros(B, H, 1, hd + pad), q_aug], dim=2),            # dummy query first
+        torch.cat([sink, k_aug], dim=2), torch.cat([sink.to(v.dtype), v_aug], dim=2),
+        is_causal=True, scale=scale)[:, :, 1:]                                     # (B, H, T, hd + pad)
+    share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
+    return out[..., :hd] + share[..., None] * o_depth, share.detach()
 
 
 class Attention(nn.Module):
     """Causal multi-head attention with RoPE. No norm inside.
 
     `depth_kv` is the one door into attention, used only by MoDA (residuals.py): a pair of lists
-    (keys, values) of earlier sublayers at the same token, which join the causal keys in one softmax
-    (`joint_attention`). The forward returns (y, aux): aux holds this layer's *pre-RoPE* k and v,
-    (B, T, H, hd) each, which MoDA caches for later layers, and MoDA's depth-attention mass.
+    (keys, values), each (B, H, T, hd), of earlier sublayers at the same token, which join the causal
+    keys in one softmax (`joint_attention`). The forward returns (y, aux): aux holds this layer's
+    *pre-RoPE* k and v, (B, T, H, hd) each, which MoDA caches for later layers, and MoDA's
+    depth-attention mass.
     """
 
     def __init__(self, cfg):
@@ -109,9 +125,6 @@ class Attention(nn.Module):
         mass = None
         if depth_kv is None:
             o = F.scaled_dot_product_attention(qr, kr, vt, is_causal=True)
-        elif torch.is_grad_enabled():
-            # recompute the T x T logits in backward instead of keeping them for every layer
-            o, mass = checkpoint(joint_attention, qr, kr, vt, *depth_kv, self.head_dim ** -0.5, use_reentrant=False)
         else:
             o, mass = joint_attention(qr, kr, vt, *depth_kv, self.head_dim ** -0.5)
         y = self.wo(o.transpose(1, 2).reshape(B, T, -1))

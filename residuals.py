@@ -519,7 +519,7 @@ class MoDA(PreLN):
         for every block but the last (nothing would read it).
     The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
     the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
-    State: (x (B, T, D), depth keys, depth values): lists of (B, T, H, hd), one per written slot.
+    State: (x (B, T, D), depth keys, depth values): lists of (B, H, T, hd), one per written slot.
     Params: W_kv (d -> 2d, std 0.02, decayed) on blocks 0 .. L-2: 2 d^2 (L - 1), +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
@@ -562,13 +562,13 @@ class MoDA(PreLN):
         if i % 2 == 0:                                                # attention: cache its own k, v
             if self.recording is not None and aux["depth_mass"] is not None:
                 self.log("moda_depth_mass", aux["depth_mass"].mean())
-            return x_new, ks + [aux["k"]], vs + [aux["v"]]
+            return x_new, ks + [aux["k"].transpose(1, 2).contiguous()], vs + [aux["v"].transpose(1, 2).contiguous()]
         b = i // 2
         if b == len(self.kv_proj):                                    # last block: no W_kv
             return x_new, ks, vs
         u = x if self.post else self.norms[i](x)                      # the MLP's input, recomputed
-        kv = self.kv_proj[b](u).unflatten(-1, (2, self.n_head, self.head_dim))  # (B, T, 2, H, hd)
-        return x_new, ks + [kv[:, :, 0]], vs + [kv[:, :, 1]]
+        kv = self.kv_proj[b](u).unflatten(-1, (2, self.n_head, self.head_dim)).permute(2, 0, 3, 1, 4)  # (2, B, H, T, hd)
+        return x_new, ks + [kv[0].contiguous()], vs + [kv[1].contiguous()]
 
     def collapse(self, s):
         return self.norm_f(s[0])
