@@ -292,7 +292,9 @@ def fig2_final_loss(data, out_path, svg=False):
         ax.text(0.01, 0.01, "× at top: a run that diverged (any LR) at that shape", transform=ax.transAxes)
     ar_axis(ax, [ar for _, ar in groups])
     budgets = {b for b in (num(r["config"].get("params_budget")) for r in runs) if math.isfinite(b)}
-    budget = f" (budget {budgets.pop() / 1e6:.3g}M params)" if len(budgets) == 1 else ""
+    fixed = {r["config"].get("fixed", "total") for r in runs}      # what the budget counts (train.py --fixed)
+    what = f"{fixed.pop()} " if len(fixed) == 1 else ""
+    budget = f" (budget {budgets.pop() / 1e6:.3g}M {what}params)" if len(budgets) == 1 else ""
     ax.set(ylabel="final validation loss (nats/token)", title=f"Final validation loss vs aspect ratio{budget}")
     legend_once(ax, [ax])
     save(fig, out_path, svg)
