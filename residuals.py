@@ -302,8 +302,10 @@ class HC(PreLN):
             c.static_alpha[i % self.n, 0] = 1.0
             c.static_alpha[:, 1:] = torch.eye(self.n)
             c.static_beta.fill_(1.0)
-            c.dynamic_alpha.zero_(), c.dynamic_beta.zero_()
-            c.alpha_scale.fill_(0.01), c.beta_scale.fill_(0.01)
+            c.dynamic_alpha.zero_()
+            c.dynamic_beta.zero_()
+            c.alpha_scale.fill_(0.01)
+            c.beta_scale.fill_(0.01)
 
     def no_decay_params(self):
         return [p for c in self.conn for p in (c.static_alpha, c.static_beta)]
@@ -326,7 +328,8 @@ class HC(PreLN):
     def read(self, s, i):
         pre, post, res = self._maps(s, i)
         if self.recording is not None:
-            self.log("H_pre", pre.mean((0, 1))), self.log("H_post", post.mean((0, 1)))
+            self.log("H_pre", pre.mean((0, 1)))
+            self.log("H_post", post.mean((0, 1)))
             self.log("H_res", res.mean((0, 1)))                                          # token-averaged (n, n)
         u = (pre.to(s.dtype)[..., None] * s).sum(2)                                      # sum_s H_pre[s] h_s
         return self.norms[i](u), {}
