@@ -559,16 +559,6 @@ def layer_metrics(model, acc, todo, args):
     return {m: {**v, "definition": DEFINITIONS[m]} if "skipped" not in v else v for m, v in out.items() if m in todo}
 
 
-def write_json(obj, path):
-    """Strict JSON (NaN/inf -> null), written to a temp file and renamed: a crash never leaves half a file."""
-    obj = json.loads(json.dumps(obj), parse_constant=lambda _: None)  # json writes NaN; read it back as null
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, allow_nan=False))
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------- command line
 
 def parse_args(argv):
@@ -683,7 +673,7 @@ def main(argv=None):
         sys.exit(2)
     meta["wall_s"] = round(time.time() - t_start, 2)
     path = args.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")
-    write_json(out, path)
+    shapes.write_json(path, out, strict=True)
     print(f"wrote {path} in {meta['wall_s']}s")
 
 

@@ -13,7 +13,6 @@ pure branch functions; every norm placement, residual add, stream mixing and the
 in residuals.py behind one small interface (see its module docstring). The trunk loop in
 `GPT.forward` is the whole contract between the two files.
 """
-import math
 from dataclasses import dataclass, field
 
 import torch

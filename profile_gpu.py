@@ -44,10 +44,8 @@ import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 
@@ -209,16 +207,6 @@ def run_measured(jobs, dev):
 
 # ----------------------------------------------------------------------------- output
 
-def write_json(path, obj):
-    """Write atomically: a temporary file in the same folder, then os.replace (a reader never sees half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
 def summary(doc):
     """One line per row; x = measured ratio to Pre-LN at the same shape, when Pre-LN was measured."""
     rows, measured = doc["rows"], doc["peak_flops"] is not None
@@ -338,7 +326,7 @@ def main(argv=None):
            "peak_flops": peak, "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
            "rows": rows}
     if args.out:
-        write_json(args.out, doc)
+        shapes.write_json(args.out, doc)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=1))

@@ -16,6 +16,8 @@ own extra parameters come on top and are counted exactly by building the model o
 import argparse
 import json
 import math
+import os
+from pathlib import Path
 
 N_HEAD = 16
 VOCAB = 50280
@@ -86,6 +88,18 @@ class ArgParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def write_json(path, obj, strict=False):
+    """Write JSON atomically, as every script does: a temp file beside it, then os.replace, so a reader
+    sees the old file or the new one, never half of one. strict: NaN/inf become null (strict JSON)."""
+    if strict:
+        obj = json.loads(json.dumps(obj), parse_constant=lambda _: None)  # json writes NaN; read it back as null
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, allow_nan=not strict))
+    os.replace(tmp, path)
 
 
 def parse_count(text):

@@ -45,7 +45,7 @@ import data
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
-from shapes import ArgParser, backbone_params, parse_count, preln_params, solve
+from shapes import ArgParser, backbone_params, parse_count, preln_params, solve, write_json
 
 SCHEMA = "depthbench.train/1"
 PAPER_LR = {"lns": 1e-2, "deepnorm": 1e-3}       # the paper's Table 4 optimum; every other design: 2e-3
@@ -260,12 +260,6 @@ def evaluate(model, loader, iters, ctx, device, max_gap):
         out["answer_loss"], out["answer_acc"] = (total[0] / total[2]).item(), (total[1] / total[2]).item()
         out["per_level"] = {str(g + 1): {"loss": r[0] / r[2], "acc": r[1] / r[2]} for g, r in enumerate(a) if r[2] > 0}
     return out
-
-
-def write_json(path, obj):
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
 
 
 def finite_or_none(x):
