@@ -370,16 +370,19 @@ class SyntheticTask:
     the exact value for the T targets of one sequence, including the uniform a0 and the cut at the end.
     """
 
-    def __init__(self, max_gap=4, group="s4"):
+    def __init__(self, max_gap=4, group="s4", answers_only=False):
         if max_gap < 1 or group not in ("s4", "s5"):
             raise DataError(f"synthetic task needs max_gap >= 1 and group s4|s5, got {max_gap}, {group!r}")
-        self.max_gap, self.group = max_gap, group
+        self.max_gap, self.group, self.answers_only = max_gap, group, answers_only
         self.elements = list(itertools.permutations(range(int(group[1]))))
         index = {p: i for i, p in enumerate(self.elements)}
         # mul[a][b] = a·b, as a list of lists because the generator indexes it one token at a time
         self.mul = [[index[tuple(b[i] for i in a)] for b in self.elements] for a in self.elements]
         self.eq = len(self.elements)
-        self.vocab_size = self.eq + 1
+        # answers_only: answers get ids of their own (eq+1+a) and only answers are targets (the loader
+        # writes -1, the ignored target, everywhere else), so no gradient is spent on the random elements
+        self.answer_offset = self.eq + 1 if answers_only else 0
+        self.vocab_size = self.eq + 1 + (self.eq if answers_only else 0)
 
     def sequence(self, split, index, length, seed=1337):
         """Sequence number `index` of a split: (tokens, levels), two int lists of `length`;
@@ -399,7 +402,7 @@ class SyntheticTask:
                 state = self.mul[state][e]
                 tokens.append(e)
                 levels.append(-1)
-            tokens += [self.eq, state]
+            tokens += [self.eq, state + self.answer_offset]
             levels += [-1, g]
         return tokens[:length], levels[:length]
 
@@ -429,7 +432,8 @@ class SyntheticTask:
 
     def decode(self, tokens, levels):
         """Readable text: elements in one-line notation, answers as 'g2:3021 |'."""
-        words = [("=" if t == self.eq else "".join(map(str, self.elements[t]))) for t in tokens]
+        words = [("=" if t == self.eq else "".join(map(str, self.elements[t - (t > self.eq) * self.answer_offset])))
+                 for t in tokens]
         return " ".join(f"g{l}:{w} |" if l > 0 else f"{w} |" if i == 1 else w
                         for i, (w, l) in enumerate(zip(words, levels)))
 
@@ -525,7 +529,10 @@ class BatchLoader:
             seqs = np.array([r[0] for r in rows], dtype=np.int64)
             level = torch.from_numpy(np.array([r[1][1:] for r in rows], dtype=np.int64))  # the level of each target
         seqs = torch.from_numpy(seqs)
-        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous(), level
+        x, y = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        if self.task is not None and self.task.answers_only:
+            y[level <= 0] = -1  # the model's loss ignores target -1: answers are the only targets
+        return x, y, level
 
     def next_batch(self):
         """The batch at the current position, then move on by one micro-step."""

@@ -120,7 +120,8 @@ def calibration(args, run, vocab):
         if not src:
             raise DiagError("the checkpoint names no data_dir: give --calib synthetic, a shard folder or text files")
     if src == "synthetic":
-        task = data.SyntheticTask(run.get("max_gap") or args.max_gap, run.get("group") or "s4")
+        task = data.SyntheticTask(run.get("max_gap") or args.max_gap, run.get("group") or "s4",
+                                  answers_only=run.get("answers_only", False))
         x, y, _ = data.BatchLoader(task, "val", N, T, seed=args.seed).get_batch(0, 0)
         what = f"synthetic {task.group} max_gap {task.max_gap}, val split, seed {args.seed}"
     elif (Path(src) / "meta.json").exists():
@@ -265,7 +266,8 @@ def swap_blocks(model, i, j):
 # ----------------------------------------------------------------------------- metric math
 
 def ce_sum(logits, y):
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double().item()
+    """Summed CE over the targets; -1 marks a position that is no target (an answers-only synthetic run)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum").double().item()
 
 
 def angle_sums(states, chunk=1024):
@@ -317,13 +319,14 @@ def sweep(model, batches, todo, eps):
     logit lens, and one forward per skipped block (shared by causal score and pruning). Raw fp64 sums."""
     L = model.cfg.n_layer
     z64 = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
-    acc = {"tokens": 0, "loss": 0.0, "angles": z64(L + 1, L + 1), "skip_loss": z64(L), "ratio": z64(L, L),
+    acc = {"tokens": 0, "targets": 0, "loss": 0.0, "angles": z64(L + 1, L + 1), "skip_loss": z64(L), "ratio": z64(L, L),
            "du": z64(L, L), "u": z64(L), "lens": z64(L + 1, 3), "H_res": 0, "attnres_weights": 0}
     bar = tqdm(total=len(batches) * (1 + L * bool({"causal", "pruning"} & todo)), desc="layers", unit="fwd")
     for x, y in batches:
         n = x.numel()
         logits, _, rec = model(x, record=True)
         acc["tokens"] += n
+        acc["targets"] += int((y >= 0).sum())
         acc["loss"] += ce_sum(logits, y)
         states = [z.float().flatten(0, 1) for z in rec["states"]]           # L+1 x (N, D'), stream-major for HC
         if "angular" in todo:
@@ -358,7 +361,7 @@ def lens_sums(model, readouts, final_logits, y):
     rows = []
     for r in readouts:
         logp = model.lm_head(r).float().log_softmax(-1)
-        ce = -logp.gather(-1, y[..., None])
+        ce = -logp.gather(-1, y.clamp_min(0)[..., None])[..., 0] * (y >= 0)  # no target: 0
         kl = (logp_f.exp() * (logp_f - logp)).sum(-1)
         overlap = (logp.topk(k).indices[..., :, None] == top_f[..., None, :]).any(-1).sum(-1) / k
         rows.append(torch.stack([v.double().sum() for v in (ce, kl, overlap)]).cpu())
@@ -373,7 +376,7 @@ def permutation(model, batches, threshold):
         return {"skipped": "needs at least 2 blocks"}
 
     def loss():
-        return sum(ce_sum(model(x)[0], y) for x, y in batches) / sum(y.numel() for _, y in batches)
+        return sum(ce_sum(model(x)[0], y) for x, y in batches) / sum(int((y >= 0).sum()) for _, y in batches)
     base, P = loss(), [[None] * L for _ in range(L)]
     with tqdm(total=L * (L - 1) // 2, desc="swaps", unit="pair") as bar:
         for i in range(L):
@@ -515,7 +518,7 @@ def check_hub(timeout=5.0):
 def layer_metrics(model, acc, todo, args):
     """The sums of `sweep` -> the JSON objects of the layer metrics; {"skipped": why} where one does not apply."""
     res, L, N = model.res, model.cfg.n_layer, acc["tokens"]
-    base, out = acc["loss"] / N, {}
+    base, out = acc["loss"] / acc["targets"], {}
     if "angular" in todo:
         D = acc["angles"] / (N * math.pi)
         sub = [[float(D[l, l + n]) if l + n <= L else None for l in range(L)] for n in range(1, L + 1)]
@@ -531,11 +534,12 @@ def layer_metrics(model, acc, todo, args):
                          "n_pairs": n_pairs, "n_above": n_above, "variant": "mean_of_ratios", "eps": args.eps}
     if "pruning" in todo:
         out["pruning"] = {"baseline_loss": base, "metric": "lm_loss", "layers": [
-            {"layer": l, "loss": v, "delta": v - base} for l, v in enumerate((acc["skip_loss"] / N).tolist())]}
+            {"layer": l, "loss": v, "delta": v - base}
+            for l, v in enumerate((acc["skip_loss"] / acc["targets"]).tolist())]}
     if "lens" in todo:
         out["lens"] = {"final_loss": base, "states": [
             {"index": l, "early_exit_ce": ce, "kl_to_final": kl, "top5_overlap": top}
-            for l, (ce, kl, top) in enumerate((acc["lens"] / N).tolist())]}
+            for l, (ce, kl, top) in enumerate((acc["lens"] / torch.tensor([acc["targets"], N, N])).tolist())]}
     if isinstance(res, BlockAttnRes) and {"attnres", "deadzone"} & todo:
         w = [[1.0]] + [(v / N).tolist() for v in acc["attnres_weights"]]     # consumer 0 reads the embedding only
         rows = [r + [None] * (res.n_groups + 1 - len(r)) for r in w]

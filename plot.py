@@ -543,6 +543,39 @@ def fig11_system(data, out_path, svg=False):
 
 # ----------------------------------------------------------------------------- main
 
+# ----------------------------------------------------------------------------- the mini suite's composition probe
+
+def fig_composition(data, out_path, svg=False):
+    """Synthetic probe (mini.py): answer accuracy after a gap of g (g compositions) vs depth, one panel per
+    gap, a line per design through the seed means, every seed a faint dot. Which depth solves how many
+    compositions, and whether a design moves that line."""
+    runs = [r for r in data.get("train", []) if r.get("finished") and (r.get("evals") or [{}])[-1].get("per_level")]
+    if not runs:
+        return {"skipped": "no finished synthetic-task run (train JSON with per_level accuracy)"}
+    gaps = sorted({g for r in runs for g in r["evals"][-1]["per_level"]}, key=int)
+    fig, axes = grid(len(gaps), ncols=len(gaps), w=3.4, h=3.2)
+    for ax, g in zip(axes, gaps):
+        points = {}
+        for r in runs:
+            res, L, _, _ = shape(r["config"])
+            points.setdefault((res, L), []).append(num(r["evals"][-1]["per_level"].get(g, {}).get("acc")))
+        for res, (xs, mean, _, _) in by_design(points).items():
+            ax.plot(xs, mean, marker="o", color=colour(res), label=display(res))
+            for x in xs:
+                ax.scatter([x] * len(points[(res, x)]), points[(res, x)], color=colour(res), s=10, alpha=0.4)
+        chance = 1 / 24  # S4: 24 possible answers
+        ax.axhline(chance, color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.set(title=f"gap {g} ({g} composition{'s' * (g != '1')})", xlabel="depth n_layer", ylim=(0, 1.02),
+               ylabel="answer accuracy" if g == gaps[0] else None)
+        ax.grid(alpha=0.3)
+    legend_once(axes[-1], axes)
+    fig.suptitle("Synthetic probe: answers solved vs depth (dotted: chance)")
+    save(fig, out_path, svg)
+    return {"drew": f"{len(runs)} runs, gaps {', '.join(gaps)}"}
+
+
 FIGURES = [  # (file name without extension, function), in paper order
     ("fig2_final_loss_vs_ar", fig2_final_loss),
     ("fig2_loss_curves", fig2_loss_curves),
@@ -556,6 +589,7 @@ FIGURES = [  # (file name without extension, function), in paper order
     ("fig9_dead_zone", fig9_dead_zone),
     ("fig10_transport_erank", fig10_transport_erank),
     ("fig11_system_cost", fig11_system),
+    ("mini_composition_vs_depth", fig_composition),
 ]
 
 

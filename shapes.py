@@ -49,13 +49,15 @@ def count_params(L, d, d_ff, residual="preln", vocab=VOCAB, n_head=N_HEAD, **res
         return GPT(cfg).num_params()
 
 
-def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=256):
+def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=256, n_head=N_HEAD):
     """The valid shape for a parameter budget and an aspect ratio (or a depth).
 
-    For every depth L, the width is the valid d (multiple of 32 = 16 heads x even head_dim) whose
-    Pre-LN count is closest to the budget; then the depth is `layers`, or the L whose d/L is
-    nearest to `ar`. `fixed` is "total" (embeddings included, the paper's fixed-total family) or
-    "backbone" (blocks only, the iso-backbone control). Returns a dict of the shape.
+    For every depth L, the width is the valid d (a multiple of 2 * n_head: n_head heads of an even
+    head_dim, as RoPE needs) whose Pre-LN count is closest to the budget; then the depth is `layers`,
+    or the L whose d/L is nearest to `ar`. The paper has 16 heads; the mini preset keeps the rule with
+    4 heads, so that at ~1M parameters widths come in steps of 8 and the aspect ratios 100 ... 4 exist.
+    `fixed` is "total" (embeddings included, the paper's fixed-total family) or "backbone" (blocks only,
+    the iso-backbone control). Returns a dict of the shape.
     """
     def count(L, d):
         return backbone_params(L, d, ffn_dim(d)) if fixed == "backbone" else preln_params(L, d, ffn_dim(d), vocab)
@@ -64,7 +66,7 @@ def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=2
         # the count grows monotonically in d, so scan head_dim upward until it passes the budget
         best, hd = None, 2
         while True:
-            d = N_HEAD * hd
+            d = n_head * hd
             c = count(L, d)
             if best is None or abs(c - budget) < abs(best[1] - budget):
                 best = (d, c)
@@ -79,7 +81,7 @@ def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=2
         candidates.sort(key=lambda c: (abs(c[1] / c[0] - ar), abs(c[2] - budget)))
     L, d, _ = candidates[0]
     d_ff = ffn_dim(d)
-    return {"n_layer": L, "d_model": d, "d_ff": d_ff, "n_head": N_HEAD, "head_dim": d // N_HEAD,
+    return {"n_layer": L, "d_model": d, "d_ff": d_ff, "n_head": n_head, "head_dim": d // n_head,
             "ar": d / L, "params": preln_params(L, d, d_ff, vocab), "backbone_params": backbone_params(L, d, d_ff)}
 
 

@@ -211,6 +211,22 @@ def test_synthetic_answers_and_levels(group, k):
     assert seen == set(range(1, k + 1))
 
 
+def test_answers_only_task_is_the_same_task_with_own_answer_ids():
+    """answers_only changes only the answers' ids (eq+1+a) and makes every other target -1 (ignored): the
+    same sequences, levels and decoded text as the shared-id task, and answers are exactly the targets."""
+    plain, own = SyntheticTask(max_gap=4), SyntheticTask(max_gap=4, answers_only=True)
+    assert (plain.vocab_size, own.vocab_size) == (25, 49)
+    for i in range(10):
+        (a, la), (b, lb) = plain.sequence("val", i, 80), own.sequence("val", i, 80)
+        assert la == lb and plain.decode(a, la) == own.decode(b, lb)
+        assert [y - own.answer_offset if l > 0 else y for y, l in zip(b, lb)] == a
+        assert all((y > own.eq) == (l > 0) for y, l in zip(b, lb))
+    x, y, level = BatchLoader(own, "train", 8, 64).get_batch(0, 0)
+    x0, y0, level0 = BatchLoader(plain, "train", 8, 64).get_batch(0, 0)
+    assert torch.equal(level, level0) and torch.equal(y >= 0, level > 0)
+    assert torch.equal(y[level > 0], y0[level > 0] + own.answer_offset)
+
+
 def test_synthetic_splits_disjoint_and_deterministic():
     task = SyntheticTask(max_gap=4)
     train = {tuple(task.sequence("train", i, 64)[0]) for i in range(300)}

@@ -27,7 +27,7 @@ from model import GPT, GPTConfig
 HERE = Path(__file__).resolve().parent
 TIKTOKEN_DIR = HERE.parent / "shared" / "data" / "tiktoken"
 AUSTEN_DIR = HERE.parent / "shared" / "data" / "austen"
-# 2 layers, d=64 (2 heads of 32): 100,608 backbone params; 8 sequences of 32 tokens per step in 2 micro-batches
+# 2 layers, d=64 (4 heads of 16): 100,608 backbone params; 8 sequences of 32 tokens per step in 2 micro-batches
 TINY = ["--layers", "2", "--params", "100k", "--seq-len", "32", "--global-batch", "8", "--batch-size", "4",
         "--eval-iters", "1", "--log-every", "1"]
 
@@ -90,7 +90,8 @@ def test_readme_quickstart_writes_the_contracts(tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--max-steps", "3", "--out", str(tmp_path)], cwd=HERE,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    for word in ("shape", "params", "batch", "schedule", "device", "loss floor", "grad accum", "compile off"):
+    for word in ("shape", "params", "batch", "schedule", "device", "chance answer accuracy", "grad accum",
+                 "compile off"):
         assert word in r.stdout  # every derived number is printed
     run = load_run(tmp_path)
     assert set(run) == {"schema", "config", "params", "steps", "evals", "final", "diverged", "finished", "wall_s",
@@ -100,9 +101,10 @@ def test_readme_quickstart_writes_the_contracts(tmp_path):
     for key in ("residual", "n_layer", "d_model", "d_ff", "n_head", "ar", "lr", "seed", "params_budget", "data",
                 "data_dir", "tokenizer", "max_gap", "seq_len", "global_batch", "total_steps", "warmup_steps"):
         assert key in cfg, key
-    assert (cfg["residual"], cfg["n_layer"], cfg["d_model"], cfg["data"]) == ("preln", 4, 128, "synthetic")
+    assert (cfg["residual"], cfg["n_layer"], cfg["d_model"], cfg["data"]) == ("preln", 2, 184, "synthetic")
+    assert cfg["answers_only"] is True and (cfg["n_head"], cfg["head_dim"]) == (4, 46)
     assert cfg["total_steps"] > 3 and cfg["max_steps"] == 3
-    assert run["params"]["total"] == run["params"]["backbone"] + 2 * 64 * 128 + 128 + run["params"]["residual_extra"]
+    assert run["params"]["total"] == run["params"]["backbone"] + 2 * 64 * 184 + 184 + run["params"]["residual_extra"]
     assert [s["step"] for s in run["steps"]] == [1, 2, 3]
     assert all(set(s) == {"step", "tokens", "loss", "lr", "grad_norm", "tok_per_s"} for s in run["steps"])
     assert run["steps"][-1]["tokens"] == 3 * cfg["global_batch"] * cfg["seq_len"]
@@ -164,6 +166,29 @@ def test_two_ranks_match_one(tmp_path, capsys):
     assert two["final"]["answer_acc"] == pytest.approx(one["final"]["answer_acc"], abs=1e-6)
 
 
+@pytest.mark.parametrize("ar", [100, 30, 9.1, 4])
+def test_mini_preset_reaches_every_aspect_ratio(tmp_path, capsys, ar):
+    """--preset mini resolves AR 100 ... 4 within 10%, at a backbone within 10% of its 0.8M budget, and runs."""
+    code, out, err = run_main(["--preset", "mini", "--ar", str(ar), "--max-steps", "1", "--eval-iters", "1",
+                               "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    run = load_run(tmp_path)
+    cfg = run["config"]
+    assert abs(cfg["ar"] - ar) <= 0.1 * ar and abs(run["params"]["backbone"] - 800_000) <= 80_000
+    assert cfg["n_head"] == 4 and cfg["head_dim"] % 2 == 0 and cfg["n_head"] * cfg["head_dim"] == cfg["d_model"]
+
+
+def test_design_card_command_runs_on_cpu_under_torchrun(tmp_path):
+    """The design card's `torchrun --nproc_per_node=2 train.py --residual mhc --ar 9.1` works on a CPU (2 steps)."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", "--residual", "mhc", "--ar", "9.1", "--max-steps", "2", "--out", str(tmp_path)],
+                       cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = load_run(tmp_path)
+    assert (run["config"]["world_size"], run["config"]["batch_size"], run["config"]["n_layer"]) == (2, 16, 9)
+    assert [s["step"] for s in run["steps"]] == [1, 2] and all(math.isfinite(s["loss"]) for s in run["steps"])
+
+
 def test_diverged_run_is_recorded(tmp_path, capsys):
     """A NaN/inf loss stops the run, run.json says diverged, the exit code is 1 with one line on stderr."""
     code, _, err = run_main(TINY + ["--lr", "1e6", "--steps", "50", "--out", str(tmp_path)], capsys)
@@ -192,7 +217,7 @@ def test_grid_skips_finished_runs(tmp_path, capsys):
     ["--residual", "preln,nope"],                    # unknown design (in a grid: nothing runs)
     ["--ar", "1000"],                                # no shape of the budget comes near AR 1000
     ["--data", "/nonexistent/texts"],                # unreachable data
-    ["--global-batch", "33"],                        # not a multiple of the micro-batch
+    ["--global-batch", "33", "--batch-size", "4"],   # not a multiple of the micro-batch
     ["--lr", "abc"],                                 # not a number
     ["--ar", "32", "--layers", "4"],                 # both
     ["--params", "lots"],                            # not a count

@@ -55,10 +55,15 @@ VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so ev
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
 # so that a real-text vocab (50k rows of embedding) does not eat the tiny budget; the paper fixes the total.
 PRESETS = {
-    "cpu": dict(params="0.8M", fixed="backbone", layers=[4], data="synthetic", seq_len=128, global_batch=32,
-                batch_size=32, steps=400, lr=[3e-3], eval_every=100, eval_iters=8, ckpt_every=200, log_every=20),
-    "400m": dict(params="405M", fixed="total", ar=[42.67], data="fineweb-edu", seq_len=2048, global_batch=512,
-                 batch_size=None, steps=None, lr=None, eval_every=250, eval_iters=8, ckpt_every=1000, log_every=10),
+    "cpu": dict(params="0.8M", fixed="backbone", n_head=4, layers=[2], data="synthetic", answers_only=True,
+                seq_len=128, global_batch=32, batch_size=None, steps=1200, lr=[3e-3], eval_every=200, eval_iters=8,
+                ckpt_every=400, log_every=50),
+    "mini": dict(params="0.8M", fixed="backbone", n_head=4, ar=[9.1], data="synthetic", answers_only=True,
+                 seq_len=128, global_batch=32, batch_size=None, steps=1200, lr=[3e-3], eval_every=200, eval_iters=8,
+                 ckpt_every=400, log_every=50),
+    "400m": dict(params="405M", fixed="total", n_head=16, ar=[42.67], data="fineweb-edu", answers_only=False,
+                 seq_len=2048, global_batch=512, batch_size=None, steps=None, lr=None, eval_every=250, eval_iters=8,
+                 ckpt_every=1000, log_every=10),
 }
 
 
@@ -109,15 +114,16 @@ def build_parser():
     p = ArgParser(prog="train.py", description="Train DepthBench models: one run, or a grid of comma-separated values.")
     add, pint = p.add_argument, positive(int)
     # what to train (comma-separated values make a grid)
-    add("--preset", choices=list(PRESETS), help="cpu (tiny, synthetic) or 400m (the paper's recipe); "
+    add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's "
+        "shapes: 4 heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); "
         "default: 400m with CUDA, cpu without. Flags below marked (preset) default to the preset's value")
     add("--residual", type=csv(str), default=["preln"], help=f"design(s): {', '.join(RESIDUALS)}")
     add("--ar", type=csv(positive(float)), help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
-    add("--layers", type=csv(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 4)")
-    add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu 0.8M)")
+    add("--layers", type=csv(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 2)")
+    add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu/mini 0.8M backbone)")
     add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
     add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's per design, 2e-3, LNS 1e-2, "
-        "DeepNorm 1e-3; cpu 3e-3)")
+        "DeepNorm 1e-3; cpu/mini 3e-3)")
     add("--seed", type=csv(int), default=[42], help="seed(s) of the init and the train data order (the paper's 42)")
     # design options (GPTConfig.residual_args)
     add("--streams", type=pint, default=4, help="hc/mhc: number of residual streams n")
@@ -129,11 +135,13 @@ def build_parser():
     add("--data-dir", help="token shards of real data (default data_cache/<source>-<tokenizer>)")
     add("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="tokenizer of real data")
     add("--max-gap", type=pint, default=4, help="synthetic: the largest gap (compositions per answer)")
-    add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu 128)")
+    add("--answers-only", action=argparse.BooleanOptionalAction, help="synthetic: answers get their own ids and are "
+        "the only targets (preset: on for cpu/mini); --no-answers-only trains on every token")
+    add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu/mini 128)")
     # batch and schedule
-    add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu 32)")
-    add("--batch-size", type=pint, help="micro-batch per rank (preset: 16, HC/mHC 8, MoDA 4; cpu 32)")
-    add("--steps", type=pint, help="length of the LR schedule (preset: 20 tokens per budgeted param; cpu 400)")
+    add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu/mini 32)")
+    add("--batch-size", type=pint, help="micro-batch per rank (preset: 16, HC/mHC 8, MoDA 4; cpu/mini: global batch / ranks)")
+    add("--steps", type=pint, help="length of the LR schedule (preset: 20 tokens per budgeted param; cpu/mini 1200)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay (a design's static params get 0)")
     add("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
@@ -169,7 +177,8 @@ def residual_args(args, residual):
 def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_size):
     """Everything one run needs, as the flat dict that goes into run.json and ckpt.pt."""
     budget = parse_count(args.params)
-    shape = solve(budget, **{shape_key: shape_value}, fixed=args.fixed, vocab=vocab_size)
+    n_head = PRESETS[args.preset]["n_head"]
+    shape = solve(budget, **{shape_key: shape_value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)
     L, d = shape["n_layer"], shape["d_model"]
     if shape_key == "ar" and abs(shape["ar"] - shape_value) > 0.1 * shape_value:
         raise ValueError(f"no valid shape of {args.params} comes near AR {shape_value:g} "
@@ -178,10 +187,10 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     if abs(size - budget) > 0.1 * budget:
         raise ValueError(f"no valid shape at depth {L} comes within 10% of {args.params} {args.fixed} params "
                          f"(closest: d={d}, {size:,})")
-    # the cpu preset keeps head_dim 32 (d / 32 heads): the paper's 16 heads would be 8-dim at d = 128
-    n_head = 16 if args.preset == "400m" else d // 32
     lr = lr if lr is not None else PAPER_LR.get(residual, 2e-3)
-    batch_size = args.batch_size or PAPER_MICRO_BATCH.get(residual, 16)
+    # 400m: what fit on the paper's GPUs; the small presets: the whole global batch at once, split over ranks
+    batch_size = args.batch_size or (PAPER_MICRO_BATCH.get(residual, 16) if args.preset == "400m"
+                                     else max(1, args.global_batch // world_size))
     if args.global_batch % (batch_size * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {batch_size} "
                          f"x world size {world_size}")
@@ -199,7 +208,7 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
         "max_steps": args.max_steps, "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
         "grad_clip": args.grad_clip, "seed": seed,
         "data": args.data, "data_dir": args.data_dir, "tokenizer": None if args.data == "synthetic" else args.tokenizer,
-        "max_gap": args.max_gap, "seq_len": args.seq_len, "batch_size": batch_size, "global_batch": args.global_batch,
+        "max_gap": args.max_gap, "answers_only": bool(args.answers_only) and args.data == "synthetic", "seq_len": args.seq_len, "batch_size": batch_size, "global_batch": args.global_batch,
         "world_size": world_size, "grad_accum": args.global_batch // (batch_size * world_size),
         "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
         "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
@@ -210,7 +219,7 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
 
 # keys that define a run's maths: a checkpoint made with other values cannot be resumed
 RESUME_KEYS = ["residual", "residual_args", "n_layer", "d_model", "d_ff", "n_head", "vocab_size", "lr", "warmup_steps",
-               "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap", "seq_len",
+               "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap", "answers_only", "seq_len",
                "global_batch"]
 
 
@@ -245,8 +254,9 @@ def evaluate(model, loader, iters, ctx, device, max_gap):
             x, y = x.to(device), y.to(device)
             with ctx:
                 logits, loss = model(x, y)
-            sums[0] += loss.double() * y.numel()
-            sums[1] += y.numel()
+            n = (y >= 0).sum()  # targets the loss counts (answers_only ignores the rest)
+            sums[0] += loss.double() * n
+            sums[1] += n
             if level is not None:
                 answers += answer_metrics(logits, y, level, max_gap)
     if dist.is_initialized():
@@ -286,7 +296,7 @@ def train_run(cfg, env, resume):
 
     # data: both loaders cut each global batch the same way, whatever the number of ranks (data.py)
     synthetic = cfg["data"] == "synthetic"
-    source = SyntheticTask(cfg["max_gap"]) if synthetic else cfg["data_dir"]
+    source = SyntheticTask(cfg["max_gap"], answers_only=cfg.get("answers_only", False)) if synthetic else cfg["data_dir"]
     B, T, G = cfg["batch_size"], cfg["seq_len"], cfg["global_batch"]
     train_loader = BatchLoader(source, "train", B, T, G, rank, world, seed=cfg["seed"])
     val_loader = BatchLoader(source, "val", B, T, G, rank, world, seed=VAL_SEED if synthetic else cfg["seed"])
@@ -340,16 +350,17 @@ def train_run(cfg, env, resume):
     n_static = sum(p.numel() for g in groups if g["weight_decay"] == 0.0 for p in g["params"])
     print0(f"run        {cfg['name']}  ->  {run_dir}")
     print0(f"shape      L={cfg['n_layer']} d={cfg['d_model']} d_ff={cfg['d_ff']} heads={cfg['n_head']} "
-           f"head_dim={cfg['head_dim']} AR={cfg['ar']:.2f}" + ("  (cpu preset: head_dim 32, not the paper's 16 heads)"
-                                                              if cfg["preset"] == "cpu" else ""))
+           f"head_dim={cfg['head_dim']} AR={cfg['ar']:.2f}" + ("" if cfg["n_head"] == 16 else
+                                                              f"  ({cfg['n_head']} heads, not the paper's 16)"))
     print0(f"params     total {total:,} = backbone {params['backbone']:,} + embedding/head/final norm "
            f"{preln - params['backbone']:,} + design extra {params['residual_extra']:,}  "
            f"(budget {cfg['params_budget']:,} {cfg['fixed']}; vocab {cfg['vocab_size']})")
     if synthetic:
         task = source
+        floor = "answers are the only targets" if task.answers_only else \
+            f"loss floor {task.loss_floor(T):.4f} nats/token at T={T} (answers alone: 0)"
         print0(f"data       synthetic S4 running products, max gap {cfg['max_gap']}, vocab {task.vocab_size} "
-               f"(padded to {cfg['vocab_size']}); loss floor {task.loss_floor(T):.4f} nats/token at T={T} "
-               f"(answers alone: 0); chance answer accuracy {1 / task.eq:.1%}")
+               f"(padded to {cfg['vocab_size']}); {floor}; chance answer accuracy {1 / task.eq:.1%}")
     else:
         print0(f"data       {cfg['data']} ({cfg['tokenizer']}) shards in {cfg['data_dir']}")
     print0(f"batch      {G} seqs x {T} tokens = {cfg['tokens_per_step']:,} tokens/step = micro-batch {B} "
@@ -529,7 +540,8 @@ def main(argv=None):
     # every run of the grid is resolved (and so checked) before anything is written
     env = init_distributed(cuda)
     tokenizer = {"gpt2": data.GPT2Tokenizer, "bytes": data.ByteTokenizer}[args.tokenizer]  # the class: no download
-    vocab = padded_vocab_size((SyntheticTask(args.max_gap) if args.data == "synthetic" else tokenizer).vocab_size)
+    task = SyntheticTask(args.max_gap, answers_only=bool(args.answers_only))
+    vocab = padded_vocab_size((task if args.data == "synthetic" else tokenizer).vocab_size)
     shape_axis = [("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers]
     runs, names = [], set()
     for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):

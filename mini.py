@@ -1,0 +1,193 @@
+"""
+mini.py: Mini-DepthBench, the paper's experiment (loss vs aspect ratio per design, and why) at a scale
+that one machine runs in an afternoon.
+
+    python mini.py --text path/to/corpus                   # the suite on 2 CPU cores -> runs/mini
+    python mini.py --gpu --text path/to/corpus             # one GPU: a bigger budget, more tokens per param
+    python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
+
+For each probe (real text read as bytes, and the synthetic composition task scored on answers alone),
+design, aspect ratio and seed it trains one model with `train.py --preset mini`, --jobs runs at a time
+with one thread each (on 2 cores, two 1-thread runs beat one 2-thread run); then `diagnose.py` on every
+finished run; then `plot.py` on each probe's folder, and a table of the outcome in summary.md. Every
+piece that is already done is skipped, so the same command continues a stopped suite.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shapes import ArgParser
+
+HERE = Path(__file__).resolve().parent
+# train.py settings per probe and scale (on top of --preset mini); see the README's mini-suite section
+SCALES = {
+    "cpu": {"synthetic": ["--steps", "1200"],
+            "text": ["--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "16", "--steps", "800"]},
+    "gpu": {"synthetic": ["--params", "8M", "--global-batch", "128", "--steps", "6000", "--device", "cuda"],
+            "text": ["--params", "8M", "--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "128",
+                     "--steps", "5000", "--device", "cuda"]},
+}
+DIAG_METRICS = "causal,perm,pruning"
+
+
+def build_parser():
+    p = ArgParser(prog="mini.py", description="Mini-DepthBench: train, diagnose and plot a design x shape x seed grid.")
+    add = p.add_argument
+    add("--out", type=Path, default=Path("runs/mini"), help="suite folder (default runs/mini)")
+    add("--designs", default="preln,hc,attnres", help="comma list of designs (default preln,hc,attnres)")
+    add("--ar", default="92,32,16,9.1,4", help="comma list of aspect ratios (default 92,32,16,9.1,4: L2..L16)")
+    add("--seeds", default="0,1", help="comma list of seeds (default 0,1)")
+    add("--probes", default=None, help="text,synthetic (default: both when --text is given, else synthetic)")
+    add("--text", help="real text for the text probe: a .txt/.jsonl/.parquet file, folder or quoted glob")
+    add("--steps", help="override every run's schedule length (a toy or a longer run)")
+    add("--lr", help="peak LR(s) for every run (default: the mini preset's)")
+    add("--diag-samples", default="32", help="diagnose.py's calibration windows per run (default 32)")
+    add("--jobs", type=int, default=2, help="runs at a time (default 2; 1 with --gpu)")
+    add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
+    add("--dry-run", action="store_true", help="print the train.py commands and stop")
+    return p
+
+
+def train_commands(args):
+    """One (probe, label, argv) per run of the grid, in the order they will run (deepest first: the
+    slowest runs start early, so two workers finish together)."""
+    scale = SCALES["gpu" if args.gpu else "cpu"]
+    ars = sorted((float(a) for a in args.ar.split(",")), key=float)
+    jobs = []
+    for probe in args.probes:
+        for ar in ars:
+            for design in args.designs.split(","):
+                for seed in args.seeds.split(","):
+                    argv = [sys.executable, str(HERE / "train.py"), "--preset", "mini", "--residual", design,
+                            "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / probe), *scale[probe]]
+                    argv += ["--data", args.text] if probe == "text" else []
+                    argv += ["--steps", args.steps] if args.steps else []
+                    argv += ["--lr", args.lr] if args.lr else []
+                    jobs.append((probe, f"{probe} {design} ar={ar:g} seed={seed}", argv))
+    return jobs
+
+
+def run_pool(jobs, n, what, log_dir):
+    """Run (label, argv) jobs, n at a time, one thread each; print a progress line per finished job.
+    Returns the labels that failed (their logs say why)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    pending, running, failed, t0, done = list(jobs), {}, [], time.time(), 0
+    while pending or running:
+        while pending and len(running) < n:
+            label, argv = pending.pop(0)
+            log = open(log_dir / (label.replace(" ", "_").replace("=", "") + ".log"), "w")
+            running[subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)] = (label, log, time.time())
+        for proc in [p for p in running if p.poll() is not None]:
+            label, log, start = running.pop(proc)
+            log.close()
+            done += 1
+            if proc.returncode != 0:
+                failed.append(label)
+            elapsed = time.time() - t0
+            eta = elapsed / done * (len(jobs) - done)
+            print(f"[{what} {done}/{len(jobs)}] {label}: {'ok' if proc.returncode == 0 else 'FAILED'} in "
+                  f"{time.time() - start:.0f} s | elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min", flush=True)
+        time.sleep(0.2)
+    return failed
+
+
+def finished_runs(folder):
+    """{run dir: run.json} of the finished runs under a probe's folder."""
+    runs = {}
+    for path in sorted(Path(folder).glob("*/run.json")):
+        run = json.loads(path.read_text())
+        if run.get("finished"):
+            runs[path.parent] = run
+    return runs
+
+
+def spread(values):
+    """'mean ± half-range (n)' over seeds."""
+    if not values:
+        return "—"
+    return f"{np.mean(values):.4f} ± {(max(values) - min(values)) / 2:.4f} ({len(values)})"
+
+
+def summary(args):
+    """summary.md: per probe, design and shape the final val loss over seeds; per-gap answer accuracy for
+    the synthetic probe; R_causal / R_perm (last 3/4) from diagnose.py. Returns the markdown."""
+    lines = ["# Mini-DepthBench summary", "",
+             f"Command: `python mini.py {' '.join(sys.argv[1:])}`", ""]
+    for probe in args.probes:
+        runs = finished_runs(args.out / probe)
+        cells = {}
+        for path, run in runs.items():
+            c = run["config"]
+            diag_path = path / "diagnose.json"
+            diag = json.loads(diag_path.read_text()) if diag_path.exists() else {}
+            cell = cells.setdefault((c["residual"], c["n_layer"], c["d_model"]), {"loss": [], "gaps": [],
+                                                                                  "rc": [], "rp": [], "wall": []})
+            cell["loss"].append(run["final"]["val_loss"])
+            cell["wall"].append(run["wall_s"])
+            per = run["evals"][-1].get("per_level") or {}
+            cell["gaps"].append([per[g]["acc"] for g in sorted(per)])
+            for key, metric, field in (("rc", "causal_score", "R_causal"), ("rp", "permutation_score", "R_perm_last34")):
+                if diag.get(metric, {}).get(field) is not None:  # None: too shallow to have pairs in the last 3/4
+                    cell[key].append(diag[metric][field])
+        head = "| design | L | d | AR | final val loss (mean ± half-range, seeds) |"
+        head += " answer acc by gap (mean over seeds) |" if probe == "synthetic" else ""
+        head += " R_causal | R_perm last 3/4 | wall per run |"
+        lines += [f"## {probe}", "", head, "|" + "---|" * (head.count("|") - 1)]
+        for (res, L, d), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            row = f"| {res} | {L} | {d} | {d / L:.1f} | {spread(cell['loss'])} |"
+            if probe == "synthetic":
+                row += " " + " / ".join(f"{a:.2f}" for a in np.mean(cell["gaps"], 0)) + " |"
+            fmt = lambda v: f"{np.mean(v):.1%}" if v else "—"  # noqa: E731
+            row += f" {fmt(cell['rc'])} | {fmt(cell['rp'])} | {np.mean(cell['wall']):.0f} s |"
+            lines.append(row)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.probes = (args.probes or ("text,synthetic" if args.text else "synthetic")).split(",")
+    if set(args.probes) - {"text", "synthetic"}:
+        parser.error(f"--probes: choose from text, synthetic, got {','.join(args.probes)}")
+    if "text" in args.probes and not args.text:
+        parser.error("the text probe needs --text (a local corpus: a file, folder or quoted glob)")
+    try:
+        [float(a) for a in args.ar.split(",")]
+    except ValueError:
+        parser.error(f"--ar {args.ar!r}: expected comma-separated numbers")
+    jobs = train_commands(args)
+    if args.dry_run:
+        print("\n".join(" ".join(argv[1:]) for _, _, argv in jobs))
+        return 0
+    t0 = time.time()
+    print(f"mini suite: {len(jobs)} runs ({len(args.probes)} probes x {len(args.designs.split(','))} designs x "
+          f"{len(args.ar.split(','))} ARs x {len(args.seeds.split(','))} seeds), {args.jobs} at a time -> {args.out}")
+    failed = run_pool([(label, argv) for _, label, argv in jobs], args.jobs, "train", args.out / "logs")
+    diag_jobs = []
+    for probe in args.probes:
+        for path in finished_runs(args.out / probe):
+            if not (path / "diagnose.json").exists():
+                diag_jobs.append((f"diagnose {path.name}",  # writes diagnose.json beside the run's ckpt.pt
+                                  [sys.executable, str(HERE / "diagnose.py"), str(path), "--metrics", DIAG_METRICS,
+                                   "--num-samples", args.diag_samples]))
+    failed += run_pool(diag_jobs, args.jobs, "diagnose", args.out / "logs")
+    for probe in args.probes:
+        subprocess.run([sys.executable, str(HERE / "plot.py"), str(args.out / probe), "--out",
+                        str(args.out / "figs" / probe)], check=False)
+    text = summary(args)
+    (args.out / "summary.md").write_text(text)
+    print(text)
+    print(f"mini suite done in {(time.time() - t0) / 60:.1f} min; figures in {args.out / 'figs'}, "
+          f"table in {args.out / 'summary.md'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""
+Tests of mini.py, the one-machine suite: the suite command at a toy size (two designs, two shapes, a few
+steps) trains, diagnoses and plots every run, writes the summary, and a second call skips what is done.
+
+    python -m pytest -q test_mini.py
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mini
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_toy_suite_writes_figures_and_resumes(tmp_path):
+    argv = [sys.executable, "mini.py", "--designs", "preln,attnres", "--ar", "32,9.1", "--seeds", "0", "--steps", "2",
+            "--diag-samples", "8", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = sorted((tmp_path / "synthetic").glob("*/run.json"))
+    assert len(runs) == 4 and all(json.loads(p.read_text())["finished"] for p in runs)
+    assert {json.loads(p.read_text())["config"]["n_layer"] for p in runs} == {4, 9}
+    diags = sorted((tmp_path / "synthetic").glob("*/diagnose.json"))
+    assert len(diags) == 4
+    deep = [json.loads(p.read_text()) for p in diags if json.loads(p.read_text())["meta"]["n_layer"] == 9]
+    assert all(d["causal_score"]["R_causal"] is not None and "R_perm_last34" in d["permutation_score"] for d in deep)
+    figs = tmp_path / "figs" / "synthetic"
+    for name in ("fig2_final_loss_vs_ar", "fig6_depth_use", "fig8_layer_pruning", "mini_composition_vs_depth"):
+        assert (figs / f"{name}.png").stat().st_size > 1000, name
+    table = (tmp_path / "summary.md").read_text()
+    assert table.count("| preln |") == 2 and table.count("| attnres |") == 2
+    assert "[train 4/4]" in r.stdout and "[diagnose 4/4]" in r.stdout
+
+    # the same command again: every run is finished and diagnosed, so nothing is trained or diagnosed anew
+    before = {p: p.stat().st_mtime_ns for p in runs + diags}
+    r = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "[diagnose" not in r.stdout
+    assert {p: p.stat().st_mtime_ns for p in runs + diags} == before
+    assert all("finished already" in p.read_text() for p in (tmp_path / "logs").glob("synthetic_*.log"))
+
+
+def test_bad_arguments_are_one_line(capsys):
+    for argv in (["--probes", "text"], ["--probes", "audio"], ["--ar", "wide"]):
+        try:
+            mini.main(argv)
+        except SystemExit as e:
+            assert e.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mini.py: error:")
+
+
+def test_commands_cover_the_grid():
+    """Every (probe, design, AR, seed) once, deepest shapes first, text runs reading the given corpus."""
+    args = mini.build_parser().parse_args(["--designs", "preln,hc", "--ar", "92,4", "--seeds", "0,1",
+                                           "--text", "corpus.txt"])
+    args.probes = ["text", "synthetic"]
+    jobs = mini.train_commands(args)
+    assert len(jobs) == 2 * 2 * 2 * 2 and len({label for _, label, _ in jobs}) == 16
+    assert [a[a.index("--ar") + 1] for _, _, a in jobs[:4]] == ["4"] * 4
+    assert all(("--data" in a and a[a.index("--data") + 1] == "corpus.txt") == (p == "text") for p, _, a in jobs)
