@@ -31,6 +31,7 @@ src/examples/huggingface/convert_checkpoint_to_hf.py. Not checkable from names: 
 (width-mixed, as ours, or the older un-mixed residual) a checkpoint was trained with.
 """
 import argparse
+import inspect
 import json
 import os
 import re
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 
 import data
 from model import GPT, GPTConfig
+from residuals import RESIDUALS
 
 # official block type -> our design (Block AttnRes is "attnres" with a block size > 1)
 BLOCKS = {"default": "preln", "peri_norm": "sandwich", "default_scaled": "lns", "deepnorm": "deepnorm",
@@ -136,6 +138,8 @@ def read_config(step_dir):
         refuse(moda.get("extra_ffn_kv_proj") is False or moda.get("extra_attn_kv_proj"), f"MoDA K/V projections {moda}")
         refuse(moda.get("attention_scale") is not None, f"MoDA attention_scale {moda.get('attention_scale')}")
         args["norm"] = "post" if name == "post_norm_moda" else "pre"
+    defaults = {k: p.default for k, p in inspect.signature(RESIDUALS[residual]).parameters.items()}
+    args = {k: v for k, v in args.items() if defaults.get(k) != v}     # our config names only what differs
     tok = (exp.get("dataset") or {}).get("tokenizer") or {}
     gqa = {"n_kv_head": int(att["n_kv_heads"])} if att.get("n_kv_heads") not in (None, H) else {}
     cfg = GPTConfig(vocab_size=int(m["vocab_size"]), n_layer=L, d_model=d, n_head=H, d_ff=int(ff["hidden_size"]),
@@ -225,8 +229,11 @@ def from_official(sd, model):
 
 def to_official(model):
     """Our weights under the official names and shapes (tests write checkpoints with it)."""
-    sd = model.state_dict()
-    return {off: (sd[k] if row is None else sd[k][row][None]).clone() for k, row, off in layout(model.cfg)}
+    sd, out = model.state_dict(), {}
+    for k, row, off in layout(model.cfg):
+        t = sd[k] if row is None else sd[k][row]
+        out[off] = (t[None] if k == "res.queries" else t).clone()   # AttnRes' queries are Linear(d, 1) weights
+    return out
 
 
 def official_to_hf_llama(sd, n_layer):
