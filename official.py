@@ -236,20 +236,12 @@ def to_official(model):
     return out
 
 
-def official_to_hf_llama(sd, n_layer):
-    """Official Pre-LN names -> HF LlamaForCausalLM names (the official converter's table)."""
-    pairs = [(a.format(b), h.format(b)) for a, h in HF_LLAMA for b in (range(n_layer) if "{}" in a else [0])]
-    table = dict(pairs)
+def hf_llama(sd, n_layer, reverse=False):
+    """Pre-LN official names <-> HF LlamaForCausalLM names (the official converter's Llama table)."""
+    table = {a.format(b): h.format(b) for a, h in HF_LLAMA for b in (range(n_layer) if "{}" in a else [0])}
+    table = {h: a for a, h in table.items()} if reverse else table
     if set(sd) != set(table):
         raise CheckpointError(f"not a Pre-LN state dict: {short(set(sd) ^ set(table))}")
-    return {table[k]: v for k, v in sd.items()}
-
-
-def hf_llama_to_official(sd, n_layer):
-    pairs = [(a.format(b), h.format(b)) for a, h in HF_LLAMA for b in (range(n_layer) if "{}" in a else [0])]
-    table = {h: a for a, h in pairs}
-    if set(sd) != set(table):
-        raise CheckpointError(f"not a HF Llama state dict: {short(set(sd) ^ set(table))}")
     return {table[k]: v for k, v in sd.items()}
 
 

@@ -261,18 +261,18 @@ def test_offline_hub_id_is_one_line_and_fast():
 def test_preln_hf_llama_names_round_trip():
     src = ours("preln")
     off = official.to_official(src)
-    hf = official.official_to_hf_llama(off, 3)
+    hf = official.hf_llama(off, 3)
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.2.self_attn.o_proj.weight",
             "model.layers.0.mlp.gate_proj.weight", "model.layers.1.post_attention_layernorm.weight"} <= set(hf)
     assert torch.equal(hf["model.layers.1.input_layernorm.weight"], src.res.norms[2].weight.detach())
     assert torch.equal(hf["model.layers.1.post_attention_layernorm.weight"], src.res.norms[3].weight.detach())
-    back = official.hf_llama_to_official(hf, 3)
+    back = official.hf_llama(hf, 3, reverse=True)
     assert set(back) == set(off) and all(torch.equal(back[k], off[k]) for k in off)
     model = official.from_official(back, GPT(src.cfg)).eval()
     with torch.no_grad():
         assert torch.equal(model(tokens())[0], src(tokens())[0])
     with pytest.raises(official.CheckpointError):
-        official.official_to_hf_llama(official.to_official(ours("sandwich")), 3)
+        official.hf_llama(official.to_official(ours("sandwich")), 3)
 
 
 def test_preln_equals_hf_llama_when_transformers_is_installed():
@@ -284,7 +284,7 @@ def test_preln_equals_hf_llama_when_transformers_is_installed():
                                       num_key_value_heads=c.n_head, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
                                       tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    hf.load_state_dict(official.official_to_hf_llama(official.to_official(src), c.n_layer), strict=False)
+    hf.load_state_dict(official.hf_llama(official.to_official(src), c.n_layer), strict=False)
     with torch.no_grad():
         assert torch.allclose(hf(tokens()).logits, src(tokens())[0], atol=1e-5)
 
