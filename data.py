@@ -119,10 +119,37 @@ def check_tiktoken_files(timeout=5.0):
                         f"TIKTOKEN_CACHE_DIR=../shared/data/tiktoken or use --tokenizer bytes") from None
 
 
-def get_tokenizer(name):
-    if name not in ("gpt2", "bytes"):
-        raise DataError(f"unknown tokenizer {name!r} (choose gpt2 or bytes)")
-    return GPT2Tokenizer() if name == "gpt2" else ByteTokenizer()
+class JSONTokenizer:
+    """A HuggingFace tokenizer.json (e.g. the official GPT-NeoX-OLMo one, vocab 50280, EOS 50279) through
+    the `tokenizers` library, so official checkpoints read text as they were trained: no BOS, no special
+    tokens added, EOS after each document (eot: the given id, else the tokenizer's <|endoftext|>)."""
+
+    def __init__(self, path, eot=None):
+        from tokenizers import Tokenizer
+        path = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise DataError(f"{path}: not a tokenizer.json ({type(e).__name__}: {str(e)[:120]})") from None
+        self.name, self.vocab_size = str(path), self.tok.get_vocab_size()
+        self.eot = self.tok.token_to_id("<|endoftext|>") if eot is None else eot
+        if self.eot is None:
+            raise DataError(f"{path}: no <|endoftext|> token; give the EOS id")
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids])
+
+
+def get_tokenizer(name, eot=None):
+    """gpt2, bytes, or the path of a tokenizer.json (or of a folder holding one)."""
+    if name in ("gpt2", "bytes"):
+        return GPT2Tokenizer() if name == "gpt2" else ByteTokenizer()
+    if name and (Path(name).is_file() or (Path(name) / "tokenizer.json").is_file()):
+        return JSONTokenizer(name, eot)
+    raise DataError(f"unknown tokenizer {name!r} (choose gpt2, bytes or the path of a tokenizer.json)")
 
 
 # -----------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
+import official
 import shapes
 from model import GPT, GPTConfig, rope_cos_sin
 from residuals import HC, LNS, RESIDUALS, BlockAttnRes, MoDA, rms_norm
@@ -92,6 +93,15 @@ def load_model(args):
         run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
                "max_gap": args.max_gap, "seed": args.seed}
         return GPT(cfg), run, None, None
+    if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
+        try:
+            model, info = official.load(args.checkpoint, args.step)
+        except official.CheckpointError as e:
+            raise DiagError(str(e)) from None
+        if args.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
+            args.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
+        return (model, {"tokenizer": info["tokenizer"], "seq_len": info["seq_len"]},
+                str(Path(info["step_dir"]) / "config.json"), info["step"])
     path = Path(args.checkpoint)
     path = path / "ckpt.pt" if path.is_dir() else path
     if not path.is_file():
@@ -568,7 +578,9 @@ def layer_metrics(model, acc, todo, args):
 def parse_args(argv):
     p = shapes.ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
     pos = data.positive
-    p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, or a .pt file (or use --init)")
+    p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
+                   "checkpoint: hub id, folder with stepN/ folders or a step folder (official.py); or use --init")
+    p.add_argument("--step", type=int, help="official checkpoint: the stepN folder (default: the highest)")
     p.add_argument("--metrics", default="all", help=f"comma list of {', '.join(METRICS)}, or all (default)")
     p.add_argument("--out", help="output JSON (default: diagnose.json in the checkpoint's folder, or here for --init)")
     g = p.add_argument_group("a fresh model instead of a checkpoint")
@@ -581,7 +593,7 @@ def parse_args(argv):
                    help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}'")
     g = p.add_argument_group("calibration text and compute")
     g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
-    g.add_argument("--tokenizer", choices=["gpt2", "bytes"], help="for text files and NLL (default: the run's)")
+    g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files and NLL (default: the run's)")
     g.add_argument("--max-gap", type=pos, default=4, help="synthetic task's max gap if the run says none (default 4)")
     g.add_argument("--num-samples", type=pos, default=32, help="calibration windows (default 32)")
     g.add_argument("--seq-len", type=pos, help="tokens per window (default: the run's seq_len, else 128)")
@@ -615,6 +627,8 @@ def parse_args(argv):
         p.error(f"--residual-args must be a JSON object, got {args.residual_args!r}")
     if args.init and args.width % args.heads:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if args.tokenizer not in (None, "gpt2", "bytes") and not Path(args.tokenizer).exists():
+        p.error(f"--tokenizer {args.tokenizer}: not gpt2, bytes or a tokenizer.json")
     if args.nll_data and not Path(args.nll_data).is_dir():
         p.error(f"--nll-data {args.nll_data}: not a folder")
     return args

@@ -1,0 +1,393 @@
+"""
+Load the DepthBench authors' released OLMo-core checkpoints into our GPT, and evaluate them.
+
+A released repository (e.g. `aspect-ratio-scaling/preln-lr2e-3-llama-400M-L24-pretrain`) holds step
+folders (`step0`, ..., `step7600`) and a `tokenizer/` folder. A step folder holds `config.json` (the
+experiment config: sections `model` and `dataset.tokenizer`) and `model_and_optim/`, a torch
+distributed checkpoint (DCP: `.distcp` files + `.metadata`) of {"model": ..., "optim": ...}. We read
+only the `model.*` tensors, with torch's own DCP reader (no OLMo-core), map every official name onto
+ours (`layout`), and refuse, in one line, any setting our model would compute differently.
+
+    python official.py info  SOURCE [--step N]                 # design, shape and what was mapped
+    python official.py evaluate SOURCE --text FILES [--step N] [--seq-len 2048] [--max-tokens N]
+    python diagnose.py SOURCE [--step N] --metrics ...           # every diagnostic (diagnose.py)
+
+SOURCE: a hub id (downloaded with huggingface_hub: the chosen step and tokenizer/ only), a local
+repository folder with stepN/ subfolders (default: the highest step), or one step folder.
+
+Official names and layouts were read (facts, not code) from keyu-wang-2002/DepthBench,
+`pretrain/OLMo-core/src/olmo_core/`: nn/transformer/block.py @6bdf2ad9 (every block class and its
+parameter names: attention_norm, feed_forward_norm, post_attention_norm, post_feed_forward_norm,
+attn_res_proj/attn_res_norm/mlp_res_proj/mlp_res_norm, the *_hyper_connection connectors and their
+branch modules, MoDA's wrapped attention/feed_forward), nn/transformer/model.py @8cc2fd74 (embeddings,
+lm_head, the model-level AttnRes res_proj/res_norm), nn/hyper_connections.py @5152cab0 (HC's static_alpha,
+dynamic_alpha_proj, dynamic_alpha_scale, static_beta, dynamic_beta_proj, dynamic_beta_scale; Liger mHC's
+phi (n*d, n^2+2n), b, alpha_pre/post/res), nn/moda.py @100da5f4 (kv_proj: d -> [K; V]),
+nn/attention/__init__.py @aba1f652 (split w_q/w_k/w_v/w_out, head_dim, GQA), nn/transformer/config.py
+@6bdf2ad9 (TransformerBlockConfig, HyperConnectionsConfig, MoDAConfig fields), nn/hf/convert.py @a9cea455
+and eval_utils/convert_olmo_to_hf.py @a9cea455 (the HF Llama names); allenai/OLMo-core
+src/olmo_core/distributed/checkpoint/__init__.py (the DCP holds {"model", "optim"}) and
+src/examples/huggingface/convert_checkpoint_to_hf.py. Not checkable from names: which HC forward
+(width-mixed, as ours, or the older un-mixed residual) a checkpoint was trained with.
+"""
+import argparse
+import inspect
+import json
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import data
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+
+# official block type -> our design (Block AttnRes is "attnres" with a block size > 1)
+BLOCKS = {"default": "preln", "peri_norm": "sandwich", "default_scaled": "lns", "deepnorm": "deepnorm",
+          "keel": "keel", "hc": "hc", "mhc": "mhc", "attnres": "attnres", "moda": "moda", "post_norm_moda": "moda"}
+HF_LLAMA = [("embeddings.weight", "model.embed_tokens.weight"), ("lm_head.norm.weight", "model.norm.weight"),
+            ("lm_head.w_out.weight", "lm_head.weight")] + [
+    (f"blocks.{{}}.{a}.weight", f"model.layers.{{}}.{b}.weight") for a, b in [
+        ("attention.w_q", "self_attn.q_proj"), ("attention.w_k", "self_attn.k_proj"),
+        ("attention.w_v", "self_attn.v_proj"), ("attention.w_out", "self_attn.o_proj"),
+        ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w2", "mlp.down_proj"),
+        ("feed_forward.w3", "mlp.up_proj"), ("attention_norm", "input_layernorm"),
+        ("feed_forward_norm", "post_attention_layernorm")]]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot load as it is; the message is one line."""
+
+
+def short(keys, n=4):
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
+
+
+# ----------------------------------------------------------------------------- config.json -> GPTConfig
+
+def refuse(cond, what):
+    if cond:
+        raise CheckpointError(f"unsupported official setting: {what}")
+
+
+def read_config(step_dir):
+    """config.json -> (GPTConfig computing what the checkpoint's model computes, notes dict)."""
+    path = Path(step_dir) / "config.json"
+    try:
+        exp = json.loads(path.read_text())
+        m = exp["model"]
+        blk, lm = m["block"], m.get("lm_head") or {}
+        att = blk.get("sequence_mixer") or blk.get("attention")
+        d, L, H = int(m["d_model"]), int(m["n_layers"]), int(att["n_heads"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not an OLMo-core experiment config ({type(e).__name__}: {e})") from None
+    name = blk.get("name") or "default"
+    refuse(name not in BLOCKS, f"block type {name!r} (known: {', '.join(BLOCKS)})")
+    refuse((att.get("name") or "default") != "default", f"attention {att.get('name')!r} (only split w_q/w_k/w_v)")
+    if att.get("n_kv_heads") not in (None, H) and "n_kv_head" not in GPTConfig.__dataclass_fields__:
+        refuse(True, f"GQA (n_kv_heads {att['n_kv_heads']} != n_heads {H}) is not in our model yet")
+    refuse(att.get("head_dim") not in (None, d // H) or d % H, f"head_dim {att.get('head_dim')} != d_model/n_heads")
+    for key in ("qk_norm", "gate", "clip_qkv", "sliding_window"):
+        refuse(att.get(key) is not None, f"attention {key} = {att.get(key)}")
+    refuse(bool(att.get("bias")) or bool((blk.get("feed_forward") or {}).get("bias")) or bool(lm.get("bias")),
+           "linear biases")
+    rope = att.get("rope") or {}
+    refuse((rope.get("name") or "default") != "default" or rope.get("scaling") or not rope,
+           f"RoPE {rope or None} (only the default rotate-half RoPE, no scaling)")
+    ff = blk.get("feed_forward") or {}
+    refuse((ff.get("name") or "default") != "default" or ff.get("activation") not in (None, "silu"),
+           f"feed-forward {ff.get('name')}/{ff.get('activation')} (only SwiGLU)")
+    norm, head_norm = blk.get("layer_norm") or {}, lm.get("layer_norm") or {}
+    want = "default" if name == "deepnorm" else "rms"        # DeepNorm's block norms are true LayerNorms
+    refuse((norm.get("name") or "default") != want or bool(norm.get("bias")), f"{name} block norm {norm}")
+    refuse((head_norm.get("name") or "default") != "rms" or bool(head_norm.get("bias")), f"final norm {head_norm}")
+    eps = float(norm.get("eps", 1e-5))
+    refuse(abs(float(head_norm.get("eps", 1e-5)) - eps) > 1e-12, f"final norm eps {head_norm.get('eps')} != {eps}")
+    refuse(m.get("embedding_norm") is not None or m.get("embed_scale") not in (None, 1.0), "embedding norm/scale")
+    refuse(m.get("block_pattern") is not None, "block_pattern")
+    for key in ("attention_residual_alpha", "feed_forward_residual_alpha"):
+        refuse(blk.get(key) not in (None, 1.0), f"{key} = {blk.get(key)}")
+    for i, o in (m.get("block_overrides") or {}).items():           # MoDA's last block skips its unused W_kv
+        refuse({k: v for k, v in o.items() if k != "moda_skip_ffn_kv"} !=
+               {k: v for k, v in blk.items() if k != "moda_skip_ffn_kv"}, f"block_overrides[{i}]")
+    residual, args = BLOCKS[name], {}
+    hc = blk.get("hyper_connections") or {}
+    if name == "hc":
+        refuse((hc.get("kind") or "hc") != "hc" or hc.get("tanh") is False, f"HC kind/tanh {hc}")
+        refuse(hc.get("collapse", "auto") not in ("auto", "sum"), f"HC collapse {hc.get('collapse')}")
+        args["n_streams"] = int(hc.get("num_residual_streams", 4))
+    if name == "mhc":
+        refuse(hc.get("kind") != "liger_mhc", f"mHC kind {hc.get('kind')!r} (only the paper's liger_mhc)")
+        refuse(hc.get("collapse", "auto") not in ("auto", "mean"), f"mHC collapse {hc.get('collapse')}")
+        defaults = {"liger_rms_eps": 1e-6, "liger_pre_eps": 0.0, "liger_sinkhorn_eps": 1e-6, "liger_post_mult": 2.0}
+        for key, v in defaults.items():
+            refuse(float(hc.get(key, v)) != v, f"mHC {key} = {hc.get(key)} (ours: {v})")
+        args.update(n_streams=int(hc.get("num_residual_streams", 4)), sinkhorn_iters=int(hc.get("sinkhorn_iters", 20)))
+    if name == "attnres":
+        S = int(blk.get("attnres_block_size") or 1)
+        refuse((2 * L) % S != 0, f"AttnRes block size {S} does not divide the {2 * L} sublayers")
+        if S > 1:
+            residual, args = "block_attnres", {"n_groups": 2 * L // S}
+    if name in ("moda", "post_norm_moda"):
+        moda = blk.get("moda") or {}
+        refuse(moda.get("extra_ffn_kv_proj") is False or moda.get("extra_attn_kv_proj"), f"MoDA K/V projections {moda}")
+        refuse(moda.get("attention_scale") is not None, f"MoDA attention_scale {moda.get('attention_scale')}")
+        args["norm"] = "post" if name == "post_norm_moda" else "pre"
+    defaults = {k: p.default for k, p in inspect.signature(RESIDUALS[residual]).parameters.items()}
+    args = {k: v for k, v in args.items() if defaults.get(k) != v}     # our config names only what differs
+    tok = (exp.get("dataset") or {}).get("tokenizer") or {}
+    gqa = {"n_kv_head": int(att["n_kv_heads"])} if att.get("n_kv_heads") not in (None, H) else {}
+    cfg = GPTConfig(vocab_size=int(m["vocab_size"]), n_layer=L, d_model=d, n_head=H, d_ff=int(ff["hidden_size"]),
+                    rope_theta=float(rope.get("theta", 10000)), norm_eps=eps, residual=residual, residual_args=args,
+                    **gqa)
+    refuse(int(tok.get("vocab_size") or 0) > cfg.vocab_size, f"tokenizer vocab {tok.get('vocab_size')} > model's")
+    notes = {"block": name, "tokenizer_vocab": tok.get("vocab_size"), "eos_token_id": tok.get("eos_token_id"),
+             "tokenizer_id": tok.get("identifier"),
+             "seq_len": (exp.get("dataset") or {}).get("sequence_length")}
+    return cfg, notes
+
+
+# ----------------------------------------------------------------------------- names: ours <-> official
+
+def layout(cfg):
+    """[(our state-dict key, row or None, official key)] for every tensor of our model with cfg.
+    A row maps one official tensor onto a row of a stacked parameter of ours (AttnRes' queries)."""
+    r, L = cfg.residual, cfg.n_layer
+    moda = r == "moda"
+    att, ff = ("attention.attention", "feed_forward.feed_forward") if moda else ("attention", "feed_forward")
+    out = [("wte.weight", None, "embeddings.weight"), ("lm_head.weight", None, "lm_head.w_out.weight"),
+           ("res.norm_f.weight", None, "lm_head.norm.weight")]
+    for b in range(L):
+        p = f"blocks.{b}."
+        out += [(f"{p}attn.w{x}.weight", None, f"{p}{att}.w_{'out' if x == 'o' else x}.weight") for x in "qkvo"]
+        out += [(f"{p}mlp.w{x}.weight", None, f"{p}{ff}.w{x}.weight") for x in "123"]
+        out += [(f"res.norms.{2 * b}.weight", None, f"{p}attention_norm.weight"),
+                (f"res.norms.{2 * b + 1}.weight", None, f"{p}feed_forward_norm.weight")]
+        if r == "sandwich":
+            out += [(f"res.post_norms.{2 * b}.weight", None, f"{p}post_attention_norm.weight"),
+                    (f"res.post_norms.{2 * b + 1}.weight", None, f"{p}post_feed_forward_norm.weight")]
+        if r == "keel" and b > 0:                         # post_norms[i - 1] belongs to sublayer i >= 1
+            out += [(f"res.post_norms.{2 * b - 1}.weight", None, f"{p}post_attention_norm.weight")]
+        if r == "keel":
+            out += [(f"res.post_norms.{2 * b}.weight", None, f"{p}post_feed_forward_norm.weight")]
+        if moda and b < L - 1:
+            out += [(f"res.kv_proj.{b}.weight", None, f"{p}feed_forward.kv_proj.weight")]
+        for i, side in ((2 * b, "attention"), (2 * b + 1, "feed_forward")):
+            c = f"{p}{side}_hyper_connection."
+            if r == "hc":
+                out += [(f"res.conn.{i}.{a}", None, c + o) for a, o in [
+                    ("static_alpha", "static_alpha"), ("dynamic_alpha", "dynamic_alpha_proj"),
+                    ("alpha_scale", "dynamic_alpha_scale"), ("static_beta", "static_beta"),
+                    ("dynamic_beta", "dynamic_beta_proj"), ("beta_scale", "dynamic_beta_scale")]]
+            if r == "mhc":
+                out += [(f"res.conn.{i}.{a}", None, c + a) for a in ("phi", "b", "alpha_pre", "alpha_post", "alpha_res")]
+            if r in ("attnres", "block_attnres") and i > 0:  # consumer i reads row i - 1
+                pre = "attn" if side == "attention" else "mlp"
+                out += [("res.queries", i - 1, f"{p}{pre}_res_proj.weight"),
+                        ("res.key_gains", i - 1, f"{p}{pre}_res_norm.weight")]
+    if r in ("attnres", "block_attnres"):                 # the head's readout is consumer 2L
+        out += [("res.queries", 2 * L - 1, "res_proj.weight"), ("res.key_gains", 2 * L - 1, "res_norm.weight")]
+    return out
+
+
+def canonical(key):
+    """HC/mHC connectors hold their branch (the block's own norm and sublayer) as a submodule, so a
+    state dict may list the same tensor under a second name: map that name to the block's own."""
+    return re.sub(r"(attention|feed_forward)_hyper_connection\.branch\.(norm|attention|feed_forward)",
+                  lambda mt: f"{mt[1]}_norm" if mt[2] == "norm" else mt[2], key)
+
+
+def from_official(sd, model):
+    """Copy an official state dict (names without the 'model.' prefix) into model; every tensor must match."""
+    merged = {}
+    for k, t in sd.items():
+        c = canonical(k)
+        if c in merged and not torch.equal(merged[c], t):
+            raise CheckpointError(f"{k} differs from {c}, which it should alias")
+        merged[c] = t
+    cfg, ours = model.cfg, model.state_dict()
+    table = layout(cfg)
+    want = {k for _, _, k in table}
+    ignored = {f"blocks.{cfg.n_layer - 1}.feed_forward.kv_proj.weight"} if cfg.residual == "moda" else set()
+    missing, extra = want - set(merged), set(merged) - want - ignored  # (the last W_kv is never used)
+    if missing or extra:
+        raise CheckpointError(f"checkpoint does not fit our {cfg.residual}: missing {short(missing) or 'none'}; "
+                              f"unexpected {short(extra) or 'none'}")
+    with torch.no_grad():
+        for key, row, off in table:
+            dst, src = (ours[key] if row is None else ours[key][row]), merged[off]
+            if src.numel() != dst.numel() or src.squeeze().shape != dst.squeeze().shape:
+                raise CheckpointError(f"{off}: shape {tuple(src.shape)}, our {key} needs {tuple(dst.shape)}")
+            dst.copy_(src.reshape(dst.shape))
+    return model
+
+
+def to_official(model):
+    """Our weights under the official names and shapes (tests write checkpoints with it)."""
+    sd, out = model.state_dict(), {}
+    for k, row, off in layout(model.cfg):
+        t = sd[k] if row is None else sd[k][row]
+        out[off] = (t[None] if k == "res.queries" else t).clone()   # AttnRes' queries are Linear(d, 1) weights
+    return out
+
+
+def hf_llama(sd, n_layer, reverse=False):
+    """Pre-LN official names <-> HF LlamaForCausalLM names (the official converter's Llama table)."""
+    table = {a.format(b): h.format(b) for a, h in HF_LLAMA for b in (range(n_layer) if "{}" in a else [0])}
+    table = {h: a for a, h in table.items()} if reverse else table
+    if set(sd) != set(table):
+        raise CheckpointError(f"not a Pre-LN state dict: {short(set(sd) ^ set(table))}")
+    return {table[k]: v for k, v in sd.items()}
+
+
+# ----------------------------------------------------------------------------- reading and finding checkpoints
+
+def read_dcp(step_dir):
+    """The 'model.*' tensors of a step folder's DCP checkpoint (the optimizer state is not read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    folder = Path(step_dir) / "model_and_optim"
+    folder = folder if folder.is_dir() else Path(step_dir)
+    if not (folder / ".metadata").is_file():
+        raise CheckpointError(f"{step_dir}: no distributed checkpoint (model_and_optim/.metadata)")
+    reader = dcp.FileSystemReader(str(folder))
+    try:
+        meta = reader.read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"{folder}: unreadable DCP metadata ({type(e).__name__})") from None
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items()
+          if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not sd:
+        raise CheckpointError(f"{folder}: the checkpoint holds no model.* tensors")
+    with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+    return {k[len("model."):]: v for k, v in sd.items()}
+
+
+def steps_in(names):
+    return sorted({int(mt[1]) for n in names if (mt := re.match(r"step(\d+)(/|$)", n))})
+
+
+def pick(steps, step, where):
+    if not steps:
+        raise CheckpointError(f"{where}: no stepN folders")
+    if step is not None and step not in steps:
+        raise CheckpointError(f"{where}: no step{step} (steps: {', '.join(map(str, steps))})")
+    return steps[-1] if step is None else step
+
+
+def download(repo_id, step, timeout=5.0):
+    """A hub repository's step folder and tokenizer/ -> local folder (huggingface_hub's cache)."""
+    import requests
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if os.environ.get("HF_HUB_OFFLINE", "0").upper() not in ("1", "ON", "YES", "TRUE"):
+        try:
+            requests.get(endpoint, timeout=timeout, stream=True).close()
+        except requests.RequestException as e:
+            raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub at {endpoint} cannot be reached "
+                                  f"({type(e).__name__}); offline, download it elsewhere and give its folder") from None
+    from huggingface_hub import HfApi, snapshot_download
+    try:
+        n = pick(steps_in(HfApi().list_repo_files(repo_id)), step, repo_id)
+        root = snapshot_download(repo_id, allow_patterns=[f"step{n}/*", "tokenizer/*"])
+    except CheckpointError:
+        raise
+    except Exception as e:  # a wrong id, no access, a broken connection
+        why = (str(e).splitlines() or [""])[0][:160]
+        raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub download failed ({type(e).__name__}: {why})") from None
+    return Path(root) / f"step{n}"
+
+
+def resolve(source, step=None):
+    """SOURCE -> (step folder, tokenizer.json path or None)."""
+    p = Path(source)
+    if p.is_dir():
+        step_dir = p if (p / "config.json").is_file() else p / f"step{pick(steps_in(os.listdir(p)), step, source)}"
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not p.exists():
+        step_dir = download(source, step)
+    else:
+        raise CheckpointError(f"{source}: neither a checkpoint folder nor a hub id (owner/name)")
+    toks = [d / "tokenizer" / "tokenizer.json" for d in (step_dir, step_dir.parent)]
+    return step_dir, next((str(t) for t in toks if t.is_file()), None)
+
+
+def is_official(source):
+    """True when SOURCE looks like an official checkpoint rather than one of our run folders."""
+    p = Path(source)
+    if p.is_dir():
+        return (p / "config.json").is_file() or bool(steps_in(os.listdir(p)))
+    return not p.exists() and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", source))
+
+
+def load(source, step=None):
+    """SOURCE -> (GPT in fp32, eval mode, info dict: step folder, tokenizer path, config notes)."""
+    step_dir, tok = resolve(source, step)
+    cfg, notes = read_config(step_dir)
+    model = from_official(read_dcp(step_dir), GPT(cfg)).float().eval()
+    mt = re.fullmatch(r"step(\d+)", step_dir.name)
+    return model, {"step_dir": str(step_dir), "step": int(mt[1]) if mt else None, "tokenizer": tok, **notes}
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+@torch.no_grad()
+def evaluate(model, tok, text, seq_len, max_tokens=None, batch_size=4, device="cpu"):
+    """Mean next-token cross-entropy over non-overlapping windows of seq_len + 1 tokens of the
+    documents in `text` (files/folder/glob, .txt/.jsonl/.parquet), each followed by EOS, as trained."""
+    docs = (d for f in data.list_files(text) for d in data.file_documents(f, "text"))
+    ids = []
+    for doc in data.tokenize_documents(docs, tok):
+        ids += doc
+        if max_tokens and len(ids) >= max_tokens + 1:
+            break
+    ids = ids[:max_tokens + 1] if max_tokens else ids
+    n = (len(ids) - 1) // seq_len
+    if n == 0:
+        raise CheckpointError(f"{text}: {len(ids)} tokens, fewer than one window of {seq_len + 1}")
+    w = torch.tensor(ids[:n * seq_len + 1])
+    x, y = w[:-1].view(n, seq_len), w[1:].view(n, seq_len)
+    total = 0.0
+    for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
+        logits, _ = model(xb.to(device))
+        total += F.cross_entropy(logits.float().flatten(0, 1), yb.to(device).flatten(), reduction="sum").item()
+    return {"val_loss": total / (n * seq_len), "tokens": n * seq_len, "windows": n, "seq_len": seq_len}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Load (info) or evaluate an official DepthBench OLMo-core checkpoint.")
+    p.add_argument("command", choices=["info", "evaluate"])
+    p.add_argument("source", help="hub id, repository folder with stepN/ folders, or a step folder")
+    p.add_argument("--step", type=int, help="step folder to use (default: the highest)")
+    p.add_argument("--text", help="evaluate: text files, a folder or a glob (.txt/.jsonl/.parquet)")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's tokenizer/ folder)")
+    p.add_argument("--seq-len", type=int, help="tokens per window (default: the run's sequence length, else 2048)")
+    p.add_argument("--max-tokens", type=int, help="evaluate at most this many tokens")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    if args.command == "evaluate" and not args.text:
+        p.error("evaluate needs --text")
+    try:
+        model, info = load(args.source, args.step)
+        cfg = model.cfg
+        print(f"{args.source}: {info['block']} -> {cfg.residual} {cfg.residual_args or ''} L={cfg.n_layer} "
+              f"d={cfg.d_model} heads={cfg.n_head} d_ff={cfg.d_ff} vocab={cfg.vocab_size} step={info['step']}, "
+              f"{model.num_params():,} parameters, every tensor mapped")
+        if args.command == "evaluate":
+            tok = data.get_tokenizer(args.tokenizer or info["tokenizer"] or "", info["eos_token_id"])
+            res = evaluate(model.to(args.device), tok, args.text, args.seq_len or info["seq_len"] or 2048,
+                           args.max_tokens, args.batch_size, args.device)
+            print(json.dumps({**res, "step": info["step"], "source": args.source}))
+    except (CheckpointError, data.DataError) as e:
+        print(f"official.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""
+official.py's tests: the authors' OLMo-core checkpoint layout, loaded into our GPT.
+
+    python -m pytest -q test_official.py
+
+Each test writes a small checkpoint the way the released ones are laid out (a stepN/ folder with an
+OLMo-core config.json and a torch DCP of {"model", "optim"} under the official tensor names), from
+random weights of one of our models, and checks what loading it gives. CPU, fp32, tiny shapes.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import official
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+
+HERE = Path(__file__).resolve().parent
+BLOCK = {"preln": "default", "sandwich": "peri_norm", "lns": "default_scaled", "deepnorm": "deepnorm", "keel": "keel",
+         "hc": "hc", "mhc": "mhc", "attnres": "attnres", "block_attnres": "attnres", "moda": "moda"}
+CASES = [(r, {}) for r in RESIDUALS if r != "block_attnres"] + [
+    ("block_attnres", {"n_groups": 3}), ("block_attnres", {"n_groups": 2}), ("moda", {"norm": "post"}),
+    ("mhc", {"sinkhorn_iters": 7})]
+
+
+def ours(residual, args=None, L=3, V=48, seed=0):
+    """One of our models with every tensor random (norm gains and AttnRes queries too, so nothing is 1 or 0)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=32, n_head=2, d_ff=64, residual=residual,
+                          residual_args=args or {}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def official_config(cfg, tokenizer_vocab=40):
+    """Our GPTConfig in the official experiment-config schema (config.json: model, dataset.tokenizer)."""
+    r, a = cfg.residual, cfg.residual_args
+    norm = {"name": "default" if r == "deepnorm" else "rms", "eps": cfg.norm_eps, "bias": False}
+    block = {"name": "post_norm_moda" if a.get("norm") == "post" else BLOCK[r], "layer_norm": norm,
+             "sequence_mixer": {"name": "default", "n_heads": cfg.n_head, "n_kv_heads": cfg.n_head, "bias": False,
+                                "rope": {"name": "default", "theta": cfg.rope_theta}, "_CLASS_": "AttentionConfig"},
+             "feed_forward": {"name": "default", "hidden_size": cfg.d_ff, "bias": False}}
+    if r == "hc":
+        block["hyper_connections"] = {"kind": "hc", "num_residual_streams": 4, "collapse": "auto"}
+    if r == "mhc":
+        block["hyper_connections"] = {"kind": "liger_mhc", "num_residual_streams": 4, "tanh": False,
+                                      "sinkhorn_iters": a.get("sinkhorn_iters", 20), "collapse": "auto"}
+    if r in ("attnres", "block_attnres"):
+        block["attnres_block_size"] = 1 if r == "attnres" else 2 * cfg.n_layer // a.get("n_groups", 8)
+    overrides = {}
+    if r == "moda":
+        block["moda"] = {"backend": "v17", "extra_ffn_kv_proj": True, "extra_attn_kv_proj": False}
+        overrides = {str(cfg.n_layer - 1): {**block, "moda_skip_ffn_kv": True}}
+    model = {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "n_layers": cfg.n_layer, "block": block,
+             "lm_head": {"name": "default", "layer_norm": dict(norm, name="rms"), "bias": False},
+             "block_overrides": overrides or None, "dtype": "bfloat16", "_CLASS_": "TransformerConfig"}
+    tok = {"vocab_size": tokenizer_vocab, "eos_token_id": tokenizer_vocab - 1, "pad_token_id": 1,
+           "identifier": "allenai/gpt-neox-olmo-dolma-v1_5"}
+    return {"model": model, "dataset": {"tokenizer": tok, "sequence_length": 16}}
+
+
+def write_checkpoint(step_dir, model, tensors=None, config=None):
+    """A step folder: config.json + model_and_optim/ (DCP, single process) with an optimizer entry."""
+    step_dir.mkdir(parents=True)
+    (step_dir / "config.json").write_text(json.dumps(config or official_config(model.cfg)))
+    state = {"model": tensors if tensors is not None else official.to_official(model),
+             "optim": {"state": {"0": {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 1e-3}]}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(step_dir / "model_and_optim"), no_dist=True)
+    return step_dir
+
+
+def tokens(V=40, B=2, T=10):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("residual, args", CASES, ids=[f"{r}{a or ''}" for r, a in CASES])
+def test_every_design_loads_with_the_same_logits(tmp_path, residual, args):
+    src = ours(residual, args)
+    step = write_checkpoint(tmp_path / "step100", src)
+    loaded, info = official.load(str(step))
+    assert loaded.cfg.residual == residual and loaded.cfg.residual_args == args and info["step"] == 100
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(x)[0], src(x)[0])
+    # the mapping carries information: a fresh model differs, and two same-shaped tensors swapped differ
+    with torch.no_grad():
+        assert not torch.allclose(ours(residual, args, seed=1)(x)[0], src(x)[0])
+    sd = official.to_official(src)
+    sd["blocks.1.attention_norm.weight"], sd["blocks.1.feed_forward_norm.weight"] = (
+        sd["blocks.1.feed_forward_norm.weight"], sd["blocks.1.attention_norm.weight"])
+    swapped, _ = official.load(str(write_checkpoint(tmp_path / "step101", src, sd)))
+    with torch.no_grad():
+        assert not torch.allclose(swapped(x)[0], src(x)[0])
+
+
+def test_layout_covers_every_tensor_of_every_design_once():
+    for residual, args in CASES:
+        model = ours(residual, args)
+        keys = [(k, row) for k, row, _ in official.layout(model.cfg)]
+        offs = [off for _, _, off in official.layout(model.cfg)]
+        assert len(set(keys)) == len(keys) and len(set(offs)) == len(offs)
+        covered = {k for k, _ in keys}
+        assert covered == set(model.state_dict()), residual
+        for k in covered:             # a stacked tensor is covered row by row, every row once
+            rows = sorted(r for kk, r in keys if kk == k and r is not None)
+            assert rows == [] or rows == list(range(model.state_dict()[k].shape[0])), (residual, k)
+
+
+def test_official_names_for_hc_and_attnres():
+    hc = official.to_official(ours("hc"))
+    assert hc["blocks.2.feed_forward_hyper_connection.dynamic_alpha_proj"].shape == (32, 5)
+    assert hc["blocks.0.attention_hyper_connection.static_beta"].shape == (4,)
+    ar = official.to_official(ours("attnres"))
+    assert "blocks.0.attn_res_proj.weight" not in ar and ar["blocks.1.attn_res_proj.weight"].shape == (1, 32)
+    assert ar["res_proj.weight"].shape == (1, 32) and ar["blocks.0.mlp_res_norm.weight"].shape == (32,)
+    assert "blocks.2.feed_forward.kv_proj.weight" not in official.to_official(ours("moda"))
+
+
+def test_hc_branch_aliases_are_accepted_only_when_equal(tmp_path):
+    src = ours("hc")
+    sd = official.to_official(src)
+    for b in range(3):   # the connectors' branch modules list the block's norm and sublayer a second time
+        sd[f"blocks.{b}.attention_hyper_connection.branch.norm.weight"] = sd[f"blocks.{b}.attention_norm.weight"]
+        sd[f"blocks.{b}.feed_forward_hyper_connection.branch.feed_forward.w2.weight"] = (
+            sd[f"blocks.{b}.feed_forward.w2.weight"])
+    loaded, _ = official.load(str(write_checkpoint(tmp_path / "step1", src, sd)))
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(x)[0], src(x)[0])
+    sd["blocks.1.attention_hyper_connection.branch.norm.weight"] = sd["blocks.1.attention_norm.weight"] + 1
+    with pytest.raises(official.CheckpointError, match="differs from blocks.1.attention_norm.weight"):
+        official.load(str(write_checkpoint(tmp_path / "step2", src, sd)))
+
+
+def test_moda_last_block_kv_proj_is_ignored_when_not_skipped(tmp_path):
+    src = ours("moda")
+    sd = official.to_official(src)
+    sd["blocks.2.feed_forward.kv_proj.weight"] = torch.randn(64, 32)   # built, never used (slot 2L - 1)
+    loaded, _ = official.load(str(write_checkpoint(tmp_path / "step1", src, sd)))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens())[0], src(tokens())[0])
+
+
+def run_cli(script, *args, env=None):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(HERE / script), *map(str, args)], capture_output=True, text=True,
+                          env=e, cwd=HERE, timeout=300)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda sd: sd.pop("blocks.1.feed_forward.w3.weight"), "missing blocks.1.feed_forward.w3.weight"),
+    (lambda sd: sd.update({"blocks.0.attention.w_q.bias": torch.zeros(32)}), "unexpected blocks.0.attention.w_q.bias"),
+    (lambda sd: sd.pop("res_proj.weight"), "missing res_proj.weight"),
+])
+def test_missing_or_extra_tensor_is_one_line_naming_it(tmp_path, change, message):
+    src = ours("attnres")
+    sd = official.to_official(src)
+    change(sd)
+    write_checkpoint(tmp_path / "repo" / "step7", src, sd)
+    r = run_cli("official.py", "info", tmp_path / "repo")
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_wrong_shape_is_one_line(tmp_path):
+    src = ours("preln")
+    sd = official.to_official(src)
+    sd["embeddings.weight"] = torch.zeros(50, 32)
+    with pytest.raises(official.CheckpointError, match=r"embeddings.weight: shape \(50, 32\)"):
+        official.load(str(write_checkpoint(tmp_path / "step1", src, sd)))
+
+
+def set_key(path, value):
+    def change(cfg):
+        d = cfg
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+    return change
+
+
+A = ("model", "block", "sequence_mixer")
+REFUSALS = [
+    ("preln", set_key(A + ("n_kv_heads",), 1), "GQA"),
+    ("preln", set_key(A + ("qk_norm",), {"name": "rms"}), "qk_norm"),
+    ("preln", set_key(A + ("name",), "fused"), "attention 'fused'"),
+    ("preln", set_key(A + ("rope",), {"name": "complex", "theta": 10000}), "RoPE"),
+    ("preln", set_key(("model", "block", "name"), "normalized"), "block type 'normalized'"),
+    ("preln", set_key(("model", "block", "layer_norm", "name"), "default"), "block norm"),
+    ("preln", set_key(("model", "lm_head", "layer_norm", "eps"), 1e-5), "final norm eps"),
+    ("mhc", set_key(("model", "block", "hyper_connections", "kind"), "mhc"), "mHC kind 'mhc'"),
+    ("mhc", set_key(("model", "block", "hyper_connections", "collapse"), "sum"), "mHC collapse"),
+    ("hc", set_key(("model", "block", "hyper_connections", "tanh"), False), "HC kind/tanh"),
+    ("attnres", set_key(("model", "block", "attnres_block_size"), 4), "block size 4 does not divide the 6"),
+    ("moda", set_key(("model", "block", "moda", "extra_ffn_kv_proj"), False), "MoDA K/V"),
+    ("preln", set_key(("dataset", "tokenizer", "vocab_size"), 60), "tokenizer vocab 60"),
+]
+
+
+@pytest.mark.parametrize("residual, change, message", REFUSALS, ids=[m for _, _, m in REFUSALS])
+def test_unsupported_settings_are_refused_in_one_line(tmp_path, residual, change, message):
+    src = ours(residual)
+    cfg = official_config(src.cfg)
+    change(cfg)
+    write_checkpoint(tmp_path / "step1", src, config=cfg)
+    with pytest.raises(official.CheckpointError) as e:
+        official.load(str(tmp_path / "step1"))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_settings_that_differ_from_our_defaults_build_the_matching_model():
+    L = 4
+    for size, want in [(1, ("attnres", {})), (2, ("block_attnres", {"n_groups": 4})), (8, ("block_attnres", {"n_groups": 1}))]:
+        cfg = official_config(ours("attnres", L=L).cfg)
+        cfg["model"]["block"]["attnres_block_size"] = size
+        got, _ = official_read(cfg)
+        assert (got.residual, got.residual_args) == want
+    cfg = official_config(ours("preln", V=50304).cfg, tokenizer_vocab=50280)   # a padded vocab stays padded
+    got, notes = official_read(cfg)
+    assert got.vocab_size == 50304 and notes["tokenizer_vocab"] == 50280 and notes["eos_token_id"] == 50279
+
+
+def official_read(cfg, folder=[0]):
+    import tempfile
+    d = Path(tempfile.mkdtemp())
+    (d / "config.json").write_text(json.dumps(cfg))
+    return official.read_config(d)
+
+
+def test_repository_folder_picks_the_step(tmp_path):
+    a, b = ours("preln", seed=0), ours("preln", seed=1)
+    write_checkpoint(tmp_path / "step0", a)
+    write_checkpoint(tmp_path / "step30", b)
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(official.load(str(tmp_path))[0](x)[0], b(x)[0])       # default: the highest step
+        assert torch.equal(official.load(str(tmp_path), 0)[0](x)[0], a(x)[0])
+    with pytest.raises(official.CheckpointError, match="no step5 .steps: 0, 30"):
+        official.load(str(tmp_path), 5)
+
+
+def test_offline_hub_id_is_one_line_and_fast():
+    t0 = time.time()
+    r = run_cli("official.py", "info", "aspect-ratio-scaling/preln-lr2e-3-llama-400M-L24-pretrain",
+                env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert r.returncode == 2 and "cannot be reached" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert time.time() - t0 < 60
+
+
+def test_preln_hf_llama_names_round_trip():
+    src = ours("preln")
+    off = official.to_official(src)
+    hf = official.hf_llama(off, 3)
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.2.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.1.post_attention_layernorm.weight"} <= set(hf)
+    assert torch.equal(hf["model.layers.1.input_layernorm.weight"], src.res.norms[2].weight.detach())
+    assert torch.equal(hf["model.layers.1.post_attention_layernorm.weight"], src.res.norms[3].weight.detach())
+    back = official.hf_llama(hf, 3, reverse=True)
+    assert set(back) == set(off) and all(torch.equal(back[k], off[k]) for k in off)
+    model = official.from_official(back, GPT(src.cfg)).eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens())[0], src(tokens())[0])
+    with pytest.raises(official.CheckpointError):
+        official.hf_llama(official.to_official(ours("sandwich")), 3)
+
+
+def test_preln_equals_hf_llama_when_transformers_is_installed():
+    transformers = pytest.importorskip("transformers")
+    src = ours("preln")
+    c = src.cfg
+    hf_cfg = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff,
+                                      num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                                      num_key_value_heads=c.n_head, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+                                      tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.load_state_dict(official.hf_llama(official.to_official(src), c.n_layer), strict=False)
+    with torch.no_grad():
+        assert torch.allclose(hf(tokens()).logits, src(tokens())[0], atol=1e-5)
+
+
+def make_tokenizer(folder):
+    """A tiny BPE tokenizer.json with <|endoftext|>, trained on a few sentences (vocab <= 40)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>", "<|endoftext|>"],
+                                  initial_alphabet=list("abcdefghijklmnopqrstuvwxyz ."))
+    tok.train_from_iterator(["the cat sat on the mat.", "a dog ate the hat."] * 20, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def test_json_tokenizer_adds_nothing_but_eos_per_document(tmp_path):
+    import data
+    path = make_tokenizer(tmp_path)
+    tok = data.get_tokenizer(str(path))
+    assert tok.eot == tok.tok.token_to_id("<|endoftext|>") and tok.vocab_size <= 40
+    ids = tok.encode_batch(["the cat sat."])[0]
+    assert tok.decode(ids) == "the cat sat." and tok.eot not in ids
+    docs = list(data.tokenize_documents(["the cat.", "a dog."], tok))
+    assert [d[-1] for d in docs] == [tok.eot, tok.eot] and docs[0][:-1] == tok.encode_batch(["the cat."])[0]
+    with pytest.raises(data.DataError, match="choose gpt2, bytes or the path"):
+        data.get_tokenizer(str(tmp_path / "nothing.json"))
+
+
+def test_evaluate_is_the_models_own_loss_on_the_windows(tmp_path):
+    src = ours("preln", V=40)
+    cfg = official_config(src.cfg)
+    write_checkpoint(tmp_path / "repo" / "step9", src, config=cfg)
+    path = make_tokenizer(tmp_path / "repo" / "tokenizer")
+    (tmp_path / "val.txt").write_text("the cat sat on the mat. a dog ate the hat. " * 8)
+    r = run_cli("official.py", "evaluate", tmp_path / "repo", "--text", tmp_path / "val.txt", "--seq-len", 16,
+                "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    import data
+    tok = data.get_tokenizer(str(path), 39)          # the config's eos_token_id
+    ids = next(data.tokenize_documents([(tmp_path / "val.txt").read_text()], tok))
+    n = (len(ids) - 1) // 16
+    w = torch.tensor(ids[:16 * n + 1])
+    with torch.no_grad():
+        _, loss = src(w[:-1].view(n, 16), w[1:].view(n, 16))
+    assert got["windows"] == n and got["tokens"] == 16 * n and got["step"] == 9
+    assert got["val_loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_diagnose_runs_on_an_official_checkpoint_with_its_tokenizer(tmp_path):
+    src = ours("hc", V=40)
+    write_checkpoint(tmp_path / "repo" / "step3", src)
+    make_tokenizer(tmp_path / "repo" / "tokenizer")
+    (tmp_path / "val.txt").write_text("the cat sat on the mat. a dog ate the hat. " * 8)
+    r = run_cli("diagnose.py", tmp_path / "repo", "--step", 3, "--metrics", "angular", "--calib", tmp_path / "val.txt",
+                "--num-samples", 2, "--seq-len", 12, "--out", tmp_path / "d.json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "d.json").read_text())
+    assert out["meta"]["residual"] == "hc" and out["meta"]["step"] == 3 and out["meta"]["n_layer"] == 3
+    assert "tokenizer.json" in out["meta"]["calibration"]
+    r = run_cli("diagnose.py", tmp_path / "repo", "--step", 4, "--metrics", "angular")
+    assert r.returncode == 2 and "no step4" in r.stderr and len(r.stderr.strip().splitlines()) == 1
