@@ -406,8 +406,9 @@ class SyntheticTask:
         # mul[a][b] = a·b, as a list of lists because the generator indexes it one token at a time
         self.mul = [[index[tuple(b[i] for i in a)] for b in self.elements] for a in self.elements]
         self.eq = len(self.elements)
-        # answers_only: answers get ids of their own (eq+1+a) and only answers are targets (the loader
-        # writes -1, the ignored target, everywhere else), so no gradient is spent on the random elements
+        # answers_only: answers get ids of their own (eq+1+a), no "=" precedes them, and only answers are
+        # targets (the loader writes -1, the ignored target, everywhere else): no gradient is spent on the
+        # random elements, and the answer is predicted where the last element of its gap is read
         self.answer_offset = self.eq + 1 if answers_only else 0
         self.vocab_size = self.eq + 1 + (self.eq if answers_only else 0)
 
@@ -429,8 +430,8 @@ class SyntheticTask:
                 state = self.mul[state][e]
                 tokens.append(e)
                 levels.append(-1)
-            tokens += [self.eq, state + self.answer_offset]
-            levels += [-1, g]
+            tokens += [state + self.answer_offset] if self.answers_only else [self.eq, state]
+            levels += [g] if self.answers_only else [-1, g]
         return tokens[:length], levels[:length]
 
     def loss_floor(self, seq_len=None):

@@ -166,6 +166,13 @@ def test_two_ranks_match_one(tmp_path, capsys):
     assert two["final"]["answer_acc"] == pytest.approx(one["final"]["answer_acc"], abs=1e-6)
 
 
+def test_verdict_sorts_gaps_by_accuracy():
+    """The closing line names solved (>= 90%), partly learnt (>= 3x chance) and chance-level gaps apart."""
+    line = train.verdict({"1": {"acc": 0.97}, "2": {"acc": 0.45}, "3": {"acc": 0.05}, "4": {"acc": 0.04}}, 1 / 24, 2)
+    assert "gap of 1 (97%)" in line and "partly 2 (45%)" in line and "at chance for 3 (5%), 4 (4%)" in line
+    assert "not learnt" in train.verdict({"1": {"acc": 0.05}, "2": {"acc": 0.04}}, 1 / 24, 2)
+
+
 @pytest.mark.parametrize("ar", [100, 30, 9.1, 4])
 def test_mini_preset_reaches_every_aspect_ratio(tmp_path, capsys, ar):
     """--preset mini resolves AR 100 ... 4 within 10%, at a backbone within 10% of its 0.8M budget, and runs."""

@@ -272,6 +272,23 @@ def evaluate(model, loader, iters, ctx, device, max_gap):
     return out
 
 
+def verdict(per_level, chance, n_layer):
+    """One line on what a synthetic run learnt: how many compositions per answer (gaps) it solves."""
+    acc = {int(g): m["acc"] for g, m in per_level.items()}
+    def say(gs):
+        return ", ".join(f"{g} ({acc[g]:.0%})" for g in gs)
+    solved = [g for g in acc if acc[g] >= 0.9]
+    partly = [g for g in acc if 3 * chance <= acc[g] < 0.9]
+    none = [g for g in acc if acc[g] < 3 * chance]
+    if not solved and not partly:
+        return (f"result: answers at chance ({chance:.1%}) for every gap: this model has not learnt to compose "
+                f"S4 permutations yet (longer --steps, another --seed or --lr)")
+    parts = [f"solves answers after a gap of {say(solved)}" if solved else "",
+             f"partly {say(partly)}" if partly else "", f"at chance for {say(none)}" if none else ""]
+    return (f"result: L={n_layer} " + "; ".join(p for p in parts if p) + f" (chance {chance:.1%}). A gap of g needs "
+            f"g compositions of S4 permutations: which gaps a design solves at which depth is the mini suite's probe")
+
+
 def finite_or_none(x):
     return x if math.isfinite(x) else None  # JSON has no NaN; null marks a non-finite value
 
@@ -449,6 +466,8 @@ def train_run(cfg, env, resume):
             return False
     print0(f"done: {cfg['name']} at step {step} in {log['wall_s']:.1f} s" + ("" if log["finished"] else
            f" (stopped by --max-steps; --resume continues to step {cfg['total_steps']})"))
+    if synthetic and log["evals"]:
+        print0(verdict(log["evals"][-1]["per_level"], 1 / source.eq, cfg["n_layer"]))
     return True
 
 
