@@ -35,7 +35,9 @@ def train_json(residual="preln", n_layer=4, d_model=128, lr=2e-3, seed=0, diverg
             "params": {"total": 2_000_000, "backbone": 1_800_000, "residual_extra": 100},
             "steps": steps,
             "evals": [{"step": 10, "tokens": 10240, "val_loss": None if diverged else final,
-                       "answer_loss": None, "answer_acc": None, "per_level": None}],
+                       "answer_loss": None, "answer_acc": None,  # per gap: deeper solves more (the mini suite's probe)
+                       "per_level": None if diverged else {str(g): {"loss": 1.0, "acc": min(1.0, 0.2 * n_layer / g)}
+                                                           for g in range(1, 5)}}],
             "final": {"val_loss": None if diverged else final, "answer_loss": None, "answer_acc": None},
             "diverged": diverged, "finished": True, "wall_s": 1.0, "peak_mem_bytes": 0, "device": "cpu",
             "versions": {}}
@@ -156,6 +158,16 @@ def test_each_figure_skips_without_its_data(tmp_path, name, fn):
     assert info.get("skipped") and not (tmp_path / "x.png").exists()
 
 
+def test_composition_figure_counts_finished_synthetic_runs(full_dir, tmp_path):
+    """The composition probe draws every finished run with per-gap accuracy (not the diverged one) and
+    every gap; a run without per_level (real text) is left out."""
+    data, _ = plot.load_folder(full_dir)
+    data["train"].append(dict(train_json("preln", 2, 192), evals=[{"step": 10, "per_level": None}]))
+    info = plot.fig_composition(data, tmp_path / "c.png")
+    assert info["drew"] == "24 runs, gaps 1, 2, 3, 4"
+    assert_png(tmp_path / "c.png")
+
+
 def test_imports_without_torch():
     """plot.py must work where torch is absent: it imports with torch blocked, and never pulls torch in."""
     for code in ["import sys; sys.modules['torch'] = None; import plot",  # any 'import torch' would raise
@@ -215,7 +227,8 @@ def test_junk_json_is_skipped_with_a_reason(tmp_path):
 
 
 def test_main_draws_exactly_what_the_folder_supports(tmp_path, capsys):
-    """Train runs only: the two fig2 files are drawn, every diagnose/profile figure is listed as skipped."""
+    """Train runs only: the two fig2 files and the composition probe are drawn, every diagnose/profile figure is
+    listed as skipped."""
     runs = tmp_path / "runs"
     write(runs, "a/run.json", train_json("preln"))
     write(runs, "b/run.json", train_json("hc", diverged=True))
@@ -228,7 +241,8 @@ def test_main_draws_exactly_what_the_folder_supports(tmp_path, capsys):
     write(runs, "diag.json", diag)
     out = tmp_path / "figs"
     assert plot.main([str(runs), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["fig2_final_loss_vs_ar.png", "fig2_loss_curves.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["fig2_final_loss_vs_ar.png", "fig2_loss_curves.png",
+                                                     "mini_composition_vs_depth.png"]
     text = capsys.readouterr().out
     assert "skipped c/run.json: schema depthbench.train/2, this plot.py reads version 1" in text.replace("\\", "/")
     assert "fig7_attnres_weights: skipped (no diagnose JSON with attnres_weights)" in text
