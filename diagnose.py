@@ -1,19 +1,18 @@
 """
-diagnose.py: the layer-wise diagnostics of DepthBench for one model, as one JSON file (docs/diagnostics.md).
+diagnose.py: the layer-wise diagnostics of DepthBench for one model, as one JSON file.
 
     python diagnose.py runs/preln_L6 --metrics all --out diag.json          # a run folder holding ckpt.pt
     python diagnose.py runs/hc_L6/ckpt.pt --metrics angular,causal --num-samples 16 --seq-len 128
     python diagnose.py --init attnres --layers 6 --width 128 --heads 4       # a fresh model, synthetic text
     python diagnose.py runs/austen_L6 --metrics nll --nll-data fixtures/nll  # NLL offline, on local JSONL
 
-Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll. DEFINITIONS below says
-what each computes; the JSON carries it next to the numbers. The depth states z_0..z_L
-(docs/diagnostics.md#depth-states) come from the model's own recording forward, `model(idx,
-record=True)`, never from hooks. The interventions (docs/diagnostics.md#interventions) need a trunk
-loop that can leave a block out: `trunk` is GPT.forward's loop, line for line, plus the skip rules.
-A swap exchanges two blocks' weights in place, together with the residual's own tensors of those
-blocks (`sublayer_params` in residuals.py), each distinct tensor exactly once. Everything runs in
-fp32 (angles and sums in fp64), in eval mode, without gradients.
+Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll (docs/diagnostics.md).
+DEFINITIONS below says what each computes; the JSON carries it next to the numbers. The depth states
+z_0..z_L come from the model's own recording forward, `model(idx, record=True)`, never from hooks. The
+interventions need a trunk loop that can leave a block out: `trunk` is GPT.forward's loop, line for
+line, plus the skip rules. A swap exchanges two blocks' weights in place, together with the residual's
+own tensors of those blocks (`sublayer_params` in residuals.py), each distinct tensor exactly once.
+Everything runs in fp32 (angles and sums in fp64), in eval mode, without gradients.
 """
 import hashlib
 import json
@@ -248,8 +247,7 @@ def block_tensors(model, b):
 
 @torch.no_grad()
 def swap_blocks(model, i, j):
-    """Exchange the weights of blocks i and j in place; calling it twice restores the model
-    (docs/diagnostics.md#interventions).
+    """Swap the weights of blocks i and j in place; twice restores the model (docs/diagnostics.md#interventions).
 
     Tensors pair up by name; one without a partner of the same shape stays (KEEL block 0 has no
     attention post-norm). Each distinct tensor moves exactly once: a tensor reachable under two
@@ -382,8 +380,7 @@ def lens_sums(model, readouts, final_logits, y):
 
 @torch.no_grad()
 def permutation(model, batches, threshold):
-    """P(i, j) = |loss(blocks i, j swapped) - loss| / loss for every pair i < j -> its JSON object
-    (docs/diagnostics.md#permutation)."""
+    """P(i, j) = |loss(i, j swapped) - loss| / loss for all i < j -> JSON (docs/diagnostics.md#permutation)."""
     L = model.cfg.n_layer
     if L < 2:
         return {"skipped": "needs at least 2 blocks"}
@@ -408,8 +405,7 @@ def permutation(model, batches, threshold):
 # ----------------------------------------------------------------------------- downstream NLL (Fig. 4)
 
 def nll_pair(task, row):
-    """(prompt, target) of one example in the reference's formats; the answer text is the target
-    (docs/diagnostics.md#nll)."""
+    """(prompt, target = the answer text) of one example in the reference's formats (docs/diagnostics.md#nll)."""
     if task == "mbpp":
         tests = (list(row["test_list"]) + ["", "", ""])[:3]
         prompt = (f"You are an expert Python programmer, and here is your task: {row['text']} "
