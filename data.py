@@ -2,7 +2,7 @@
 data.py: what depthbench feeds a model. Real text becomes token shards on disk; an embedded
 synthetic task, generated on the fly, has answers that need composition depth.
 
-    python data.py --source ../shared/data/austen --tokenizer gpt2 --out data_cache/austen
+    python data.py --source path/to/austen --tokenizer gpt2 --out data_cache/austen
     python data.py --source fineweb-edu --max-tokens 100000000 --out data_cache/fineweb
     python data.py --source synthetic --max-gap 4 --show 3
 
@@ -15,7 +15,7 @@ no download). The model pads the vocab: padded_vocab_size(50257) = 50304.
 Shard format (llm.c style, so a shard describes itself)
   header  256 little-endian int32: [MAGIC, VERSION, n_tokens, vocab_size, eot, 0, ...]
   body    n_tokens uint16 tokens
-Each document is followed by EOT (spec §1.1) and packed with no padding; it may straddle two files.
+Each document is followed by EOT (as in the paper's data) and packed with no padding; it may straddle two files.
   val_000000.bin         the first whole documents, until at least --val-tokens (Austen, sorted by
                          name: emma.txt), so no document is in both splits
   train_000000.bin, ...  the rest, --shard-tokens per file

@@ -1,18 +1,18 @@
 """
-diagnose.py: the layer-wise diagnostics of DepthBench (diagnostics.md) for one model, as one JSON file.
+diagnose.py: the layer-wise diagnostics of DepthBench for one model, as one JSON file.
 
     python diagnose.py runs/preln_L6 --metrics all --out diag.json          # a run folder holding ckpt.pt
     python diagnose.py runs/hc_L6/ckpt.pt --metrics angular,causal --num-samples 16 --seq-len 128
     python diagnose.py --init attnres --layers 6 --width 128 --heads 4       # a fresh model, synthetic text
     python diagnose.py runs/austen_L6 --metrics nll --nll-data fixtures/nll  # NLL offline, on local JSONL
 
-Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll. DEFINITIONS below says
-what each computes; the JSON carries it next to the numbers. The depth states z_0..z_L (spec §1.3)
-come from the model's own recording forward, `model(idx, record=True)`, never from hooks. The
-interventions (§1.5) need a trunk loop that can leave a block out: `trunk` is GPT.forward's loop,
-line for line, plus the skip rules. A swap exchanges two blocks' weights in place, together with
-the residual's own tensors of those blocks (`sublayer_params` in residuals.py), each distinct tensor
-exactly once. Everything runs in fp32 (angles and sums in fp64), in eval mode, without gradients.
+Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll (docs/diagnostics.md).
+DEFINITIONS below says what each computes; the JSON carries it next to the numbers. The depth states
+z_0..z_L come from the model's own recording forward, `model(idx, record=True)`, never from hooks. The
+interventions need a trunk loop that can leave a block out: `trunk` is GPT.forward's loop, line for
+line, plus the skip rules. A swap exchanges two blocks' weights in place, together with the residual's
+own tensors of those blocks (`sublayer_params` in residuals.py), each distinct tensor exactly once.
+Everything runs in fp32 (angles and sums in fp64), in eval mode, without gradients.
 """
 import hashlib
 import json
@@ -39,35 +39,35 @@ METRICS = {"angular": "angular_distance", "causal": "causal_score", "perm": "per
            "erank": "transport_erank", "deadzone": "dead_zone", "nll": "nll"}
 # what each metric computes; written into its JSON object as "definition"
 DEFINITIONS = {
-    "angular": "d(i, j) = mean over tokens of arccos(cos(z_i, z_j)) / pi for depth states i < j (spec §2): z_0 = "
+    "angular": "d(i, j) = mean over tokens of arccos(cos(z_i, z_j)) / pi for depth states i < j: z_0 = "
                "embedding, z_l = stream before the final norm (HC/mHC: n streams concatenated; AttnRes: raw depth mix "
                "at group boundaries); subsequent[n-1][l] = d(l, l+n)",
     "causal": "u_l = z_(l+1) - z_l; C(s, l) = mean over tokens of |u_l(block s skipped) - u_l| / max(|u_l|, eps), "
-              "s < l (§3, skip rules §1.5); matrix_ratio_of_means = mean |du| / mean |u|; R_causal = share of pairs "
+              "s < l (design skip rules); matrix_ratio_of_means = mean |du| / mean |u|; R_causal = share of pairs "
               "ceil(L/4) <= s < l <= L-1 (0-based) with C > threshold",
-    "perm": "P(i, j) = |loss(blocks i and j swapped) - loss| / loss, mean next-token CE (§4); a swap moves every "
+    "perm": "P(i, j) = |loss(blocks i and j swapped) - loss| / loss, mean next-token CE; a swap moves every "
             "tensor of the two blocks incl. the residual's own (norms, HC/mHC connectors, AttnRes: MLP-side mixer "
             "+ the mixer reading the block's output, LNS: its scale) exactly once; R_perm = share of pairs i < j "
             "with P > threshold; R_perm_last34 = the same over pairs with i, j >= ceil(L/4)",
-    "lens": "p_l = softmax(W_out Norm_f(r_l)) (§5), r_l = what the head would read at state l (HC/mHC: streams "
+    "lens": "p_l = softmax(W_out Norm_f(r_l)), r_l = what the head would read at state l (HC/mHC: streams "
             "reduced as the model does; AttnRes: block l's attention-side mix, the final mix at l = L); per position: "
             "CE = -log p_l(next token), KL(p_final || p_l), |top5(p_l) & top5(p_final)| / 5; means over positions",
-    "pruning": "delta(l) = mean next-token CE with block l skipped (skip rules §1.5) - baseline CE (§6)",
-    "attnres": "w[c][j] = depth-softmax weight of consumer c on source j, mean over tokens (§10); consumers 0..2L "
+    "pruning": "delta(l) = mean next-token CE with block l skipped (design skip rules) - baseline CE",
+    "attnres": "w[c][j] = depth-softmax weight of consumer c on source j, mean over tokens; consumers 0..2L "
                "(sublayers; 2L = the head's readout), sources 0 = embedding, 1 + g = group g (Full AttnRes: sublayer "
                "g, so 2k+1 = attn k, 2k+2 = MLP k); null = not visible; block: rows = each block's attention-side "
                "consumer and the readout, Full AttnRes sums each block's two sources, Block AttnRes keeps groups",
-    "erank": "erank(M) = exp(H(p)), p = sigma / sum(sigma) (§11); M = a connector's token-averaged stream transport "
+    "erank": "erank(M) = exp(H(p)), p = sigma / sum(sigma); M = a connector's token-averaged stream transport "
              "(mHC: H_res; HC: A_r = alpha[:, 1:]) as [out, in]; product[k] = erank(M_k ... M_0); "
              "per_connector_sq uses p = sigma^2 / sum(sigma^2)",
-    "deadzone": "schedule[k] = token-averaged weight of sublayer k's depth softmax on non-embedding sources (§12; "
+    "deadzone": "schedule[k] = token-averaged weight of sublayer k's depth softmax on non-embedding sources ("
                 "sublayer 0 reads only the embedding: 0); dead when < tau; count_blocks = blocks with both dead; "
                 "Fig. 9 is Block AttnRes', Full AttnRes (groups of one sublayer) gets the same numbers",
-    "nll": "-sum log p(answer tokens | prompt), teacher-forced (§13); the prompt's trailing whitespace moves to the "
+    "nll": "-sum log p(answer tokens | prompt), teacher-forced; the prompt's trailing whitespace moves to the "
            "answer, answer tokens = tokens(prompt + answer) after tokens(prompt), left-truncated to max_len + 1; "
            "nll_mean = nll_sum / num_target_tokens, pooled over tokens per task, per category and over all",
 }
-# task -> (category, hub dataset, config, split), as the reference's NLL script (spec §13)
+# task -> (category, hub dataset, config, split), as the reference's NLL script (docs/diagnostics.md#nll)
 NLL_TASKS = {"mbpp": ("coding", "google-research-datasets/mbpp", "full", "test"),
              "humaneval": ("coding", "openai/openai_humaneval", None, "test"),
              "sciq": ("stem", "allenai/sciq", None, "test"),
@@ -122,7 +122,7 @@ def calibration(args, run, vocab):
     auto = the run's own validation data: its synthetic task, or the val split of its token shards.
     A shard folder gives its val windows in order (data.BatchLoader, as train.py evaluates). Text
     files are tokenized whole (EOT after each document) and N windows of T + 1 tokens start at
-    positions drawn uniformly, with replacement, by random.Random(seed) (spec §1.2).
+    positions drawn uniformly, with replacement, by random.Random(seed) (docs/diagnostics.md#setup).
     """
     N, T, src = args.num_samples, args.seq_len, args.calib
     if src == "auto":
@@ -143,7 +143,7 @@ def calibration(args, run, vocab):
         ids = [t for doc in data.tokenize_documents(docs, tok) for t in doc]
         if len(ids) < 2:
             raise DiagError(f"{src}: no text to calibrate on")
-        ids = ids * math.ceil((T + 1) / len(ids))                       # too short: repeat it (spec §1.2)
+        ids = ids * math.ceil((T + 1) / len(ids))                       # too short: repeat it
         rng = random.Random(args.seed)
         starts = [rng.randint(0, len(ids) - T - 1) for _ in range(N)]
         w = torch.tensor([ids[s:s + T + 1] for s in starts])
@@ -164,7 +164,7 @@ def newest(s):
 
 
 def skip_sublayer(res, s, i):
-    """The stream state when sublayer i is left out (spec §1.5, skip_block)."""
+    """The stream state when sublayer i is left out (docs/diagnostics.md#interventions)."""
     if isinstance(res, MoDA):
         # the reference's depth-KV slots of a skipped block stay zero: later attention still sees the
         # slot (a zero key takes softmax mass exp(0) and brings back nothing)
@@ -196,9 +196,9 @@ def depth_state(res, s, i, override):
 
 
 def readout(res, s, i, override):
-    """What the logit lens decodes before sublayer i (spec §5): the head's own input. AttnRes reads
-    the mix of consumer i (block i/2's attention-side query; the final query at i = 2L), normalised
-    with the final norm's gain as the model's own readout does."""
+    """What the logit lens (docs/diagnostics.md#lens) decodes before sublayer i: the head's own input.
+    AttnRes reads the mix of consumer i (block i/2's attention-side query; the final query at i = 2L),
+    normalised with the final norm's gain as the model's own readout does."""
     if not isinstance(res, BlockAttnRes):
         return res.collapse(s)               # residual stream, or HC streams reduced as the model does
     z = s[0][0] if i == 0 else newest(s) if i == override else res._mix(s, i)
@@ -207,9 +207,9 @@ def readout(res, s, i, override):
 
 def trunk(model, idx, skip=None, lens=False):
     """GPT.forward's trunk loop with block `skip` left out -> (logits, states z_0..z_L, lens readouts).
-    Skip rules (spec §1.5) in skip_sublayer, plus AttnRes' "next-output" rule: when the first consumer
-    after the hole is a group boundary (always for Full AttnRes; the head), it reads its newest source
-    instead of mixing, and that is also its depth state."""
+    Skip rules (docs/diagnostics.md#interventions) in skip_sublayer, plus AttnRes' "next-output" rule:
+    when the first consumer after the hole is a group boundary (always for Full AttnRes; the head), it
+    reads its newest source instead of mixing, and that is also its depth state."""
     res, L = model.res, model.cfg.n_layer
     rope = rope_cos_sin(idx.size(1), model.cfg.head_dim, model.cfg.rope_theta, idx.device)
     s = res.init_stream(model.wte(idx))
@@ -247,7 +247,7 @@ def block_tensors(model, b):
 
 @torch.no_grad()
 def swap_blocks(model, i, j):
-    """Exchange the weights of blocks i and j in place (spec §1.5); calling it twice restores the model.
+    """Swap the weights of blocks i and j in place; twice restores the model (docs/diagnostics.md#interventions).
 
     Tensors pair up by name; one without a partner of the same shape stays (KEEL block 0 has no
     attention post-norm). Each distinct tensor moves exactly once: a tensor reachable under two
@@ -380,7 +380,7 @@ def lens_sums(model, readouts, final_logits, y):
 
 @torch.no_grad()
 def permutation(model, batches, threshold):
-    """P(i, j) = |loss(blocks i, j swapped) - loss| / loss for every pair i < j (spec §4) -> its JSON object."""
+    """P(i, j) = |loss(i, j swapped) - loss| / loss for all i < j -> JSON (docs/diagnostics.md#permutation)."""
     L = model.cfg.n_layer
     if L < 2:
         return {"skipped": "needs at least 2 blocks"}
@@ -405,7 +405,7 @@ def permutation(model, batches, threshold):
 # ----------------------------------------------------------------------------- downstream NLL (Fig. 4)
 
 def nll_pair(task, row):
-    """(prompt, target) of one example in the reference's formats (spec §13; the answer text is the target)."""
+    """(prompt, target = the answer text) of one example in the reference's formats (docs/diagnostics.md#nll)."""
     if task == "mbpp":
         tests = (list(row["test_list"]) + ["", "", ""])[:3]
         prompt = (f"You are an expert Python programmer, and here is your task: {row['text']} "

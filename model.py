@@ -1,7 +1,7 @@
 """
 One readable GPT for every residual design of DepthBench.
 
-The backbone is LLaMA-like (architectures.md §1):
+The backbone is LLaMA-like (docs/designs.md#backbone):
 - token embedding and LM head, untied, no embedding scale
 - RoPE (theta 10000, NeoX "rotate-half", computed in fp32) on q and k
 - multi-head causal attention (16 heads by default), no biases, no QK-norm
@@ -217,7 +217,7 @@ class GPT(nn.Module):
         return (logits, loss, rec) if record else (logits, loss)
 
     def param_groups(self, weight_decay):
-        """AdamW groups (architectures.md §2): decay everything except what the design marks static."""
+        """AdamW groups (docs/designs.md#recipe): decay everything except what the design marks static."""
         no_decay = {id(p) for p in self.res.no_decay_params()}
         decay = [p for p in self.parameters() if id(p) not in no_decay]
         static = [p for p in self.parameters() if id(p) in no_decay]

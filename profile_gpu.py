@@ -5,10 +5,10 @@ What each residual design costs at a shape: analytic FLOPs and bytes, measured t
     python profile_gpu.py --residual all --params 405M --ar 76,42.67,28,9.1 --seq 4096 --batch 8 --out runs/profile/gpu.json
     # formulas only, any machine, instant: 2.98e12 / 4.33e12 FLOPs and 318.8 / 734.0 MB of KV cache per sequence
     python profile_gpu.py --analytic-only --shapes 16x1216,70x640 --seq 4096 --json
-    # a CPU table: about 10 minutes on 2 shared cores (one thread: spinning threads stall when cores are shared)
+    # a CPU table (one thread: spinning threads stall when cores are shared); measured results: README
     python profile_gpu.py --params 20M --ar 32,4 --vocab 8192 --seq 256 --batch 4 --repeats 3 --threads 1
 
-Analytic fields (diagnostics.md §15; a multiply-add is 2 FLOPs; norms, softmax, RoPE and adds are not counted):
+Analytic fields (docs/diagnostics.md#cost; a multiply-add is 2 FLOPs; norms, softmax, RoPE and adds are not counted):
 - prefill_flops: one forward of T tokens, the spec's formula A = 2·T·N_blk + 2·L·d·T², N_blk = L(4d² + 3·d·d_ff),
   attention scores counted causally (half of T×T), LM head left out: the only variant that gives the paper's
   3.0 T at AR 76. It is the backbone's count, the same for every design; a design's extra work is on top:
@@ -27,7 +27,7 @@ Bytes use --dtype's element size; --dtype is bf16 with --analytic-only unless to
 
 Measured fields, labelled with the device (medians of --repeats after warm-up; CUDA events on GPU, perf_counter on CPU):
 - fwd_ms: a prefill of the batch under inference mode, logits for the last position only (B·T·V logits would
-  dominate the memory, §15.4); fwdbwd_ms: forward + loss + backward on every position, no optimizer step.
+  dominate the memory); fwdbwd_ms: forward + loss + backward on every position, no optimizer step.
 - tok_per_s = B·T / fwdbwd time (training; device-hours for 8B tokens = 8e9 / tok_per_s / 3600); utilization =
   achieved training FLOP/s / peak_flops, the best of a few square matmuls in the same run and dtype.
 - peak_mem_bytes (prefill) and the extra field peak_mem_train_bytes (fwd+bwd): on CUDA max_memory_allocated after
@@ -55,7 +55,7 @@ from residuals import RESIDUALS
 
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
 ATTNRES_C = 4                 # FLOPs per source and channel of a depth mix: score dot (2) + weighted sum (2); 6 with RMS
-BLOCK_GROUPS = 8              # Block AttnRes groups over the 2L sublayers (architectures.md, decision 4)
+BLOCK_GROUPS = 8              # Block AttnRes groups over the 2L sublayers (docs/designs.md#decisions, 4)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization"]
 

@@ -48,7 +48,7 @@ def rms_norm(x, weight=None, eps=1e-6):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a gain (init 1), no bias, fp32 inside (architectures.md §1.1)."""
+    """RMSNorm with a gain (init 1), no bias, fp32 inside (docs/designs.md#backbone)."""
 
     def __init__(self, dim, eps=1e-6):
         super().__init__()
@@ -108,7 +108,7 @@ def depth_softmax(query, key_gain, sources, eps=1e-5):
 # ----------------------------------------------------------------------------- norm-placement designs
 
 class PreLN(nn.Module):
-    """Pre-LN, the baseline (architectures.md §1.2, §3.1).
+    """Pre-LN, the baseline (docs/designs.md#pre-ln).
 
         h = x + F_i(RMSNorm_i(x))          for every sublayer i
         logits = W_out RMSNorm_f(x_2L)
@@ -161,7 +161,7 @@ class PreLN(nn.Module):
 
 
 class SandwichLN(PreLN):
-    """Sandwich-LN / Peri-LN (architectures.md §3.2): a second RMSNorm on the sublayer output.
+    """Sandwich-LN / Peri-LN (docs/designs.md#sandwich-ln): a second RMSNorm on the sublayer output.
 
         h = x + RMSNorm_post,i( F_i(RMSNorm_pre,i(x)) )
 
@@ -180,7 +180,7 @@ class SandwichLN(PreLN):
 
 
 class LNS(PreLN):
-    """LayerNorm Scaling, "The Curse of Depth in LLMs" (arXiv 2502.05795; architectures.md §3.3).
+    """LayerNorm Scaling, "The Curse of Depth in LLMs" (arXiv 2502.05795; docs/designs.md#lns).
 
         h = x + F_i( RMSNorm_i(x) / sqrt(b + 1) )       b = i // 2, the 0-based *block* index
 
@@ -197,7 +197,7 @@ class LNS(PreLN):
 
 
 class DeepNorm(PreLN):
-    """DeepNorm, DeepNet (arXiv 2203.00555; architectures.md §4): Post-LN with an up-weighted skip.
+    """DeepNorm, DeepNet (arXiv 2203.00555; docs/designs.md#deepnorm): Post-LN with an up-weighted skip.
 
         h = LN_i( alpha * x + F_i(x) )      alpha = (2L)^(1/4), L = blocks; F_i sees the raw x
         logits = W_out RMSNorm_f(x_2L)      (the final norm stays an RMSNorm)
@@ -227,7 +227,7 @@ class DeepNorm(PreLN):
 
 
 class KEEL(PreLN):
-    """KEEL, "Post-LayerNorm Is Back" (arXiv 2601.19895; architectures.md §5).
+    """KEEL, "Post-LayerNorm Is Back" (arXiv 2601.19895; docs/designs.md#keel).
 
         block 0:  h = x + Attn(RMSNorm_pre,0(x))                  plain Pre-LN, no post-norm
                   x = RMSNorm_post,1( h + FFN(RMSNorm_pre,1(h)) )   Post-LN, no alpha
@@ -257,7 +257,7 @@ class KEEL(PreLN):
 # ----------------------------------------------------------------------------- cross-layer designs
 
 class HC(PreLN):
-    """Hyper-Connections, Zhu et al. (arXiv 2409.19606; architectures.md §6), n = 4 streams.
+    """Hyper-Connections, Zhu et al. (arXiv 2409.19606; docs/designs.md#hc), n = 4 streams.
 
     State: n streams H (B, T, n, D), each a copy of the embedding at the start. Per sublayer i, with
     H_bar = H / rms(H) per stream (no gain, eps 1e-8) and the connector's parameters:
@@ -357,7 +357,7 @@ class HC(PreLN):
 
 
 class MHC(HC):
-    """Manifold-constrained HC, DeepSeek (arXiv 2512.24880; architectures.md §7), Liger form, n = 4.
+    """Manifold-constrained HC, DeepSeek (arXiv 2512.24880; docs/designs.md#mhc), Liger form, n = 4.
 
     Per sublayer, with x = [h_1; ...; h_n] (nD, stream-major) and r = 1/sqrt(mean(x^2) + 1e-6):
         m = r * (x Phi) in R^(n^2 + 2n), split [pre n | post n | res n*n (row o = output, col = input)]
@@ -423,7 +423,7 @@ class MHC(HC):
 
 
 class BlockAttnRes(PreLN):
-    """Block Attention Residuals, Kimi (arXiv 2603.15031; architectures.md §8-9), N groups.
+    """Block Attention Residuals, Kimi (arXiv 2603.15031; docs/designs.md#block-attnres), N groups.
 
     No residual stream. Sublayer outputs f_j are summed into N groups of consecutive sublayers
     (group of j = floor(j N / 2L), so sizes differ by at most one when 2L/N is not an integer).
@@ -461,7 +461,7 @@ class BlockAttnRes(PreLN):
     def sublayer_params(self, i):
         # row i belongs to consumer i + 1, the mix that first reads sublayer i's output: block b owns
         # its MLP-side mixer (row 2b) and the mixer that reads its output (row 2b + 1, the head's for
-        # the last block), the reference's swap rule (diagnostics.md §1.5)
+        # the last block), the reference's swap rule (docs/diagnostics.md#interventions)
         return {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
 
     def _mix(self, s, k):
@@ -491,7 +491,7 @@ class BlockAttnRes(PreLN):
 
     def depth_state(self, s, i):
         """z for diagnostics: the embedding (i = 0), the raw mix at a group boundary (and for the head),
-        else the running partial sum, the "block output" inside a group (diagnostics.md §1.3)."""
+        else the running partial sum, the "block output" inside a group (docs/diagnostics.md#depth-states)."""
         if i == 0:
             return s[0][0]
         if i == self.n_sub or self.group[i] != self.group[i - 1]:
@@ -504,7 +504,7 @@ class BlockAttnRes(PreLN):
 
 
 class FullAttnRes(BlockAttnRes):
-    """Full Attention Residuals (arXiv 2603.15031; architectures.md §8): every sublayer is its own
+    """Full Attention Residuals (arXiv 2603.15031; docs/designs.md#full-attnres): every sublayer is its own
     group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
     Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive."""
 
@@ -513,7 +513,7 @@ class FullAttnRes(BlockAttnRes):
 
 
 class MoDA(PreLN):
-    """Mixture-of-Depths Attention (arXiv 2603.15619; architectures.md §10), pre-norm by default.
+    """Mixture-of-Depths Attention (arXiv 2603.15619; docs/designs.md#moda), pre-norm by default.
 
     Block b's attention takes one softmax per token over the causal sequence keys *and* the depth
     keys/values that all earlier sublayers left at the same token (model.joint_attention):

@@ -1,5 +1,5 @@
 """
-Exact parameter counts and the width/depth solver of DepthBench (architectures.md §1.5-1.6).
+Exact parameter counts and the width/depth solver of DepthBench (docs/designs.md#backbone).
 
 Shape rule (the paper's 400M family): 16 heads, an even head_dim, d = 16 * head_dim,
 d_ff = ceil(8d/3) rounded up to a multiple of 16, vocab 50280, untied embeddings.

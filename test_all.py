@@ -134,7 +134,7 @@ def test_recording_forward_returns_depth_states(residual):
     (70, 640, 1712, 344_870_400, 409_229_440),
 ])
 def test_preln_counts_match_spec(L, d, d_ff, backbone, total):
-    """architectures.md §1.5 worked checks: analytic formula and the built model agree."""
+    """docs/designs.md#backbone worked checks: analytic formula and the built model agree."""
     assert shapes.backbone_params(L, d, d_ff) == backbone
     assert shapes.preln_params(L, d, d_ff) == total
     assert shapes.count_params(L, d, d_ff, "preln") == total
@@ -144,7 +144,7 @@ def test_preln_counts_match_spec(L, d, d_ff, backbone, total):
     ("sandwich", 49_152, 89_600), ("lns", 0, 0), ("deepnorm", 0, 0), ("keel", 48_128, 88_960),
 ])
 def test_design_extra_params_match_spec(residual, extra_l24, extra_l70):
-    """architectures.md §11: each design's own parameters on top of Pre-LN, at L24 and L70."""
+    """docs/designs.md#overhead: each design's own parameters on top of Pre-LN, at L24 and L70."""
     for (L, d, d_ff), extra in [((24, 1024, 2736), extra_l24), ((70, 640, 1712), extra_l70)]:
         assert shapes.count_params(L, d, d_ff, residual) - shapes.preln_params(L, d, d_ff) == extra
 
@@ -160,7 +160,7 @@ def test_ffn_rule():
     (28, 32, 896, 399_358_848), (9.1, 70, 640, 409_229_440),
 ])
 def test_solver_reproduces_400m_family(ar, L, d, params):
-    """shapes.solve at 405M lands on architectures.md §1.6's rows to the parameter."""
+    """shapes.solve at 405M lands on the paper's 400M table's rows to the parameter."""
     s = shapes.solve(405_000_000, ar=ar)
     assert (s["n_layer"], s["d_model"], s["params"]) == (L, d, params)
     assert s["d_ff"] == shapes.ffn_dim(d) and s["head_dim"] * 16 == d
@@ -261,7 +261,7 @@ def test_sandwich_normalises_the_branch_output():
     ("block_attnres", 98_304, 179_200), ("moda", 48_234_496, 56_524_800),
 ])
 def test_cross_layer_extra_params_match_spec(residual, extra_l24, extra_l70):
-    """architectures.md §11: HC 2L(6d+26), mHC 2L(96d+27), AttnRes 4dL, MoDA 2d^2(L-1)."""
+    """docs/designs.md#overhead: HC 2L(6d+26), mHC 2L(96d+27), AttnRes 4dL, MoDA 2d^2(L-1)."""
     for (L, d, d_ff), extra in [((24, 1024, 2736), extra_l24), ((70, 640, 1712), extra_l70)]:
         assert shapes.count_params(L, d, d_ff, residual) - shapes.preln_params(L, d, d_ff) == extra
 

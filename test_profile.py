@@ -32,7 +32,7 @@ def test_formulas_paper_shape_L16_d1216():
     r = a("preln")
     # N_blk = 16 (4 * 1216^2 + 3 * 1216 * 3248) = 16 (5,914,624 + 11,848,704) = 284,213,248
     # A = 2 * 4096 * 284,213,248 + 2 * 16 * 1216 * 4096^2 = 2,328,274,927,616 + 652,835,028,992
-    assert r["prefill_flops"] == 2_981_109_956_608                      # diagnostics.md §15.2: 2.981 T
+    assert r["prefill_flops"] == 2_981_109_956_608                      # docs/diagnostics.md#cost: 2.981 T
     # + head 2 * 4096 * 1216 * 50280 = 500,862,812,160
     assert r["prefill_flops_head"] == 3_481_972_768_768                 # 3.482 T
     assert r["train_flops_per_token"] == 3 * 3_481_972_768_768 / 4096   # 2,550,273,024

@@ -7,14 +7,13 @@ train.py: train one DepthBench model, or a grid of them, and log everything to r
     python data.py --source fineweb-edu --max-tokens 8200000000 --out data_cache/fineweb-edu-gpt2  # once, first
     torchrun --standalone --nproc_per_node=8 train.py --preset 400m --residual hc --ar 42.67
 
-Two presets. `cpu` (the default without CUDA): L=4, d=128 on the embedded synthetic task (data.py's
-S4 running products), fp32, eager; 400 steps take ~75 s on two idle cores (Pre-LN). What it learns in
-that time is the sequence structure, not the group: val loss 4.12 -> 2.787, where a model that predicts
-everything but the answers would stop at ~2.79, and answer accuracy stays at chance (1/24), as it did
-after 1,500 steps too. `400m` (the default with CUDA): the paper's recipe (architectures.md
-§2): 405M total parameters at an aspect ratio AR = d_model / n_layer, 20 tokens per parameter, global
-batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup then cosine to 0.1x peak,
-the paper's peak LR per design, FineWeb-Edu with the GPT-2 tokenizer, bf16 autocast, torch.compile.
+Presets (PRESETS below). `cpu` (the default without CUDA): a 0.8M-parameter backbone on the embedded
+synthetic task (data.py's S4 running products), fp32, eager; what it learns and how long it takes are
+measured in the README (its results section), not here. `mini`: the one-machine suite's shapes (mini.py).
+`400m` (the default with CUDA): the paper's recipe (docs/designs.md#recipe): 405M total parameters at
+an aspect ratio AR = d_model / n_layer, 20 tokens per parameter, global batch 512 x 2048, AdamW
+(0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup then cosine to 0.1x peak, the paper's peak LR per
+design, FineWeb-Edu with the GPT-2 tokenizer, bf16 autocast, torch.compile.
 Any flag overrides its preset value; every derived number is printed before training.
 
 Each run writes {out}/{name}/run.json (config, params, per-step losses, evals; plot.py reads it) and
@@ -80,7 +79,7 @@ def fail(message):
 
 
 def get_lr(step, peak, warmup, total, final_frac=0.1):
-    """LR of optimizer step `step` (0-based), architectures.md §2 (OLMo's CosWithWarmup): linear from 0
+    """LR of optimizer step `step` (0-based), docs/designs.md#recipe (OLMo's CosWithWarmup): linear from 0
     over `warmup` steps, then a cosine from peak down to final_frac * peak at step `total`."""
     if step < warmup:
         return peak * step / warmup
@@ -544,7 +543,7 @@ def main(argv=None):
         args.compile = cuda  # eager on CPU: a cold compile costs more than a short CPU run saves
     args.device = "cuda" if cuda else "cpu"
     if args.data != "synthetic" and args.data_dir is None:
-        slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # ../shared/data/austen -> shared_data_austen
+        slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # data/austen -> data_austen
         args.data_dir = f"data_cache/{slug}-{args.tokenizer}"
     if args.data == "synthetic":
         args.data_dir = None
