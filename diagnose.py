@@ -160,7 +160,7 @@ def skip_sublayer(res, s, i):
         x, ks, vs = s
         if i % 2 == 1 and i // 2 == len(res.kv_proj):               # the last MLP writes no slot anyway
             return s
-        zero = x.new_zeros(x.shape[0], res.n_head, x.shape[1], res.head_dim)          # (B, H, T, hd), as MoDA stores slots
+        zero = x.new_zeros(x.shape[0], res.n_kv_head, x.shape[1], res.head_dim)       # (B, Hkv, T, hd), as MoDA stores slots
         return x, ks + [zero], vs + [zero]
     if isinstance(res, BlockAttnRes):
         # nothing joins the bank, but a group that ends here is still committed, so later sublayers

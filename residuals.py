@@ -522,8 +522,9 @@ class MoDA(PreLN):
         for every block but the last (nothing would read it).
     The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
     the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
-    State: (x (B, T, D), depth keys, depth values): lists of (B, H, T, hd), one per written slot.
-    Params: W_kv (d -> 2d, std 0.02, decayed) on blocks 0 .. L-2: 2 d^2 (L - 1), +12-14% at 400M.
+    State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd), one per written slot.
+    Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed; 2d for MHA) on blocks 0 .. L-2: 2 d H_kv hd (L - 1),
+    +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
@@ -533,8 +534,9 @@ class MoDA(PreLN):
         if norm not in ("pre", "post"):
             raise ValueError(f"MoDA norm must be 'pre' or 'post', got {norm!r}")
         self.post = norm == "post"
-        self.n_head, self.head_dim = cfg.n_head, cfg.d_model // cfg.n_head
-        self.kv_proj = nn.ModuleList(nn.Linear(cfg.d_model, 2 * cfg.d_model, bias=False) for _ in range(cfg.n_layer - 1))
+        self.n_kv_head, self.head_dim = cfg.n_kv_head, cfg.head_dim    # depth K/V use the KV heads (GQA)
+        kv_dim = 2 * self.n_kv_head * self.head_dim
+        self.kv_proj = nn.ModuleList(nn.Linear(cfg.d_model, kv_dim, bias=False) for _ in range(cfg.n_layer - 1))
         self.init_std = cfg.init_std
 
     @torch.no_grad()
@@ -570,7 +572,7 @@ class MoDA(PreLN):
         if b == len(self.kv_proj):                                    # last block: no W_kv
             return x_new, ks, vs
         u = x if self.post else self.norms[i](x)                      # the MLP's input, recomputed
-        kv = self.kv_proj[b](u).unflatten(-1, (2, self.n_head, self.head_dim)).permute(2, 0, 3, 1, 4)  # (2, B, H, T, hd)
+        kv = self.kv_proj[b](u).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)  # (2, B, Hkv, T, hd)
         return x_new, ks + [kv[0].contiguous()], vs + [kv[1].contiguous()]
 
     def collapse(self, s):
