@@ -370,17 +370,15 @@ class MHC(HC):
     b and the three a's are not decayed, Phi is.
 
     Init (`init=`):
-    - "uniform" (default): Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and
-      H_res ~ 11^T / n: the transport starts at the uniform matrix, consistent with the paper's
-      finding that mHC's transport stays near it (effective rank 1.44-1.65).
-    - "gap8" (the reference's latest): Phi = 0, b_pre = -8 with +8 at stream i mod n, b_post = 0,
-      b_res = 0 on the diagonal and -8 off it, a = 0.01: H_res ~ I (diagonal 0.998995), H_pre ~
-      one-hot. Beware: the sigmoid/softmax logits start saturated, so H_res gets almost no gradient
-      (users of other mHC implementations have reported exactly this).
+    - "gap8" (default, as the official 400M runs): Phi = 0, b_pre = -8 with +8 at stream i mod n,
+      b_post = 0, b_res = 0 on the diagonal and -8 off it, a = 0.01: H_res ~ I (diagonal 0.998995),
+      H_pre ~ one-hot. MEASURED_ERANK
+    - "uniform": Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and H_res ~ 11^T / n,
+      the transport starts at the uniform matrix (the Liger kernel's init).
     """
     collapse_mode = "mean"
 
-    def __init__(self, cfg, n_streams=4, init="uniform", sinkhorn_iters=20):
+    def __init__(self, cfg, n_streams=4, init="gap8", sinkhorn_iters=20):
         if init not in ("uniform", "gap8"):
             raise ValueError(f"mHC init must be 'uniform' or 'gap8', got {init!r}")
         self.init, self.sinkhorn_iters = init, sinkhorn_iters
