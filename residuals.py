@@ -372,7 +372,7 @@ class MHC(HC):
     Init (`init=`):
     - "gap8" (default, as the official 400M runs): Phi = 0, b_pre = -8 with +8 at stream i mod n,
       b_post = 0, b_res = 0 on the diagonal and -8 off it, a = 0.01: H_res ~ I (diagonal 0.998995),
-      H_pre ~ one-hot. MEASURED_ERANK
+      H_pre ~ one-hot. Transport effective rank at init: 4.00 (uniform: 1.02).
     - "uniform": Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and H_res ~ 11^T / n,
       the transport starts at the uniform matrix (the Liger kernel's init).
     """
