@@ -161,7 +161,7 @@ def skip_sublayer(res, s, i):
         x, ks, vs = s
         if i % 2 == 1 and i // 2 == len(res.kv_proj):               # the last MLP writes no slot anyway
             return s
-        zero = x.new_zeros(x.shape[0], res.n_kv_head, x.shape[1], res.head_dim)       # (B, Hkv, T, hd), as MoDA stores slots
+        zero = x.new_zeros(x.shape[0], res.n_kv_head, x.shape[1], res.head_dim)  # (B, Hkv, T, hd), as MoDA's slots
         return x, ks + [zero], vs + [zero]
     # AttnRes: the block returns its inputs unchanged, as the reference's skip_block: nothing joins the
     # bank, and a group boundary inside the skipped block does not close the open group (its running

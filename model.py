@@ -68,7 +68,8 @@ def joint_attention(q, k, v, depth_k, depth_v, scale):
 
     q: (B, H, T, hd), k, v: (B, Hkv, T, hd) sequence part (q, k after RoPE; Hkv divides H, GQA);
     depth_k, depth_v: lists of S tensors (B, Hkv, T, hd), the keys/values of S earlier sublayers at
-    the *same* token. The result is exactly one softmax per query over its causal sequence logits and its S depth logits:
+    the *same* token. The result is exactly one softmax per query over its causal sequence logits and
+    its S depth logits:
 
         o_t = (Z_seq * o_seq + Z_depth * o_depth) / (Z_seq + Z_depth)
 

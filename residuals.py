@@ -570,7 +570,7 @@ class MoDA(PreLN):
         if b == len(self.kv_proj):                                    # last block: no W_kv
             return x_new, ks, vs
         u = x if self.post else self.norms[i](x)                      # the MLP's input, recomputed
-        kv = self.kv_proj[b](u).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)  # (2, B, Hkv, T, hd)
+        kv = self.kv_proj[b](u).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)  # 2,B,Hkv,T,hd
         return x_new, ks + [kv[0].contiguous()], vs + [kv[1].contiguous()]
 
     def collapse(self, s):

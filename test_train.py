@@ -262,4 +262,5 @@ def test_print_grid_lists_the_paper_sweep(capsys):
     assert sum("--residual lns " in x and x.endswith("--lr 1e-2") for x in lines) == 7
     train.main(["--suite", "ladder", "--row", "7", "--residual", "hc", "--lr", "2e-3", "--print-grid"])
     out = capsys.readouterr().out.splitlines()
-    assert out[1:] == ["torchrun --standalone --nproc_per_node=8 train.py --suite ladder --row 7 --residual hc --lr 2e-3"]
+    assert out[1:] == ["torchrun --standalone --nproc_per_node=8 train.py --suite ladder --row 7 --residual hc "
+                       "--lr 2e-3"]

@@ -12,11 +12,12 @@ Two presets. `cpu` (the default without CUDA): L=4, d=128 on the embedded synthe
 S4 running products), fp32, eager; 400 steps take ~75 s on two idle cores (Pre-LN). What it learns in
 that time is the sequence structure, not the group: val loss 4.12 -> 2.787, where a model that predicts
 everything but the answers would stop at ~2.79, and answer accuracy stays at chance (1/24), as it did
-after 1,500 steps too. `400m` (the default with CUDA): the paper's recipe (architectures.md
-§2) on the paper's own shapes: `--suite NAME` (shapes.SUITES: 400m, 302m-backbone, ladder, 1.6b; `--preset
-400m` alone means `--suite 400m`) with `--row K`, `--layers L` or `--ar A` picking rows, the suite's step
-count (400m: 7,600) and 10% of it as warmup, global batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup then cosine to 0.1x peak,
-the paper's peak LR per design, FineWeb-Edu with the GPT-2 tokenizer, bf16 autocast, torch.compile.
+after 1,500 steps too. `400m` (the default with CUDA): the paper's recipe (architectures.md §2) on
+the paper's own shapes: `--suite NAME` (shapes.SUITES: 400m, 302m-backbone, ladder, 1.6b; `--preset 400m`
+alone means `--suite 400m`) with `--row K`, `--layers L` or `--ar A` picking rows, the suite's step count
+(400m: 7,600), global batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup (760 of
+7,600) then cosine to 0.1x peak, the paper's peak LR per design, FineWeb-Edu with the GPT-2 tokenizer,
+bf16 autocast, torch.compile.
 Any flag overrides its preset value; every derived number is printed before training.
 
 Each run writes {out}/{name}/run.json (config, params, per-step losses, evals; plot.py reads it) and
@@ -589,7 +590,8 @@ def parse_args(argv=None):
         parser.error("--row picks a row of a --suite")
     if args.ar is None and args.layers is None and args.row is None:
         if args.suite and args.suite != "400m":
-            parser.error(f"--suite {args.suite}: pick rows with --row, --layers or --ar (shapes.py --suite {args.suite})")
+            parser.error(f"--suite {args.suite}: pick rows with --row, --layers or --ar "
+                         f"(shapes.py --suite {args.suite})")
         args.ar, args.layers = PRESETS[args.preset].get("ar"), PRESETS[args.preset].get("layers")
     for key, value in PRESETS[args.preset].items():
         if key not in ("ar", "layers") and getattr(args, key, None) is None:
