@@ -198,6 +198,7 @@ def test_grid_skips_finished_runs(tmp_path, capsys):
     ["--params", "lots"],                            # not a count
     ["--suite", "1.6b", "--layers", "24"],           # no such row
     ["--suite", "ladder", "--layers", "24"],         # two rows of that depth: --row says which
+    ["--suite", "ladder", "--ar", "42.67"],          # three rows of that AR
     ["--suite", "1.6b"],                             # no row picked
     ["--suite", "400m", "--row", "7"],               # past the last row
     ["--suite", "400m", "--params", "300M"],         # a suite fixes the shape

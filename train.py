@@ -45,11 +45,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
-import shapes
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
-from shapes import SUITES, ArgParser, backbone_params, parse_count, preln_params, solve, suite_rows, write_json
+from shapes import SUITES, VOCAB, ArgParser, backbone_params, parse_count, preln_params, solve, suite_rows, write_json
 
 SCHEMA = "depthbench.train/1"
 PAPER_LR = {"lns": 1e-2, "deepnorm": 1e-3}       # the paper's Table 4 optimum; every other design: 2e-3
@@ -186,11 +185,14 @@ def suite_row(suite, key, value, vocab_size):
         if not 0 <= value < len(rows):
             raise ValueError(f"suite {suite} has rows 0..{len(rows) - 1} ({listing})")
         return rows[value]
-    hits = [r for r in rows if r["n_layer"] == value] if key == "layers" else \
-        [min(rows, key=lambda r: abs(r["ar"] - value))]
-    if not hits or (key == "ar" and abs(hits[0]["ar"] - value) > 0.1 * value):
+    if key == "layers":
+        hits = [r for r in rows if r["n_layer"] == value]
+    else:  # the nearest AR, within 10%
+        gap = min(abs(r["ar"] - value) for r in rows)
+        hits = [r for r in rows if abs(r["ar"] - value) < gap + 1e-9 and gap <= 0.1 * value]
+    if not hits:
         raise ValueError(f"suite {suite} has no row with {key} {value:g} ({listing})")
-    if len(hits) > 1:  # the ladder repeats a depth at two sizes
+    if len(hits) > 1:  # the ladder repeats a depth, and an AR, at several sizes
         raise ValueError(f"suite {suite} has {len(hits)} rows with {key} {value:g}: give --row ({listing})")
     return hits[0]
 
@@ -554,16 +556,17 @@ def print_grid(args):
         fail(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
     rows = list(enumerate(suite_rows(args.suite)))
     try:
-        picked = [suite_row(args.suite, "row", k, shapes.VOCAB) for k in args.row or []] + \
-                 [suite_row(args.suite, "layers", L, shapes.VOCAB) for L in args.layers or []] + \
-                 [suite_row(args.suite, "ar", a, shapes.VOCAB) for a in args.ar or []]
+        picked = [suite_row(args.suite, "row", k, VOCAB) for k in args.row or []] + \
+                 [suite_row(args.suite, "layers", L, VOCAB) for L in args.layers or []] + \
+                 [suite_row(args.suite, "ar", a, VOCAB) for a in args.ar or []]
     except ValueError as e:
         fail(str(e))
     rows = [(k, r) for k, r in rows if not picked or r in picked]
     lines = [f"torchrun --standalone --nproc_per_node=8 train.py --suite {args.suite} --row {k} --residual {res} "
              f"--lr {format_lr(lr)}" for res in designs for k, _ in rows
              for lr in args.lr or PAPER_LR_SWEEP + ([1e-2] if res == "lns" else [])]
-    print(f"# suite {args.suite}: {len(designs)} design(s) x {len(rows)} row(s) x the LR sweep = {len(lines)} runs")
+    print(f"# suite {args.suite}: {len(designs)} design(s) x {len(rows)} row(s) x {'--lr' if args.lr else 'the LR sweep'} "
+          f"= {len(lines)} runs")
     print("\n".join(lines))
 
 
