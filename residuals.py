@@ -372,9 +372,11 @@ class MHC(HC):
     Init (`init=`):
     - "gap8" (default, as the official 400M runs): Phi = 0, b_pre = -8 with +8 at stream i mod n,
       b_post = 0, b_res = 0 on the diagonal and -8 off it, a = 0.01: H_res ~ I (diagonal 0.998995),
-      H_pre ~ one-hot. Transport effective rank at init: 4.00 (uniform: 1.02).
+      H_pre ~ one-hot. Measured (CPU preset L4 d128, 300 AdamW steps at 3e-3): the transport's effective
+      rank stays 4.00 (diagonal >= 0.9985; b and a do move, but ~lr per step is small against the gap of 8).
     - "uniform": Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and H_res ~ 11^T / n,
-      the transport starts at the uniform matrix (the Liger kernel's init).
+      the transport starts at the uniform matrix (the Liger kernel's init); effective rank 1.02 at init,
+      1.04 after the same 300 steps (the same final loss to 1e-4).
     """
     collapse_mode = "mean"
 
