@@ -33,7 +33,7 @@ import shapes
 from model import GPT, GPTConfig, rope_cos_sin
 from residuals import HC, LNS, RESIDUALS, BlockAttnRes, MoDA, rms_norm
 
-SCHEMA = "depthbench.diagnose/1"
+SCHEMA = "depthbench.diagnose/2"  # 2: R_perm is over the last three quarters (1: over all pairs)
 METRICS = {"angular": "angular_distance", "causal": "causal_score", "perm": "permutation_score",
            "lens": "logit_lens", "pruning": "layer_pruning", "attnres": "attnres_weights",
            "erank": "transport_erank", "deadzone": "dead_zone", "nll": "nll"}
@@ -47,8 +47,9 @@ DEFINITIONS = {
               "ceil(L/4) <= s < l <= L-1 (0-based) with C > threshold",
     "perm": "P(i, j) = |loss(blocks i and j swapped) - loss| / loss, mean next-token CE; a swap moves every "
             "tensor of the two blocks incl. the residual's own (norms, HC/mHC connectors, AttnRes: MLP-side mixer "
-            "+ the mixer reading the block's output, LNS: its scale) exactly once; R_perm = share of pairs i < j "
-            "with P > threshold; R_perm_last34 = the same over pairs with i, j >= ceil(L/4)",
+            "+ the mixer reading the block's output, LNS: its scale) exactly once; R_perm = share of pairs "
+            "ceil(L/4) <= i < j <= L-1 (0-based, the last three quarters, as Fig. 6) with P > threshold; R_perm_all = "
+            "the same over all pairs i < j",
     "lens": "p_l = softmax(W_out Norm_f(r_l)), r_l = what the head would read at state l (HC/mHC: streams "
             "reduced as the model does; AttnRes: block l's attention-side mix, the final mix at l = L); per position: "
             "CE = -log p_l(next token), KL(p_final || p_l), |top5(p_l) & top5(p_final)| / 5; means over positions",
@@ -171,15 +172,12 @@ def skip_sublayer(res, s, i):
         x, ks, vs = s
         if i % 2 == 1 and i // 2 == len(res.kv_proj):               # the last MLP writes no slot anyway
             return s
-        zero = x.new_zeros(x.shape[0], res.n_head, x.shape[1], res.head_dim)          # (B, H, T, hd), as MoDA stores slots
+        zero = x.new_zeros(x.shape[0], res.n_kv_head, x.shape[1], res.head_dim)  # (B, Hkv, T, hd), as MoDA's slots
         return x, ks + [zero], vs + [zero]
-    if isinstance(res, BlockAttnRes):
-        # nothing joins the bank, but a group that ends here is still committed, so later sublayers
-        # land in their own group exactly as in the full model
-        done, partial = s
-        ends_group = partial is not None and i > 0 and res.group[i] != res.group[i - 1]
-        return (done + [partial], None) if ends_group else s
-    return s  # residual family and HC/mHC: the block returns its input (all n streams) unchanged
+    # AttnRes: the block returns its inputs unchanged, as the reference's skip_block: nothing joins the
+    # bank, and a group boundary inside the skipped block does not close the open group (its running
+    # sum carries on into the next block). Residual family and HC/mHC: its input (all n streams).
+    return s
 
 
 def read(res, s, i, override):
@@ -301,7 +299,7 @@ def erank(M, squared=False):
 
 def share_above(M, threshold, L, lo=0):
     """Over the pairs lo <= a < b <= L-1 (0-based blocks): (number of pairs, how many have M[a][b] > threshold,
-    their share). R_causal is lo = ceil(L/4); R_perm is lo = 0 and, in its last-three-quarters form, ceil(L/4)."""
+    their share). R_causal and R_perm use lo = ceil(L/4), the last three quarters; R_perm_all uses lo = 0."""
     pairs = [(a, b) for a in range(lo, L) for b in range(a + 1, L)]
     above = sum(M[a][b] is not None and M[a][b] > threshold for a, b in pairs)
     return len(pairs), above, (above / len(pairs) if pairs else None)
@@ -395,11 +393,16 @@ def permutation(model, batches, threshold):
                 P[i][j] = abs(loss() - base) / base
                 swap_blocks(model, i, j)
                 bar.update()
-    n, above, share = share_above(P, threshold, L)
-    n34, above34, share34 = share_above(P, threshold, L, math.ceil(L / 4))
-    return {"matrix": P, "threshold": threshold, "R_perm": share, "n_pairs": n, "n_above": above,
-            "R_perm_last34": share34, "n_pairs_last34": n34, "n_above_last34": above34, "s_min": math.ceil(L / 4),
-            "baseline_loss": base, "swap_dedup": True, "definition": DEFINITIONS["perm"]}
+    return {"matrix": P, "threshold": threshold, **perm_shares(P, threshold, L), "baseline_loss": base,
+            "swap_dedup": True, "definition": DEFINITIONS["perm"]}
+
+
+def perm_shares(P, threshold, L):
+    """R_perm over the last three quarters (the headline, Fig. 6) and over all pairs (secondary)."""
+    n, above, share = share_above(P, threshold, L, math.ceil(L / 4))
+    n_all, above_all, share_all = share_above(P, threshold, L)
+    return {"R_perm": share, "n_pairs": n, "n_above": above, "s_min": math.ceil(L / 4),
+            "R_perm_all": share_all, "n_pairs_all": n_all, "n_above_all": above_all}
 
 
 # ----------------------------------------------------------------------------- downstream NLL (Fig. 4)
@@ -422,14 +425,14 @@ def nll_pair(task, row):
         key = row.get("Record ID") or row["Question"]  # the shuffle is seeded by the record, so it is stable
         random.Random(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")).shuffle(options)
         choices = "".join(f"{c}. {o}\n" for c, o in zip("ABCD", options))
-        prompt = f"Question: {row['Question']}\nChoices:\n{choices}Answer:"
+        prompt = f"Question: {row['Question'].strip()}\nChoices:\n{choices}Answer:"
         expl = (row.get("Explanation") or "").strip()
         target = f" {correct}" + (f"\nExplanation: {expl}" if expl else "")
     elif task == "gsm8k":
         prompt, target = f"Question: {row['question']}\nAnswer:", f" {row['answer']}"
     else:  # math500
         prompt, target = f"Problem:\n{row['problem']}\n\nSolution:", f" {row.get('solution') or row['answer']}"
-    if not prompt[-1:].isspace() and not target[:1].isspace():  # leading-separator rule
+    if prompt and target and not prompt[-1].isspace() and not target[0].isspace():  # leading-separator rule
         target = " " + target
     return prompt, target
 
@@ -595,8 +598,10 @@ def parse_args(argv):
     g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
     g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files and NLL (default: the run's)")
     g.add_argument("--max-gap", type=pos, default=4, help="synthetic task's max gap if the run says none (default 4)")
-    g.add_argument("--num-samples", type=pos, default=32, help="calibration windows (default 32)")
-    g.add_argument("--seq-len", type=pos, help="tokens per window (default: the run's seq_len, else 128)")
+    g.add_argument("--num-samples", type=pos, default=128, help="calibration windows (default 128, the official "
+                   "causal/permutation setting; its angular distance used 1024: --metrics angular --num-samples 1024)")
+    g.add_argument("--seq-len", type=pos, help="tokens per window (default 512, the official; at most the run's "
+                   "own seq_len)")
     g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL: examples) per forward pass (default 8)")
     g.add_argument("--seed", type=int, help="seeds the window choice and --init (default: the run's seed, else 1337)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
@@ -639,7 +644,7 @@ def setup(args):
     args.seed = 1337 if args.init and args.seed is None else args.seed
     model, run, ckpt_path, step = load_model(args)
     args.seed = run.get("seed", 1337) if args.seed is None else args.seed
-    args.seq_len = args.seq_len or run.get("seq_len") or 128
+    args.seq_len = args.seq_len or min(512, run.get("seq_len") or 512)
     args.nll_max_len = args.nll_max_len or run.get("seq_len") or args.seq_len
     args.tok_name, args.nll_skip = args.tokenizer or run.get("tokenizer"), None
     if "nll" in args.todo:

@@ -132,7 +132,8 @@ def summary(args):
             cell["wall"].append(run["wall_s"])
             per = run["evals"][-1].get("per_level") or {}
             cell["gaps"].append([per[g]["acc"] for g in sorted(per)])
-            for key, metric, field in (("rc", "causal_score", "R_causal"), ("rp", "permutation_score", "R_perm_last34")):
+            for key, metric, field in (("rc", "causal_score", "R_causal"), ("rp", "permutation_score", "R_perm")):
+                # R_perm: the last three quarters (diagnose/2)
                 if diag.get(metric, {}).get(field) is not None:  # None: too shallow to have pairs in the last 3/4
                     cell[key].append(diag[metric][field])
         head = "| design | L | d | AR | final val loss (mean ± half-range, seeds) |"

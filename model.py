@@ -4,7 +4,8 @@ One readable GPT for every residual design of DepthBench.
 The backbone is LLaMA-like (docs/designs.md#backbone):
 - token embedding and LM head, untied, no embedding scale
 - RoPE (theta 10000, NeoX "rotate-half", computed in fp32) on q and k
-- multi-head causal attention (16 heads by default), no biases, no QK-norm
+- causal attention (16 query heads by default; `n_kv_head` < n_head gives grouped-query attention,
+  GQA, where each key/value head serves n_head / n_kv_head query heads), no biases, no QK-norm
 - SwiGLU MLP: W_2(silu(W_1 x) * W_3 x), no biases
 - truncated-normal init, std 0.02, clipped at +-3 std
 
@@ -27,13 +28,19 @@ class GPTConfig:
     vocab_size: int = 50280     # the paper's GPT-NeoX vocab; train.py pads GPT-2's 50257 to 50304
     n_layer: int = 24           # number of blocks (each block = attention sublayer + MLP sublayer)
     d_model: int = 1024         # width; the paper's shapes use d = 16 * head_dim
-    n_head: int = 16            # query heads (MHA: as many key/value heads)
+    n_head: int = 16            # query heads
+    n_kv_head: int = None       # key/value heads; None = n_head (MHA). The paper's 1.6B suite uses 8 (GQA)
     d_ff: int = 2736            # SwiGLU hidden size, ceil16(8d/3) in the paper's shape rule
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6      # every RMSNorm of the backbone
     init_std: float = 0.02      # truncated normal, clipped at +-3 std
     residual: str = "preln"     # key of residuals.RESIDUALS
     residual_args: dict = field(default_factory=dict)  # constructor options of the design, e.g. {"n_groups": 8}
+
+    def __post_init__(self):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head {self.n_head} must be a multiple of n_kv_head {self.n_kv_head}")
 
     @property
     def head_dim(self):
@@ -59,9 +66,10 @@ def apply_rope(x, cos, sin):
 def joint_attention(q, k, v, depth_k, depth_v, scale):
     """Causal attention whose softmax also spans each query token's own depth keys (MoDA).
 
-    q, k, v: (B, H, T, hd) sequence part (q, k after RoPE); depth_k, depth_v: lists of S tensors
-    (B, H, T, hd), the keys/values of S earlier sublayers at the *same* token. The result is exactly
-    one softmax per query over its causal sequence logits and its S depth logits:
+    q: (B, H, T, hd), k, v: (B, Hkv, T, hd) sequence part (q, k after RoPE; Hkv divides H, GQA);
+    depth_k, depth_v: lists of S tensors (B, Hkv, T, hd), the keys/values of S earlier sublayers at
+    the *same* token. The result is exactly one softmax per query over its causal sequence logits and
+    its S depth logits:
 
         o_t = (Z_seq * o_seq + Z_depth * o_depth) / (Z_seq + Z_depth)
 
@@ -74,32 +82,36 @@ def joint_attention(q, k, v, depth_k, depth_v, scale):
     Returns the output (B, H, T, hd) and the depth share (B, H, T), detached, for diagnostics.
     """
     B, H, T, hd = q.shape
+    Hkv = k.size(1)                                     # GQA: query heads h * G .. h * G + G - 1 share kv head h
+    qg = q.unflatten(1, (Hkv, H // Hkv))                # (B, Hkv, G, T, hd), a view: no copy of the kv heads
     # a loop over the S slots, each read once (stacking them would copy O(S) per layer, O(L^2) in all)
-    depth_logits = torch.stack([(q * kj).sum(-1) for kj in depth_k], dim=-1).float() * scale  # (B, H, T, S)
-    lse_depth = depth_logits.logsumexp(dim=-1)                                     # (B, H, T)
-    p_depth = depth_logits.softmax(dim=-1).to(q.dtype)
-    o_depth = sum(p_depth[..., j, None] * vj for j, vj in enumerate(depth_v))      # (B, H, T, hd)
+    depth_logits = torch.stack([(qg * kj[:, :, None]).sum(-1) for kj in depth_k], dim=-1).float() * scale
+    lse_depth = depth_logits.logsumexp(dim=-1).flatten(1, 2)                       # (B, H, T)
+    p_depth = depth_logits.softmax(dim=-1).to(q.dtype)                             # (B, Hkv, G, T, S)
+    o_depth = sum(p_depth[..., j, None] * vj[:, :, None] for j, vj in enumerate(depth_v)).flatten(1, 2)  # (B, H, T, hd)
     pad = 8                                             # extra coordinates, a multiple of 8 for fused kernels
     e0 = F.one_hot(torch.tensor(0, device=q.device), pad).to(q.dtype)               # (pad,) = [1, 0, ...]
     q_aug = torch.cat([q, (lse_depth / scale).to(q.dtype)[..., None] * e0], dim=-1)  # (B, H, T, hd + pad)
     k_aug = F.pad(k, (0, pad))
     v_aug = F.pad(v, (0, pad))
-    sink = torch.cat([q.new_zeros(hd), e0]).expand(B, H, 1, hd + pad)              # the sink's key and value
+    sink = torch.cat([q.new_zeros(hd), e0]).expand(B, Hkv, 1, hd + pad)            # the sink's key and value
     out = F.scaled_dot_product_attention(
         torch.cat([q_aug.new_zeros(B, H, 1, hd + pad), q_aug], dim=2),            # dummy query first
         torch.cat([sink, k_aug], dim=2), torch.cat([sink.to(v.dtype), v_aug], dim=2),
-        is_causal=True, scale=scale)[:, :, 1:]                                     # (B, H, T, hd + pad)
+        is_causal=True, scale=scale, enable_gqa=Hkv < H)[:, :, 1:]                 # (B, H, T, hd + pad)
     share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
     return out[..., :hd] + share[..., None] * o_depth, share.detach()
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with RoPE. No norm inside.
+    """Causal attention with RoPE, multi-head (n_kv_head = n_head) or grouped-query (n_kv_head < n_head:
+    W_k, W_v map d -> n_kv_head * head_dim and query head h reads kv head h // (n_head / n_kv_head), the
+    same maths as MHA whose k/v heads are copies). No norm inside.
 
     `depth_kv` is the one door into attention, used only by MoDA (residuals.py): a pair of lists
-    (keys, values), each (B, H, T, hd), of earlier sublayers at the same token, which join the causal
-    keys in one softmax (`joint_attention`). The forward returns (y, aux): aux holds this layer's
-    *pre-RoPE* k and v, (B, T, H, hd) each, which MoDA caches for later layers, and MoDA's
+    (keys, values), each (B, n_kv_head, T, hd), of earlier sublayers at the same token, which join the
+    causal keys in one softmax (`joint_attention`). The forward returns (y, aux): aux holds this layer's
+    *pre-RoPE* k and v, (B, T, n_kv_head, hd) each, which MoDA caches for later layers, and MoDA's
     depth-attention mass.
     """
 
@@ -107,23 +119,24 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
         assert cfg.n_head * hd == d, "d_model must equal n_head * head_dim"
-        self.n_head, self.head_dim = cfg.n_head, hd
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
         self.wq = nn.Linear(d, d, bias=False)
-        self.wk = nn.Linear(d, d, bias=False)
-        self.wv = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
+        self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
 
     def forward(self, x, rope, depth_kv=None):
         B, T, _ = x.shape
-        shape = (B, T, self.n_head, self.head_dim)
-        q, k, v = self.wq(x).view(shape), self.wk(x).view(shape), self.wv(x).view(shape)  # (B, T, H, hd)
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim)                              # (B, T, H, hd)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim)                           # (B, T, Hkv, hd)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = rope
         qr = apply_rope(q.transpose(1, 2), cos, sin)                                       # (B, H, T, hd)
         kr = apply_rope(k.transpose(1, 2), cos, sin)
         vt = v.transpose(1, 2)
         mass = None
         if depth_kv is None:
-            o = F.scaled_dot_product_attention(qr, kr, vt, is_causal=True)
+            o = F.scaled_dot_product_attention(qr, kr, vt, is_causal=True, enable_gqa=self.n_kv_head < self.n_head)
         else:
             o, mass = joint_attention(qr, kr, vt, *depth_kv, self.head_dim ** -0.5)
         y = self.wo(o.transpose(1, 2).reshape(B, T, -1))

@@ -26,8 +26,11 @@ from matplotlib import colors, ticker, transforms
 
 # ----------------------------------------------------------------------------- the contract and the look
 
-# schema name -> the one version this file can draw. Another version is skipped loudly, never guessed at.
-SCHEMAS = {"depthbench.train": 1, "depthbench.diagnose": 1, "depthbench.profile": 1}
+# schema name -> the versions this file can draw. Another version is skipped loudly, never guessed at.
+# diagnose/1 said R_perm for all pairs and R_perm_last34 for the last three quarters; load_folder reads it as /2.
+SCHEMAS = {"depthbench.train": (1,), "depthbench.diagnose": (1, 2), "depthbench.profile": (1,)}
+# Fig. 6 of the paper (400M, L32, 8B tokens), pairs in the last three quarters, in %
+PAPER_FIG6 = {"R_causal": {"preln": 1, "hc": 7, "attnres": 16}, "R_perm": {"preln": 8, "hc": 35, "attnres": 46}}
 
 # registry key -> (display name, colour). One colour per design in every figure, so a reader learns it once.
 # Hues loosely follow families: norm placement (grey/brown/olive/purple/pink), HC (blues), AttnRes (red/orange).
@@ -72,8 +75,8 @@ def check_schema(obj):
     name, _, version = obj["schema"].rpartition("/")
     if name not in SCHEMAS:
         return None, f"unknown schema {obj['schema']!r}"
-    if version != str(SCHEMAS[name]):
-        return None, f"schema {obj['schema']}, this plot.py reads version {SCHEMAS[name]}"
+    if version not in map(str, SCHEMAS[name]):
+        return None, f"schema {obj['schema']}, this plot.py reads version {', '.join(map(str, SCHEMAS[name]))}"
     kind = name.split(".")[1]
     # only what every figure of this kind needs; all other fields are optional and checked per figure
     key = {"train": "config", "diagnose": "meta", "profile": "rows"}[kind]
@@ -98,8 +101,18 @@ def load_folder(folder):
             skipped.append((rel, reason))
             continue
         obj["_path"] = rel
+        if obj["schema"] == "depthbench.diagnose/1":
+            upgrade_diagnose_v1(obj)
         data[kind].append(obj)
     return data, skipped
+
+
+def upgrade_diagnose_v1(obj):
+    """diagnose/1 -> /2 field names: the headline R_perm is the last three quarters' share, all pairs move
+    to R_perm_all (a v1 file without R_perm_last34 has no headline: it draws as missing)."""
+    perm = obj.get("permutation_score")
+    if isinstance(perm, dict) and "R_perm" in perm:
+        perm["R_perm_all"], perm["R_perm"] = perm["R_perm"], perm.get("R_perm_last34")
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -387,7 +400,7 @@ def fig6_depth_use(data, out_path, svg=False):
     w = 0.8 / len(designs)  # grouped bars: one group per depth, one bar per design
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, (key, field, title) in zip(axes, [("causal_score", "R_causal", "R_causal (C > {t}, s ≥ ⌈L/4⌉)"),
-                                              ("permutation_score", "R_perm", "R_perm (P > {t}, all pairs)")]):
+                                              ("permutation_score", "R_perm", "R_perm (P > {t}, i, j ≥ ⌈L/4⌉)")]):
         points = {}  # (design, depth) -> values in %; seeds of one shape are averaged
         for g in docs:
             points.setdefault((g["meta"]["residual"], shape(g["meta"])[1]), []).append(
@@ -398,6 +411,8 @@ def fig6_depth_use(data, out_path, svg=False):
         t = next((metric(g, key).get("threshold") for g in docs if metric(g, key)), "?")
         ax.set_xticks(range(len(depths)), [str(L) for L in depths])
         ax.set(title=title.format(t=t), xlabel="depth n_layer", ylabel="pairs above threshold (%)")
+        paper = ", ".join(f"{display(r)} {v}%" for r, v in PAPER_FIG6[field].items())
+        ax.text(0.01, 0.98, f"paper (L32, 8B tokens): {paper}", transform=ax.transAxes, va="top", fontsize=7)
         ax.grid(axis="y", alpha=0.3)
     legend_once(axes[1], axes)
     save(fig, out_path, svg)

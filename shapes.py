@@ -1,16 +1,21 @@
 """
-Exact parameter counts and the width/depth solver of DepthBench (docs/designs.md#backbone).
+The paper's model suites as data, exact parameter counts and a width/depth solver of DepthBench
+(docs/designs.md#backbone).
 
-Shape rule (the paper's 400M family): 16 heads, an even head_dim, d = 16 * head_dim,
-d_ff = ceil(8d/3) rounded up to a multiple of 16, vocab 50280, untied embeddings.
-Aspect ratio AR = d / L.
+SUITES holds every shape the paper trains (its configs, not solved): 16 query heads, vocab 50280,
+T = 2048, global batch 512 x 2048, and the run length in optimizer steps. Aspect ratio AR = d / L.
+The solver reproduces the 400M rule (16 heads, an even head_dim, d = 16 * head_dim, d_ff = ceil(8d/3)
+rounded up to a multiple of 16) for other budgets and depths; its shapes are not the paper's unless
+they appear in SUITES.
 
 Every design runs at the shape solved from the Pre-LN count (the paper's convention); a design's
 own extra parameters come on top and are counted exactly by building the model on the meta device.
 
     python shapes.py --params 405M --ar 9.1            # -> L=70, d=640, d_ff=1712, 409,229,440 params
     python shapes.py --params 405M --layers 24 --residual mhc
-    python shapes.py --table                           # the paper's 400M family
+    python shapes.py --suite                           # the paper's suites: 400m, 302m-backbone, ladder, 1.6b
+    python shapes.py --suite 1.6b --json               # one suite's rows (shape, KV heads, params, steps)
+    python shapes.py --table                           # the solver at 13 depths (7 of them are the paper's 400m)
     python shapes.py --params 300M --fixed backbone --ar 9.1 --json
 """
 import argparse
@@ -21,7 +26,44 @@ from pathlib import Path
 
 N_HEAD = 16
 VOCAB = 50280
-TABLE_LAYERS = [16, 20, 24, 26, 28, 30, 32, 36, 42, 50, 56, 62, 70]  # the paper's 400M depths
+# depths of `--table`, the solver's family for a budget; only L16, 20, 24, 28, 32, 42, 70 are paper rows (SUITES)
+TABLE_LAYERS = [16, 20, 24, 26, 28, 30, 32, 36, 42, 50, 56, 62, 70]
+
+
+def _rows(shapes, steps, label, n_kv_head=N_HEAD):
+    return [{"n_layer": L, "d_model": d, "d_ff": f, "n_kv_head": n_kv_head, "steps": steps, "label": label}
+            for L, d, f in shapes]
+
+
+_400M = [(16, 1216, 3248), (20, 1120, 2992), (24, 1024, 2736), (28, 960, 2560), (32, 896, 2400), (42, 800, 2144),
+         (70, 640, 1712)]
+# name -> (what it is in the paper, rows). steps = the official launches' run length (tokens = steps x 512 x 2048)
+SUITES = {
+    "400m": ("Table 3: 405M total at seven aspect ratios, ~8B tokens", _rows(_400M, 7600, "400M")),
+    "302m-backbone": ("Fig. 2 bottom right: a fixed ~300M backbone, embeddings on top", _rows(
+        [(16, 1248, 3328), (24, 1024, 2736), (32, 896, 2400), (42, 768, 2048), (70, 608, 1632), (84, 544, 1456)],
+        7600, "302M backbone")),
+    "ladder": ("Fig. 3 left: 200M-500M, each at AR ~28 / 43 / 75, tokens in proportion",
+               _rows([(24, 672, 1792), (18, 768, 2048), (12, 896, 2400)], 3800, "200M")
+               + _rows([(28, 800, 2144), (21, 896, 2400), (14, 1056, 2816)], 5700, "300M")
+               + _rows([_400M[4], _400M[2], _400M[0]], 7600, "400M")
+               + _rows([(34, 992, 2656), (26, 1120, 2992), (17, 1344, 3584)], 9500, "500M")),
+    "1.6b": ("Fig. 3 right: 1.6B with grouped-query attention (8 KV heads), d_ff = 3d, ~32B tokens",
+             _rows([(28, 2048, 6144), (40, 1728, 5184), (54, 1504, 4512)], 30400, "1.6B", n_kv_head=8)),
+}
+
+
+def suite_rows(name, vocab=VOCAB):
+    """The rows of a suite with every derived number: shape, heads, AR, exact Pre-LN counts, steps."""
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
+    rows = []
+    for r in SUITES[name][1]:
+        L, d, f, kv = r["n_layer"], r["d_model"], r["d_ff"], r["n_kv_head"]
+        rows.append({"n_layer": L, "d_model": d, "d_ff": f, "n_head": N_HEAD, "n_kv_head": kv,
+                     "head_dim": d // N_HEAD, "ar": d / L, "params": preln_params(L, d, f, vocab, kv),
+                     "backbone_params": backbone_params(L, d, f, kv), "steps": r["steps"], "label": r["label"]})
+    return rows
 
 
 def ffn_dim(d):
@@ -29,21 +71,23 @@ def ffn_dim(d):
     return 16 * math.ceil(math.ceil(8 * d / 3) / 16)
 
 
-def backbone_params(L, d, d_ff):
-    """Blocks only: L * (4d^2 attention + 3 d d_ff SwiGLU + 2d pre-norm gains)."""
-    return L * (4 * d * d + 3 * d * d_ff + 2 * d)
+def backbone_params(L, d, d_ff, n_kv_head=N_HEAD, n_head=N_HEAD):
+    """Blocks only: L * (attention + 3 d d_ff SwiGLU + 2d pre-norm gains). Attention is 2d^2 (W_q, W_o)
+    + 2 d d_kv (W_k, W_v), d_kv = d n_kv_head / n_head: 4d^2 for MHA, less with GQA."""
+    d_kv = d * n_kv_head // n_head
+    return L * (2 * d * d + 2 * d * d_kv + 3 * d * d_ff + 2 * d)
 
 
-def preln_params(L, d, d_ff, vocab=VOCAB):
+def preln_params(L, d, d_ff, vocab=VOCAB, n_kv_head=N_HEAD, n_head=N_HEAD):
     """Pre-LN total: backbone + embedding + LM head (untied) + final norm."""
-    return backbone_params(L, d, d_ff) + 2 * vocab * d + d
+    return backbone_params(L, d, d_ff, n_kv_head, n_head) + 2 * vocab * d + d
 
 
-def count_params(L, d, d_ff, residual="preln", vocab=VOCAB, n_head=N_HEAD, **residual_args):
+def count_params(L, d, d_ff, residual="preln", vocab=VOCAB, n_head=N_HEAD, n_kv_head=None, **residual_args):
     """Exact total of the built model (meta device: no memory, no init), any registered design."""
     import torch
     from model import GPT, GPTConfig
-    cfg = GPTConfig(vocab_size=vocab, n_layer=L, d_model=d, n_head=n_head, d_ff=d_ff,
+    cfg = GPTConfig(vocab_size=vocab, n_layer=L, d_model=d, n_head=n_head, n_kv_head=n_kv_head, d_ff=d_ff,
                     residual=residual, residual_args=residual_args)
     with torch.device("meta"):
         return GPT(cfg).num_params()
@@ -127,6 +171,30 @@ def describe(shape, residual="preln", vocab=VOCAB):
     return "\n".join(lines)
 
 
+def print_suite(args, fail):
+    """--suite: the list of suites, or one suite's rows (params: the exact total of --residual)."""
+    if not args.suite:
+        for name, (about, rows) in SUITES.items():
+            print(f"{name:<14} {len(rows):>2} rows  {about}")
+        return
+    if args.suite not in SUITES:
+        fail(f"unknown suite {args.suite!r}; choose from {', '.join(SUITES)}")
+    rows = suite_rows(args.suite, args.vocab)
+    for r in rows:
+        r["params"] = count_params(r["n_layer"], r["d_model"], r["d_ff"], args.residual, args.vocab,
+                                   n_kv_head=r["n_kv_head"])
+    if args.json:
+        keys = ["n_layer", "d_model", "d_ff", "n_head", "n_kv_head", "params", "backbone_params", "steps"]
+        print(json.dumps([{k: r[k] for k in keys} for r in rows]))
+        return
+    print(f"{args.suite}: {SUITES[args.suite][0]}")
+    print(f"{'row':>3} {'size':>13} {'L':>4} {'d':>6} {'d_ff':>6} {'kv':>3} {'d/L':>6} {'backbone':>14} "
+          f"{'total':>14} {'steps':>7}  ({args.residual})")
+    for k, r in enumerate(rows):
+        print(f"{k:>3} {r['label']:>13} {r['n_layer']:>4} {r['d_model']:>6} {r['d_ff']:>6} {r['n_kv_head']:>3} "
+              f"{r['ar']:>6.1f} {r['backbone_params']:>14,} {r['params']:>14,} {r['steps']:>7,}")
+
+
 def main(argv=None):
     from residuals import RESIDUALS
     p = ArgParser(description="Parameter counts and the width/depth solver of DepthBench.")
@@ -138,7 +206,8 @@ def main(argv=None):
     p.add_argument("--residual", default="preln", help=f"design whose exact total to report: {', '.join(RESIDUALS)}")
     p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (default 50280, the paper's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--table", action="store_true", help="print the paper's 400M family for this budget")
+    p.add_argument("--table", action="store_true", help="print the solver's shapes at 13 depths for this budget")
+    p.add_argument("--suite", nargs="?", const="", help="print a suite of the paper's shapes (no name: list them)")
     args = p.parse_args(argv)
 
     fail = p.error
@@ -154,6 +223,8 @@ def main(argv=None):
     if args.vocab <= 0:
         fail("--vocab must be positive")
 
+    if args.suite is not None:
+        return print_suite(args, fail)
     if args.table:
         rows = []
         for L in TABLE_LAYERS:

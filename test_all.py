@@ -63,10 +63,12 @@ def test_every_parameter_gets_a_finite_gradient(residual):
         assert torch.isfinite(p.grad).all(), f"{name} has a non-finite gradient"
 
 
+@pytest.mark.parametrize("n_kv_head", [None, 2])
 @pytest.mark.parametrize("residual", ALL)
-def test_causality(residual):
-    """Changing token t leaves the logits at positions < t unchanged (and does change position t)."""
-    model = build(residual)
+def test_causality(residual, n_kv_head):
+    """Changing token t leaves the logits at positions < t unchanged (and does change position t),
+    with multi-head and with grouped-query attention."""
+    model = build(residual, n_kv_head=n_kv_head)
     x = batch(B=1, T=12)
     t = 7
     x2 = x.clone()
@@ -331,8 +333,8 @@ def _mhc_maps(model, x):
 
 
 def test_mhc_transport_doubly_stochastic_uniform_init_and_after_training():
-    """Default init: H_res ~ 11^T/4, H_pre ~ 1/2, H_post ~ 1; still doubly stochastic after AdamW steps."""
-    model = build("mhc")
+    """init='uniform': H_res ~ 11^T/4, H_pre ~ 1/2, H_post ~ 1; still doubly stochastic after AdamW steps."""
+    model = build("mhc", residual_args={"init": "uniform"})
     x = batch()
     res, pre, post = _mhc_maps(model, x)
     torch.testing.assert_close(res, torch.full_like(res, 0.25), atol=0.02, rtol=0)
@@ -351,8 +353,9 @@ def test_mhc_transport_doubly_stochastic_uniform_init_and_after_training():
 
 
 def test_mhc_gap8_init():
-    """gap-8: H_res diagonal 1/(1+3e^-8) = 0.998995, H_pre ~ one-hot(k mod 4), H_post = 1."""
-    model = build("mhc", residual_args={"init": "gap8"})
+    """The default init is gap-8: H_res diagonal 1/(1+3e^-8) = 0.998995, H_pre ~ one-hot(k mod 4), H_post = 1."""
+    model = build("mhc")
+    assert model.res.init == "gap8"
     res, pre, post = _mhc_maps(model, batch())
     diag = 1 / (1 + 3 * math.exp(-8))
     torch.testing.assert_close(torch.diagonal(res, dim1=-2, dim2=-1), torch.full((6, 4), diag), atol=1e-5, rtol=0)
@@ -380,7 +383,7 @@ def test_residual_mixing_reaches_the_output(residual):
         if residual == "hc":
             c.static_alpha[:, 1:] += 0.5 * torch.randn(4, 4)
         else:
-            c.b[8:] += 2.0 * torch.randn(16)
+            c.b[8:] = 2.0 * torch.randn(16)              # away from gap-8's near-identity, which saturates
         assert abs(model(x, x)[1].item() - loss0) > 1e-4
 
 
@@ -485,3 +488,102 @@ def test_readme_quick_start_matches_ci():
     ci = [line.strip() for line in open(".ci/run").read().splitlines()]
     assert ci[-1] == commands[1]
     assert "python -m pip install -q -r requirements.txt" in ci
+
+
+# ----------------------------------------------------------------------------- grouped-query attention
+
+def test_mha_attention_is_the_plain_multi_head_formula():
+    """n_kv_head = n_head: Attention equals textbook MHA (d -> d projections, RoPE, causal SDPA) bit
+    for bit, with the d x d W_k, W_v of every earlier checkpoint."""
+    from model import Attention, apply_rope, rope_cos_sin
+    cfg = tiny(n_kv_head=4)
+    torch.manual_seed(0)
+    attn = Attention(cfg)
+    assert attn.wk.weight.shape == attn.wv.weight.shape == (64, 64)
+    x = torch.randn(2, 10, 64)
+    rope = rope_cos_sin(10, cfg.head_dim, cfg.rope_theta, x.device)
+    heads = [lin(x).view(2, 10, 4, 16).transpose(1, 2) for lin in (attn.wq, attn.wk, attn.wv)]
+    q, k = (apply_rope(t, *rope) for t in heads[:2])
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, heads[2], is_causal=True)
+    with torch.no_grad():
+        assert torch.equal(attn(x, rope)[0], attn.wo(o.transpose(1, 2).reshape(2, 10, 64)))
+
+
+def mha_copy_of(gqa):
+    """An MHA model whose k/v heads (and MoDA's depth k/v heads) are copies of a GQA model's."""
+    cfg = gqa.cfg
+    group = cfg.n_head // cfg.n_kv_head
+    mha = GPT(tiny(cfg.residual, n_kv_head=cfg.n_head))
+    state = {}
+    for name, t in gqa.state_dict().items():
+        if name.endswith(("attn.wk.weight", "attn.wv.weight")):
+            t = t.view(cfg.n_kv_head, -1, cfg.d_model).repeat_interleave(group, 0).flatten(0, 1)
+        elif ".kv_proj." in name:                                       # (2, Hkv, hd) output rows
+            t = t.view(2, cfg.n_kv_head, -1, cfg.d_model).repeat_interleave(group, 1).flatten(0, 2)
+        state[name] = t
+    mha.load_state_dict(state)
+    return mha
+
+
+@pytest.mark.parametrize("residual", ALL)
+def test_gqa_equals_mha_with_copied_kv_heads(residual):
+    """n_kv_head = 2 of 4 heads: the same logits as MHA whose k/v heads are pairwise copies; fewer
+    parameters by exactly what the formula says; and not the same as MHA with its own k/v heads."""
+    gqa = build(residual, n_kv_head=2)
+    mha = mha_copy_of(gqa)
+    x = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x)[0], mha(x)[0], rtol=1e-5, atol=1e-5)
+        assert (build(residual)(x)[0] - gqa(x)[0]).abs().max() > 1e-4
+    cfg = gqa.cfg
+    saved = 2 * cfg.n_layer * cfg.d_model * cfg.d_model // 2              # W_k, W_v lose half their rows
+    if residual == "moda":
+        saved += (cfg.n_layer - 1) * cfg.d_model * cfg.d_model             # and W_kv half of its 2d outputs
+    assert mha.num_params() - gqa.num_params() == saved
+    assert shapes.count_params(3, 64, 176, residual, vocab=64, n_head=4, n_kv_head=2) == gqa.num_params()
+
+
+# ----------------------------------------------------------------------------- the paper's suites
+
+@pytest.mark.parametrize("suite,L,total", [
+    ("400m", 42, 404_151_200), ("302m-backbone", 84, 353_831_200), ("ladder", 12, 206_073_728),
+    ("ladder", 34, 502_401_376), ("1.6b", 28, 1_615_349_760), ("1.6b", 40, 1_607_179_968),
+    ("1.6b", 54, 1_617_192_544),
+])
+def test_suite_totals(suite, L, total):
+    """The official configs' exact Pre-LN totals: the formula and the model built on the meta device."""
+    row = next(r for r in shapes.suite_rows(suite) if r["n_layer"] == L)
+    assert row["params"] == total
+    assert shapes.count_params(L, row["d_model"], row["d_ff"], n_kv_head=row["n_kv_head"]) == total
+
+
+def test_suites_match_the_paper_configs():
+    """Every suite row: 16 heads, d = 16 x head_dim; 1.6b uses 8 KV heads and d_ff = 3d, the others
+    MHA and ceil16(8d/3); the 400M rows are what the solver finds at 405M; steps as launched."""
+    steps = {"400m": {7600}, "302m-backbone": {7600}, "ladder": {3800, 5700, 7600, 9500}, "1.6b": {30400}}
+    assert shapes.suite_rows("302m-backbone")[-1]["backbone_params"] == 299_126_016
+    for name in shapes.SUITES:
+        for r in shapes.suite_rows(name):
+            assert r["n_head"] * r["head_dim"] == r["d_model"] and r["head_dim"] % 2 == 0
+            gqa = name == "1.6b"
+            assert r["n_kv_head"] == (8 if gqa else 16)
+            assert r["d_ff"] == (3 * r["d_model"] if gqa else shapes.ffn_dim(r["d_model"]))
+            assert r["steps"] in steps[name]
+    for r in shapes.suite_rows("400m"):
+        s = shapes.solve(405_000_000, layers=r["n_layer"])
+        assert (s["d_model"], s["d_ff"], s["params"]) == (r["d_model"], r["d_ff"], r["params"])
+    assert [len(shapes.suite_rows(n)) for n in shapes.SUITES] == [7, 6, 12, 3]
+
+
+def test_shapes_cli_suite_json():
+    """`shapes.py --suite 1.6b --json`: three rows, 8 KV heads, the exact totals; no name lists suites."""
+    import json
+    r = run("shapes.py", "--suite", "1.6b", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(x["d_ff"], x["n_kv_head"], x["params"], x["steps"]) for x in rows] == [
+        (6144, 8, 1_615_349_760, 30400), (5184, 8, 1_607_179_968, 30400), (4512, 8, 1_617_192_544, 30400)]
+    listing = run("shapes.py", "--suite")
+    assert [line.split()[0] for line in listing.stdout.splitlines()] == list(shapes.SUITES)
+    bad = run("shapes.py", "--suite", "nosuch")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not bad.stdout

@@ -91,6 +91,35 @@ def test_block_attnres_of_single_sublayer_groups_equals_full_under_every_skip():
         assert torch.allclose(a[0], b[0], atol=1e-6) and all(torch.allclose(u, v, atol=1e-6) for u, v in zip(a[1], b[1]))
 
 
+def test_block_attnres_skip_keeps_the_open_group_across_a_boundary():
+    """Block AttnRes, L3 in 4 groups [0, 0 | 1 | 2, 2 | 3] of sublayers: block 1 (sublayers 2, 3) holds two
+    group boundaries. Skipped, it returns its inputs unchanged (the reference's skip_block): the open
+    group f0 + f1 is not closed, and block 2's attention output joins that same running sum."""
+    model = build("block_attnres")
+    assert model.res.group == [0, 0, 1, 2, 2, 3]
+    with torch.no_grad():
+        model.res.queries.normal_(0, 1.0)                # non-uniform depth weights: the test has teeth
+    x, _ = tokens()
+    res = model.res
+    rope = dg.rope_cos_sin(x.size(1), model.cfg.head_dim, model.cfg.rope_theta, x.device)
+
+    def sublayer(s, i):
+        f = model.blocks[i // 2].attn if i % 2 == 0 else model.blocks[i // 2].mlp
+        y = f(res.read(s, i)[0], rope)[0] if i % 2 == 0 else f(res.read(s, i)[0])
+        return res.write(s, i, y)
+
+    with torch.no_grad():
+        s = sublayer(sublayer(res.init_stream(model.wte(x)), 0), 1)
+        open_group = sublayer(sublayer(s, 4), 5)                       # block 1 left out, its inputs unchanged
+        closed = sublayer(sublayer((s[0] + [s[1]], None), 4), 5)       # the rule this replaces
+        assert len(open_group[0]) == 2 and len(closed[0]) == 3         # [e, f0+f1+f4] vs [e, f0+f1, f4]
+        expect, other = (model.lm_head(res.collapse(t)) for t in (open_group, closed))
+        logits, states, _ = dg.trunk(model, x, skip=1)
+    torch.testing.assert_close(logits, expect, rtol=0, atol=1e-6)
+    assert (logits - other).abs().max() > 1e-4
+    assert torch.equal(states[2], s[1])                                # z_2: the running sum f0 + f1
+
+
 def test_attnres_next_output_rule():
     """Full AttnRes, block 1 of 3 skipped: block 2 reads (and z_2 is) the newest source, block 0's MLP output."""
     model = build("attnres")
@@ -210,14 +239,17 @@ def test_r_causal_counts_only_the_last_three_quarters():
     assert dg.share_above(C, 0.45, L, math.ceil(L / 4)) == (15, 3, 3 / 15)
 
 
-def test_r_perm_counts_all_pairs_and_the_last_three_quarters():
-    """L = 8: 28 pairs in all, 15 with both blocks >= 2."""
-    L = 8
+def test_r_perm_headline_counts_the_last_three_quarters():
+    """L = 7: s_min = ceil(7/4) = 2 (floor would give 1), so the headline R_perm counts the 10 pairs
+    2 <= i < j <= 6 and R_perm_all all 21; strictly above 0.15."""
+    L = 7
     P = [[0.0 if j > i else None for j in range(L)] for i in range(L)]
-    P[0][1] = P[1][5] = P[2][3] = P[6][7] = 0.2
+    P[2][3] = P[5][6] = 0.2                # counted in both
+    P[1][2] = P[0][6] = 0.2                # i < ceil(L/4): all pairs only
     P[4][5] = 0.15                         # not strictly above
-    assert dg.share_above(P, 0.15, L) == (28, 4, 4 / 28)
-    assert dg.share_above(P, 0.15, L, math.ceil(L / 4)) == (15, 2, 2 / 15)
+    out = dg.perm_shares(P, 0.15, L)
+    assert (out["n_pairs"], out["n_above"], out["R_perm"], out["s_min"]) == (10, 2, 2 / 10, 2)
+    assert (out["n_pairs_all"], out["n_above_all"], out["R_perm_all"]) == (21, 4, 4 / 21)
 
 
 def test_dead_zone_schedule_and_block_count():
@@ -279,6 +311,9 @@ def test_nll_formats():
     assert t == " a" and p.startswith("Question: Q\nChoices:\nA. ") and p.endswith("\nAnswer:")
     assert sorted(line[3:] for line in p.splitlines()[2:6]) == ["a", "b", "c", "d"]   # stripped, shuffled
     assert p == dg.nll_pair("gpqa_diamond", row)[0]                  # the shuffle is seeded by the record
+    p2, _ = dg.nll_pair("gpqa_diamond", {**row, "Question": " \n Q \n"})  # the question stripped, as the reference
+    assert p2 == p
+    assert dg.nll_pair("humaneval", {"prompt": "def f():", "canonical_solution": "x"}) == ("def f():", "x")  # no separator
     assert dg.encode_pair(ByteTokenizer(), "ab \n", "cd") == (list(b"ab"), list(b" \ncd"))
 
 
@@ -297,7 +332,7 @@ def test_cli_on_a_checkpoint_writes_every_metric(tmp_path):
     r = run_cli(str(run), "--num-samples", "4", "--batch-size", "2")
     assert r.returncode == 0, r.stderr
     out = json.loads((run / "diagnose.json").read_text())
-    assert out["schema"] == "depthbench.diagnose/1"
+    assert out["schema"] == "depthbench.diagnose/2"
     assert out["meta"]["step"] == 7 and out["meta"]["seq_len"] == 16 and out["meta"]["seed"] == 3
     for key in dg.METRICS.values():
         assert key in out

@@ -59,7 +59,7 @@ def diagnose_json(residual="attnres", n_layer=L, d_model=64):
     schedule = [0.01 if k % 3 == 0 else 0.2 + 0.6 * k / S for k in range(S)]
     lens = [{"index": i, "early_exit_ce": 6 - i * (4 - o) / n, "kl_to_final": (3 - o) * (1 - i / n),
              "top5_overlap": (i / n) ** (1 + o)} for i in range(n + 1)]
-    doc = {"schema": "depthbench.diagnose/1",
+    doc = {"schema": "depthbench.diagnose/2",
            "meta": {"residual": residual, "n_layer": n, "d_model": d_model, "ar": d_model / n, "checkpoint": None,
                     "num_samples": 4, "seq_len": 32, "dtype": "float32", "device": "cpu", "seed": 0},
            "angular_distance": {"matrix": tri(n + 1, lambda i, j: (j - i) / (n + 1)), "subsequent": sub,
@@ -67,7 +67,7 @@ def diagnose_json(residual="attnres", n_layer=L, d_model=64):
            "causal_score": {"matrix": tri(n, lambda i, j: float(rng.uniform(0, 1))), "threshold": 0.45, "s_min": 1,
                             "R_causal": 0.05 + 0.2 * o, "n_pairs": 3, "n_above": 1, "variant": "mean_of_ratios"},
            "permutation_score": {"matrix": tri(n, lambda i, j: float(rng.uniform(0, 0.4))), "threshold": 0.15,
-                                 "R_perm": 0.1 + 0.3 * o, "R_perm_last34": 0.33, "baseline_loss": 3.0},
+                                 "R_perm": 0.1 + 0.3 * o, "R_perm_all": 0.33, "baseline_loss": 3.0},
            "logit_lens": {"states": lens, "final_loss": 2.0 + o},
            "layer_pruning": {"baseline_loss": 3.0,
                              "layers": [{"layer": i, "loss": 3.1 + 0.1 * i, "delta": 0.1 + 0.1 * i} for i in range(n)]},
@@ -207,6 +207,18 @@ def test_other_schema_version_is_skipped_by_name(tmp_path):
     data, skipped = plot.load_folder(tmp_path)
     assert len(data["train"]) == 1 and data["train"][0]["_path"] == str(Path("ok/run.json"))
     assert skipped == [(str(Path("new/run.json")), "schema depthbench.train/2, this plot.py reads version 1")]
+
+
+def test_diagnose_v1_is_read_with_the_last_three_quarters_as_headline(tmp_path):
+    """diagnose/1 (R_perm = all pairs, R_perm_last34) is drawn as /2: R_perm = the last three quarters."""
+    old = diagnose_json("hc", 4)
+    old["schema"] = "depthbench.diagnose/1"
+    old["permutation_score"] = {"R_perm": 0.5, "R_perm_last34": 0.25, "threshold": 0.15}
+    write(tmp_path, "d/diagnose.json", old)
+    data, skipped = plot.load_folder(tmp_path)
+    assert not skipped
+    perm = data["diagnose"][0]["permutation_score"]
+    assert (perm["R_perm"], perm["R_perm_all"]) == (0.25, 0.5)
 
 
 def test_junk_json_is_skipped_with_a_reason(tmp_path):

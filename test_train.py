@@ -228,6 +228,12 @@ def test_grid_skips_finished_runs(tmp_path, capsys):
     ["--lr", "abc"],                                 # not a number
     ["--ar", "32", "--layers", "4"],                 # both
     ["--params", "lots"],                            # not a count
+    ["--suite", "1.6b", "--layers", "24"],           # no such row
+    ["--suite", "ladder", "--layers", "24"],         # two rows of that depth: --row says which
+    ["--suite", "ladder", "--ar", "42.67"],          # three rows of that AR
+    ["--suite", "1.6b"],                             # no row picked
+    ["--suite", "400m", "--row", "7"],               # past the last row
+    ["--suite", "400m", "--params", "300M"],         # a suite fixes the shape
     pytest.param(["--device", "cuda"], marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv):
@@ -264,3 +270,30 @@ def test_compiled_run_matches_eager_and_saves_plain_keys(tmp_path, capsys):
     assert [s["loss"] for s in compiled["steps"]] == pytest.approx([s["loss"] for s in eager["steps"]], rel=1e-4)
     ckpt = torch.load(next((tmp_path / "compiled").glob("*/ckpt.pt")), weights_only=True)
     GPT(GPTConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])  # strict
+
+
+@pytest.mark.parametrize("argv,row,steps", [
+    (["--suite", "400m", "--layers", "24"], (24, 1024, 16), 7600),
+    (["--preset", "400m", "--ar", "9.1"], (70, 640, 16), 7600),           # --preset 400m means suite 400m
+    (["--suite", "ladder", "--row", "2"], (12, 896, 16), 3800),
+    (["--suite", "1.6b", "--layers", "40"], (40, 1728, 8), 30400),
+])
+def test_suite_rows_set_shape_steps_and_warmup(argv, row, steps):
+    """A suite row fixes the shape (KV heads too), the steps and a warmup of 10% of them."""
+    args, _ = train.parse_args(argv + ["--device", "cpu", "--data", "synthetic"])
+    key, value = ("row", args.row[0]) if args.row else ("layers", args.layers[0]) if args.layers else ("ar", args.ar[0])
+    cfg = train.resolve(args, "preln", key, value, None, 42, 64, 1)
+    assert (cfg["n_layer"], cfg["d_model"], cfg["n_kv_head"]) == row
+    assert (cfg["total_steps"], cfg["warmup_steps"]) == (steps, steps // 10)
+
+
+def test_print_grid_lists_the_paper_sweep(capsys):
+    """--print-grid: every design x row x LR of {5e-4, 1e-3, 2e-3, 5e-3}, LNS also 1e-2; filters narrow it."""
+    assert train.main(["--suite", "400m", "--print-grid"]) is None
+    lines = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
+    assert len(lines) == 10 * 7 * 4 + 7 and len(set(lines)) == len(lines)
+    assert sum("--residual lns " in x and x.endswith("--lr 1e-2") for x in lines) == 7
+    train.main(["--suite", "ladder", "--row", "7", "--residual", "hc", "--lr", "2e-3", "--print-grid"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["torchrun --standalone --nproc_per_node=8 train.py --suite ladder --row 7 --residual hc "
+                       "--lr 2e-3"]

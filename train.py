@@ -5,15 +5,18 @@ train.py: train one DepthBench model, or a grid of them, and log everything to r
     python train.py --max-steps 3 --out /tmp/runs    # the same run, stopped after 3 steps (a smoke test)
     python train.py --residual preln,hc --seed 0,1   # a grid: every combination in turn, finished runs skipped
     python data.py --source fineweb-edu --max-tokens 8200000000 --out data_cache/fineweb-edu-gpt2  # once, first
-    torchrun --standalone --nproc_per_node=8 train.py --preset 400m --residual hc --ar 42.67
+    torchrun --standalone --nproc_per_node=8 train.py --suite 1.6b --layers 40 --residual attnres  # a paper run
+    python train.py --suite 400m --print-grid        # the suite's whole LR sweep as torchrun lines, for a cluster
 
 Presets (PRESETS below). `cpu` (the default without CUDA): a 0.8M-parameter backbone on the embedded
 synthetic task (data.py's S4 running products), fp32, eager; what it learns and how long it takes are
 measured in the README (its results section), not here. `mini`: the one-machine suite's shapes (mini.py).
-`400m` (the default with CUDA): the paper's recipe (docs/designs.md#recipe): 405M total parameters at
-an aspect ratio AR = d_model / n_layer, 20 tokens per parameter, global batch 512 x 2048, AdamW
-(0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup then cosine to 0.1x peak, the paper's peak LR per
-design, FineWeb-Edu with the GPT-2 tokenizer, bf16 autocast, torch.compile.
+`400m` (the default with CUDA): the paper's recipe (docs/designs.md#recipe) on the paper's own shapes:
+`--suite NAME` (shapes.SUITES: 400m, 302m-backbone, ladder, 1.6b; `--preset 400m` alone means
+`--suite 400m`) with `--row K`, `--layers L` or `--ar A` picking rows, the suite's step count (400m:
+7,600), global batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup (760 of 7,600)
+then cosine to 0.1x peak, the paper's peak LR per design, FineWeb-Edu with the GPT-2 tokenizer, bf16
+autocast, torch.compile.
 Any flag overrides its preset value; every derived number is printed before training.
 
 Each run writes {out}/{name}/run.json (config, params, per-step losses, evals; plot.py reads it) and
@@ -44,11 +47,12 @@ import data
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
-from shapes import ArgParser, backbone_params, parse_count, preln_params, solve, write_json
+from shapes import SUITES, VOCAB, ArgParser, backbone_params, parse_count, preln_params, solve, suite_rows, write_json
 
 SCHEMA = "depthbench.train/1"
 PAPER_LR = {"lns": 1e-2, "deepnorm": 1e-3}       # the paper's Table 4 optimum; every other design: 2e-3
 PAPER_MICRO_BATCH = {"hc": 8, "mhc": 8, "moda": 4}  # what fit in memory in the paper; every other design: 16
+PAPER_LR_SWEEP = [5e-4, 1e-3, 2e-3, 5e-3]          # the paper's sweep for every design; LNS also 1e-2
 VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
 
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
@@ -116,17 +120,24 @@ def build_parser():
     add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's "
         "shapes: 4 heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); "
         "default: 400m with CUDA, cpu without. Flags below marked (preset) default to the preset's value")
-    add("--residual", type=csv(str), default=["preln"], help=f"design(s): {', '.join(RESIDUALS)}")
+    add("--residual", type=csv(str), help=f"design(s): {', '.join(RESIDUALS)} (default preln; --print-grid: all)")
     add("--ar", type=csv(positive(float)), help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
     add("--layers", type=csv(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 2)")
-    add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu/mini 0.8M backbone)")
+    add("--suite", choices=list(SUITES), help="the paper's shapes and step counts (shapes.py --suite); implies "
+        "--preset 400m, which without --params means --suite 400m")
+    add("--row", type=csv(int), help="--suite: row number(s) as `shapes.py --suite NAME` lists them")
+    add("--print-grid", action="store_true", help="--suite: print every design x row x LR of the paper's sweep "
+        "(LNS also 1e-2) as torchrun lines and exit; --residual, --row/--layers/--ar and --lr narrow it")
+    add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu/mini 0.8M backbone), "
+        "instead of a suite")
     add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
     add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's per design, 2e-3, LNS 1e-2, "
         "DeepNorm 1e-3; cpu/mini 3e-3)")
     add("--seed", type=csv(int), default=[42], help="seed(s) of the init and the train data order (the paper's 42)")
     # design options (GPTConfig.residual_args)
     add("--streams", type=pint, default=4, help="hc/mhc: number of residual streams n")
-    add("--mhc-init", choices=["uniform", "gap8"], default="uniform", help="mhc: start of the transport logits")
+    add("--mhc-init", choices=["gap8", "uniform"], default="gap8", help="mhc: start of the transport logits "
+        "(gap8: H_res ~ I, the official runs'; uniform: H_res ~ 11^T/n)")
     add("--n-groups", type=pint, default=8, help="block_attnres: number of sublayer groups N")
     add("--moda-norm", choices=["pre", "post"], default="pre", help="moda: pre-norm or post-norm variant")
     # data
@@ -139,8 +150,10 @@ def build_parser():
     add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu/mini 128)")
     # batch and schedule
     add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu/mini 32)")
-    add("--batch-size", type=pint, help="micro-batch per rank (preset: 16, HC/mHC 8, MoDA 4; cpu/mini: global batch / ranks)")
-    add("--steps", type=pint, help="length of the LR schedule (preset: 20 tokens per budgeted param; cpu/mini 1200)")
+    add("--batch-size", type=pint, help="micro-batch per rank (preset: 16, HC/mHC 8, MoDA 4; cpu/mini: global "
+        "batch / ranks)")
+    add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
+        "tokens per budgeted param; cpu/mini 1200)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay (a design's static params get 0)")
     add("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
@@ -169,23 +182,57 @@ def residual_args(args, residual):
     """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
     opts = {"hc": {"n_streams": args.streams}, "mhc": {"n_streams": args.streams, "init": args.mhc_init},
             "block_attnres": {"n_groups": args.n_groups}, "moda": {"norm": args.moda_norm}}.get(residual, {})
-    defaults = {"n_streams": 4, "init": "uniform", "n_groups": 8, "norm": "pre"}
+    defaults = {"n_streams": 4, "init": "gap8", "n_groups": 8, "norm": "pre"}
     return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != defaults[k])
 
 
-def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_size):
-    """Everything one run needs, as the flat dict that goes into run.json and ckpt.pt."""
+def suite_row(suite, key, value, vocab_size):
+    """The row of a suite picked by `row` (its number), `layers` (its depth) or `ar` (nearest, within 10%)."""
+    rows = suite_rows(suite, vocab_size)
+    listing = ", ".join(f"{k}: L{r['n_layer']} d{r['d_model']}" for k, r in enumerate(rows))
+    if key == "row":
+        if not 0 <= value < len(rows):
+            raise ValueError(f"suite {suite} has rows 0..{len(rows) - 1} ({listing})")
+        return rows[value]
+    if key == "layers":
+        hits = [r for r in rows if r["n_layer"] == value]
+    else:  # the nearest AR, within 10%
+        gap = min(abs(r["ar"] - value) for r in rows)
+        hits = [r for r in rows if abs(r["ar"] - value) < gap + 1e-9 and gap <= 0.1 * value]
+    if not hits:
+        raise ValueError(f"suite {suite} has no row with {key} {value:g} ({listing})")
+    if len(hits) > 1:  # the ladder repeats a depth, and an AR, at several sizes
+        raise ValueError(f"suite {suite} has {len(hits)} rows with {key} {value:g}: give --row ({listing})")
+    return hits[0]
+
+
+def solved_shape(args, key, value, vocab_size):
+    """The solver's shape for --params/--fixed (the cpu preset, or a budget that is no suite)."""
     budget = parse_count(args.params)
     n_head = PRESETS[args.preset]["n_head"]
-    shape = solve(budget, **{shape_key: shape_value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)
+    shape = solve(budget, **{key: value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)
     L, d = shape["n_layer"], shape["d_model"]
-    if shape_key == "ar" and abs(shape["ar"] - shape_value) > 0.1 * shape_value:
-        raise ValueError(f"no valid shape of {args.params} comes near AR {shape_value:g} "
+    if key == "ar" and abs(shape["ar"] - value) > 0.1 * value:
+        raise ValueError(f"no valid shape of {args.params} comes near AR {value:g} "
                          f"(nearest: L={L} d={d}, AR {shape['ar']:.2f})")
     size = shape["backbone_params"] if args.fixed == "backbone" else shape["params"]
     if abs(size - budget) > 0.1 * budget:
         raise ValueError(f"no valid shape at depth {L} comes within 10% of {args.params} {args.fixed} params "
                          f"(closest: d={d}, {size:,})")
+    shape["n_kv_head"] = shape["n_head"]
+    # 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
+    shape["steps"] = round(20 * budget / (args.global_batch * args.seq_len))
+    return shape, budget
+
+
+def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_size):
+    """Everything one run needs, as the flat dict that goes into run.json and ckpt.pt."""
+    if args.suite:
+        shape = suite_row(args.suite, shape_key, shape_value, vocab_size)
+        budget = shape["backbone_params"] if args.suite.endswith("backbone") else shape["params"]
+    else:
+        shape, budget = solved_shape(args, shape_key, shape_value, vocab_size)
+    L, d, n_head = shape["n_layer"], shape["d_model"], shape["n_head"]
     lr = lr if lr is not None else PAPER_LR.get(residual, 2e-3)
     # 400m: what fit on the paper's GPUs; the small presets: the whole global batch at once, split over ranks
     batch_size = args.batch_size or (PAPER_MICRO_BATCH.get(residual, 16) if args.preset == "400m"
@@ -194,20 +241,25 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {batch_size} "
                          f"x world size {world_size}")
     tokens_per_step = args.global_batch * args.seq_len
-    # 400m: 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
-    steps = args.steps or round(20 * budget / tokens_per_step)
+    steps = args.steps or shape["steps"]
     opts, tag = residual_args(args, residual)
-    tag += f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's kind of budget
-    name = f"{residual}{tag}_ar{round(d / L, 2):g}_lr{format_lr(lr)}_s{seed}"
+    if args.suite:  # a suite's name and depth: the ladder has one AR at several sizes
+        tag += f"_{args.suite}-L{L}"
+    else:
+        tag += f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's budget
+        tag += f"_ar{round(d / L, 2):g}"
+    name = f"{residual}{tag}_lr{format_lr(lr)}_s{seed}"
     return {
-        "name": name, "preset": args.preset, "residual": residual, "residual_args": opts,
-        "n_layer": L, "d_model": d, "d_ff": shape["d_ff"], "n_head": n_head, "head_dim": d // n_head, "ar": d / L,
-        "vocab_size": vocab_size, "params_budget": budget, "fixed": args.fixed,
+        "name": name, "preset": args.preset, "suite": args.suite, "residual": residual, "residual_args": opts,
+        "n_layer": L, "d_model": d, "d_ff": shape["d_ff"], "n_head": n_head, "n_kv_head": shape["n_kv_head"],
+        "head_dim": d // n_head, "ar": d / L, "vocab_size": vocab_size, "params_budget": budget,
+        "fixed": "backbone" if args.suite and args.suite.endswith("backbone") else args.fixed,
         "lr": lr, "final_lr_frac": 0.1, "warmup_steps": round(0.1 * steps), "total_steps": steps,
         "max_steps": args.max_steps, "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
         "grad_clip": args.grad_clip, "seed": seed,
         "data": args.data, "data_dir": args.data_dir, "tokenizer": None if args.data == "synthetic" else args.tokenizer,
-        "max_gap": args.max_gap, "answers_only": bool(args.answers_only) and args.data == "synthetic", "seq_len": args.seq_len, "batch_size": batch_size, "global_batch": args.global_batch,
+        "max_gap": args.max_gap, "answers_only": bool(args.answers_only) and args.data == "synthetic",
+        "seq_len": args.seq_len, "batch_size": batch_size, "global_batch": args.global_batch,
         "world_size": world_size, "grad_accum": args.global_batch // (batch_size * world_size),
         "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
         "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
@@ -217,9 +269,9 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
 
 
 # keys that define a run's maths: a checkpoint made with other values cannot be resumed
-RESUME_KEYS = ["residual", "residual_args", "n_layer", "d_model", "d_ff", "n_head", "vocab_size", "lr", "warmup_steps",
-               "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap", "answers_only", "seq_len",
-               "global_batch"]
+RESUME_KEYS = ["residual", "residual_args", "n_layer", "d_model", "d_ff", "n_head", "n_kv_head", "vocab_size", "lr",
+               "warmup_steps", "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap",
+               "answers_only", "seq_len", "global_batch"]
 
 
 # ----------------------------------------------------------------------------- one training run
@@ -321,13 +373,14 @@ def train_run(cfg, env, resume):
     # model and optimizer; `raw` is what we save (no DDP/compile prefixes in the state dict)
     torch.manual_seed(cfg["seed"])
     mcfg = GPTConfig(vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"],
-                     d_ff=cfg["d_ff"], residual=cfg["residual"], residual_args=dict(cfg["residual_args"]))
+                     n_kv_head=cfg["n_kv_head"], d_ff=cfg["d_ff"], residual=cfg["residual"], residual_args=dict(cfg["residual_args"]))
     raw = GPT(mcfg).to(device)
     groups = raw.param_groups(cfg["weight_decay"])
     opt = torch.optim.AdamW(groups, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], fused=cuda)
     total = raw.num_params()
-    preln = preln_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"])
-    params = {"total": total, "backbone": backbone_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"]),
+    heads = (cfg["n_kv_head"], cfg["n_head"])
+    preln = preln_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"], *heads)
+    params = {"total": total, "backbone": backbone_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], *heads),
               "residual_extra": total - preln}
 
     log = {"schema": SCHEMA, "config": cfg, "params": params, "steps": [], "evals": [],
@@ -337,9 +390,10 @@ def train_run(cfg, env, resume):
     step = 0
     if resume and ckpt_path.exists():
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        changed = [k for k in RESUME_KEYS if ckpt["config"].get(k) != cfg.get(k)]
+        old = {"n_kv_head": ckpt["config"].get("n_head"), **ckpt["config"]}  # checkpoints from before GQA: MHA
+        changed = [k for k in RESUME_KEYS if old.get(k) != cfg.get(k)]
         if changed:
-            was = ", ".join(f"{k}={ckpt['config'].get(k)!r}" for k in changed)
+            was = ", ".join(f"{k}={old.get(k)!r}" for k in changed)
             fail(f"cannot resume {ckpt_path}: it was made with other settings ({was}); use another --out")
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -366,8 +420,8 @@ def train_run(cfg, env, resume):
     n_static = sum(p.numel() for g in groups if g["weight_decay"] == 0.0 for p in g["params"])
     print0(f"run        {cfg['name']}  ->  {run_dir}")
     print0(f"shape      L={cfg['n_layer']} d={cfg['d_model']} d_ff={cfg['d_ff']} heads={cfg['n_head']} "
-           f"head_dim={cfg['head_dim']} AR={cfg['ar']:.2f}" + ("" if cfg["n_head"] == 16 else
-                                                              f"  ({cfg['n_head']} heads, not the paper's 16)"))
+           f"kv_heads={cfg['n_kv_head']} head_dim={cfg['head_dim']} AR={cfg['ar']:.2f}"
+           + ("" if cfg["n_head"] == 16 else f"  ({cfg['n_head']} heads, not the paper's 16)"))
     print0(f"params     total {total:,} = backbone {params['backbone']:,} + embedding/head/final norm "
            f"{preln - params['backbone']:,} + design extra {params['residual_extra']:,}  "
            f"(budget {cfg['params_budget']:,} {cfg['fixed']}; vocab {cfg['vocab_size']})")
@@ -525,17 +579,56 @@ def run_state(path):
         return "partial" if (path / "ckpt.pt").exists() else "new"
 
 
-def main(argv=None):
+def print_grid(args):
+    """--print-grid: the suite's runs of the paper's LR sweep, one torchrun line each, on stdout."""
+    if not args.suite:
+        fail("--print-grid needs --suite (or --preset 400m)")
+    designs = args.residual or list(RESIDUALS)
+    bad = [r for r in designs if r not in RESIDUALS]
+    if bad:
+        fail(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
+    rows = list(enumerate(suite_rows(args.suite)))
+    try:
+        picked = [suite_row(args.suite, "row", k, VOCAB) for k in args.row or []] + \
+                 [suite_row(args.suite, "layers", L, VOCAB) for L in args.layers or []] + \
+                 [suite_row(args.suite, "ar", a, VOCAB) for a in args.ar or []]
+    except ValueError as e:
+        fail(str(e))
+    rows = [(k, r) for k, r in rows if not picked or r in picked]
+    lines = [f"torchrun --standalone --nproc_per_node=8 train.py --suite {args.suite} --row {k} --residual {res} "
+             f"--lr {format_lr(lr)}" for res in designs for k, _ in rows
+             for lr in args.lr or PAPER_LR_SWEEP + ([1e-2] if res == "lns" else [])]
+    print(f"# suite {args.suite}: {len(designs)} design(s) x {len(rows)} row(s) x {'--lr' if args.lr else 'the LR sweep'} "
+          f"= {len(lines)} runs")
+    print("\n".join(lines))
+
+
+def parse_args(argv=None):
+    """The command line with every preset and suite default filled in -> (args, cuda); bad input exits 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    args.preset = args.preset or ("400m" if cuda else "cpu")
-    if args.ar is None and args.layers is None:
+    if args.suite and args.preset in ("cpu", "mini"):
+        parser.error(f"--suite runs the paper's recipe: it cannot be combined with --preset {args.preset}")
+    if args.suite and (args.params or args.fixed):
+        parser.error("--suite fixes the shapes: give --params/--fixed without --suite")
+    args.preset = args.preset or ("400m" if cuda or args.suite else "cpu")
+    if args.preset == "400m" and not (args.params or args.fixed):
+        args.suite = args.suite or "400m"
+    if args.print_grid:
+        return args, cuda
+    args.residual = args.residual or ["preln"]
+    if sum(x is not None for x in (args.ar, args.layers, args.row)) > 1:
+        parser.error("give one of --ar, --layers and --row")
+    if args.row is not None and not args.suite:
+        parser.error("--row picks a row of a --suite")
+    if args.ar is None and args.layers is None and args.row is None:
+        if args.suite and args.suite != "400m":
+            parser.error(f"--suite {args.suite}: pick rows with --row, --layers or --ar "
+                         f"(shapes.py --suite {args.suite})")
         args.ar, args.layers = PRESETS[args.preset].get("ar"), PRESETS[args.preset].get("layers")
-    elif args.ar is not None and args.layers is not None:
-        parser.error("give --ar or --layers, not both")
     for key, value in PRESETS[args.preset].items():
         if key not in ("ar", "layers") and getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -554,13 +647,21 @@ def main(argv=None):
         assert parse_count(args.params) > 0
     except (ValueError, AssertionError):
         parser.error(f"--params {args.params!r} is not a count like 405M")
+    return args, cuda
+
+
+def main(argv=None):
+    args, cuda = parse_args(argv)
+    if args.print_grid:
+        return print_grid(args)
 
     # every run of the grid is resolved (and so checked) before anything is written
     env = init_distributed(cuda)
     tokenizer = {"gpt2": data.GPT2Tokenizer, "bytes": data.ByteTokenizer}[args.tokenizer]  # the class: no download
     task = SyntheticTask(args.max_gap, answers_only=bool(args.answers_only))
     vocab = padded_vocab_size((task if args.data == "synthetic" else tokenizer).vocab_size)
-    shape_axis = [("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers]
+    shape_axis = ([("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers] if args.layers
+                  else [("row", k) for k in args.row])
     runs, names = [], set()
     for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):
         try:
