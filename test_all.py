@@ -315,6 +315,28 @@ def test_attnres_weights_uniform_at_init_and_sum_to_one():
             assert abs(w.sum().item() - 1) < 1e-5 and w.std() > 1e-3
 
 
+def test_depth_softmax_equals_plain_autograd():
+    """AttnRes' depth mix and its hand-written backward equal the plain formula under autograd."""
+    from residuals import depth_softmax
+    torch.manual_seed(0)
+    q, g = torch.randn(16, requires_grad=True), (1 + 0.1 * torch.randn(16)).requires_grad_()
+    src = [(torch.randn(2, 3, 16) * (j + 1)).requires_grad_() for j in range(4)]
+    w_mix, w_p = torch.randn(2, 3, 16), torch.randn(2, 3, 4)
+
+    def plain():
+        logits = torch.stack([(torch.nn.functional.rms_norm(v, (16,), eps=1e-5) * g) @ q for v in src], -1)
+        p = logits.softmax(-1)
+        return sum(p[..., j, None] * v for j, v in enumerate(src)), p
+
+    outs = [depth_softmax(q, g, src), plain()]
+    grads = [torch.autograd.grad((mix * w_mix).sum() + (p * w_p).sum(), [q, g, *src]) for mix, p in outs]
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads):
+        assert b.abs().max() > 1e-3
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_sinkhorn_doubly_stochastic():
     """The shared sinkhorn makes logits of mHC's scale doubly stochastic (columns exact, rows ~1e-3;
     20 iterations do not converge for strongly peaked logits, as in the reference)."""
