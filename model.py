@@ -19,7 +19,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch.utils.checkpoint import checkpoint
+
 from residuals import RESIDUALS
+
+LOSS_CHUNK_BYTES = 2 ** 27  # fp32 logits per chunk of the logits-free loss: 128 MB, 667 tokens at V 50304
 
 
 @dataclass
@@ -91,6 +95,26 @@ def joint_attention(q, k, v, depth_k, depth_v, scale):
         is_causal=True, scale=scale)[:, :, 1:]                                     # (B, H, T, hd + pad)
     share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
     return out[..., :hd] + share[..., None] * o_depth, share.detach()
+
+
+def _chunk_ce(z, weight, targets):
+    return F.cross_entropy(F.linear(z, weight).float(), targets, ignore_index=-1, reduction="sum")
+
+
+def chunked_cross_entropy(z, weight, targets, chunk=None):
+    """Mean token cross-entropy of logits z W^T in fp32 (targets -1 ignored), without the full logits.
+
+    z (N, D), weight (V, D), targets (N,). Tokens go through the head in chunks of `chunk` (default:
+    LOSS_CHUNK_BYTES of fp32 logits); each chunk is checkpointed, so autograd keeps only z, and the
+    backward recomputes one chunk's logits at a time. Peak: one chunk's logits, their fp32 copy and
+    gradient, instead of the whole (N, V) of each. Costs one extra head matmul (forward) per token.
+    """
+    chunk = chunk or max(1, LOSS_CHUNK_BYTES // (4 * weight.size(0)))
+    if z.size(0) <= chunk:  # one chunk: the plain loss, nothing to recompute
+        return _chunk_ce(z, weight, targets) / (targets != -1).sum()
+    total = sum(checkpoint(_chunk_ce, z[s:s + chunk], weight, targets[s:s + chunk], use_reentrant=False)
+                for s in range(0, z.size(0), chunk))
+    return total / (targets != -1).sum()
 
 
 class Attention(nn.Module):
@@ -186,10 +210,12 @@ class GPT(nn.Module):
             self.res.scale_sublayer_init(2 * b + 1, block.mlp)
         self.res.reset_parameters()
 
-    def forward(self, idx, targets=None, record=False):
+    def forward(self, idx, targets=None, record=False, logits=True):
         """idx (B, T) token ids -> (logits (B, T, V), loss or None[, record]).
 
         loss: mean token cross-entropy in fp32; targets equal to -1 are ignored.
+        logits=False (with targets; training): returns None for the logits and computes the same loss
+        in token chunks (`chunked_cross_entropy`), never holding all (B, T, V) logits or their fp32 copy.
         record=True also returns a dict for diagnose.py: `states`, the depth states z_0..z_L
         (z_l = what block l reads, z_L = what the head reads, before the final norm), and whatever
         internals the design logs (mixing maps, depth-softmax weights).
@@ -209,8 +235,12 @@ class GPT(nn.Module):
             s = self.res.write(s, 2 * b + 1, block.mlp(h, **kw))
         if rec is not None:
             rec["states"].append(self.res.depth_state(s, 2 * self.cfg.n_layer))
-        logits = self.lm_head(self.res.collapse(s))
+        z = self.res.collapse(s)
         self.res.recording = None
+        if not logits and targets is not None:
+            loss = chunked_cross_entropy(z.flatten(0, 1), self.lm_head.weight, targets.reshape(-1))
+            return (None, loss, rec) if record else (None, loss)
+        logits = self.lm_head(z)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

@@ -337,6 +337,26 @@ def test_depth_softmax_equals_plain_autograd():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_chunked_loss_equals_plain_loss_and_gradients():
+    """The logits-free loss (token chunks, checkpointed) equals the plain fp32 cross-entropy and its
+    gradients, with ignored targets spread over the chunks."""
+    from model import chunked_cross_entropy
+    torch.manual_seed(0)
+    z, w = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (37,))
+    t[[0, 5, 20, 36]] = -1
+    plain = torch.nn.functional.cross_entropy(z @ w.T, t, ignore_index=-1)
+    plain_grads = torch.autograd.grad(plain, [z, w])
+    for chunk in [None, 7, 36]:                   # one chunk, many with a short last one, a last of one token
+        loss = chunked_cross_entropy(z, w, t, chunk)
+        torch.testing.assert_close(loss, plain, rtol=1e-6, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(loss, [z, w]), plain_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    model, x = build("preln"), batch()
+    model_loss = model(x, x, logits=False)
+    assert model_loss[0] is None and model_loss[1].item() == pytest.approx(model(x, x)[1].item(), rel=1e-6)
+
+
 def test_sinkhorn_doubly_stochastic():
     """The shared sinkhorn makes logits of mHC's scale doubly stochastic (columns exact, rows ~1e-3;
     20 iterations do not converge for strongly peaked logits, as in the reference)."""

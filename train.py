@@ -226,7 +226,7 @@ def forward_backward(model, loader, accum, ctx, device, ddp):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with model.no_sync() if ddp and micro < accum - 1 else nullcontext():
             with ctx:
-                _, loss = model(x, y)
+                _, loss = model(x, y, logits=False)      # the loss without the full (B, T, V) logits
             (loss / accum).backward()
         total += loss.detach()
     return total / accum
