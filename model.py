@@ -78,11 +78,7 @@ def joint_attention(q, k, v, depth_k, depth_v, scale):
     Returns the output (B, H, T, hd) and the depth share (B, H, T), detached, for diagnostics.
     """
     B, H, T, hd = q.shape
-    # a loop over the S slots, each read once (stacking them would copy O(S) per layer, O(L^2) in all)
-    depth_logits = torch.stack([(q * kj).sum(-1) for kj in depth_k], dim=-1).float() * scale  # (B, H, T, S)
-    lse_depth = depth_logits.logsumexp(dim=-1)                                     # (B, H, T)
-    p_depth = depth_logits.softmax(dim=-1).to(q.dtype)
-    o_depth = sum(p_depth[..., j, None] * vj for j, vj in enumerate(depth_v))      # (B, H, T, hd)
+    o_depth, lse_depth = _DepthAttention.apply(scale, len(depth_k), q, *depth_k, *depth_v)  # (B, H, T, hd), (B, H, T)
     pad = 8                                             # extra coordinates, a multiple of 8 for fused kernels
     e0 = F.one_hot(torch.tensor(0, device=q.device), pad).to(q.dtype)               # (pad,) = [1, 0, ...]
     q_aug = torch.cat([q, (lse_depth / scale).to(q.dtype)[..., None] * e0], dim=-1)  # (B, H, T, hd + pad)
@@ -115,6 +111,36 @@ def chunked_cross_entropy(z, weight, targets, chunk=None):
     total = sum(checkpoint(_chunk_ce, z[s:s + chunk], weight, targets[s:s + chunk], use_reentrant=False)
                 for s in range(0, z.size(0), chunk))
     return total / (targets != -1).sum()
+
+
+class _DepthAttention(torch.autograd.Function):
+    """The depth half of joint_attention: o = sum_j p_j v_j and lse = log sum_j exp(s_j), s_j = scale <q, k_j>,
+    p = softmax(s), over the S slots (lists of (B, H, T, hd), S small). A loop over the slots, each read
+    once (stacking them would copy O(S) per layer, O(L^2) in all), as one autograd node whose exact
+    backward is written by hand: ds = p (dp - <p, dp>) + dlse p, dp_j = <do, v_j>, dq = scale sum_j ds_j k_j,
+    dk_j = scale ds_j q, dv_j = p_j do. Autograd through the loop cost ~2x more, mostly zero-filled
+    (B, H, T, S) gradients of every p_j it selected."""
+
+    @staticmethod
+    def forward(ctx, scale, S, q, *kv):
+        ks, vs = kv[:S], kv[S:]
+        logits = torch.stack([(q * kj).sum(-1) for kj in ks], dim=-1).float() * scale     # (B, H, T, S)
+        lse = logits.logsumexp(dim=-1)
+        p = torch.exp(logits - lse[..., None])
+        o = sum(p[..., j, None].to(q.dtype) * vj for j, vj in enumerate(vs))
+        ctx.save_for_backward(q, p, *kv)
+        ctx.scale, ctx.S = scale, S
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, p, *kv = ctx.saved_tensors
+        ks, vs = kv[:ctx.S], kv[ctx.S:]
+        dp = torch.stack([(do * vj).sum(-1) for vj in vs], dim=-1).float()               # (B, H, T, S)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True) + dlse[..., None]) * ctx.scale
+        ds, pq = ds.to(q.dtype).unbind(-1), p.to(q.dtype).unbind(-1)
+        dq = sum(ds[j][..., None] * kj for j, kj in enumerate(ks))
+        return (None, None, dq, *(dsj[..., None] * q for dsj in ds), *(pj[..., None] * do for pj in pq))
 
 
 class Attention(nn.Module):
