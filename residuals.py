@@ -116,43 +116,47 @@ class _Sinkhorn(torch.autograd.Function):
 def depth_softmax(query, key_gain, sources, eps=1e-5):
     """AttnRes' mix over depth for one consumer: softmax_j <query, key_gain * RMSNorm(v_j)> (scale 1),
     then sum_j p_j v_j over the *raw* sources. query, key_gain (D,); sources: list of (B, T, D).
-    Returns the mix (B, T, D) and the weights (B, T, S).
-
-    The sources are stacked once, (B, T, S, D), so scores and mix are two batched matmuls instead of
-    ~10 elementwise passes per source. The stack lives only inside `_DepthMix` (its backward stacks
-    again), so autograd keeps nothing bigger than the sources themselves: keeping each consumer's
-    stack would be O(L^2) memory in all.
+    Returns the mix (B, T, D) and the weights (B, T, S). One autograd node (`_DepthMix`).
     """
     mix, p = _DepthMix.apply(eps, (key_gain.float() * query.float()), *(v.float() for v in sources))
     return mix.to(sources[0].dtype), p
 
 
 class _DepthMix(torch.autograd.Function):
-    """(mix, p) of depth_softmax from gq = key_gain * query; the exact gradient, written by hand:
+    """(mix, p) of depth_softmax from gq = key_gain * query, with the exact gradient written by hand:
         s_j = (v_j . gq) r_j,  r_j = rsqrt(mean(v_j^2) + eps),  p = softmax(s),  mix = sum_j p_j v_j
         ds = p (dp - <p, dp>),  dp_j = <dmix, v_j>
-        dv_j = p_j dmix + (ds_j r_j) gq - (ds_j (v_j . gq) r_j^3 / D) v_j,  dgq = sum (ds_j r_j) v_j"""
+        dv_j = p_j dmix + (ds_j r_j) gq - (ds_j (v_j . gq) r_j^3 / D) v_j,  dgq = sum (ds_j r_j) v_j
+    A loop over the sources, each read a few times and never copied: stacking them would copy O(S)
+    per consumer (O(L^2) in all), and the per-token contractions of a stack run as batched matmuls
+    of B*T tiny matrices, slow on CPU. Autograd through the same loop kept ~10 full-size
+    intermediates per source; this keeps only the sources and (B, T, S) vectors."""
 
     @staticmethod
     def forward(ctx, eps, gq, *sources):
-        V = torch.stack(sources, dim=2)                                                   # (B, T, S, D)
-        r = torch.rsqrt(V.pow(2).mean(-1) + eps)                                          # (B, T, S)
-        dot = V @ gq                                                                      # (B, T, S)
+        D = gq.numel()
+        dot = torch.stack([v @ gq for v in sources], dim=-1)                              # (B, T, S)
+        r = torch.stack([torch.linalg.vector_norm(v, dim=-1) for v in sources], dim=-1).pow(2).div(D).add(eps).rsqrt()
         p = (dot * r).softmax(dim=-1)
-        mix = (p[..., None, :] @ V).squeeze(-2)                                           # (B, T, D)
+        mix = torch.zeros_like(sources[0])
+        for j, v in enumerate(sources):
+            mix.addcmul_(p[..., j, None], v)
         ctx.save_for_backward(gq, p, r, dot, *sources)
         return mix, p
 
     @staticmethod
     def backward(ctx, dmix, dp_out):
         gq, p, r, dot, *sources = ctx.saved_tensors
-        V = torch.stack(sources, dim=2)
-        dp = (V @ dmix[..., None]).squeeze(-1) + dp_out                                   # (B, T, S)
+        dp = torch.stack([(v * dmix).sum(-1) for v in sources], dim=-1) + dp_out          # (B, T, S)
         ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-        a, c = ds * r, -ds * dot * r.pow(3) / V.size(-1)
-        dV = p[..., None] * dmix[:, :, None] + a[..., None] * gq + c[..., None] * V
-        dgq = (a[..., None, :] @ V).sum((0, 1)).squeeze(0)
-        return None, dgq, *dV.unbind(2)
+        a, c = ds * r, -ds * dot * r.pow(3) / gq.numel()
+        grads, dgq = [], torch.zeros_like(gq)
+        for j, v in enumerate(sources):
+            dv = v * c[..., j, None]
+            dv.addcmul_(p[..., j, None], dmix).addcmul_(a[..., j, None], gq)
+            grads.append(dv)
+            dgq += a[..., j].flatten() @ v.flatten(0, -2)
+        return None, dgq, *grads
 
 
 # ----------------------------------------------------------------------------- norm-placement designs
