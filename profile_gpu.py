@@ -7,6 +7,15 @@ What each residual design costs at a shape: analytic FLOPs and bytes, measured t
     python profile_gpu.py --analytic-only --shapes 16x1216,70x640 --seq 4096 --json
     # a CPU table: about 10 minutes on 2 shared cores (one thread: spinning threads stall when cores are shared)
     python profile_gpu.py --params 20M --ar 32,4 --vocab 8192 --seq 256 --batch 4 --repeats 3 --threads 1
+    # the speed benchmark (CPU, one thread; ~30-60 minutes on 2 shared cores, --quick: the step ratios only)
+    python profile_gpu.py --bench
+
+--bench prints, in one run: every cross-layer design's training step time over Pre-LN's at a wide (L8 d256) and a
+deep (L32 d128) shape (vocab 512, T 256, batch 8; medians of steps alternating between the designs in one process,
+so load on shared cores hits all alike), our Pre-LN's training tokens/s over HF transformers' LlamaForCausalLM's
+(only if transformers is installed; the project does not need it), torch.compile's cold/warm compile time and
+break-even in steps per design at L8 d128 (each in a fresh process and inductor cache), and the peak RSS of one
+400M L24 training step at micro-batch 1, T 2048 with the plain loss (full fp32 logits) and the logits-free one.
 
 Analytic fields (diagnostics.md §15; a multiply-add is 2 FLOPs; norms, softmax, RoPE and adds are not counted):
 - prefill_flops: one forward of T tokens, the spec's formula A = 2·T·N_blk + 2·L·d·T², N_blk = L(4d² + 3·d·d_ff),
