@@ -53,11 +53,12 @@ def rope_cos_sin(T, head_dim, theta, device):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE on (B, H, T, hd) in fp32; returns x's dtype."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    """Rotate-half RoPE on (B, H, T, hd) in fp32; returns x's dtype.
+
+    rotate_half(x) * sin = roll(x, hd/2) * [-sin_1, sin_2]: one roll instead of a negation and a
+    concatenation (bit-identical, about 2x faster forward + backward on CPU)."""
+    xf, half = x.float(), x.size(-1) // 2
+    return (xf * cos + xf.roll(half, -1) * torch.cat([-sin[..., :half], sin[..., half:]], -1)).to(x.dtype)
 
 
 def joint_attention(q, k, v, depth_k, depth_v, scale):

@@ -337,6 +337,20 @@ def test_depth_softmax_equals_plain_autograd():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_rope_is_rotate_half_and_keeps_relative_positions():
+    """apply_rope equals the textbook x cos + rotate_half(x) sin, and q.k after RoPE depends only on the offset."""
+    from model import apply_rope, rope_cos_sin
+    torch.manual_seed(0)
+    cos, sin = rope_cos_sin(12, 8, 10000.0, "cpu")
+    x = torch.randn(2, 3, 12, 8)
+    x1, x2 = x.chunk(2, dim=-1)
+    torch.testing.assert_close(apply_rope(x, cos, sin), x * cos + torch.cat([-x2, x1], -1) * sin, rtol=0, atol=1e-6)
+    q, k = torch.randn(8), torch.randn(8)
+    qr, kr = (apply_rope(v.expand(1, 1, 12, 8), cos, sin)[0, 0] for v in (q, k))
+    torch.testing.assert_close(qr[5] @ kr[2], qr[9] @ kr[6], rtol=1e-5, atol=1e-5)
+    assert abs(qr[5] @ kr[2] - qr[5] @ kr[4]) > 1e-3
+
+
 def test_chunked_loss_equals_plain_loss_and_gradients():
     """The logits-free loss (token chunks, checkpointed) equals the plain fp32 cross-entropy and its
     gradients, with ignored targets spread over the chunks."""
