@@ -433,6 +433,8 @@ class MHC(HC):
     Collapse: the *mean* of the streams, then the final RMSNorm. W_o, W_2 / sqrt(n) as HC.
     Params: Phi (nD x 24), b (24), a_pre, a_post, a_res: 96d + 27 per connector (n = 4);
     b and the three a's are not decayed, Phi is.
+    Cost: HC's (below) plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token,
+    run as one node with a hand-written backward in a tokens-last layout (`sinkhorn`).
 
     Init (`init=`):
     - "uniform" (default): Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and
@@ -571,7 +573,8 @@ class BlockAttnRes(PreLN):
 class FullAttnRes(BlockAttnRes):
     """Full Attention Residuals (arXiv 2603.15031; architectures.md §8): every sublayer is its own
     group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
-    Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive."""
+    Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive; each mix reads
+    every source ~3 times forward and ~4 times backward (`_DepthMix`), O(L^2 d) memory traffic per token."""
 
     def __init__(self, cfg):
         super().__init__(cfg, n_groups=2 * cfg.n_layer)
@@ -589,7 +592,8 @@ class MoDA(PreLN):
     the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
     State: (x (B, T, D), depth keys, depth values): lists of (B, H, T, hd), one per written slot.
     Params: W_kv (d -> 2d, std 0.02, decayed) on blocks 0 .. L-2: 2 d^2 (L - 1), +12-14% at 400M.
-    Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query.
+    Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, each slot read twice
+    forward and ~3 times backward (model._DepthAttention), O(L^2 d) memory traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
 
