@@ -80,7 +80,7 @@ def joint_attention(q, k, v, depth_k, depth_v, scale):
     """
     B, H, T, hd = q.shape
     o_depth, lse_depth = _DepthAttention.apply(scale, len(depth_k), q, *depth_k, *depth_v)  # (B, H, T, hd), (B, H, T)
-    pad = 8                                             # extra coordinates, a multiple of 8 for fused kernels
+    pad = 8 if q.is_cuda else 1  # extra coordinates: one is enough, 8 keeps CUDA's fused kernels (head_dim % 8)
     e0 = F.one_hot(torch.tensor(0, device=q.device), pad).to(q.dtype)               # (pad,) = [1, 0, ...]
     q_aug = torch.cat([q, (lse_depth / scale).to(q.dtype)[..., None] * e0], dim=-1)  # (B, H, T, hd + pad)
     k_aug = F.pad(k, (0, pad))
