@@ -7,6 +7,15 @@ What each residual design costs at a shape: analytic FLOPs and bytes, measured t
     python profile_gpu.py --analytic-only --shapes 16x1216,70x640 --seq 4096 --json
     # a CPU table (one thread: spinning threads stall when cores are shared); measured results: README
     python profile_gpu.py --params 20M --ar 32,4 --vocab 8192 --seq 256 --batch 4 --repeats 3 --threads 1
+    # the speed benchmark (CPU, one thread; ~30-60 minutes on 2 shared cores, --quick: the step ratios only)
+    python profile_gpu.py --bench
+
+--bench prints, in one run: every cross-layer design's training step time over Pre-LN's at a wide (L8 d256) and a
+deep (L32 d128) shape (vocab 512, T 256, batch 8; medians of steps alternating between the designs in one process,
+so load on shared cores hits all alike), our Pre-LN's training tokens/s over HF transformers' LlamaForCausalLM's
+(only if transformers is installed; the project does not need it), torch.compile's cold/warm compile time and
+break-even in steps per design at L8 d128 (each in a fresh process and inductor cache), and the peak RSS of one
+400M L24 training step at micro-batch 1, T 2048 with the plain loss (full fp32 logits) and the logits-free one.
 
 Analytic fields (docs/diagnostics.md#cost; a multiply-add is 2 FLOPs; norms, softmax, RoPE and adds are not counted):
 - prefill_flops: one forward of T tokens, the spec's formula A = 2·T·N_blk + 2·L·d·T², N_blk = L(4d² + 3·d·d_ff),
@@ -38,6 +47,7 @@ Measured fields, labelled with the device (medians of --repeats after warm-up; C
 """
 import concurrent.futures
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -205,6 +215,153 @@ def run_measured(jobs, dev):
     return results
 
 
+# ----------------------------------------------------------------------------- the speed benchmark (--bench)
+
+BENCH_DESIGNS = ["hc", "mhc", "attnres", "block_attnres", "moda"]
+GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+
+
+def device_peak(dev):
+    """Peak FLOP/s for MFU: the dense bf16 table on CUDA (None for an unknown GPU), a measured fp32 matmul on CPU."""
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        return next((v for k, v in GPU_BF16_PEAK.items() if k in name), None)
+    return peak_flops(dev, torch.float32)
+
+
+def tiny_gpt(residual, L, d, V=512):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=shapes.N_HEAD, d_ff=shapes.ffn_dim(d), residual=residual))
+
+
+def step_fn(model, B, T, V, logits=True):
+    """A forward + loss + backward of `model` on a fixed random batch."""
+    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(idx, idx, logits=logits)[1].backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def interleaved_ratios(L, d, designs, B=8, T=256, V=512, repeats=5):
+    """{design: step time / Pre-LN's}, Pre-LN's ms: medians of steps alternating over the designs in one process."""
+    steps = {r: step_fn(tiny_gpt(r, L, d, V), B, T, V) for r in ["preln", *designs]}
+    times = {r: timed(f, 0, torch.device("cpu"), warmup=1) for r, f in steps.items()}
+    for _ in range(repeats):
+        for r, f in steps.items():
+            times[r] += timed(f, 1, torch.device("cpu"), warmup=0)
+    ms = {r: statistics.median(v) for r, v in times.items()}
+    return {r: ms[r] / ms["preln"] for r in designs}, ms["preln"]
+
+
+def compile_cost(job):
+    """In a fresh process: (compile s, eager ms, compiled ms) of one design's training step under inductor."""
+    torch.set_num_threads(1)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = job["cache"]
+    model = tiny_gpt(job["residual"], job["L"], job["d"])
+    eager = statistics.median(timed(step_fn(model, job["B"], job["T"], 512, logits=False), 3, torch.device("cpu")))
+    compiled = step_fn(torch.compile(model), job["B"], job["T"], 512, logits=False)
+    t0 = time.perf_counter()
+    compiled()
+    first = time.perf_counter() - t0
+    fast = statistics.median(timed(compiled, 3, torch.device("cpu")))
+    return first - fast / 1e3, eager, fast
+
+
+def compile_break_even(designs, L=8, d=128, B=8, T=256):
+    """{design: {cold_s, warm_s, eager_ms, compiled_ms, break_even_steps}}: cold = an empty inductor cache,
+    warm = the same cache again; break-even = cold compile s / s saved per step (None: compile never pays)."""
+    import tempfile
+    out = {}
+    with tempfile.TemporaryDirectory() as root:
+        for r in designs:
+            job = {"residual": r, "L": L, "d": d, "B": B, "T": T, "cache": os.path.join(root, r)}
+            runs = []
+            for _ in ("cold", "warm"):
+                with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    runs.append(pool.submit(compile_cost, job).result())
+            (cold, eager, fast), (warm, _, _) = runs
+            saved = (eager - fast) / 1e3
+            out[r] = {"cold_s": cold, "warm_s": warm, "eager_ms": eager, "compiled_ms": fast,
+                      "break_even_steps": math.ceil(cold / saved) if saved > 0 else None}
+            print(f"compile {r}: {out[r]}", file=sys.stderr, flush=True)
+    return out
+
+
+def loss_memory(job):
+    """In a fresh process: peak RSS (bytes) of the first training step at the job's shape above the RSS with the
+    model built (gradients included), with the plain or the logits-free loss."""
+    torch.set_num_threads(1)
+    s = shapes.solve(job["params"], layers=job["L"], vocab=50304)  # GPT-2's vocab padded, as train.py does
+    cfg = GPTConfig(vocab_size=50304, n_layer=s["n_layer"], d_model=s["d_model"], n_head=s["n_head"],
+                    d_ff=s["d_ff"])
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model = model.to_empty(device="cpu")  # memory, not values, is measured: skip the slow 400M init
+    torch.nn.init.normal_(model.lm_head.weight, std=0.02)
+    step = step_fn(model, 1, job["T"], cfg.vocab_size, logits=job["logits"])
+    reset_peak(torch.device("cpu"))
+    base = memory(torch.device("cpu"), "VmRSS")
+    step()
+    return memory(torch.device("cpu")) - base, f"L{s['n_layer']} d{s['d_model']} V{cfg.vocab_size}"
+
+
+def hf_llama_ratio(L, d, V, T, B, repeats=5):
+    """Our Pre-LN's training tokens/s (fwd + bwd + AdamW) over HF LlamaForCausalLM's (sdpa) at the same shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=d, intermediate_size=shapes.ffn_dim(d),
+                                      num_hidden_layers=L, num_attention_heads=shapes.N_HEAD, rms_norm_eps=1e-6,
+                                      max_position_embeddings=T, tie_word_embeddings=False,
+                                      attn_implementation="sdpa"))
+    ours = tiny_gpt("preln", L, d, V)
+    idx = torch.randint(0, V, (B, T))
+    steps = {}
+    for name, model, call in [("ours", ours, lambda m: m(idx, idx, logits=False)[1]),
+                              ("hf", hf, lambda m: m(input_ids=idx, labels=idx).loss)]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(model=model, call=call, opt=opt):
+            call(model).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        steps[name] = step
+    times = {k: timed(f, 0, torch.device("cpu"), warmup=1) for k, f in steps.items()}
+    for _ in range(repeats):
+        for k, f in steps.items():
+            times[k] += timed(f, 1, torch.device("cpu"), warmup=0)
+    return statistics.median(times["hf"]) / statistics.median(times["ours"])
+
+
+def bench(repeats, quick=False):
+    """--bench: every speed figure of the project in one run, on CPU, one thread (module docstring)."""
+    torch.set_num_threads(1)
+    print(f"bench: cpu, 1 thread, fp32, vocab 512, T 256, batch 8; load average {os.getloadavg()[0]:.1f} at start")
+    for L, d in [(8, 256), (32, 128)]:
+        ratios, ms = interleaved_ratios(L, d, BENCH_DESIGNS, repeats=repeats)
+        print(f"step / Pre-LN at L{L} d{d} (Pre-LN {ms:.0f} ms): "
+              + "  ".join(f"{r} {x:.2f}x" for r, x in ratios.items()) + f"   [load {os.getloadavg()[0]:.1f}]", flush=True)
+    try:
+        import transformers  # noqa: F401  (optional: only this comparison needs it)
+        for L, d, V, T, B in [(4, 128, 256, 256, 16), (8, 256, 8192, 256, 8), (16, 64, 256, 128, 32)]:
+            print(f"Pre-LN vs HF Llama at L{L} d{d} V{V} T{T} B{B}: {hf_llama_ratio(L, d, V, T, B, repeats):.2f}x "
+                  f"its tokens/s (fwd+bwd+AdamW)   [load {os.getloadavg()[0]:.1f}]", flush=True)
+    except ImportError:
+        print("Pre-LN vs HF Llama: skipped (transformers is not installed)")
+    if quick:
+        return
+    for r, c in compile_break_even(["preln", *BENCH_DESIGNS]).items():
+        be = "never" if c["break_even_steps"] is None else f"{c['break_even_steps']} steps"
+        print(f"compile at L8 d128 T256 B8, {r}: cold {c['cold_s']:.0f} s, warm {c['warm_s']:.0f} s, step "
+              f"{c['eager_ms']:.0f} -> {c['compiled_ms']:.0f} ms, pays after {be}", flush=True)
+    for logits in (True, False):
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            peak, shape = pool.submit(loss_memory, {"params": 405_000_000, "L": 24, "T": 2048, "logits": logits}).result()
+        print(f"loss memory, one 400M step ({shape}, micro-batch 1, T 2048): peak RSS above the step's start "
+              f"{peak / 2 ** 20:,.0f} MiB with {'full fp32 logits' if logits else 'the logits-free chunked loss'}", flush=True)
+
+
 # ----------------------------------------------------------------------------- output
 
 def summary(doc):
@@ -278,7 +435,12 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10, help="timed runs after warm-up; the median is kept (default 10)")
     p.add_argument("--out", help="write the JSON to this file (atomically)")
     p.add_argument("--json", action="store_true", help="print the JSON on stdout instead of the table")
+    p.add_argument("--bench", action="store_true", help="the speed benchmark instead: cross-layer designs / Pre-LN "
+                   "(interleaved), Pre-LN vs HF Llama (if transformers is installed), compile break-even, loss memory")
+    p.add_argument("--quick", action="store_true", help="with --bench: the step ratios and HF only")
     args = p.parse_args(argv)
+    if args.bench:
+        return bench(min(args.repeats, 5), args.quick)
 
     designs = list(RESIDUALS) if args.residual == "all" else args.residual.split(",")
     for name in designs:

@@ -81,28 +81,82 @@ def reset_norms(module):
 def sinkhorn(logits, iters=20, eps=1e-6):
     """Sinkhorn-Knopp as in Liger's mHC kernel: row softmax (+eps), a column step, then `iters - 1`
     rounds of row and column normalisation. logits (..., n, n) -> approximately doubly stochastic;
-    the columns sum exactly to 1 after the last step."""
-    M = logits.float().softmax(dim=-1) + eps
-    M = M / (M.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        M = M / (M.sum(dim=-1, keepdim=True) + eps)
-        M = M / (M.sum(dim=-2, keepdim=True) + eps)
-    return M
+    the columns sum exactly to 1 after the last step. The 2 * iters - 1 normalisations run as one
+    autograd node (`_Sinkhorn`) whose backward is the unrolled loop's, written by hand."""
+    return _Sinkhorn.apply(logits.float().softmax(dim=-1), iters, eps)
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """M = P + eps, then alternately M <- M / (M.sum(dim) + eps) over rows (dim -1) and columns (-2),
+    starting with columns (dims 0 / 1 in its tokens-last layout). Each step's exact gradient is dM_in = (dM_out - sum_dim(dM_out * M_out)) / d:
+    4 small ops per step in backward instead of autograd's ~10 (the loop's node overhead dominated)."""
+
+    @staticmethod
+    def forward(ctx, P, iters, eps):
+        # tokens last, (n, n, tokens): the row and column sums become adds of contiguous vectors
+        M, outs, dens = P.reshape(-1, *P.shape[-2:]).permute(1, 2, 0).contiguous() + eps, [], []
+        for dim in [0] + [1, 0] * (iters - 1):
+            d = M.sum(dim, keepdim=True) + eps
+            M = M / d
+            outs.append(M)
+            dens.append(d)
+        ctx.save_for_backward(*outs, *dens)
+        ctx.dims, ctx.shape = [0] + [1, 0] * (iters - 1), P.shape
+        return M.permute(2, 0, 1).reshape(P.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        saved, k = ctx.saved_tensors, len(ctx.dims)
+        g = g.reshape(-1, *g.shape[-2:]).permute(1, 2, 0).contiguous()
+        for dim, M, d in zip(reversed(ctx.dims), reversed(saved[:k]), reversed(saved[k:])):
+            g = (g - (g * M).sum(dim, keepdim=True)) / d
+        return g.permute(2, 0, 1).reshape(ctx.shape), None, None
 
 
 def depth_softmax(query, key_gain, sources, eps=1e-5):
     """AttnRes' mix over depth for one consumer: softmax_j <query, key_gain * RMSNorm(v_j)> (scale 1),
     then sum_j p_j v_j over the *raw* sources. query, key_gain (D,); sources: list of (B, T, D).
-
-    Written as a loop over sources, so autograd keeps nothing bigger than the sources themselves
-    (stacking them would keep an extra (S, B, T, D) copy per consumer, O(L^2) memory in all).
-    Returns the mix (B, T, D) and the weights (B, T, S).
+    Returns the mix (B, T, D) and the weights (B, T, S). One autograd node (`_DepthMix`).
     """
-    gq = (key_gain.float() * query.float())
-    logits = [(v.float() @ gq) * torch.rsqrt(v.float().pow(2).mean(-1) + eps) for v in sources]  # S x (B, T)
-    p = torch.stack(logits, dim=-1).softmax(dim=-1)                                         # (B, T, S)
-    mix = sum(p[..., j, None] * v.float() for j, v in enumerate(sources))
+    mix, p = _DepthMix.apply(eps, (key_gain.float() * query.float()), *(v.float() for v in sources))
     return mix.to(sources[0].dtype), p
+
+
+class _DepthMix(torch.autograd.Function):
+    """(mix, p) of depth_softmax from gq = key_gain * query, with the exact gradient written by hand:
+        s_j = (v_j . gq) r_j,  r_j = rsqrt(mean(v_j^2) + eps),  p = softmax(s),  mix = sum_j p_j v_j
+        ds = p (dp - <p, dp>),  dp_j = <dmix, v_j>
+        dv_j = p_j dmix + (ds_j r_j) gq - (ds_j (v_j . gq) r_j^3 / D) v_j,  dgq = sum (ds_j r_j) v_j
+    A loop over the sources, each read a few times and never copied: stacking them would copy O(S)
+    per consumer (O(L^2) in all), and the per-token contractions of a stack run as batched matmuls
+    of B*T tiny matrices, slow on CPU. Autograd through the same loop kept ~10 full-size
+    intermediates per source; this keeps only the sources and (B, T, S) vectors."""
+
+    @staticmethod
+    def forward(ctx, eps, gq, *sources):
+        D = gq.numel()
+        dot = torch.stack([v @ gq for v in sources], dim=-1)                              # (B, T, S)
+        r = torch.stack([torch.linalg.vector_norm(v, dim=-1) for v in sources], dim=-1).pow(2).div(D).add(eps).rsqrt()
+        p = (dot * r).softmax(dim=-1)
+        mix = torch.zeros_like(sources[0])
+        for j, v in enumerate(sources):
+            mix.addcmul_(p[..., j, None], v)
+        ctx.save_for_backward(gq, p, r, dot, *sources)
+        return mix, p
+
+    @staticmethod
+    def backward(ctx, dmix, dp_out):
+        gq, p, r, dot, *sources = ctx.saved_tensors
+        dp = torch.stack([(v * dmix).sum(-1) for v in sources], dim=-1) + dp_out          # (B, T, S)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        a, c = ds * r, -ds * dot * r.pow(3) / gq.numel()
+        grads, dgq = [], torch.zeros_like(gq)
+        for j, v in enumerate(sources):
+            dv = v * c[..., j, None]
+            dv.addcmul_(p[..., j, None], dmix).addcmul_(a[..., j, None], gq)
+            grads.append(dv)
+            dgq += a[..., j].flatten() @ v.flatten(0, -2)
+        return None, dgq, *grads
 
 
 # ----------------------------------------------------------------------------- norm-placement designs
@@ -273,15 +327,20 @@ class HC(PreLN):
     Params: 6d + 26 per connector (n = 4), 2L connectors; A_static, beta_static are not decayed.
     Cost: n x wider residual activations; ~100 d extra FLOPs per token per sublayer.
 
-    The mixing maps are a pure function of H (`_maps`); read and write both call it, so the state
-    stays one tensor (the recomputation is ~n(n+2)d multiply-adds per token, negligible).
+    The mixing maps are a pure function of H (`_maps`): read forms them once and keeps H_post and the
+    mixed streams for the write of the same sublayer and state (`_carry`), so the state stays one tensor.
     mHC subclasses this and overrides only how the maps are formed.
+    Measured cost (CPU fp32, eager): the n x wider stream's elementwise traffic. The maps use the
+    per-stream RMS as a factor after the projection (no normalised copy of H), and read mixes the
+    streams for itself and the write in one batched (n+1 x n) @ (n x D) matmul per token, which on CPU
+    beats n broadcast multiply-adds (and their backward's full-size zero fills) about 3-4x.
     """
     collapse_mode = "sum"
 
     def __init__(self, cfg, n_streams=4):
         super().__init__(cfg)
         self.n = n_streams
+        self._carry = {}                                           # sublayer -> what read kept for write
         self.conn = nn.ModuleList(self.make_connector(cfg.d_model, i) for i in range(self.n_sub))
 
     def make_connector(self, d, i):
@@ -316,10 +375,13 @@ class HC(PreLN):
 
     def _maps(self, H, i):
         """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n_out, n_in) of sublayer i."""
-        c = self.conn[i]
-        Hbar = rms_norm(H, None, 1e-8)                                                    # (B, T, n, D)
-        A = c.static_alpha + c.alpha_scale * torch.tanh(Hbar @ c.dynamic_alpha)          # (B, T, n, n+1)
-        beta = c.static_beta + c.beta_scale * torch.tanh(Hbar @ c.dynamic_beta)          # (B, T, n)
+        c, n = self.conn[i], self.n
+        Hf = H.float()
+        r = torch.rsqrt(Hf.pow(2).mean(-1, keepdim=True) + 1e-8)                          # (B, T, n, 1): 1 / rms
+        # H_bar @ W = (H @ W) * r: one projection for alpha and beta, no normalised copy of H
+        dyn = torch.tanh((Hf @ torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1).float()) * r)  # (B, T, n, n+2)
+        A = c.static_alpha + c.alpha_scale * dyn[..., :n + 1]                             # (B, T, n, n+1)
+        beta = c.static_beta + c.beta_scale * dyn[..., n + 1]                             # (B, T, n)
         return A[..., 0], beta, A[..., 1:].transpose(-1, -2)
 
     def init_stream(self, x0):
@@ -331,18 +393,21 @@ class HC(PreLN):
             self.log("H_pre", pre.mean((0, 1)))
             self.log("H_post", post.mean((0, 1)))
             self.log("H_res", res.mean((0, 1)))                                          # token-averaged (n, n)
-        u = (pre.to(s.dtype)[..., None] * s).sum(2)                                      # sum_s H_pre[s] h_s
-        return self.norms[i](u), {}
+        # one batched matmul mixes the streams for both: row 0 = sum_s H_pre[s] h_s (the branch input),
+        # rows 1..n = sum_i H_res[o, i] h_i, kept for this sublayer's write
+        mixed = torch.cat([pre[..., None, :], res], dim=-2).to(s.dtype) @ s              # (B, T, n+1, D)
+        self._carry[i] = (s, post, mixed[:, :, 1:])
+        return self.norms[i](mixed[:, :, 0]), {}
 
     def write(self, s, i, y, aux=None):
-        pre, post, res = self._maps(s, i)
-        res, post = res.to(s.dtype), post.to(s.dtype)
-        # h'_o = sum_i H_res[o, i] h_i + H_post[o] y, as n broadcast multiply-adds: an einsum here becomes
-        # a batched matmul of B*T tiny n x n matrices, which is several times slower on CPU
-        out = post[..., None] * y[:, :, None]
-        for j in range(self.n):
-            out = out + res[..., j, None] * s[:, :, None, j]
-        return out                                                                       # (B, T, n, D)
+        """h'_o = sum_i H_res[o, i] h_i + H_post[o] y, from what read(s, i) kept (else formed afresh)."""
+        kept = self._carry.pop(i, None)
+        if kept is not None and kept[0] is s:
+            post, carried = kept[1:]
+        else:
+            _, post, res = self._maps(s, i)
+            carried = res.to(s.dtype) @ s
+        return carried + post.to(s.dtype)[..., None] * y[:, :, None]                    # (B, T, n, D)
 
     def collapse(self, s):
         z = s.sum(2) if self.collapse_mode == "sum" else s.mean(2)
@@ -368,6 +433,8 @@ class MHC(HC):
     Collapse: the *mean* of the streams, then the final RMSNorm. W_o, W_2 / sqrt(n) as HC.
     Params: Phi (nD x 24), b (24), a_pre, a_post, a_res: 96d + 27 per connector (n = 4);
     b and the three a's are not decayed, Phi is.
+    Cost: HC's (below) plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token,
+    run as one node with a hand-written backward in a tokens-last layout (`sinkhorn`).
 
     Init (`init=`):
     - "gap8" (default, as the official 400M runs): Phi = 0, b_pre = -8 with +8 at stream i mod n,
@@ -506,7 +573,8 @@ class BlockAttnRes(PreLN):
 class FullAttnRes(BlockAttnRes):
     """Full Attention Residuals (arXiv 2603.15031; docs/designs.md#full-attnres): every sublayer is its own
     group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
-    Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive."""
+    Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive; each mix reads
+    every source ~3 times forward and ~4 times backward (`_DepthMix`), O(L^2 d) memory traffic per token."""
 
     def __init__(self, cfg):
         super().__init__(cfg, n_groups=2 * cfg.n_layer)
@@ -525,7 +593,8 @@ class MoDA(PreLN):
     State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd), one per written slot.
     Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed; 2d for MHA) on blocks 0 .. L-2: 2 d H_kv hd (L - 1),
     +12-14% at 400M.
-    Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query.
+    Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, each slot read twice
+    forward and ~3 times backward (model._DepthAttention), O(L^2 d) memory traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
 

@@ -317,6 +317,62 @@ def test_attnres_weights_uniform_at_init_and_sum_to_one():
             assert abs(w.sum().item() - 1) < 1e-5 and w.std() > 1e-3
 
 
+def test_depth_softmax_equals_plain_autograd():
+    """AttnRes' depth mix and its hand-written backward equal the plain formula under autograd."""
+    from residuals import depth_softmax
+    torch.manual_seed(0)
+    q, g = torch.randn(16, requires_grad=True), (1 + 0.1 * torch.randn(16)).requires_grad_()
+    src = [(torch.randn(2, 3, 16) * (j + 1)).requires_grad_() for j in range(4)]
+    w_mix, w_p = torch.randn(2, 3, 16), torch.randn(2, 3, 4)
+
+    def plain():
+        logits = torch.stack([(torch.nn.functional.rms_norm(v, (16,), eps=1e-5) * g) @ q for v in src], -1)
+        p = logits.softmax(-1)
+        return sum(p[..., j, None] * v for j, v in enumerate(src)), p
+
+    outs = [depth_softmax(q, g, src), plain()]
+    grads = [torch.autograd.grad((mix * w_mix).sum() + (p * w_p).sum(), [q, g, *src]) for mix, p in outs]
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads):
+        assert b.abs().max() > 1e-3
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_rope_is_rotate_half_and_keeps_relative_positions():
+    """apply_rope equals the textbook x cos + rotate_half(x) sin, and q.k after RoPE depends only on the offset."""
+    from model import apply_rope, rope_cos_sin
+    torch.manual_seed(0)
+    cos, sin = rope_cos_sin(12, 8, 10000.0, "cpu")
+    x = torch.randn(2, 3, 12, 8)
+    x1, x2 = x.chunk(2, dim=-1)
+    torch.testing.assert_close(apply_rope(x, cos, sin), x * cos + torch.cat([-x2, x1], -1) * sin, rtol=0, atol=1e-6)
+    q, k = torch.randn(8), torch.randn(8)
+    qr, kr = (apply_rope(v.expand(1, 1, 12, 8), cos, sin)[0, 0] for v in (q, k))
+    torch.testing.assert_close(qr[5] @ kr[2], qr[9] @ kr[6], rtol=1e-5, atol=1e-5)
+    assert abs(qr[5] @ kr[2] - qr[5] @ kr[4]) > 1e-3
+
+
+def test_chunked_loss_equals_plain_loss_and_gradients():
+    """The logits-free loss (token chunks, checkpointed) equals the plain fp32 cross-entropy and its
+    gradients, with ignored targets spread over the chunks."""
+    from model import chunked_cross_entropy
+    torch.manual_seed(0)
+    z, w = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (37,))
+    t[[0, 5, 20, 36]] = -1
+    plain = torch.nn.functional.cross_entropy(z @ w.T, t, ignore_index=-1)
+    plain_grads = torch.autograd.grad(plain, [z, w])
+    for chunk in [None, 7, 36]:                   # one chunk, many with a short last one, a last of one token
+        loss = chunked_cross_entropy(z, w, t, chunk)
+        torch.testing.assert_close(loss, plain, rtol=1e-6, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(loss, [z, w]), plain_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    model, x = build("preln"), batch()
+    model_loss = model(x, x, logits=False)
+    assert model_loss[0] is None and model_loss[1].item() == pytest.approx(model(x, x)[1].item(), rel=1e-6)
+
+
 def test_sinkhorn_doubly_stochastic():
     """The shared sinkhorn makes logits of mHC's scale doubly stochastic (columns exact, rows ~1e-3;
     20 iterations do not converge for strongly peaked logits, as in the reference)."""
@@ -324,6 +380,28 @@ def test_sinkhorn_doubly_stochastic():
     M = sinkhorn(torch.randn(5, 4, 4))
     torch.testing.assert_close(M.sum(-2), torch.ones(5, 4), atol=1e-5, rtol=0)
     torch.testing.assert_close(M.sum(-1), torch.ones(5, 4), atol=1e-3, rtol=0)
+
+
+def test_sinkhorn_equals_the_unrolled_loop_and_its_gradient():
+    """The hand-written backward of sinkhorn's loop equals autograd through the plain unrolled loop."""
+    from residuals import sinkhorn
+
+    def unrolled(logits, iters=20, eps=1e-6):
+        M = logits.softmax(dim=-1) + eps
+        M = M / (M.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            M = M / (M.sum(dim=-1, keepdim=True) + eps)
+            M = M / (M.sum(dim=-2, keepdim=True) + eps)
+        return M
+
+    torch.manual_seed(0)
+    for shape in [(4, 4), (3, 5, 4, 4)]:
+        x, w = (3 * torch.randn(shape)).requires_grad_(), torch.randn(shape)
+        ours, ref = sinkhorn(x), unrolled(x)
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+        g_ours, g_ref = (torch.autograd.grad((m * w).sum(), x)[0] for m in (ours, ref))
+        torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
+        assert g_ref.abs().max() > 1e-2                     # a real gradient, not two zeros
 
 
 def _mhc_maps(model, x):
@@ -443,6 +521,25 @@ def test_joint_attention_equals_one_explicit_softmax():
     g = torch.randn_like(o)
     inputs = [q, k, v, *dk, *dv]
     for a, b in zip(torch.autograd.grad((o * g).sum(), inputs), torch.autograd.grad((ref * g).sum(), inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_joint_attention_gqa_equals_copied_kv_heads():
+    """With 2 kv heads for 4 query heads, joint_attention equals the MHA call on k/v heads copied to each query
+    head, in values and gradients (a kv head's gradient is the sum over the copies that read it)."""
+    from model import joint_attention
+    torch.manual_seed(1)
+    B, H, Hkv, T, hd, S = 2, 4, 2, 7, 8, 3
+    q = torch.randn(B, H, T, hd, requires_grad=True)
+    kv = [torch.randn(B, Hkv, T, hd, requires_grad=True) for _ in range(2 + 2 * S)]
+    rep = lambda t: t.repeat_interleave(H // Hkv, dim=1)  # noqa: E731
+    o, share = joint_attention(q, kv[0], kv[1], kv[2:2 + S], kv[2 + S:], hd ** -0.5)
+    o_ref, share_ref = joint_attention(q, *map(rep, kv[:2]), [rep(t) for t in kv[2:2 + S]],
+                                       [rep(t) for t in kv[2 + S:]], hd ** -0.5)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(share, share_ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(o)
+    for a, b in zip(torch.autograd.grad((o * g).sum(), [q, *kv]), torch.autograd.grad((o_ref * g).sum(), [q, *kv])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
+import profile_gpu
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
@@ -263,9 +264,21 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
         "world_size": world_size, "grad_accum": args.global_batch // (batch_size * world_size),
         "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
         "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
-        "log_every": args.log_every, "out": args.out, "compile": args.compile, "device": args.device,
+        "log_every": args.log_every, "out": args.out, "device": args.device,
+        "compile": args.compile if args.compile is not None else auto_compile(residual, min(steps, args.max_steps or steps)),
         "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
     }
+
+
+# training steps after which torch.compile (inductor) pays on CPU, per design: cold compile s / ms saved per step,
+# measured by `python profile_gpu.py --bench` at L8 d128 T256 B8 (README); None: compile never paid
+CPU_COMPILE_PAYS = {}
+
+
+def auto_compile(residual, steps):
+    """--compile's CPU default (CUDA: always on): on for a run longer than the design's break-even."""
+    pays = CPU_COMPILE_PAYS.get(residual)
+    return pays is not None and steps >= pays
 
 
 # keys that define a run's maths: a checkpoint made with other values cannot be resumed
@@ -286,7 +299,7 @@ def forward_backward(model, loader, accum, ctx, device, ddp):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with model.no_sync() if ddp and micro < accum - 1 else nullcontext():
             with ctx:
-                _, loss = model(x, y)
+                _, loss = model(x, y, logits=False)      # the loss without the full (B, T, V) logits
             (loss / accum).backward()
         total += loss.detach()
     return total / accum
@@ -444,8 +457,14 @@ def train_run(cfg, env, resume):
     print0(f"eval       every {cfg['eval_every']} steps on {cfg['eval_iters']} global batches "
            f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
     threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
-    print0(f"device     {env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}, "
-           f"world size {world}")
+    n_pays = CPU_COMPILE_PAYS.get(cfg["residual"])
+    pays = "" if cuda else f" (cpu: pays after {n_pays:,} steps)" if n_pays else " (cpu: never pays)"
+    peak = profile_gpu.device_peak(torch.device(device))
+    flops_tok = profile_gpu.analytic(cfg["residual"], cfg["n_layer"], cfg["d_model"], cfg["d_ff"], T, B, cfg["vocab_size"],
+                                     total, 4)["train_flops_per_token"]
+    print0(f"device     {env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}{pays}, "
+           f"world size {world}; MFU from {flops_tok:.3g} FLOPs/token and a peak of "
+           + (f"{peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if peak else "? (unknown GPU)"))
 
     def save_json():
         log["wall_s"] = wall_before + time.time() - t_start
@@ -457,7 +476,7 @@ def train_run(cfg, env, resume):
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    wall_before, t_start = log["wall_s"], time.time()
+    wall_before, t_start, step_start = log["wall_s"], time.time(), step
     while True:
         last = step >= stop
         if last:
@@ -508,8 +527,10 @@ def train_run(cfg, env, resume):
                              "lr": lr, "grad_norm": finite_or_none(grad_norm),
                              "tok_per_s": cfg["tokens_per_step"] / dt})
         if step == 1 or step % cfg["log_every"] == 0 or step == stop or log["diverged"]:
+            mfu = f" | MFU {100 * flops_tok * cfg['tokens_per_step'] / dt / world / peak:.1f}%" if peak else ""
+            eta = (time.time() - t_start) / (step - step_start) * (stop - step)  # evals included
             print0(f"step {step:>5}/{cfg['total_steps']} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
-                   f"| {dt * 1000:.0f} ms | {cfg['tokens_per_step'] / dt:,.0f} tok/s")
+                   f"| {dt * 1000:.0f} ms | {cfg['tokens_per_step'] / dt:,.0f} tok/s{mfu} | ETA {eta / 60:.1f} min")
         if log["diverged"]:
             log["final"] = {"val_loss": None, "answer_loss": None, "answer_acc": None}
             save_json()
@@ -632,8 +653,8 @@ def parse_args(argv=None):
     for key, value in PRESETS[args.preset].items():
         if key not in ("ar", "layers") and getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.compile is None:
-        args.compile = cuda  # eager on CPU: a cold compile costs more than a short CPU run saves
+    if args.compile is None and cuda:
+        args.compile = True  # CPU: None = auto, per run (auto_compile): on when the run outlasts the break-even
     args.device = "cuda" if cuda else "cpu"
     if args.data != "synthetic" and args.data_dir is None:
         slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # data/austen -> data_austen
@@ -685,7 +706,7 @@ def main(argv=None):
             continue
         if state == "partial" and not args.resume:
             print0("this run folder holds an unfinished run: starting over (--resume continues it)")
-        if args.compile:
+        if args.compile is not False:
             torch._dynamo.reset()  # a fresh compile cache per shape
         try:
             if not train_run(cfg, env, args.resume):
