@@ -398,8 +398,8 @@ class SyntheticTask:
     """
 
     def __init__(self, max_gap=4, group="s4", answers_only=False):
-        if max_gap < 1 or group not in ("s4", "s5"):
-            raise DataError(f"synthetic task needs max_gap >= 1 and group s4|s5, got {max_gap}, {group!r}")
+        if max_gap < 1 or group not in ("s3", "s4", "s5"):
+            raise DataError(f"synthetic task needs max_gap >= 1 and group s3|s4|s5, got {max_gap}, {group!r}")
         self.max_gap, self.group, self.answers_only = max_gap, group, answers_only
         self.elements = list(itertools.permutations(range(int(group[1]))))
         index = {p: i for i, p in enumerate(self.elements)}
@@ -629,7 +629,7 @@ def main(argv=None):
     p.add_argument("--text-field", default="text", help="the text field of .jsonl rows / .parquet columns")
     p.add_argument("--fineweb-config", default="sample-10BT", help="the fineweb-edu subset to stream")
     p.add_argument("--max-gap", type=positive, default=4, help="synthetic: the largest gap k (compositions per answer)")
-    p.add_argument("--group", default="s4", choices=["s4", "s5"], help="synthetic: the permutation group")
+    p.add_argument("--group", default="s4", choices=["s3", "s4", "s5"], help="synthetic: the permutation group")
     p.add_argument("--show", type=positive, default=0, help="print this many decoded example sequences")
     p.add_argument("--seq-len", type=positive, default=64, help="T of the shown sequences and the loss floor")
     p.add_argument("--seed", type=int, default=1337, help="seeds synthetic sequences and train window order")

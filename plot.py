@@ -578,7 +578,7 @@ def fig_composition(data, out_path, svg=False):
             ax.plot(xs, mean, marker="o", color=colour(res), label=display(res))
             for x in xs:
                 ax.scatter([x] * len(points[(res, x)]), points[(res, x)], color=colour(res), s=10, alpha=0.4)
-        chance = 1 / 24  # S4: 24 possible answers
+        chance = 1 / math.factorial(int(runs[0]["config"].get("group", "s4")[1]))  # |S_n| possible answers
         ax.axhline(chance, color="grey", ls=":", lw=1)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(ticker.ScalarFormatter())

@@ -146,6 +146,7 @@ def build_parser():
     add("--data-dir", help="token shards of real data (default data_cache/<source>-<tokenizer>)")
     add("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="tokenizer of real data")
     add("--max-gap", type=pint, default=4, help="synthetic: the largest gap (compositions per answer)")
+    add("--group", default="s4", choices=["s3", "s4", "s5"], help="synthetic: the permutation group (default s4)")
     add("--answers-only", action=argparse.BooleanOptionalAction, help="synthetic: answers get their own ids and are "
         "the only targets (preset: on for cpu/mini); --no-answers-only trains on every token")
     add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu/mini 128)")
@@ -259,7 +260,7 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
         "max_steps": args.max_steps, "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
         "grad_clip": args.grad_clip, "seed": seed,
         "data": args.data, "data_dir": args.data_dir, "tokenizer": None if args.data == "synthetic" else args.tokenizer,
-        "max_gap": args.max_gap, "answers_only": bool(args.answers_only) and args.data == "synthetic",
+        "max_gap": args.max_gap, "group": args.group, "answers_only": bool(args.answers_only) and args.data == "synthetic",
         "seq_len": args.seq_len, "batch_size": batch_size, "global_batch": args.global_batch,
         "world_size": world_size, "grad_accum": args.global_batch // (batch_size * world_size),
         "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
@@ -284,7 +285,7 @@ def auto_compile(residual, steps):
 # keys that define a run's maths: a checkpoint made with other values cannot be resumed
 RESUME_KEYS = ["residual", "residual_args", "n_layer", "d_model", "d_ff", "n_head", "n_kv_head", "vocab_size", "lr",
                "warmup_steps", "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap",
-               "answers_only", "seq_len", "global_batch"]
+               "group", "answers_only", "seq_len", "global_batch"]
 
 
 # ----------------------------------------------------------------------------- one training run
@@ -346,11 +347,11 @@ def verdict(per_level, chance, n_layer):
     none = [g for g in acc if acc[g] < 3 * chance]
     if not solved and not partly:
         return (f"result: answers at chance ({chance:.1%}) for every gap: this model has not learnt to compose "
-                f"S4 permutations yet (longer --steps, another --seed or --lr)")
+                f"permutations yet (longer --steps, another --seed or --lr)")
     parts = [f"solves answers after a gap of {say(solved)}" if solved else "",
              f"partly {say(partly)}" if partly else "", f"at chance for {say(none)}" if none else ""]
     return (f"result: L={n_layer} " + "; ".join(p for p in parts if p) + f" (chance {chance:.1%}). A gap of g needs "
-            f"g compositions of S4 permutations: which gaps a design solves at which depth is the mini suite's probe")
+            f"g compositions of permutations: which gaps a design solves at which depth is the mini suite's probe")
 
 
 def finite_or_none(x):
@@ -377,7 +378,8 @@ def train_run(cfg, env, resume):
 
     # data: both loaders cut each global batch the same way, whatever the number of ranks (data.py)
     synthetic = cfg["data"] == "synthetic"
-    source = SyntheticTask(cfg["max_gap"], answers_only=cfg.get("answers_only", False)) if synthetic else cfg["data_dir"]
+    source = (SyntheticTask(cfg["max_gap"], cfg.get("group", "s4"), cfg.get("answers_only", False)) if synthetic
+              else cfg["data_dir"])
     B, T, G = cfg["batch_size"], cfg["seq_len"], cfg["global_batch"]
     train_loader = BatchLoader(source, "train", B, T, G, rank, world, seed=cfg["seed"])
     val_loader = BatchLoader(source, "val", B, T, G, rank, world, seed=VAL_SEED if synthetic else cfg["seed"])
@@ -442,7 +444,7 @@ def train_run(cfg, env, resume):
         task = source
         floor = "answers are the only targets" if task.answers_only else \
             f"loss floor {task.loss_floor(T):.4f} nats/token at T={T} (answers alone: 0)"
-        print0(f"data       synthetic S4 running products, max gap {cfg['max_gap']}, vocab {task.vocab_size} "
+        print0(f"data       synthetic {task.group.upper()} running products, max gap {cfg['max_gap']}, vocab {task.vocab_size} "
                f"(padded to {cfg['vocab_size']}); {floor}; chance answer accuracy {1 / task.eq:.1%}")
     else:
         print0(f"data       {cfg['data']} ({cfg['tokenizer']}) shards in {cfg['data_dir']}")
@@ -679,7 +681,7 @@ def main(argv=None):
     # every run of the grid is resolved (and so checked) before anything is written
     env = init_distributed(cuda)
     tokenizer = {"gpt2": data.GPT2Tokenizer, "bytes": data.ByteTokenizer}[args.tokenizer]  # the class: no download
-    task = SyntheticTask(args.max_gap, answers_only=bool(args.answers_only))
+    task = SyntheticTask(args.max_gap, args.group, answers_only=bool(args.answers_only))
     vocab = padded_vocab_size((task if args.data == "synthetic" else tokenizer).vocab_size)
     shape_axis = ([("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers] if args.layers
                   else [("row", k) for k in args.row])
