@@ -89,8 +89,7 @@ def read_config(step_dir):
     name = blk.get("name") or "default"
     refuse(name not in BLOCKS, f"block type {name!r} (known: {', '.join(BLOCKS)})")
     refuse((att.get("name") or "default") != "default", f"attention {att.get('name')!r} (only split w_q/w_k/w_v)")
-    if att.get("n_kv_heads") not in (None, H) and "n_kv_head" not in GPTConfig.__dataclass_fields__:
-        refuse(True, f"GQA (n_kv_heads {att['n_kv_heads']} != n_heads {H}) is not in our model yet")
+    refuse(H % int(att.get("n_kv_heads") or H), f"n_kv_heads {att.get('n_kv_heads')} does not divide n_heads {H}")
     refuse(att.get("head_dim") not in (None, d // H) or d % H, f"head_dim {att.get('head_dim')} != d_model/n_heads")
     for key in ("qk_norm", "gate", "clip_qkv", "sliding_window"):
         refuse(att.get(key) is not None, f"attention {key} = {att.get(key)}")

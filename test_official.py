@@ -31,11 +31,11 @@ CASES = [(r, {}) for r in RESIDUALS if r != "block_attnres"] + [
     ("mhc", {"sinkhorn_iters": 7})]
 
 
-def ours(residual, args=None, L=3, V=48, seed=0):
+def ours(residual, args=None, L=3, V=48, seed=0, n_kv_head=None):
     """One of our models with every tensor random (norm gains and AttnRes queries too, so nothing is 1 or 0)."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=32, n_head=2, d_ff=64, residual=residual,
-                          residual_args=args or {}))
+                          residual_args=args or {}, n_kv_head=n_kv_head or 2))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -47,7 +47,7 @@ def official_config(cfg, tokenizer_vocab=40):
     r, a = cfg.residual, cfg.residual_args
     norm = {"name": "default" if r == "deepnorm" else "rms", "eps": cfg.norm_eps, "bias": False}
     block = {"name": "post_norm_moda" if a.get("norm") == "post" else BLOCK[r], "layer_norm": norm,
-             "sequence_mixer": {"name": "default", "n_heads": cfg.n_head, "n_kv_heads": cfg.n_head, "bias": False,
+             "sequence_mixer": {"name": "default", "n_heads": cfg.n_head, "n_kv_heads": cfg.n_kv_head, "bias": False,
                                 "rope": {"name": "default", "theta": cfg.rope_theta}, "_CLASS_": "AttentionConfig"},
              "feed_forward": {"name": "default", "hidden_size": cfg.d_ff, "bias": False}}
     if r == "hc":
@@ -103,6 +103,17 @@ def test_every_design_loads_with_the_same_logits(tmp_path, residual, args):
     swapped, _ = official.load(str(write_checkpoint(tmp_path / "step101", src, sd)))
     with torch.no_grad():
         assert not torch.allclose(swapped(x)[0], src(x)[0])
+
+
+@pytest.mark.parametrize("residual", ["preln", "moda"])
+def test_gqa_checkpoint_loads_with_its_kv_heads(tmp_path, residual):
+    """n_kv_heads < n_heads (the 1.6B suite's GQA) builds our model with those kv heads: the same logits."""
+    src = ours(residual, n_kv_head=1)
+    loaded, _ = official.load(str(write_checkpoint(tmp_path / "step5", src)))
+    assert loaded.cfg.n_kv_head == 1
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(x)[0], src(x)[0])
 
 
 def test_layout_covers_every_tensor_of_every_design_once():
@@ -192,7 +203,7 @@ def set_key(path, value):
 
 A = ("model", "block", "sequence_mixer")
 REFUSALS = [
-    ("preln", set_key(A + ("n_kv_heads",), 1), "GQA"),
+    ("preln", set_key(A + ("n_kv_heads",), 3), "n_kv_heads 3 does not divide"),
     ("preln", set_key(A + ("qk_norm",), {"name": "rms"}), "qk_norm"),
     ("preln", set_key(A + ("name",), "fused"), "attention 'fused'"),
     ("preln", set_key(A + ("rope",), {"name": "complex", "theta": 10000}), "RoPE"),

@@ -59,13 +59,13 @@ VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so ev
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
 # so that a real-text vocab (50k rows of embedding) does not eat the tiny budget; the paper fixes the total.
 PRESETS = {
-    "cpu": dict(params="0.8M", fixed="backbone", n_head=4, layers=[2], data="synthetic", answers_only=True,
+    "cpu": dict(params="0.8M", fixed="backbone", n_head=4, layers=[2], data="synthetic", answers_only=True, group="s3",
                 seq_len=128, global_batch=32, batch_size=None, steps=1200, lr=[3e-3], eval_every=200, eval_iters=8,
                 ckpt_every=400, log_every=50),
-    "mini": dict(params="0.8M", fixed="backbone", n_head=4, ar=[9.1], data="synthetic", answers_only=True,
+    "mini": dict(params="0.8M", fixed="backbone", n_head=4, ar=[9.1], data="synthetic", answers_only=True, group="s3",
                  seq_len=128, global_batch=32, batch_size=None, steps=1200, lr=[3e-3], eval_every=200, eval_iters=8,
                  ckpt_every=400, log_every=50),
-    "400m": dict(params="405M", fixed="total", n_head=16, ar=[42.67], data="fineweb-edu", answers_only=False,
+    "400m": dict(params="405M", fixed="total", n_head=16, ar=[42.67], data="fineweb-edu", answers_only=False, group="s4",
                  seq_len=2048, global_batch=512, batch_size=None, steps=None, lr=None, eval_every=250, eval_iters=8,
                  ckpt_every=1000, log_every=10),
 }
@@ -146,7 +146,7 @@ def build_parser():
     add("--data-dir", help="token shards of real data (default data_cache/<source>-<tokenizer>)")
     add("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="tokenizer of real data")
     add("--max-gap", type=pint, default=4, help="synthetic: the largest gap (compositions per answer)")
-    add("--group", default="s4", choices=["s3", "s4", "s5"], help="synthetic: the permutation group (default s4)")
+    add("--group", choices=["s3", "s4", "s5"], help="synthetic: the permutation group (preset: cpu/mini s3, else s4)")
     add("--answers-only", action=argparse.BooleanOptionalAction, help="synthetic: answers get their own ids and are "
         "the only targets (preset: on for cpu/mini); --no-answers-only trains on every token")
     add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu/mini 128)")
