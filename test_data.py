@@ -186,7 +186,7 @@ def compose(p, q):
     return tuple(q[p[i]] for i in range(len(p)))
 
 
-@pytest.mark.parametrize("group, k", [("s4", 4), ("s5", 3), ("s4", 1)])
+@pytest.mark.parametrize("group, k", [("s4", 4), ("s5", 3), ("s4", 1), ("s3", 4)])
 def test_synthetic_answers_and_levels(group, k):
     """Replay each sequence with our own permutations: every answer is previous·e1·…·eg, its level is
     g in 1..k, every other token has level -1, and every level 1..k occurs."""
@@ -407,7 +407,7 @@ def test_cli_prepare_prints_counts(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--source", "synthetic", "--max-gap", "0"], ["--source", "a.txt"],
-                                  ["--source", "synthetic", "--group", "s3"],
+                                  ["--source", "synthetic", "--group", "s6"],
                                   ["--source", "/no/such/*.txt", "--out", "o", "--tokenizer", "bytes"]])
 def test_cli_bad_arguments_exit_2_in_one_line(argv, capsys):
     with pytest.raises(SystemExit) as e:
