@@ -167,9 +167,9 @@ def test_two_ranks_match_one(tmp_path, capsys):
 
 
 def test_verdict_sorts_gaps_by_accuracy():
-    """The closing line names solved (>= 90%), partly learnt (>= 3x chance) and chance-level gaps apart."""
+    """The closing line names solved (>= 90%), partly learnt (>= 2x chance) and unlearnt gaps apart."""
     line = train.verdict({"1": {"acc": 0.97}, "2": {"acc": 0.45}, "3": {"acc": 0.05}, "4": {"acc": 0.04}}, 1 / 24, 2)
-    assert "gap of 1 (97%)" in line and "partly 2 (45%)" in line and "at chance for 3 (5%), 4 (4%)" in line
+    assert "gap of 1 (97%)" in line and "partly 2 (45%)" in line and "not learnt for 3 (5%), 4 (4%)" in line
     assert "not learnt" in train.verdict({"1": {"acc": 0.05}, "2": {"acc": 0.04}}, 1 / 24, 2)
 
 

@@ -343,13 +343,13 @@ def verdict(per_level, chance, n_layer):
     def say(gs):
         return ", ".join(f"{g} ({acc[g]:.0%})" for g in gs)
     solved = [g for g in acc if acc[g] >= 0.9]
-    partly = [g for g in acc if 3 * chance <= acc[g] < 0.9]
-    none = [g for g in acc if acc[g] < 3 * chance]
+    partly = [g for g in acc if 2 * chance <= acc[g] < 0.9]
+    none = [g for g in acc if acc[g] < 2 * chance]
     if not solved and not partly:
-        return (f"result: answers at chance ({chance:.1%}) for every gap: this model has not learnt to compose "
-                f"permutations yet (longer --steps, another --seed or --lr)")
+        return (f"result: answers below twice chance ({chance:.1%}) for every gap: this model has not learnt to "
+                f"compose permutations yet (longer --steps, another --seed or --lr)")
     parts = [f"solves answers after a gap of {say(solved)}" if solved else "",
-             f"partly {say(partly)}" if partly else "", f"at chance for {say(none)}" if none else ""]
+             f"partly {say(partly)}" if partly else "", f"not learnt for {say(none)}" if none else ""]
     return (f"result: L={n_layer} " + "; ".join(p for p in parts if p) + f" (chance {chance:.1%}). A gap of g needs "
             f"g compositions of permutations: which gaps a design solves at which depth is the mini suite's probe")
 
