@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
+from common import json_object
 import official
 import shapes
 from model import GPT, GPTConfig, rope_cos_sin
-from residuals import HC, LNS, RESIDUALS, BlockAttnRes, MoDA, rms_norm
+from residuals import RESIDUALS, check_options, design_options
 
 SCHEMA = "depthbench.diagnose/2"  # 2: R_perm is over the last three quarters (1: over all pairs)
 METRICS = {"angular": "angular_distance", "causal": "causal_score", "perm": "permutation_score",
@@ -90,7 +91,8 @@ def load_model(args):
         vocab = vocab or data.SyntheticTask(args.max_gap).vocab_size
         torch.manual_seed(args.seed)
         cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
-                        d_ff=shapes.ffn_dim(args.width), residual=args.init, residual_args=args.residual_args)
+                        d_ff=shapes.ffn_dim(args.width), residual=args.init,
+                        residual_args=design_options(args.init, args.residual_args))
         run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
                "max_gap": args.max_gap, "seed": args.seed}
         return GPT(cfg), run, None, None
@@ -156,82 +158,31 @@ def calibration(args, run, vocab):
 
 
 # ----------------------------------------------------------------------------- the trunk, with interventions
-# (isinstance(res, BlockAttnRes) covers Full AttnRes too: it is the case of one-sublayer groups)
-
-def newest(s):
-    """AttnRes: the newest source of the bank (the current group's partial sum, else the last committed one)."""
-    done, partial = s
-    return done[-1] if partial is None else partial
-
-
-def skip_sublayer(res, s, i):
-    """The stream state when sublayer i is left out (docs/diagnostics.md#interventions)."""
-    if isinstance(res, MoDA):
-        # the reference's depth-KV slots of a skipped block stay zero: later attention still sees the
-        # slot (a zero key takes softmax mass exp(0) and brings back nothing)
-        x, ks, vs = s
-        if i % 2 == 1 and i // 2 == len(res.kv_proj):               # the last MLP writes no slot anyway
-            return s
-        zero = x.new_zeros(x.shape[0], res.n_kv_head, x.shape[1], res.head_dim)  # (B, Hkv, T, hd), as MoDA's slots
-        return x, ks + [zero], vs + [zero]
-    # AttnRes: the block returns its inputs unchanged, as the reference's skip_block: nothing joins the
-    # bank, and a group boundary inside the skipped block does not close the open group (its running
-    # sum carries on into the next block). Residual family and HC/mHC: its input (all n streams).
-    return s
-
-
-def read(res, s, i, override):
-    if i == override:  # AttnRes next-output rule: the identity on the newest source, with the consumer's norm
-        return rms_norm(newest(s), res.norms[i].weight, res.eps), {}
-    return res.read(s, i)
-
-
-def depth_state(res, s, i, override):
-    if i == override:
-        return newest(s)
-    z = res.depth_state(s, i)
-    return newest(s) if z is None else z  # Block AttnRes whose group began in a skipped block: no partial yet
-
-
-def readout(res, s, i, override):
-    """What the logit lens (docs/diagnostics.md#lens) decodes before sublayer i: the head's own input.
-    AttnRes reads the mix of consumer i (block i/2's attention-side query; the final query at i = 2L),
-    normalised with the final norm's gain as the model's own readout does."""
-    if not isinstance(res, BlockAttnRes):
-        return res.collapse(s)               # residual stream, or HC streams reduced as the model does
-    z = s[0][0] if i == 0 else newest(s) if i == override else res._mix(s, i)
-    return rms_norm(z, res.norm_f.weight, res.eps)
-
 
 def trunk(model, idx, skip=None, lens=False):
     """GPT.forward's trunk loop with block `skip` left out -> (logits, states z_0..z_L, lens readouts).
-    Skip rules (docs/diagnostics.md#interventions) in skip_sublayer, plus AttnRes' "next-output" rule:
-    when the first consumer after the hole is a group boundary (always for Full AttnRes; the head), it
-    reads its newest source instead of mixing, and that is also its depth state."""
+    The skip rules (docs/diagnostics.md#interventions) are the design's own: `skip` of residuals.py, which
+    for AttnRes also marks the state so that the consumer after the hole reads its newest source."""
     res, L = model.res, model.cfg.n_layer
     rope = rope_cos_sin(idx.size(1), model.cfg.head_dim, model.cfg.rope_theta, idx.device)
     s = res.init_stream(model.wte(idx))
-    states, readouts, override = [], [], None
+    states, readouts = [], []
     for b, block in enumerate(model.blocks):
-        states.append(depth_state(res, s, 2 * b, override))
+        states.append(res.depth_state(s, 2 * b))
         if lens:
-            readouts.append(readout(res, s, 2 * b, override))
+            readouts.append(res.readout(s, 2 * b))
         if b == skip:
-            s = skip_sublayer(res, skip_sublayer(res, s, 2 * b), 2 * b + 1)
-            nxt = 2 * b + 2
-            if isinstance(res, BlockAttnRes) and (nxt == 2 * L or res.group[nxt] != res.group[nxt - 1]):
-                override = nxt
+            s = res.skip(res.skip(s, 2 * b), 2 * b + 1)
             continue
-        h, kw = read(res, s, 2 * b, override)
+        h, kw = res.read(s, 2 * b)
         y, aux = block.attn(h, rope, **kw)
         s = res.write(s, 2 * b, y, aux)
         h, kw = res.read(s, 2 * b + 1)
         s = res.write(s, 2 * b + 1, block.mlp(h, **kw))
-    states.append(depth_state(res, s, 2 * L, override))
+    states.append(res.depth_state(s, 2 * L))
     if lens:
-        readouts.append(readout(res, s, 2 * L, override))
-    z = rms_norm(newest(s), res.norm_f.weight, res.eps) if override == 2 * L else res.collapse(s)
-    return model.lm_head(z), states, readouts
+        readouts.append(res.readout(s, 2 * L))
+    return model.lm_head(res.collapse(s)), states, readouts
 
 
 def block_tensors(model, b):
@@ -250,7 +201,7 @@ def swap_blocks(model, i, j):
     Tensors pair up by name; one without a partner of the same shape stays (KEEL block 0 has no
     attention post-norm). Each distinct tensor moves exactly once: a tensor reachable under two
     names is swapped the first time only (the reference swapped HC's shared modules twice, a no-op).
-    LNS's per-block scale travels with the block, as the reference intends. Returns the swap count.
+    Per-block constants (LNS' scales) move with `swap_blocks` of the design. Returns the swap count.
     """
     a, b = block_tensors(model, i), block_tensors(model, j)
     seen, n = set(), 0
@@ -264,10 +215,7 @@ def swap_blocks(model, i, j):
         ta.copy_(tb)
         tb.copy_(tmp)
         n += 1
-    if isinstance(model.res, LNS):
-        sc = model.res.scales
-        for k in (0, 1):
-            sc[2 * i + k], sc[2 * j + k] = sc[2 * j + k], sc[2 * i + k]
+    model.res.swap_blocks(i, j)
     return n
 
 
@@ -530,7 +478,7 @@ def check_hub(timeout=5.0):
 
 def layer_metrics(model, acc, todo, args):
     """The sums of `sweep` -> the JSON objects of the layer metrics; {"skipped": why} where one does not apply."""
-    res, L, N = model.res, model.cfg.n_layer, acc["tokens"]
+    L, N = model.cfg.n_layer, acc["tokens"]
     base, out = acc["loss"] / acc["targets"], {}
     if "angular" in todo:
         D = acc["angles"] / (N * math.pi)
@@ -553,22 +501,23 @@ def layer_metrics(model, acc, todo, args):
         out["lens"] = {"final_loss": base, "states": [
             {"index": l, "early_exit_ce": ce, "kl_to_final": kl, "top5_overlap": top}
             for l, (ce, kl, top) in enumerate((acc["lens"] / torch.tensor([acc["targets"], N, N])).tolist())]}
-    if isinstance(res, BlockAttnRes) and {"attnres", "deadzone"} & todo:
+    if acc["attnres_weights"] and {"attnres", "deadzone"} & todo:          # a design with a depth softmax
         w = [[1.0]] + [(v / N).tolist() for v in acc["attnres_weights"]]     # consumer 0 reads the embedding only
-        rows = [r + [None] * (res.n_groups + 1 - len(r)) for r in w]
+        n_groups = len(w[-1]) - 1                                             # the head reads every group
+        rows = [r + [None] * (n_groups + 1 - len(r)) for r in w]
         block = [rows[2 * b] for b in range(L)] + [rows[2 * L]]
-        if res.n_groups == 2 * L:                                             # Full AttnRes: sum per block
+        if n_groups == 2 * L:                                                 # Full AttnRes: sum per block
             block = [[r[0]] + [None if r[1 + 2 * k] is None else r[1 + 2 * k] + (r[2 + 2 * k] or 0.0)
                                for k in range(L)] for r in block]
-        out["attnres"] = {"sublayer": rows, "block": block, "n_groups": res.n_groups}
-        out["deadzone"] = {**dead_zone(w, L, args.dead_tau), "n_groups": res.n_groups}  # Full AttnRes too
-    if isinstance(res, HC) and "erank" in todo:
+        out["attnres"] = {"sublayer": rows, "block": block, "n_groups": n_groups}
+        out["deadzone"] = {**dead_zone(w, L, args.dead_tau), "n_groups": n_groups}  # Full AttnRes too
+    if acc["H_res"] and "erank" in todo:                                       # a design with a stream transport
         Ms, prod = [v / N for v in acc["H_res"]], []
         for M in Ms:
             prod.append(M if not prod else M @ prod[-1])
         per = [erank(M) for M in Ms]
         out["erank"] = {"per_connector": per, "mean": sum(per) / len(per), "product": [erank(P) for P in prod],
-                        "per_connector_sq": [erank(M, squared=True) for M in Ms], "n_streams": res.n,
+                        "per_connector_sq": [erank(M, squared=True) for M in Ms], "n_streams": len(Ms[0]),
                         "matrices": [M.tolist() for M in Ms]}
     for m in todo & {"attnres", "deadzone", "erank"} - set(out):
         out[m] = {"skipped": "HC/mHC only: this design has no stream-transport matrix" if m == "erank"
@@ -592,8 +541,8 @@ def parse_args(argv):
     g.add_argument("--width", type=pos, default=128, help="--init: d_model (default 128)")
     g.add_argument("--heads", type=pos, default=4, help="--init: attention heads (default 4)")
     g.add_argument("--vocab", type=pos, help="--init: vocab size (default: the tokenizer's, else the synthetic task's)")
-    g.add_argument("--residual-args", type=json.loads, default={},
-                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}'")
+    g.add_argument("--residual-args", type=json_object, default={},
+                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}' (its class' `options`)")
     g = p.add_argument_group("calibration text and compute")
     g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
     g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files and NLL (default: the run's)")
@@ -628,8 +577,10 @@ def parse_args(argv):
     args.nll_tasks = [t.strip() for t in args.nll_tasks.split(",") if t.strip()]
     if not args.nll_tasks or set(args.nll_tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
-    if not isinstance(args.residual_args, dict):
-        p.error(f"--residual-args must be a JSON object, got {args.residual_args!r}")
+    try:
+        check_options([args.init] if args.init else [], args.residual_args)
+    except ValueError as e:
+        p.error(f"--residual-args: {e}")
     if args.init and args.width % args.heads:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     if args.tokenizer not in (None, "gpt2", "bytes") and not Path(args.tokenizer).exists():

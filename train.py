@@ -47,13 +47,12 @@ import data
 import profile_gpu
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
 from model import GPT, GPTConfig
-from residuals import RESIDUALS
+from common import json_object
+from residuals import RESIDUALS, check_options, design_options
 from shapes import SUITES, VOCAB, ArgParser, backbone_params, parse_count, preln_params, solve, suite_rows, write_json
 
 SCHEMA = "depthbench.train/1"
-PAPER_LR = {"lns": 1e-2, "deepnorm": 1e-3}       # the paper's Table 4 optimum; every other design: 2e-3
-PAPER_MICRO_BATCH = {"hc": 8, "mhc": 8, "moda": 4}  # what fit in memory in the paper; every other design: 16
-PAPER_LR_SWEEP = [5e-4, 1e-3, 2e-3, 5e-3]          # the paper's sweep for every design; LNS also 1e-2
+PAPER_LR_SWEEP = [5e-4, 1e-3, 2e-3, 5e-3]          # the paper's sweep for every design, plus its own paper_lr
 VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
 
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
@@ -128,19 +127,17 @@ def build_parser():
         "--preset 400m, which without --params means --suite 400m")
     add("--row", type=csv(int), help="--suite: row number(s) as `shapes.py --suite NAME` lists them")
     add("--print-grid", action="store_true", help="--suite: print every design x row x LR of the paper's sweep "
-        "(LNS also 1e-2) as torchrun lines and exit; --residual, --row/--layers/--ar and --lr narrow it")
+        "(plus the design's own paper_lr) as torchrun lines and exit; --residual, --row/--layers/--ar and --lr "
+        "narrow it")
     add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu/mini 0.8M backbone), "
         "instead of a suite")
     add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
-    add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's per design, 2e-3, LNS 1e-2, "
-        "DeepNorm 1e-3; cpu/mini 3e-3)")
+    add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
+        "residuals.py; cpu/mini 3e-3)")
     add("--seed", type=csv(int), default=[42], help="seed(s) of the init and the train data order (the paper's 42)")
-    # design options (GPTConfig.residual_args)
-    add("--streams", type=pint, default=4, help="hc/mhc: number of residual streams n")
-    add("--mhc-init", choices=["gap8", "uniform"], default="gap8", help="mhc: start of the transport logits "
-        "(gap8: H_res ~ I, the official runs'; uniform: H_res ~ 11^T/n)")
-    add("--n-groups", type=pint, default=8, help="block_attnres: number of sublayer groups N")
-    add("--moda-norm", choices=["pre", "post"], default="pre", help="moda: pre-norm or post-norm variant")
+    add("--residual-args", type=json_object, default={}, help="design options as JSON (each design's `options` in "
+        "residuals.py), e.g. '{\"n_streams\": 2, \"init\": \"uniform\", \"n_groups\": 4, \"norm\": \"post\"}'; "
+        "each design of a grid takes the keys it declares; non-default values join the run name")
     # data
     add("--data", help="synthetic | fineweb-edu | a .txt/.jsonl/.parquet file, folder or quoted glob (preset)")
     add("--data-dir", help="token shards of real data (default data_cache/<source>-<tokenizer>)")
@@ -151,8 +148,8 @@ def build_parser():
     add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu/mini 128)")
     # batch and schedule
     add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu/mini 32)")
-    add("--batch-size", type=pint, help="micro-batch per rank (preset: 16, HC/mHC 8, MoDA 4; cpu/mini: global "
-        "batch / ranks)")
+    add("--batch-size", type=pint, help="micro-batch per rank (preset: the design's paper_micro_batch; cpu/mini: "
+        "global batch / ranks)")
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
         "tokens per budgeted param; cpu/mini 1200)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
@@ -181,10 +178,8 @@ def format_lr(lr):
 
 def residual_args(args, residual):
     """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
-    opts = {"hc": {"n_streams": args.streams}, "mhc": {"n_streams": args.streams, "init": args.mhc_init},
-            "block_attnres": {"n_groups": args.n_groups}, "moda": {"norm": args.moda_norm}}.get(residual, {})
-    defaults = {"n_streams": 4, "init": "gap8", "n_groups": 8, "norm": "pre"}
-    return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != defaults[k])
+    opts = design_options(residual, args.residual_args)
+    return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])
 
 
 def suite_row(suite, key, value, vocab_size):
@@ -234,9 +229,9 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     else:
         shape, budget = solved_shape(args, shape_key, shape_value, vocab_size)
     L, d, n_head = shape["n_layer"], shape["d_model"], shape["n_head"]
-    lr = lr if lr is not None else PAPER_LR.get(residual, 2e-3)
+    lr = lr if lr is not None else RESIDUALS[residual].paper_lr
     # 400m: what fit on the paper's GPUs; the small presets: the whole global batch at once, split over ranks
-    batch_size = args.batch_size or (PAPER_MICRO_BATCH.get(residual, 16) if args.preset == "400m"
+    batch_size = args.batch_size or (RESIDUALS[residual].paper_micro_batch if args.preset == "400m"
                                      else max(1, args.global_batch // world_size))
     if args.global_batch % (batch_size * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {batch_size} "
@@ -270,14 +265,9 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     }
 
 
-# training steps after which torch.compile (inductor) pays on CPU, per design: cold compile s / ms saved per step,
-# measured by `python profile_gpu.py --bench` at L8 d128 T256 B8 (README); None: compile never paid
-CPU_COMPILE_PAYS = {}
-
-
 def auto_compile(residual, steps):
     """--compile's CPU default (CUDA: always on): on for a run longer than the design's break-even."""
-    pays = CPU_COMPILE_PAYS.get(residual)
+    pays = RESIDUALS[residual].cpu_compile_pays
     return pays is not None and steps >= pays
 
 
@@ -457,11 +447,11 @@ def train_run(cfg, env, resume):
     print0(f"eval       every {cfg['eval_every']} steps on {cfg['eval_iters']} global batches "
            f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
     threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
-    n_pays = CPU_COMPILE_PAYS.get(cfg["residual"])
+    n_pays = RESIDUALS[cfg["residual"]].cpu_compile_pays
     pays = "" if cuda else f" (cpu: pays after {n_pays:,} steps)" if n_pays else " (cpu: never pays)"
     peak = profile_gpu.device_peak(torch.device(device))
     flops_tok = profile_gpu.analytic(cfg["residual"], cfg["n_layer"], cfg["d_model"], cfg["d_ff"], T, B, cfg["vocab_size"],
-                                     total, 4)["train_flops_per_token"]
+                                     total, 4, cfg["residual_args"])["train_flops_per_token"]
     print0(f"device     {env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}{pays}, "
            f"world size {world}; MFU from {flops_tok:.3g} FLOPs/token and a peak of "
            + (f"{peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if peak else "? (unknown GPU)"))
@@ -618,7 +608,7 @@ def print_grid(args):
     rows = [(k, r) for k, r in rows if not picked or r in picked]
     lines = [f"torchrun --standalone --nproc_per_node=8 train.py --suite {args.suite} --row {k} --residual {res} "
              f"--lr {format_lr(lr)}" for res in designs for k, _ in rows
-             for lr in args.lr or PAPER_LR_SWEEP + ([1e-2] if res == "lns" else [])]
+             for lr in args.lr or PAPER_LR_SWEEP + sorted({RESIDUALS[res].paper_lr} - set(PAPER_LR_SWEEP))]
     print(f"# suite {args.suite}: {len(designs)} design(s) x {len(rows)} row(s) x {'--lr' if args.lr else 'the LR sweep'} "
           f"= {len(lines)} runs")
     print("\n".join(lines))
@@ -664,6 +654,10 @@ def parse_args(argv=None):
     bad = [r for r in args.residual if r not in RESIDUALS]
     if bad:
         parser.error(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
+    try:
+        check_options(args.residual, args.residual_args)
+    except ValueError as e:
+        parser.error(f"--residual-args: {e}")
     try:
         assert parse_count(args.params) > 0
     except (ValueError, AssertionError):
