@@ -17,9 +17,7 @@ Everything runs in fp32 (angles and sums in fp64), in eval mode, without gradien
 import hashlib
 import json
 import math
-import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +26,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-from common import json_object
+from common import (ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, load_checkpoint,
+                    pick_device, positive, write_json)
 import official
 import shapes
 from model import GPT, GPTConfig, rope_cos_sin
@@ -99,7 +98,7 @@ def load_model(args):
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
         try:
             model, info = official.load(args.checkpoint, args.step)
-        except official.CheckpointError as e:
+        except CheckpointError as e:
             raise DiagError(str(e)) from None
         if args.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
             args.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
@@ -110,13 +109,14 @@ def load_model(args):
     if not path.is_file():
         raise DiagError(f"{args.checkpoint}: no checkpoint (give a run folder holding ckpt.pt, a .pt file, or --init)")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = load_checkpoint(path)
         model = GPT(GPTConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
-    except Exception as e:  # unpickling, a missing key and a shape mismatch all mean: not our checkpoint
-        why = (str(e).splitlines() or [""])[0][:200]
-        raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {why})") from None
-    return model, ckpt.get("config") or {}, str(path), ckpt.get("step")
+    except CheckpointError as e:
+        raise DiagError(str(e)) from None
+    except Exception as e:  # a config or state dict of another model: not our checkpoint
+        raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
+    return model, ckpt["config"], str(path), ckpt.get("step")
 
 
 def calibration(args, run, vocab):
@@ -444,7 +444,7 @@ def nll_metric(model, args, tok, device):
         try:
             rows = nll_rows(task, args.nll_data, args.nll_limit) or f"no {task}.jsonl in {args.nll_data}"
         except Exception as e:  # a gated or missing dataset costs that task only (the hub itself was checked)
-            rows = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            rows = f"{type(e).__name__}: {first_line(e)}"
         if isinstance(rows, str):
             tasks[task] = {"skipped": rows}
             continue
@@ -459,19 +459,11 @@ def nll_metric(model, args, tok, device):
             "definition": DEFINITIONS["nll"]}
 
 
-def check_hub(timeout=5.0):
-    """Offline, `datasets` retries for half a minute and then prints a traceback: ask the hub first."""
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")      # read when huggingface_hub is first imported
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
-    if os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
-        return                                             # datasets then reads its cache or fails at once
-    import requests
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        requests.get(endpoint, timeout=timeout, stream=True).close()
-    except requests.RequestException as e:
-        raise DiagError(f"cannot reach the HuggingFace hub at {endpoint} ({type(e).__name__}); offline, use "
-                        f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics") from None
+def check_hub():
+    """Fail fast, before any compute, when the NLL sets would come from a hub that does not answer."""
+    if down := hub_unreachable():
+        raise DiagError(f"cannot reach the HuggingFace hub at {down[0]} ({down[1]}); offline, use "
+                        f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics")
 
 
 # ----------------------------------------------------------------------------- metrics -> JSON objects
@@ -528,8 +520,8 @@ def layer_metrics(model, acc, todo, args):
 # ----------------------------------------------------------------------------- command line
 
 def parse_args(argv):
-    p = shapes.ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
-    pos = data.positive
+    p = ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
+    pos = positive(int)
     p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
                    "checkpoint: hub id, folder with stepN/ folders or a step folder (official.py); or use --init")
     p.add_argument("--step", type=int, help="official checkpoint: the stepN folder (default: the highest)")
@@ -603,8 +595,10 @@ def setup(args):
             args.nll_skip = "the model reads synthetic-task tokens, not text (--tokenizer forces a text tokenizer)"
         elif not args.nll_data:
             check_hub()  # fail fast, before any compute
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
+    try:
+        device = torch.device(pick_device(args.device))
+    except ValueError as e:
+        raise DiagError(str(e)) from None
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     model = model.float().to(device).eval()
@@ -643,11 +637,10 @@ def main(argv=None):
             out["nll"] = {"skipped": args.nll_skip} if args.nll_skip else nll_metric(model, args, tok, device)
             timings["nll"] = round(time.time() - t0, 2)
     except (DiagError, data.DataError) as e:
-        print(f"diagnose.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
-        sys.exit(2)
+        fail("diagnose.py", first_line(e, None))
     meta["wall_s"] = round(time.time() - t_start, 2)
     path = args.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")
-    shapes.write_json(path, out, strict=True)
+    write_json(path, out, strict=True)
     print(f"wrote {path} in {meta['wall_s']}s")
 
 

@@ -61,7 +61,7 @@ import torch
 
 import shapes
 from model import GPT, GPTConfig
-from common import json_object
+from common import ArgParser, json_object, pick_device, positive, write_json
 from residuals import RESIDUALS, check_options, design_options
 
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
@@ -379,33 +379,30 @@ def parse_shapes(p, args):
         p.error(f"--params {args.params!r} / --ar {args.ar!r}: expected a count like 405M and numbers like 76,9.1")
     if budget <= 0 or min(ars) <= 0:
         p.error("--params and --ar must be positive")
-    dims = []
-    for ar in ars:
-        s = shapes.solve(budget, ar=ar, vocab=args.vocab)
-        if abs(s["ar"] - ar) > 0.1 * ar:
-            p.error(f"no shape of {budget:,} params comes near AR {ar} (nearest: L{s['n_layer']} d{s['d_model']})")
-        dims.append((s["n_layer"], s["d_model"]))
-    return dims
+    try:
+        return [(s["n_layer"], s["d_model"]) for s in (shapes.solve(budget, ar=ar, vocab=args.vocab) for ar in ars)]
+    except ValueError as e:
+        p.error(str(e))
 
 
 def main(argv=None):
-    p = shapes.ArgParser(description="FLOPs, KV cache, memory and time of the residual designs, per shape.")
+    p = ArgParser(description="FLOPs, KV cache, memory and time of the residual designs, per shape.")
     p.add_argument("--residual", default="all", help=f"'all' or a comma list of: {', '.join(RESIDUALS)}")
     p.add_argument("--shapes", help="explicit shapes LxD, comma separated, e.g. 16x1216,70x640 (d_ff = shapes.ffn_dim(d))")
     p.add_argument("--params", help="budget solved with shapes.solve at each --ar, e.g. 405M (the default without --shapes)")
     p.add_argument("--ar", help=f"aspect ratios d/L for --params, comma separated (default {PAPER_AR}, the paper's)")
-    p.add_argument("--heads", type=int, default=shapes.N_HEAD, help="attention heads (default 16; head_dim must be even)")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length T (default 4096, as in Fig. 11)")
-    p.add_argument("--batch", type=int, default=8, help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
-    p.add_argument("--vocab", type=int, default=shapes.VOCAB, help="vocabulary size (default 50280, the paper's)")
+    p.add_argument("--heads", type=positive(), default=shapes.N_HEAD, help="attention heads (default 16; head_dim must be even)")
+    p.add_argument("--seq", type=positive(), default=4096, help="sequence length T (default 4096, as in Fig. 11)")
+    p.add_argument("--batch", type=positive(), default=8, help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
+    p.add_argument("--vocab", type=positive(), default=shapes.VOCAB, help="vocabulary size (default 50280, the paper's)")
     p.add_argument("--residual-args", type=json_object, default={}, help="design options as JSON (each design's "
                    "`options` in residuals.py; each design takes the keys it declares), e.g. '{\"n_groups\": 4}'")
     p.add_argument("--analytic-only", action="store_true", help="formulas only: build and run no model")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to measure (auto: cuda if any)")
     p.add_argument("--dtype", choices=list(DTYPES), help="bf16 (autocast) or fp32; default bf16 on CUDA and with "
                    "--analytic-only, fp32 on CPU")
-    p.add_argument("--threads", type=int, help="CPU threads when measuring (default torch's); 1 is steadier on shared cores")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs after warm-up; the median is kept (default 10)")
+    p.add_argument("--threads", type=positive(), help="CPU threads when measuring (default torch's); 1 is steadier on shared cores")
+    p.add_argument("--repeats", type=positive(), default=10, help="timed runs after warm-up; the median is kept (default 10)")
     p.add_argument("--out", help="write the JSON to this file (atomically)")
     p.add_argument("--json", action="store_true", help="print the JSON on stdout instead of the table")
     p.add_argument("--bench", action="store_true", help="the speed benchmark instead: cross-layer designs / Pre-LN "
@@ -423,16 +420,14 @@ def main(argv=None):
         check_options(designs, args.residual_args)
     except ValueError as e:
         p.error(f"--residual-args: {e}")
-    for flag in ["seq", "batch", "vocab", "repeats", "heads", "threads"]:
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            p.error(f"--{flag} must be positive, got {getattr(args, flag)}")
     dims = parse_shapes(p, args)
     for L, d in dims:
         if d % args.heads or (d // args.heads) % 2:
             p.error(f"d={d} must split into {args.heads} heads of an even head_dim (RoPE rotates pairs)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch sees no CUDA device")
-    dev = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    try:
+        dev = torch.device(pick_device(args.device))
+    except ValueError as e:
+        p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)  # for the matmul peak here; every measuring process sets it too
     dtype = args.dtype or ("bf16" if dev.type == "cuda" or args.analytic_only else "fp32")
@@ -466,7 +461,7 @@ def main(argv=None):
            "peak_flops": peak, "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
            "rows": rows}
     if args.out:
-        shapes.write_json(args.out, doc)
+        write_json(args.out, doc)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=1))

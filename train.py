@@ -47,9 +47,10 @@ import data
 import profile_gpu
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
 from model import GPT, GPTConfig
-from common import json_object
+import common
+from common import ArgParser, json_object, positive, print0, write_json
 from residuals import RESIDUALS, check_options, design_options
-from shapes import SUITES, VOCAB, ArgParser, backbone_params, parse_count, preln_params, solve, suite_rows, write_json
+from shapes import SUITES, VOCAB, backbone_params, parse_count, preln_params, solve, suite_rows
 
 SCHEMA = "depthbench.train/1"
 PAPER_LR_SWEEP = [5e-4, 1e-3, 2e-3, 5e-3]          # the paper's sweep for every design, plus its own paper_lr
@@ -70,16 +71,9 @@ PRESETS = {
 }
 
 
-def print0(*a, **kw):
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*a, **kw, flush=True)
-
-
 def fail(message):
     """Bad input: one line on stderr (from rank 0) and exit code 2."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    common.fail("train.py", message)
 
 
 def get_lr(step, peak, warmup, total, final_frac=0.1):
@@ -94,16 +88,6 @@ def get_lr(step, peak, warmup, total, final_frac=0.1):
 
 
 # ----------------------------------------------------------------------------- command line
-
-def positive(kind):
-    """argparse type: a number > 0 (argparse turns the ValueError into a one-line error)."""
-    def parse(text):
-        if (value := kind(text)) <= 0:
-            raise ValueError(text)
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
 
 def csv(kind):
     """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01]; every list makes a grid axis."""
@@ -206,15 +190,7 @@ def solved_shape(args, key, value, vocab_size):
     """The solver's shape for --params/--fixed (the cpu preset, or a budget that is no suite)."""
     budget = parse_count(args.params)
     n_head = PRESETS[args.preset]["n_head"]
-    shape = solve(budget, **{key: value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)
-    L, d = shape["n_layer"], shape["d_model"]
-    if key == "ar" and abs(shape["ar"] - value) > 0.1 * value:
-        raise ValueError(f"no valid shape of {args.params} comes near AR {value:g} "
-                         f"(nearest: L={L} d={d}, AR {shape['ar']:.2f})")
-    size = shape["backbone_params"] if args.fixed == "backbone" else shape["params"]
-    if abs(size - budget) > 0.1 * budget:
-        raise ValueError(f"no valid shape at depth {L} comes within 10% of {args.params} {args.fixed} params "
-                         f"(closest: d={d}, {size:,})")
+    shape = solve(budget, **{key: value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)  # ValueError: none
     shape["n_kv_head"] = shape["n_head"]
     # 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
     shape["steps"] = round(20 * budget / (args.global_batch * args.seq_len))
@@ -392,7 +368,10 @@ def train_run(cfg, env, resume):
            "versions": versions()}
     step = 0
     if resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        try:
+            ckpt = common.load_checkpoint(ckpt_path, ["model", "config", "step", "optimizer", "rng", "loader", "log"])
+        except common.CheckpointError as e:
+            fail(f"cannot resume: {e}")
         old = {"n_kv_head": ckpt["config"].get("n_head"), **ckpt["config"]}  # checkpoints from before GQA: MHA
         changed = [k for k in RESUME_KEYS if old.get(k) != cfg.get(k)]
         if changed:
@@ -485,11 +464,9 @@ def train_run(cfg, env, resume):
             save_json()  # first, so the log in the checkpoint has this step's wall time
             if master:
                 rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(device)} if cuda else {})}
-                tmp = ckpt_path.with_suffix(".pt.tmp")
-                torch.save({"model": raw.state_dict(), "model_config": dataclasses.asdict(mcfg), "config": cfg,
-                            "step": step, "optimizer": opt.state_dict(), "rng": rng,
-                            "loader": train_loader.state_dict(), "log": log}, tmp)
-                os.replace(tmp, ckpt_path)
+                common.save_checkpoint(ckpt_path, {
+                    "model": raw.state_dict(), "model_config": dataclasses.asdict(mcfg), "config": cfg, "step": step,
+                    "optimizer": opt.state_dict(), "rng": rng, "loader": train_loader.state_dict(), "log": log})
             saved_step = step
         if last:
             break
@@ -618,9 +595,10 @@ def parse_args(argv=None):
     """The command line with every preset and suite default filled in -> (args, cuda); bad input exits 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but torch sees no CUDA device")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    try:
+        cuda = common.pick_device(args.device) == "cuda"
+    except ValueError as e:
+        parser.error(str(e))
     if args.suite and args.preset in ("cpu", "mini"):
         parser.error(f"--suite runs the paper's recipe: it cannot be combined with --preset {args.preset}")
     if args.suite and (args.params or args.fixed):
