@@ -98,4 +98,7 @@ def test_options_are_checked_against_the_class(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             train.main(TINY + ["--residual", "scaled", "--residual-args", bad, "--out", str(tmp_path)])
         assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:                                        # the class's own value check
+        train.main(TINY + ["--residual", "mhc", "--residual-args", '{"init": "nope"}', "--out", str(tmp_path)])
+    assert e.value.code == 2 and "nope" in capsys.readouterr().err
     assert not any(Path(tmp_path).iterdir())
