@@ -58,33 +58,24 @@ def rms_norm(x, weight=None, eps=1e-6):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a gain (init 1), no bias, fp32 inside (docs/designs.md#backbone)."""
+    """RMSNorm with a gain (init 1), no bias, fp32 inside (docs/designs.md#backbone). center=True subtracts
+    the mean first: a true LayerNorm with a gain and no bias (DeepNorm's block norm)."""
 
-    def __init__(self, dim, eps=1e-6):
+    def __init__(self, dim, eps=1e-6, center=False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.center = eps, center
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if self.center:
+            return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
-
-
-class LayerNorm(nn.Module):
-    """True LayerNorm (mean-centred) with a gain and no bias, fp32 inside (DeepNorm's block norm)."""
-
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
 
 
 def reset_norms(module):
     """Set every norm gain below `module` to 1."""
     for m in module.modules():
-        if isinstance(m, (RMSNorm, LayerNorm)):
+        if isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
 
 
@@ -319,7 +310,7 @@ class DeepNorm(PreLN):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.norms = nn.ModuleList(LayerNorm(cfg.d_model, cfg.norm_eps) for _ in range(self.n_sub))  # post-norms here
+        self.norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps, center=True) for _ in range(self.n_sub))  # post
         self.alpha = (2 * cfg.n_layer) ** 0.25
         self.beta = (8 * cfg.n_layer) ** -0.25
 
