@@ -598,10 +598,12 @@ def main(argv=None):
     p.add_argument("--val-tokens", type=positive(), help="validation = the first whole documents, until at least "
                    "this many tokens (default 10M for fineweb-edu, 100k for local files)")
     p.add_argument("--shard-tokens", type=positive(), default=100_000_000, help="tokens per train shard file")
-    p.add_argument("--max-tokens", type=positive(), help="stop after this many tokens in all (default: the whole source)")
+    p.add_argument("--max-tokens", type=positive(),
+                   help="stop after this many tokens in all (default: the whole source)")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl rows / .parquet columns")
     p.add_argument("--fineweb-config", default="sample-10BT", help="the fineweb-edu subset to stream")
-    p.add_argument("--max-gap", type=positive(), default=4, help="synthetic: the largest gap k (compositions per answer)")
+    p.add_argument("--max-gap", type=positive(), default=4,
+                   help="synthetic: the largest gap k (compositions per answer)")
     p.add_argument("--group", default="s4", choices=["s4", "s5"], help="synthetic: the permutation group")
     p.add_argument("--show", type=positive(), default=0, help="print this many decoded example sequences")
     p.add_argument("--seq-len", type=positive(), default=64, help="T of the shown sequences and the loss floor")

@@ -350,7 +350,8 @@ def evaluate(model, tok, text, seq_len, max_tokens=None, batch_size=4, device="c
 
 
 def main(argv=None):
-    p = ArgParser(prog="official.py", description="Load (info) or evaluate an official DepthBench OLMo-core checkpoint.")
+    p = ArgParser(prog="official.py",
+                  description="Load (info) or evaluate an official DepthBench OLMo-core checkpoint.")
     p.add_argument("command", choices=["info", "evaluate"])
     p.add_argument("source", help="hub id, repository folder with stepN/ folders, or a step folder")
     p.add_argument("--step", type=int, help="step folder to use (default: the highest)")

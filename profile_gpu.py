@@ -391,18 +391,23 @@ def main(argv=None):
     p.add_argument("--shapes", help="explicit shapes LxD, comma separated, e.g. 16x1216,70x640 (d_ff = shapes.ffn_dim(d))")
     p.add_argument("--params", help="budget solved with shapes.solve at each --ar, e.g. 405M (the default without --shapes)")
     p.add_argument("--ar", help=f"aspect ratios d/L for --params, comma separated (default {PAPER_AR}, the paper's)")
-    p.add_argument("--heads", type=positive(), default=shapes.N_HEAD, help="attention heads (default 16; head_dim must be even)")
+    p.add_argument("--heads", type=positive(), default=shapes.N_HEAD,
+                   help="attention heads (default 16; head_dim must be even)")
     p.add_argument("--seq", type=positive(), default=4096, help="sequence length T (default 4096, as in Fig. 11)")
-    p.add_argument("--batch", type=positive(), default=8, help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
-    p.add_argument("--vocab", type=positive(), default=shapes.VOCAB, help="vocabulary size (default 50280, the paper's)")
+    p.add_argument("--batch", type=positive(), default=8,
+                   help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
+    p.add_argument("--vocab", type=positive(), default=shapes.VOCAB,
+                   help="vocabulary size (default 50280, the paper's)")
     p.add_argument("--residual-args", type=json_object, default={}, help="design options as JSON (each design's "
                    "`options` in residuals.py; each design takes the keys it declares), e.g. '{\"n_groups\": 4}'")
     p.add_argument("--analytic-only", action="store_true", help="formulas only: build and run no model")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to measure (auto: cuda if any)")
     p.add_argument("--dtype", choices=list(DTYPES), help="bf16 (autocast) or fp32; default bf16 on CUDA and with "
                    "--analytic-only, fp32 on CPU")
-    p.add_argument("--threads", type=positive(), help="CPU threads when measuring (default torch's); 1 is steadier on shared cores")
-    p.add_argument("--repeats", type=positive(), default=10, help="timed runs after warm-up; the median is kept (default 10)")
+    p.add_argument("--threads", type=positive(),
+                   help="CPU threads when measuring (default torch's); 1 is steadier on shared cores")
+    p.add_argument("--repeats", type=positive(), default=10,
+                   help="timed runs after warm-up; the median is kept (default 10)")
     p.add_argument("--out", help="write the JSON to this file (atomically)")
     p.add_argument("--json", action="store_true", help="print the JSON on stdout instead of the table")
     p.add_argument("--bench", action="store_true", help="the speed benchmark instead: cross-layer designs / Pre-LN "
