@@ -35,20 +35,20 @@ sequences do not depend on the number of GPUs. A global index g then maps to
 So a batch is a pure function of (step, micro_step), and the loader's position is two ints.
 """
 
-import argparse
 import glob
 import hashlib
 import itertools
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from common import ArgParser, fail, hub_unreachable, positive, unreachable, write_atomic, write_json
 
 MAGIC, VERSION = 20260517, 1  # our own magic, so an llm.c or nanoGPT .bin is rejected, not misread
 HEADER_INTS = 256
@@ -110,13 +110,10 @@ def check_tiktoken_files(timeout=5.0):
     names = [hashlib.sha1(url.encode()).hexdigest() for url in GPT2_URLS]
     if cache and all(os.path.exists(os.path.join(cache, n)) for n in names):
         return
-    import requests
-    try:
-        requests.get(GPT2_URLS[0], timeout=timeout, stream=True).close()
-    except requests.RequestException as e:
+    if why := unreachable(GPT2_URLS[0], timeout):
         raise DataError(f"the GPT-2 BPE files are not in the tiktoken cache ({cache or 'disabled'}) and cannot "
-                        f"be downloaded ({type(e).__name__}); offline, run with "
-                        f"TIKTOKEN_CACHE_DIR=../shared/data/tiktoken or use --tokenizer bytes") from None
+                        f"be downloaded ({why}); offline, run with "
+                        f"TIKTOKEN_CACHE_DIR=../shared/data/tiktoken or use --tokenizer bytes")
 
 
 class JSONTokenizer:
@@ -161,11 +158,7 @@ def write_shard(path, tokens, vocab_size, eot):
     assert tokens.size == 0 or int(tokens.max()) < 2**16, "token ids must fit in uint16"
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:5] = MAGIC, VERSION, tokens.size, vocab_size, eot
-    tmp = Path(f"{path}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: (f.write(header.tobytes()), f.write(tokens.astype("<u2").tobytes())))
 
 
 def read_header(path):
@@ -260,15 +253,8 @@ def fineweb_documents(config, timeout=5.0):
     """Stream FineWeb-Edu from the hub. Offline, `datasets` retries for half a minute and then
     prints a long traceback, so we ask the hub first (a few seconds) and turn failures into one line."""
     way_out = "offline, prepare local files instead: --source 'path/to/*.jsonl|*.parquet|*.txt'"
-    if os.environ.get("HF_HUB_OFFLINE", "0").upper() not in ("1", "ON", "YES", "TRUE"):  # else datasets fails fast
-        import requests
-        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-        try:
-            requests.get(endpoint, timeout=timeout, stream=True).close()
-        except requests.RequestException as e:
-            raise DataError(f"cannot reach the HuggingFace hub at {endpoint} ({type(e).__name__}); {way_out}") from None
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")  # huggingface_hub's defaults; read when it is first imported
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    if down := hub_unreachable(timeout):
+        raise DataError(f"cannot reach the HuggingFace hub at {down[0]} ({down[1]}); {way_out}")
     import datasets
     try:
         for row in datasets.load_dataset("HuggingFaceFW/fineweb-edu", name=config, split="train", streaming=True):
@@ -361,9 +347,7 @@ def prepare(source, out_dir, tokenizer="gpt2", val_tokens=None, shard_tokens=100
     shards, total = write_splits(itertools.chain([first], docs), tok, out_dir, val_tokens, shard_tokens, max_tokens)
     meta = {"format": "depthbench-shards", "version": VERSION, "config": config, "n_tokens": total,
             "seconds": round(time.time() - t0, 2), "shards": shards}
-    tmp = out_dir / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out_dir / "meta.json")
+    write_json(out_dir / "meta.json", meta)
     return meta
 
 
@@ -580,17 +564,6 @@ class BatchLoader:
 # -----------------------------------------------------------------------------
 # command line
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of usage + error, still exit code 2
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def positive(text):
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def show_synthetic(args):
     task = SyntheticTask(args.max_gap, args.group)
     print(f"synthetic {args.group.upper()} running products, max gap {args.max_gap}: vocab {task.vocab_size} "
@@ -616,22 +589,24 @@ def show_shards(args, meta, out):
 
 
 def main(argv=None):
-    p = Parser(prog="data.py", description="Prepare token shards from a real source, or show the synthetic task.")
+    p = ArgParser(prog="data.py", description="Prepare token shards from a real source, or show the synthetic task.")
     p.add_argument("--source", required=True,
                    help="'fineweb-edu', 'synthetic', or a .txt/.jsonl/.parquet file, folder or quoted glob")
     p.add_argument("--out", help="output folder for the shards (required for real sources)")
     p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"],
                    help="gpt2 (tiktoken BPE) or bytes (UTF-8, vocab 257)")
-    p.add_argument("--val-tokens", type=positive, help="validation = the first whole documents, until at least "
+    p.add_argument("--val-tokens", type=positive(), help="validation = the first whole documents, until at least "
                    "this many tokens (default 10M for fineweb-edu, 100k for local files)")
-    p.add_argument("--shard-tokens", type=positive, default=100_000_000, help="tokens per train shard file")
-    p.add_argument("--max-tokens", type=positive, help="stop after this many tokens in all (default: the whole source)")
+    p.add_argument("--shard-tokens", type=positive(), default=100_000_000, help="tokens per train shard file")
+    p.add_argument("--max-tokens", type=positive(),
+                   help="stop after this many tokens in all (default: the whole source)")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl rows / .parquet columns")
     p.add_argument("--fineweb-config", default="sample-10BT", help="the fineweb-edu subset to stream")
-    p.add_argument("--max-gap", type=positive, default=4, help="synthetic: the largest gap k (compositions per answer)")
+    p.add_argument("--max-gap", type=positive(), default=4,
+                   help="synthetic: the largest gap k (compositions per answer)")
     p.add_argument("--group", default="s4", choices=["s3", "s4", "s5"], help="synthetic: the permutation group")
-    p.add_argument("--show", type=positive, default=0, help="print this many decoded example sequences")
-    p.add_argument("--seq-len", type=positive, default=64, help="T of the shown sequences and the loss floor")
+    p.add_argument("--show", type=positive(), default=0, help="print this many decoded example sequences")
+    p.add_argument("--seq-len", type=positive(), default=64, help="T of the shown sequences and the loss floor")
     p.add_argument("--seed", type=int, default=1337, help="seeds synthetic sequences and train window order")
     args = p.parse_args(argv)
     if args.source != "synthetic" and args.out is None:
@@ -644,8 +619,7 @@ def main(argv=None):
                            args.max_tokens, args.text_field, args.fineweb_config)
             show_shards(args, meta, args.out)
     except DataError as e:
-        print(f"data.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail("data.py", e)
 
 
 if __name__ == "__main__":

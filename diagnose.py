@@ -17,9 +17,7 @@ Everything runs in fp32 (angles and sums in fp64), in eval mode, without gradien
 import hashlib
 import json
 import math
-import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -28,10 +26,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
+from common import (ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, load_checkpoint,
+                    pick_device, positive, write_json)
 import official
 import shapes
 from model import GPT, GPTConfig, rope_cos_sin
-from residuals import HC, LNS, RESIDUALS, BlockAttnRes, MoDA, rms_norm
+from residuals import RESIDUALS, check_options, design_options
 
 SCHEMA = "depthbench.diagnose/2"  # 2: R_perm is over the last three quarters (1: over all pairs)
 METRICS = {"angular": "angular_distance", "causal": "causal_score", "perm": "permutation_score",
@@ -90,14 +90,15 @@ def load_model(args):
         vocab = vocab or data.SyntheticTask(args.max_gap).vocab_size
         torch.manual_seed(args.seed)
         cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
-                        d_ff=shapes.ffn_dim(args.width), residual=args.init, residual_args=args.residual_args)
+                        d_ff=shapes.ffn_dim(args.width), residual=args.init,
+                        residual_args=design_options(args.init, args.residual_args))
         run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
                "max_gap": args.max_gap, "seed": args.seed}
         return GPT(cfg), run, None, None
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
         try:
             model, info = official.load(args.checkpoint, args.step)
-        except official.CheckpointError as e:
+        except CheckpointError as e:
             raise DiagError(str(e)) from None
         if args.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
             args.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
@@ -108,13 +109,14 @@ def load_model(args):
     if not path.is_file():
         raise DiagError(f"{args.checkpoint}: no checkpoint (give a run folder holding ckpt.pt, a .pt file, or --init)")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = load_checkpoint(path)
         model = GPT(GPTConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
-    except Exception as e:  # unpickling, a missing key and a shape mismatch all mean: not our checkpoint
-        why = (str(e).splitlines() or [""])[0][:200]
-        raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {why})") from None
-    return model, ckpt.get("config") or {}, str(path), ckpt.get("step")
+    except CheckpointError as e:
+        raise DiagError(str(e)) from None
+    except Exception as e:  # a config or state dict of another model: not our checkpoint
+        raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
+    return model, ckpt["config"], str(path), ckpt.get("step")
 
 
 def calibration(args, run, vocab):
@@ -156,82 +158,31 @@ def calibration(args, run, vocab):
 
 
 # ----------------------------------------------------------------------------- the trunk, with interventions
-# (isinstance(res, BlockAttnRes) covers Full AttnRes too: it is the case of one-sublayer groups)
-
-def newest(s):
-    """AttnRes: the newest source of the bank (the current group's partial sum, else the last committed one)."""
-    done, partial = s
-    return done[-1] if partial is None else partial
-
-
-def skip_sublayer(res, s, i):
-    """The stream state when sublayer i is left out (docs/diagnostics.md#interventions)."""
-    if isinstance(res, MoDA):
-        # the reference's depth-KV slots of a skipped block stay zero: later attention still sees the
-        # slot (a zero key takes softmax mass exp(0) and brings back nothing)
-        x, ks, vs = s
-        if i % 2 == 1 and i // 2 == len(res.kv_proj):               # the last MLP writes no slot anyway
-            return s
-        zero = x.new_zeros(x.shape[0], res.n_kv_head, x.shape[1], res.head_dim)  # (B, Hkv, T, hd), as MoDA's slots
-        return x, ks + [zero], vs + [zero]
-    # AttnRes: the block returns its inputs unchanged, as the reference's skip_block: nothing joins the
-    # bank, and a group boundary inside the skipped block does not close the open group (its running
-    # sum carries on into the next block). Residual family and HC/mHC: its input (all n streams).
-    return s
-
-
-def read(res, s, i, override):
-    if i == override:  # AttnRes next-output rule: the identity on the newest source, with the consumer's norm
-        return rms_norm(newest(s), res.norms[i].weight, res.eps), {}
-    return res.read(s, i)
-
-
-def depth_state(res, s, i, override):
-    if i == override:
-        return newest(s)
-    z = res.depth_state(s, i)
-    return newest(s) if z is None else z  # Block AttnRes whose group began in a skipped block: no partial yet
-
-
-def readout(res, s, i, override):
-    """What the logit lens (docs/diagnostics.md#lens) decodes before sublayer i: the head's own input.
-    AttnRes reads the mix of consumer i (block i/2's attention-side query; the final query at i = 2L),
-    normalised with the final norm's gain as the model's own readout does."""
-    if not isinstance(res, BlockAttnRes):
-        return res.collapse(s)               # residual stream, or HC streams reduced as the model does
-    z = s[0][0] if i == 0 else newest(s) if i == override else res._mix(s, i)
-    return rms_norm(z, res.norm_f.weight, res.eps)
-
 
 def trunk(model, idx, skip=None, lens=False):
     """GPT.forward's trunk loop with block `skip` left out -> (logits, states z_0..z_L, lens readouts).
-    Skip rules (docs/diagnostics.md#interventions) in skip_sublayer, plus AttnRes' "next-output" rule:
-    when the first consumer after the hole is a group boundary (always for Full AttnRes; the head), it
-    reads its newest source instead of mixing, and that is also its depth state."""
+    The skip rules (docs/diagnostics.md#interventions) are the design's own: `skip` of residuals.py, which
+    for AttnRes also marks the state so that the consumer after the hole reads its newest source."""
     res, L = model.res, model.cfg.n_layer
     rope = rope_cos_sin(idx.size(1), model.cfg.head_dim, model.cfg.rope_theta, idx.device)
     s = res.init_stream(model.wte(idx))
-    states, readouts, override = [], [], None
+    states, readouts = [], []
     for b, block in enumerate(model.blocks):
-        states.append(depth_state(res, s, 2 * b, override))
+        states.append(res.depth_state(s, 2 * b))
         if lens:
-            readouts.append(readout(res, s, 2 * b, override))
+            readouts.append(res.readout(s, 2 * b))
         if b == skip:
-            s = skip_sublayer(res, skip_sublayer(res, s, 2 * b), 2 * b + 1)
-            nxt = 2 * b + 2
-            if isinstance(res, BlockAttnRes) and (nxt == 2 * L or res.group[nxt] != res.group[nxt - 1]):
-                override = nxt
+            s = res.skip(res.skip(s, 2 * b), 2 * b + 1)
             continue
-        h, kw = read(res, s, 2 * b, override)
+        h, kw = res.read(s, 2 * b)
         y, aux = block.attn(h, rope, **kw)
         s = res.write(s, 2 * b, y, aux)
         h, kw = res.read(s, 2 * b + 1)
         s = res.write(s, 2 * b + 1, block.mlp(h, **kw))
-    states.append(depth_state(res, s, 2 * L, override))
+    states.append(res.depth_state(s, 2 * L))
     if lens:
-        readouts.append(readout(res, s, 2 * L, override))
-    z = rms_norm(newest(s), res.norm_f.weight, res.eps) if override == 2 * L else res.collapse(s)
-    return model.lm_head(z), states, readouts
+        readouts.append(res.readout(s, 2 * L))
+    return model.lm_head(res.collapse(s)), states, readouts
 
 
 def block_tensors(model, b):
@@ -250,7 +201,7 @@ def swap_blocks(model, i, j):
     Tensors pair up by name; one without a partner of the same shape stays (KEEL block 0 has no
     attention post-norm). Each distinct tensor moves exactly once: a tensor reachable under two
     names is swapped the first time only (the reference swapped HC's shared modules twice, a no-op).
-    LNS's per-block scale travels with the block, as the reference intends. Returns the swap count.
+    Per-block constants (LNS' scales) move with `swap_blocks` of the design. Returns the swap count.
     """
     a, b = block_tensors(model, i), block_tensors(model, j)
     seen, n = set(), 0
@@ -264,10 +215,7 @@ def swap_blocks(model, i, j):
         ta.copy_(tb)
         tb.copy_(tmp)
         n += 1
-    if isinstance(model.res, LNS):
-        sc = model.res.scales
-        for k in (0, 1):
-            sc[2 * i + k], sc[2 * j + k] = sc[2 * j + k], sc[2 * i + k]
+    model.res.swap_blocks(i, j)
     return n
 
 
@@ -496,7 +444,7 @@ def nll_metric(model, args, tok, device):
         try:
             rows = nll_rows(task, args.nll_data, args.nll_limit) or f"no {task}.jsonl in {args.nll_data}"
         except Exception as e:  # a gated or missing dataset costs that task only (the hub itself was checked)
-            rows = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            rows = f"{type(e).__name__}: {first_line(e)}"
         if isinstance(rows, str):
             tasks[task] = {"skipped": rows}
             continue
@@ -511,26 +459,18 @@ def nll_metric(model, args, tok, device):
             "definition": DEFINITIONS["nll"]}
 
 
-def check_hub(timeout=5.0):
-    """Offline, `datasets` retries for half a minute and then prints a traceback: ask the hub first."""
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")      # read when huggingface_hub is first imported
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
-    if os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
-        return                                             # datasets then reads its cache or fails at once
-    import requests
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        requests.get(endpoint, timeout=timeout, stream=True).close()
-    except requests.RequestException as e:
-        raise DiagError(f"cannot reach the HuggingFace hub at {endpoint} ({type(e).__name__}); offline, use "
-                        f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics") from None
+def check_hub():
+    """Fail fast, before any compute, when the NLL sets would come from a hub that does not answer."""
+    if down := hub_unreachable():
+        raise DiagError(f"cannot reach the HuggingFace hub at {down[0]} ({down[1]}); offline, use "
+                        f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics")
 
 
 # ----------------------------------------------------------------------------- metrics -> JSON objects
 
 def layer_metrics(model, acc, todo, args):
     """The sums of `sweep` -> the JSON objects of the layer metrics; {"skipped": why} where one does not apply."""
-    res, L, N = model.res, model.cfg.n_layer, acc["tokens"]
+    L, N = model.cfg.n_layer, acc["tokens"]
     base, out = acc["loss"] / acc["targets"], {}
     if "angular" in todo:
         D = acc["angles"] / (N * math.pi)
@@ -553,22 +493,23 @@ def layer_metrics(model, acc, todo, args):
         out["lens"] = {"final_loss": base, "states": [
             {"index": l, "early_exit_ce": ce, "kl_to_final": kl, "top5_overlap": top}
             for l, (ce, kl, top) in enumerate((acc["lens"] / torch.tensor([acc["targets"], N, N])).tolist())]}
-    if isinstance(res, BlockAttnRes) and {"attnres", "deadzone"} & todo:
+    if acc["attnres_weights"] and {"attnres", "deadzone"} & todo:          # a design with a depth softmax
         w = [[1.0]] + [(v / N).tolist() for v in acc["attnres_weights"]]     # consumer 0 reads the embedding only
-        rows = [r + [None] * (res.n_groups + 1 - len(r)) for r in w]
+        n_groups = len(w[-1]) - 1                                             # the head reads every group
+        rows = [r + [None] * (n_groups + 1 - len(r)) for r in w]
         block = [rows[2 * b] for b in range(L)] + [rows[2 * L]]
-        if res.n_groups == 2 * L:                                             # Full AttnRes: sum per block
+        if n_groups == 2 * L:                                                 # Full AttnRes: sum per block
             block = [[r[0]] + [None if r[1 + 2 * k] is None else r[1 + 2 * k] + (r[2 + 2 * k] or 0.0)
                                for k in range(L)] for r in block]
-        out["attnres"] = {"sublayer": rows, "block": block, "n_groups": res.n_groups}
-        out["deadzone"] = {**dead_zone(w, L, args.dead_tau), "n_groups": res.n_groups}  # Full AttnRes too
-    if isinstance(res, HC) and "erank" in todo:
+        out["attnres"] = {"sublayer": rows, "block": block, "n_groups": n_groups}
+        out["deadzone"] = {**dead_zone(w, L, args.dead_tau), "n_groups": n_groups}  # Full AttnRes too
+    if acc["H_res"] and "erank" in todo:                                       # a design with a stream transport
         Ms, prod = [v / N for v in acc["H_res"]], []
         for M in Ms:
             prod.append(M if not prod else M @ prod[-1])
         per = [erank(M) for M in Ms]
         out["erank"] = {"per_connector": per, "mean": sum(per) / len(per), "product": [erank(P) for P in prod],
-                        "per_connector_sq": [erank(M, squared=True) for M in Ms], "n_streams": res.n,
+                        "per_connector_sq": [erank(M, squared=True) for M in Ms], "n_streams": len(Ms[0]),
                         "matrices": [M.tolist() for M in Ms]}
     for m in todo & {"attnres", "deadzone", "erank"} - set(out):
         out[m] = {"skipped": "HC/mHC only: this design has no stream-transport matrix" if m == "erank"
@@ -579,8 +520,8 @@ def layer_metrics(model, acc, todo, args):
 # ----------------------------------------------------------------------------- command line
 
 def parse_args(argv):
-    p = shapes.ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
-    pos = data.positive
+    p = ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
+    pos = positive(int)
     p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
                    "checkpoint: hub id, folder with stepN/ folders or a step folder (official.py); or use --init")
     p.add_argument("--step", type=int, help="official checkpoint: the stepN folder (default: the highest)")
@@ -592,8 +533,8 @@ def parse_args(argv):
     g.add_argument("--width", type=pos, default=128, help="--init: d_model (default 128)")
     g.add_argument("--heads", type=pos, default=4, help="--init: attention heads (default 4)")
     g.add_argument("--vocab", type=pos, help="--init: vocab size (default: the tokenizer's, else the synthetic task's)")
-    g.add_argument("--residual-args", type=json.loads, default={},
-                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}'")
+    g.add_argument("--residual-args", type=json_object, default={},
+                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}' (its class' `options`)")
     g = p.add_argument_group("calibration text and compute")
     g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
     g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files and NLL (default: the run's)")
@@ -628,8 +569,10 @@ def parse_args(argv):
     args.nll_tasks = [t.strip() for t in args.nll_tasks.split(",") if t.strip()]
     if not args.nll_tasks or set(args.nll_tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
-    if not isinstance(args.residual_args, dict):
-        p.error(f"--residual-args must be a JSON object, got {args.residual_args!r}")
+    try:
+        check_options([args.init] if args.init else [], args.residual_args)
+    except ValueError as e:
+        p.error(f"--residual-args: {e}")
     if args.init and args.width % args.heads:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     if args.tokenizer not in (None, "gpt2", "bytes") and not Path(args.tokenizer).exists():
@@ -652,8 +595,10 @@ def setup(args):
             args.nll_skip = "the model reads synthetic-task tokens, not text (--tokenizer forces a text tokenizer)"
         elif not args.nll_data:
             check_hub()  # fail fast, before any compute
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if args.device == "auto" else args.device)
+    try:
+        device = torch.device(pick_device(args.device))
+    except ValueError as e:
+        raise DiagError(str(e)) from None
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     model = model.float().to(device).eval()
@@ -692,11 +637,10 @@ def main(argv=None):
             out["nll"] = {"skipped": args.nll_skip} if args.nll_skip else nll_metric(model, args, tok, device)
             timings["nll"] = round(time.time() - t0, 2)
     except (DiagError, data.DataError) as e:
-        print(f"diagnose.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
-        sys.exit(2)
+        fail("diagnose.py", first_line(e, None))
     meta["wall_s"] = round(time.time() - t_start, 2)
     path = args.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")
-    shapes.write_json(path, out, strict=True)
+    write_json(path, out, strict=True)
     print(f"wrote {path} in {meta['wall_s']}s")
 
 

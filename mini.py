@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shapes import ArgParser
+from common import ArgParser
 
 HERE = Path(__file__).resolve().parent
 # train.py settings per probe and scale (on top of --preset mini); see the README's mini-suite section

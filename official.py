@@ -30,12 +30,10 @@ src/olmo_core/distributed/checkpoint/__init__.py (the DCP holds {"model", "optim
 src/examples/huggingface/convert_checkpoint_to_hf.py. Not checkable from names: which HC forward
 (width-mixed, as ours, or the older un-mixed residual) a checkpoint was trained with.
 """
-import argparse
 import inspect
 import json
 import os
 import re
-import sys
 import warnings
 from pathlib import Path
 
@@ -43,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+from common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, pick_device
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -57,10 +56,6 @@ HF_LLAMA = [("embeddings.weight", "model.embed_tokens.weight"), ("lm_head.norm.w
         ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w2", "mlp.down_proj"),
         ("feed_forward.w3", "mlp.up_proj"), ("attention_norm", "input_layernorm"),
         ("feed_forward_norm", "post_attention_layernorm")]]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot load as it is; the message is one line."""
 
 
 def short(keys, n=4):
@@ -283,14 +278,9 @@ def pick(steps, step, where):
 
 def download(repo_id, step, timeout=5.0):
     """A hub repository's step folder and tokenizer/ -> local folder (huggingface_hub's cache)."""
-    import requests
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if os.environ.get("HF_HUB_OFFLINE", "0").upper() not in ("1", "ON", "YES", "TRUE"):
-        try:
-            requests.get(endpoint, timeout=timeout, stream=True).close()
-        except requests.RequestException as e:
-            raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub at {endpoint} cannot be reached "
-                                  f"({type(e).__name__}); offline, download it elsewhere and give its folder") from None
+    if down := hub_unreachable(timeout):
+        raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub at {down[0]} cannot be reached "
+                              f"({down[1]}); offline, download it elsewhere and give its folder")
     from huggingface_hub import HfApi, snapshot_download
     try:
         n = pick(steps_in(HfApi().list_repo_files(repo_id)), step, repo_id)
@@ -359,7 +349,8 @@ def evaluate(model, tok, text, seq_len, max_tokens=None, batch_size=4, device="c
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Load (info) or evaluate an official DepthBench OLMo-core checkpoint.")
+    p = ArgParser(prog="official.py",
+                  description="Load (info) or evaluate an official DepthBench OLMo-core checkpoint.")
     p.add_argument("command", choices=["info", "evaluate"])
     p.add_argument("source", help="hub id, repository folder with stepN/ folders, or a step folder")
     p.add_argument("--step", type=int, help="step folder to use (default: the highest)")
@@ -368,10 +359,14 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, help="tokens per window (default: the run's sequence length, else 2048)")
     p.add_argument("--max-tokens", type=int, help="evaluate at most this many tokens")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     args = p.parse_args(argv)
     if args.command == "evaluate" and not args.text:
         p.error("evaluate needs --text")
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     try:
         model, info = load(args.source, args.step)
         cfg = model.cfg
@@ -384,8 +379,7 @@ def main(argv=None):
                            args.max_tokens, args.batch_size, args.device)
             print(json.dumps({**res, "step": info["step"], "source": args.source}))
     except (CheckpointError, data.DataError) as e:
-        print(f"official.py: error: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
-        sys.exit(2)
+        fail("official.py", first_line(e, None))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ data = {"train": [run, ...], "diagnose": [diag, ...], "profile": [prof, ...]} (e
 its file path in "_path"). It writes out_path and returns {"drew": "what, in words", ...}, or writes
 nothing and returns {"skipped": "reason"}. FIGURES at the bottom lists them in paper order for main().
 """
-import argparse
 import json
 import math
 import sys
@@ -23,6 +22,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window: works headless, in tests and over ssh
 import matplotlib.pyplot as plt
 from matplotlib import colors, ticker, transforms
+
+from common import ArgParser
 
 # ----------------------------------------------------------------------------- the contract and the look
 
@@ -608,14 +609,8 @@ FIGURES = [  # (file name without extension, function), in paper order
 ]
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block: easier to spot in a sweep log
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None):
-    parser = Parser(prog="plot.py", description="Draw DepthBench figures from a folder of JSON results.")
+    parser = ArgParser(prog="plot.py", description="Draw DepthBench figures from a folder of JSON results.")
     parser.add_argument("runs_dir", type=Path, help="folder searched recursively for *.json (train/diagnose/profile)")
     parser.add_argument("--out", type=Path, default=Path("figs"), help="folder for the figures (created if missing)")
     parser.add_argument("--svg", action="store_true", help="also write an SVG next to each PNG")

@@ -21,7 +21,7 @@ Analytic fields (docs/diagnostics.md#cost; a multiply-add is 2 FLOPs; norms, sof
 - prefill_flops: one forward of T tokens, the spec's formula A = 2·T·N_blk + 2·L·d·T², N_blk = L(4d² + 3·d·d_ff),
   attention scores counted causally (half of T×T), LM head left out: the only variant that gives the paper's
   3.0 T at AR 76. It is the backbone's count, the same for every design; a design's extra work is on top:
-- residual_overhead_flops: per sequence, from `design_cost` below (null for a design it does not know).
+- residual_overhead_flops: per sequence, from the design's `cost` in residuals.py.
 - prefill_flops_head: A + 2·T·d·V (the head on every position).
 - train_flops_per_token: 3 × (prefill_flops_head + residual_overhead_flops) / T: backward = 2 × forward, causal
   attention, head included: ≈ 6·N_blk + 6·L·d·T + 6·d·V (OLMo's 6·params + 12·L·d·T is non-causal).
@@ -29,9 +29,9 @@ Analytic fields (docs/diagnostics.md#cost; a multiply-add is 2 FLOPs; norms, sof
   design: HC streams and AttnRes sources live within one token's forward pass, and MoDA's depth K/V, though a
   (B, T, 2L, d) buffer in training, are a token's own earlier sublayers: decoding recomputes them, caches nothing more.
 - weight_bytes: the design's exact parameter count (meta device) × bytes per element.
-- residual_state_bytes per sequence: what the design keeps alive across sublayers, per token d for the norm designs,
-  4d for HC/mHC (4 streams), (2L+1)·d for Full AttnRes (every source), (N+1)·d for Block AttnRes (group sums),
-  d + 4·L·d for MoDA (the stream and the depth K/V).
+- residual_state_bytes per sequence: what the design keeps alive across sublayers (its `cost`), per token d for the
+  norm designs, 4d for HC/mHC (4 streams), (2L+1)·d for Full AttnRes (every source), (N+1)·d for Block AttnRes
+  (group sums), d + 4·L·d for MoDA (the stream and the depth K/V).
 Bytes use --dtype's element size; --dtype is bf16 with --analytic-only unless told otherwise.
 
 Measured fields, labelled with the device (medians of --repeats after warm-up; CUDA events on GPU, perf_counter on CPU):
@@ -61,53 +61,24 @@ import torch
 
 import shapes
 from model import GPT, GPTConfig
-from residuals import RESIDUALS
+from common import ArgParser, json_object, pick_device, positive, write_json
+from residuals import RESIDUALS, check_options, design_options
 
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
-ATTNRES_C = 4                 # FLOPs per source and channel of a depth mix: score dot (2) + weighted sum (2); 6 with RMS
-BLOCK_GROUPS = 8              # Block AttnRes groups over the 2L sublayers (docs/designs.md#decisions, 4)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization"]
 
 
-def attnres_sources(L, N):
-    """Sources read by all depth mixes of AttnRes with N groups spread evenly over the 2L sublayers.
-
-    Sublayer k >= 1 reads the embedding and every group touched so far: g(k-1) + 2 sources, g(j) = floor(jN / 2L).
-    Sublayer 0 has no mix; the head's readout reads the embedding and all N groups. Each mix sees at most N + 1.
-    N = 2L is Full AttnRes: sum_{k=1}^{2L-1} (k+1) + (2L+1) = 2L² + 3L.
-    """
-    N = min(N, 2 * L)
-    return sum((k - 1) * N // (2 * L) + 2 for k in range(1, 2 * L)) + N + 1
-
-
-def design_cost(residual, L, d, T):
-    """(extra forward FLOPs per sequence, residual state per token in units of d); (None, None) if unknown."""
-    if residual in ("preln", "sandwich", "lns", "deepnorm", "keel"):
-        return 0, 1  # only norms and adds, which formula A does not count for Pre-LN either
-    if residual == "hc":   # 2L connectors of ~96d per token: dynamic alpha/beta projections, width mix, write-back
-        return 192 * L * d * T, 4
-    if residual == "mhc":  # 2L connectors of ~244d: the (4d x 24) phi projection (192d), pre/res/post mixes (~48d)
-        return 488 * L * d * T, 4
-    if residual == "attnres":
-        return ATTNRES_C * d * attnres_sources(L, 2 * L) * T, 2 * L + 1
-    if residual == "block_attnres":
-        return ATTNRES_C * d * attnres_sources(L, BLOCK_GROUPS) * T, min(BLOCK_GROUPS, 2 * L) + 1
-    if residual == "moda":  # W_kv (2·d·2d) on blocks 0..L-2; block i's queries see 2i depth keys, 2d + 2d each
-        return 4 * d * d * (L - 1) * T + 4 * d * L * (L - 1) * T, 1 + 4 * L
-    return None, None
-
-
-def analytic(residual, L, d, d_ff, T, B, V, params, elem_bytes):
-    """The analytic fields of one row (module docstring)."""
+def analytic(residual, L, d, d_ff, T, B, V, params, elem_bytes, options=None):
+    """The analytic fields of one row (module docstring); options: the design's (default: its defaults)."""
     A = 2 * T * L * (4 * d * d + 3 * d * d_ff) + 2 * L * d * T * T  # QKᵀ, AV: 2 matmuls x 2 FLOPs x d·T²/2
     head = 2 * T * d * V
-    over, state = design_cost(residual, L, d, T)
+    over, state = RESIDUALS[residual].cost(L, d, T, **design_options(residual, options))
     kv = 2 * L * T * d * elem_bytes
     return {"prefill_flops": A, "prefill_flops_head": A + head, "residual_overhead_flops": over,
-            "train_flops_per_token": 3 * (A + head + (over or 0)) / T, "kv_cache_bytes": kv,
+            "train_flops_per_token": 3 * (A + head + over) / T, "kv_cache_bytes": kv,
             "kv_cache_bytes_batch": kv * B, "weight_bytes": params * elem_bytes,
-            "residual_state_bytes": None if state is None else state * d * T * elem_bytes}
+            "residual_state_bytes": state * d * T * elem_bytes}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -166,7 +137,7 @@ def measure(job):
     torch.manual_seed(0)
     base = 0 if dev.type == "cuda" else memory(dev, "VmRSS")  # CPU: interpreter + torch, before the model
     cfg = GPTConfig(vocab_size=job["vocab"], n_layer=job["n_layer"], d_model=job["d_model"], n_head=job["heads"],
-                    d_ff=job["d_ff"], residual=job["residual"])
+                    d_ff=job["d_ff"], residual=job["residual"], residual_args=job["residual_args"])
     with dev:  # parameters are created and initialised on the device itself: no slow CPU init and copy
         model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
@@ -217,7 +188,7 @@ def run_measured(jobs, dev):
 
 # ----------------------------------------------------------------------------- the speed benchmark (--bench)
 
-BENCH_DESIGNS = ["hc", "mhc", "attnres", "block_attnres", "moda"]
+BENCH_DESIGNS = [r for r, cls in RESIDUALS.items() if cls.cost(8, 128, 256)[0]]  # those with extra work
 GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
 
 
@@ -408,31 +379,35 @@ def parse_shapes(p, args):
         p.error(f"--params {args.params!r} / --ar {args.ar!r}: expected a count like 405M and numbers like 76,9.1")
     if budget <= 0 or min(ars) <= 0:
         p.error("--params and --ar must be positive")
-    dims = []
-    for ar in ars:
-        s = shapes.solve(budget, ar=ar, vocab=args.vocab)
-        if abs(s["ar"] - ar) > 0.1 * ar:
-            p.error(f"no shape of {budget:,} params comes near AR {ar} (nearest: L{s['n_layer']} d{s['d_model']})")
-        dims.append((s["n_layer"], s["d_model"]))
-    return dims
+    try:
+        return [(s["n_layer"], s["d_model"]) for s in (shapes.solve(budget, ar=ar, vocab=args.vocab) for ar in ars)]
+    except ValueError as e:
+        p.error(str(e))
 
 
 def main(argv=None):
-    p = shapes.ArgParser(description="FLOPs, KV cache, memory and time of the residual designs, per shape.")
+    p = ArgParser(description="FLOPs, KV cache, memory and time of the residual designs, per shape.")
     p.add_argument("--residual", default="all", help=f"'all' or a comma list of: {', '.join(RESIDUALS)}")
     p.add_argument("--shapes", help="explicit shapes LxD, comma separated, e.g. 16x1216,70x640 (d_ff = shapes.ffn_dim(d))")
     p.add_argument("--params", help="budget solved with shapes.solve at each --ar, e.g. 405M (the default without --shapes)")
     p.add_argument("--ar", help=f"aspect ratios d/L for --params, comma separated (default {PAPER_AR}, the paper's)")
-    p.add_argument("--heads", type=int, default=shapes.N_HEAD, help="attention heads (default 16; head_dim must be even)")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length T (default 4096, as in Fig. 11)")
-    p.add_argument("--batch", type=int, default=8, help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
-    p.add_argument("--vocab", type=int, default=shapes.VOCAB, help="vocabulary size (default 50280, the paper's)")
+    p.add_argument("--heads", type=positive(), default=shapes.N_HEAD,
+                   help="attention heads (default 16; head_dim must be even)")
+    p.add_argument("--seq", type=positive(), default=4096, help="sequence length T (default 4096, as in Fig. 11)")
+    p.add_argument("--batch", type=positive(), default=8,
+                   help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
+    p.add_argument("--vocab", type=positive(), default=shapes.VOCAB,
+                   help="vocabulary size (default 50280, the paper's)")
+    p.add_argument("--residual-args", type=json_object, default={}, help="design options as JSON (each design's "
+                   "`options` in residuals.py; each design takes the keys it declares), e.g. '{\"n_groups\": 4}'")
     p.add_argument("--analytic-only", action="store_true", help="formulas only: build and run no model")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to measure (auto: cuda if any)")
     p.add_argument("--dtype", choices=list(DTYPES), help="bf16 (autocast) or fp32; default bf16 on CUDA and with "
                    "--analytic-only, fp32 on CPU")
-    p.add_argument("--threads", type=int, help="CPU threads when measuring (default torch's); 1 is steadier on shared cores")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs after warm-up; the median is kept (default 10)")
+    p.add_argument("--threads", type=positive(),
+                   help="CPU threads when measuring (default torch's); 1 is steadier on shared cores")
+    p.add_argument("--repeats", type=positive(), default=10,
+                   help="timed runs after warm-up; the median is kept (default 10)")
     p.add_argument("--out", help="write the JSON to this file (atomically)")
     p.add_argument("--json", action="store_true", help="print the JSON on stdout instead of the table")
     p.add_argument("--bench", action="store_true", help="the speed benchmark instead: cross-layer designs / Pre-LN "
@@ -446,16 +421,18 @@ def main(argv=None):
     for name in designs:
         if name not in RESIDUALS:
             p.error(f"unknown residual {name!r}; choose from all, {', '.join(RESIDUALS)}")
-    for flag in ["seq", "batch", "vocab", "repeats", "heads", "threads"]:
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            p.error(f"--{flag} must be positive, got {getattr(args, flag)}")
+    try:
+        check_options(designs, args.residual_args)
+    except ValueError as e:
+        p.error(f"--residual-args: {e}")
     dims = parse_shapes(p, args)
     for L, d in dims:
         if d % args.heads or (d // args.heads) % 2:
             p.error(f"d={d} must split into {args.heads} heads of an even head_dim (RoPE rotates pairs)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch sees no CUDA device")
-    dev = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
+    try:
+        dev = torch.device(pick_device(args.device))
+    except ValueError as e:
+        p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)  # for the matmul peak here; every measuring process sets it too
     dtype = args.dtype or ("bf16" if dev.type == "cuda" or args.analytic_only else "fp32")
@@ -466,13 +443,14 @@ def main(argv=None):
     rows, jobs = [], []
     for L, d in dims:
         for res in designs:
-            d_ff = shapes.ffn_dim(d)
-            params = shapes.count_params(L, d, d_ff, res, args.vocab, args.heads)
+            d_ff, opts = shapes.ffn_dim(d), design_options(res, args.residual_args)
+            params = shapes.count_params(L, d, d_ff, res, args.vocab, args.heads, **opts)
             rows.append({"residual": res, "n_layer": L, "d_model": d, "d_ff": d_ff, "ar": d / L, "seq": args.seq,
                          "batch": args.batch, "params": params,
-                         **analytic(res, L, d, d_ff, args.seq, args.batch, args.vocab, params, DTYPES[dtype].itemsize),
-                         **dict.fromkeys(MEASURED)})
-            jobs.append({"residual": res, "n_layer": L, "d_model": d, "d_ff": d_ff, "heads": args.heads, "vocab": args.vocab,
+                         **analytic(res, L, d, d_ff, args.seq, args.batch, args.vocab, params, DTYPES[dtype].itemsize,
+                                    opts), **dict.fromkeys(MEASURED)})
+            jobs.append({"residual": res, "residual_args": opts, "n_layer": L, "d_model": d, "d_ff": d_ff,
+                         "heads": args.heads, "vocab": args.vocab,
                          "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "threads": args.threads,
                          "device": str(dev), "dtype": dtype})
     peak = None
@@ -488,7 +466,7 @@ def main(argv=None):
            "peak_flops": peak, "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
            "rows": rows}
     if args.out:
-        shapes.write_json(args.out, doc)
+        write_json(args.out, doc)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=1))

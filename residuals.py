@@ -24,6 +24,16 @@ plus
     res.recording                            # None, or a dict the design logs internals into
     res.sublayer_params(i)                   # diagnostics: {name: tensor} the design owns for sublayer
                                              # i, so a weight swap can move them with their block
+    res.swap_blocks(i, j)                    # diagnostics: exchange per-block constants (LNS' scales)
+    res.skip(s, i)                           # diagnostics: the state when sublayer i is left out
+    res.readout(s, i)                        # diagnostics: what the logit lens decodes before sublayer i
+
+and, on the class, what the scripts read instead of naming a design:
+    paper_lr, paper_micro_batch              # train.py's 400m recipe: the paper's peak LR, micro-batch
+    options                                  # constructor options (GPTConfig.residual_args) -> defaults,
+                                             # the keys of --residual-args in train/diagnose/profile_gpu
+    cost(L, d, T, **options)                 # profile_gpu.py: (extra forward FLOPs per sequence,
+                                             # residual state per token in units of d)
 
 Rules: every parameter a design creates is used on every forward (DDP needs no
 find_unused_parameters); per-layer constants are Python floats computed in __init__ from i and L.
@@ -48,33 +58,24 @@ def rms_norm(x, weight=None, eps=1e-6):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a gain (init 1), no bias, fp32 inside (docs/designs.md#backbone)."""
+    """RMSNorm with a gain (init 1), no bias, fp32 inside (docs/designs.md#backbone). center=True subtracts
+    the mean first: a true LayerNorm with a gain and no bias (DeepNorm's block norm)."""
 
-    def __init__(self, dim, eps=1e-6):
+    def __init__(self, dim, eps=1e-6, center=False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.center = eps, center
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if self.center:
+            return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
-
-
-class LayerNorm(nn.Module):
-    """True LayerNorm (mean-centred) with a gain and no bias, fp32 inside (DeepNorm's block norm)."""
-
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
 
 
 def reset_norms(module):
     """Set every norm gain below `module` to 1."""
     for m in module.modules():
-        if isinstance(m, (RMSNorm, LayerNorm)):
+        if isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
 
 
@@ -159,6 +160,20 @@ class _DepthMix(torch.autograd.Function):
         return None, dgq, *grads
 
 
+ATTNRES_C = 4  # FLOPs per source and channel of a depth mix: score dot (2) + weighted sum (2); 6 with RMS
+
+
+def attnres_sources(L, N):
+    """Sources read by all depth mixes of AttnRes with N groups spread evenly over the 2L sublayers.
+
+    Sublayer k >= 1 reads the embedding and every group touched so far: g(k-1) + 2 sources, g(j) = floor(jN / 2L).
+    Sublayer 0 has no mix; the head's readout reads the embedding and all N groups. Each mix sees at most N + 1.
+    N = 2L is Full AttnRes: sum_{k=1}^{2L-1} (k+1) + (2L+1) = 2L² + 3L.
+    """
+    N = min(N, 2 * L)
+    return sum((k - 1) * N // (2 * L) + 2 for k in range(1, 2 * L)) + N + 1
+
+
 # ----------------------------------------------------------------------------- norm-placement designs
 
 class PreLN(nn.Module):
@@ -170,6 +185,19 @@ class PreLN(nn.Module):
     State: the residual stream x (B, T, D). Params: one RMSNorm per sublayer + the final norm
     (counted in the backbone, 2dL + d). Init: gains 1. Cost: nothing beyond the backbone.
     """
+    paper_lr = 2e-3          # the paper's Table 4 optimum (train.py's 400m preset)
+    paper_micro_batch = 16   # micro-batch per GPU that fit in memory in the paper's runs
+    options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
+    # training steps after which torch.compile (inductor) pays on CPU: cold compile s / ms saved per step, as
+    # `python profile_gpu.py --bench` measures it at L8 d128 T256 B8 (README); None: it never paid
+    cpu_compile_pays = None
+
+    @classmethod
+    def cost(cls, L, d, T, **options):
+        """(extra forward FLOPs per sequence of T tokens, residual state per token in units of d) at
+        L blocks and width d, for profile_gpu.py. Norms, scalings and adds are not counted (nor are they
+        for Pre-LN's formula), so a norm-placement design costs nothing extra: (0, 1)."""
+        return 0, 1
 
     def __init__(self, cfg):
         super().__init__()
@@ -208,6 +236,17 @@ class PreLN(nn.Module):
         parameter are returned as views, so writing into them writes the parameter."""
         return {"norm": self.norms[i].weight}
 
+    def swap_blocks(self, i, j):
+        """Exchange blocks i and j's per-block constants (Python floats; tensors move via sublayer_params)."""
+
+    def skip(self, s, i):
+        """The state when sublayer i is left out (docs/diagnostics.md#interventions): its input, unchanged."""
+        return s
+
+    def readout(self, s, i):
+        """What the logit lens decodes before sublayer i (docs/diagnostics.md#lens): the head's own input."""
+        return self.collapse(s)
+
     def log(self, key, value):
         """Append an internal tensor to the recording forward's dict (no-op when not recording)."""
         if self.recording is not None:
@@ -241,6 +280,7 @@ class LNS(PreLN):
     Both sublayers of block b share the factor (it counts blocks, not sublayers, as the reference
     does); the final norm is not scaled. No extra params. Peak LR 1e-2 in the paper.
     """
+    paper_lr = 1e-2
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -248,6 +288,12 @@ class LNS(PreLN):
 
     def read(self, s, i):
         return self.norms[i](s) * self.scales[i], {}
+
+    def swap_blocks(self, i, j):
+        """The per-block scale travels with its block, as the reference intends."""
+        sc = self.scales
+        for k in (0, 1):
+            sc[2 * i + k], sc[2 * j + k] = sc[2 * j + k], sc[2 * i + k]
 
 
 class DeepNorm(PreLN):
@@ -260,10 +306,11 @@ class DeepNorm(PreLN):
     FFN matrices are scaled by beta = (8L)^(-1/4) (std 0.02 * beta); W_q, W_k stay at 0.02.
     No extra params (LN without bias has d params, like RMSNorm). Peak LR 1e-3 (paper).
     """
+    paper_lr = 1e-3
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.norms = nn.ModuleList(LayerNorm(cfg.d_model, cfg.norm_eps) for _ in range(self.n_sub))  # post-norms here
+        self.norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps, center=True) for _ in range(self.n_sub))  # post
         self.alpha = (2 * cfg.n_layer) ** 0.25
         self.beta = (8 * cfg.n_layer) ** -0.25
 
@@ -336,6 +383,13 @@ class HC(PreLN):
     beats n broadcast multiply-adds (and their backward's full-size zero fills) about 3-4x.
     """
     collapse_mode = "sum"
+    paper_micro_batch = 8
+    options = {"n_streams": 4}
+
+    @classmethod
+    def cost(cls, L, d, T, n_streams=4, **options):
+        """2L connectors of ~96d FLOPs per token (n = 4): dynamic alpha/beta projections, width mix, write-back."""
+        return 192 * L * d * T, n_streams
 
     def __init__(self, cfg, n_streams=4):
         super().__init__(cfg)
@@ -446,6 +500,13 @@ class MHC(HC):
       1.04 after the same 300 steps (the same final loss to 1e-4).
     """
     collapse_mode = "mean"
+    options = {"n_streams": 4, "init": "gap8"}
+
+    @classmethod
+    def cost(cls, L, d, T, n_streams=4, **options):
+        """2L connectors of ~244d FLOPs per token (n = 4): the (4d x 24) phi projection (192d), the pre/res/post
+        mixes (~48d)."""
+        return 488 * L * d * T, n_streams
 
     def __init__(self, cfg, n_streams=4, init="gap8", sinkhorn_iters=20):
         if init not in ("uniform", "gap8"):
@@ -504,6 +565,12 @@ class BlockAttnRes(PreLN):
     Params: q_k, g_k for k >= 1 and the final pair: 4dL, all decayed. Zero queries = uniform
     weights at init. Cost: at most N + 1 sources per sublayer.
     """
+    options = {"n_groups": 8}
+
+    @classmethod
+    def cost(cls, L, d, T, n_groups=8, **options):
+        """ATTNRES_C FLOPs per source and channel of every depth mix; the state: the N + 1 sources."""
+        return ATTNRES_C * d * attnres_sources(L, n_groups) * T, min(n_groups, 2 * L) + 1
 
     def __init__(self, cfg, n_groups=8):
         super().__init__(cfg)
@@ -531,6 +598,33 @@ class BlockAttnRes(PreLN):
         # the last block), the reference's swap rule (docs/diagnostics.md#interventions)
         return {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
 
+    class AfterSkip(tuple):
+        """A state (done, partial) marked by `skip`: its next consumer reads the newest source, not a mix."""
+
+    @staticmethod
+    def newest(s):
+        """The newest source of the bank: the current group's partial sum, else the last completed one."""
+        done, partial = s
+        return done[-1] if partial is None else partial
+
+    def skip(self, s, i):
+        """A skipped block returns its inputs unchanged, as the reference's skip_block: nothing joins the bank,
+        and a group boundary inside the block does not close the open group (its sum carries on). When the
+        first consumer after the block (i = its MLP) is a group boundary (always for Full AttnRes; the head),
+        it reads its newest source instead of mixing, the "next-output" rule, and that is its depth state."""
+        if i % 2 == 1 and (i + 1 == self.n_sub or self.group[i + 1] != self.group[i]):
+            return self.AfterSkip(s)
+        return s
+
+    def _source(self, s, k):
+        """What consumer k >= 1 normalises: its depth mix, or after a skipped block (`skip`) the newest source."""
+        return self.newest(s) if isinstance(s, self.AfterSkip) else self._mix(s, k)
+
+    def readout(self, s, i):
+        """The mix of consumer i (block i/2's attention-side query; the final query at i = 2L), normalised with
+        the final norm's gain as the model's own readout does."""
+        return rms_norm(s[0][0] if i == 0 else self._source(s, i), self.norm_f.weight, self.eps)
+
     def _mix(self, s, k):
         """Raw (pre-norm) depth mix read by consumer k >= 1, and its weights over the sources."""
         done, partial = s
@@ -543,7 +637,7 @@ class BlockAttnRes(PreLN):
     def read(self, s, i):
         if i == 0:
             return self.norms[0](s[0][0]), {}
-        return rms_norm(self._mix(s, i), self.norms[i].weight, self.eps), {}
+        return rms_norm(self._source(s, i), self.norms[i].weight, self.eps), {}
 
     def write(self, s, i, y, aux=None):
         done, partial = s
@@ -554,20 +648,23 @@ class BlockAttnRes(PreLN):
         return done, partial + y
 
     def collapse(self, s):
-        return rms_norm(self._mix(s, self.n_sub), self.norm_f.weight, self.eps)
+        return rms_norm(self._source(s, self.n_sub), self.norm_f.weight, self.eps)
 
     def depth_state(self, s, i):
         """z for diagnostics: the embedding (i = 0), the raw mix at a group boundary (and for the head),
-        else the running partial sum, the "block output" inside a group (docs/diagnostics.md#depth-states)."""
+        else the running partial sum, the "block output" inside a group (docs/diagnostics.md#depth-states);
+        after a skipped block (`skip`), or where no partial sum began yet, the newest source."""
         if i == 0:
             return s[0][0]
+        if isinstance(s, self.AfterSkip):
+            return self.newest(s)
         if i == self.n_sub or self.group[i] != self.group[i - 1]:
             with torch.no_grad():
                 recording, self.recording = self.recording, None
                 mix = self._mix(s, i)
                 self.recording = recording
             return mix
-        return s[1]
+        return self.newest(s)
 
 
 class FullAttnRes(BlockAttnRes):
@@ -575,6 +672,11 @@ class FullAttnRes(BlockAttnRes):
     group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
     Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive; each mix reads
     every source ~3 times forward and ~4 times backward (`_DepthMix`), O(L^2 d) memory traffic per token."""
+    options = {}
+
+    @classmethod
+    def cost(cls, L, d, T, **options):
+        return super().cost(L, d, T, n_groups=2 * L)
 
     def __init__(self, cfg):
         super().__init__(cfg, n_groups=2 * cfg.n_layer)
@@ -597,6 +699,14 @@ class MoDA(PreLN):
     forward and ~3 times backward (model._DepthAttention), O(L^2 d) memory traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
+    paper_micro_batch = 4
+    options = {"norm": "pre"}
+
+    @classmethod
+    def cost(cls, L, d, T, **options):
+        """W_kv (2 d x 2d) on blocks 0..L-2; block b's queries see 2b depth keys of 2d + 2d FLOPs each; the state:
+        the stream and the depth K/V."""
+        return 4 * d * d * (L - 1) * T + 4 * d * L * (L - 1) * T, 1 + 4 * L
 
     def __init__(self, cfg, norm="pre"):
         super().__init__(cfg)
@@ -647,6 +757,15 @@ class MoDA(PreLN):
     def collapse(self, s):
         return self.norm_f(s[0])
 
+    def skip(self, s, i):
+        """The reference's depth-KV slots of a skipped sublayer stay zero: later attention still sees the slot
+        (a zero key takes softmax mass exp(0) and brings back nothing). The last MLP writes no slot anyway."""
+        x, ks, vs = s
+        if i % 2 == 1 and i // 2 == len(self.kv_proj):
+            return s
+        zero = x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim)  # (B, Hkv, T, hd), as the slots
+        return x, ks + [zero], vs + [zero]
+
     def depth_state(self, s, i):
         return s[0]
 
@@ -665,3 +784,27 @@ RESIDUALS = {
     "block_attnres": BlockAttnRes,
     "moda": MoDA,
 }
+
+
+def design_options(name, given=None):
+    """Design `name`'s constructor options: its declared defaults (`options`), overridden by the keys of
+    `given` that it declares (a grid's --residual-args may hold options of its other designs). A value of
+    another type than the default's, or a count below 1, is a ValueError."""
+    opts = {k: (given or {}).get(k, v) for k, v in RESIDUALS[name].options.items()}
+    for k, v in opts.items():
+        want = type(RESIDUALS[name].options[k])
+        if type(v) is not want or (want is int and v < 1):
+            raise ValueError(f"{name}: option {k} must be a{' positive' if want is int else ''} {want.__name__}, "
+                             f"got {v!r}")
+    return opts
+
+
+def check_options(names, given):
+    """ValueError unless every key of `given` is an option of one of the designs `names`, of the right type."""
+    declared = {k: v for name in names for k, v in RESIDUALS[name].options.items()}
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise ValueError(f"no design of {', '.join(names)} has an option {unknown[0]!r} "
+                         f"(theirs: {declared or 'none'})")
+    for name in names:
+        design_options(name, given)

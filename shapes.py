@@ -18,11 +18,10 @@ own extra parameters come on top and are counted exactly by building the model o
     python shapes.py --table                           # the solver at 13 depths (7 of them are the paper's 400m)
     python shapes.py --params 300M --fixed backbone --ar 9.1 --json
 """
-import argparse
 import json
 import math
-import os
-from pathlib import Path
+
+from common import ArgParser
 
 N_HEAD = 16
 VOCAB = 50280
@@ -93,7 +92,7 @@ def count_params(L, d, d_ff, residual="preln", vocab=VOCAB, n_head=N_HEAD, n_kv_
         return GPT(cfg).num_params()
 
 
-def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=256, n_head=N_HEAD):
+def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=256, n_head=N_HEAD, tolerance=0.1):
     """The valid shape for a parameter budget and an aspect ratio (or a depth).
 
     For every depth L, the width is the valid d (a multiple of 2 * n_head: n_head heads of an even
@@ -101,7 +100,8 @@ def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=2
     or the L whose d/L is nearest to `ar`. The paper has 16 heads; the mini preset keeps the rule with
     4 heads, so that at ~1M parameters widths come in steps of 8 and the aspect ratios 100 ... 4 exist.
     `fixed` is "total" (embeddings included, the paper's fixed-total family) or "backbone" (blocks only,
-    the iso-backbone control). Returns a dict of the shape.
+    the iso-backbone control). Returns a dict of the shape; a ValueError (one line) when its AR, or the
+    count that `fixed` names, is off by more than `tolerance` (a share; None: return the nearest anyway).
     """
     def count(L, d):
         return backbone_params(L, d, ffn_dim(d)) if fixed == "backbone" else preln_params(L, d, ffn_dim(d), vocab)
@@ -123,29 +123,16 @@ def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=2
     if layers is None:
         # nearest aspect ratio; ties go to the count closest to the budget
         candidates.sort(key=lambda c: (abs(c[1] / c[0] - ar), abs(c[2] - budget)))
-    L, d, _ = candidates[0]
+    L, d, size = candidates[0]
+    if tolerance is not None and layers is None and abs(d / L - ar) > tolerance * ar:
+        raise ValueError(f"no valid shape of {budget:,} params comes near AR {ar:g} (nearest: L={L} d={d}, "
+                         f"AR {d / L:.2f})")
+    if tolerance is not None and abs(size - budget) > tolerance * budget:
+        raise ValueError(f"no valid shape at depth {L} comes within {tolerance:.0%} of {budget:,} {fixed} params "
+                         f"(closest: d={d}, {size:,})")
     d_ff = ffn_dim(d)
     return {"n_layer": L, "d_model": d, "d_ff": d_ff, "n_head": n_head, "head_dim": d // n_head,
             "ar": d / L, "params": preln_params(L, d, d_ff, vocab), "backbone_params": backbone_params(L, d, d_ff)}
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse whose errors are one line on stderr and exit code 2 (no usage dump); every script uses it."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def write_json(path, obj, strict=False):
-    """Write JSON atomically, as every script does: a temp file beside it, then os.replace, so a reader
-    sees the old file or the new one, never half of one. strict: NaN/inf become null (strict JSON)."""
-    if strict:
-        obj = json.loads(json.dumps(obj), parse_constant=lambda _: None)  # json writes NaN; read it back as null
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, allow_nan=not strict))
-    os.replace(tmp, path)
 
 
 def parse_count(text):
@@ -228,7 +215,7 @@ def main(argv=None):
     if args.table:
         rows = []
         for L in TABLE_LAYERS:
-            s = solve(budget, layers=L, fixed=args.fixed, vocab=args.vocab)
+            s = solve(budget, layers=L, fixed=args.fixed, vocab=args.vocab, tolerance=None)
             s["params"] = count_params(L, s["d_model"], s["d_ff"], args.residual, args.vocab)
             rows.append(s)
         if args.json:
@@ -246,12 +233,10 @@ def main(argv=None):
         fail(f"--ar must be positive, got {args.ar}")
     if args.layers is not None and args.layers <= 0:
         fail(f"--layers must be positive, got {args.layers}")
-    shape = solve(budget, ar=args.ar, layers=args.layers, fixed=args.fixed, vocab=args.vocab)
-    if args.ar is not None and abs(shape["ar"] - args.ar) > 0.1 * args.ar:
-        fail(f"no valid shape of {args.params} comes near AR {args.ar} (nearest: L={shape['n_layer']} d={shape['d_model']}, AR {shape['ar']:.2f})")
-    size = shape["backbone_params"] if args.fixed == "backbone" else shape["params"]
-    if abs(size - budget) > 0.1 * budget:
-        fail(f"no valid shape of depth {shape['n_layer']} comes within 10% of {args.params} (closest: {size:,})")
+    try:
+        shape = solve(budget, ar=args.ar, layers=args.layers, fixed=args.fixed, vocab=args.vocab)
+    except ValueError as e:
+        fail(str(e))
     shape["params"] = count_params(shape["n_layer"], shape["d_model"], shape["d_ff"], args.residual, args.vocab)
     if args.json:
         print(json.dumps({k: shape[k] for k in ["n_layer", "d_model", "d_ff", "n_head", "head_dim", "ar", "params", "backbone_params"]}))

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import profile_gpu
+import residuals
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -71,14 +72,12 @@ def test_formulas_small_shape_L8_d64():
     # residual state per sequence (T * 4 bytes = 128 per unit of d = 64): 1, 4, 2L+1 = 17, N+1 = 9, 1+4L = 33 units
     assert [a(k)["residual_state_bytes"] for k in ["keel", "mhc", "attnres", "block_attnres", "moda"]] == \
            [8_192, 32_768, 139_264, 73_728, 270_336]
-    # a design with no formula here (a future 11th) has null overhead/state, not a made-up zero
-    assert a("eleventh")["residual_overhead_flops"] is None and a("eleventh")["residual_state_bytes"] is None
 
 
 @pytest.mark.parametrize("L", [1, 2, 5, 16])
 def test_block_attnres_with_one_group_per_sublayer_is_full(L):
-    assert profile_gpu.attnres_sources(L, 2 * L) == 2 * L * L + 3 * L
-    assert profile_gpu.attnres_sources(L, 99) == 2 * L * L + 3 * L   # more groups than sublayers: Full
+    assert residuals.attnres_sources(L, 2 * L) == 2 * L * L + 3 * L
+    assert residuals.attnres_sources(L, 99) == 2 * L * L + 3 * L   # more groups than sublayers: Full
 
 
 @pytest.mark.parametrize("res,visits", [("attnres", 152), ("block_attnres", 88)])
@@ -89,7 +88,7 @@ def test_attnres_source_count_matches_the_model(res, visits):
     model = GPT(GPTConfig(vocab_size=32, n_layer=8, d_model=32, n_head=4, d_ff=96, residual=res))
     _, _, rec = model(torch.zeros(1, 4, dtype=torch.long), record=True)
     N = 8 if res == "block_attnres" else 16
-    assert sum(w.numel() for w in rec["attnres_weights"]) == visits == profile_gpu.attnres_sources(8, N)
+    assert sum(w.numel() for w in rec["attnres_weights"]) == visits == residuals.attnres_sources(8, N)
 
 
 def test_flop_counter_agrees_with_analytic_preln():

@@ -297,3 +297,25 @@ def test_print_grid_lists_the_paper_sweep(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[1:] == ["torchrun --standalone --nproc_per_node=8 train.py --suite ladder --row 7 --residual hc "
                        "--lr 2e-3"]
+
+
+@pytest.mark.parametrize("kind", ["truncated", "foreign"])
+def test_a_broken_checkpoint_is_one_line_and_exit_2(tmp_path, capsys, kind):
+    """train.py --resume and diagnose.py on a truncated ckpt.pt, or another program's: one line on stderr,
+    exit code 2, and the run folder byte for byte as it was (common.load_checkpoint, one loader for both)."""
+    import diagnose
+    assert run_main(TINY + ["--max-steps", "2", "--out", str(tmp_path)], capsys)[0] == 0
+    (run,) = tmp_path.iterdir()
+    ckpt = run / "ckpt.pt"
+    if kind == "truncated":
+        ckpt.write_bytes(ckpt.read_bytes()[:ckpt.stat().st_size // 2])
+    else:
+        torch.save({"state_dict": {"w": torch.zeros(2)}, "epoch": 3}, ckpt)  # another trainer's checkpoint
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    code, _, err = run_main(TINY + ["--max-steps", "4", "--resume", "--out", str(tmp_path)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not a depthbench checkpoint" in err, err
+    with pytest.raises(SystemExit) as e:
+        diagnose.main([str(run), "--metrics", "angular", "--num-samples", "2", "--seq-len", "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "not a depthbench checkpoint" in err, err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before

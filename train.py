@@ -1,7 +1,7 @@
 """
 train.py: train one DepthBench model, or a grid of them, and log everything to run.json.
 
-    python train.py                                  # CPU preset: tiny model, synthetic S4 task, a few minutes
+    python train.py                                  # CPU preset: 2 layers learn S3 compositions in minutes
     python train.py --max-steps 3 --out /tmp/runs    # the same run, stopped after 3 steps (a smoke test)
     python train.py --residual preln,hc --seed 0,1   # a grid: every combination in turn, finished runs skipped
     python data.py --source fineweb-edu --max-tokens 8200000000 --out data_cache/fineweb-edu-gpt2  # once, first
@@ -9,7 +9,7 @@ train.py: train one DepthBench model, or a grid of them, and log everything to r
     python train.py --suite 400m --print-grid        # the suite's whole LR sweep as torchrun lines, for a cluster
 
 Presets (PRESETS below). `cpu` (the default without CUDA): a 0.8M-parameter backbone on the embedded
-synthetic task (data.py's S4 running products), fp32, eager; what it learns and how long it takes are
+synthetic task (data.py's running products, here in S3), fp32, eager; what it learns and how long it takes are
 measured in the README (its results section), not here. `mini`: the one-machine suite's shapes (mini.py).
 `400m` (the default with CUDA): the paper's recipe (docs/designs.md#recipe) on the paper's own shapes:
 `--suite NAME` (shapes.SUITES: 400m, 302m-backbone, ladder, 1.6b; `--preset 400m` alone means
@@ -38,6 +38,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -47,13 +48,13 @@ import data
 import profile_gpu
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
 from model import GPT, GPTConfig
-from residuals import RESIDUALS
-from shapes import SUITES, VOCAB, ArgParser, backbone_params, parse_count, preln_params, solve, suite_rows, write_json
+import common
+from common import ArgParser, json_object, positive, print0, write_json
+from residuals import RESIDUALS, check_options, design_options
+from shapes import SUITES, VOCAB, backbone_params, count_params, parse_count, preln_params, solve, suite_rows
 
 SCHEMA = "depthbench.train/1"
-PAPER_LR = {"lns": 1e-2, "deepnorm": 1e-3}       # the paper's Table 4 optimum; every other design: 2e-3
-PAPER_MICRO_BATCH = {"hc": 8, "mhc": 8, "moda": 4}  # what fit in memory in the paper; every other design: 16
-PAPER_LR_SWEEP = [5e-4, 1e-3, 2e-3, 5e-3]          # the paper's sweep for every design; LNS also 1e-2
+PAPER_LR_SWEEP = [5e-4, 1e-3, 2e-3, 5e-3]          # the paper's sweep for every design, plus its own paper_lr
 VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
 
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
@@ -71,16 +72,9 @@ PRESETS = {
 }
 
 
-def print0(*a, **kw):
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(*a, **kw, flush=True)
-
-
 def fail(message):
     """Bad input: one line on stderr (from rank 0) and exit code 2."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    common.fail("train.py", message)
 
 
 def get_lr(step, peak, warmup, total, final_frac=0.1):
@@ -95,16 +89,6 @@ def get_lr(step, peak, warmup, total, final_frac=0.1):
 
 
 # ----------------------------------------------------------------------------- command line
-
-def positive(kind):
-    """argparse type: a number > 0 (argparse turns the ValueError into a one-line error)."""
-    def parse(text):
-        if (value := kind(text)) <= 0:
-            raise ValueError(text)
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
 
 def csv(kind):
     """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01]; every list makes a grid axis."""
@@ -128,19 +112,17 @@ def build_parser():
         "--preset 400m, which without --params means --suite 400m")
     add("--row", type=csv(int), help="--suite: row number(s) as `shapes.py --suite NAME` lists them")
     add("--print-grid", action="store_true", help="--suite: print every design x row x LR of the paper's sweep "
-        "(LNS also 1e-2) as torchrun lines and exit; --residual, --row/--layers/--ar and --lr narrow it")
+        "(plus the design's own paper_lr) as torchrun lines and exit; --residual, --row/--layers/--ar and --lr "
+        "narrow it")
     add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu/mini 0.8M backbone), "
         "instead of a suite")
     add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
-    add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's per design, 2e-3, LNS 1e-2, "
-        "DeepNorm 1e-3; cpu/mini 3e-3)")
+    add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
+        "residuals.py; cpu/mini 3e-3)")
     add("--seed", type=csv(int), default=[42], help="seed(s) of the init and the train data order (the paper's 42)")
-    # design options (GPTConfig.residual_args)
-    add("--streams", type=pint, default=4, help="hc/mhc: number of residual streams n")
-    add("--mhc-init", choices=["gap8", "uniform"], default="gap8", help="mhc: start of the transport logits "
-        "(gap8: H_res ~ I, the official runs'; uniform: H_res ~ 11^T/n)")
-    add("--n-groups", type=pint, default=8, help="block_attnres: number of sublayer groups N")
-    add("--moda-norm", choices=["pre", "post"], default="pre", help="moda: pre-norm or post-norm variant")
+    add("--residual-args", type=json_object, default={}, help="design options as JSON (each design's `options` in "
+        "residuals.py), e.g. '{\"n_streams\": 2, \"init\": \"uniform\", \"n_groups\": 4, \"norm\": \"post\"}'; "
+        "each design of a grid takes the keys it declares; non-default values join the run name")
     # data
     add("--data", help="synthetic | fineweb-edu | a .txt/.jsonl/.parquet file, folder or quoted glob (preset)")
     add("--data-dir", help="token shards of real data (default data_cache/<source>-<tokenizer>)")
@@ -152,8 +134,8 @@ def build_parser():
     add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu/mini 128)")
     # batch and schedule
     add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu/mini 32)")
-    add("--batch-size", type=pint, help="micro-batch per rank (preset: 16, HC/mHC 8, MoDA 4; cpu/mini: global "
-        "batch / ranks)")
+    add("--batch-size", type=pint, help="micro-batch per rank (preset: the design's paper_micro_batch; cpu/mini: "
+        "global batch / ranks)")
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
         "tokens per budgeted param; cpu/mini 1200)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
@@ -182,10 +164,8 @@ def format_lr(lr):
 
 def residual_args(args, residual):
     """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
-    opts = {"hc": {"n_streams": args.streams}, "mhc": {"n_streams": args.streams, "init": args.mhc_init},
-            "block_attnres": {"n_groups": args.n_groups}, "moda": {"norm": args.moda_norm}}.get(residual, {})
-    defaults = {"n_streams": 4, "init": "gap8", "n_groups": 8, "norm": "pre"}
-    return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != defaults[k])
+    opts = design_options(residual, args.residual_args)
+    return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])
 
 
 def suite_row(suite, key, value, vocab_size):
@@ -212,15 +192,7 @@ def solved_shape(args, key, value, vocab_size):
     """The solver's shape for --params/--fixed (the cpu preset, or a budget that is no suite)."""
     budget = parse_count(args.params)
     n_head = PRESETS[args.preset]["n_head"]
-    shape = solve(budget, **{key: value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)
-    L, d = shape["n_layer"], shape["d_model"]
-    if key == "ar" and abs(shape["ar"] - value) > 0.1 * value:
-        raise ValueError(f"no valid shape of {args.params} comes near AR {value:g} "
-                         f"(nearest: L={L} d={d}, AR {shape['ar']:.2f})")
-    size = shape["backbone_params"] if args.fixed == "backbone" else shape["params"]
-    if abs(size - budget) > 0.1 * budget:
-        raise ValueError(f"no valid shape at depth {L} comes within 10% of {args.params} {args.fixed} params "
-                         f"(closest: d={d}, {size:,})")
+    shape = solve(budget, **{key: value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)  # ValueError: none
     shape["n_kv_head"] = shape["n_head"]
     # 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
     shape["steps"] = round(20 * budget / (args.global_batch * args.seq_len))
@@ -235,9 +207,9 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     else:
         shape, budget = solved_shape(args, shape_key, shape_value, vocab_size)
     L, d, n_head = shape["n_layer"], shape["d_model"], shape["n_head"]
-    lr = lr if lr is not None else PAPER_LR.get(residual, 2e-3)
+    lr = lr if lr is not None else RESIDUALS[residual].paper_lr
     # 400m: what fit on the paper's GPUs; the small presets: the whole global batch at once, split over ranks
-    batch_size = args.batch_size or (PAPER_MICRO_BATCH.get(residual, 16) if args.preset == "400m"
+    batch_size = args.batch_size or (RESIDUALS[residual].paper_micro_batch if args.preset == "400m"
                                      else max(1, args.global_batch // world_size))
     if args.global_batch % (batch_size * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {batch_size} "
@@ -245,6 +217,8 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     tokens_per_step = args.global_batch * args.seq_len
     steps = args.steps or shape["steps"]
     opts, tag = residual_args(args, residual)
+    # the design's own checks of its option values (a ValueError), on the meta device, before anything is written
+    count_params(L, d, shape["d_ff"], residual, vocab_size, n_head, shape["n_kv_head"], **opts)
     if args.suite:  # a suite's name and depth: the ladder has one AR at several sizes
         tag += f"_{args.suite}-L{L}"
     else:
@@ -271,14 +245,9 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     }
 
 
-# training steps after which torch.compile (inductor) pays on CPU, per design: cold compile s / ms saved per step,
-# measured by `python profile_gpu.py --bench` at L8 d128 T256 B8 (README); None: compile never paid
-CPU_COMPILE_PAYS = {}
-
-
 def auto_compile(residual, steps):
     """--compile's CPU default (CUDA: always on): on for a run longer than the design's break-even."""
-    pays = CPU_COMPILE_PAYS.get(residual)
+    pays = RESIDUALS[residual].cpu_compile_pays
     return pays is not None and steps >= pays
 
 
@@ -370,181 +339,225 @@ def versions():
 
 
 def train_run(cfg, env, resume):
-    """Train one resolved config to its end (or --max-steps); returns False if it diverged."""
-    rank, world, device = env["rank"], env["world_size"], env["device"]
-    master, ddp, cuda = rank == 0, world > 1, device.startswith("cuda")
-    run_dir = Path(cfg["out"]) / cfg["name"]
-    json_path, ckpt_path = run_dir / "run.json", run_dir / "ckpt.pt"
+    """Train one resolved config to its end (or --max-steps); returns False if it diverged. The steps share
+    one namespace `r` (the run's state), which each step below reads and extends."""
+    r = build(cfg, env)
+    maybe_resume(r, resume)
+    describe(r)
+    return loop(r)
+
+
+def build(cfg, env):
+    """Loaders, model, optimizer and an empty log for one run -> the run's state `r`."""
+    r = SimpleNamespace(cfg=cfg, env=env, rank=env["rank"], world=env["world_size"], device=env["device"])
+    r.master, r.ddp, r.cuda = r.rank == 0, r.world > 1, r.device.startswith("cuda")
+    r.run_dir = Path(cfg["out"]) / cfg["name"]
+    r.json_path, r.ckpt_path = r.run_dir / "run.json", r.run_dir / "ckpt.pt"
 
     # data: both loaders cut each global batch the same way, whatever the number of ranks (data.py)
-    synthetic = cfg["data"] == "synthetic"
-    source = (SyntheticTask(cfg["max_gap"], cfg.get("group", "s4"), cfg.get("answers_only", False)) if synthetic
-              else cfg["data_dir"])
+    r.synthetic = cfg["data"] == "synthetic"
+    r.source = (SyntheticTask(cfg["max_gap"], cfg.get("group", "s4"), cfg.get("answers_only", False)) if r.synthetic
+                else cfg["data_dir"])
     B, T, G = cfg["batch_size"], cfg["seq_len"], cfg["global_batch"]
-    train_loader = BatchLoader(source, "train", B, T, G, rank, world, seed=cfg["seed"])
-    val_loader = BatchLoader(source, "val", B, T, G, rank, world, seed=VAL_SEED if synthetic else cfg["seed"])
-    accum = train_loader.accum_steps
+    r.train_loader = BatchLoader(r.source, "train", B, T, G, r.rank, r.world, seed=cfg["seed"])
+    r.val_loader = BatchLoader(r.source, "val", B, T, G, r.rank, r.world,
+                               seed=VAL_SEED if r.synthetic else cfg["seed"])
 
     # model and optimizer; `raw` is what we save (no DDP/compile prefixes in the state dict)
     torch.manual_seed(cfg["seed"])
-    mcfg = GPTConfig(vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=cfg["n_head"],
-                     n_kv_head=cfg["n_kv_head"], d_ff=cfg["d_ff"], residual=cfg["residual"], residual_args=dict(cfg["residual_args"]))
-    raw = GPT(mcfg).to(device)
-    groups = raw.param_groups(cfg["weight_decay"])
-    opt = torch.optim.AdamW(groups, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], fused=cuda)
-    total = raw.num_params()
-    heads = (cfg["n_kv_head"], cfg["n_head"])
-    preln = preln_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"], *heads)
+    r.model_config = GPTConfig(vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
+                               n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], d_ff=cfg["d_ff"],
+                               residual=cfg["residual"], residual_args=dict(cfg["residual_args"]))
+    r.raw = GPT(r.model_config).to(r.device)
+    r.groups = r.raw.param_groups(cfg["weight_decay"])
+    r.opt = torch.optim.AdamW(r.groups, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], fused=r.cuda)
+    total, heads = r.raw.num_params(), (cfg["n_kv_head"], cfg["n_head"])
+    r.preln = preln_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"], *heads)
     params = {"total": total, "backbone": backbone_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], *heads),
-              "residual_extra": total - preln}
+              "residual_extra": total - r.preln}
+    r.log = {"schema": SCHEMA, "config": cfg, "params": params, "steps": [], "evals": [],
+             "final": {"val_loss": None, "answer_loss": None, "answer_acc": None},
+             "diverged": False, "finished": False, "wall_s": 0.0, "peak_mem_bytes": 0, "device": env["device_name"],
+             "versions": versions()}
+    r.step = 0
+    r.stop = min(cfg["total_steps"], cfg["max_steps"] or cfg["total_steps"])
+    # MFU: the analytic training FLOPs per token over the device's peak
+    r.peak = profile_gpu.device_peak(torch.device(r.device))
+    r.flops_tok = profile_gpu.analytic(cfg["residual"], cfg["n_layer"], cfg["d_model"], cfg["d_ff"], T, B,
+                                       cfg["vocab_size"], total, 4, cfg["residual_args"])["train_flops_per_token"]
+    return r
 
-    log = {"schema": SCHEMA, "config": cfg, "params": params, "steps": [], "evals": [],
-           "final": {"val_loss": None, "answer_loss": None, "answer_acc": None},
-           "diverged": False, "finished": False, "wall_s": 0.0, "peak_mem_bytes": 0, "device": env["device_name"],
-           "versions": versions()}
-    step = 0
-    if resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+
+def maybe_resume(r, resume):
+    """--resume and a ckpt.pt made with the same maths (RESUME_KEYS): weights, optimizer, loader, RNG and
+    log from it. Otherwise step 0, and a stale checkpoint of an older run is deleted."""
+    if resume and r.ckpt_path.exists():
+        try:
+            ckpt = common.load_checkpoint(r.ckpt_path, ["model", "config", "step", "optimizer", "rng", "loader", "log"])
+        except common.CheckpointError as e:
+            fail(f"cannot resume: {e}")
         old = {"n_kv_head": ckpt["config"].get("n_head"), **ckpt["config"]}  # checkpoints from before GQA: MHA
-        changed = [k for k in RESUME_KEYS if old.get(k) != cfg.get(k)]
+        changed = [k for k in RESUME_KEYS if old.get(k) != r.cfg.get(k)]
         if changed:
             was = ", ".join(f"{k}={old.get(k)!r}" for k in changed)
-            fail(f"cannot resume {ckpt_path}: it was made with other settings ({was}); use another --out")
-        raw.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        train_loader.load_state_dict(ckpt["loader"])
+            fail(f"cannot resume {r.ckpt_path}: it was made with other settings ({was}); use another --out")
+        r.raw.load_state_dict(ckpt["model"])
+        r.opt.load_state_dict(ckpt["optimizer"])
+        r.train_loader.load_state_dict(ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["cpu"])
-        if cuda and "cuda" in ckpt["rng"]:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
-        step, old = ckpt["step"], ckpt["log"]
-        log.update(steps=old["steps"], evals=old["evals"], wall_s=old["wall_s"], peak_mem_bytes=old["peak_mem_bytes"])
-        print0(f"resumed from {ckpt_path} at step {step}")
+        if r.cuda and "cuda" in ckpt["rng"]:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], r.device)
+        r.step, old = ckpt["step"], ckpt["log"]
+        r.log.update(steps=old["steps"], evals=old["evals"], wall_s=old["wall_s"], peak_mem_bytes=old["peak_mem_bytes"])
+        print0(f"resumed from {r.ckpt_path} at step {r.step}")
     else:
         if resume:
             print0("--resume, but no ckpt.pt in the run folder yet: starting from step 0")
-        if master:
-            ckpt_path.unlink(missing_ok=True)  # starting over: a stale checkpoint of an older run must not survive
-    saved_step = step
+        if r.master:
+            r.ckpt_path.unlink(missing_ok=True)  # starting over: a stale checkpoint of an older run must not survive
+    r.saved_step = r.step
 
-    model = torch.compile(raw) if cfg["compile"] else raw
-    train_model = DDP(model, device_ids=[env["local_rank"]] if cuda else None) if ddp else model
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()  # CPU stays fp32
 
-    # every derived number, before the first step
-    stop = min(cfg["total_steps"], cfg["max_steps"] or cfg["total_steps"])
-    n_static = sum(p.numel() for g in groups if g["weight_decay"] == 0.0 for p in g["params"])
-    print0(f"run        {cfg['name']}  ->  {run_dir}")
+def describe(r):
+    """Every derived number, before the first step."""
+    cfg, params, cuda = r.cfg, r.log["params"], r.cuda
+    B, T, G = cfg["batch_size"], cfg["seq_len"], cfg["global_batch"]
+    n_static = sum(p.numel() for g in r.groups if g["weight_decay"] == 0.0 for p in g["params"])
+    print0(f"run        {cfg['name']}  ->  {r.run_dir}")
     print0(f"shape      L={cfg['n_layer']} d={cfg['d_model']} d_ff={cfg['d_ff']} heads={cfg['n_head']} "
            f"kv_heads={cfg['n_kv_head']} head_dim={cfg['head_dim']} AR={cfg['ar']:.2f}"
            + ("" if cfg["n_head"] == 16 else f"  ({cfg['n_head']} heads, not the paper's 16)"))
-    print0(f"params     total {total:,} = backbone {params['backbone']:,} + embedding/head/final norm "
-           f"{preln - params['backbone']:,} + design extra {params['residual_extra']:,}  "
+    print0(f"params     total {params['total']:,} = backbone {params['backbone']:,} + embedding/head/final norm "
+           f"{r.preln - params['backbone']:,} + design extra {params['residual_extra']:,}  "
            f"(budget {cfg['params_budget']:,} {cfg['fixed']}; vocab {cfg['vocab_size']})")
-    if synthetic:
-        task = source
+    if r.synthetic:
+        task = r.source
         floor = "answers are the only targets" if task.answers_only else \
             f"loss floor {task.loss_floor(T):.4f} nats/token at T={T} (answers alone: 0)"
-        print0(f"data       synthetic {task.group.upper()} running products, max gap {cfg['max_gap']}, vocab {task.vocab_size} "
-               f"(padded to {cfg['vocab_size']}); {floor}; chance answer accuracy {1 / task.eq:.1%}")
+        print0(f"data       synthetic {task.group.upper()} running products, max gap {cfg['max_gap']}, vocab "
+               f"{task.vocab_size} (padded to {cfg['vocab_size']}); {floor}; chance answer accuracy {1 / task.eq:.1%}")
     else:
         print0(f"data       {cfg['data']} ({cfg['tokenizer']}) shards in {cfg['data_dir']}")
     print0(f"batch      {G} seqs x {T} tokens = {cfg['tokens_per_step']:,} tokens/step = micro-batch {B} "
-           f"x world {world} x grad accum {accum}")
+           f"x world {r.world} x grad accum {r.train_loader.accum_steps}")
     print0(f"schedule   {cfg['total_steps']:,} steps = {cfg['total_tokens']:,} tokens "
-           f"({cfg['total_tokens'] / total:.1f} per param), warmup {cfg['warmup_steps']}, "
+           f"({cfg['total_tokens'] / params['total']:.1f} per param), warmup {cfg['warmup_steps']}, "
            f"peak lr {cfg['lr']:g} -> cosine to {cfg['lr'] * cfg['final_lr_frac']:g}"
-           + (f"; stopping at step {stop} (--max-steps)" if stop < cfg["total_steps"] else ""))
+           + (f"; stopping at step {r.stop} (--max-steps)" if r.stop < cfg["total_steps"] else ""))
     print0(f"optimizer  AdamW betas {tuple(cfg['betas'])} eps {cfg['eps']:g} wd {cfg['weight_decay']:g} "
            f"({n_static:,} design params without decay), clip {cfg['grad_clip']:g}")
     print0(f"eval       every {cfg['eval_every']} steps on {cfg['eval_iters']} global batches "
            f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
     threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
-    n_pays = CPU_COMPILE_PAYS.get(cfg["residual"])
+    n_pays = RESIDUALS[cfg["residual"]].cpu_compile_pays
     pays = "" if cuda else f" (cpu: pays after {n_pays:,} steps)" if n_pays else " (cpu: never pays)"
-    peak = profile_gpu.device_peak(torch.device(device))
-    flops_tok = profile_gpu.analytic(cfg["residual"], cfg["n_layer"], cfg["d_model"], cfg["d_ff"], T, B, cfg["vocab_size"],
-                                     total, 4)["train_flops_per_token"]
-    print0(f"device     {env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}{pays}, "
-           f"world size {world}; MFU from {flops_tok:.3g} FLOPs/token and a peak of "
-           + (f"{peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if peak else "? (unknown GPU)"))
+    print0(f"device     {r.env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}"
+           f"{pays}, world size {r.world}; MFU from {r.flops_tok:.3g} FLOPs/token and a peak of "
+           + (f"{r.peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if r.peak
+              else "? (unknown GPU)"))
 
-    def save_json():
-        log["wall_s"] = wall_before + time.time() - t_start
-        log["peak_mem_bytes"] = max(log["peak_mem_bytes"], torch.cuda.max_memory_allocated(device) if cuda
-                                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-        if master:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_json(json_path, log)
 
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    wall_before, t_start, step_start = log["wall_s"], time.time(), step
+def loop(r):
+    """Evaluate, checkpoint and take optimizer steps until the stop step; False if the run diverged."""
+    cfg, log = r.cfg, r.log
+    r.model = torch.compile(r.raw) if cfg["compile"] else r.raw
+    r.train_model = DDP(r.model, device_ids=[r.env["local_rank"]] if r.cuda else None) if r.ddp else r.model
+    r.ctx = torch.autocast("cuda", dtype=torch.bfloat16) if r.cuda else nullcontext()  # CPU stays fp32
+    if r.cuda:
+        torch.cuda.reset_peak_memory_stats(r.device)
+    r.wall_before, r.t_start, step_start = log["wall_s"], time.time(), r.step
     while True:
-        last = step >= stop
+        last = r.step >= r.stop
         if last:
-            log["finished"] = step >= cfg["total_steps"]
-        evaluated = log["evals"] and log["evals"][-1]["step"] == step  # (a resumed run's last step)
-        if step > 0 and (step % cfg["eval_every"] == 0 or last) and not evaluated:
-            ev = evaluate(model, val_loader, cfg["eval_iters"], ctx, device, cfg["max_gap"])
-            log["evals"].append({"step": step, "tokens": step * cfg["tokens_per_step"], **ev})
-            log["final"] = {k: ev[k] for k in ("val_loss", "answer_loss", "answer_acc")}
-            levels = "" if ev["per_level"] is None else (
-                f" | answers loss {ev['answer_loss']:.4f} acc {ev['answer_acc']:.1%} | by gap " +
-                " ".join(f"{g}: {m['acc']:.0%}" for g, m in ev["per_level"].items()))
-            print0(f"eval step {step} | val loss {ev['val_loss']:.4f}" + levels)
-            save_json()
-        if step > 0 and (step % cfg["ckpt_every"] == 0 or last) and step != saved_step:
-            save_json()  # first, so the log in the checkpoint has this step's wall time
-            if master:
-                rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(device)} if cuda else {})}
-                tmp = ckpt_path.with_suffix(".pt.tmp")
-                torch.save({"model": raw.state_dict(), "model_config": dataclasses.asdict(mcfg), "config": cfg,
-                            "step": step, "optimizer": opt.state_dict(), "rng": rng,
-                            "loader": train_loader.state_dict(), "log": log}, tmp)
-                os.replace(tmp, ckpt_path)
-            saved_step = step
+            log["finished"] = r.step >= cfg["total_steps"]
+        maybe_evaluate(r, last)
+        maybe_save(r, last)
         if last:
             break
-
-        # one optimizer step
-        t0 = time.time()
-        lr = get_lr(step, cfg["lr"], cfg["warmup_steps"], cfg["total_steps"], cfg["final_lr_frac"])
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss = forward_backward(train_model, train_loader, accum, ctx, device, ddp)
-        if ddp:
-            dist.all_reduce(loss)  # for the log only (the gradients are already averaged); gloo has no AVG
-            loss /= world
-        clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), clip).item()
-        loss = loss.item()
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            log["diverged"] = True  # stop before this update makes the weights non-finite too
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.time() - t0
-        step += 1
-        log["steps"].append({"step": step, "tokens": step * cfg["tokens_per_step"], "loss": finite_or_none(loss),
-                             "lr": lr, "grad_norm": finite_or_none(grad_norm),
-                             "tok_per_s": cfg["tokens_per_step"] / dt})
-        if step == 1 or step % cfg["log_every"] == 0 or step == stop or log["diverged"]:
-            mfu = f" | MFU {100 * flops_tok * cfg['tokens_per_step'] / dt / world / peak:.1f}%" if peak else ""
-            eta = (time.time() - t_start) / (step - step_start) * (stop - step)  # evals included
+        loss, grad_norm, lr, dt = optimizer_step(r)
+        step = r.step
+        if step == 1 or step % cfg["log_every"] == 0 or step == r.stop or log["diverged"]:
+            mfu = f" | MFU {100 * r.flops_tok * cfg['tokens_per_step'] / dt / r.world / r.peak:.1f}%" if r.peak else ""
+            eta = (time.time() - r.t_start) / (step - step_start) * (r.stop - step)  # evals included
             print0(f"step {step:>5}/{cfg['total_steps']} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
                    f"| {dt * 1000:.0f} ms | {cfg['tokens_per_step'] / dt:,.0f} tok/s{mfu} | ETA {eta / 60:.1f} min")
         if log["diverged"]:
             log["final"] = {"val_loss": None, "answer_loss": None, "answer_acc": None}
-            save_json()
-            if master:  # the one line of a diverged run, on stderr; the grid goes on with the next run
+            save_json(r)
+            if r.master:  # the one line of a diverged run, on stderr; the grid goes on with the next run
                 print(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}, grad norm "
-                      f"{grad_norm}); see {json_path}", file=sys.stderr, flush=True)
+                      f"{grad_norm}); see {r.json_path}", file=sys.stderr, flush=True)
             return False
-    print0(f"done: {cfg['name']} at step {step} in {log['wall_s']:.1f} s" + ("" if log["finished"] else
+    print0(f"done: {cfg['name']} at step {r.step} in {log['wall_s']:.1f} s" + ("" if log["finished"] else
            f" (stopped by --max-steps; --resume continues to step {cfg['total_steps']})"))
-    if synthetic and log["evals"]:
-        print0(verdict(log["evals"][-1]["per_level"], 1 / source.eq, cfg["n_layer"]))
+    if r.synthetic and log["evals"]:
+        print0(verdict(log["evals"][-1]["per_level"], 1 / r.source.eq, cfg["n_layer"]))
     return True
+
+
+def optimizer_step(r):
+    """One optimizer step at the schedule's LR, logged; a non-finite loss or gradient norm marks the run
+    diverged and skips the update. -> (loss, grad norm, lr, seconds)."""
+    cfg, t0 = r.cfg, time.time()
+    lr = get_lr(r.step, cfg["lr"], cfg["warmup_steps"], cfg["total_steps"], cfg["final_lr_frac"])
+    for g in r.opt.param_groups:
+        g["lr"] = lr
+    loss = forward_backward(r.train_model, r.train_loader, r.train_loader.accum_steps, r.ctx, r.device, r.ddp)
+    if r.ddp:
+        dist.all_reduce(loss)  # for the log only (the gradients are already averaged); gloo has no AVG
+        loss /= r.world
+    clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(r.raw.parameters(), clip).item()
+    loss = loss.item()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        r.log["diverged"] = True  # stop before this update makes the weights non-finite too
+    else:
+        r.opt.step()
+    r.opt.zero_grad(set_to_none=True)
+    dt = time.time() - t0
+    r.step += 1
+    r.log["steps"].append({"step": r.step, "tokens": r.step * cfg["tokens_per_step"], "loss": finite_or_none(loss),
+                           "lr": lr, "grad_norm": finite_or_none(grad_norm), "tok_per_s": cfg["tokens_per_step"] / dt})
+    return loss, grad_norm, lr, dt
+
+
+def maybe_evaluate(r, last):
+    """Evaluate at every eval_every-th step and the last one (once: a resumed run's last step may have been)."""
+    cfg, log, step = r.cfg, r.log, r.step
+    evaluated = log["evals"] and log["evals"][-1]["step"] == step
+    if step > 0 and (step % cfg["eval_every"] == 0 or last) and not evaluated:
+        ev = evaluate(r.model, r.val_loader, cfg["eval_iters"], r.ctx, r.device, cfg["max_gap"])
+        log["evals"].append({"step": step, "tokens": step * cfg["tokens_per_step"], **ev})
+        log["final"] = {k: ev[k] for k in ("val_loss", "answer_loss", "answer_acc")}
+        levels = "" if ev["per_level"] is None else (
+            f" | answers loss {ev['answer_loss']:.4f} acc {ev['answer_acc']:.1%} | by gap " +
+            " ".join(f"{g}: {m['acc']:.0%}" for g, m in ev["per_level"].items()))
+        print0(f"eval step {step} | val loss {ev['val_loss']:.4f}" + levels)
+        save_json(r)
+
+
+def maybe_save(r, last):
+    """ckpt.pt at every ckpt_every-th step and the last one, with run.json first (so the log in the checkpoint
+    has this step's wall time); both atomic, written by rank 0."""
+    if r.step > 0 and (r.step % r.cfg["ckpt_every"] == 0 or last) and r.step != r.saved_step:
+        save_json(r)
+        if r.master:
+            rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(r.device)} if r.cuda else {})}
+            common.save_checkpoint(r.ckpt_path, {
+                "model": r.raw.state_dict(), "model_config": dataclasses.asdict(r.model_config), "config": r.cfg,
+                "step": r.step, "optimizer": r.opt.state_dict(), "rng": rng, "loader": r.train_loader.state_dict(),
+                "log": r.log})
+        r.saved_step = r.step
+
+
+def save_json(r):
+    """run.json with the wall time and memory peak so far (rank 0)."""
+    log = r.log
+    log["wall_s"] = r.wall_before + time.time() - r.t_start
+    log["peak_mem_bytes"] = max(log["peak_mem_bytes"], torch.cuda.max_memory_allocated(r.device) if r.cuda
+                                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    if r.master:
+        write_json(r.json_path, log)
 
 
 # ----------------------------------------------------------------------------- setup and the grid
@@ -620,7 +633,7 @@ def print_grid(args):
     rows = [(k, r) for k, r in rows if not picked or r in picked]
     lines = [f"torchrun --standalone --nproc_per_node=8 train.py --suite {args.suite} --row {k} --residual {res} "
              f"--lr {format_lr(lr)}" for res in designs for k, _ in rows
-             for lr in args.lr or PAPER_LR_SWEEP + ([1e-2] if res == "lns" else [])]
+             for lr in args.lr or PAPER_LR_SWEEP + sorted({RESIDUALS[res].paper_lr} - set(PAPER_LR_SWEEP))]
     print(f"# suite {args.suite}: {len(designs)} design(s) x {len(rows)} row(s) x {'--lr' if args.lr else 'the LR sweep'} "
           f"= {len(lines)} runs")
     print("\n".join(lines))
@@ -630,9 +643,10 @@ def parse_args(argv=None):
     """The command line with every preset and suite default filled in -> (args, cuda); bad input exits 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but torch sees no CUDA device")
-    cuda = torch.cuda.is_available() and args.device != "cpu"
+    try:
+        cuda = common.pick_device(args.device) == "cuda"
+    except ValueError as e:
+        parser.error(str(e))
     if args.suite and args.preset in ("cpu", "mini"):
         parser.error(f"--suite runs the paper's recipe: it cannot be combined with --preset {args.preset}")
     if args.suite and (args.params or args.fixed):
@@ -666,6 +680,10 @@ def parse_args(argv=None):
     bad = [r for r in args.residual if r not in RESIDUALS]
     if bad:
         parser.error(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
+    try:
+        check_options(args.residual, args.residual_args)
+    except ValueError as e:
+        parser.error(f"--residual-args: {e}")
     try:
         assert parse_count(args.params) > 0
     except (ValueError, AssertionError):
