@@ -113,7 +113,7 @@ def check_tiktoken_files(timeout=5.0):
     if why := unreachable(GPT2_URLS[0], timeout):
         raise DataError(f"the GPT-2 BPE files are not in the tiktoken cache ({cache or 'disabled'}) and cannot "
                         f"be downloaded ({why}); offline, run with "
-                        f"TIKTOKEN_CACHE_DIR=../shared/data/tiktoken or use --tokenizer bytes")
+                        f"TIKTOKEN_CACHE_DIR=a folder holding the two GPT-2 BPE files, or use --tokenizer bytes")
 
 
 class JSONTokenizer:
