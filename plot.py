@@ -250,9 +250,11 @@ def per_model(data, paths, out_path, svg, title, draw, panels=1, **size):
     return {"drew": f"{len(docs)} model(s)"}
 
 
-def depth_styles(docs):
-    """Line style per depth, for figures that overlay models: colour already means design."""
-    return {L: STYLES[i % len(STYLES)] for i, L in enumerate(sorted({shape(g["meta"])[1] for g in docs}))}
+def overlaid(data, path):
+    """For figures that overlay models: the diagnose JSONs having `path`, and a line style per depth
+    (colour already means design)."""
+    docs = with_metric(data, path)
+    return docs, {L: STYLES[i % len(STYLES)] for i, L in enumerate(sorted({shape(g["meta"])[1] for g in docs}))}
 
 
 # ----------------------------------------------------------------------------- Fig. 2: loss vs aspect ratio
@@ -463,10 +465,9 @@ def fig8_pruning(data, out_path, svg=False):
 
 
 def fig8_logit_lens(data, out_path, svg=False):
-    docs = with_metric(data, "logit_lens.states")
+    docs, styles = overlaid(data, "logit_lens.states")
     if not docs:
         return {"skipped": "no diagnose JSON with logit_lens.states"}
-    styles = depth_styles(docs)
     panels = [("early_exit_ce", "early-exit CE (nats/token)"), ("kl_to_final", "KL(p_final ‖ p_ℓ) (nats)"),
               ("top5_overlap", "top-5 overlap with final (fraction)")]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -504,10 +505,9 @@ def fig9_dead_zone(data, out_path, svg=False):
 
 
 def fig10_transport_erank(data, out_path, svg=False):
-    docs = with_metric(data, "transport_erank.per_connector")
+    docs, styles = overlaid(data, "transport_erank.per_connector")
     if not docs:
         return {"skipped": "no diagnose JSON with transport_erank.per_connector"}
-    styles = depth_styles(docs)
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     for g in docs:
         te = g["transport_erank"]
