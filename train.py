@@ -61,7 +61,7 @@ VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so ev
 # so that a real-text vocab (50k rows of embedding) does not eat the tiny budget; the paper fixes the total.
 PRESETS = {
     "cpu": dict(params="0.8M", fixed="backbone", n_head=4, layers=[2], data="synthetic", answers_only=True, group="s3",
-                seq_len=128, global_batch=32, batch_size=None, steps=1200, lr=[3e-3], eval_every=200, eval_iters=8,
+                seq_len=128, global_batch=32, batch_size=None, steps=800, lr=[3e-3], eval_every=200, eval_iters=8,
                 ckpt_every=400, log_every=50),
     "mini": dict(params="0.8M", fixed="backbone", n_head=4, ar=[9.1], data="synthetic", answers_only=True, group="s3",
                  seq_len=128, global_batch=32, batch_size=None, steps=1200, lr=[3e-3], eval_every=200, eval_iters=8,
@@ -137,7 +137,7 @@ def build_parser():
     add("--batch-size", type=pint, help="micro-batch per rank (preset: the design's paper_micro_batch; cpu/mini: "
         "global batch / ranks)")
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
-        "tokens per budgeted param; cpu/mini 1200)")
+        "tokens per budgeted param; cpu 800, mini 1200)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay (a design's static params get 0)")
     add("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
