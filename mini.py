@@ -12,6 +12,7 @@ with one thread each (on 2 cores, two 1-thread runs beat one 2-thread run); then
 finished run; then `plot.py` on each probe's folder, and a table of the outcome in summary.md. Every
 piece that is already done is skipped, so the same command continues a stopped suite.
 """
+import itertools
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ArgParser
+from common import ArgParser, positive
 
 HERE = Path(__file__).resolve().parent
 # train.py settings per probe and scale (on top of --preset mini); see the README's mini-suite section
@@ -47,7 +48,7 @@ def build_parser():
     add("--steps", help="override every run's schedule length (a toy or a longer run)")
     add("--lr", help="peak LR(s) for every run (default: the mini preset's)")
     add("--diag-samples", default="32", help="diagnose.py's calibration windows per run (default 32)")
-    add("--jobs", type=int, default=2, help="runs at a time (default 2; 1 with --gpu)")
+    add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")
     add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
     add("--dry-run", action="store_true", help="print the train.py commands and stop")
     return p
@@ -59,16 +60,13 @@ def train_commands(args):
     scale = SCALES["gpu" if args.gpu else "cpu"]
     ars = sorted((float(a) for a in args.ar.split(",")), key=float)
     jobs = []
-    for probe in args.probes:
-        for ar in ars:
-            for design in args.designs.split(","):
-                for seed in args.seeds.split(","):
-                    argv = [sys.executable, str(HERE / "train.py"), "--preset", "mini", "--residual", design,
-                            "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / probe), *scale[probe]]
-                    argv += ["--data", args.text] if probe == "text" else []
-                    argv += ["--steps", args.steps] if args.steps else []
-                    argv += ["--lr", args.lr] if args.lr else []
-                    jobs.append((probe, f"{probe} {design} ar={ar:g} seed={seed}", argv))
+    for probe, ar, design, seed in itertools.product(args.probes, ars, args.designs.split(","), args.seeds.split(",")):
+        argv = [sys.executable, str(HERE / "train.py"), "--preset", "mini", "--residual", design,
+                "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / probe), *scale[probe]]
+        argv += ["--data", args.text] if probe == "text" else []
+        argv += ["--steps", args.steps] if args.steps else []
+        argv += ["--lr", args.lr] if args.lr else []
+        jobs.append((probe, f"{probe} {design} ar={ar:g} seed={seed}", argv))
     return jobs
 
 
@@ -154,6 +152,7 @@ def summary(args):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.jobs = args.jobs or (1 if args.gpu else 2)
     args.probes = (args.probes or ("text,synthetic" if args.text else "synthetic")).split(",")
     if set(args.probes) - {"text", "synthetic"}:
         parser.error(f"--probes: choose from text, synthetic, got {','.join(args.probes)}")

@@ -44,7 +44,7 @@ def test_toy_suite_writes_figures_and_resumes(tmp_path):
 
 
 def test_bad_arguments_are_one_line(capsys):
-    for argv in (["--probes", "text"], ["--probes", "audio"], ["--ar", "wide"]):
+    for argv in (["--probes", "text"], ["--probes", "audio"], ["--ar", "wide"], ["--jobs", "0"]):
         try:
             mini.main(argv)
         except SystemExit as e:
