@@ -27,8 +27,9 @@ from common import ArgParser, positive
 HERE = Path(__file__).resolve().parent
 # train.py settings per probe and scale (on top of --preset mini); see the README's mini-suite section
 SCALES = {
-    "cpu": {"synthetic": ["--steps", "1200"],
-            "text": ["--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "16", "--steps", "800"]},
+    # 2 cores, ~2 h for 3 designs x 5 ARs x 2 seeds x 2 probes: 2,048 tokens a step (README: the regime search)
+    "cpu": {"synthetic": ["--global-batch", "16", "--steps", "500"],
+            "text": ["--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "8", "--steps", "300"]},
     "gpu": {"synthetic": ["--params", "8M", "--global-batch", "128", "--steps", "6000", "--device", "cuda"],
             "text": ["--params", "8M", "--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "128",
                      "--steps", "5000", "--device", "cuda"]},
@@ -46,7 +47,10 @@ def build_parser():
     add("--probes", default=None, help="text,synthetic (default: both when --text is given, else synthetic)")
     add("--text", help="real text for the text probe: a .txt/.jsonl/.parquet file, folder or quoted glob")
     add("--steps", help="override every run's schedule length (a toy or a longer run)")
-    add("--lr", help="peak LR(s) for every run (default: the mini preset's)")
+    add("--lr", help="peak LR for every run (default: the mini preset's, 3e-3)")
+    add("--lr-sweep", default="1e-2", help="more LRs for each design at --sweep-ar, first seed only, in <probe>-lr/ "
+        "(default 1e-2; '' for none)")
+    add("--sweep-ar", default="9.1", type=float, help="the shape of the LR sweep (default 9.1)")
     add("--diag-samples", default="32", help="diagnose.py's calibration windows per run (default 32)")
     add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")
     add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
@@ -55,18 +59,22 @@ def build_parser():
 
 
 def train_commands(args):
-    """One (probe, label, argv) per run of the grid, in the order they will run (deepest first: the
-    slowest runs start early, so two workers finish together)."""
+    """One (folder, label, argv) per run, in the order they will run: the LR sweep, then the grid deepest
+    first (the slowest runs start early, so two workers finish together)."""
     scale = SCALES["gpu" if args.gpu else "cpu"]
     ars = sorted((float(a) for a in args.ar.split(",")), key=float)
+    designs, seeds = args.designs.split(","), args.seeds.split(",")
+    sweep = [lr for lr in args.lr_sweep.split(",") if lr]
+    runs = [(f"{p}-lr", p, args.sweep_ar, d, seeds[0], lr) for p, d, lr in itertools.product(args.probes, designs, sweep)]
+    runs += [(p, p, ar, d, s, args.lr) for p, ar, d, s in itertools.product(args.probes, ars, designs, seeds)]
     jobs = []
-    for probe, ar, design, seed in itertools.product(args.probes, ars, args.designs.split(","), args.seeds.split(",")):
+    for folder, probe, ar, design, seed, lr in runs:
         argv = [sys.executable, str(HERE / "train.py"), "--preset", "mini", "--residual", design,
-                "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / probe), *scale[probe]]
+                "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / folder), *scale[probe]]
         argv += ["--data", args.text] if probe == "text" else []
         argv += ["--steps", args.steps] if args.steps else []
-        argv += ["--lr", args.lr] if args.lr else []
-        jobs.append((probe, f"{probe} {design} ar={ar:g} seed={seed}", argv))
+        argv += ["--lr", lr] if lr else []
+        jobs.append((folder, f"{folder} {design} ar={ar:g} seed={seed}" + (f" lr={lr}" if lr else ""), argv))
     return jobs
 
 
@@ -112,35 +120,53 @@ def spread(values):
     return f"{np.mean(values):.4f} ± {(max(values) - min(values)) / 2:.4f} ({len(values)})"
 
 
+def versus(losses, base):
+    """A design's final val loss against Pre-LN's at the same shape: the difference of the means, and
+    whether it exceeds the seed spread (the two designs' ranges over seeds do not overlap)."""
+    if not losses or not base:
+        return "—"
+    delta = np.mean(losses) - np.mean(base)
+    apart = max(losses) < min(base) or min(losses) > max(base)
+    return f"{delta:+.4f} ({'beyond' if apart else 'within'} seed spread)" if len(losses) > 1 < len(base) \
+        else f"{delta:+.4f} (one seed)"
+
+
+def collect(folder):
+    """{(design, L, d, lr): {"loss", "gaps", "rc", "rp", "wall"} lists over seeds} of a probe folder's runs."""
+    cells = {}
+    for path, run in finished_runs(folder).items():
+        c = run["config"]
+        diag_path = path / "diagnose.json"
+        diag = json.loads(diag_path.read_text()) if diag_path.exists() else {}
+        cell = cells.setdefault((c["residual"], c["n_layer"], c["d_model"], c["lr"]),
+                                {"loss": [], "gaps": [], "rc": [], "rp": [], "wall": []})
+        cell["loss"].append(run["final"]["val_loss"])
+        cell["wall"].append(run["wall_s"])
+        per = run["evals"][-1].get("per_level") or {}
+        cell["gaps"].append([per[g]["acc"] for g in sorted(per)])
+        for key, metric, field in (("rc", "causal_score", "R_causal"), ("rp", "permutation_score", "R_perm")):
+            # R_perm: the last three quarters (diagnose/2); None: too shallow to have pairs there
+            if diag.get(metric, {}).get(field) is not None:
+                cell[key].append(diag[metric][field])
+    return cells
+
+
 def summary(args):
-    """summary.md: per probe, design and shape the final val loss over seeds; per-gap answer accuracy for
-    the synthetic probe; R_causal / R_perm (last 3/4) from diagnose.py. Returns the markdown."""
+    """summary.md: per probe (and its LR sweep), design and shape the final val loss over seeds and its
+    difference from Pre-LN's; per-gap answer accuracy for the synthetic probe; R_causal / R_perm (last 3/4)
+    from diagnose.py. Returns the markdown."""
     lines = ["# Mini-DepthBench summary", "",
              f"Command: `python mini.py {' '.join(sys.argv[1:])}`", ""]
-    for probe in args.probes:
-        runs = finished_runs(args.out / probe)
-        cells = {}
-        for path, run in runs.items():
-            c = run["config"]
-            diag_path = path / "diagnose.json"
-            diag = json.loads(diag_path.read_text()) if diag_path.exists() else {}
-            cell = cells.setdefault((c["residual"], c["n_layer"], c["d_model"]), {"loss": [], "gaps": [],
-                                                                                  "rc": [], "rp": [], "wall": []})
-            cell["loss"].append(run["final"]["val_loss"])
-            cell["wall"].append(run["wall_s"])
-            per = run["evals"][-1].get("per_level") or {}
-            cell["gaps"].append([per[g]["acc"] for g in sorted(per)])
-            for key, metric, field in (("rc", "causal_score", "R_causal"), ("rp", "permutation_score", "R_perm")):
-                # R_perm: the last three quarters (diagnose/2)
-                if diag.get(metric, {}).get(field) is not None:  # None: too shallow to have pairs in the last 3/4
-                    cell[key].append(diag[metric][field])
-        head = "| design | L | d | AR | final val loss (mean ± half-range, seeds) |"
-        head += " answer acc by gap (mean over seeds) |" if probe == "synthetic" else ""
+    for folder in [f for p in args.probes for f in (p, f"{p}-lr") if (args.out / f).is_dir()]:
+        cells = collect(args.out / folder)
+        head = "| design | L | d | AR | LR | final val loss (mean ± half-range, seeds) | vs Pre-LN |"
+        head += " answer acc by gap (mean over seeds) |" if folder.startswith("synthetic") else ""
         head += " R_causal | R_perm last 3/4 | wall per run |"
-        lines += [f"## {probe}", "", head, "|" + "---|" * (head.count("|") - 1)]
-        for (res, L, d), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            row = f"| {res} | {L} | {d} | {d / L:.1f} | {spread(cell['loss'])} |"
-            if probe == "synthetic":
+        lines += [f"## {folder}", "", head, "|" + "---|" * (head.count("|") - 1)]
+        for (res, L, d, lr), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][3], kv[0][0])):
+            base = cells.get(("preln", L, d, lr), {}).get("loss") if res != "preln" else None
+            row = f"| {res} | {L} | {d} | {d / L:.1f} | {lr:g} | {spread(cell['loss'])} | {versus(cell['loss'], base)} |"
+            if folder.startswith("synthetic"):
                 row += " " + " / ".join(f"{a:.2f}" for a in np.mean(cell["gaps"], 0)) + " |"
             fmt = lambda v: f"{np.mean(v):.1%}" if v else "—"  # noqa: E731
             row += f" {fmt(cell['rc'])} | {fmt(cell['rp'])} | {np.mean(cell['wall']):.0f} s |"
@@ -168,7 +194,8 @@ def main(argv=None):
         return 0
     t0 = time.time()
     print(f"mini suite: {len(jobs)} runs ({len(args.probes)} probes x {len(args.designs.split(','))} designs x "
-          f"{len(args.ar.split(','))} ARs x {len(args.seeds.split(','))} seeds), {args.jobs} at a time -> {args.out}")
+          f"{len(args.ar.split(','))} ARs x {len(args.seeds.split(','))} seeds, and the LR sweep: "
+          f"{sum(f.endswith('-lr') for f, _, _ in jobs)} runs at AR {args.sweep_ar:g}), {args.jobs} at a time -> {args.out}")
     failed = run_pool([(label, argv) for _, label, argv in jobs], args.jobs, "train", args.out / "logs")
     diag_jobs = []
     for probe in args.probes:

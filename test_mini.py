@@ -31,9 +31,13 @@ def test_toy_suite_writes_figures_and_resumes(tmp_path):
     figs = tmp_path / "figs" / "synthetic"
     for name in ("fig2_final_loss_vs_ar", "fig6_depth_use", "fig8_layer_pruning", "mini_composition_vs_depth"):
         assert (figs / f"{name}.png").stat().st_size > 1000, name
+    # the LR sweep: each design once more at --sweep-ar (9.1 -> L9), LR 1e-2, in its own folder
+    sweep = [json.loads(p.read_text())["config"] for p in (tmp_path / "synthetic-lr").glob("*/run.json")]
+    assert sorted((c["residual"], c["n_layer"], c["lr"]) for c in sweep) == [("attnres", 9, 0.01), ("preln", 9, 0.01)]
     table = (tmp_path / "summary.md").read_text()
-    assert table.count("| preln |") == 2 and table.count("| attnres |") == 2
-    assert "[train 4/4]" in r.stdout and "[diagnose 4/4]" in r.stdout
+    assert "## synthetic-lr" in table and table.count("| preln |") == 3 and table.count("| attnres |") == 3
+    assert table.count("(one seed) |") == 3  # attnres vs preln at each shape and LR, one seed each
+    assert "[train 6/6]" in r.stdout and "[diagnose 4/4]" in r.stdout
 
     # the same command again: every run is finished and diagnosed, so nothing is trained or diagnosed anew
     before = {p: p.stat().st_mtime_ns for p in runs + diags}
@@ -59,6 +63,8 @@ def test_commands_cover_the_grid():
                                            "--text", "corpus.txt"])
     args.probes = ["text", "synthetic"]
     jobs = mini.train_commands(args)
-    assert len(jobs) == 2 * 2 * 2 * 2 and len({label for _, label, _ in jobs}) == 16
-    assert [a[a.index("--ar") + 1] for _, _, a in jobs[:4]] == ["4"] * 4
-    assert all(("--data" in a and a[a.index("--data") + 1] == "corpus.txt") == (p == "text") for p, _, a in jobs)
+    assert len(jobs) == 2 * 2 * 2 * 2 + 2 * 2 and len({label for _, label, _ in jobs}) == 20
+    sweep = [a for folder, _, a in jobs[:4] if folder.endswith("-lr")]  # the LR sweep first: 2 probes x 2 designs
+    assert len(sweep) == 4 and all(a[a.index("--lr") + 1] == "1e-2" and a[a.index("--ar") + 1] == "9.1" for a in sweep)
+    assert [a[a.index("--ar") + 1] for _, _, a in jobs[4:8]] == ["4"] * 4 and "--lr" not in jobs[4][2]
+    assert all(("--data" in a and a[a.index("--data") + 1] == "corpus.txt") == (p == "text") for p, _, a in jobs if not p.endswith("-lr"))
