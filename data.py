@@ -4,10 +4,12 @@ synthetic task, generated on the fly, has answers that need composition depth.
 
     python data.py --source path/to/austen --tokenizer gpt2 --out data_cache/austen
     python data.py --source fineweb-edu --max-tokens 100000000 --out data_cache/fineweb
+    python data.py --source austen --tokenizer bytes --out data_cache/austen-bytes
     python data.py --source synthetic --max-gap 4 --show 3
 
 Sources: `fineweb-edu` (HuggingFaceFW/fineweb-edu streamed by `datasets`, --fineweb-config
-sample-10BT, cut at --max-tokens); local files: a file, folder or glob of .txt (a file is a document),
+sample-10BT, cut at --max-tokens); `austen` (six public-domain novels, 4 MB, downloaded once from Project
+Gutenberg into data_cache/austen_txt: the mini suite's text); local files: a file, folder or glob of .txt (a file is a document),
 .jsonl (a line is a document) and .parquet (a row is a document); `synthetic` (SyntheticTask, below).
 Tokenizers: `gpt2` (tiktoken, vocab 50257, EOT 50256) and `bytes` (UTF-8 bytes + EOT 256, vocab 257,
 no download). The model pads the vocab: padded_vocab_size(50257) = 50304.
@@ -224,7 +226,7 @@ def list_files(source):
     files = [f for f in found if f.is_file() and f.suffix in TEXT_SUFFIXES]
     if not files:
         raise DataError(f"no .txt/.jsonl/.parquet files at {source!r} (give a file, a folder, a quoted glob, "
-                        f"'fineweb-edu' or 'synthetic')")
+                        f"'fineweb-edu', 'austen' or 'synthetic')")
     return files
 
 
@@ -247,6 +249,44 @@ def file_documents(path, text_field):
             raise DataError(f"{path}: no column {text_field!r}, only {pf.schema_arrow.names} (see --text-field)")
         for batch in pf.iter_batches(columns=[text_field]):
             yield from batch.column(0).to_pylist()
+
+
+# Project Gutenberg's numbers of the six Austen novels: 4.0 MB of public-domain English, the text probe
+# of the mini suite (`python data.py --source austen --tokenizer bytes --out data_cache/austen-bytes`)
+AUSTEN = {"emma": 158, "mansfield_park": 141, "northanger_abbey": 121, "persuasion": 105,
+          "pride_and_prejudice": 1342, "sense_and_sensibility": 161}
+AUSTEN_URL = "https://www.gutenberg.org/cache/epub/{n}/pg{n}.txt"
+
+
+def gutenberg_body(text):
+    """The book between Project Gutenberg's '*** START OF ...' and '*** END OF ...' lines."""
+    lines = text.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("*** START OF")), 0)
+    end = next((i for i, line in enumerate(lines) if line.startswith("*** END OF")), len(lines))
+    return "\n".join(lines[start:end]).strip() + "\n"
+
+
+def download_austen(folder="data_cache/austen_txt", timeout=30.0):
+    """The six novels as <name>.txt in folder, fetched once from Project Gutenberg (each written to a
+    .tmp name and renamed, so a failed download leaves no half novel); returns the folder."""
+    import urllib.request
+    folder = Path(folder)
+    for name, number in AUSTEN.items():
+        path = folder / f"{name}.txt"
+        if path.exists():
+            continue
+        url = AUSTEN_URL.format(n=number)
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                text = response.read().decode("utf-8-sig")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"cannot download {url} ({getattr(e, 'reason', e)}); offline, give the novels as "
+                            f"local .txt files instead: --source path/to/folder") from None
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(gutenberg_body(text), encoding="utf-8")
+        os.replace(tmp, path)
+    return folder
 
 
 def fineweb_documents(config, timeout=5.0):
@@ -294,7 +334,7 @@ def open_source(source, text_field, fineweb_config):
     """(what identifies the source in meta.json, a lazy iterator over its documents)."""
     if source == "fineweb-edu":
         return {"fineweb_config": fineweb_config}, fineweb_documents(fineweb_config)
-    files = list_files(source)  # each file with its size, so an edited file leads to a rebuild
+    files = list_files(download_austen() if source == "austen" else source)  # each file with its size, so an edited file leads to a rebuild
     return ({"text_field": text_field, "files": [[str(f.resolve()), f.stat().st_size] for f in files]},
             (d for f in files for d in file_documents(f, text_field)))
 
@@ -591,7 +631,8 @@ def show_shards(args, meta, out):
 def main(argv=None):
     p = ArgParser(prog="data.py", description="Prepare token shards from a real source, or show the synthetic task.")
     p.add_argument("--source", required=True,
-                   help="'fineweb-edu', 'synthetic', or a .txt/.jsonl/.parquet file, folder or quoted glob")
+                   help="'fineweb-edu', 'austen' (downloaded once), 'synthetic', or a .txt/.jsonl/.parquet file, "
+                   "folder or quoted glob")
     p.add_argument("--out", help="output folder for the shards (required for real sources)")
     p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"],
                    help="gpt2 (tiktoken BPE) or bytes (UTF-8, vocab 257)")

@@ -2,7 +2,7 @@
 mini.py: Mini-DepthBench, the paper's experiment (loss vs aspect ratio per design, and why) at a scale
 that one machine runs in an afternoon.
 
-    python mini.py --text path/to/corpus                   # the suite on 2 CPU cores -> runs/mini
+    python mini.py --text austen                           # the suite on 2 CPU cores -> runs/mini
     python mini.py --gpu --text path/to/corpus             # one GPU: a bigger budget, more tokens per param
     python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ArgParser, positive
+import data
+from common import ArgParser, fail, positive
 
 HERE = Path(__file__).resolve().parent
 # train.py settings per probe and scale (on top of --preset mini); see the README's mini-suite section
@@ -45,7 +46,8 @@ def build_parser():
     add("--ar", default="92,32,16,9.1,4", help="comma list of aspect ratios (default 92,32,16,9.1,4: L2..L16)")
     add("--seeds", default="0,1", help="comma list of seeds (default 0,1)")
     add("--probes", default=None, help="text,synthetic (default: both when --text is given, else synthetic)")
-    add("--text", help="real text for the text probe: a .txt/.jsonl/.parquet file, folder or quoted glob")
+    add("--text", help="real text for the text probe: 'austen' (six novels, downloaded once) or a .txt/.jsonl/"
+        ".parquet file, folder or quoted glob")
     add("--steps", help="override every run's schedule length (a toy or a longer run)")
     add("--lr", help="peak LR for every run (default: the mini preset's, 3e-3)")
     add("--lr-sweep", default="1e-2", help="more LRs for each design at --sweep-ar, first seed only, in <probe>-lr/ "
@@ -71,7 +73,7 @@ def train_commands(args):
     for folder, probe, ar, design, seed, lr in runs:
         argv = [sys.executable, str(HERE / "train.py"), "--preset", "mini", "--residual", design,
                 "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / folder), *scale[probe]]
-        argv += ["--data", args.text] if probe == "text" else []
+        argv += ["--data", args.text, "--data-dir", str(args.out / "text-data")] if probe == "text" else []
         argv += ["--steps", args.steps] if args.steps else []
         argv += ["--lr", lr] if lr else []
         jobs.append((folder, f"{folder} {design} ar={ar:g} seed={seed}" + (f" lr={lr}" if lr else ""), argv))
@@ -193,6 +195,11 @@ def main(argv=None):
         print("\n".join(" ".join(argv[1:]) for _, _, argv in jobs))
         return 0
     t0 = time.time()
+    if "text" in args.probes:  # tokenized once here, not by two runs at the same time
+        try:
+            data.prepare(args.text, args.out / "text-data", "bytes")
+        except data.DataError as e:
+            fail("mini.py", e)
     print(f"mini suite: {len(jobs)} runs ({len(args.probes)} probes x {len(args.designs.split(','))} designs x "
           f"{len(args.ar.split(','))} ARs x {len(args.seeds.split(','))} seeds, and the LR sweep: "
           f"{sum(f.endswith('-lr') for f, _, _ in jobs)} runs at AR {args.sweep_ar:g}), {args.jobs} at a time -> {args.out}")

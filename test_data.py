@@ -414,3 +414,33 @@ def test_cli_bad_arguments_exit_2_in_one_line(argv, capsys):
         data.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("data.py: error:")
+
+
+def test_austen_download_cuts_the_licence_and_never_leaves_half_a_novel(tmp_path, monkeypatch):
+    """`--source austen` fetches each novel once from Project Gutenberg (faked here: no network), keeps
+    only the book between the START/END lines, and a failed fetch leaves no file behind for that novel."""
+    import io
+    import urllib.request
+    fetched, broken = [], {"persuasion"}
+
+    def fake_urlopen(url, timeout):
+        number = int(url.rsplit("pg", 1)[1].split(".")[0])
+        name = {n: k for k, n in data.AUSTEN.items()}[number]
+        fetched.append(name)
+        if name in broken:
+            raise OSError("connection reset")
+        body = f"\ufeffThe Project Gutenberg eBook\n*** START OF THE PROJECT GUTENBERG EBOOK {name} ***\n{name} text\n" \
+               f"*** END OF THE PROJECT GUTENBERG EBOOK ***\nlicence\n"
+        return io.BytesIO(body.encode("utf-8"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    folder = tmp_path / "austen_txt"
+    with pytest.raises(DataError, match="cannot download .*pg105.txt"):
+        data.download_austen(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["emma.txt", "mansfield_park.txt", "northanger_abbey.txt"]
+    assert (folder / "emma.txt").read_text() == "emma text\n"
+    broken.clear()
+    fetched.clear()
+    assert data.download_austen(folder) == folder
+    assert fetched == ["persuasion", "pride_and_prejudice", "sense_and_sensibility"]  # the rest were kept
+    assert len(list(folder.glob("*.txt"))) == 6 and not list(folder.glob("*.tmp"))

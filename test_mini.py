@@ -47,8 +47,9 @@ def test_toy_suite_writes_figures_and_resumes(tmp_path):
     assert all("finished already" in p.read_text() for p in (tmp_path / "logs").glob("synthetic_*.log"))
 
 
-def test_bad_arguments_are_one_line(capsys):
-    for argv in (["--probes", "text"], ["--probes", "audio"], ["--ar", "wide"], ["--jobs", "0"]):
+def test_bad_arguments_are_one_line(capsys, tmp_path):
+    for argv in (["--probes", "text"], ["--probes", "audio"], ["--ar", "wide"], ["--jobs", "0"],
+                 ["--text", str(tmp_path / "missing"), "--out", str(tmp_path)]):  # the corpus fails before any run
         try:
             mini.main(argv)
         except SystemExit as e:
@@ -67,4 +68,5 @@ def test_commands_cover_the_grid():
     sweep = [a for folder, _, a in jobs[:4] if folder.endswith("-lr")]  # the LR sweep first: 2 probes x 2 designs
     assert len(sweep) == 4 and all(a[a.index("--lr") + 1] == "1e-2" and a[a.index("--ar") + 1] == "9.1" for a in sweep)
     assert [a[a.index("--ar") + 1] for _, _, a in jobs[4:8]] == ["4"] * 4 and "--lr" not in jobs[4][2]
+    assert all(a[a.index("--data-dir") + 1] == str(Path("runs/mini/text-data")) for p, _, a in jobs if "text" in p)
     assert all(("--data" in a and a[a.index("--data") + 1] == "corpus.txt") == (p == "text") for p, _, a in jobs if not p.endswith("-lr"))
