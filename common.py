@@ -30,6 +30,14 @@ def positive(kind=int):
     return parse
 
 
+def csv(kind):
+    """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01]; every list makes a grid axis."""
+    def parse(text):
+        return [kind(v) for v in text.split(",")]
+    parse.__name__ = f"comma-separated {kind.__name__}"
+    return parse
+
+
 def json_object(text):
     """argparse type: a JSON object, e.g. --residual-args '{"n_groups": 4}' (a design's `options`)."""
     value = json.loads(text)
@@ -140,3 +148,18 @@ def hub_unreachable(timeout=5.0):
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     why = unreachable(endpoint, timeout)
     return (endpoint, why) if why else None
+
+
+def versions():
+    """Provenance for a run's JSON: Python, torch and CUDA versions, and the git commit of this code."""
+    import subprocess
+
+    import torch
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    # str(): torch.__version__ is a TorchVersion, which torch.load(weights_only=True) refuses
+    return {"python": sys.version.split()[0], "torch": str(torch.__version__), "cuda": torch.version.cuda,
+            "git_commit": commit}

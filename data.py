@@ -503,6 +503,23 @@ def answer_metrics(logits, y, level, max_gap):
     return sums.index_add_(0, level[keep] - 1, torch.stack([ce, correct, torch.ones_like(ce)], 1))
 
 
+def verdict(per_level, chance, n_layer):
+    """One line on what a synthetic run learnt: how many compositions per answer (gaps) it solves."""
+    acc = {int(g): m["acc"] for g, m in per_level.items()}
+    def say(gs):
+        return ", ".join(f"{g} ({acc[g]:.0%})" for g in gs)
+    solved = [g for g in acc if acc[g] >= 0.9]
+    partly = [g for g in acc if 2 * chance <= acc[g] < 0.9]
+    none = [g for g in acc if acc[g] < 2 * chance]
+    if not solved and not partly:
+        return (f"result: answers below twice chance ({chance:.1%}) for every gap: this model has not learnt to "
+                f"compose permutations yet (longer --steps, another --seed or --lr)")
+    parts = [f"solves answers after a gap of {say(solved)}" if solved else "",
+             f"partly {say(partly)}" if partly else "", f"not learnt for {say(none)}" if none else ""]
+    return (f"result: L={n_layer} " + "; ".join(p for p in parts if p) + f" (chance {chance:.1%}). A gap of g needs "
+            f"g compositions of permutations: which gaps a design solves at which depth is the mini suite's probe")
+
+
 # -----------------------------------------------------------------------------
 # batches
 

@@ -28,8 +28,8 @@ from common import ArgParser, fail, positive
 HERE = Path(__file__).resolve().parent
 # train.py settings per probe and scale (on top of --preset mini); see the README's mini-suite section
 SCALES = {
-    # 2 cores, ~2 h for 3 designs x 5 ARs x 2 seeds x 2 probes: 2,048 tokens a step (README: the regime search)
-    "cpu": {"synthetic": ["--global-batch", "16", "--steps", "500"],
+    # 2 cores, under 2 h for 3 designs x 5 ARs x 2 seeds x 2 probes (README: the regime search)
+    "cpu": {"synthetic": ["--global-batch", "8", "--steps", "500"],
             "text": ["--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "8", "--steps", "300"]},
     "gpu": {"synthetic": ["--params", "8M", "--global-batch", "128", "--steps", "6000", "--device", "cuda"],
             "text": ["--params", "8M", "--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "128",
@@ -43,7 +43,8 @@ def build_parser():
     add = p.add_argument
     add("--out", type=Path, default=Path("runs/mini"), help="suite folder (default runs/mini)")
     add("--designs", default="preln,hc,attnres", help="comma list of designs (default preln,hc,attnres)")
-    add("--ar", default="92,32,16,9.1,4", help="comma list of aspect ratios (default 92,32,16,9.1,4: L2..L16)")
+    add("--ar", default="92,51,32,17,9.1", help="comma list of aspect ratios (default 92,51,32,17,9.1: L2, 3, 4, 6 "
+        "and 9, the paper's range 76..9.1)")
     add("--seeds", default="0,1", help="comma list of seeds (default 0,1)")
     add("--probes", default=None, help="text,synthetic (default: both when --text is given, else synthetic)")
     add("--text", help="real text for the text probe: 'austen' (six novels, downloaded once) or a .txt/.jsonl/"

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from torch.utils.checkpoint import checkpoint
 
+from ops import DepthAttention
 from residuals import RESIDUALS
 
 LOSS_CHUNK_BYTES = 2 ** 27  # fp32 logits per chunk of the logits-free loss: 128 MB, 667 tokens at V 50304
@@ -89,7 +90,7 @@ def joint_attention(q, k, v, depth_k, depth_v, scale):
     B, H, T, hd = q.shape
     Hkv = k.size(1)                      # GQA: query heads h * G .. h * G + G - 1 share kv head h
     qg = q.unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, T, hd), a view: no copy of the kv heads
-    o_depth, lse_depth = _DepthAttention.apply(scale, len(depth_k), qg, *(kv[:, :, None] for kv in depth_k + depth_v))
+    o_depth, lse_depth = DepthAttention.apply(scale, len(depth_k), qg, *(kv[:, :, None] for kv in depth_k + depth_v))
     o_depth, lse_depth = o_depth.flatten(1, 2), lse_depth.flatten(1, 2)  # (B, H, T, hd), (B, H, T)
     pad = 8 if q.is_cuda else 1  # extra coordinates: one is enough, 8 keeps CUDA's fused kernels (head_dim % 8)
     e0 = F.one_hot(torch.tensor(0, device=q.device), pad).to(q.dtype)               # (pad,) = [1, 0, ...]
@@ -123,39 +124,6 @@ def chunked_cross_entropy(z, weight, targets, chunk=None):
     total = sum(checkpoint(_chunk_ce, z[s:s + chunk], weight, targets[s:s + chunk], use_reentrant=False)
                 for s in range(0, z.size(0), chunk))
     return total / (targets != -1).sum()
-
-
-class _DepthAttention(torch.autograd.Function):
-    """The depth half of joint_attention: o = sum_j p_j v_j and lse = log sum_j exp(s_j), s_j = scale <q, k_j>,
-    p = softmax(s), over the S slots (S small); q: (B, Hkv, G, T, hd) query heads grouped by kv head, k_j,
-    v_j: (B, Hkv, 1, T, hd), broadcast over the G query heads of each kv head (GQA; G = 1 is MHA). A loop over the slots, each read
-    once (stacking them would copy O(S) per layer, O(L^2) in all), as one autograd node whose exact
-    backward is written by hand: ds = p (dp - <p, dp>) + dlse p, dp_j = <do, v_j>, dq = scale sum_j ds_j k_j,
-    dk_j = scale ds_j q, dv_j = p_j do. Autograd through the loop cost ~2x more, mostly zero-filled
-    (B, H, T, S) gradients of every p_j it selected."""
-
-    @staticmethod
-    def forward(ctx, scale, S, q, *kv):
-        ks, vs = kv[:S], kv[S:]
-        logits = torch.stack([(q * kj).sum(-1) for kj in ks], dim=-1).float() * scale     # (B, H, T, S)
-        lse = logits.logsumexp(dim=-1)
-        p = torch.exp(logits - lse[..., None])
-        o = sum(p[..., j, None].to(q.dtype) * vj for j, vj in enumerate(vs))
-        ctx.save_for_backward(q, p, *kv)
-        ctx.scale, ctx.S = scale, S
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, p, *kv = ctx.saved_tensors
-        ks, vs = kv[:ctx.S], kv[ctx.S:]
-        dp = torch.stack([(do * vj).sum(-1) for vj in vs], dim=-1).float()               # (B, H, T, S)
-        ds = p * (dp - (p * dp).sum(-1, keepdim=True) + dlse[..., None]) * ctx.scale
-        ds, pq = ds.to(q.dtype).unbind(-1), p.to(q.dtype).unbind(-1)
-        dq = sum(ds[j][..., None] * kj for j, kj in enumerate(ks))
-        # a kv head's gradient sums over the G query heads that read it
-        return (None, None, dq, *((dsj[..., None] * q).sum(2, keepdim=True) for dsj in ds),
-                *((pj[..., None] * do).sum(2, keepdim=True) for pj in pq))
 
 
 class Attention(nn.Module):

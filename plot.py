@@ -250,11 +250,14 @@ def per_model(data, paths, out_path, svg, title, draw, panels=1, **size):
     return {"drew": f"{len(docs)} model(s)"}
 
 
-def overlaid(data, path):
-    """For figures that overlay models: the diagnose JSONs having `path`, and a line style per depth
-    (colour already means design)."""
+def overlay(data, path, **subplots):
+    """Frame of the figures that overlay models: (the diagnose JSONs having `path`, a line style per depth
+    (colour already means design), fig, axes), or a "skipped" result when no JSON has it."""
     docs = with_metric(data, path)
-    return docs, {L: STYLES[i % len(STYLES)] for i, L in enumerate(sorted({shape(g["meta"])[1] for g in docs}))}
+    if not docs:
+        return {"skipped": f"no diagnose JSON with {path}"}
+    styles = {L: STYLES[i % len(STYLES)] for i, L in enumerate(sorted({shape(g["meta"])[1] for g in docs}))}
+    return (docs, styles, *plt.subplots(**subplots))
 
 
 # ----------------------------------------------------------------------------- Fig. 2: loss vs aspect ratio
@@ -465,12 +468,12 @@ def fig8_pruning(data, out_path, svg=False):
 
 
 def fig8_logit_lens(data, out_path, svg=False):
-    docs, styles = overlaid(data, "logit_lens.states")
-    if not docs:
-        return {"skipped": "no diagnose JSON with logit_lens.states"}
+    frame = overlay(data, "logit_lens.states", ncols=3, figsize=(16, 4.2))
+    if isinstance(frame, dict):
+        return frame
+    docs, styles, fig, axes = frame
     panels = [("early_exit_ce", "early-exit CE (nats/token)"), ("kl_to_final", "KL(p_final ‖ p_ℓ) (nats)"),
               ("top5_overlap", "top-5 overlap with final (fraction)")]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     for g in docs:
         states, res = [s for s in g["logit_lens"]["states"] if isinstance(s, dict)], g["meta"]["residual"]
         for ax, (key, ylabel) in zip(axes, panels):
@@ -505,10 +508,10 @@ def fig9_dead_zone(data, out_path, svg=False):
 
 
 def fig10_transport_erank(data, out_path, svg=False):
-    docs, styles = overlaid(data, "transport_erank.per_connector")
-    if not docs:
-        return {"skipped": "no diagnose JSON with transport_erank.per_connector"}
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    frame = overlay(data, "transport_erank.per_connector", figsize=(8.5, 4.5))
+    if isinstance(frame, dict):
+        return frame
+    docs, styles, fig, ax = frame
     for g in docs:
         te = g["transport_erank"]
         ax.plot([num(v) for v in te["per_connector"]], styles[shape(g["meta"])[1]], marker=".",

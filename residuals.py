@@ -43,121 +43,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-
-# ----------------------------------------------------------------------------- helpers
-
-def rms_norm(x, weight=None, eps=1e-6):
-    """weight * x / sqrt(mean(x^2) + eps), computed in fp32, returned in x's dtype."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    if weight is not None:
-        out = out * weight.float()
-    return out.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with a gain (init 1), no bias, fp32 inside (docs/designs.md#backbone). center=True subtracts
-    the mean first: a true LayerNorm with a gain and no bias (DeepNorm's block norm)."""
-
-    def __init__(self, dim, eps=1e-6, center=False):
-        super().__init__()
-        self.eps, self.center = eps, center
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        if self.center:
-            return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
-        return rms_norm(x, self.weight, self.eps)
-
-
-def reset_norms(module):
-    """Set every norm gain below `module` to 1."""
-    for m in module.modules():
-        if isinstance(m, RMSNorm):
-            nn.init.ones_(m.weight)
-
-
-def sinkhorn(logits, iters=20, eps=1e-6):
-    """Sinkhorn-Knopp as in Liger's mHC kernel: row softmax (+eps), a column step, then `iters - 1`
-    rounds of row and column normalisation. logits (..., n, n) -> approximately doubly stochastic;
-    the columns sum exactly to 1 after the last step. The 2 * iters - 1 normalisations run as one
-    autograd node (`_Sinkhorn`) whose backward is the unrolled loop's, written by hand."""
-    return _Sinkhorn.apply(logits.float().softmax(dim=-1), iters, eps)
-
-
-class _Sinkhorn(torch.autograd.Function):
-    """M = P + eps, then alternately M <- M / (M.sum(dim) + eps) over rows (dim -1) and columns (-2),
-    starting with columns (dims 0 / 1 in its tokens-last layout). Each step's exact gradient is dM_in = (dM_out - sum_dim(dM_out * M_out)) / d:
-    4 small ops per step in backward instead of autograd's ~10 (the loop's node overhead dominated)."""
-
-    @staticmethod
-    def forward(ctx, P, iters, eps):
-        # tokens last, (n, n, tokens): the row and column sums become adds of contiguous vectors
-        M, outs, dens = P.reshape(-1, *P.shape[-2:]).permute(1, 2, 0).contiguous() + eps, [], []
-        for dim in [0] + [1, 0] * (iters - 1):
-            d = M.sum(dim, keepdim=True) + eps
-            M = M / d
-            outs.append(M)
-            dens.append(d)
-        ctx.save_for_backward(*outs, *dens)
-        ctx.dims, ctx.shape = [0] + [1, 0] * (iters - 1), P.shape
-        return M.permute(2, 0, 1).reshape(P.shape)
-
-    @staticmethod
-    def backward(ctx, g):
-        saved, k = ctx.saved_tensors, len(ctx.dims)
-        g = g.reshape(-1, *g.shape[-2:]).permute(1, 2, 0).contiguous()
-        for dim, M, d in zip(reversed(ctx.dims), reversed(saved[:k]), reversed(saved[k:])):
-            g = (g - (g * M).sum(dim, keepdim=True)) / d
-        return g.permute(2, 0, 1).reshape(ctx.shape), None, None
-
-
-def depth_softmax(query, key_gain, sources, eps=1e-5):
-    """AttnRes' mix over depth for one consumer: softmax_j <query, key_gain * RMSNorm(v_j)> (scale 1),
-    then sum_j p_j v_j over the *raw* sources. query, key_gain (D,); sources: list of (B, T, D).
-    Returns the mix (B, T, D) and the weights (B, T, S). One autograd node (`_DepthMix`).
-    """
-    mix, p = _DepthMix.apply(eps, (key_gain.float() * query.float()), *(v.float() for v in sources))
-    return mix.to(sources[0].dtype), p
-
-
-class _DepthMix(torch.autograd.Function):
-    """(mix, p) of depth_softmax from gq = key_gain * query, with the exact gradient written by hand:
-        s_j = (v_j . gq) r_j,  r_j = rsqrt(mean(v_j^2) + eps),  p = softmax(s),  mix = sum_j p_j v_j
-        ds = p (dp - <p, dp>),  dp_j = <dmix, v_j>
-        dv_j = p_j dmix + (ds_j r_j) gq - (ds_j (v_j . gq) r_j^3 / D) v_j,  dgq = sum (ds_j r_j) v_j
-    A loop over the sources, each read a few times and never copied: stacking them would copy O(S)
-    per consumer (O(L^2) in all), and the per-token contractions of a stack run as batched matmuls
-    of B*T tiny matrices, slow on CPU. Autograd through the same loop kept ~10 full-size
-    intermediates per source; this keeps only the sources and (B, T, S) vectors."""
-
-    @staticmethod
-    def forward(ctx, eps, gq, *sources):
-        D = gq.numel()
-        dot = torch.stack([v @ gq for v in sources], dim=-1)                              # (B, T, S)
-        r = torch.stack([torch.linalg.vector_norm(v, dim=-1) for v in sources], dim=-1).pow(2).div(D).add(eps).rsqrt()
-        p = (dot * r).softmax(dim=-1)
-        mix = torch.zeros_like(sources[0])
-        for j, v in enumerate(sources):
-            mix.addcmul_(p[..., j, None], v)
-        ctx.save_for_backward(gq, p, r, dot, *sources)
-        return mix, p
-
-    @staticmethod
-    def backward(ctx, dmix, dp_out):
-        gq, p, r, dot, *sources = ctx.saved_tensors
-        dp = torch.stack([(v * dmix).sum(-1) for v in sources], dim=-1) + dp_out          # (B, T, S)
-        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-        a, c = ds * r, -ds * dot * r.pow(3) / gq.numel()
-        grads, dgq = [], torch.zeros_like(gq)
-        for j, v in enumerate(sources):
-            dv = v * c[..., j, None]
-            dv.addcmul_(p[..., j, None], dmix).addcmul_(a[..., j, None], gq)
-            grads.append(dv)
-            dgq += a[..., j].flatten() @ v.flatten(0, -2)
-        return None, dgq, *grads
+from ops import RMSNorm, depth_softmax, reset_norms, rms_norm, sinkhorn
 
 
 ATTNRES_C = 4  # FLOPs per source and channel of a depth mix: score dot (2) + weighted sum (2); 6 with RMS
@@ -493,14 +380,13 @@ class MHC(HC):
     Init (`init=`):
     - "gap8" (default, as the official 400M runs): Phi = 0, b_pre = -8 with +8 at stream i mod n,
       b_post = 0, b_res = 0 on the diagonal and -8 off it, a = 0.01: H_res ~ I (diagonal 0.998995),
-      H_pre ~ one-hot. Measured (CPU preset L4 d128, 300 AdamW steps at 3e-3): the transport's effective
-      rank stays 4.00 (diagonal >= 0.9985; b and a do move, but ~lr per step is small against the gap of 8).
+      H_pre ~ one-hot, so the transport starts at the identity (effective rank n).
     - "uniform": Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and H_res ~ 11^T / n,
-      the transport starts at the uniform matrix (the Liger kernel's init); effective rank 1.02 at init,
-      1.04 after the same 300 steps (the same final loss to 1e-4).
+      the transport starts at the uniform matrix (the Liger kernel's init; effective rank ~1).
+    `sinkhorn_iters` (20): the Sinkhorn iterations. How the init shows after training: README's results.
     """
     collapse_mode = "mean"
-    options = {"n_streams": 4, "init": "gap8"}
+    options = {"n_streams": 4, "init": "gap8", "sinkhorn_iters": 20}
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -671,7 +557,7 @@ class FullAttnRes(BlockAttnRes):
     """Full Attention Residuals (arXiv 2603.15031; docs/designs.md#full-attnres): every sublayer is its own
     group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
     Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive; each mix reads
-    every source ~3 times forward and ~4 times backward (`_DepthMix`), O(L^2 d) memory traffic per token."""
+    every source ~3 times forward and ~4 times backward (`ops.DepthMix`), O(L^2 d) memory traffic per token."""
     options = {}
 
     @classmethod
@@ -696,7 +582,7 @@ class MoDA(PreLN):
     Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed; 2d for MHA) on blocks 0 .. L-2: 2 d H_kv hd (L - 1),
     +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, each slot read twice
-    forward and ~3 times backward (model._DepthAttention), O(L^2 d) memory traffic per token.
+    forward and ~3 times backward (ops.DepthAttention), O(L^2 d) memory traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
     paper_micro_batch = 4

@@ -65,6 +65,26 @@ def suite_rows(name, vocab=VOCAB):
     return rows
 
 
+def suite_row(suite, key, value, vocab=VOCAB):
+    """The row of a suite picked by `row` (its number), `layers` (its depth) or `ar` (nearest, within 10%)."""
+    rows = suite_rows(suite, vocab)
+    listing = ", ".join(f"{k}: L{r['n_layer']} d{r['d_model']}" for k, r in enumerate(rows))
+    if key == "row":
+        if not 0 <= value < len(rows):
+            raise ValueError(f"suite {suite} has rows 0..{len(rows) - 1} ({listing})")
+        return rows[value]
+    if key == "layers":
+        hits = [r for r in rows if r["n_layer"] == value]
+    else:  # the nearest AR, within 10%
+        gap = min(abs(r["ar"] - value) for r in rows)
+        hits = [r for r in rows if abs(r["ar"] - value) < gap + 1e-9 and gap <= 0.1 * value]
+    if not hits:
+        raise ValueError(f"suite {suite} has no row with {key} {value:g} ({listing})")
+    if len(hits) > 1:  # the ladder repeats a depth, and an AR, at several sizes
+        raise ValueError(f"suite {suite} has {len(hits)} rows with {key} {value:g}: give --row ({listing})")
+    return hits[0]
+
+
 def ffn_dim(d):
     """SwiGLU hidden size: ceil(8d/3), rounded up to a multiple of 16."""
     return 16 * math.ceil(math.ceil(8 * d / 3) / 16)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import data
 import train
 from data import BatchLoader, SyntheticTask
 from model import GPT, GPTConfig
@@ -168,9 +169,9 @@ def test_two_ranks_match_one(tmp_path, capsys):
 
 def test_verdict_sorts_gaps_by_accuracy():
     """The closing line names solved (>= 90%), partly learnt (>= 2x chance) and unlearnt gaps apart."""
-    line = train.verdict({"1": {"acc": 0.97}, "2": {"acc": 0.45}, "3": {"acc": 0.05}, "4": {"acc": 0.04}}, 1 / 24, 2)
+    line = data.verdict({"1": {"acc": 0.97}, "2": {"acc": 0.45}, "3": {"acc": 0.05}, "4": {"acc": 0.04}}, 1 / 24, 2)
     assert "gap of 1 (97%)" in line and "partly 2 (45%)" in line and "not learnt for 3 (5%), 4 (4%)" in line
-    assert "not learnt" in train.verdict({"1": {"acc": 0.05}, "2": {"acc": 0.04}}, 1 / 24, 2)
+    assert "not learnt" in data.verdict({"1": {"acc": 0.05}, "2": {"acc": 0.04}}, 1 / 24, 2)
 
 
 @pytest.mark.parametrize("ar", [100, 30, 9.1, 4])

@@ -33,7 +33,6 @@ import math
 import os
 import re
 import resource
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -46,12 +45,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import profile_gpu
-from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size
+from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
 from model import GPT, GPTConfig
 import common
-from common import ArgParser, json_object, positive, print0, write_json
+from common import ArgParser, csv, json_object, positive, print0, versions, write_json
 from residuals import RESIDUALS, check_options, design_options
-from shapes import SUITES, VOCAB, backbone_params, count_params, parse_count, preln_params, solve, suite_rows
+from shapes import SUITES, VOCAB, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
 
 SCHEMA = "depthbench.train/1"
 PAPER_LR_SWEEP = [5e-4, 1e-3, 2e-3, 5e-3]          # the paper's sweep for every design, plus its own paper_lr
@@ -89,14 +88,6 @@ def get_lr(step, peak, warmup, total, final_frac=0.1):
 
 
 # ----------------------------------------------------------------------------- command line
-
-def csv(kind):
-    """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01]; every list makes a grid axis."""
-    def parse(text):
-        return [kind(v) for v in text.split(",")]
-    parse.__name__ = f"comma-separated {kind.__name__}"
-    return parse
-
 
 def build_parser():
     p = ArgParser(prog="train.py", description="Train DepthBench models: one run, or a grid of comma-separated values.")
@@ -166,26 +157,6 @@ def residual_args(args, residual):
     """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
     opts = design_options(residual, args.residual_args)
     return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])
-
-
-def suite_row(suite, key, value, vocab_size):
-    """The row of a suite picked by `row` (its number), `layers` (its depth) or `ar` (nearest, within 10%)."""
-    rows = suite_rows(suite, vocab_size)
-    listing = ", ".join(f"{k}: L{r['n_layer']} d{r['d_model']}" for k, r in enumerate(rows))
-    if key == "row":
-        if not 0 <= value < len(rows):
-            raise ValueError(f"suite {suite} has rows 0..{len(rows) - 1} ({listing})")
-        return rows[value]
-    if key == "layers":
-        hits = [r for r in rows if r["n_layer"] == value]
-    else:  # the nearest AR, within 10%
-        gap = min(abs(r["ar"] - value) for r in rows)
-        hits = [r for r in rows if abs(r["ar"] - value) < gap + 1e-9 and gap <= 0.1 * value]
-    if not hits:
-        raise ValueError(f"suite {suite} has no row with {key} {value:g} ({listing})")
-    if len(hits) > 1:  # the ladder repeats a depth, and an AR, at several sizes
-        raise ValueError(f"suite {suite} has {len(hits)} rows with {key} {value:g}: give --row ({listing})")
-    return hits[0]
 
 
 def solved_shape(args, key, value, vocab_size):
@@ -306,36 +277,8 @@ def evaluate(model, loader, iters, ctx, device, max_gap):
     return out
 
 
-def verdict(per_level, chance, n_layer):
-    """One line on what a synthetic run learnt: how many compositions per answer (gaps) it solves."""
-    acc = {int(g): m["acc"] for g, m in per_level.items()}
-    def say(gs):
-        return ", ".join(f"{g} ({acc[g]:.0%})" for g in gs)
-    solved = [g for g in acc if acc[g] >= 0.9]
-    partly = [g for g in acc if 2 * chance <= acc[g] < 0.9]
-    none = [g for g in acc if acc[g] < 2 * chance]
-    if not solved and not partly:
-        return (f"result: answers below twice chance ({chance:.1%}) for every gap: this model has not learnt to "
-                f"compose permutations yet (longer --steps, another --seed or --lr)")
-    parts = [f"solves answers after a gap of {say(solved)}" if solved else "",
-             f"partly {say(partly)}" if partly else "", f"not learnt for {say(none)}" if none else ""]
-    return (f"result: L={n_layer} " + "; ".join(p for p in parts if p) + f" (chance {chance:.1%}). A gap of g needs "
-            f"g compositions of permutations: which gaps a design solves at which depth is the mini suite's probe")
-
-
 def finite_or_none(x):
     return x if math.isfinite(x) else None  # JSON has no NaN; null marks a non-finite value
-
-
-def versions():
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    # str(): torch.__version__ is a TorchVersion, which torch.load(weights_only=True) refuses
-    return {"python": sys.version.split()[0], "torch": str(torch.__version__), "cuda": torch.version.cuda,
-            "git_commit": commit}
 
 
 def train_run(cfg, env, resume):
