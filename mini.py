@@ -123,6 +123,11 @@ def spread(values):
     return f"{np.mean(values):.4f} ± {(max(values) - min(values)) / 2:.4f} ({len(values)})"
 
 
+def share(values):
+    """R_causal / R_perm over seeds: 'mean ± half-range' in percent."""
+    return f"{np.mean(values):.1%} ± {(max(values) - min(values)) / 2:.1%}" if values else "—"
+
+
 def versus(losses, base):
     """A design's final val loss against Pre-LN's at the same shape: the difference of the means, and
     whether it exceeds the seed spread (the two designs' ranges over seeds do not overlap)."""
@@ -171,8 +176,7 @@ def summary(args):
             row = f"| {res} | {L} | {d} | {d / L:.1f} | {lr:g} | {spread(cell['loss'])} | {versus(cell['loss'], base)} |"
             if folder.startswith("synthetic"):
                 row += " " + " / ".join(f"{a:.2f}" for a in np.mean(cell["gaps"], 0)) + " |"
-            fmt = lambda v: f"{np.mean(v):.1%}" if v else "—"  # noqa: E731
-            row += f" {fmt(cell['rc'])} | {fmt(cell['rp'])} | {np.mean(cell['wall']):.0f} s |"
+            row += f" {share(cell['rc'])} | {share(cell['rp'])} | {np.mean(cell['wall']):.0f} s |"
             lines.append(row)
         lines.append("")
     return "\n".join(lines)
