@@ -51,8 +51,8 @@ def build_parser():
         ".parquet file, folder or quoted glob")
     add("--steps", help="override every run's schedule length (a toy or a longer run)")
     add("--lr", help="peak LR for every run (default: the mini preset's, 3e-3)")
-    add("--lr-sweep", default="1e-2", help="more LRs for each design at --sweep-ar, first seed only, in <probe>-lr/ "
-        "(default 1e-2; '' for none)")
+    add("--lr-sweep", default="1e-3,1e-2", help="more LRs for each design at --sweep-ar, first seed only, in "
+        "<probe>-lr/ (default 1e-3,1e-2, around the preset's 3e-3; '' for none)")
     add("--sweep-ar", default="9.1", type=float, help="the shape of the LR sweep (default 9.1)")
     add("--diag-samples", default="32", help="diagnose.py's calibration windows per run (default 32)")
     add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_toy_suite_writes_figures_and_resumes(tmp_path):
-    argv = [sys.executable, "mini.py", "--designs", "preln,attnres", "--ar", "32,9.1", "--seeds", "0", "--steps", "2",
+    argv = [sys.executable, "mini.py", "--designs", "preln,attnres", "--ar", "32,9.1", "--seeds", "0", "--steps", "2", "--lr-sweep", "1e-2",
             "--diag-samples", "8", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
@@ -64,9 +64,10 @@ def test_commands_cover_the_grid():
                                            "--text", "corpus.txt"])
     args.probes = ["text", "synthetic"]
     jobs = mini.train_commands(args)
-    assert len(jobs) == 2 * 2 * 2 * 2 + 2 * 2 and len({label for _, label, _ in jobs}) == 20
-    sweep = [a for folder, _, a in jobs[:4] if folder.endswith("-lr")]  # the LR sweep first: 2 probes x 2 designs
-    assert len(sweep) == 4 and all(a[a.index("--lr") + 1] == "1e-2" and a[a.index("--ar") + 1] == "9.1" for a in sweep)
-    assert [a[a.index("--ar") + 1] for _, _, a in jobs[4:8]] == ["4"] * 4 and "--lr" not in jobs[4][2]
+    assert len(jobs) == 2 * 2 * 2 * 2 + 2 * 2 * 2 and len({label for _, label, _ in jobs}) == 24
+    sweep = [a for folder, _, a in jobs[:8] if folder.endswith("-lr")]  # the LR sweep first: 2 probes x 2 designs x 2
+    assert len(sweep) == 8 and all(a[a.index("--ar") + 1] == "9.1" for a in sweep)
+    assert sorted(a[a.index("--lr") + 1] for a in sweep) == ["1e-2"] * 4 + ["1e-3"] * 4
+    assert [a[a.index("--ar") + 1] for _, _, a in jobs[8:12]] == ["4"] * 4 and "--lr" not in jobs[8][2]
     assert all(a[a.index("--data-dir") + 1] == str(Path("runs/mini/text-data")) for p, _, a in jobs if "text" in p)
     assert all(("--data" in a and a[a.index("--data") + 1] == "corpus.txt") == (p == "text") for p, _, a in jobs if not p.endswith("-lr"))
