@@ -147,10 +147,11 @@ def metric(doc, key):
 
 
 def with_metric(data, *paths):
-    """Diagnose JSONs having any of the metrics "key" or "key.field" (non-empty), by design then depth."""
-    def has(g, path):
+    """Diagnose JSONs having any of the metrics "key" or "key.field" (not null or empty), by design then depth."""
+    def has(g, path):  # a field of 0 counts (R_causal 0%), an empty list or null does not
         key, _, field = path.partition(".")
-        return metric(g, key) is not None and (not field or bool(metric(g, key).get(field)))
+        value = (metric(g, key) or {}).get(field) if field else metric(g, key)
+        return value is not None and value != [] and value != {}
     docs = [g for g in data.get("diagnose", []) if any(has(g, p) for p in paths)]
     return sorted(docs, key=lambda g: (design_order(g["meta"]["residual"]), shape(g["meta"])[1]))
 

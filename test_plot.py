@@ -306,3 +306,14 @@ def test_bad_arguments_exit_2_with_one_line(args):
     r = subprocess.run([sys.executable, "plot.py", *args], cwd=HERE, capture_output=True, text=True)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, r.stderr
+
+
+def test_a_zero_score_is_data_not_missing():
+    """A seed whose R_causal is 0.0 must enter the seed mean of Fig. 6 (it was once dropped as 'empty'),
+    while a null or an empty list is missing."""
+    def doc(seed, value):
+        return {"meta": {"residual": "hc", "n_layer": 6, "d_model": 104, "seed": seed},
+                "causal_score": {"R_causal": value, "matrix": []}}
+    data = {"diagnose": [doc(0, 1 / 6), doc(1, 0.0), doc(2, None)]}
+    assert [g["meta"]["seed"] for g in plot.with_metric(data, "causal_score.R_causal")] == [0, 1]
+    assert plot.with_metric(data, "causal_score.matrix") == []
