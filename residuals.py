@@ -75,8 +75,8 @@ class PreLN(nn.Module):
     paper_lr = 2e-3          # the paper's Table 4 optimum (train.py's 400m preset)
     paper_micro_batch = 16   # micro-batch per GPU that fit in memory in the paper's runs
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
-    # training steps after which torch.compile (inductor) pays on CPU: cold compile s / ms saved per step, as
-    # `python profile_gpu.py --bench` measures it at L8 d128 T256 B8 (README); None: it never paid
+    # steps after which torch.compile pays on CPU (cold compile s / s saved a step; `profile_gpu.py --bench`
+    # at L8 d128 T256 B8, 1 thread: one shape's rule of thumb). None: never (Pre-LN compiled 1,100 vs 1,006 ms)
     cpu_compile_pays = None
 
     @classmethod
@@ -272,6 +272,7 @@ class HC(PreLN):
     collapse_mode = "sum"
     paper_micro_batch = 8
     options = {"n_streams": 4}
+    cpu_compile_pays = 849       # cold 78 s, 1,420 -> 1,327 ms a step
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -377,16 +378,16 @@ class MHC(HC):
     Cost: HC's (below) plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token,
     run as one node with a hand-written backward in a tokens-last layout (`sinkhorn`).
 
-    Init (`init=`):
+    Init (`init=`; the other option, `sinkhorn_iters` = 20, is Sinkhorn's iteration count):
     - "gap8" (default, as the official 400M runs): Phi = 0, b_pre = -8 with +8 at stream i mod n,
       b_post = 0, b_res = 0 on the diagonal and -8 off it, a = 0.01: H_res ~ I (diagonal 0.998995),
       H_pre ~ one-hot, so the transport starts at the identity (effective rank n).
     - "uniform": Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and H_res ~ 11^T / n,
       the transport starts at the uniform matrix (the Liger kernel's init; effective rank ~1).
-    `sinkhorn_iters` (20): the Sinkhorn iterations. How the init shows after training: README's results.
     """
     collapse_mode = "mean"
     options = {"n_streams": 4, "init": "gap8", "sinkhorn_iters": 20}
+    cpu_compile_pays = 444       # cold 237 s, 1,827 -> 1,292 ms a step
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -452,6 +453,7 @@ class BlockAttnRes(PreLN):
     weights at init. Cost: at most N + 1 sources per sublayer.
     """
     options = {"n_groups": 8}
+    cpu_compile_pays = 1617      # cold 140 s, 1,159 -> 1,073 ms a step
 
     @classmethod
     def cost(cls, L, d, T, n_groups=8, **options):
@@ -559,6 +561,7 @@ class FullAttnRes(BlockAttnRes):
     Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive; each mix reads
     every source ~3 times forward and ~4 times backward (`ops.DepthMix`), O(L^2 d) memory traffic per token."""
     options = {}
+    cpu_compile_pays = 1261      # cold 149 s, 1,268 -> 1,149 ms a step
 
     @classmethod
     def cost(cls, L, d, T, **options):
@@ -587,6 +590,7 @@ class MoDA(PreLN):
     """
     paper_micro_batch = 4
     options = {"norm": "pre"}
+    cpu_compile_pays = 1365      # cold 104 s, 1,394 -> 1,318 ms a step
 
     @classmethod
     def cost(cls, L, d, T, **options):
