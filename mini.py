@@ -3,7 +3,7 @@ mini.py: Mini-DepthBench, the paper's experiment (loss vs aspect ratio per desig
 that one machine runs in an afternoon.
 
     python mini.py --text austen                           # the suite on 2 CPU cores -> runs/mini
-    python mini.py --gpu --text path/to/corpus             # one GPU: a bigger budget, more tokens per param
+    python mini.py --gpu --text austen                     # one GPU: a bigger budget, more tokens per param
     python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
 
 For each probe (real text read as bytes, and the synthetic composition task scored on answers alone),
