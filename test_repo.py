@@ -118,3 +118,12 @@ if __name__ == "__main__":
     tmp.write_text(new, encoding="utf-8")
     os.replace(tmp, README)
     print(f"updated the line counts in {README.name}")
+
+
+def test_readme_links_point_at_files_that_exist():
+    """Every image and relative link of the README names a file in the repo (figures are replaced, not lost)."""
+    text = README.read_text()
+    targets = re.findall(r"\]\(((?:docs|fixtures)/[^)#\s]+)", text)
+    assert targets, "the README links no docs at all"
+    missing = [t for t in targets if not (HERE / t).is_file()]
+    assert not missing, f"README links files that do not exist: {missing}"
