@@ -267,8 +267,8 @@ def gutenberg_body(text):
 
 
 def download_austen(folder="data_cache/austen_txt", timeout=30.0):
-    """The six novels as <name>.txt in folder, fetched once from Project Gutenberg (each written to a
-    .tmp name and renamed, so a failed download leaves no half novel); returns the folder."""
+    """The six novels as <name>.txt in folder, fetched once from Project Gutenberg (each written atomically,
+    so a failed download leaves no half novel); returns the folder."""
     import urllib.request
     folder = Path(folder)
     for name, number in AUSTEN.items():
@@ -282,10 +282,7 @@ def download_austen(folder="data_cache/austen_txt", timeout=30.0):
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"cannot download {url} ({getattr(e, 'reason', e)}); offline, give the novels as "
                             f"local .txt files instead: --source path/to/folder") from None
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(gutenberg_body(text), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, gutenberg_body(text))
     return folder
 
 

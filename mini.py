@@ -23,17 +23,18 @@ from pathlib import Path
 import numpy as np
 
 import data
-from common import ArgParser, fail, positive
+from common import ArgParser, fail, positive, write_atomic
 
 HERE = Path(__file__).resolve().parent
+TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
 # train.py settings per probe and scale (on top of --preset mini); see the README's mini-suite section
 SCALES = {
     # 2 cores, under 2 h for 3 designs x 5 ARs x 2 seeds x 2 probes (README: the regime search)
     "cpu": {"synthetic": ["--global-batch", "8", "--steps", "500"],
-            "text": ["--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "8", "--steps", "300"]},
+            "text": ["--seq-len", "256", "--global-batch", "8", "--steps", "300"]},
     "gpu": {"synthetic": ["--params", "8M", "--global-batch", "128", "--steps", "6000", "--device", "cuda"],
-            "text": ["--params", "8M", "--tokenizer", "bytes", "--seq-len", "256", "--global-batch", "128",
-                     "--steps", "5000", "--device", "cuda"]},
+            "text": ["--params", "8M", "--seq-len", "256", "--global-batch", "128", "--steps", "5000",
+                     "--device", "cuda"]},
 }
 DIAG_METRICS = "causal,perm,pruning"
 
@@ -74,7 +75,8 @@ def train_commands(args):
     for folder, probe, ar, design, seed, lr in runs:
         argv = [sys.executable, str(HERE / "train.py"), "--preset", "mini", "--residual", design,
                 "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / folder), *scale[probe]]
-        argv += ["--data", args.text, "--data-dir", str(args.out / "text-data")] if probe == "text" else []
+        argv += ["--data", args.text, "--data-dir", str(args.out / "text-data"), "--tokenizer", TEXT_TOKENIZER] \
+            if probe == "text" else []
         argv += ["--steps", args.steps] if args.steps else []
         argv += ["--lr", lr] if lr else []
         jobs.append((folder, f"{folder} {design} ar={ar:g} seed={seed}" + (f" lr={lr}" if lr else ""), argv))
@@ -116,16 +118,11 @@ def finished_runs(folder):
     return runs
 
 
-def spread(values):
-    """'mean ± half-range (n)' over seeds."""
+def spread(values, fmt=".4f"):
+    """'mean ± half-range' over seeds ('—' for none)."""
     if not values:
         return "—"
-    return f"{np.mean(values):.4f} ± {(max(values) - min(values)) / 2:.4f} ({len(values)})"
-
-
-def share(values):
-    """R_causal / R_perm over seeds: 'mean ± half-range' in percent."""
-    return f"{np.mean(values):.1%} ± {(max(values) - min(values)) / 2:.1%}" if values else "—"
+    return f"{np.mean(values):{fmt}} ± {(max(values) - min(values)) / 2:{fmt}}"
 
 
 def versus(losses, base):
@@ -135,8 +132,9 @@ def versus(losses, base):
         return "—"
     delta = np.mean(losses) - np.mean(base)
     apart = max(losses) < min(base) or min(losses) > max(base)
-    return f"{delta:+.4f} ({'beyond' if apart else 'within'} seed spread)" if len(losses) > 1 < len(base) \
-        else f"{delta:+.4f} (one seed)"
+    if len(losses) == 1 or len(base) == 1:
+        return f"{delta:+.4f} (one seed)"
+    return f"{delta:+.4f} ({'beyond' if apart else 'within'} seed spread)"
 
 
 def collect(folder):
@@ -173,10 +171,11 @@ def summary(args):
         lines += [f"## {folder}", "", head, "|" + "---|" * (head.count("|") - 1)]
         for (res, L, d, lr), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][3], kv[0][0])):
             base = cells.get(("preln", L, d, lr), {}).get("loss") if res != "preln" else None
-            row = f"| {res} | {L} | {d} | {d / L:.1f} | {lr:g} | {spread(cell['loss'])} | {versus(cell['loss'], base)} |"
+            row = (f"| {res} | {L} | {d} | {d / L:.1f} | {lr:g} | {spread(cell['loss'])} ({len(cell['loss'])}) | "
+                   f"{versus(cell['loss'], base)} |")
             if folder.startswith("synthetic"):
                 row += " " + " / ".join(f"{a:.2f}" for a in np.mean(cell["gaps"], 0)) + " |"
-            row += f" {share(cell['rc'])} | {share(cell['rp'])} | {np.mean(cell['wall']):.0f} s |"
+            row += f" {spread(cell['rc'], '.1%')} | {spread(cell['rp'], '.1%')} | {np.mean(cell['wall']):.0f} s |"
             lines.append(row)
         lines.append("")
     return "\n".join(lines)
@@ -190,7 +189,7 @@ def main(argv=None):
     if set(args.probes) - {"text", "synthetic"}:
         parser.error(f"--probes: choose from text, synthetic, got {','.join(args.probes)}")
     if "text" in args.probes and not args.text:
-        parser.error("the text probe needs --text (a local corpus: a file, folder or quoted glob)")
+        parser.error("the text probe needs --text ('austen', or a local corpus: a file, folder or quoted glob)")
     try:
         [float(a) for a in args.ar.split(",")]
     except ValueError:
@@ -202,7 +201,7 @@ def main(argv=None):
     t0 = time.time()
     if "text" in args.probes:  # tokenized once here, not by two runs at the same time
         try:
-            data.prepare(args.text, args.out / "text-data", "bytes")
+            data.prepare(args.text, args.out / "text-data", TEXT_TOKENIZER)
         except data.DataError as e:
             fail("mini.py", e)
     print(f"mini suite: {len(jobs)} runs ({len(args.probes)} probes x {len(args.designs.split(','))} designs x "
@@ -221,7 +220,7 @@ def main(argv=None):
         subprocess.run([sys.executable, str(HERE / "plot.py"), str(args.out / probe), "--out",
                         str(args.out / "figs" / probe)], check=False)
     text = summary(args)
-    (args.out / "summary.md").write_text(text)
+    write_atomic(args.out / "summary.md", text)
     print(text)
     print(f"mini suite done in {(time.time() - t0) / 60:.1f} min; figures in {args.out / 'figs'}, "
           f"table in {args.out / 'summary.md'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))

@@ -561,8 +561,6 @@ def fig11_system(data, out_path, svg=False):
     return {"drew": f"{len(rows)} (design, AR) rows"}
 
 
-# ----------------------------------------------------------------------------- main
-
 # ----------------------------------------------------------------------------- the mini suite's composition probe
 
 def fig_composition(data, out_path, svg=False):
@@ -595,6 +593,8 @@ def fig_composition(data, out_path, svg=False):
     save(fig, out_path, svg)
     return {"drew": f"{len(runs)} runs, gaps {', '.join(gaps)}"}
 
+
+# ----------------------------------------------------------------------------- main
 
 FIGURES = [  # (file name without extension, function), in paper order
     ("fig2_final_loss_vs_ar", fig2_final_loss),
