@@ -14,8 +14,9 @@ What each residual design costs at a shape: analytic FLOPs and bytes, measured t
 deep (L32 d128) shape (vocab 512, T 256, batch 8; medians of steps alternating between the designs in one process,
 so load on shared cores hits all alike), our Pre-LN's training tokens/s over HF transformers' LlamaForCausalLM's
 (only if transformers is installed; the project does not need it), torch.compile's cold/warm compile time and
-break-even in steps per design at L8 d128 (each in a fresh process and inductor cache), and the peak RSS of one
-400M L24 training step at micro-batch 1, T 2048 with the plain loss (full fp32 logits) and the logits-free one.
+break-even in steps per design at L8 d128 (each in a fresh process and inductor cache), and the peak memory of
+one 400M L24 training step at micro-batch 1, T 2048 with the plain loss (full fp32 logits) and the logits-free
+one: the peak of live tensor bytes (`TensorBytes`, what CUDA's max_memory_allocated counts) and the peak RSS.
 
 Analytic fields (docs/diagnostics.md#cost; a multiply-add is 2 FLOPs; norms, softmax, RoPE and adds are not counted):
 - prefill_flops: one forward of T tokens, the spec's formula A = 2·T·N_blk + 2·L·d·T², N_blk = L(4d² + 3·d·d_ff),
@@ -58,6 +59,9 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
 from model import GPT, GPTConfig
@@ -127,6 +131,35 @@ def memory(dev, field="VmHWM"):
         return None
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+class TensorBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage allocated while it is active, on any device: the counterpart of CUDA's
+    max_memory_allocated, for the CPU, where peak RSS also counts the C allocator's kept pages and is noisy.
+
+        with TensorBytes() as tb:
+            step()
+        tb.peak  # the most bytes alive at once, of storages the step created (parameters and inputs excluded)
+
+    Every op's outputs are recorded by storage (views and in-place results add nothing); storages that died
+    are swept before each op, so the peak is exact at op granularity. Not counted: scratch memory inside one
+    kernel and allocations made outside the dispatcher. Autograd's backward ops run under it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0   # storage pointer -> (weak reference, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for ptr in [p for p, (ref, _) in self.live.items() if ref.expired()]:
+            self.now -= self.live.pop(ptr)[1]
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.live:
+                s = t.untyped_storage()
+                self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+                self.now += s.nbytes()
+        self.peak = max(self.peak, self.now)
+        return out
 
 
 def measure(job):
@@ -261,8 +294,9 @@ def compile_break_even(designs, L=8, d=128, B=8, T=256):
 
 
 def loss_memory(job):
-    """In a fresh process: peak RSS (bytes) of the first training step at the job's shape above the RSS with the
-    model built (gradients included), with the plain or the logits-free loss."""
+    """In a fresh process, one training step at the job's shape with the plain or the logits-free loss:
+    (peak bytes of the tensors it allocated (TensorBytes; gradients included), its peak RSS above the RSS
+    with the model built, the shape)."""
     torch.set_num_threads(1)
     s = shapes.solve(job["params"], layers=job["L"], vocab=50304)  # GPT-2's vocab padded, as train.py does
     cfg = GPTConfig(vocab_size=50304, n_layer=s["n_layer"], d_model=s["d_model"], n_head=s["n_head"],
@@ -274,8 +308,9 @@ def loss_memory(job):
     step = step_fn(model, 1, job["T"], cfg.vocab_size, logits=job["logits"])
     reset_peak(torch.device("cpu"))
     base = memory(torch.device("cpu"), "VmRSS")
-    step()
-    return memory(torch.device("cpu")) - base, f"L{s['n_layer']} d{s['d_model']} V{cfg.vocab_size}"
+    with TensorBytes() as tb:
+        step()
+    return tb.peak, memory(torch.device("cpu")) - base, f"L{s['n_layer']} d{s['d_model']} V{cfg.vocab_size}"
 
 
 def hf_llama_ratio(L, d, V, T, B, repeats=5):
@@ -328,9 +363,10 @@ def bench(repeats, quick=False):
               f"{c['eager_ms']:.0f} -> {c['compiled_ms']:.0f} ms, pays after {be}", flush=True)
     for logits in (True, False):
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            peak, shape = pool.submit(loss_memory, {"params": 405_000_000, "L": 24, "T": 2048, "logits": logits}).result()
-        print(f"loss memory, one 400M step ({shape}, micro-batch 1, T 2048): peak RSS above the step's start "
-              f"{peak / 2 ** 20:,.0f} MiB with {'full fp32 logits' if logits else 'the logits-free chunked loss'}", flush=True)
+            peak, rss, shape = pool.submit(loss_memory, {"params": 405_000_000, "L": 24, "T": 2048, "logits": logits}).result()
+        print(f"loss memory, one 400M step ({shape}, micro-batch 1, T 2048), "
+              f"{'full fp32 logits' if logits else 'the logits-free chunked loss'}: peak tensor memory "
+              f"{peak / 2 ** 20:,.0f} MiB (peak RSS above the step's start {rss / 2 ** 20:,.0f} MiB)", flush=True)
 
 
 # ----------------------------------------------------------------------------- output

@@ -373,6 +373,35 @@ def test_chunked_loss_equals_plain_loss_and_gradients():
     assert model_loss[0] is None and model_loss[1].item() == pytest.approx(model(x, x)[1].item(), rel=1e-6)
 
 
+def test_skinny_matmul_equals_matmul_in_values_and_gradients():
+    """ops.skinny_matmul (computed as (w^T x^T)^T for BLAS speed) is x @ w, forward and backward."""
+    from ops import skinny_matmul
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 5, 4, 16, requires_grad=True), torch.randn(16, 6, requires_grad=True)
+    out, ref = skinny_matmul(x, w), x @ w
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, [x, w], g), torch.autograd.grad(ref, [x, w], g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hd,Hkv", [(4, 4), (8, 2), (16, 4), (20, 4)])
+def test_causal_attention_padding_is_the_same_maths(hd, Hkv):
+    """model.causal_attention zero-pads heads narrower than 16 on CPU; values and gradients equal SDPA's
+    unpadded call with the same scale (MHA and GQA; hd >= 16 goes straight through)."""
+    import torch.nn.functional as F
+    from model import causal_attention
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 9, hd, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, 9, hd, requires_grad=True) for _ in range(2))
+    out = causal_attention(q, k, v, hd ** -0.5)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv < 4)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, [q, k, v], g), torch.autograd.grad(ref, [q, k, v], g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_sinkhorn_doubly_stochastic():
     """The shared sinkhorn makes logits of mHC's scale doubly stochastic (columns exact, rows ~1e-3;
     20 iterations do not converge for strongly peaked logits, as in the reference)."""
@@ -505,6 +534,7 @@ def test_joint_attention_equals_one_explicit_softmax():
     """model.joint_attention (fused SDPA + a per-query sink for the depth keys) equals one softmax
     over explicit [causal sequence logits | depth logits], in values, depth share and gradients."""
     from model import joint_attention
+    from ops import tokens_last
     torch.manual_seed(0)
     B, H, T, hd, S = 2, 3, 9, 16, 4
     q, k, v = (torch.randn(B, H, T, hd, requires_grad=True) for _ in range(3))
@@ -512,6 +542,10 @@ def test_joint_attention_equals_one_explicit_softmax():
     dv = [torch.randn(B, H, T, hd, requires_grad=True) for _ in range(S)]
     scale = hd ** -0.5
     o, share = joint_attention(q, k, v, dk, dv, scale)
+    # the slots as MoDA stores them (tokens-last memory, same values) give the same result
+    o_tl, share_tl = joint_attention(q, k, v, [tokens_last(t) for t in dk], [tokens_last(t) for t in dv], scale)
+    torch.testing.assert_close(o_tl, o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(share_tl, share, rtol=1e-6, atol=1e-6)
     seq = (q @ k.transpose(-2, -1) * scale).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     depth = torch.einsum("bhtd,bhtsd->bhts", q, torch.stack(dk, 3)) * scale
     p = torch.cat([seq, depth], -1).softmax(-1)

@@ -174,3 +174,26 @@ def test_tiny_measured_run_every_design(tmp_path):
         assert r["peak_mem_kind"].startswith("cpu")
     lines = p.stdout.splitlines()
     assert all(any(line.startswith(res + " ") for line in lines) for res in RESIDUALS)
+
+
+def test_tensor_bytes_counts_live_storage_and_shows_the_chunked_loss_saving():
+    """TensorBytes' peak is the most bytes alive at once (views and in-place results add nothing, freed
+    storage leaves), and the logits-free loss peaks far below the plain one when the logits dominate."""
+    import torch.nn.functional as F
+    from model import chunked_cross_entropy
+    with profile_gpu.TensorBytes() as tb:
+        a, b = torch.empty(1000), torch.empty(2000)
+        del a
+        c = torch.empty(500)
+        b.view(-1).add_(1)
+    assert tb.peak == 3000 * 4 and tb.now == 2500 * 4
+    torch.manual_seed(0)
+    z, w, t = torch.randn(512, 32, requires_grad=True), torch.randn(4096, 32, requires_grad=True), torch.randint(0, 4096, (512,))
+    peaks = []
+    for chunk in (None, 64):
+        with profile_gpu.TensorBytes() as tb:
+            loss = chunked_cross_entropy(z, w, t, chunk) if chunk else F.cross_entropy(F.linear(z, w), t)
+            loss.backward()
+        peaks.append(tb.peak)
+    logits = 512 * 4096 * 4
+    assert peaks[0] > 2.5 * logits and peaks[1] < 0.6 * logits, peaks  # plain: logits, softmax, gradient
