@@ -61,34 +61,37 @@ def sinkhorn(logits, iters=20, eps=1e-6):
     rounds of row and column normalisation. logits (..., n, n) -> approximately doubly stochastic;
     the columns sum exactly to 1 after the last step. The 2 * iters - 1 normalisations run as one
     autograd node (`Sinkhorn`, below) whose backward is the unrolled loop's, written by hand."""
-    return Sinkhorn.apply(logits.float().softmax(dim=-1), iters, eps)
+    n = logits.size(-1)
+    tl = logits.float().reshape(-1, n, n).permute(1, 2, 0).contiguous()  # tokens last, (n, n, tokens): the
+    M = Sinkhorn.apply(tl.softmax(dim=1), iters, eps)                    # softmax and sums run over contiguous
+    return M.permute(2, 0, 1).reshape(logits.shape)                      # token vectors, not over n = 4
 
 
 class Sinkhorn(torch.autograd.Function):
-    """M = P + eps, then alternately M <- M / (M.sum(dim) + eps) over rows (dim -1) and columns (-2),
-    starting with columns (dims 0 / 1 in its tokens-last layout). Each step's exact gradient is dM_in = (dM_out - sum_dim(dM_out * M_out)) / d:
-    4 small ops per step in backward instead of autograd's ~10 (the loop's node overhead dominated)."""
+    """On P (n, n, tokens), tokens last: M = P + eps, then alternately M <- M / (M.sum(dim) + eps) over
+    columns (dim 0) and rows (dim 1), starting with columns. Each step's exact gradient is
+    dM_in = (dM_out - sum_dim(dM_out * M_out)) / d: 4 small ops per step in backward instead of
+    autograd's ~10 (the loop's node overhead dominated)."""
 
     @staticmethod
     def forward(ctx, P, iters, eps):
-        # tokens last, (n, n, tokens): the row and column sums become adds of contiguous vectors
-        M, outs, dens = P.reshape(-1, *P.shape[-2:]).permute(1, 2, 0).contiguous() + eps, [], []
+        M, outs, dens = P + eps, [], []
         for dim in [0] + [1, 0] * (iters - 1):
             d = M.sum(dim, keepdim=True) + eps
             M = M / d
             outs.append(M)
             dens.append(d)
         ctx.save_for_backward(*outs, *dens)
-        ctx.dims, ctx.shape = [0] + [1, 0] * (iters - 1), P.shape
-        return M.permute(2, 0, 1).reshape(P.shape)
+        ctx.dims = [0] + [1, 0] * (iters - 1)
+        return M
 
     @staticmethod
     def backward(ctx, g):
         saved, k = ctx.saved_tensors, len(ctx.dims)
-        g = g.reshape(-1, *g.shape[-2:]).permute(1, 2, 0).contiguous()
+        g = g.contiguous()
         for dim, M, d in zip(reversed(ctx.dims), reversed(saved[:k]), reversed(saved[k:])):
             g = (g - (g * M).sum(dim, keepdim=True)) / d
-        return g.permute(2, 0, 1).reshape(ctx.shape), None, None
+        return g, None, None
 
 
 def inv_rms(v, eps=1e-5):
