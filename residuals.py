@@ -76,7 +76,7 @@ class PreLN(nn.Module):
     paper_micro_batch = 16   # micro-batch per GPU that fit in memory in the paper's runs
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
     # steps after which torch.compile pays on CPU (cold compile s / s saved a step; `profile_gpu.py --bench`
-    # at L8 d128 T256 B8, 1 thread: one shape's rule of thumb). None: never (Pre-LN compiled 1,100 vs 1,006 ms)
+    # at L8 d128 T256 B8, 1 thread: one shape's rule of thumb). None: never (Pre-LN compiled 745 vs 711 ms)
     cpu_compile_pays = None
 
     @classmethod
@@ -274,7 +274,7 @@ class HC(PreLN):
     collapse_mode = "sum"
     paper_micro_batch = 8
     options = {"n_streams": 4}
-    cpu_compile_pays = 849       # cold 78 s, 1,420 -> 1,327 ms a step
+    cpu_compile_pays = 1230      # cold 59 s, 893 -> 845 ms a step (L8 d128; README, speed)
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -392,7 +392,7 @@ class MHC(HC):
     """
     collapse_mode = "mean"
     options = {"n_streams": 4, "init": "gap8", "sinkhorn_iters": 20}
-    cpu_compile_pays = 444       # cold 237 s, 1,827 -> 1,292 ms a step
+    cpu_compile_pays = 2845      # cold 194 s, 966 -> 898 ms a step
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -458,7 +458,7 @@ class BlockAttnRes(PreLN):
     weights at init. Cost: at most N + 1 sources per sublayer.
     """
     options = {"n_groups": 8}
-    cpu_compile_pays = 1617      # cold 140 s, 1,159 -> 1,073 ms a step
+    cpu_compile_pays = 5683      # cold 85 s, 818 -> 803 ms a step
 
     @classmethod
     def cost(cls, L, d, T, n_groups=8, **options):
@@ -567,7 +567,7 @@ class FullAttnRes(BlockAttnRes):
     every source twice forward and twice backward and writes its gradient (`ops.DepthMix`; a source's key
     norm is formed once, not per consumer), O(L^2 d) memory traffic per token."""
     options = {}
-    cpu_compile_pays = 1261      # cold 149 s, 1,268 -> 1,149 ms a step
+    cpu_compile_pays = 1385      # cold 100 s, 879 -> 806 ms a step
 
     @classmethod
     def cost(cls, L, d, T, **options):
@@ -596,7 +596,7 @@ class MoDA(PreLN):
     """
     paper_micro_batch = 4
     options = {"norm": "pre"}
-    cpu_compile_pays = 1365      # cold 104 s, 1,394 -> 1,318 ms a step
+    cpu_compile_pays = 3824      # cold 95 s, 914 -> 889 ms a step
 
     @classmethod
     def cost(cls, L, d, T, **options):
