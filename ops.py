@@ -95,9 +95,26 @@ class Sinkhorn(torch.autograd.Function):
 
 
 def inv_rms(v, eps=1e-5):
-    """rsqrt(mean(v^2) + eps) over the last dim, in fp32: (B, T, D) -> (B, T). AttnRes' key norm (without
-    its gain) depends only on the source, so each source's is formed once and shared by all its consumers."""
-    return (torch.linalg.vector_norm(v.float(), dim=-1).square() / v.size(-1) + eps).rsqrt()
+    """rsqrt(mean(v^2) + eps) over the last dim, in fp32: (..., D) -> (...). A norm's factor without the
+    normalised copy: HC's and mHC's maps multiply their projection by it, and AttnRes forms each source's
+    once for all its consumers (its key norm depends only on the source). One autograd node (`InvRms`)."""
+    return InvRms.apply(v.float(), eps)
+
+
+class InvRms(torch.autograd.Function):
+    """r = rsqrt(mean(v^2) + eps) with its exact gradient dv = v * (-dr r^3 / D): one full-size multiply,
+    where autograd through vector_norm made three passes (a masked fill for zero norms, a divide, a multiply)."""
+
+    @staticmethod
+    def forward(ctx, v, eps):
+        r = (torch.linalg.vector_norm(v, dim=-1).square() / v.size(-1) + eps).rsqrt()
+        ctx.save_for_backward(v, r)
+        return r
+
+    @staticmethod
+    def backward(ctx, dr):
+        v, r = ctx.saved_tensors
+        return v * (dr * r.pow(3) / -v.size(-1))[..., None], None
 
 
 def depth_softmax(query, key_gain, sources, eps=1e-5, inv_rmss=None):

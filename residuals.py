@@ -321,7 +321,7 @@ class HC(PreLN):
         """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n_out, n_in) of sublayer i."""
         c, n = self.conn[i], self.n
         Hf = H.float()
-        r = torch.rsqrt(torch.linalg.vector_norm(Hf, dim=-1, keepdim=True).square() / H.size(-1) + 1e-8)  # (B, T, n, 1): 1 / rms
+        r = inv_rms(Hf, 1e-8)[..., None]                                                  # (B, T, n, 1): 1 / rms
         # H_bar @ W = (H @ W) * r: one projection for alpha and beta, no normalised copy of H
         dyn = torch.tanh(skinny_matmul(Hf, torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1).float()) * r)  # (B, T, n, n+2)
         A = c.static_alpha + c.alpha_scale * dyn[..., :n + 1]                             # (B, T, n, n+1)
@@ -435,7 +435,7 @@ class MHC(HC):
     def _maps(self, H, i):
         c, n = self.conn[i], self.n
         x = H.flatten(2).float()                                                          # (B, T, nD)
-        m = skinny_matmul(x, c.phi.float()) * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.size(-1) + 1e-6)     # (B, T, n^2 + 2n)
+        m = skinny_matmul(x, c.phi.float()) * inv_rms(x, 1e-6)[..., None]                 # (B, T, n^2 + 2n)
         pre = torch.sigmoid(c.alpha_pre * m[..., :n] + c.b[:n])
         post = 2 * torch.sigmoid(c.alpha_post * m[..., n:2 * n] + c.b[n:2 * n])
         res_logits = c.alpha_res * m[..., 2 * n:] + c.b[2 * n:]
