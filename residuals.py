@@ -587,7 +587,8 @@ class MoDA(PreLN):
         for every block but the last (nothing would read it).
     The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
     the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
-    State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd), one per written slot.
+    State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd), one per written slot, each
+    stored tokens-last (`tokens_last`), the layout ops.DepthAttention reads fastest.
     Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed; 2d for MHA) on blocks 0 .. L-2: 2 d H_kv hd (L - 1),
     +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, each slot read twice
