@@ -41,9 +41,10 @@ Measured fields, labelled with the device (medians of --repeats after warm-up; C
 - tok_per_s = B·T / fwdbwd time (training; device-hours for 8B tokens = 8e9 / tok_per_s / 3600); utilization =
   achieved training FLOP/s / peak_flops, the best of a few square matmuls in the same run and dtype.
 - peak_mem_bytes (prefill) and the extra field peak_mem_train_bytes (fwd+bwd): on CUDA max_memory_allocated after
-  reset_peak_memory_stats, with fp32 weights under bf16 autocast as in training; on CPU each row runs in a fresh
-  process (freed memory stays resident, so rows sharing a process would share peaks) and reports its peak RSS
-  (Linux VmHWM, reset per window) above its RSS before the model was built.
+  reset_peak_memory_stats, with fp32 weights under bf16 autocast as in training; on CPU the same quantity from one
+  more, untimed run under TensorBytes: the model's parameters, buffers and input plus the peak of the tensor bytes
+  that run allocated (exact and repeatable; peak RSS moved by up to ~1 GiB between runs of one step). Each CPU
+  row still runs in a fresh process, so that one design running out of memory ends only its own row.
 - error (extra, only when set): why a row has no measurement; an OOM ends only its own row.
 """
 import concurrent.futures
@@ -168,7 +169,6 @@ def measure(job):
     if job["threads"]:
         torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
-    base = 0 if dev.type == "cuda" else memory(dev, "VmRSS")  # CPU: interpreter + torch, before the model
     cfg = GPTConfig(vocab_size=job["vocab"], n_layer=job["n_layer"], d_model=job["d_model"], n_head=job["heads"],
                     d_ff=job["d_ff"], residual=job["residual"], residual_args=job["residual_args"])
     with dev:  # parameters are created and initialised on the device itself: no slow CPU init and copy
@@ -187,12 +187,17 @@ def measure(job):
         loss.backward()
         model.zero_grad(set_to_none=True)
 
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), idx])
+
     def window(fn):
-        """(median ms, peak bytes) of fn's timed runs."""
+        """(median ms, peak bytes) of fn's timed runs (CUDA) or of one more run under TensorBytes (CPU)."""
         reset_peak(dev)
         ms = statistics.median(timed(fn, job["repeats"], dev, warmup))
-        peak = memory(dev)
-        return ms, None if peak is None else peak - base
+        if dev.type == "cuda":
+            return ms, memory(dev)
+        with TensorBytes() as tb:  # counted apart from the timed runs: its per-op bookkeeping costs time
+            fn()
+        return ms, resident + tb.peak
 
     # the head sees only the last position in the prefill (a hook, so that model.py stays as it is)
     hook = model.lm_head.register_forward_pre_hook(lambda m, a: (a[0][:, -1:],))
@@ -203,7 +208,7 @@ def measure(job):
 
 
 def run_measured(jobs, dev):
-    """measure() every job: in this process on CUDA, in a fresh process per job on CPU (per-row RSS peaks)."""
+    """measure() every job: in this process on CUDA, in a fresh process per job on CPU."""
     results = []
     for job in jobs:
         print(f"measuring {job['residual']} L{job['n_layer']} d{job['d_model']} ...", file=sys.stderr, flush=True)
@@ -492,7 +497,7 @@ def main(argv=None):
     peak = None
     if not args.analytic_only:
         peak = peak_flops(dev, DTYPES[dtype])
-        kind = "cuda max_memory_allocated" if dev.type == "cuda" else "cpu peak RSS above the RSS before the model"
+        kind = "cuda max_memory_allocated" if dev.type == "cuda" else "cpu model + peak tensor bytes (TensorBytes)"
         for row, got in zip(rows, run_measured(jobs, dev)):
             row.update(got, peak_mem_kind=kind)
             if "fwdbwd_ms" in got:
