@@ -198,3 +198,19 @@ def test_tensor_bytes_counts_live_storage_and_shows_the_chunked_loss_saving():
         peaks.append(tb.peak)
     logits = 512 * 4096 * 4
     assert peaks[0] > 2.5 * logits and peaks[1] < 0.6 * logits, peaks  # plain: logits, softmax, gradient
+
+
+def test_readme_profile_commands_resolve_their_shapes(capsys):
+    """Every profile_gpu.py command in the README parses and resolves its shapes: run analytically (a shape
+    solver tightened after a command was written once left the README's CPU table command failing)."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent / "README.md").read_text()
+    cmds = [c.split("#")[0].split() for c in re.findall(r"^(?:OMP_NUM_THREADS=1 )?python profile_gpu\.py(.*)$", readme, re.M)]
+    assert len(cmds) >= 4
+    for argv in cmds:
+        if "--bench" in argv:
+            continue
+        keep = [a for a in argv if a != "--json"]
+        assert profile_gpu.main([*keep, "--analytic-only"]) in (None, 0), argv
+    capsys.readouterr()
