@@ -75,8 +75,7 @@ class PreLN(nn.Module):
     paper_lr = 2e-3          # the paper's Table 4 optimum (train.py's 400m preset)
     paper_micro_batch = 16   # micro-batch per GPU that fit in memory in the paper's runs
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
-    # steps after which torch.compile pays on CPU (cold compile s / s saved a step; `profile_gpu.py --bench`
-    # at L8 d128 T256 B8, 1 thread: one shape's rule of thumb). None: never (Pre-LN compiled 745 vs 711 ms)
+    # CPU steps after which torch.compile pays: cold compile s / s saved a step (profile_gpu.py --bench, L8 d128)
     cpu_compile_pays = None
 
     @classmethod
@@ -261,15 +260,13 @@ class HC(PreLN):
     Params: 6d + 26 per connector (n = 4), 2L connectors; A_static, beta_static are not decayed.
     Cost: n x wider residual activations; ~100 d extra FLOPs per token per sublayer.
 
-    The mixing maps are a pure function of H (`_maps`): read forms them once and keeps H_post and the
-    mixed streams for the write of the same sublayer and state (`_carry`), so the state stays one tensor.
-    mHC subclasses this and overrides only how the maps are formed.
-    Measured cost (CPU fp32, eager): the n x wider stream's elementwise traffic. The maps use the
-    per-stream RMS as a factor after the projection (no normalised copy of H); the projection, with its
-    n + 2 output columns, runs with the tokens as columns (`skinny_matmul`, several times faster on CPU
-    BLAS); read mixes the streams for itself and the write in one batched (n+1 x n) @ (n x D) matmul per
-    token, split (not sliced: a slice's backward zero-fills the whole product), which on CPU beats n
-    broadcast multiply-adds about 3-4x; write adds H_post (x) y in the same fused op (baddbmm).
+    The mixing maps are a pure function of H (`_maps`): read forms them once and keeps H_post and the mixed
+    streams for the write of the same sublayer and state (`_carry`); mHC overrides only how maps are formed.
+    Measured cost (CPU fp32, eager): the n x wider stream's elementwise traffic. The maps scale the projection
+    by the per-stream inverse RMS (no normalised copy of H) and run with the tokens as BLAS columns
+    (`skinny_matmul`, several times faster); read mixes the streams for itself and the write in one (n+1 x n)
+    @ (n x D) matmul per token, split (a slice's backward zero-fills the product): ~3-4x faster than n
+    broadcast multiply-adds; write adds H_post (x) y in one baddbmm (~2x faster than a multiply and an add).
     """
     collapse_mode = "sum"
     paper_micro_batch = 8
@@ -320,10 +317,9 @@ class HC(PreLN):
     def _maps(self, H, i):
         """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n_out, n_in) of sublayer i."""
         c, n = self.conn[i], self.n
-        Hf = H.float()
-        r = inv_rms(Hf, 1e-8)[..., None]                                                  # (B, T, n, 1): 1 / rms
-        # H_bar @ W = (H @ W) * r: one projection for alpha and beta, no normalised copy of H
-        dyn = torch.tanh(skinny_matmul(Hf, torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1).float()) * r)  # (B, T, n, n+2)
+        # H_bar @ W = (H @ W) / rms(H): one projection for alpha and beta, no normalised copy of H
+        W = torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1).float()              # (D, n+2)
+        dyn = torch.tanh(skinny_matmul(H.float(), W) * inv_rms(H, 1e-8)[..., None])       # (B, T, n, n+2)
         A = c.static_alpha + c.alpha_scale * dyn[..., :n + 1]                             # (B, T, n, n+1)
         beta = c.static_beta + c.beta_scale * dyn[..., n + 1]                             # (B, T, n)
         return A[..., 0], beta, A[..., 1:].transpose(-1, -2)
@@ -351,8 +347,6 @@ class HC(PreLN):
         else:
             _, post, res = self._maps(s, i)
             carried = res.to(s.dtype) @ s
-        # one fused carried + post (x) y per token (baddbmm): ~2x faster forward + backward on CPU than the
-        # broadcast multiply and add, whose backward reduces two full-size products
         return torch.baddbmm(carried.flatten(0, 1), post.to(s.dtype).flatten(0, 1)[..., None],
                              y.flatten(0, 1)[:, None]).view_as(carried)                  # (B, T, n, D)
 
@@ -453,7 +447,8 @@ class BlockAttnRes(PreLN):
         u_k = RMSNorm_k( sum_j p_j v_j )            (the sublayer's pre-norm gain, eps 1e-5)
     Sublayer 0 reads RMSNorm_0(e). The head reads the same mix with a final query over all groups,
     normalised with the final norm's gain (eps 1e-5); it replaces the usual final norm.
-    State: (completed sources [e, G_0, ...], their inv_rms (formed once each), partial sum of the current group or None).
+    State: (completed sources [e, G_0, ...], rs: their inv_rms and the partial sum's, each formed once when
+    its source is made, partial sum of the current group or None).
     Params: q_k, g_k for k >= 1 and the final pair: 4dL, all decayed. Zero queries = uniform
     weights at init. Cost: at most N + 1 sources per sublayer.
     """
@@ -492,7 +487,7 @@ class BlockAttnRes(PreLN):
         return {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
 
     class AfterSkip(tuple):
-        """A state (done, inv_rmss, partial) marked by `skip`: its next consumer reads the newest source, not a mix."""
+        """A state (done, rs, partial) marked by `skip`: its next consumer reads the newest source, not a mix."""
 
     @staticmethod
     def newest(s):
@@ -521,7 +516,7 @@ class BlockAttnRes(PreLN):
     def _mix(self, s, k):
         """Raw (pre-norm) depth mix read by consumer k >= 1, and its weights over the sources."""
         done, rs, partial = s
-        sources, rs = (done, rs) if partial is None else (done + [partial], rs + [inv_rms(partial, self.eps)])
+        sources = done if partial is None else done + [partial]
         mix, p = depth_softmax(self.queries[k - 1], self.key_gains[k - 1], sources, self.eps, rs)
         if self.recording is not None:
             self.log("attnres_weights", p.mean((0, 1)))                                  # (S,) per consumer
@@ -534,11 +529,10 @@ class BlockAttnRes(PreLN):
 
     def write(self, s, i, y, aux=None):
         done, rs, partial = s
-        if partial is None:                          # the first sublayer
-            return done, rs, y
-        if self.group[i] != self.group[i - 1]:       # y starts a new group: the partial one is complete
-            return done + [partial], rs + [inv_rms(partial, self.eps)], y
-        return done, rs, partial + y
+        if partial is None or self.group[i] != self.group[i - 1]:  # the first sublayer, or y starts a new group
+            return done + ([] if partial is None else [partial]), rs + [inv_rms(y, self.eps)], y
+        partial = partial + y                                      # y joins the open group: its r is formed anew
+        return done, rs[:-1] + [inv_rms(partial, self.eps)], partial
 
     def collapse(self, s):
         return rms_norm(self._source(s, self.n_sub), self.norm_f.weight, self.eps)
@@ -564,8 +558,7 @@ class FullAttnRes(BlockAttnRes):
     """Full Attention Residuals (arXiv 2603.15031; docs/designs.md#full-attnres): every sublayer is its own
     group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
     Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive; each mix reads
-    every source twice forward and twice backward and writes its gradient (`ops.DepthMix`; a source's key
-    norm is formed once, not per consumer), O(L^2 d) memory traffic per token."""
+    every source twice forward and twice backward (`ops.DepthMix`; key norms formed once per source), O(L^2 d)."""
     options = {}
     cpu_compile_pays = 1385      # cold 100 s, 879 -> 806 ms a step
 
@@ -587,8 +580,7 @@ class MoDA(PreLN):
         for every block but the last (nothing would read it).
     The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
     the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
-    State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd), one per written slot, each
-    stored tokens-last (`tokens_last`), the layout ops.DepthAttention reads fastest.
+    State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd) per slot, stored `tokens_last`.
     Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed; 2d for MHA) on blocks 0 .. L-2: 2 d H_kv hd (L - 1),
     +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, each slot read twice
