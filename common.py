@@ -19,6 +19,11 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def add_kernels(self):
+        """--kernels, the switch of every script that builds a model (GPTConfig.kernels)."""
+        self.add_argument("--kernels", default="fast", choices=["fast", "reference"], help="fast: ops.py's functions "
+                          "run their kernels.py bodies (default); reference: ops.py's plain PyTorch, the same maths")
+
 
 def positive(kind=int):
     """argparse type: a number of `kind` > 0 (argparse turns the ValueError into a one-line error)."""

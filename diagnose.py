@@ -9,8 +9,7 @@ diagnose.py: the layer-wise diagnostics of DepthBench for one model, as one JSON
 Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll (docs/diagnostics.md).
 DEFINITIONS below says what each computes; the JSON carries it next to the numbers. The depth states
 z_0..z_L come from the model's own recording forward, `model(idx, record=True)`, never from hooks. The
-interventions need a trunk loop that can leave a block out: `trunk` is GPT.forward's loop, line for
-line, plus the skip rules. A swap exchanges two blocks' weights in place, together with the residual's
+interventions leave a block out through the same loop (`model(idx, skip=b)`, the design's own skip rules). A swap exchanges two blocks' weights in place, together with the residual's
 own tensors of those blocks (`sublayer_params` in residuals.py), each distinct tensor exactly once.
 Everything runs in fp32 (angles and sums in fp64), in eval mode, without gradients.
 """
@@ -30,7 +29,7 @@ from common import (ArgParser, CheckpointError, fail, first_line, hub_unreachabl
                     pick_device, positive, write_json)
 import official
 import shapes
-from model import GPT, GPTConfig, rope_cos_sin
+from model import GPT, GPTConfig
 from residuals import RESIDUALS, check_options, design_options
 
 SCHEMA = "depthbench.diagnose/2"  # 2: R_perm is over the last three quarters (1: over all pairs)
@@ -91,13 +90,13 @@ def load_model(args):
         torch.manual_seed(args.seed)
         cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
                         d_ff=shapes.ffn_dim(args.width), residual=args.init,
-                        residual_args=design_options(args.init, args.residual_args))
+                        residual_args=design_options(args.init, args.residual_args), kernels=args.kernels)
         run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
                "max_gap": args.max_gap, "seed": args.seed}
         return GPT(cfg), run, None, None
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
         try:
-            model, info = official.load(args.checkpoint, args.step)
+            model, info = official.load(args.checkpoint, args.step, args.kernels)
         except CheckpointError as e:
             raise DiagError(str(e)) from None
         if args.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
@@ -110,7 +109,7 @@ def load_model(args):
         raise DiagError(f"{args.checkpoint}: no checkpoint (give a run folder holding ckpt.pt, a .pt file, or --init)")
     try:
         ckpt = load_checkpoint(path)
-        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model = GPT(GPTConfig(**{**ckpt["model_config"], "kernels": args.kernels}))
         model.load_state_dict(ckpt["model"])
     except CheckpointError as e:
         raise DiagError(str(e)) from None
@@ -157,33 +156,7 @@ def calibration(args, run, vocab):
     return x, y, what
 
 
-# ----------------------------------------------------------------------------- the trunk, with interventions
-
-def trunk(model, idx, skip=None, lens=False):
-    """GPT.forward's trunk loop with block `skip` left out -> (logits, states z_0..z_L, lens readouts).
-    The skip rules (docs/diagnostics.md#interventions) are the design's own: `skip` of residuals.py, which
-    for AttnRes also marks the state so that the consumer after the hole reads its newest source."""
-    res, L = model.res, model.cfg.n_layer
-    rope = rope_cos_sin(idx.size(1), model.cfg.head_dim, model.cfg.rope_theta, idx.device)
-    s = res.init_stream(model.wte(idx))
-    states, readouts = [], []
-    for b, block in enumerate(model.blocks):
-        states.append(res.depth_state(s, 2 * b))
-        if lens:
-            readouts.append(res.readout(s, 2 * b))
-        if b == skip:
-            s = res.skip(res.skip(s, 2 * b), 2 * b + 1)
-            continue
-        h, kw = res.read(s, 2 * b)
-        y, aux = block.attn(h, rope, **kw)
-        s = res.write(s, 2 * b, y, aux)
-        h, kw = res.read(s, 2 * b + 1)
-        s = res.write(s, 2 * b + 1, block.mlp(h, **kw))
-    states.append(res.depth_state(s, 2 * L))
-    if lens:
-        readouts.append(res.readout(s, 2 * L))
-    return model.lm_head(res.collapse(s)), states, readouts
-
+# ----------------------------------------------------------------------------- interventions
 
 def block_tensors(model, b):
     """{name: tensor} that block b owns: its attention and MLP weights, and the residual's own
@@ -280,7 +253,7 @@ def sweep(model, batches, todo, eps):
     bar = tqdm(total=len(batches) * (1 + L * bool({"causal", "pruning"} & todo)), desc="layers", unit="fwd")
     for x, y in batches:
         n = x.numel()
-        logits, _, rec = model(x, record=True)
+        logits, _, rec = model(x, record=True)                              # states, readouts, internals
         acc["tokens"] += n
         acc["targets"] += int((y >= 0).sum())
         acc["loss"] += ce_sum(logits, y)
@@ -291,16 +264,16 @@ def sweep(model, batches, todo, eps):
             if key in rec:
                 acc[key] = [a + v.double().cpu() * n for a, v in zip(acc[key] or [0] * len(rec[key]), rec[key])]
         if "lens" in todo:
-            acc["lens"] += lens_sums(model, trunk(model, x, lens=True)[2], logits, y)
+            acc["lens"] += lens_sums(model, rec["readouts"], logits, y)
         bar.update()
         u = torch.stack([b - a for a, b in zip(states, states[1:])])        # (L, N, D') the blocks' updates
         u_norm = u.norm(dim=-1)                                               # (L, N)
         acc["u"] += u_norm.double().sum(-1).cpu()
         for s in range(L) if {"causal", "pruning"} & todo else []:
-            logits_s, z, _ = trunk(model, x, skip=s)
+            logits_s, _, rec_s = model(x, record=True, skip=s)
             acc["skip_loss"][s] += ce_sum(logits_s, y)
             if s < L - 1 and "causal" in todo:
-                z = [t.float().flatten(0, 1) for t in z]
+                z = [t.float().flatten(0, 1) for t in rec_s["states"]]
                 d = torch.stack([z[l + 1] - z[l] - u[l] for l in range(s + 1, L)]).norm(dim=-1)  # (L-s-1, N)
                 acc["ratio"][s, s + 1:] += (d / u_norm[s + 1:].clamp_min(eps)).double().sum(-1).cpu()
                 acc["du"][s, s + 1:] += d.double().sum(-1).cpu()
@@ -546,6 +519,7 @@ def parse_args(argv):
     g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL: examples) per forward pass (default 8)")
     g.add_argument("--seed", type=int, help="seeds the window choice and --init (default: the run's seed, else 1337)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_kernels()
     g.add_argument("--threads", type=pos, default=1, help="CPU threads (default 1: tiny models run several "
                    "times faster single-threaded, most of all on a shared machine)")
     g = p.add_argument_group("metric settings")

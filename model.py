@@ -20,13 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch.utils.checkpoint import checkpoint
-
-from ops import DepthAttention
+import kernels
+from ops import apply_rope, causal_attention, joint_attention, rope_cos_sin
 from residuals import RESIDUALS
 
-LOSS_CHUNK_BYTES = 2 ** 27  # fp32 logits per chunk of the logits-free loss: 128 MB, 667 tokens at V 50304
-CPU_SDPA_MIN_HEAD_DIM = 16  # CPU attention pads narrower heads with zeros to this (see causal_attention)
+KERNELS = ("fast", "reference")
 
 
 @dataclass
@@ -42,106 +40,22 @@ class GPTConfig:
     init_std: float = 0.02      # truncated normal, clipped at +-3 std
     residual: str = "preln"     # key of residuals.RESIDUALS
     residual_args: dict = field(default_factory=dict)  # constructor options of the design, e.g. {"n_groups": 8}
+    kernels: str = "fast"       # "fast": ops' functions run their kernels.py bodies; "reference": ops.py's own
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head {self.n_head} must be a multiple of n_kv_head {self.n_kv_head}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
 
     @property
     def head_dim(self):
         return self.d_model // self.n_head
 
-
-def rope_cos_sin(T, head_dim, theta, device):
-    """cos/sin tables (T, head_dim) in fp32, frequencies duplicated over the two halves."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)                                         # (T, hd)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x, cos, sin):
-    """Rotate-half RoPE on (B, H, T, hd) in fp32; returns x's dtype.
-
-    rotate_half(x) * sin = roll(x, hd/2) * [-sin_1, sin_2]: one roll instead of a negation and a
-    concatenation (bit-identical, about 2x faster forward + backward on CPU)."""
-    xf, half = x.float(), x.size(-1) // 2
-    return (xf * cos + xf.roll(half, -1) * torch.cat([-sin[..., :half], sin[..., half:]], -1)).to(x.dtype)
-
-
-def causal_attention(q, k, v, scale):
-    """Causal SDPA of q (B, H, T, hd) over k, v (B, Hkv, T, hd), Hkv dividing H (GQA).
-
-    On CPU a head narrower than CPU_SDPA_MIN_HEAD_DIM is zero-padded to it and the output cut back: the
-    same maths (the zeros add nothing to q.k, the padded value channels are dropped; the scale is passed
-    explicitly), but PyTorch's CPU flash kernel runs hd 16 faster than hd 4 or 8 (measured fp32, 1 thread,
-    B 8, H 16, T 256, forward + backward: hd 8 75 ms, the same heads padded to 16 48 ms)."""
-    hd = q.size(-1)
-    pad = CPU_SDPA_MIN_HEAD_DIM - hd if q.device.type == "cpu" else 0
-    if pad > 0:
-        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.size(1) < q.size(1))
-    return o[..., :hd] if pad > 0 else o
-
-
-def joint_attention(q, k, v, depth_k, depth_v, scale):
-    """Causal attention whose softmax also spans each query token's own depth keys (MoDA).
-
-    q: (B, H, T, hd), k, v: (B, Hkv, T, hd) sequence part (q, k after RoPE; Hkv divides H, GQA);
-    depth_k, depth_v: lists of S tensors (B, Hkv, T, hd), the keys/values of S earlier sublayers at
-    the *same* token. The result is exactly one softmax per query over its causal sequence logits and
-    its S depth logits:
-
-        o_t = (Z_seq * o_seq + Z_depth * o_depth) / (Z_seq + Z_depth)
-
-    The depth half is small (S keys per token) and done by hand. The sequence half goes through
-    the fused SDPA kernel (no T x T logits kept), with one extra "sink" key per query that stands
-    for all its depth keys: an extra query coordinate lse_depth / scale against a sink key with a 1
-    in that coordinate gives the sink exactly the logit lse_depth = log Z_depth, and a 1 in an extra
-    value channel reads out its share Z_depth / (Z_seq + Z_depth). A dummy first query lets SDPA's
-    top-left causal mask show every query the sink (key 0) and the sequence keys up to itself.
-    Returns the output (B, H, T, hd) and the depth share (B, H, T), detached, for diagnostics.
-    """
-    B, H, T, hd = q.shape
-    Hkv = k.size(1)                      # GQA: query heads h * G .. h * G + G - 1 share kv head h
-    qg = q.unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, T, hd), a view: no copy of the kv heads
-    o_depth, lse_depth = DepthAttention.apply(scale, len(depth_k), qg, *(kv[:, :, None] for kv in depth_k + depth_v))
-    o_depth, lse_depth = o_depth.flatten(1, 2), lse_depth.flatten(1, 2)  # (B, H, T, hd), (B, H, T)
-    # extra coordinates: one is enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU at least up to
-    # CPU_SDPA_MIN_HEAD_DIM, where its kernel runs faster (causal_attention)
-    pad = 8 if q.is_cuda else max(1, CPU_SDPA_MIN_HEAD_DIM - hd)
-    e0 = F.one_hot(torch.tensor(0, device=q.device), pad).to(q.dtype)               # (pad,) = [1, 0, ...]
-    q_aug = torch.cat([q, (lse_depth / scale).to(q.dtype)[..., None] * e0], dim=-1)  # (B, H, T, hd + pad)
-    k_aug = F.pad(k, (0, pad))
-    v_aug = F.pad(v, (0, pad))
-    sink = torch.cat([q.new_zeros(hd), e0]).expand(B, Hkv, 1, hd + pad)            # the sink's key and value
-    out = F.scaled_dot_product_attention(
-        torch.cat([q_aug.new_zeros(B, H, 1, hd + pad), q_aug], dim=2),            # dummy query first
-        torch.cat([sink, k_aug], dim=2), torch.cat([sink.to(v.dtype), v_aug], dim=2),
-        is_causal=True, scale=scale, enable_gqa=Hkv < H)[:, :, 1:]                 # (B, H, T, hd + pad)
-    share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
-    return out[..., :hd] + share[..., None] * o_depth, share.detach()
-
-
-def _chunk_ce(z, weight, targets):
-    return F.cross_entropy(F.linear(z, weight).float(), targets, ignore_index=-1, reduction="sum")
-
-
-def chunked_cross_entropy(z, weight, targets, chunk=None):
-    """Mean token cross-entropy of logits z W^T in fp32 (targets -1 ignored), without the full logits.
-
-    z (N, D), weight (V, D), targets (N,). Tokens go through the head in chunks of `chunk` (default:
-    LOSS_CHUNK_BYTES of fp32 logits); each chunk is checkpointed, so autograd keeps only z, and the
-    backward recomputes one chunk's logits at a time. Peak: one chunk's logits, their fp32 copy and
-    gradient, instead of the whole (N, V) of each. Costs one extra head matmul (forward) per token.
-    """
-    chunk = chunk or max(1, LOSS_CHUNK_BYTES // (4 * weight.size(0)))
-    if z.size(0) <= chunk:  # one chunk: the plain loss, nothing to recompute
-        return _chunk_ce(z, weight, targets) / (targets != -1).sum()
-    total = sum(checkpoint(_chunk_ce, z[s:s + chunk], weight, targets[s:s + chunk], use_reentrant=False)
-                for s in range(0, z.size(0), chunk))
-    return total / (targets != -1).sum()
+    @property
+    def fast(self):
+        return self.kernels == "fast"
 
 
 class Attention(nn.Module):
@@ -151,16 +65,16 @@ class Attention(nn.Module):
 
     `depth_kv` is the one door into attention, used only by MoDA (residuals.py): a pair of lists
     (keys, values), each (B, n_kv_head, T, hd), of earlier sublayers at the same token, which join the
-    causal keys in one softmax (`joint_attention`). The forward returns (y, aux): aux holds this layer's
-    *pre-RoPE* k and v, (B, T, n_kv_head, hd) each, which MoDA caches for later layers, and MoDA's
-    depth-attention mass.
+    causal keys in one softmax (`ops.joint_attention`). The forward returns (y, aux): aux holds this layer's
+    *pre-RoPE* k and v, (B, n_kv_head, T, hd) each, which MoDA caches for later layers, and MoDA's
+    depth-attention share.
     """
 
     def __init__(self, cfg):
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
         assert cfg.n_head * hd == d, "d_model must equal n_head * head_dim"
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
+        self.n_head, self.n_kv_head, self.head_dim, self.fast = cfg.n_head, cfg.n_kv_head, hd, cfg.fast
         self.wq = nn.Linear(d, d, bias=False)
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
         self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
@@ -168,20 +82,17 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, depth_kv=None):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim)                              # (B, T, H, hd)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim)                           # (B, T, Hkv, hd)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim)
-        cos, sin = rope
-        qr = apply_rope(q.transpose(1, 2), cos, sin)                                       # (B, H, T, hd)
-        kr = apply_rope(k.transpose(1, 2), cos, sin)
-        vt = v.transpose(1, 2)
-        mass = None
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)              # (B, H, T, hd)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)           # (B, Hkv, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        qr, kr = (apply_rope(t, *rope, fast=self.fast) for t in (q, k))
+        share = None
         if depth_kv is None:
-            o = causal_attention(qr, kr, vt, self.head_dim ** -0.5)
+            o = causal_attention(qr, kr, v, fast=self.fast)
         else:
-            o, mass = joint_attention(qr, kr, vt, *depth_kv, self.head_dim ** -0.5)
-        y = self.wo(o.transpose(1, 2).reshape(B, T, -1))
-        return y, {"k": k, "v": v, "depth_mass": mass}
+            o, share = joint_attention(qr, kr, v, *depth_kv, fast=self.fast)
+        y = self.wo(o.transpose(1, 2).reshape(B, T, -1))                                   # (B, T, d)
+        return y, {"k": k, "v": v, "depth_share": share}
 
 
 class MLP(nn.Module):
@@ -240,41 +151,49 @@ class GPT(nn.Module):
             self.res.scale_sublayer_init(2 * b + 1, block.mlp)
         self.res.reset_parameters()
 
-    def forward(self, idx, targets=None, record=False, logits=True):
-        """idx (B, T) token ids -> (logits (B, T, V), loss or None[, record]).
+    def forward(self, idx, targets=None, record=False, logits=True, skip=None):
+        """idx (B, T) token ids -> (logits (B, T, V), loss or None[, rec]).
 
-        loss: mean token cross-entropy in fp32; targets equal to -1 are ignored.
-        logits=False (with targets; training): returns None for the logits and computes the same loss
-        in token chunks (`chunked_cross_entropy`), never holding all (B, T, V) logits or their fp32 copy.
-        record=True also returns a dict for diagnose.py: `states`, the depth states z_0..z_L
-        (z_l = what block l reads, z_L = what the head reads, before the final norm), and whatever
-        internals the design logs (mixing maps, depth-softmax weights).
+        loss: mean token cross-entropy in fp32; targets equal to -1 are ignored. logits=False (training, with
+        targets) returns None for the logits, and the fast path computes the loss without holding them all.
+        For diagnose.py: record=True also returns a dict, rec, with `states`, the depth states z_0..z_L (what
+        block l reads, z_L what the head reads, before the final norm), `readouts`, what the logit lens decodes
+        at each, and whatever internals the design logs (mixing maps, depth-softmax weights); skip=b leaves
+        block b out, by the design's own rule (`res.skip`).
         """
         B, T = idx.shape
         rope = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
-        rec = {"states": []} if record else None
-        self.res.recording = rec
-        s = self.res.init_stream(self.wte(idx))                   # design-specific stream state
+        rec = {"states": [], "readouts": []} if record else None
+        s = self.res.init_stream(self.wte(idx))                    # the design's stream state
         for b, block in enumerate(self.blocks):
-            if rec is not None:
-                rec["states"].append(self.res.depth_state(s, 2 * b))
-            h, kw = self.res.read(s, 2 * b)                       # attention input (+ MoDA's depth K/V)
-            y, aux = block.attn(h, rope, **kw)                    # aux: its pre-RoPE k, v (MoDA caches them)
-            s = self.res.write(s, 2 * b, y, aux)
-            h, kw = self.res.read(s, 2 * b + 1)                   # MLP input
-            s = self.res.write(s, 2 * b + 1, block.mlp(h, **kw))
-        if rec is not None:
-            rec["states"].append(self.res.depth_state(s, 2 * self.cfg.n_layer))
-        z = self.res.collapse(s)
+            self.observe(s, 2 * b, rec)
+            if b == skip:
+                s = self.res.skip(self.res.skip(s, 2 * b), 2 * b + 1)
+                continue
+            h, ctx = self.res.read(s, 2 * b)                       # attention input; ctx: what write needs
+            y, aux = block.attn(h, rope, ctx.get("depth_kv"))      # aux: its pre-RoPE k, v (MoDA caches them)
+            s = self.res.write(s, 2 * b, y, {**ctx, **aux})
+            h, ctx = self.res.read(s, 2 * b + 1)                   # MLP input
+            s = self.res.write(s, 2 * b + 1, block.mlp(h), ctx)
+        self.observe(s, 2 * self.cfg.n_layer, rec)
+        z = self.res.collapse(s)                                   # (B, T, D), the final norm included
         self.res.recording = None
-        if not logits and targets is not None:
-            loss = chunked_cross_entropy(z.flatten(0, 1), self.lm_head.weight, targets.reshape(-1))
+        if targets is not None and not logits and self.cfg.fast:  # training: never all (B, T, V) logits at once
+            loss = kernels.chunked_cross_entropy(z.flatten(0, 1), self.lm_head.weight, targets.flatten())
             return (None, loss, rec) if record else (None, loss)
-        logits = self.lm_head(z)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return (logits, loss, rec) if record else (logits, loss)
+        out = self.lm_head(z)
+        loss = None if targets is None else F.cross_entropy(out.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        out = out if logits else None
+        return (out, loss, rec) if record else (out, loss)
+
+    def observe(self, s, i, rec):
+        """Record what diagnose.py reads before sublayer i (i = 2L: the head), with the design's own logging off
+        (a readout may form a depth mix that is no part of the forward), then logging on for what follows."""
+        self.res.recording = None
+        if rec is not None:
+            rec["states"].append(self.res.depth_state(s, i))
+            rec["readouts"].append(self.res.readout(s, i))
+        self.res.recording = rec
 
     def param_groups(self, weight_decay):
         """AdamW groups (docs/designs.md#recipe): decay everything except what the design marks static."""

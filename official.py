@@ -314,10 +314,11 @@ def is_official(source):
     return not p.exists() and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", source))
 
 
-def load(source, step=None):
+def load(source, step=None, kernels="fast"):
     """SOURCE -> (GPT in fp32, eval mode, info dict: step folder, tokenizer path, config notes)."""
     step_dir, tok = resolve(source, step)
     cfg, notes = read_config(step_dir)
+    cfg.kernels = kernels
     model = from_official(read_dcp(step_dir), GPT(cfg)).float().eval()
     mt = re.fullmatch(r"step(\d+)", step_dir.name)
     return model, {"step_dir": str(step_dir), "step": int(mt[1]) if mt else None, "tokenizer": tok, **notes}
@@ -360,6 +361,7 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, help="evaluate at most this many tokens")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_kernels()
     args = p.parse_args(argv)
     if args.command == "evaluate" and not args.text:
         p.error("evaluate needs --text")
@@ -368,7 +370,7 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     try:
-        model, info = load(args.source, args.step)
+        model, info = load(args.source, args.step, args.kernels)
         cfg = model.cfg
         print(f"{args.source}: {info['block']} -> {cfg.residual} {cfg.residual_args or ''} L={cfg.n_layer} "
               f"d={cfg.d_model} heads={cfg.n_head} d_ff={cfg.d_ff} vocab={cfg.vocab_size} step={info['step']}, "

@@ -170,7 +170,7 @@ def measure(job):
         torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=job["vocab"], n_layer=job["n_layer"], d_model=job["d_model"], n_head=job["heads"],
-                    d_ff=job["d_ff"], residual=job["residual"], residual_args=job["residual_args"])
+                    d_ff=job["d_ff"], residual=job["residual"], residual_args=job["residual_args"], kernels=job["kernels"])
     with dev:  # parameters are created and initialised on the device itself: no slow CPU init and copy
         model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
@@ -238,9 +238,10 @@ def device_peak(dev):
     return peak_flops(dev, torch.float32)
 
 
-def tiny_gpt(residual, L, d, V=512):
+def tiny_gpt(residual, L, d, V=512, kernels="fast"):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=shapes.N_HEAD, d_ff=shapes.ffn_dim(d), residual=residual))
+    return GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=shapes.N_HEAD, d_ff=shapes.ffn_dim(d), residual=residual,
+                         kernels=kernels))
 
 
 def step_fn(model, B, T, V, logits=True):
@@ -253,9 +254,9 @@ def step_fn(model, B, T, V, logits=True):
     return step
 
 
-def interleaved_ratios(L, d, designs, B=8, T=256, V=512, repeats=5):
+def interleaved_ratios(L, d, designs, B=8, T=256, V=512, repeats=5, kernels="fast"):
     """{design: step time / Pre-LN's}, Pre-LN's ms: medians of steps alternating over the designs in one process."""
-    steps = {r: step_fn(tiny_gpt(r, L, d, V), B, T, V) for r in ["preln", *designs]}
+    steps = {r: step_fn(tiny_gpt(r, L, d, V, kernels), B, T, V) for r in ["preln", *designs]}
     times = {r: timed(f, 0, torch.device("cpu"), warmup=1) for r, f in steps.items()}
     for _ in range(repeats):
         for r, f in steps.items():
@@ -268,7 +269,7 @@ def compile_cost(job):
     """In a fresh process: (compile s, eager ms, compiled ms) of one design's training step under inductor."""
     torch.set_num_threads(1)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = job["cache"]
-    model = tiny_gpt(job["residual"], job["L"], job["d"])
+    model = tiny_gpt(job["residual"], job["L"], job["d"], kernels=job["kernels"])
     eager = statistics.median(timed(step_fn(model, job["B"], job["T"], 512, logits=False), 3, torch.device("cpu")))
     compiled = step_fn(torch.compile(model), job["B"], job["T"], 512, logits=False)
     t0 = time.perf_counter()
@@ -278,14 +279,14 @@ def compile_cost(job):
     return first - fast / 1e3, eager, fast
 
 
-def compile_break_even(designs, L=8, d=128, B=8, T=256):
+def compile_break_even(designs, L=8, d=128, B=8, T=256, kernels="fast"):
     """{design: {cold_s, warm_s, eager_ms, compiled_ms, break_even_steps}}: cold = an empty inductor cache,
     warm = the same cache again; break-even = cold compile s / s saved per step (None: compile never pays)."""
     import tempfile
     out = {}
     with tempfile.TemporaryDirectory() as root:
         for r in designs:
-            job = {"residual": r, "L": L, "d": d, "B": B, "T": T, "cache": os.path.join(root, r)}
+            job = {"residual": r, "L": L, "d": d, "B": B, "T": T, "cache": os.path.join(root, r), "kernels": kernels}
             runs = []
             for _ in ("cold", "warm"):
                 with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -318,7 +319,7 @@ def loss_memory(job):
     return tb.peak, memory(torch.device("cpu")) - base, f"L{s['n_layer']} d{s['d_model']} V{cfg.vocab_size}"
 
 
-def hf_llama_ratio(L, d, V, T, B, repeats=5):
+def hf_llama_ratio(L, d, V, T, B, repeats=5, kernels="fast"):
     """Our Pre-LN's training tokens/s (fwd + bwd + AdamW) over HF LlamaForCausalLM's (sdpa) at the same shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -326,7 +327,7 @@ def hf_llama_ratio(L, d, V, T, B, repeats=5):
                                       num_hidden_layers=L, num_attention_heads=shapes.N_HEAD, rms_norm_eps=1e-6,
                                       max_position_embeddings=T, tie_word_embeddings=False,
                                       attn_implementation="sdpa"))
-    ours = tiny_gpt("preln", L, d, V)
+    ours = tiny_gpt("preln", L, d, V, kernels)
     idx = torch.randint(0, V, (B, T))
     steps = {}
     for name, model, call in [("ours", ours, lambda m: m(idx, idx, logits=False)[1]),
@@ -345,24 +346,25 @@ def hf_llama_ratio(L, d, V, T, B, repeats=5):
     return statistics.median(times["hf"]) / statistics.median(times["ours"])
 
 
-def bench(repeats, quick=False):
+def bench(repeats, quick=False, kernels="fast"):
     """--bench: every speed figure of the project in one run, on CPU, one thread (module docstring)."""
     torch.set_num_threads(1)
-    print(f"bench: cpu, 1 thread, fp32, vocab 512, T 256, batch 8; load average {os.getloadavg()[0]:.1f} at start")
+    print(f"bench: cpu, 1 thread, fp32, {kernels} kernels, vocab 512, T 256, batch 8; "
+          f"load average {os.getloadavg()[0]:.1f} at start")
     for L, d in [(8, 256), (32, 128)]:
-        ratios, ms = interleaved_ratios(L, d, BENCH_DESIGNS, repeats=repeats)
+        ratios, ms = interleaved_ratios(L, d, BENCH_DESIGNS, repeats=repeats, kernels=kernels)
         print(f"step / Pre-LN at L{L} d{d} (Pre-LN {ms:.0f} ms): "
               + "  ".join(f"{r} {x:.2f}x" for r, x in ratios.items()) + f"   [load {os.getloadavg()[0]:.1f}]", flush=True)
     try:
         import transformers  # noqa: F401  (optional: only this comparison needs it)
         for L, d, V, T, B in [(4, 128, 256, 256, 16), (8, 256, 8192, 256, 8), (16, 64, 256, 128, 32)]:
-            print(f"Pre-LN vs HF Llama at L{L} d{d} V{V} T{T} B{B}: {hf_llama_ratio(L, d, V, T, B, repeats):.2f}x "
+            print(f"Pre-LN vs HF Llama at L{L} d{d} V{V} T{T} B{B}: {hf_llama_ratio(L, d, V, T, B, repeats, kernels):.2f}x "
                   f"its tokens/s (fwd+bwd+AdamW)   [load {os.getloadavg()[0]:.1f}]", flush=True)
     except ImportError:
         print("Pre-LN vs HF Llama: skipped (transformers is not installed)")
     if quick:
         return
-    for r, c in compile_break_even(["preln", *BENCH_DESIGNS]).items():
+    for r, c in compile_break_even(["preln", *BENCH_DESIGNS], kernels=kernels).items():
         be = "never" if c["break_even_steps"] is None else f"{c['break_even_steps']} steps"
         print(f"compile at L8 d128 T256 B8, {r}: cold {c['cold_s']:.0f} s, warm {c['warm_s']:.0f} s, step "
               f"{c['eager_ms']:.0f} -> {c['compiled_ms']:.0f} ms, pays after {be}", flush=True)
@@ -454,9 +456,10 @@ def main(argv=None):
     p.add_argument("--bench", action="store_true", help="the speed benchmark instead: cross-layer designs / Pre-LN "
                    "(interleaved), Pre-LN vs HF Llama (if transformers is installed), compile break-even, loss memory")
     p.add_argument("--quick", action="store_true", help="with --bench: the step ratios and HF only")
+    p.add_kernels()
     args = p.parse_args(argv)
     if args.bench:
-        return bench(min(args.repeats, 5), args.quick)
+        return bench(min(args.repeats, 5), args.quick, args.kernels)
 
     designs = list(RESIDUALS) if args.residual == "all" else args.residual.split(",")
     for name in designs:
@@ -493,7 +496,7 @@ def main(argv=None):
             jobs.append({"residual": res, "residual_args": opts, "n_layer": L, "d_model": d, "d_ff": d_ff,
                          "heads": args.heads, "vocab": args.vocab,
                          "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "threads": args.threads,
-                         "device": str(dev), "dtype": dtype})
+                         "device": str(dev), "dtype": dtype, "kernels": args.kernels})
     peak = None
     if not args.analytic_only:
         peak = peak_flops(dev, DTYPES[dtype])

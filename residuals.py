@@ -4,16 +4,20 @@ The ten residual / normalization designs of DepthBench, one small class each, on
 Legend (shape comments): B batch, T time, D width (d_model), n streams (HC/mHC), L blocks,
 2L sublayers, i sublayer index (attention of block b is i = 2b, its MLP is i = 2b + 1), N groups.
 
-The interface between model.py and a design (model.py's trunk loop is the whole contract):
+The interface between model.py and a design (GPT.forward's trunk loop is the whole contract):
 
     s = res.init_stream(x0)                  # (B, T, D) embedding -> design-specific stream state
     for every sublayer i = 0 .. 2L-1:
-        h, kw = res.read(s, i)               # (B, T, D) sublayer input, *including any pre-norm*;
-                                             # kw is {} except MoDA's {"depth_kv": (K, V)}
-        s = res.write(s, i, y, aux)          # fold the sublayer output y (B, T, D) back in, *including
-                                             # any post-norm / scaling / mixing*; aux = what attention
-                                             # exposes (its pre-RoPE k, v; None for MLPs; MoDA uses it)
+        h, ctx = res.read(s, i)              # (B, T, D) sublayer input, *including any pre-norm*
+        y = F_i(h)                           # attention gets ctx.get("depth_kv") (MoDA's depth K/V)
+        s = res.write(s, i, y, ctx)          # fold y (B, T, D) back in, *including any post-norm /
+                                             # scaling / mixing*
     z = res.collapse(s)                      # (B, T, D) for the LM head, *including the final norm*
+
+ctx is a dict, the only thing that travels from read to the write of the same sublayer: what read
+computed and write needs (HC: the mixed streams and H_post; MoDA: the MLP's input). For an attention
+sublayer the trunk adds what attention exposes: its pre-RoPE "k" and "v" and MoDA's "depth_share".
+A design keeps nothing on the module between calls; every tensor is in s or ctx.
 
 plus
     res.scale_sublayer_init(i, module)       # optional init hook (DeepNorm's beta, HC's 1/sqrt(n))
@@ -21,7 +25,8 @@ plus
     res.no_decay_params()                    # parameters excluded from weight decay
     res.depth_state(s, i)                    # diagnostics: the depth state z read by sublayer i
                                              # (i = 2L: what the head reads), before any norm
-    res.recording                            # None, or a dict the design logs internals into
+    res.recording                            # None, or the dict of the recording forward (diagnostics),
+                                             # set by the trunk; `log` appends a design's internals to it
     res.sublayer_params(i)                   # diagnostics: {name: tensor} the design owns for sublayer
                                              # i, so a weight swap can move them with their block
     res.swap_blocks(i, j)                    # diagnostics: exchange per-block constants (LNS' scales)
@@ -37,14 +42,15 @@ and, on the class, what the scripts read instead of naming a design:
 
 Rules: every parameter a design creates is used on every forward (DDP needs no
 find_unused_parameters); per-layer constants are Python floats computed in __init__ from i and L.
-The Pre-LN class is the base class: each design overrides only what differs from it.
+The Pre-LN class is the base class: each design overrides only what differs from it. The shared maths
+(norms, Sinkhorn, the depth mix, ...) is in ops.py; `self.fast` picks its kernels.py bodies.
 """
 import math
 
 import torch
 import torch.nn as nn
 
-from ops import RMSNorm, depth_softmax, inv_rms, reset_norms, rms_norm, sinkhorn, skinny_matmul, tokens_last
+from ops import RMSNorm, depth_connection, depth_mix, normed_projection, reset_norms, rms_norm, sinkhorn, width_connection
 
 
 ATTNRES_C = 4  # FLOPs per source and channel of a depth mix: score dot (2) + weighted sum (2); 6 with RMS
@@ -75,8 +81,6 @@ class PreLN(nn.Module):
     paper_lr = 2e-3          # the paper's Table 4 optimum (train.py's 400m preset)
     paper_micro_batch = 16   # micro-batch per GPU that fit in memory in the paper's runs
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
-    # CPU steps after which torch.compile pays: cold compile s / s saved a step (profile_gpu.py --bench, L8 d128)
-    cpu_compile_pays = None
 
     @classmethod
     def cost(cls, L, d, T, **options):
@@ -87,7 +91,7 @@ class PreLN(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.n_layer, self.n_sub, eps = cfg.n_layer, 2 * cfg.n_layer, cfg.norm_eps
+        self.n_layer, self.n_sub, eps, self.fast = cfg.n_layer, 2 * cfg.n_layer, cfg.norm_eps, cfg.fast
         self.norms = nn.ModuleList(RMSNorm(cfg.d_model, eps) for _ in range(self.n_sub))  # pre-norm of sublayer i
         self.norm_f = RMSNorm(cfg.d_model, eps)
         self.recording = None
@@ -98,7 +102,7 @@ class PreLN(nn.Module):
     def read(self, s, i):
         return self.norms[i](s), {}
 
-    def write(self, s, i, y, aux=None):
+    def write(self, s, i, y, ctx=None):
         return s + y
 
     def collapse(self, s):
@@ -151,7 +155,7 @@ class SandwichLN(PreLN):
         super().__init__(cfg)
         self.post_norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(self.n_sub))
 
-    def write(self, s, i, y, aux=None):
+    def write(self, s, i, y, ctx=None):
         return s + self.post_norms[i](y)
 
     def sublayer_params(self, i):
@@ -203,7 +207,7 @@ class DeepNorm(PreLN):
     def read(self, s, i):
         return s, {}
 
-    def write(self, s, i, y, aux=None):
+    def write(self, s, i, y, ctx=None):
         return self.norms[i](self.alpha * s + y)
 
     @torch.no_grad()
@@ -231,7 +235,7 @@ class KEEL(PreLN):
         self.post_norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(self.n_sub - 1))
         self.alphas = [1.0, 1.0] + [float(self.n_sub)] * (self.n_sub - 2)
 
-    def write(self, s, i, y, aux=None):
+    def write(self, s, i, y, ctx=None):
         if i == 0:
             return s + y
         return self.post_norms[i - 1](self.alphas[i] * s + y)
@@ -260,18 +264,12 @@ class HC(PreLN):
     Params: 6d + 26 per connector (n = 4), 2L connectors; A_static, beta_static are not decayed.
     Cost: n x wider residual activations; ~100 d extra FLOPs per token per sublayer.
 
-    The mixing maps are a pure function of H (`_maps`): read forms them once and keeps H_post and the mixed
-    streams for the write of the same sublayer and state (`_carry`); mHC overrides only how maps are formed.
-    Measured cost (CPU fp32, eager): the n x wider stream's elementwise traffic. The maps scale the projection
-    by the per-stream inverse RMS (no normalised copy of H) and run with the tokens as BLAS columns
-    (`skinny_matmul`, several times faster); read mixes the streams for itself and the write in one (n+1 x n)
-    @ (n x D) matmul per token, split (a slice's backward zero-fills the product): ~3-4x faster than n
-    broadcast multiply-adds; write adds H_post (x) y in one baddbmm (~2x faster than a multiply and an add).
+    read forms the maps and both mixes of the width connection; the mixed streams and H_post go to the
+    write in ctx. mHC overrides only how the maps are formed (`_maps`).
     """
     collapse_mode = "sum"
     paper_micro_batch = 8
     options = {"n_streams": 4}
-    cpu_compile_pays = 1230      # cold 59 s, 893 -> 845 ms a step (L8 d128; README, speed)
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -281,7 +279,6 @@ class HC(PreLN):
     def __init__(self, cfg, n_streams=4):
         super().__init__(cfg)
         self.n = n_streams
-        self._carry = {}                                           # sublayer -> what read kept for write
         self.conn = nn.ModuleList(self.make_connector(cfg.d_model, i) for i in range(self.n_sub))
 
     def make_connector(self, d, i):
@@ -317,9 +314,8 @@ class HC(PreLN):
     def _maps(self, H, i):
         """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n_out, n_in) of sublayer i."""
         c, n = self.conn[i], self.n
-        # H_bar @ W = (H @ W) / rms(H): one projection for alpha and beta, no normalised copy of H
-        W = torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1).float()              # (D, n+2)
-        dyn = torch.tanh(skinny_matmul(H.float(), W) * inv_rms(H, 1e-8)[..., None])       # (B, T, n, n+2)
+        W = torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1)                      # (D, n+2)
+        dyn = torch.tanh(normed_projection(H, W, 1e-8, fast=self.fast))                   # (B, T, n, n+2)
         A = c.static_alpha + c.alpha_scale * dyn[..., :n + 1]                             # (B, T, n, n+1)
         beta = c.static_beta + c.beta_scale * dyn[..., n + 1]                             # (B, T, n)
         return A[..., 0], beta, A[..., 1:].transpose(-1, -2)
@@ -333,22 +329,12 @@ class HC(PreLN):
             self.log("H_pre", pre.mean((0, 1)))
             self.log("H_post", post.mean((0, 1)))
             self.log("H_res", res.mean((0, 1)))                                          # token-averaged (n, n)
-        # one batched matmul mixes the streams for both: row 0 = sum_s H_pre[s] h_s (the branch input),
-        # rows 1..n = sum_i H_res[o, i] h_i, kept for this sublayer's write
-        branch, carried = (torch.cat([pre[..., None, :], res], dim=-2).to(s.dtype) @ s).split([1, self.n], dim=-2)
-        self._carry[i] = (s, post, carried)
-        return self.norms[i](branch.squeeze(-2)), {}
+        branch, mixed = width_connection(s, pre, res, fast=self.fast)
+        return self.norms[i](branch), {"post": post, "mixed": mixed}
 
-    def write(self, s, i, y, aux=None):
-        """h'_o = sum_i H_res[o, i] h_i + H_post[o] y, from what read(s, i) kept (else formed afresh)."""
-        kept = self._carry.pop(i, None)
-        if kept is not None and kept[0] is s:
-            post, carried = kept[1:]
-        else:
-            _, post, res = self._maps(s, i)
-            carried = res.to(s.dtype) @ s
-        return torch.baddbmm(carried.flatten(0, 1), post.to(s.dtype).flatten(0, 1)[..., None],
-                             y.flatten(0, 1)[:, None]).view_as(carried)                  # (B, T, n, D)
+    def write(self, s, i, y, ctx=None):
+        """h'_o = sum_s H_res[o, s] h_s + H_post[o] y, from what read(s, i) passed on in ctx."""
+        return depth_connection(ctx["mixed"], ctx["post"], y, fast=self.fast)
 
     def collapse(self, s):
         z = s.sum(2) if self.collapse_mode == "sum" else s.mean(2)
@@ -374,8 +360,7 @@ class MHC(HC):
     Collapse: the *mean* of the streams, then the final RMSNorm. W_o, W_2 / sqrt(n) as HC.
     Params: Phi (nD x 24), b (24), a_pre, a_post, a_res: 96d + 27 per connector (n = 4);
     b and the three a's are not decayed, Phi is.
-    Cost: HC's (below) plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token,
-    run as one node with a hand-written backward in a tokens-last layout (`sinkhorn`).
+    Cost: HC's plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token.
 
     Init (`init=`; the other option, `sinkhorn_iters` = 20, is Sinkhorn's iteration count):
     - "gap8" (default, as the official 400M runs): Phi = 0, b_pre = -8 with +8 at stream i mod n,
@@ -386,7 +371,6 @@ class MHC(HC):
     """
     collapse_mode = "mean"
     options = {"n_streams": 4, "init": "gap8", "sinkhorn_iters": 20}
-    cpu_compile_pays = 2845      # cold 194 s, 966 -> 898 ms a step
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -428,12 +412,11 @@ class MHC(HC):
 
     def _maps(self, H, i):
         c, n = self.conn[i], self.n
-        x = H.flatten(2).float()                                                          # (B, T, nD)
-        m = skinny_matmul(x, c.phi.float()) * inv_rms(x, 1e-6)[..., None]                 # (B, T, n^2 + 2n)
+        m = normed_projection(H.flatten(2), c.phi, 1e-6, fast=self.fast)                  # (B, T, n^2 + 2n)
         pre = torch.sigmoid(c.alpha_pre * m[..., :n] + c.b[:n])
         post = 2 * torch.sigmoid(c.alpha_post * m[..., n:2 * n] + c.b[n:2 * n])
         res_logits = c.alpha_res * m[..., 2 * n:] + c.b[2 * n:]
-        return pre, post, sinkhorn(res_logits.unflatten(-1, (n, n)), self.sinkhorn_iters)
+        return pre, post, sinkhorn(res_logits.unflatten(-1, (n, n)), self.sinkhorn_iters, fast=self.fast)
 
 
 class BlockAttnRes(PreLN):
@@ -447,13 +430,11 @@ class BlockAttnRes(PreLN):
         u_k = RMSNorm_k( sum_j p_j v_j )            (the sublayer's pre-norm gain, eps 1e-5)
     Sublayer 0 reads RMSNorm_0(e). The head reads the same mix with a final query over all groups,
     normalised with the final norm's gain (eps 1e-5); it replaces the usual final norm.
-    State: (completed sources [e, G_0, ...], rs: their inv_rms and the partial sum's, each formed once when
-    its source is made, partial sum of the current group or None).
+    State: (completed sources [e, G_0, ...], partial sum of the current group or None).
     Params: q_k, g_k for k >= 1 and the final pair: 4dL, all decayed. Zero queries = uniform
     weights at init. Cost: at most N + 1 sources per sublayer.
     """
     options = {"n_groups": 8}
-    cpu_compile_pays = 5683      # cold 85 s, 818 -> 803 ms a step
 
     @classmethod
     def cost(cls, L, d, T, n_groups=8, **options):
@@ -478,7 +459,7 @@ class BlockAttnRes(PreLN):
         self.key_gains.fill_(1.0)
 
     def init_stream(self, x0):
-        return [x0], [inv_rms(x0, self.eps)], None
+        return [x0], None
 
     def sublayer_params(self, i):
         # row i belongs to consumer i + 1, the mix that first reads sublayer i's output: block b owns
@@ -487,12 +468,12 @@ class BlockAttnRes(PreLN):
         return {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
 
     class AfterSkip(tuple):
-        """A state (done, rs, partial) marked by `skip`: its next consumer reads the newest source, not a mix."""
+        """A state (done, partial) marked by `skip`: its next consumer reads the newest source, not a mix."""
 
     @staticmethod
     def newest(s):
         """The newest source of the bank: the current group's partial sum, else the last completed one."""
-        done, _, partial = s
+        done, partial = s
         return done[-1] if partial is None else partial
 
     def skip(self, s, i):
@@ -515,9 +496,9 @@ class BlockAttnRes(PreLN):
 
     def _mix(self, s, k):
         """Raw (pre-norm) depth mix read by consumer k >= 1, and its weights over the sources."""
-        done, rs, partial = s
+        done, partial = s
         sources = done if partial is None else done + [partial]
-        mix, p = depth_softmax(self.queries[k - 1], self.key_gains[k - 1], sources, self.eps, rs)
+        mix, p = depth_mix(self.queries[k - 1], self.key_gains[k - 1], sources, self.eps, fast=self.fast)
         if self.recording is not None:
             self.log("attnres_weights", p.mean((0, 1)))                                  # (S,) per consumer
         return mix
@@ -527,12 +508,11 @@ class BlockAttnRes(PreLN):
             return self.norms[0](s[0][0]), {}
         return rms_norm(self._source(s, i), self.norms[i].weight, self.eps), {}
 
-    def write(self, s, i, y, aux=None):
-        done, rs, partial = s
+    def write(self, s, i, y, ctx=None):
+        done, partial = s
         if partial is None or self.group[i] != self.group[i - 1]:  # the first sublayer, or y starts a new group
-            return done + ([] if partial is None else [partial]), rs + [inv_rms(y, self.eps)], y
-        partial = partial + y                                      # y joins the open group: its r is formed anew
-        return done, rs[:-1] + [inv_rms(partial, self.eps)], partial
+            return done + ([] if partial is None else [partial]), y
+        return done, partial + y                                   # y joins the open group
 
     def collapse(self, s):
         return rms_norm(self._source(s, self.n_sub), self.norm_f.weight, self.eps)
@@ -557,10 +537,8 @@ class BlockAttnRes(PreLN):
 class FullAttnRes(BlockAttnRes):
     """Full Attention Residuals (arXiv 2603.15031; docs/designs.md#full-attnres): every sublayer is its own
     group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
-    Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive; each mix reads
-    every source twice forward and twice backward (`ops.DepthMix`; key norms formed once per source), O(L^2 d)."""
+    Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive, O(L^2 d) traffic."""
     options = {}
-    cpu_compile_pays = 1385      # cold 100 s, 879 -> 806 ms a step
 
     @classmethod
     def cost(cls, L, d, T, **options):
@@ -574,22 +552,20 @@ class MoDA(PreLN):
     """Mixture-of-Depths Attention (arXiv 2603.15619; docs/designs.md#moda), pre-norm by default.
 
     Block b's attention takes one softmax per token over the causal sequence keys *and* the depth
-    keys/values that all earlier sublayers left at the same token (model.joint_attention):
+    keys/values that all earlier sublayers left at the same token (ops.joint_attention):
         attention sublayer 2b writes its own pre-RoPE (k, v) into slot 2b;
         MLP sublayer 2b+1 writes [k'; v'] = W_kv RMSNorm_(2b+1)(h) into slot 2b+1 (no RoPE),
         for every block but the last (nothing would read it).
     The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
     the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
-    State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd) per slot, stored `tokens_last`.
+    State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd), one per slot.
     Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed; 2d for MHA) on blocks 0 .. L-2: 2 d H_kv hd (L - 1),
     +12-14% at 400M.
-    Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, each slot read twice
-    forward and ~3 times backward (ops.DepthAttention), O(L^2 d) memory traffic per token.
+    Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
     paper_micro_batch = 4
     options = {"norm": "pre"}
-    cpu_compile_pays = 3824      # cold 95 s, 914 -> 889 ms a step
 
     @classmethod
     def cost(cls, L, d, T, **options):
@@ -625,23 +601,22 @@ class MoDA(PreLN):
     def read(self, s, i):
         x, ks, vs = s
         h = x if self.post else self.norms[i](x)
-        if i % 2 == 0 and ks:
-            return h, {"depth_kv": (ks, vs)}
-        return h, {}
+        if i % 2 == 1:
+            return h, {"h": h}                                        # the MLP's input: W_kv reads it too
+        return h, ({"depth_kv": (ks, vs)} if ks else {})
 
-    def write(self, s, i, y, aux=None):
+    def write(self, s, i, y, ctx=None):
         x, ks, vs = s
         x_new = self.norms[i](x + y) if self.post else x + y
         if i % 2 == 0:                                                # attention: cache its own k, v
-            if self.recording is not None and aux["depth_mass"] is not None:
-                self.log("moda_depth_mass", aux["depth_mass"].mean())
-            return x_new, ks + [tokens_last(aux["k"].transpose(1, 2))], vs + [tokens_last(aux["v"].transpose(1, 2))]
+            if self.recording is not None and ctx["depth_share"] is not None:
+                self.log("moda_depth_mass", ctx["depth_share"].mean())
+            return x_new, ks + [ctx["k"]], vs + [ctx["v"]]
         b = i // 2
         if b == len(self.kv_proj):                                    # last block: no W_kv
             return x_new, ks, vs
-        u = x if self.post else self.norms[i](x)                      # the MLP's input, recomputed
-        kv = self.kv_proj[b](u).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)  # 2,B,Hkv,T,hd
-        return x_new, ks + [tokens_last(kv[0])], vs + [tokens_last(kv[1])]
+        kv = self.kv_proj[b](ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)
+        return x_new, ks + [kv[0]], vs + [kv[1]]                      # kv: (2, B, Hkv, T, hd)
 
     def collapse(self, s):
         return self.norm_f(s[0])
@@ -652,7 +627,7 @@ class MoDA(PreLN):
         x, ks, vs = s
         if i % 2 == 1 and i // 2 == len(self.kv_proj):
             return s
-        zero = tokens_last(x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim))  # (B, Hkv, T, hd), as the slots
+        zero = x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim)     # (B, Hkv, T, hd)
         return x, ks + [zero], vs + [zero]
 
     def depth_state(self, s, i):

@@ -128,6 +128,57 @@ def test_recording_forward_returns_depth_states(residual):
     assert model.res.recording is None
 
 
+# two shapes: MHA with 16-wide heads, and GQA with 8-wide heads (CPU attention pads those in the fast path)
+KERNEL_SHAPES = {"mha": dict(d_model=64, n_head=4, d_ff=176), "gqa": dict(d_model=32, n_head=4, n_kv_head=2, d_ff=96)}
+
+
+def assert_kernels_agree(residual, shape, options=None):
+    """GPTConfig(kernels="fast") computes what kernels="reference" (ops.py's plain PyTorch) computes, in fp32:
+    logits, the loss (also the training path, logits=False), every parameter's gradient, and the recording
+    forward diagnose.py uses (depth states, lens readouts, the design's internals), with and without a
+    skipped block. The parameters are perturbed away from their init, so that zero-initialised mixing
+    weights (AttnRes' queries, HC's dynamic maps) do not hide a difference."""
+    x = batch()
+    out = {}
+    for kernels in ("fast", "reference"):
+        model = build(residual, kernels=kernels, residual_args=options or {}, **KERNEL_SHAPES[shape])
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        logits, loss = model(x, x)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        with torch.no_grad():
+            recs = [model(x, record=True, skip=skip)[2] for skip in (None, 1)]
+            train_loss = model(x, x, logits=False)[1]
+        out[kernels] = logits, loss, train_loss, grads, recs
+    (l1, s1, t1, g1, r1), (l2, s2, t2, g2, r2) = out["fast"], out["reference"]
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(t1, s2, rtol=1e-6, atol=1e-6)
+    for name, g in g2.items():
+        assert g.abs().max() > 0, name                       # a real gradient on the reference path
+        # atol: a gradient that is ~0 (a saturated gate of mHC's gap-8 start) agrees to rounding, not in ratio
+        torch.testing.assert_close(g1[name], g, rtol=1e-4, atol=max(1e-5 * g.abs().max().item(), 1e-8), msg=name)
+    for a, b in zip(r1, r2):
+        assert a.keys() == b.keys()
+        for key in b:
+            assert len(a[key]) == len(b[key]), key
+            for u, v in zip(a[key], b[key]):
+                torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("residual,options", [(r, None) for r in ALL] + [
+    ("mhc", {"init": "uniform"}), ("moda", {"norm": "post"}), ("block_attnres", {"n_groups": 4})])
+def test_fast_kernels_equal_the_reference(residual, options, shape):
+    """Every registered design (test_extend.py adds one more) and the other readings of three, whose paths
+    differ (mHC's transport away from the identity, MoDA post-norm, groups of several sublayers):
+    kernels.py's bodies == ops.py's (assert_kernels_agree)."""
+    assert_kernels_agree(residual, shape, options)
+
+
 # ----------------------------------------------------------------------------- parameter counts
 
 @pytest.mark.parametrize("L,d,d_ff,backbone,total", [
@@ -317,46 +368,27 @@ def test_attnres_weights_uniform_at_init_and_sum_to_one():
             assert abs(w.sum().item() - 1) < 1e-5 and w.std() > 1e-3
 
 
-def test_depth_softmax_equals_plain_autograd():
-    """AttnRes' depth mix and its hand-written backward equal the plain formula under autograd."""
-    from residuals import depth_softmax
-    torch.manual_seed(0)
-    q, g = torch.randn(16, requires_grad=True), (1 + 0.1 * torch.randn(16)).requires_grad_()
-    src = [(torch.randn(2, 3, 16) * (j + 1)).requires_grad_() for j in range(4)]
-    w_mix, w_p = torch.randn(2, 3, 16), torch.randn(2, 3, 4)
-
-    def plain():
-        logits = torch.stack([(torch.nn.functional.rms_norm(v, (16,), eps=1e-5) * g) @ q for v in src], -1)
-        p = logits.softmax(-1)
-        return sum(p[..., j, None] * v for j, v in enumerate(src)), p
-
-    outs = [depth_softmax(q, g, src), plain()]
-    grads = [torch.autograd.grad((mix * w_mix).sum() + (p * w_p).sum(), [q, g, *src]) for mix, p in outs]
-    for a, b in zip(outs[0], outs[1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(*grads):
-        assert b.abs().max() > 1e-3
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_rope_is_rotate_half_and_keeps_relative_positions():
-    """apply_rope equals the textbook x cos + rotate_half(x) sin, and q.k after RoPE depends only on the offset."""
-    from model import apply_rope, rope_cos_sin
+@pytest.mark.parametrize("fast", [False, True])
+def test_rope_is_rotate_half_and_keeps_relative_positions(fast):
+    """apply_rope rotates each pair (x_j, x_j+hd/2) by its angle, and q.k after RoPE depends only on the offset."""
+    from ops import apply_rope, rope_cos_sin
     torch.manual_seed(0)
     cos, sin = rope_cos_sin(12, 8, 10000.0, "cpu")
     x = torch.randn(2, 3, 12, 8)
     x1, x2 = x.chunk(2, dim=-1)
-    torch.testing.assert_close(apply_rope(x, cos, sin), x * cos + torch.cat([-x2, x1], -1) * sin, rtol=0, atol=1e-6)
+    c, s = cos[:, :4], sin[:, :4]
+    rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+    torch.testing.assert_close(apply_rope(x, cos, sin, fast=fast), rotated, rtol=0, atol=1e-6)
     q, k = torch.randn(8), torch.randn(8)
-    qr, kr = (apply_rope(v.expand(1, 1, 12, 8), cos, sin)[0, 0] for v in (q, k))
+    qr, kr = (apply_rope(v.expand(1, 1, 12, 8), cos, sin, fast=fast)[0, 0] for v in (q, k))
     torch.testing.assert_close(qr[5] @ kr[2], qr[9] @ kr[6], rtol=1e-5, atol=1e-5)
     assert abs(qr[5] @ kr[2] - qr[5] @ kr[4]) > 1e-3
 
 
 def test_chunked_loss_equals_plain_loss_and_gradients():
     """The logits-free loss (token chunks, checkpointed) equals the plain fp32 cross-entropy and its
-    gradients, with ignored targets spread over the chunks."""
-    from model import chunked_cross_entropy
+    gradients, with ignored targets spread over the chunks (the model's tiny shapes use one chunk)."""
+    from kernels import chunked_cross_entropy
     torch.manual_seed(0)
     z, w = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
     t = torch.randint(0, 50, (37,))
@@ -373,64 +405,14 @@ def test_chunked_loss_equals_plain_loss_and_gradients():
     assert model_loss[0] is None and model_loss[1].item() == pytest.approx(model(x, x)[1].item(), rel=1e-6)
 
 
-def test_skinny_matmul_equals_matmul_in_values_and_gradients():
-    """ops.skinny_matmul (computed as (w^T x^T)^T for BLAS speed) is x @ w, forward and backward."""
-    from ops import skinny_matmul
-    torch.manual_seed(0)
-    x, w = torch.randn(3, 5, 4, 16, requires_grad=True), torch.randn(16, 6, requires_grad=True)
-    out, ref = skinny_matmul(x, w), x @ w
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    g = torch.randn_like(ref)
-    for a, b in zip(torch.autograd.grad(out, [x, w], g), torch.autograd.grad(ref, [x, w], g)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("hd,Hkv", [(4, 4), (8, 2), (16, 4), (20, 4)])
-def test_causal_attention_padding_is_the_same_maths(hd, Hkv):
-    """model.causal_attention zero-pads heads narrower than 16 on CPU; values and gradients equal SDPA's
-    unpadded call with the same scale (MHA and GQA; hd >= 16 goes straight through)."""
-    import torch.nn.functional as F
-    from model import causal_attention
-    torch.manual_seed(0)
-    q = torch.randn(2, 4, 9, hd, requires_grad=True)
-    k, v = (torch.randn(2, Hkv, 9, hd, requires_grad=True) for _ in range(2))
-    out = causal_attention(q, k, v, hd ** -0.5)
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv < 4)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    g = torch.randn_like(ref)
-    for a, b in zip(torch.autograd.grad(out, [q, k, v], g), torch.autograd.grad(ref, [q, k, v], g)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_sinkhorn_doubly_stochastic():
+@pytest.mark.parametrize("fast", [False, True])
+def test_sinkhorn_doubly_stochastic(fast):
     """The shared sinkhorn makes logits of mHC's scale doubly stochastic (columns exact, rows ~1e-3;
     20 iterations do not converge for strongly peaked logits, as in the reference)."""
-    from residuals import sinkhorn
-    M = sinkhorn(torch.randn(5, 4, 4))
+    from ops import sinkhorn
+    M = sinkhorn(torch.randn(5, 4, 4), fast=fast)
     torch.testing.assert_close(M.sum(-2), torch.ones(5, 4), atol=1e-5, rtol=0)
     torch.testing.assert_close(M.sum(-1), torch.ones(5, 4), atol=1e-3, rtol=0)
-
-
-def test_sinkhorn_equals_the_unrolled_loop_and_its_gradient():
-    """The hand-written backward of sinkhorn's loop equals autograd through the plain unrolled loop."""
-    from residuals import sinkhorn
-
-    def unrolled(logits, iters=20, eps=1e-6):
-        M = logits.softmax(dim=-1) + eps
-        M = M / (M.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(iters - 1):
-            M = M / (M.sum(dim=-1, keepdim=True) + eps)
-            M = M / (M.sum(dim=-2, keepdim=True) + eps)
-        return M
-
-    torch.manual_seed(0)
-    for shape in [(4, 4), (3, 5, 4, 4)]:
-        x, w = (3 * torch.randn(shape)).requires_grad_(), torch.randn(shape)
-        ours, ref = sinkhorn(x), unrolled(x)
-        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
-        g_ours, g_ref = (torch.autograd.grad((m * w).sum(), x)[0] for m in (ours, ref))
-        torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
-        assert g_ref.abs().max() > 1e-2                     # a real gradient, not two zeros
 
 
 def _mhc_maps(model, x):
@@ -530,46 +512,19 @@ def test_moda_records_depth_mass():
     assert len(mass) == 2 and ((mass > 0) & (mass < 1)).all()
 
 
-def test_joint_attention_equals_one_explicit_softmax():
-    """model.joint_attention (fused SDPA + a per-query sink for the depth keys) equals one softmax
-    over explicit [causal sequence logits | depth logits], in values, depth share and gradients."""
-    from model import joint_attention
-    from ops import tokens_last
-    torch.manual_seed(0)
-    B, H, T, hd, S = 2, 3, 9, 16, 4
-    q, k, v = (torch.randn(B, H, T, hd, requires_grad=True) for _ in range(3))
-    dk = [torch.randn(B, H, T, hd, requires_grad=True) for _ in range(S)]
-    dv = [torch.randn(B, H, T, hd, requires_grad=True) for _ in range(S)]
-    scale = hd ** -0.5
-    o, share = joint_attention(q, k, v, dk, dv, scale)
-    # the slots as MoDA stores them (tokens-last memory, same values) give the same result
-    o_tl, share_tl = joint_attention(q, k, v, [tokens_last(t) for t in dk], [tokens_last(t) for t in dv], scale)
-    torch.testing.assert_close(o_tl, o, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(share_tl, share, rtol=1e-6, atol=1e-6)
-    seq = (q @ k.transpose(-2, -1) * scale).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    depth = torch.einsum("bhtd,bhtsd->bhts", q, torch.stack(dk, 3)) * scale
-    p = torch.cat([seq, depth], -1).softmax(-1)
-    ref = p[..., :T] @ v + torch.einsum("bhts,bhtsd->bhtd", p[..., T:], torch.stack(dv, 3))
-    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(share, p[..., T:].sum(-1), rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(o)
-    inputs = [q, k, v, *dk, *dv]
-    for a, b in zip(torch.autograd.grad((o * g).sum(), inputs), torch.autograd.grad((ref * g).sum(), inputs)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_joint_attention_gqa_equals_copied_kv_heads():
+@pytest.mark.parametrize("fast", [False, True])
+def test_joint_attention_gqa_equals_copied_kv_heads(fast):
     """With 2 kv heads for 4 query heads, joint_attention equals the MHA call on k/v heads copied to each query
     head, in values and gradients (a kv head's gradient is the sum over the copies that read it)."""
-    from model import joint_attention
+    from ops import joint_attention
     torch.manual_seed(1)
     B, H, Hkv, T, hd, S = 2, 4, 2, 7, 8, 3
     q = torch.randn(B, H, T, hd, requires_grad=True)
     kv = [torch.randn(B, Hkv, T, hd, requires_grad=True) for _ in range(2 + 2 * S)]
     rep = lambda t: t.repeat_interleave(H // Hkv, dim=1)  # noqa: E731
-    o, share = joint_attention(q, kv[0], kv[1], kv[2:2 + S], kv[2 + S:], hd ** -0.5)
+    o, share = joint_attention(q, kv[0], kv[1], kv[2:2 + S], kv[2 + S:], fast=fast)
     o_ref, share_ref = joint_attention(q, *map(rep, kv[:2]), [rep(t) for t in kv[2:2 + S]],
-                                       [rep(t) for t in kv[2 + S:]], hd ** -0.5)
+                                       [rep(t) for t in kv[2 + S:]], fast=fast)
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(share, share_ref, rtol=1e-5, atol=1e-6)
     g = torch.randn_like(o)
@@ -626,7 +581,8 @@ def test_readme_quick_start_matches_ci():
 def test_mha_attention_is_the_plain_multi_head_formula():
     """n_kv_head = n_head: Attention equals textbook MHA (d -> d projections, RoPE, causal SDPA) bit
     for bit, with the d x d W_k, W_v of every earlier checkpoint."""
-    from model import Attention, apply_rope, rope_cos_sin
+    from model import Attention
+    from ops import apply_rope, rope_cos_sin
     cfg = tiny(n_kv_head=4)
     torch.manual_seed(0)
     attn = Attention(cfg)

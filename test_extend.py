@@ -92,6 +92,13 @@ def test_an_eleventh_design_trains_diagnoses_and_profiles(tmp_path, capsys):
     assert scaled["train_flops_per_token"] == pre["train_flops_per_token"] + 3 * 2 * 4 * 64
 
 
+def test_fast_kernels_equal_the_reference_for_the_new_design():
+    """The registry-wide equivalence test reaches a design added later: Scaled, at both of its shapes."""
+    from test_all import KERNEL_SHAPES, assert_kernels_agree
+    for shape in KERNEL_SHAPES:
+        assert_kernels_agree("scaled", shape)
+
+
 def test_options_are_checked_against_the_class(tmp_path, capsys):
     """An option no design of the grid declares, or of the wrong type, is one line and exit 2, nothing written."""
     for bad in ['{"a1": 0.5}', '{"a0": "big"}', '[1]']:

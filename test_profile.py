@@ -181,7 +181,7 @@ def test_tensor_bytes_counts_live_storage_and_shows_the_chunked_loss_saving():
     """TensorBytes' peak is the most bytes alive at once (views and in-place results add nothing, freed
     storage leaves), and the logits-free loss peaks far below the plain one when the logits dominate."""
     import torch.nn.functional as F
-    from model import chunked_cross_entropy
+    from kernels import chunked_cross_entropy
     with profile_gpu.TensorBytes() as tb:
         a, b = torch.empty(1000), torch.empty(2000)
         del a

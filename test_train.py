@@ -197,6 +197,18 @@ def test_design_card_command_runs_on_cpu_under_torchrun(tmp_path):
     assert [s["step"] for s in run["steps"]] == [1, 2] and all(math.isfinite(s["loss"]) for s in run["steps"])
 
 
+@pytest.mark.parametrize("residual", list(train.RESIDUALS))
+def test_twenty_steps_train_alike_with_either_kernels(tmp_path, capsys, residual):
+    """20 AdamW steps of every design give the same losses with --kernels fast and --kernels reference (1e-5)."""
+    losses = {}
+    for kernels in ("fast", "reference"):
+        args = TINY + ["--residual", residual, "--steps", "20", "--kernels", kernels, "--out", str(tmp_path / kernels)]
+        assert run_main(args, capsys)[0] == 0
+        losses[kernels] = [s["loss"] for s in load_run(tmp_path / kernels)["steps"]]
+    assert len(losses["fast"]) == 20 and losses["fast"][-1] < losses["fast"][0] - 0.1   # it learns
+    assert losses["fast"] == pytest.approx(losses["reference"], rel=0, abs=1e-5)
+
+
 def test_diverged_run_is_recorded(tmp_path, capsys):
     """A NaN/inf loss stops the run, run.json says diverged, the exit code is 1 with one line on stderr."""
     code, _, err = run_main(TINY + ["--lr", "1e6", "--steps", "50", "--out", str(tmp_path)], capsys)

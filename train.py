@@ -141,7 +141,9 @@ def build_parser():
     add("--resume", action="store_true", help="continue each run from its ckpt.pt (if it has one)")
     # system
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
-    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on with CUDA)")
+    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on with CUDA, "
+        "off on CPU, where it pays only after thousands of steps: docs/speed.md)")
+    p.add_kernels()
     return p
 
 
@@ -211,15 +213,9 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
         "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
         "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
         "log_every": args.log_every, "out": args.out, "device": args.device,
-        "compile": args.compile if args.compile is not None else auto_compile(residual, min(steps, args.max_steps or steps)),
+        "compile": args.compile, "kernels": args.kernels,
         "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
     }
-
-
-def auto_compile(residual, steps):
-    """--compile's CPU default (CUDA: always on): on for a run longer than the design's break-even."""
-    pays = RESIDUALS[residual].cpu_compile_pays
-    return pays is not None and steps >= pays
 
 
 # keys that define a run's maths: a checkpoint made with other values cannot be resumed
@@ -310,7 +306,8 @@ def build(cfg, env):
     torch.manual_seed(cfg["seed"])
     r.model_config = GPTConfig(vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
                                n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], d_ff=cfg["d_ff"],
-                               residual=cfg["residual"], residual_args=dict(cfg["residual_args"]))
+                               residual=cfg["residual"], residual_args=dict(cfg["residual_args"]),
+                               kernels=cfg.get("kernels", "fast"))
     r.raw = GPT(r.model_config).to(r.device)
     r.groups = r.raw.param_groups(cfg["weight_decay"])
     r.opt = torch.optim.AdamW(r.groups, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], fused=r.cuda)
@@ -392,10 +389,8 @@ def describe(r):
     print0(f"eval       every {cfg['eval_every']} steps on {cfg['eval_iters']} global batches "
            f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
     threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
-    n_pays = RESIDUALS[cfg["residual"]].cpu_compile_pays
-    pays = "" if cuda else f" (cpu: pays after {n_pays:,} steps)" if n_pays else " (cpu: never pays)"
     print0(f"device     {r.env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}"
-           f"{pays}, world size {r.world}; MFU from {r.flops_tok:.3g} FLOPs/token and a peak of "
+           f", {cfg.get('kernels', 'fast')} kernels, world size {r.world}; MFU from {r.flops_tok:.3g} FLOPs/token and a peak of "
            + (f"{r.peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if r.peak
               else "? (unknown GPU)"))
 
@@ -612,8 +607,8 @@ def parse_args(argv=None):
     for key, value in PRESETS[args.preset].items():
         if key not in ("ar", "layers") and getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.compile is None and cuda:
-        args.compile = True  # CPU: None = auto, per run (auto_compile): on when the run outlasts the break-even
+    if args.compile is None:
+        args.compile = cuda  # on CPU compile pays only after thousands of steps (docs/speed.md)
     args.device = "cuda" if cuda else "cpu"
     if args.data != "synthetic" and args.data_dir is None:
         slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # data/austen -> data_austen
@@ -669,7 +664,7 @@ def main(argv=None):
             continue
         if state == "partial" and not args.resume:
             print0("this run folder holds an unfinished run: starting over (--resume continues it)")
-        if args.compile is not False:
+        if args.compile:
             torch._dynamo.reset()  # a fresh compile cache per shape
         try:
             if not train_run(cfg, env, args.resume):

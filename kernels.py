@@ -1,0 +1,243 @@
+"""
+kernels.py: the fast bodies of ops.py's functions, and the logits-free loss. Same maths, other layouts.
+
+Nothing here is needed to understand a design: ops.py holds each function's definition, and
+`GPTConfig(kernels="reference")` (`--kernels reference`) runs the model on those alone. test_all.py checks
+for every registered design that both paths give the same logits, loss and gradients. What each trick
+buys, measured, is in docs/speed.md. The tricks, in short:
+- hand-written autograd nodes where a loop of small ops kept many graph nodes and zero-filled gradients
+  (Sinkhorn, AttnRes' depth mix, MoDA's depth half, the norm factor 1/rms);
+- loops over sources or slots that read each once, instead of stacking them (a copy per consumer);
+- layouts that put the tokens last or as a matmul's wide side, where CPU BLAS and broadcasts are faster;
+- MoDA's depth keys folded into the fused attention kernel as one extra "sink" key per query;
+- CPU attention on heads padded to 16 wide; the loss over token chunks without the full logits.
+"""
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+CPU_SDPA_MIN_HEAD_DIM = 16  # CPU attention pads narrower heads with zeros to this width
+LOSS_CHUNK_BYTES = 2 ** 27  # fp32 logits per chunk of the logits-free loss: 128 MB, 667 tokens at V 50304
+
+
+# ----------------------------------------------------------------------------- RoPE, attention, the loss
+
+def apply_rope(x, cos, sin):
+    """rotate_half(x) sin = roll(x, hd/2) [-sin_1, sin_2]: one roll instead of a negation and a concatenation."""
+    xf, half = x.float(), x.size(-1) // 2
+    return (xf * cos + xf.roll(half, -1) * torch.cat([-sin[..., :half], sin[..., half:]], -1)).to(x.dtype)
+
+
+def causal_attention(q, k, v):
+    """On CPU a head narrower than CPU_SDPA_MIN_HEAD_DIM is zero-padded to it and the output cut back: the zeros
+    add nothing to q.k, the padded value channels are dropped, the scale is the unpadded one."""
+    hd = q.size(-1)
+    pad = CPU_SDPA_MIN_HEAD_DIM - hd if q.device.type == "cpu" else 0
+    if pad > 0:
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5, enable_gqa=k.size(1) < q.size(1))
+    return o[..., :hd] if pad > 0 else o
+
+
+def joint_attention(q, k, v, depth_k, depth_v):
+    """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
+
+    The depth half (S keys per token) is `DepthAttention`. The sequence half goes through the fused SDPA kernel
+    with one extra "sink" key per query that stands for all its depth keys: an extra query coordinate
+    lse_depth / scale against a sink key with a 1 there gives the sink exactly the logit log Z_depth, and a 1
+    in an extra value channel reads out its share Z_depth / (Z_seq + Z_depth). A dummy first query lets SDPA's
+    top-left causal mask show every query the sink (key 0) and the sequence keys up to itself."""
+    B, H, T, hd = q.shape
+    Hkv, scale = k.size(1), hd ** -0.5
+    qg = q.unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, T, hd): query heads grouped by their kv head, a view
+    o_depth, lse_depth = DepthAttention.apply(scale, len(depth_k), qg, *(t[:, :, None] for t in depth_k + depth_v))
+    o_depth, lse_depth = o_depth.flatten(1, 2), lse_depth.flatten(1, 2)              # (B, H, T, hd), (B, H, T)
+    # extra coordinates: one is enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU up to the padded width
+    pad = 8 if q.is_cuda else max(1, CPU_SDPA_MIN_HEAD_DIM - hd)
+    e0 = F.one_hot(torch.tensor(0, device=q.device), pad).to(q.dtype)               # (pad,) = [1, 0, ...]
+    q_aug = torch.cat([q, (lse_depth / scale).to(q.dtype)[..., None] * e0], dim=-1)  # (B, H, T, hd + pad)
+    sink = torch.cat([q.new_zeros(hd), e0]).expand(B, Hkv, 1, hd + pad)            # the sink's key and value
+    out = F.scaled_dot_product_attention(
+        torch.cat([q_aug.new_zeros(B, H, 1, hd + pad), q_aug], dim=2),            # dummy query first
+        torch.cat([sink, F.pad(k, (0, pad))], dim=2), torch.cat([sink.to(v.dtype), F.pad(v, (0, pad))], dim=2),
+        is_causal=True, scale=scale, enable_gqa=Hkv < H)[:, :, 1:]                 # (B, H, T, hd + pad)
+    share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
+    return out[..., :hd] + share[..., None] * o_depth, share.detach()
+
+
+def _chunk_ce(z, weight, targets):
+    return F.cross_entropy(F.linear(z, weight).float(), targets, ignore_index=-1, reduction="sum")
+
+
+def chunked_cross_entropy(z, weight, targets, chunk=None):
+    """Mean token cross-entropy of the logits z W^T in fp32 (targets -1 ignored), never holding all of them.
+
+    z (N, D), weight (V, D), targets (N,). Tokens go through the head in chunks of `chunk` (default:
+    LOSS_CHUNK_BYTES of fp32 logits); each chunk is checkpointed, so autograd keeps only z and the backward
+    recomputes one chunk's logits at a time. Costs one extra head matmul (forward) per token."""
+    chunk = chunk or max(1, LOSS_CHUNK_BYTES // (4 * weight.size(0)))
+    if z.size(0) <= chunk:  # one chunk: the plain loss, nothing to recompute
+        return _chunk_ce(z, weight, targets) / (targets != -1).sum()
+    total = sum(checkpoint(_chunk_ce, z[s:s + chunk], weight, targets[s:s + chunk], use_reentrant=False)
+                for s in range(0, z.size(0), chunk))
+    return total / (targets != -1).sum()
+
+
+# ----------------------------------------------------------------------------- HC and mHC
+
+def skinny_matmul(x, w):
+    """x (..., K) @ w (K, M) for a narrow w, computed as (w^T x^T)^T: CPU BLAS runs a product with few output
+    columns, and its weight gradient x^T g, several times slower than with the many rows as columns. A
+    row-major w^T keeps autograd's gradient of it in that layout too (it follows the factor's)."""
+    out = w.t().contiguous() @ x.reshape(-1, x.size(-1)).t()                   # (M, N)
+    return out.t().reshape(*x.shape[:-1], w.size(1))
+
+
+class InvRms(torch.autograd.Function):
+    """r = rsqrt(mean(v^2) + eps) over the last dim, (..., D) -> (...), with its exact gradient
+    dv = v (-dr r^3 / D): one full-size multiply, where autograd through the norm made three passes."""
+
+    @staticmethod
+    def forward(ctx, v, eps):
+        r = (torch.linalg.vector_norm(v, dim=-1).square() / v.size(-1) + eps).rsqrt()
+        ctx.save_for_backward(v, r)
+        return r
+
+    @staticmethod
+    def backward(ctx, dr):
+        v, r = ctx.saved_tensors
+        return v * (dr * r.pow(3) / -v.size(-1))[..., None], None
+
+
+def normed_projection(x, W, eps):
+    """(x @ W) / rms(x): no normalised copy of x, and the projection with the tokens as BLAS columns."""
+    x = x.float()
+    return skinny_matmul(x, W.float()) * InvRms.apply(x, eps)[..., None]
+
+
+def width_connection(H, pre, res):
+    """Both mixes as one (n+1 x n) @ (n x D) matmul per token, split (a slice's backward zero-fills the product)."""
+    maps = torch.cat([pre[..., None, :], res], dim=-2).to(H.dtype)              # (B, T, n+1, n)
+    branch, mixed = (maps @ H).split([1, H.size(-2)], dim=-2)
+    return branch.squeeze(-2), mixed
+
+
+def depth_connection(mixed, post, y):
+    """mixed + post (x) y as one baddbmm over the tokens."""
+    return torch.baddbmm(mixed.flatten(0, 1), post.to(y.dtype).flatten(0, 1)[..., None],
+                         y.flatten(0, 1)[:, None]).view_as(mixed)
+
+
+def sinkhorn(logits, iters, eps):
+    """The normalisations as one node (`Sinkhorn`), tokens last: the softmax and sums run over contiguous token
+    vectors, not over n = 4."""
+    n = logits.size(-1)
+    tl = logits.float().reshape(-1, n, n).permute(1, 2, 0).contiguous()        # (n, n, tokens)
+    return Sinkhorn.apply(tl.softmax(dim=1), iters, eps).permute(2, 0, 1).reshape(logits.shape)
+
+
+class Sinkhorn(torch.autograd.Function):
+    """On P (n, n, tokens): M = P + eps, then M <- M / (M.sum(dim) + eps) over columns (dim 0) and rows (dim 1),
+    alternately, columns first. Each step's exact gradient is dM_in = (dM_out - sum_dim(dM_out M_out)) / d."""
+
+    @staticmethod
+    def forward(ctx, P, iters, eps):
+        M, outs, dens = P + eps, [], []
+        ctx.dims = [0] + [1, 0] * (iters - 1)
+        for dim in ctx.dims:
+            d = M.sum(dim, keepdim=True) + eps
+            M = M / d
+            outs.append(M)
+            dens.append(d)
+        ctx.save_for_backward(*outs, *dens)
+        return M
+
+    @staticmethod
+    def backward(ctx, g):
+        saved, k = ctx.saved_tensors, len(ctx.dims)
+        g = g.contiguous()
+        for dim, M, d in zip(reversed(ctx.dims), reversed(saved[:k]), reversed(saved[k:])):
+            g = (g - (g * M).sum(dim, keepdim=True)) / d
+        return g, None, None
+
+
+# ----------------------------------------------------------------------------- AttnRes
+
+def depth_mix(query, key_gain, sources, eps):
+    """The mix as one node (`DepthMix`); each source's 1/rms as its own node."""
+    rs = [InvRms.apply(v.float(), eps) for v in sources]
+    mix, p = DepthMix.apply(key_gain.float() * query.float(), *(v.float() for v in sources), *rs)
+    return mix.to(sources[0].dtype), p
+
+
+class DepthMix(torch.autograd.Function):
+    """(mix, p) from gq = key_gain * query and each source's r_j = 1/rms(v_j), with the exact gradient:
+        s_j = (v_j . gq) r_j,  p = softmax(s),  mix = sum_j p_j v_j
+        ds = p (dp - <p, dp>),  dp_j = <dmix, v_j>
+        dv_j = p_j dmix + (ds_j r_j) gq,  dr_j = ds_j (v_j . gq),  dgq = sum_j (ds_j r_j) v_j
+    A loop over the sources, each read a few times and never copied, keeping only the sources and (S, B, T)
+    vectors, source-major so that each is contiguous."""
+
+    @staticmethod
+    def forward(ctx, gq, *sources_and_rs):
+        sources, r = sources_and_rs[:len(sources_and_rs) // 2], torch.stack(sources_and_rs[len(sources_and_rs) // 2:])
+        dot = torch.stack([v @ gq for v in sources])                                      # (S, B, T)
+        p = (dot * r).softmax(dim=0)
+        mix = torch.zeros_like(sources[0])
+        for pj, v in zip(p, sources):
+            mix.addcmul_(pj[..., None], v)
+        ctx.save_for_backward(gq, p, r, dot, *sources)
+        return mix, p.movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx, dmix, dp_out):
+        gq, p, r, dot, *sources = ctx.saved_tensors
+        dp = torch.stack([torch.linalg.vecdot(v, dmix) for v in sources]) + dp_out.movedim(-1, 0)  # (S, B, T)
+        ds = p * (dp - (p * dp).sum(0))
+        a = ds * r
+        grads, dgq = [], torch.zeros_like(gq)
+        for v, pj, aj in zip(sources, p, a):
+            grads.append((pj[..., None] * dmix).addcmul_(aj[..., None], gq))
+            dgq += aj.flatten() @ v.flatten(0, -2)
+        return dgq, *grads, *(ds * dot)
+
+
+# ----------------------------------------------------------------------------- MoDA
+
+class DepthAttention(torch.autograd.Function):
+    """The depth half of joint_attention: o = sum_j p_j v_j and lse = log sum_j exp(s_j), s_j = scale <q, k_j>,
+    p = softmax(s) over the S slots; q (B, Hkv, G, T, hd) grouped by kv head, k_j, v_j (B, Hkv, 1, T, hd)
+    broadcast over the G query heads of their kv head. A loop over the slots, each read once, with the exact
+    backward: ds = p (dp - <p, dp>) + dlse p, dp_j = <do, v_j>, dq = scale sum_j ds_j k_j, dk_j = scale ds_j q,
+    dv_j = p_j do. It runs tokens last, (..., hd, T) (a per-token weight broadcast over hd = 8-16 is slow),
+    with slot-major weights (S, B, Hkv, G, T) and in-place sums; with G = 1 nothing is summed over the group."""
+
+    @staticmethod
+    def forward(ctx, scale, S, q, *kv):
+        qt = q.transpose(-1, -2).contiguous()                                            # (B, Hkv, G, hd, T)
+        kts, vts = [t.transpose(-1, -2) for t in kv[:S]], [t.transpose(-1, -2) for t in kv[S:]]
+        logits = torch.stack([torch.linalg.vecdot(qt, kt, dim=-2) for kt in kts]).float() * scale  # (S, B, Hkv, G, T)
+        lse = logits.logsumexp(dim=0)
+        p = torch.exp(logits - lse)
+        ot = torch.zeros_like(qt)
+        for pj, vt in zip(p.to(q.dtype), vts):
+            ot.addcmul_(pj[..., None, :], vt)
+        ctx.save_for_backward(qt, p, *kv)
+        ctx.scale, ctx.S = scale, S
+        return ot.transpose(-1, -2), lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        qt, p, *kv = ctx.saved_tensors
+        kts, vts = [t.transpose(-1, -2) for t in kv[:ctx.S]], [t.transpose(-1, -2) for t in kv[ctx.S:]]
+        dot = do.transpose(-1, -2).contiguous()
+        dp = torch.stack([torch.linalg.vecdot(dot, vt, dim=-2) for vt in vts]).float()  # (S, B, Hkv, G, T)
+        ds = (p * (dp - (p * dp).sum(0) + dlse) * ctx.scale).to(qt.dtype)
+        dqt = torch.zeros_like(qt)
+        for dsj, kt in zip(ds, kts):
+            dqt.addcmul_(dsj[..., None, :], kt)
+
+        def per_kv_head(gt):  # a kv head's gradient sums over the G query heads that read it; back to (..., T, hd)
+            return (gt if gt.size(2) == 1 else gt.sum(2, keepdim=True)).transpose(-1, -2)
+        return (None, None, dqt.transpose(-1, -2), *(per_kv_head(dsj[..., None, :] * qt) for dsj in ds),
+                *(per_kv_head(pj[..., None, :] * dot) for pj in p.to(qt.dtype)))
