@@ -73,6 +73,32 @@ def first_line(e, width=200):
     return (str(e).splitlines() or [""])[0][:width]
 
 
+def design_options(name, given=None):
+    """Design `name`'s constructor options: its declared defaults (`options`), overridden by the keys of
+    `given` that it declares (a grid's --residual-args may hold options of its other designs). A value of
+    another type than the default's, or a count below 1, is a ValueError."""
+    from residuals import RESIDUALS  # here, not at the top: plot.py imports this module without torch
+    opts = {k: (given or {}).get(k, v) for k, v in RESIDUALS[name].options.items()}
+    for k, v in opts.items():
+        want = type(RESIDUALS[name].options[k])
+        if type(v) is not want or (want is int and v < 1):
+            raise ValueError(f"{name}: option {k} must be a{' positive' if want is int else ''} {want.__name__}, "
+                             f"got {v!r}")
+    return opts
+
+
+def check_options(names, given):
+    """ValueError unless every key of `given` is an option of one of the designs `names`, of the right type."""
+    from residuals import RESIDUALS
+    declared = {k: v for name in names for k, v in RESIDUALS[name].options.items()}
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise ValueError(f"no design of {', '.join(names)} has an option {unknown[0]!r} "
+                         f"(theirs: {declared or 'none'})")
+    for name in names:
+        design_options(name, given)
+
+
 # ----------------------------------------------------------------------------- files
 
 def write_atomic(path, content):

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-from common import (ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, load_checkpoint,
-                    pick_device, positive, write_json)
+from common import (ArgParser, CheckpointError, check_options, design_options, fail, first_line, hub_unreachable,
+                    json_object, load_checkpoint, pick_device, positive, write_json)
 import official
 import shapes
 from model import GPT, GPTConfig
-from residuals import RESIDUALS, check_options, design_options
+from residuals import RESIDUALS
 
 SCHEMA = "depthbench.diagnose/2"  # 2: R_perm is over the last three quarters (1: over all pairs)
 METRICS = {"angular": "angular_distance", "causal": "causal_score", "perm": "permutation_score",

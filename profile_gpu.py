@@ -66,8 +66,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
 from model import GPT, GPTConfig
-from common import ArgParser, json_object, pick_device, positive, write_json
-from residuals import RESIDUALS, check_options, design_options
+from common import ArgParser, check_options, design_options, json_object, pick_device, positive, write_json
+from residuals import RESIDUALS
 
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

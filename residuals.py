@@ -9,41 +9,26 @@ The interface between model.py and a design (GPT.forward's trunk loop is the who
     s = res.init_stream(x0)                  # (B, T, D) embedding -> design-specific stream state
     for every sublayer i = 0 .. 2L-1:
         h, ctx = res.read(s, i)              # (B, T, D) sublayer input, *including any pre-norm*
-        y = F_i(h)                           # attention gets ctx.get("depth_kv") (MoDA's depth K/V)
-        s = res.write(s, i, y, ctx)          # fold y (B, T, D) back in, *including any post-norm /
-                                             # scaling / mixing*
+        y = F_i(h)                           # attention also gets ctx.get("depth_kv") (MoDA)
+        s = res.write(s, i, y, ctx)          # fold y back in, *including any post-norm / mixing*
     z = res.collapse(s)                      # (B, T, D) for the LM head, *including the final norm*
 
-ctx is a dict, the only thing that travels from read to the write of the same sublayer: what read
-computed and write needs (HC: the mixed streams and H_post; MoDA: the MLP's input). For an attention
-sublayer the trunk adds what attention exposes: its pre-RoPE "k" and "v" and MoDA's "depth_share".
-A design keeps nothing on the module between calls; every tensor is in s or ctx.
+ctx, a dict, is all that travels from read to the same sublayer's write (HC: the mixed streams and
+H_post; MoDA: the MLP's input); for attention the trunk adds its pre-RoPE "k", "v" and MoDA's
+"depth_share". A design keeps no tensor on the module between calls.
 
-plus
-    res.scale_sublayer_init(i, module)       # optional init hook (DeepNorm's beta, HC's 1/sqrt(n))
-    res.reset_parameters()                   # init of the design's own parameters
-    res.no_decay_params()                    # parameters excluded from weight decay
-    res.depth_state(s, i)                    # diagnostics: the depth state z read by sublayer i
-                                             # (i = 2L: what the head reads), before any norm
-    res.recording                            # None, or the dict of the recording forward (diagnostics),
-                                             # set by the trunk; `log` appends a design's internals to it
-    res.sublayer_params(i)                   # diagnostics: {name: tensor} the design owns for sublayer
-                                             # i, so a weight swap can move them with their block
-    res.swap_blocks(i, j)                    # diagnostics: exchange per-block constants (LNS' scales)
-    res.skip(s, i)                           # diagnostics: the state when sublayer i is left out
-    res.readout(s, i)                        # diagnostics: what the logit lens decodes before sublayer i
-
-and, on the class, what the scripts read instead of naming a design:
-    paper_lr, paper_micro_batch              # train.py's 400m recipe: the paper's peak LR, micro-batch
-    options                                  # constructor options (GPTConfig.residual_args) -> defaults,
-                                             # the keys of --residual-args in train/diagnose/profile_gpu
-    cost(L, d, T, **options)                 # profile_gpu.py: (extra forward FLOPs per sequence,
-                                             # residual state per token in units of d)
+Also: scale_sublayer_init(i, module) and reset_parameters() (init), no_decay_params(); for
+diagnose.py depth_state(s, i) (the depth state z before sublayer i, i = 2L: the head's), skip(s, i)
+(the state with sublayer i left out), readout(s, i) (what the logit lens decodes), sublayer_params(i)
+and swap_blocks(i, j) (what a block swap moves), and `recording`, the recording forward's dict that
+`log` appends internals to. On the class, for the scripts: paper_lr and paper_micro_batch (the 400m
+recipe), options (constructor options -> defaults, --residual-args) and cost(L, d, T, **options)
+(profile_gpu.py's extra FLOPs per sequence and residual state per token in units of d).
 
 Rules: every parameter a design creates is used on every forward (DDP needs no
 find_unused_parameters); per-layer constants are Python floats computed in __init__ from i and L.
-The Pre-LN class is the base class: each design overrides only what differs from it. The shared maths
-(norms, Sinkhorn, the depth mix, ...) is in ops.py; `self.fast` picks its kernels.py bodies.
+Pre-LN is the base class: each design overrides only what differs. The shared maths (norms,
+Sinkhorn, the depth mix, ...) is in ops.py; `self.fast` picks its kernels.py bodies.
 """
 import math
 
@@ -526,11 +511,7 @@ class BlockAttnRes(PreLN):
         if isinstance(s, self.AfterSkip):
             return self.newest(s)
         if i == self.n_sub or self.group[i] != self.group[i - 1]:
-            with torch.no_grad():
-                recording, self.recording = self.recording, None
-                mix = self._mix(s, i)
-                self.recording = recording
-            return mix
+            return self._mix(s, i)                                 # (the trunk turns logging off for this)
         return self.newest(s)
 
 
@@ -649,26 +630,3 @@ RESIDUALS = {
     "moda": MoDA,
 }
 
-
-def design_options(name, given=None):
-    """Design `name`'s constructor options: its declared defaults (`options`), overridden by the keys of
-    `given` that it declares (a grid's --residual-args may hold options of its other designs). A value of
-    another type than the default's, or a count below 1, is a ValueError."""
-    opts = {k: (given or {}).get(k, v) for k, v in RESIDUALS[name].options.items()}
-    for k, v in opts.items():
-        want = type(RESIDUALS[name].options[k])
-        if type(v) is not want or (want is int and v < 1):
-            raise ValueError(f"{name}: option {k} must be a{' positive' if want is int else ''} {want.__name__}, "
-                             f"got {v!r}")
-    return opts
-
-
-def check_options(names, given):
-    """ValueError unless every key of `given` is an option of one of the designs `names`, of the right type."""
-    declared = {k: v for name in names for k, v in RESIDUALS[name].options.items()}
-    unknown = sorted(set(given) - set(declared))
-    if unknown:
-        raise ValueError(f"no design of {', '.join(names)} has an option {unknown[0]!r} "
-                         f"(theirs: {declared or 'none'})")
-    for name in names:
-        design_options(name, given)

@@ -48,8 +48,9 @@ import profile_gpu
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
 from model import GPT, GPTConfig
 import common
-from common import ArgParser, csv, json_object, positive, print0, versions, write_json
-from residuals import RESIDUALS, check_options, design_options
+from common import (ArgParser, check_options, design_options, csv, json_object, positive, print0, versions,
+                    write_json)
+from residuals import RESIDUALS
 from shapes import SUITES, VOCAB, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
 
 SCHEMA = "depthbench.train/1"
