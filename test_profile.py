@@ -201,12 +201,14 @@ def test_tensor_bytes_counts_live_storage_and_shows_the_chunked_loss_saving():
 
 
 def test_readme_profile_commands_resolve_their_shapes(capsys):
-    """Every profile_gpu.py command in the README parses and resolves its shapes: run analytically (a shape
-    solver tightened after a command was written once left the README's CPU table command failing)."""
+    """Every profile_gpu.py command in the README and the docs pages parses and resolves its shapes: run
+    analytically (a shape solver tightened after a command was written once left the CPU table's command
+    failing). The commands live in docs/training.md (analytic, GPU sweep) and docs/speed.md (CPU table, bench)."""
     import re
     from pathlib import Path
-    readme = (Path(__file__).resolve().parent / "README.md").read_text()
-    cmds = [c.split("#")[0].split() for c in re.findall(r"^(?:OMP_NUM_THREADS=1 )?python profile_gpu\.py(.*)$", readme, re.M)]
+    here = Path(__file__).resolve().parent
+    text = "\n".join(p.read_text() for p in [here / "README.md", *sorted((here / "docs").glob("*.md"))])
+    cmds = [c.split("#")[0].split() for c in re.findall(r"^(?:OMP_NUM_THREADS=1 )?python profile_gpu\.py(.*)$", text, re.M)]
     assert len(cmds) >= 4
     for argv in cmds:
         if "--bench" in argv:

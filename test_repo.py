@@ -1,55 +1,41 @@
 """
-The repository describes itself truthfully: the README's file table lists every source file with its
-exact line count, the docs sections that README, docs and code cite exist, and nothing a clone lacks
+The repository describes itself truthfully: the README stays a short read, its file map names every
+source file, test, docs page and CI file (and nothing that does not exist), every docs page is reachable
+from it, the docs sections and files that README, docs and code cite exist, and nothing a clone lacks
 (../shared) is cited outside the tests.
 
     python -m pytest -q test_repo.py
-    python test_repo.py --update          # rewrite the README's line counts from the files
 """
-import os
 import re
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
-COUNTED = re.compile(r"^(\S+)\s+(\d+)  (\S.*)$")           # "model.py           218  what it holds"
+README_MAX_LINES = 250                                      # a newcomer's five-minute read (issue 19)
 FORBIDDEN = ("../shared", "architectures.md", "spec §", "diagnostics.md §")
-CITE = re.compile(r"(?:docs/)?(designs|diagnostics)\.md#([A-Za-z0-9_-]+)")
+PAGES = ("designs", "diagnostics", "results", "speed", "training", "official")
+CITE = re.compile(r"(?:docs/)?(" + "|".join(PAGES) + r")\.md#([A-Za-z0-9_-]+)")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")      # a Markdown link or image's target, without its anchor
 
 
-def file_table(text):
-    """(first line, end line, rows) of the code block under '## Files'; rows are (name, count or None, desc)."""
+def file_map(text):
+    """The rows of the code block under '## Files': (name, what it holds); the name is the first word."""
     lines = text.split("\n")
     start = lines.index("## Files")
     first = next(k for k in range(start, len(lines)) if lines[k].startswith("```")) + 1
     end = next(k for k in range(first, len(lines)) if lines[k].startswith("```"))
-    rows = []
-    for line in lines[first:end]:
-        m = COUNTED.match(line)
-        rows.append((m[1], int(m[2]), m[3]) if m else (line.split()[0], None, line))
-    return first, end, rows
-
-
-def line_count(path):
-    """What `wc -l` says: the number of newline characters."""
-    return path.read_bytes().count(b"\n")
-
-
-def corrected(text):
-    """The README text with every counted row of the file table set to its file's real line count."""
-    lines = text.split("\n")
-    first, end, rows = file_table(text)
-    for k, (name, count, desc) in zip(range(first, end), rows):
-        if count is not None and (HERE / name).is_file():
-            lines[k] = f"{name:<18}{line_count(HERE / name):>4}  {desc}"
-    return "\n".join(lines)
+    return [(line.split()[0], line[len(line.split()[0]):].strip()) for line in lines[first:end] if line.strip()]
 
 
 def must_be_listed():
-    """Every file a reader should find in the table: the scripts, tests, docs pages, requirements and CI."""
+    """Every file a reader should find in the map: the scripts, tests, docs pages, requirements and CI."""
     names = [p.name for p in HERE.glob("*.py")] + [f"docs/{p.name}" for p in (HERE / "docs").glob("*.md")]
     return sorted(names + ["README.md", "requirements.txt", ".ci/run"])
+
+
+def exists(name):
+    """A row names a file, a folder (trailing /) or a glob (docs/*.png) that matches something."""
+    return any(HERE.glob(name)) if "*" in name else (HERE / name).exists()
 
 
 def slug(heading):
@@ -57,20 +43,45 @@ def slug(heading):
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def docs_pages():
+    return sorted((HERE / "docs").glob("*.md"))
+
+
 # ----------------------------------------------------------------------------- tests
 
-def test_readme_file_table_names_every_file_with_its_line_count():
-    text = README.read_text(encoding="utf-8")
-    _, _, rows = file_table(text)
-    listed = {name: count for name, count, _ in rows}
-    missing = [n for n in must_be_listed() if n not in listed]
-    gone = [n for n, c in listed.items() if not (HERE / n).exists()]
-    wrong = [n for n, c in listed.items() if c is not None and (HERE / n).is_file() and line_count(HERE / n) != c]
-    first, end, _ = file_table(corrected(text))
-    table = "\n".join(corrected(text).split("\n")[first:end])
-    assert not (missing or gone or wrong), (f"README file table: missing rows {missing}, rows for absent files "
-                                            f"{gone}, wrong counts {wrong}; `python test_repo.py --update` fixes "
-                                            f"the counts. The counts should read:\n{table}")
+def test_readme_file_map_names_every_file_and_nothing_else():
+    """One line per file, no line counts: every script, test, docs page and CI file has a row, and every row
+    names something that exists."""
+    rows = file_map(README.read_text(encoding="utf-8"))
+    names = [name for name, _ in rows]
+    missing = [n for n in must_be_listed() if n not in names]
+    gone = [n for n in names if not exists(n)]
+    bare = [n for n, what in rows if not what]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not (missing or gone or bare or twice), (f"README file map: missing rows {missing}, rows for absent files "
+                                                    f"{gone}, rows that say nothing {bare}, rows twice {twice}")
+
+
+def test_readme_is_a_short_read():
+    """At most README_MAX_LINES lines (`wc -l`): measurement reports and reference sections live in docs/."""
+    n = README.read_bytes().count(b"\n")
+    assert n <= README_MAX_LINES, f"README.md has {n} lines, over {README_MAX_LINES}: move detail to a docs/ page"
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    """Each docs page is linked from the README or from a page the README links, and the README links a page by
+    its bare name at most once (its sections may be cited by anchor besides)."""
+    readme = README.read_text(encoding="utf-8")
+    direct = {t for t in LINK.findall(readme) if t.startswith("docs/") and t.endswith(".md")}
+    reachable = set(direct)
+    for page in direct:
+        if (HERE / page).is_file():
+            reachable |= {f"docs/{t}" for t in LINK.findall((HERE / page).read_text(encoding="utf-8")) if t.endswith(".md")}
+    unreached = [f"docs/{p.name}" for p in docs_pages() if f"docs/{p.name}" not in reachable]
+    assert not unreached, f"docs pages no reader of the README can reach: {unreached}"
+    bare = re.findall(r"\]\((docs/[^)#\s]+\.md)\)", readme)
+    twice = sorted({t for t in bare if bare.count(t) > 1})
+    assert not twice, f"the README links these pages more than once: {twice}"
 
 
 def test_nothing_outside_the_tests_points_into_shared():
@@ -87,7 +98,7 @@ def test_nothing_outside_the_tests_points_into_shared():
 def test_every_cited_docs_section_exists():
     """`docs/designs.md#mhc` and the like, wherever cited (README, docs, all Python files), name a heading."""
     anchors = {page: {slug(line.lstrip("#")) for line in (HERE / "docs" / f"{page}.md").read_text(
-        encoding="utf-8").split("\n") if line.startswith("#")} for page in ("designs", "diagnostics")}
+        encoding="utf-8").split("\n") if line.startswith("#")} for page in PAGES}
     cited = []
     for path in [README, *sorted((HERE / "docs").glob("*.md")), *sorted(HERE.glob("*.py"))]:
         for k, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
@@ -100,30 +111,14 @@ def test_every_cited_docs_section_exists():
     assert not dangling, "cited sections that do not exist:\n" + "\n".join(dangling)
 
 
-def test_table_rows_round_trip():
-    """corrected() rewrites counts only: names, descriptions and folder rows stay, and a fixed table is a fixed point."""
+def test_readme_and_docs_links_point_at_files_that_exist():
+    """Every image and relative link of the README and of each docs page names a file in the repo (figures are
+    replaced, not lost); a docs page's links are relative to docs/."""
     text = README.read_text(encoding="utf-8")
-    fixed = corrected(text)
-    assert [(n, d) for n, _, d in file_table(fixed)[2]] == [(n, d) for n, _, d in file_table(text)[2]]
-    assert corrected(fixed) == fixed
-    assert len(fixed.split("\n")) == len(text.split("\n"))
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--update"]:
-        print("usage: python test_repo.py --update   (rewrites the README's line counts)", file=sys.stderr)
-        sys.exit(2)
-    new = corrected(README.read_text(encoding="utf-8"))
-    tmp = README.with_suffix(".md.tmp")
-    tmp.write_text(new, encoding="utf-8")
-    os.replace(tmp, README)
-    print(f"updated the line counts in {README.name}")
-
-
-def test_readme_links_point_at_files_that_exist():
-    """Every image and relative link of the README names a file in the repo (figures are replaced, not lost)."""
-    text = README.read_text()
     targets = re.findall(r"\]\(((?:docs|fixtures)/[^)#\s]+)", text)
     assert targets, "the README links no docs at all"
     missing = [t for t in targets if not (HERE / t).is_file()]
-    assert not missing, f"README links files that do not exist: {missing}"
+    for page in docs_pages():
+        local = [t for t in LINK.findall(page.read_text(encoding="utf-8")) if "://" not in t]
+        missing += [f"{page.name}: {t}" for t in local if not (page.parent / t).is_file()]
+    assert not missing, f"links to files that do not exist: {missing}"
