@@ -164,45 +164,49 @@ class Sinkhorn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- AttnRes
 
 def depth_mix(query, key_gain, sources, eps):
-    """The mix as one node (`DepthMix`); each source's 1/rms as its own node."""
-    rs = [InvRms.apply(v.float(), eps) for v in sources]
-    mix, p = DepthMix.apply(key_gain.float() * query.float(), *(v.float() for v in sources), *rs)
+    """The mix as one node (`DepthMix`), each source's 1/rms formed inside it."""
+    mix, p = DepthMix.apply(key_gain.float() * query.float(), eps, *(v.float() for v in sources))
     return mix.to(sources[0].dtype), p
 
 
 class DepthMix(torch.autograd.Function):
-    """(mix, p) from gq = key_gain * query and each source's r_j = 1/rms(v_j), with the exact gradient:
+    """(mix, p) from gq = key_gain * query, with r_j = rsqrt(mean(v_j^2) + eps) and the exact gradient:
         s_j = (v_j . gq) r_j,  p = softmax(s),  mix = sum_j p_j v_j
         ds = p (dp - <p, dp>),  dp_j = <dmix, v_j>
-        dv_j = p_j dmix + (ds_j r_j) gq,  dr_j = ds_j (v_j . gq),  dgq = sum_j (ds_j r_j) v_j
+        dv_j = p_j dmix + (ds_j r_j) gq - (ds_j s_j r_j^2 / D) v_j,  dgq = sum_j (ds_j r_j) v_j
     A loop over the sources, each read a few times and never copied, keeping only the sources and (S, B, T)
-    vectors, source-major so that each is contiguous."""
+    vectors, source-major so that each is contiguous; the norm's gradient joins dv_j in the same pass."""
 
     @staticmethod
-    def forward(ctx, gq, *sources_and_rs):
-        sources, r = sources_and_rs[:len(sources_and_rs) // 2], torch.stack(sources_and_rs[len(sources_and_rs) // 2:])
-        dot = torch.stack([v @ gq for v in sources])                                      # (S, B, T)
-        p = (dot * r).softmax(dim=0)
+    def forward(ctx, gq, eps, *sources):
+        r = torch.stack([(torch.linalg.vector_norm(v, dim=-1).square() / v.size(-1) + eps).rsqrt() for v in sources])
+        s = torch.stack([v @ gq for v in sources]) * r                                    # (S, B, T)
+        p = s.softmax(dim=0)
         mix = torch.zeros_like(sources[0])
         for pj, v in zip(p, sources):
             mix.addcmul_(pj[..., None], v)
-        ctx.save_for_backward(gq, p, r, dot, *sources)
+        ctx.save_for_backward(gq, p, r, s, *sources)
         return mix, p.movedim(0, -1)
 
     @staticmethod
     def backward(ctx, dmix, dp_out):
-        gq, p, r, dot, *sources = ctx.saved_tensors
+        gq, p, r, s, *sources = ctx.saved_tensors
         dp = torch.stack([torch.linalg.vecdot(v, dmix) for v in sources]) + dp_out.movedim(-1, 0)  # (S, B, T)
         ds = p * (dp - (p * dp).sum(0))
-        a = ds * r
+        a, c = ds * r, ds * s * r.square() / -sources[0].size(-1)
         grads, dgq = [], torch.zeros_like(gq)
-        for v, pj, aj in zip(sources, p, a):
-            grads.append((pj[..., None] * dmix).addcmul_(aj[..., None], gq))
+        for v, pj, aj, cj in zip(sources, p, a, c):
+            grads.append((pj[..., None] * dmix).addcmul_(aj[..., None], gq).addcmul_(cj[..., None], v))
             dgq += aj.flatten() @ v.flatten(0, -2)
-        return dgq, *grads, *(ds * dot)
+        return dgq, None, *grads
 
 
 # ----------------------------------------------------------------------------- MoDA
+
+def depth_slot(t):
+    """t (..., T, hd) stored (..., hd, T), tokens last: how DepthAttention reads a slot fastest."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
 
 class DepthAttention(torch.autograd.Function):
     """The depth half of joint_attention: o = sum_j p_j v_j and lse = log sum_j exp(s_j), s_j = scale <q, k_j>,

@@ -76,6 +76,12 @@ def causal_attention(q, k, v, fast=False):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.size(1) < q.size(1))
 
 
+def depth_slot(t, fast=False):
+    """A key or value (B, Hkv, T, hd) as MoDA keeps it for later layers: itself (fast: the same values, stored in
+    the layout the fast depth attention reads without a copy)."""
+    return kernels.depth_slot(t) if fast else t
+
+
 def joint_attention(q, k, v, depth_k, depth_v, fast=False):
     """MoDA's attention: one softmax per query over its causal sequence logits *and* the logits of the S
     depth keys that earlier sublayers left at the query's own token:

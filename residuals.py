@@ -35,7 +35,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ops import RMSNorm, depth_connection, depth_mix, normed_projection, reset_norms, rms_norm, sinkhorn, width_connection
+from ops import (RMSNorm, depth_connection, depth_mix, depth_slot, normed_projection, reset_norms, rms_norm, sinkhorn,
+                 width_connection)
 
 
 ATTNRES_C = 4  # FLOPs per source and channel of a depth mix: score dot (2) + weighted sum (2); 6 with RMS
@@ -592,12 +593,12 @@ class MoDA(PreLN):
         if i % 2 == 0:                                                # attention: cache its own k, v
             if self.recording is not None and ctx["depth_share"] is not None:
                 self.log("moda_depth_mass", ctx["depth_share"].mean())
-            return x_new, ks + [ctx["k"]], vs + [ctx["v"]]
+            return x_new, ks + [depth_slot(ctx["k"], self.fast)], vs + [depth_slot(ctx["v"], self.fast)]
         b = i // 2
         if b == len(self.kv_proj):                                    # last block: no W_kv
             return x_new, ks, vs
         kv = self.kv_proj[b](ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)
-        return x_new, ks + [kv[0]], vs + [kv[1]]                      # kv: (2, B, Hkv, T, hd)
+        return x_new, ks + [depth_slot(kv[0], self.fast)], vs + [depth_slot(kv[1], self.fast)]  # (B, Hkv, T, hd)
 
     def collapse(self, s):
         return self.norm_f(s[0])
@@ -608,7 +609,7 @@ class MoDA(PreLN):
         x, ks, vs = s
         if i % 2 == 1 and i // 2 == len(self.kv_proj):
             return s
-        zero = x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim)     # (B, Hkv, T, hd)
+        zero = depth_slot(x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim), self.fast)
         return x, ks + [zero], vs + [zero]
 
     def depth_state(self, s, i):
