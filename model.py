@@ -12,7 +12,8 @@ The backbone is LLaMA-like (docs/designs.md#backbone):
 What is deliberately *not* here: norms, residual adds, the final norm. Attention and the MLP are
 pure branch functions; every norm placement, residual add, stream mixing and the final collapse live
 in residuals.py behind one small interface (see its module docstring). The trunk loop in
-`GPT.forward` is the whole contract between the two files.
+`GPT.forward` is the whole contract between the two files. The maths both share is in ops.py;
+`kernels="fast"` runs its kernels.py bodies (the same maths, faster), "reference" ops.py's own.
 """
 from dataclasses import dataclass, field
 
@@ -53,10 +54,6 @@ class GPTConfig:
     def head_dim(self):
         return self.d_model // self.n_head
 
-    @property
-    def fast(self):
-        return self.kernels == "fast"
-
 
 class Attention(nn.Module):
     """Causal attention with RoPE, multi-head (n_kv_head = n_head) or grouped-query (n_kv_head < n_head:
@@ -74,7 +71,8 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
         assert cfg.n_head * hd == d, "d_model must equal n_head * head_dim"
-        self.n_head, self.n_kv_head, self.head_dim, self.fast = cfg.n_head, cfg.n_kv_head, hd, cfg.fast
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, hd
+        self.fast = cfg.kernels == "fast"
         self.wq = nn.Linear(d, d, bias=False)
         self.wk = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
         self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
@@ -178,7 +176,7 @@ class GPT(nn.Module):
         self.observe(s, 2 * self.cfg.n_layer, rec)
         z = self.res.collapse(s)                                   # (B, T, D), the final norm included
         self.res.recording = None
-        if targets is not None and not logits and self.cfg.fast:  # training: never all (B, T, V) logits at once
+        if targets is not None and not logits and self.cfg.kernels == "fast":  # training: never all (B, T, V) logits at once
             loss = kernels.chunked_cross_entropy(z.flatten(0, 1), self.lm_head.weight, targets.flatten())
             return (None, loss, rec) if record else (None, loss)
         out = self.lm_head(z)

@@ -39,9 +39,6 @@ from ops import (RMSNorm, depth_connection, depth_mix, depth_slot, normed_projec
                  width_connection)
 
 
-ATTNRES_C = 4  # FLOPs per source and channel of a depth mix: score dot (2) + weighted sum (2); 6 with RMS
-
-
 def attnres_sources(L, N):
     """Sources read by all depth mixes of AttnRes with N groups spread evenly over the 2L sublayers.
 
@@ -77,7 +74,7 @@ class PreLN(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.n_layer, self.n_sub, eps, self.fast = cfg.n_layer, 2 * cfg.n_layer, cfg.norm_eps, cfg.fast
+        self.n_layer, self.n_sub, eps, self.fast = cfg.n_layer, 2 * cfg.n_layer, cfg.norm_eps, cfg.kernels == "fast"
         self.norms = nn.ModuleList(RMSNorm(cfg.d_model, eps) for _ in range(self.n_sub))  # pre-norm of sublayer i
         self.norm_f = RMSNorm(cfg.d_model, eps)
         self.recording = None
@@ -312,9 +309,8 @@ class HC(PreLN):
     def read(self, s, i):
         pre, post, res = self._maps(s, i)
         if self.recording is not None:
-            self.log("H_pre", pre.mean((0, 1)))
-            self.log("H_post", post.mean((0, 1)))
-            self.log("H_res", res.mean((0, 1)))                                          # token-averaged (n, n)
+            for key, m in (("H_pre", pre), ("H_post", post), ("H_res", res)):
+                self.log(key, m.mean((0, 1)))                                            # token-averaged
         branch, mixed = width_connection(s, pre, res, fast=self.fast)
         return self.norms[i](branch), {"post": post, "mixed": mixed}
 
@@ -424,8 +420,8 @@ class BlockAttnRes(PreLN):
 
     @classmethod
     def cost(cls, L, d, T, n_groups=8, **options):
-        """ATTNRES_C FLOPs per source and channel of every depth mix; the state: the N + 1 sources."""
-        return ATTNRES_C * d * attnres_sources(L, n_groups) * T, min(n_groups, 2 * L) + 1
+        """4 FLOPs per source and channel of every depth mix (score dot 2, weighted sum 2); the state: N + 1 sources."""
+        return 4 * d * attnres_sources(L, n_groups) * T, min(n_groups, 2 * L) + 1
 
     def __init__(self, cfg, n_groups=8):
         super().__init__(cfg)
