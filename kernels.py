@@ -42,24 +42,27 @@ def causal_attention(q, k, v):
 def joint_attention(q, k, v, depth_k, depth_v):
     """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
 
-    The depth half (S keys per token) is `DepthAttention`. The sequence half goes through the fused SDPA kernel
-    with one extra "sink" key per query that stands for all its depth keys: an extra query coordinate
-    lse_depth / scale against a sink key with a 1 there gives the sink exactly the logit log Z_depth, and a 1
-    in an extra value channel reads out its share Z_depth / (Z_seq + Z_depth). A dummy first query lets SDPA's
-    top-left causal mask show every query the sink (key 0) and the sequence keys up to itself."""
+    The depth half (S keys per token) is `DepthAttention`, in fp32. The sequence half goes through the fused SDPA
+    kernel with one extra "sink" key per query that stands for all its depth keys: extra query coordinates
+    holding lse_depth / scale against a sink key with 1s there give the sink exactly the logit log Z_depth, and
+    a 1 in an extra value channel reads out its share Z_depth / (Z_seq + Z_depth). Under bf16 the logit rides
+    in two coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy first query lets SDPA's top-left
+    causal mask show every query the sink (key 0) and the sequence keys up to itself."""
     B, H, T, hd = q.shape
     Hkv, scale = k.size(1), hd ** -0.5
-    qg = q.unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, T, hd): query heads grouped by their kv head, a view
-    o_depth, lse_depth = DepthAttention.apply(scale, len(depth_k), qg, *(t[:, :, None] for t in depth_k + depth_v))
-    o_depth, lse_depth = o_depth.flatten(1, 2), lse_depth.flatten(1, 2)              # (B, H, T, hd), (B, H, T)
-    # extra coordinates: one is enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU up to the padded width
-    pad = 8 if q.is_cuda else max(1, CPU_SDPA_MIN_HEAD_DIM - hd)
-    e0 = F.one_hot(torch.tensor(0, device=q.device), pad).to(q.dtype)               # (pad,) = [1, 0, ...]
-    q_aug = torch.cat([q, (lse_depth / scale).to(q.dtype)[..., None] * e0], dim=-1)  # (B, H, T, hd + pad)
-    sink = torch.cat([q.new_zeros(hd), e0]).expand(B, Hkv, 1, hd + pad)            # the sink's key and value
+    qg = q.unflatten(1, (Hkv, H // Hkv)).float()  # (B, Hkv, G, T, hd): query heads grouped by their kv head
+    with torch.autocast(q.device.type, enabled=False):
+        o_depth, lse = DepthAttention.apply(scale, len(depth_k), qg, *(t[:, :, None] for t in depth_k + depth_v))
+    o_depth, lse = o_depth.flatten(1, 2), lse.flatten(1, 2) / scale                # (B, H, T, hd), (B, H, T)
+    # extra coordinates: two are enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU up to the padded width
+    pad = 8 if q.is_cuda else max(2, CPU_SDPA_MIN_HEAD_DIM - hd)
+    e0, e1 = F.one_hot(torch.arange(2, device=q.device), pad).to(q.dtype)          # (pad,) each: [1, 0, ..], [0, 1, ..]
+    hi = lse.to(q.dtype)
+    q_aug = torch.cat([q, hi[..., None] * e0 + (lse - hi.float()).to(q.dtype)[..., None] * e1], dim=-1)
+    sink_k, sink_v = (torch.cat([q.new_zeros(hd), e]).expand(B, Hkv, 1, hd + pad) for e in (e0 + e1, e0))
     out = F.scaled_dot_product_attention(
         torch.cat([q_aug.new_zeros(B, H, 1, hd + pad), q_aug], dim=2),            # dummy query first
-        torch.cat([sink, F.pad(k, (0, pad))], dim=2), torch.cat([sink.to(v.dtype), F.pad(v, (0, pad))], dim=2),
+        torch.cat([sink_k.to(k.dtype), F.pad(k, (0, pad))], dim=2), torch.cat([sink_v.to(v.dtype), F.pad(v, (0, pad))], dim=2),
         is_causal=True, scale=scale, enable_gqa=Hkv < H)[:, :, 1:]                 # (B, H, T, hd + pad)
     share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
     return out[..., :hd] + share[..., None] * o_depth, share.detach()
@@ -111,21 +114,19 @@ class InvRms(torch.autograd.Function):
 
 def normed_projection(x, W, eps):
     """(x @ W) / rms(x): no normalised copy of x, and the projection with the tokens as BLAS columns."""
-    x = x.float()
-    return skinny_matmul(x, W.float()) * InvRms.apply(x, eps)[..., None]
+    return skinny_matmul(x, W) * InvRms.apply(x, eps)[..., None]
 
 
 def width_connection(H, pre, res):
     """Both mixes as one (n+1 x n) @ (n x D) matmul per token, split (a slice's backward zero-fills the product)."""
-    maps = torch.cat([pre[..., None, :], res], dim=-2).to(H.dtype)              # (B, T, n+1, n)
+    maps = torch.cat([pre[..., None, :], res], dim=-2)                          # (B, T, n+1, n)
     branch, mixed = (maps @ H).split([1, H.size(-2)], dim=-2)
     return branch.squeeze(-2), mixed
 
 
 def depth_connection(mixed, post, y):
     """mixed + post (x) y as one baddbmm over the tokens."""
-    return torch.baddbmm(mixed.flatten(0, 1), post.to(y.dtype).flatten(0, 1)[..., None],
-                         y.flatten(0, 1)[:, None]).view_as(mixed)
+    return torch.baddbmm(mixed.flatten(0, 1), post.flatten(0, 1)[..., None], y.flatten(0, 1)[:, None]).view_as(mixed)
 
 
 def sinkhorn(logits, iters, eps):
@@ -165,8 +166,7 @@ class Sinkhorn(torch.autograd.Function):
 
 def depth_mix(query, key_gain, sources, eps):
     """The mix as one node (`DepthMix`), each source's 1/rms formed inside it."""
-    mix, p = DepthMix.apply(key_gain.float() * query.float(), eps, *(v.float() for v in sources))
-    return mix.to(sources[0].dtype), p
+    return DepthMix.apply(key_gain * query, eps, *(v.float() for v in sources))
 
 
 class DepthMix(torch.autograd.Function):
@@ -214,12 +214,13 @@ class DepthAttention(torch.autograd.Function):
     broadcast over the G query heads of their kv head. A loop over the slots, each read once, with the exact
     backward: ds = p (dp - <p, dp>) + dlse p, dp_j = <do, v_j>, dq = scale sum_j ds_j k_j, dk_j = scale ds_j q,
     dv_j = p_j do. It runs tokens last, (..., hd, T) (a per-token weight broadcast over hd = 8-16 is slow),
-    with slot-major weights (S, B, Hkv, G, T) and in-place sums; with G = 1 nothing is summed over the group."""
+    with slot-major weights (S, B, Hkv, G, T) and in-place sums; with G = 1 nothing is summed over the group.
+    It computes in q's dtype (joint_attention gives it fp32): bf16 slots are read as fp32."""
 
     @staticmethod
     def forward(ctx, scale, S, q, *kv):
         qt = q.transpose(-1, -2).contiguous()                                            # (B, Hkv, G, hd, T)
-        kts, vts = [t.transpose(-1, -2) for t in kv[:S]], [t.transpose(-1, -2) for t in kv[S:]]
+        kts, vts = [t.transpose(-1, -2).to(q.dtype) for t in kv[:S]], [t.transpose(-1, -2).to(q.dtype) for t in kv[S:]]
         logits = torch.stack([torch.linalg.vecdot(qt, kt, dim=-2) for kt in kts]).float() * scale  # (S, B, Hkv, G, T)
         lse = logits.logsumexp(dim=0)
         p = torch.exp(logits - lse)
@@ -233,7 +234,8 @@ class DepthAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         qt, p, *kv = ctx.saved_tensors
-        kts, vts = [t.transpose(-1, -2) for t in kv[:ctx.S]], [t.transpose(-1, -2) for t in kv[ctx.S:]]
+        kts, vts = ([t.transpose(-1, -2).to(qt.dtype) for t in kv[:ctx.S]],
+                    [t.transpose(-1, -2).to(qt.dtype) for t in kv[ctx.S:]])
         dot = do.transpose(-1, -2).contiguous()
         dp = torch.stack([torch.linalg.vecdot(dot, vt, dim=-2) for vt in vts]).float()  # (S, B, Hkv, G, T)
         ds = (p * (dp - (p * dp).sum(0) + dlse) * ctx.scale).to(qt.dtype)

@@ -6,8 +6,11 @@ depth connections and mHC's Sinkhorn; AttnRes' softmax over depth; MoDA's joint 
 A function with a `fast` argument has a second body in kernels.py: the same maths with the layouts, fused
 nodes and hand-written backward passes that make it fast (GPTConfig.kernels, `--kernels fast|reference`).
 The body below is the definition; test_all.py checks, design by design, that both give the same logits,
-loss and gradients.
+loss and gradients. Precision, the same for every design under bf16 autocast: the sublayers' matmuls run
+in bf16; the residual state, the designs' mixing and every depth-softmax logit in fp32 (`fp32`).
 """
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -46,6 +49,15 @@ def reset_norms(module):
     for m in module.modules():
         if isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
+
+
+def fp32(fn):
+    """Run fn with autocast off and its tensor arguments in fp32: residual arithmetic, whatever autocast does."""
+    @functools.wraps(fn)
+    def run(*args, **kw):
+        with torch.autocast(next(a for a in args if torch.is_tensor(a)).device.type, enabled=False):
+            return fn(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args), **kw)
+    return run
 
 
 # ----------------------------------------------------------------------------- RoPE and attention
@@ -98,39 +110,41 @@ def joint_attention(q, k, v, depth_k, depth_v, fast=False):
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)          # (B, H, T, hd)
     dk, dv = (torch.stack(ts, dim=3).repeat_interleave(G, dim=1) for ts in (depth_k, depth_v))  # (B, H, T, S, hd)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    seq = (q @ k.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))  # (B, H, T, T)
-    depth = (q[..., None, :] * dk).sum(-1) * scale                             # (B, H, T, S)
-    a = torch.cat([seq, depth], dim=-1).float().softmax(dim=-1).to(q.dtype)
-    o = a[..., :T] @ v + (a[..., T:, None] * dv).sum(-2)
+    seq = (q @ k.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))  # (B, H, T, T), as attention's
+    depth = (q.float()[..., None, :] * dk.float()).sum(-1) * scale             # (B, H, T, S), in fp32
+    a = torch.cat([seq.float(), depth], dim=-1).softmax(dim=-1)
+    o = a[..., :T].to(v.dtype) @ v + (a[..., T:, None] * dv.float()).sum(-2)
     return o, a[..., T:].sum(-1).detach()
 
 
 # ----------------------------------------------------------------------------- HC and mHC
 
+@fp32
 def normed_projection(x, W, eps, fast=False):
     """(x / rms(x)) @ W, no gain, in fp32: what HC's and mHC's dynamic maps are made from. x (..., K),
     W (K, M) with few columns (n + 2 for HC, n^2 + 2n for mHC)."""
     if fast:
         return kernels.normed_projection(x, W, eps)
-    return rms_norm(x.float(), eps=eps) @ W.float()
+    return rms_norm(x, eps=eps) @ W
 
 
+@fp32
 def width_connection(H, pre, res, fast=False):
     """HC's width connection (Zhu et al., eq. 3-4): from the streams H (B, T, n, D), the branch input
     sum_s pre_s h_s (B, T, D) and the mixed residual sum_s res[o, s] h_s (B, T, n, D); pre (B, T, n),
     res (B, T, n, n) as [out, in]."""
     if fast:
         return kernels.width_connection(H, pre, res)
-    pre, res = pre.to(H.dtype), res.to(H.dtype)
     return (pre[..., None] * H).sum(-2), res @ H
 
 
+@fp32
 def depth_connection(mixed, post, y, fast=False):
     """HC's depth connection: the branch output y (B, T, D) joins each mixed stream o with weight post_o:
     h'_o = mixed_o + post_o y -> (B, T, n, D)."""
     if fast:
         return kernels.depth_connection(mixed, post, y)
-    return mixed + post.to(y.dtype)[..., None] * y[..., None, :]
+    return mixed + post[..., None] * y[..., None, :]
 
 
 def sinkhorn(logits, iters=20, eps=1e-6, fast=False):
@@ -149,6 +163,7 @@ def sinkhorn(logits, iters=20, eps=1e-6, fast=False):
 
 # ----------------------------------------------------------------------------- AttnRes
 
+@fp32
 def depth_mix(query, key_gain, sources, eps=1e-5, fast=False):
     """AttnRes' softmax over depth for one consumer, Kimi's eq. 2: keys are the RMS-normalised sources with the
     consumer's gain, the query is a learnt vector (scale 1), the values are the raw sources:
@@ -158,7 +173,7 @@ def depth_mix(query, key_gain, sources, eps=1e-5, fast=False):
     sources: S tensors (B, T, D); logits and softmax in fp32. Returns mix (B, T, D), p (B, T, S)."""
     if fast:
         return kernels.depth_mix(query, key_gain, sources, eps)
-    V = torch.stack(sources)                                     # (S, B, T, D)
-    keys = rms_norm(V.float(), key_gain, eps)                    # (S, B, T, D)
-    p = (keys @ query.float()).softmax(dim=0)                    # (S, B, T)
-    return (p[..., None] * V.float()).sum(0).to(V.dtype), p.movedim(0, -1)
+    V = torch.stack(sources).float()                             # (S, B, T, D)
+    keys = rms_norm(V, key_gain, eps)
+    p = (keys @ query).softmax(dim=0)                            # (S, B, T)
+    return (p[..., None] * V).sum(0), p.movedim(0, -1)

@@ -491,7 +491,7 @@ class BlockAttnRes(PreLN):
         return rms_norm(self._source(s, i), self.norms[i].weight, self.eps), {}
 
     def write(self, s, i, y, ctx=None):
-        done, partial = s
+        done, partial, y = *s, y.float()                           # the bank is residual state: fp32 (ops.py)
         if partial is None or self.group[i] != self.group[i - 1]:  # the first sublayer, or y starts a new group
             return done + ([] if partial is None else [partial]), y
         return done, partial + y                                   # y joins the open group

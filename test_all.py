@@ -674,3 +674,72 @@ def test_shapes_cli_suite_json():
     assert [line.split()[0] for line in listing.stdout.splitlines()] == list(shapes.SUITES)
     bad = run("shapes.py", "--suite", "nosuch")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not bad.stdout
+
+
+# ----------------------------------------------------------------------------- precision under bf16 autocast
+
+def tensors_of(state):
+    if torch.is_tensor(state):
+        return [state]
+    return [t for part in state for t in tensors_of(part)] if isinstance(state, (list, tuple)) else []
+
+
+class SoftmaxInputs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the dtype of every softmax / log-softmax / logsumexp input."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("_softmax", "_log_softmax", "logsumexp"):
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kernels", ["fast", "reference"])
+@pytest.mark.parametrize("residual", ALL)
+def test_one_precision_rule_under_bf16_autocast(residual, kernels):
+    """Under bf16 autocast (CPU's here; CUDA's in training) the sublayers compute in bf16, while every design's
+    residual state after every write (HC's streams, AttnRes' bank and group sums; MoDA's stream, its depth K/V
+    being attention's own keys and values) and every softmax input stays fp32; the loss stays near fp32's."""
+    model, x = build(residual, kernels=kernels, **KERNEL_SHAPES["gqa"]), batch()
+    states, write = [], model.res.write
+    model.res.write = lambda s, i, y, ctx=None: states.append(write(s, i, y, ctx)) or states[-1]
+    with torch.autocast("cpu", dtype=torch.bfloat16), SoftmaxInputs() as soft:
+        loss = model(x, x)[1]
+    loss.backward()
+    assert len(states) == 2 * model.cfg.n_layer
+    for s in states:
+        assert {t.dtype for t in tensors_of(s[:1] if residual == "moda" else s)} == {torch.float32}
+    assert soft.dtypes == {torch.float32}
+    del model.res.write
+    assert abs(loss.item() - model(x, x)[1].item()) < 0.05
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_attnres_depth_logits_are_fp32_under_autocast(fast):
+    """AttnRes' depth weights under bf16 autocast equal fp32's on the same fp32 sources: no logit is rounded to
+    bf16 (autocast would run the key-query product as a bf16 matmul)."""
+    from ops import depth_mix
+    torch.manual_seed(0)
+    q, g, src = torch.randn(32), 1 + 0.1 * torch.randn(32), [torch.randn(2, 5, 32) * (j + 1) for j in range(6)]
+    mix, p = depth_mix(q, g, src, fast=fast)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mix_a, p_a = depth_mix(q, g, src, fast=fast)
+    assert p_a.dtype == mix_a.dtype == torch.float32
+    torch.testing.assert_close(p_a, p, rtol=0, atol=1e-6)
+
+
+def test_attnres_memory_is_linear_in_depth_under_autocast():
+    """Full AttnRes under bf16 autocast, eager: the forward's peak tensor bytes per token and layer are the same
+    at L4 and L16 (each source is stored once, in fp32, and read by every consumer in place; a depth mix that
+    made fp32 copies of its bf16 sources for backward grew ~1.7x from L4 to L16)."""
+    from profile_gpu import TensorBytes
+    per_layer = []
+    for L in (4, 16):
+        model, x = build("attnres", n_layer=L), batch(T=32)
+        with torch.autocast("cpu", dtype=torch.bfloat16), TensorBytes() as tb:
+            model(x, x)
+        per_layer.append(tb.peak / L)
+    assert per_layer[1] < 1.1 * per_layer[0]
