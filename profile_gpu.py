@@ -18,34 +18,12 @@ break-even in steps per design at L8 d128 (each in a fresh process and inductor 
 one 400M L24 training step at micro-batch 1, T 2048 with the plain loss (full fp32 logits) and the logits-free
 one: the peak of live tensor bytes (`TensorBytes`, what CUDA's max_memory_allocated counts) and the peak RSS.
 
-Analytic fields (docs/diagnostics.md#cost; a multiply-add is 2 FLOPs; norms, softmax, RoPE and adds are not counted):
-- prefill_flops: one forward of T tokens, the spec's formula A = 2·T·N_blk + 2·L·d·T², N_blk = L(4d² + 3·d·d_ff),
-  attention scores counted causally (half of T×T), LM head left out: the only variant that gives the paper's
-  3.0 T at AR 76. It is the backbone's count, the same for every design; a design's extra work is on top:
-- residual_overhead_flops: per sequence, from the design's `cost` in residuals.py.
-- prefill_flops_head: A + 2·T·d·V (the head on every position).
-- train_flops_per_token: 3 × (prefill_flops_head + residual_overhead_flops) / T: backward = 2 × forward, causal
-  attention, head included: ≈ 6·N_blk + 6·L·d·T + 6·d·V (OLMo's 6·params + 12·L·d·T is non-causal).
-- kv_cache_bytes per sequence (and _batch): 2 (K, V)·L·T·d·bytes = 4·L·d·T in bf16 (MHA). The same for every
-  design: HC streams and AttnRes sources live within one token's forward pass, and MoDA's depth K/V, though a
-  (B, T, 2L, d) buffer in training, are a token's own earlier sublayers: decoding recomputes them, caches nothing more.
-- weight_bytes: the design's exact parameter count (meta device) × bytes per element.
-- residual_state_bytes per sequence: what the design keeps alive across sublayers (its `cost`), per token d for the
-  norm designs, 4d for HC/mHC (4 streams), (2L+1)·d for Full AttnRes (every source), (N+1)·d for Block AttnRes
-  (group sums), d + 4·L·d for MoDA (the stream and the depth K/V).
-Bytes use --dtype's element size; --dtype is bf16 with --analytic-only unless told otherwise.
-
-Measured fields, labelled with the device (medians of --repeats after warm-up; CUDA events on GPU, perf_counter on CPU):
-- fwd_ms: a prefill of the batch under inference mode, logits for the last position only (B·T·V logits would
-  dominate the memory); fwdbwd_ms: forward + loss + backward on every position, no optimizer step.
-- tok_per_s = B·T / fwdbwd time (training; device-hours for 8B tokens = 8e9 / tok_per_s / 3600); utilization =
-  achieved training FLOP/s / peak_flops, the best of a few square matmuls in the same run and dtype.
-- peak_mem_bytes (prefill) and the extra field peak_mem_train_bytes (fwd+bwd): on CUDA max_memory_allocated after
-  reset_peak_memory_stats, with fp32 weights under bf16 autocast as in training; on CPU the same quantity from one
-  more, untimed run under TensorBytes: the model's parameters, buffers and input plus the peak of the tensor bytes
-  that run allocated (exact and repeatable; peak RSS moved by up to ~1 GiB between runs of one step). Each CPU
-  row still runs in a fresh process, so that one design running out of memory ends only its own row.
-- error (extra, only when set): why a row has no measurement; an OOM ends only its own row.
+Fields (docs/diagnostics.md#cost): the analytic prefill FLOPs (the backbone's, GQA-aware), the design's overhead,
+training FLOPs per token, KV-cache, weight and residual-state bytes; measured, labelled with the device: the
+prefill's latency and peak memory (logits for the last position only), and the training step's (forward, loss
+and backward as train.py runs it: the logits-free loss, compiled on CUDA), each in its own window, so that one
+running out of memory keeps the other. Peak memory: CUDA's max_memory_allocated, or on CPU the model plus the
+peak tensor bytes of one more untimed run (TensorBytes; exact and repeatable, where peak RSS is not).
 """
 import concurrent.futures
 import json
@@ -74,12 +52,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization"]
 
 
-def analytic(residual, L, d, d_ff, T, B, V, params, elem_bytes, options=None):
-    """The analytic fields of one row (module docstring); options: the design's (default: its defaults)."""
-    A = 2 * T * L * (4 * d * d + 3 * d * d_ff) + 2 * L * d * T * T  # QKᵀ, AV: 2 matmuls x 2 FLOPs x d·T²/2
+def analytic(residual, L, d, d_ff, T, B, V, params, elem_bytes, options=None, kv_ratio=1.0):
+    """The analytic fields of one row (docs/diagnostics.md#cost); options: the design's (default: its defaults);
+    kv_ratio = kv heads / query heads (GQA: W_k, W_v, the KV cache and MoDA's W_kv shrink by it)."""
+    A = 2 * T * L * ((2 + 2 * kv_ratio) * d * d + 3 * d * d_ff) + 2 * L * d * T * T  # QKᵀ, AV: 2 x 2 x d·T²/2
     head = 2 * T * d * V
-    over, state = RESIDUALS[residual].cost(L, d, T, **design_options(residual, options))
-    kv = 2 * L * T * d * elem_bytes
+    over, state = RESIDUALS[residual].cost(L, d, T, kv_ratio=kv_ratio, **design_options(residual, options))
+    kv = 2 * L * T * round(d * kv_ratio) * elem_bytes
     return {"prefill_flops": A, "prefill_flops_head": A + head, "residual_overhead_flops": over,
             "train_flops_per_token": 3 * (A + head + over) / T, "kv_cache_bytes": kv,
             "kv_cache_bytes_batch": kv * B, "weight_bytes": params * elem_bytes,
@@ -170,7 +149,8 @@ def measure(job):
         torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=job["vocab"], n_layer=job["n_layer"], d_model=job["d_model"], n_head=job["heads"],
-                    d_ff=job["d_ff"], residual=job["residual"], residual_args=job["residual_args"], kernels=job["kernels"])
+                    n_kv_head=job["kv_heads"], d_ff=job["d_ff"], residual=job["residual"],
+                    residual_args=job["residual_args"], kernels=job["kernels"])
     with dev:  # parameters are created and initialised on the device itself: no slow CPU init and copy
         model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
@@ -181,9 +161,11 @@ def measure(job):
         with torch.inference_mode(), amp:
             model(idx)
 
+    trained = torch.compile(model) if dev.type == "cuda" else model  # as train.py: compiled on CUDA only
+
     def train_step():
         with amp:
-            _, loss = model(idx, targets=idx)  # any targets do for timing
+            _, loss = trained(idx, idx, logits=False)  # train.py's loss (any targets do for timing)
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -199,12 +181,21 @@ def measure(job):
             fn()
         return ms, resident + tb.peak
 
-    # the head sees only the last position in the prefill (a hook, so that model.py stays as it is)
-    hook = model.lm_head.register_forward_pre_hook(lambda m, a: (a[0][:, -1:],))
-    fwd, fwd_peak = window(prefill)
-    hook.remove()
-    step, step_peak = window(train_step)
-    return {"fwd_ms": fwd, "peak_mem_bytes": fwd_peak, "fwdbwd_ms": step, "peak_mem_train_bytes": step_peak}
+    out, errors = {}, []
+    for name, fields, fn in (("prefill", ("fwd_ms", "peak_mem_bytes"), prefill),
+                             ("train", ("fwdbwd_ms", "peak_mem_train_bytes"), train_step)):
+        # the head sees only the last position in the prefill (a hook, so that model.py stays as it is)
+        hook = model.lm_head.register_forward_pre_hook(lambda m, a: (a[0][:, -1:],)) if fn is prefill else None
+        try:
+            out.update(zip(fields, window(fn)))
+        except Exception as e:  # out of memory in one window keeps the other's numbers
+            errors.append(f"{name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200])
+        finally:
+            if hook:
+                hook.remove()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return {**out, "error": "; ".join(errors)} if errors else out
 
 
 def run_measured(jobs, dev):
@@ -227,15 +218,19 @@ def run_measured(jobs, dev):
 # ----------------------------------------------------------------------------- the speed benchmark (--bench)
 
 BENCH_DESIGNS = [r for r, cls in RESIDUALS.items() if cls.cost(8, 128, 256)[0]]  # those with extra work
-GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+# dense bf16 peak by device name, the first match wins: the H100's PCIe and NVL variants before the SXM's
+GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100": 989e12, "A100": 312e12,
+                 "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+
+
+def gpu_peak(name):
+    """Dense bf16 FLOP/s of a GPU by its device name (GPU_BF16_PEAK), None for one the table lacks."""
+    return next((v for k, v in GPU_BF16_PEAK.items() if k in name), None)
 
 
 def device_peak(dev):
     """Peak FLOP/s for MFU: the dense bf16 table on CUDA (None for an unknown GPU), a measured fp32 matmul on CPU."""
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-        return next((v for k, v in GPU_BF16_PEAK.items() if k in name), None)
-    return peak_flops(dev, torch.float32)
+    return gpu_peak(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else peak_flops(dev, torch.float32)
 
 
 def tiny_gpt(residual, L, d, V=512, kernels="fast"):
@@ -436,6 +431,8 @@ def main(argv=None):
     p.add_argument("--ar", help=f"aspect ratios d/L for --params, comma separated (default {PAPER_AR}, the paper's)")
     p.add_argument("--heads", type=positive(), default=shapes.N_HEAD,
                    help="attention heads (default 16; head_dim must be even)")
+    p.add_argument("--kv-heads", type=positive(), help="key/value heads, dividing --heads (default: --heads; the "
+                   "1.6b suite's GQA: 8)")
     p.add_argument("--seq", type=positive(), default=4096, help="sequence length T (default 4096, as in Fig. 11)")
     p.add_argument("--batch", type=positive(), default=8,
                    help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
@@ -470,6 +467,9 @@ def main(argv=None):
     except ValueError as e:
         p.error(f"--residual-args: {e}")
     dims = parse_shapes(p, args)
+    args.kv_heads = args.kv_heads or args.heads
+    if args.heads % args.kv_heads:
+        p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     for L, d in dims:
         if d % args.heads or (d // args.heads) % 2:
             p.error(f"d={d} must split into {args.heads} heads of an even head_dim (RoPE rotates pairs)")
@@ -488,13 +488,13 @@ def main(argv=None):
     for L, d in dims:
         for res in designs:
             d_ff, opts = shapes.ffn_dim(d), design_options(res, args.residual_args)
-            params = shapes.count_params(L, d, d_ff, res, args.vocab, args.heads, **opts)
+            params = shapes.count_params(L, d, d_ff, res, args.vocab, args.heads, args.kv_heads, **opts)
             rows.append({"residual": res, "n_layer": L, "d_model": d, "d_ff": d_ff, "ar": d / L, "seq": args.seq,
                          "batch": args.batch, "params": params,
                          **analytic(res, L, d, d_ff, args.seq, args.batch, args.vocab, params, DTYPES[dtype].itemsize,
-                                    opts), **dict.fromkeys(MEASURED)})
+                                    opts, args.kv_heads / args.heads), **dict.fromkeys(MEASURED)})
             jobs.append({"residual": res, "residual_args": opts, "n_layer": L, "d_model": d, "d_ff": d_ff,
-                         "heads": args.heads, "vocab": args.vocab,
+                         "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab,
                          "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "threads": args.threads,
                          "device": str(dev), "dtype": dtype, "kernels": args.kernels})
     peak = None

@@ -546,10 +546,10 @@ class MoDA(PreLN):
     options = {"norm": "pre"}
 
     @classmethod
-    def cost(cls, L, d, T, **options):
-        """W_kv (2 d x 2d) on blocks 0..L-2; block b's queries see 2b depth keys of 2d + 2d FLOPs each; the state:
-        the stream and the depth K/V."""
-        return 4 * d * d * (L - 1) * T + 4 * d * L * (L - 1) * T, 1 + 4 * L
+    def cost(cls, L, d, T, kv_ratio=1.0, **options):
+        """W_kv (d x 2d kv_ratio; kv_ratio = kv heads / heads) on blocks 0..L-2; block b's queries see 2b depth
+        keys of 2d + 2d FLOPs each; the state: the stream and the depth K/V."""
+        return 4 * kv_ratio * d * d * (L - 1) * T + 4 * d * L * (L - 1) * T, 1 + 4 * L * kv_ratio
 
     def __init__(self, cfg, norm="pre"):
         super().__init__(cfg)

@@ -91,8 +91,9 @@ def test_attnres_source_count_matches_the_model(res, visits):
     assert sum(w.numel() for w in rec["attnres_weights"]) == visits == residuals.attnres_sources(8, N)
 
 
-def test_flop_counter_agrees_with_analytic_preln():
-    """torch's FlopCounterMode on a tiny Pre-LN forward counts exactly the analytic matmuls.
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_flop_counter_agrees_with_analytic_preln(n_kv_head):
+    """torch's FlopCounterMode on a tiny Pre-LN forward counts exactly the analytic matmuls, MHA and GQA.
 
     It counts every position of the LM head, and attention over the full T x T (non-causal), while formula A
     counts attention causally and leaves the head out; so compare the parts: the linear layers + head (aten.mm),
@@ -100,16 +101,18 @@ def test_flop_counter_agrees_with_analytic_preln():
     """
     L, d, d_ff, T, V, B = 2, 64, 176, 16, 128, 2
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=4, d_ff=d_ff))
-    r = profile_gpu.analytic("preln", L, d, d_ff, T, B, V, model.num_params(), 4)
+    model = GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=4, n_kv_head=n_kv_head, d_ff=d_ff))
+    r = profile_gpu.analytic("preln", L, d, d_ff, T, B, V, model.num_params(), 4, kv_ratio=n_kv_head / 4)
     idx = torch.randint(0, V, (B, T))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
         model(idx)
     counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
     causal_scores = 2 * L * d * T * T                          # 65,536
     linear_and_head = r["prefill_flops_head"] - causal_scores  # 2 T N_blk + 2 T d V = 688,128 + 262,144 per sequence
-    assert linear_and_head == 2 * T * 2 * (4 * 64 ** 2 + 3 * 64 * 176) + 2 * T * 64 * 128
+    kv_width = 64 * n_kv_head // 4                             # W_k, W_v: d -> n_kv_head * head_dim
+    assert linear_and_head == 2 * T * 2 * (2 * 64 ** 2 + 2 * 64 * kv_width + 3 * 64 * 176) + 2 * T * 64 * 128
     assert counts["aten.mm"] == B * linear_and_head
+    assert r["kv_cache_bytes"] == 2 * L * T * kv_width * 4
     assert counts["aten.bmm"] == B * 2 * causal_scores         # non-causal: the full T x T, twice the causal count
 
 
@@ -216,3 +219,26 @@ def test_readme_profile_commands_resolve_their_shapes(capsys):
         keep = [a for a in argv if a != "--json"]
         assert profile_gpu.main([*keep, "--analytic-only"]) in (None, 0), argv
     capsys.readouterr()
+
+
+def test_gpu_peak_tells_the_h100_variants_apart():
+    """MFU's peak: the H100's PCIe (756) and NVL (835) variants are not the SXM's 989 bf16 TFLOP/s."""
+    peaks = {name: profile_gpu.gpu_peak(name) for name in
+             ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "Tesla T4"]}
+    assert peaks == {"NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 80GB HBM3": 989e12,
+                     "NVIDIA H200": 989e12, "Tesla T4": None}
+
+
+def test_a_failing_training_step_keeps_the_prefill_numbers(monkeypatch):
+    """measure() times the prefill and the training step in separate windows: an error (on a GPU, running out
+    of memory) in the step leaves the prefill's numbers, and the row says what failed."""
+    job = {"device": "cpu", "batch": 2, "seq": 16, "threads": 1, "vocab": 64, "n_layer": 2, "d_model": 32,
+           "heads": 4, "kv_heads": 2, "d_ff": 96, "residual": "hc", "residual_args": {}, "kernels": "fast",
+           "dtype": "fp32", "repeats": 1}
+
+    def out_of_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(torch.Tensor, "backward", out_of_memory)
+    got = profile_gpu.measure(job)
+    assert got["fwd_ms"] > 0 and got["peak_mem_bytes"] > 0 and "fwdbwd_ms" not in got
+    assert got["error"].startswith("train: OutOfMemoryError")
