@@ -43,6 +43,12 @@ def csv(kind):
     return parse
 
 
+def format_lr(lr):
+    """2e-3 -> '2e-3', 1.5e-3 -> '1.5e-3' (for run names)."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
 def json_object(text):
     """argparse type: a JSON object, e.g. --residual-args '{"n_groups": 4}' (a design's `options`)."""
     value = json.loads(text)

@@ -7,13 +7,17 @@ that one machine runs in an afternoon.
     python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
 
 For each probe (real text read as bytes, and the synthetic composition task scored on answers alone),
-design, aspect ratio and seed it trains one model with `train.py --preset mini`, --jobs runs at a time
-with one thread each (on 2 cores, two 1-thread runs beat one 2-thread run); then `diagnose.py` on every
-finished run; then `plot.py` on each probe's folder, and a table of the outcome in summary.md. Every
-piece that is already done is skipped, so the same command continues a stopped suite.
+design and aspect ratio (a cell) it follows the paper's protocol, each cell at its best learning rate: the
+first seed trains at every LR of --lr-sweep (in <probe>-lr/<cell>/), the lowest final val loss picks the
+cell's LR (a best LR at an edge of the sweep extends it once, x3), and the other seeds train at that LR
+only (in <probe>/, beside the first seed's run, linked from the sweep). Each run is `train.py --preset mini`,
+--jobs at a time with one thread each (on 2 cores, two 1-thread runs beat one 2-thread run); then
+`diagnose.py` on every run in <probe>/, `plot.py` on each probe's folder, and the tables in summary.md.
+Every piece that is already done is skipped, so the same command continues a stopped suite.
 """
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 import data
-from common import ArgParser, fail, positive, write_atomic
+from common import ArgParser, fail, format_lr, positive, write_atomic
 
 HERE = Path(__file__).resolve().parent
 TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
@@ -46,15 +50,19 @@ def build_parser():
     add("--designs", default="preln,hc,attnres", help="comma list of designs (default preln,hc,attnres)")
     add("--ar", default="92,51,32,17,9.1", help="comma list of aspect ratios (default 92,51,32,17,9.1: L2, 3, 4, 6 "
         "and 9, the paper's range 76..9.1)")
-    add("--seeds", default="0,1", help="comma list of seeds (default 0,1)")
+    add("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
+    add("--deep-seeds", default="0,1,2,3,4", help="seeds at the deepest shape, where R scores are coarsest "
+        "(default 0,1,2,3,4; '' for --seeds)")
     add("--probes", default=None, help="text,synthetic (default: both when --text is given, else synthetic)")
     add("--text", help="real text for the text probe: 'austen' (six novels, downloaded once) or a .txt/.jsonl/"
         ".parquet file, folder or quoted glob")
     add("--steps", help="override every run's schedule length (a toy or a longer run)")
-    add("--lr", help="peak LR for every run (default: the mini preset's, 3e-3)")
-    add("--lr-sweep", default="1e-3,1e-2", help="more LRs for each design at --sweep-ar, first seed only, in "
-        "<probe>-lr/ (default 1e-3,1e-2, around the preset's 3e-3; '' for none)")
-    add("--sweep-ar", default="9.1", type=float, help="the shape of the LR sweep (default 9.1)")
+    add("--lr", help="one peak LR for every run, no sweep (default: each cell at its best LR of --lr-sweep)")
+    add("--lr-sweep", default="1e-3,3e-3,1e-2", help="the LRs each (probe, design, shape) trains its first seed at; "
+        "the lowest final val loss wins, and a best LR at an edge extends the sweep once by x3 (default "
+        "1e-3,3e-3,1e-2; '' for none: the preset's 3e-3)")
+    add("--full-sweep", action="store_true", help="sweep every shape of the synthetic probe too (default: only its "
+        "deepest; its other shapes take the LR each design chose there, to keep the suite near 3 h on 2 cores)")
     add("--diag-samples", default="32", help="diagnose.py's calibration windows per run (default 32)")
     add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")
     add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
@@ -62,25 +70,91 @@ def build_parser():
     return p
 
 
-def train_commands(args):
-    """One (folder, label, argv) per run, in the order they will run: the LR sweep, then the grid deepest
-    first (the slowest runs start early, so two workers finish together)."""
-    scale = SCALES["gpu" if args.gpu else "cpu"]
-    ars = sorted((float(a) for a in args.ar.split(",")), key=float)
-    designs, seeds = args.designs.split(","), args.seeds.split(",")
-    sweep = [lr for lr in args.lr_sweep.split(",") if lr]
-    runs = [(f"{p}-lr", p, args.sweep_ar, d, seeds[0], lr) for p, d, lr in itertools.product(args.probes, designs, sweep)]
-    runs += [(p, p, ar, d, s, args.lr) for p, ar, d, s in itertools.product(args.probes, ars, designs, seeds)]
-    jobs = []
-    for folder, probe, ar, design, seed, lr in runs:
-        argv = [sys.executable, str(HERE / "train.py"), "--preset", "mini", "--residual", design,
-                "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / folder), *scale[probe]]
-        argv += ["--data", args.text, "--data-dir", str(args.out / "text-data"), "--tokenizer", TEXT_TOKENIZER] \
-            if probe == "text" else []
-        argv += ["--steps", args.steps] if args.steps else []
-        argv += ["--lr", lr] if lr else []
-        jobs.append((folder, f"{folder} {design} ar={ar:g} seed={seed}" + (f" lr={lr}" if lr else ""), argv))
-    return jobs
+def job(args, folder, probe, ar, design, seed, lr):
+    """(folder, label, argv) of one train.py run of the suite; lr None: the preset's."""
+    argv = [sys.executable, str(HERE / "train.py"), "--preset", "mini", "--residual", design, "--ar", f"{ar:g}",
+            "--seed", seed, "--out", str(args.out / folder), *SCALES["gpu" if args.gpu else "cpu"][probe]]
+    argv += ["--data", args.text, "--data-dir", str(args.out / "text-data"), "--tokenizer", TEXT_TOKENIZER] \
+        if probe == "text" else []
+    argv += ["--steps", args.steps] if args.steps else []
+    argv += ["--lr", lr] if lr else []
+    return folder, f"{folder.split('/')[0]} {design} ar={ar:g} seed={seed}" + (f" lr={lr}" if lr else ""), argv
+
+
+def cells(args):
+    """Every (probe, AR, design), deepest shapes first (the slowest runs start early, so workers finish together)."""
+    ars = sorted(float(a) for a in args.ar.split(","))
+    return list(itertools.product(args.probes, ars, args.designs.split(",")))
+
+
+def seeds_at(args, ar):
+    deepest = min(float(a) for a in args.ar.split(","))
+    return (args.deep_seeds or args.seeds).split(",") if ar == deepest else args.seeds.split(",")
+
+
+def sweeps(args, probe, ar):
+    """Whether this cell sweeps (else it takes the LR its design chose at the probe's deepest shape)."""
+    return bool(args.sweep) and (probe == "text" or args.full_sweep or ar == min(float(a) for a in args.ar.split(",")))
+
+
+def cell_folder(probe, ar, design):
+    return f"{probe}-lr/{design}_ar{ar:g}"  # one folder per cell: its sweep runs, the first seed at every LR
+
+
+def sweep_result(args, probe, ar, design):
+    """{lr: final val loss (inf: diverged or none)} of a cell's finished sweep runs, and their run folders."""
+    losses, paths = {}, {}
+    for path, run in finished_runs(args.out / cell_folder(probe, ar, design)).items():
+        lr, loss = run["config"]["lr"], (run.get("final") or {}).get("val_loss")
+        losses[lr], paths[lr] = loss if loss is not None else math.inf, path
+    return losses, paths
+
+
+def extension(args, losses):
+    """The one extra LR when the sweep's best is at an edge (x3 beyond it), else None."""
+    sweep = sorted(args.sweep)
+    best = min(sweep, key=lambda lr: losses.get(lr, math.inf))
+    return best / 3 if best == sweep[0] and len(sweep) > 1 else best * 3 if best == sweep[-1] else None
+
+
+def chosen_lr(args, probe, ar, design):
+    """A cell's LR: --lr, else the argmin of its sweep (with the extension), else its design's at the deepest shape."""
+    if args.lr or not args.sweep:
+        return args.lr and float(args.lr)
+    if not sweeps(args, probe, ar):
+        return chosen_lr(args, probe, min(float(a) for a in args.ar.split(",")), design)
+    losses = sweep_result(args, probe, ar, design)[0]
+    return min(losses, key=losses.get) if losses else None
+
+
+def sweep_jobs(args, extend=False):
+    """The first seed of every sweeping cell at each LR of the sweep, or (extend) at the one extension LR."""
+    out = []
+    for probe, ar, design in cells(args):
+        if sweeps(args, probe, ar):
+            lrs = args.sweep if not extend else [extension(args, sweep_result(args, probe, ar, design)[0])]
+            out += [job(args, cell_folder(probe, ar, design), probe, ar, design, seeds_at(args, ar)[0], format_lr(lr))
+                    for lr in lrs if lr]
+    return out
+
+
+def seed_jobs(args):
+    """Every seed of every cell at its chosen LR, into the probe's folder; a sweeping cell's first seed is its
+    sweep run at that LR, linked there, not trained again. A cell whose sweep has no finished run is left out."""
+    out = []
+    for probe, ar, design in cells(args):
+        lr, seeds = chosen_lr(args, probe, ar, design), seeds_at(args, ar)
+        if args.sweep and lr is None:
+            continue
+        if sweeps(args, probe, ar):
+            path = sweep_result(args, probe, ar, design)[1].get(lr)
+            link = args.out / probe / path.name if path else None
+            if link and not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(os.path.relpath(path, link.parent))
+            seeds = seeds[1:] if path else seeds
+        out += [job(args, probe, probe, ar, design, seed, lr and format_lr(lr)) for seed in seeds]
+    return out
 
 
 def run_pool(jobs, n, what, log_dir):
@@ -109,7 +183,7 @@ def run_pool(jobs, n, what, log_dir):
 
 
 def finished_runs(folder):
-    """{run dir: run.json} of the finished runs under a probe's folder."""
+    """{run dir: run.json} of the finished runs under a folder."""
     runs = {}
     for path in sorted(Path(folder).glob("*/run.json")):
         run = json.loads(path.read_text())
@@ -138,16 +212,19 @@ def versus(losses, base):
 
 
 def collect(folder):
-    """{(design, L, d, lr): {"loss", "gaps", "rc", "rp", "wall"} lists over seeds} of a probe folder's runs."""
+    """{(design, L, d, lr): {"loss", "gaps", "rc", "rp", "wall", "seed"} lists over seeds} of a folder's runs."""
     cells = {}
     for path, run in finished_runs(folder).items():
         c = run["config"]
-        diag_path = path / "diagnose.json"
-        diag = json.loads(diag_path.read_text()) if diag_path.exists() else {}
+        try:
+            diag = json.loads((path / "diagnose.json").read_text())
+        except (OSError, ValueError):
+            diag = {}
         cell = cells.setdefault((c["residual"], c["n_layer"], c["d_model"], c["lr"]),
-                                {"loss": [], "gaps": [], "rc": [], "rp": [], "wall": []})
+                                {"loss": [], "gaps": [], "rc": [], "rp": [], "wall": [], "seed": []})
         cell["loss"].append(run["final"]["val_loss"])
         cell["wall"].append(run["wall_s"])
+        cell["seed"].append(c["seed"])
         per = run["evals"][-1].get("per_level") or {}
         cell["gaps"].append([per[g]["acc"] for g in sorted(per)])
         for key, metric, field in (("rc", "causal_score", "R_causal"), ("rp", "permutation_score", "R_perm")):
@@ -157,26 +234,48 @@ def collect(folder):
     return cells
 
 
+def sweep_lines(args, probe):
+    """One line per swept cell: every LR's final val loss (seed 0), the chosen one in bold."""
+    lines = []
+    for _, ar, design in [c for c in cells(args) if c[0] == probe and sweeps(args, *c[:2])]:
+        losses = sweep_result(args, probe, ar, design)[0]
+        if losses:
+            best, ext = min(losses, key=losses.get), extension(args, losses)
+            lines.append(f"- {design}, AR {ar:g}: " + " · ".join(
+                (f"**{format_lr(lr)}: {v:.4f}**" if lr == best else f"{format_lr(lr)}: {v:.4f}") for lr, v in sorted(losses.items()))
+                + (f" (best at the sweep's edge: extended once to {format_lr(ext)})" if ext else ""))
+    return lines
+
+
 def summary(args):
-    """summary.md: per probe (and its LR sweep), design and shape the final val loss over seeds and its
-    difference from Pre-LN's; per-gap answer accuracy for the synthetic probe; R_causal / R_perm (last 3/4)
-    from diagnose.py. Returns the markdown."""
-    lines = ["# Mini-DepthBench summary", "",
-             f"Command: `python mini.py {' '.join(sys.argv[1:])}`", ""]
-    for folder in [f for p in args.probes for f in (p, f"{p}-lr") if (args.out / f).is_dir()]:
-        cells = collect(args.out / folder)
-        head = "| design | L | d | AR | LR | final val loss (mean ± half-range, seeds) | vs Pre-LN |"
-        head += " answer acc by gap (mean over seeds) |" if folder.startswith("synthetic") else ""
+    """summary.md: per probe, design and shape, at the cell's LR, the final val loss over seeds and its difference
+    from Pre-LN's; per-gap answer accuracy for the synthetic probe; R_causal / R_perm (last 3/4) from diagnose.py,
+    per seed at the deepest shape; then every sweep run. Returns the markdown."""
+    lines = ["# Mini-DepthBench summary", "", f"Command: `python mini.py {' '.join(sys.argv[1:])}`", ""]
+    for probe in [p for p in args.probes if (args.out / p).is_dir()]:
+        table = collect(args.out / probe)
+        head = "| design | L | d | AR | LR | seeds | final val loss (mean ± half-range) | vs Pre-LN |"
+        head += " answer acc by gap (mean over seeds) |" if probe == "synthetic" else ""
         head += " R_causal | R_perm last 3/4 | wall per run |"
-        lines += [f"## {folder}", "", head, "|" + "---|" * (head.count("|") - 1)]
-        for (res, L, d, lr), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][3], kv[0][0])):
-            base = cells.get(("preln", L, d, lr), {}).get("loss") if res != "preln" else None
-            row = (f"| {res} | {L} | {d} | {d / L:.1f} | {lr:g} | {spread(cell['loss'])} ({len(cell['loss'])}) | "
+        lines += [f"## {probe}", "", head, "|" + "---|" * (head.count("|") - 1)]
+        for (res, L, d, lr), cell in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            base = next((c["loss"] for k, c in table.items() if k[:3] == ("preln", L, d)), None) if res != "preln" else None
+            row = (f"| {res} | {L} | {d} | {d / L:.1f} | {lr:g} | {len(cell['loss'])} | {spread(cell['loss'])} | "
                    f"{versus(cell['loss'], base)} |")
-            if folder.startswith("synthetic"):
+            if probe == "synthetic":
                 row += " " + " / ".join(f"{a:.2f}" for a in np.mean(cell["gaps"], 0)) + " |"
             row += f" {spread(cell['rc'], '.1%')} | {spread(cell['rp'], '.1%')} | {np.mean(cell['wall']):.0f} s |"
             lines.append(row)
+        deepest = max((k for k in table), key=lambda k: k[1], default=None)
+        if deepest:
+            lines += ["", f"R scores at the deepest shape (L{deepest[1]}), per seed:", ""]
+            for (res, L, d, lr), cell in sorted(table.items()):
+                if L == deepest[1] and cell["rc"]:
+                    lines.append(f"- {res}: R_causal " + ", ".join(f"{v:.1%}" for v in cell["rc"]) + "; R_perm "
+                                 + ", ".join(f"{v:.1%}" for v in cell["rp"]) + f" (seeds {', '.join(map(str, cell['seed']))})")
+        sweep = sweep_lines(args, probe)
+        if sweep:
+            lines += ["", "LR sweep (first seed; final val loss at each LR, the chosen one in bold):", "", *sweep]
         lines.append("")
     return "\n".join(lines)
 
@@ -194,9 +293,12 @@ def main(argv=None):
         [float(a) for a in args.ar.split(",")]
     except ValueError:
         parser.error(f"--ar {args.ar!r}: expected comma-separated numbers")
-    jobs = train_commands(args)
-    if args.dry_run:
-        print("\n".join(" ".join(argv[1:]) for _, _, argv in jobs))
+    try:
+        args.sweep = [float(lr) for lr in args.lr_sweep.split(",") if lr] if not args.lr else []
+    except ValueError:
+        parser.error(f"--lr-sweep {args.lr_sweep!r}: expected comma-separated numbers")
+    if args.dry_run:  # the first phase; what follows depends on its results
+        print("\n".join(" ".join(argv[1:]) for _, _, argv in sweep_jobs(args) or seed_jobs(args)))
         return 0
     t0 = time.time()
     if "text" in args.probes:  # tokenized once here, not by two runs at the same time
@@ -204,10 +306,14 @@ def main(argv=None):
             data.prepare(args.text, args.out / "text-data", TEXT_TOKENIZER)
         except data.DataError as e:
             fail("mini.py", e)
-    print(f"mini suite: {len(jobs)} runs ({len(args.probes)} probes x {len(args.designs.split(','))} designs x "
-          f"{len(args.ar.split(','))} ARs x {len(args.seeds.split(','))} seeds, and the LR sweep: "
-          f"{sum(f.endswith('-lr') for f, _, _ in jobs)} runs at AR {args.sweep_ar:g}), {args.jobs} at a time -> {args.out}")
-    failed = run_pool([(label, argv) for _, label, argv in jobs], args.jobs, "train", args.out / "logs")
+    print(f"mini suite: {len(args.probes)} probes x {len(args.designs.split(','))} designs x "
+          f"{len(args.ar.split(','))} ARs, seeds {args.seeds} (deepest: {args.deep_seeds or args.seeds}), " +
+          (f"LR {args.lr}" if args.lr else f"each at its best LR of {args.lr_sweep or 'the preset'}") +
+          f", {args.jobs} runs at a time -> {args.out}")
+    failed = []
+    for what, jobs in (("sweep", lambda: sweep_jobs(args)), ("sweep edge", lambda: sweep_jobs(args, extend=True)),
+                       ("train", lambda: seed_jobs(args))):  # each phase's runs follow from the ones before
+        failed += run_pool([(label, argv) for _, label, argv in jobs()], args.jobs, what, args.out / "logs")
     diag_jobs = []
     for probe in args.probes:
         for path in finished_runs(args.out / probe):

@@ -14,6 +14,7 @@ nothing and returns {"skipped": "reason"}. FIGURES at the bottom lists them in p
 """
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -87,10 +88,12 @@ def check_schema(obj):
 
 
 def load_folder(folder):
-    """Read folder/**/*.json -> (data by kind, [(path, reason) for every file skipped])."""
+    """Read folder/**/*.json -> (data by kind, [(path, reason) for every file skipped]). Linked run folders are
+    followed (mini.py links a cell's first seed in from its LR sweep)."""
     folder = Path(folder)
     data, skipped = {"train": [], "diagnose": [], "profile": []}, []
-    for path in sorted(folder.glob("**/*.json")):
+    walk = os.walk(folder, followlinks=True)
+    for path in sorted(Path(root) / f for root, _, files in walk for f in files if f.endswith(".json")):
         rel = str(path.relative_to(folder))
         try:
             obj = json.loads(path.read_text())  # Python's json also takes the NaN/Infinity torch code writes
@@ -297,6 +300,9 @@ def fig2_final_loss(data, out_path, svg=False):
         ax.errorbar(xs, mean, yerr=yerr, color=colour(res), marker="o", capsize=3, label=display(res))
         for x in xs:  # every seed as a faint dot, so "3 seeds agree" and "1 seed" look different
             ax.scatter([x] * len(points[(res, x)]), points[(res, x)], color=colour(res), s=10, alpha=0.4)
+            if len(set(best_lr.values())) > 1:  # each point at its own LR (mini.py's protocol): say which
+                ax.annotate(f"{best_lr[f'{res}@{x:g}']:g}", (x, np.mean(points[(res, x)])), xytext=(3, 3),
+                            textcoords="offset points", fontsize=7, color=colour(res))
     # a diverged run has no loss to plot: an x at the top of the axis at its AR (any LR) marks it,
     # stacked downwards when several designs diverged at the same AR
     diverged, stack = [], {}

@@ -15,36 +15,51 @@ import mini
 HERE = Path(__file__).resolve().parent
 
 
-def test_toy_suite_writes_figures_and_resumes(tmp_path):
-    argv = [sys.executable, "mini.py", "--designs", "preln,attnres", "--ar", "32,9.1", "--seeds", "0", "--steps", "2", "--lr-sweep", "1e-2",
-            "--diag-samples", "8", "--out", str(tmp_path)]
+def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
+    """The toy grid with a 2-LR sweep at every shape: each cell's first seed trains at both LRs (and, the best
+    being at an edge, once more x3 beyond it); the cell's LR is the argmin of those final losses; the second
+    seed trains only at it; diagnostics, figures and summary.md follow; the same command again does nothing."""
+    argv = [sys.executable, "mini.py", "--designs", "preln,attnres", "--ar", "32,9.1", "--seeds", "0,1",
+            "--deep-seeds", "", "--steps", "2", "--lr-sweep", "1e-3,1e-2", "--full-sweep", "--diag-samples", "8",
+            "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    runs = sorted((tmp_path / "synthetic").glob("*/run.json"))
-    assert len(runs) == 4 and all(json.loads(p.read_text())["finished"] for p in runs)
-    assert {json.loads(p.read_text())["config"]["n_layer"] for p in runs} == {4, 9}
+    sweep = {}  # (design, L) -> {lr: final val loss}
+    for p in (tmp_path / "synthetic-lr").glob("*/*/run.json"):
+        run = json.loads(p.read_text())
+        assert run["finished"] and run["config"]["seed"] == 0
+        sweep.setdefault((run["config"]["residual"], run["config"]["n_layer"]), {})[run["config"]["lr"]] = \
+            run["final"]["val_loss"]
+    assert len(sweep) == 4                                          # 2 designs x 2 shapes, each swept
+    grid = [json.loads(p.read_text()) for p in (tmp_path / "synthetic").glob("*/run.json")]
+    assert len(grid) == 8 and all(run["finished"] for run in grid)  # 4 cells x 2 seeds
+    for cell, losses in sweep.items():
+        edge = min((1e-3, 1e-2), key=losses.get)
+        assert set(losses) == {1e-3, 1e-2, float(mini.format_lr(edge * 3 if edge == 1e-2 else edge / 3))}
+        runs = [g for g in grid if (g["config"]["residual"], g["config"]["n_layer"]) == cell]
+        assert sorted(g["config"]["seed"] for g in runs) == [0, 1]
+        assert {g["config"]["lr"] for g in runs} == {min(losses, key=losses.get)}  # the argmin, seeds 0 and 1
+    linked = [p for p in (tmp_path / "synthetic").iterdir() if p.is_symlink()]
+    assert len(linked) == 4 and all("_s0" in p.name for p in linked)  # seed 0: the sweep's run, not trained again
     diags = sorted((tmp_path / "synthetic").glob("*/diagnose.json"))
-    assert len(diags) == 4
-    deep = [json.loads(p.read_text()) for p in diags if json.loads(p.read_text())["meta"]["n_layer"] == 9]
-    assert all(d["causal_score"]["R_causal"] is not None and "R_perm" in d["permutation_score"] for d in deep)
+    assert len(diags) == 8
     figs = tmp_path / "figs" / "synthetic"
     for name in ("fig2_final_loss_vs_ar", "fig6_depth_use", "fig8_layer_pruning", "mini_composition_vs_depth"):
         assert (figs / f"{name}.png").stat().st_size > 1000, name
-    # the LR sweep: each design once more at --sweep-ar (9.1 -> L9), LR 1e-2, in its own folder
-    sweep = [json.loads(p.read_text())["config"] for p in (tmp_path / "synthetic-lr").glob("*/run.json")]
-    assert sorted((c["residual"], c["n_layer"], c["lr"]) for c in sweep) == [("attnres", 9, 0.01), ("preln", 9, 0.01)]
     table = (tmp_path / "summary.md").read_text()
-    assert "## synthetic-lr" in table and table.count("| preln |") == 3 and table.count("| attnres |") == 3
-    assert table.count("(one seed) |") == 3  # attnres vs preln at each shape and LR, one seed each
-    assert "[train 6/6]" in r.stdout and "[diagnose 4/4]" in r.stdout
+    for losses in sweep.values():                                   # every sweep run is listed
+        assert all(f"{mini.format_lr(lr)}: {v:.4f}" in table for lr, v in losses.items())
+    assert table.count("extended once") == 4 and "R scores at the deepest shape" in table
+    assert "[sweep 8/8]" in r.stdout and "[sweep edge 4/4]" in r.stdout and "[train 4/4]" in r.stdout
 
     # the same command again: every run is finished and diagnosed, so nothing is trained or diagnosed anew
-    before = {p: p.stat().st_mtime_ns for p in runs + diags}
+    paths = list((tmp_path / "synthetic-lr").glob("*/*/run.json")) + diags
+    before = {p: p.stat().st_mtime_ns for p in paths}
     r = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "[diagnose" not in r.stdout
-    assert {p: p.stat().st_mtime_ns for p in runs + diags} == before
-    assert all("finished already" in p.read_text() for p in (tmp_path / "logs").glob("synthetic_*.log"))
+    assert {p: p.stat().st_mtime_ns for p in paths} == before
+    assert all("finished already" in p.read_text() for p in (tmp_path / "logs").glob("synthetic*.log"))
 
 
 def test_bad_arguments_are_one_line(capsys, tmp_path):
@@ -58,16 +73,18 @@ def test_bad_arguments_are_one_line(capsys, tmp_path):
         assert err.count("\n") == 1 and err.startswith("mini.py: error:")
 
 
-def test_commands_cover_the_grid():
-    """Every (probe, design, AR, seed) once, deepest shapes first, text runs reading the given corpus."""
-    args = mini.build_parser().parse_args(["--designs", "preln,hc", "--ar", "92,4", "--seeds", "0,1",
-                                           "--text", "corpus.txt"])
-    args.probes = ["text", "synthetic"]
-    jobs = mini.train_commands(args)
-    assert len(jobs) == 2 * 2 * 2 * 2 + 2 * 2 * 2 and len({label for _, label, _ in jobs}) == 24
-    sweep = [a for folder, _, a in jobs[:8] if folder.endswith("-lr")]  # the LR sweep first: 2 probes x 2 designs x 2
-    assert len(sweep) == 8 and all(a[a.index("--ar") + 1] == "9.1" for a in sweep)
-    assert sorted(a[a.index("--lr") + 1] for a in sweep) == ["1e-2"] * 4 + ["1e-3"] * 4
-    assert [a[a.index("--ar") + 1] for _, _, a in jobs[8:12]] == ["4"] * 4 and "--lr" not in jobs[8][2]
-    assert all(a[a.index("--data-dir") + 1] == str(Path("runs/mini/text-data")) for p, _, a in jobs if "text" in p)
-    assert all(("--data" in a and a[a.index("--data") + 1] == "corpus.txt") == (p == "text") for p, _, a in jobs if not p.endswith("-lr"))
+def test_the_sweep_covers_every_text_shape_and_the_deepest_synthetic_one():
+    """Before any result: the first phase is the sweep, the first seed of every text cell and of the synthetic
+    probe's deepest cells at each LR, deepest shapes first, text runs reading the given corpus."""
+    args = mini.build_parser().parse_args(["--designs", "preln,hc", "--ar", "92,4", "--text", "corpus.txt"])
+    args.probes, args.sweep = ["text", "synthetic"], [1e-3, 3e-3, 1e-2]
+    jobs = mini.sweep_jobs(args)
+    cells = {(f.split("/")[0], a[a.index("--residual") + 1], a[a.index("--ar") + 1]) for f, _, a in jobs}
+    assert cells == {("text-lr", d, ar) for d in ("preln", "hc") for ar in ("92", "4")} | {
+        ("synthetic-lr", d, "4") for d in ("preln", "hc")}
+    assert len(jobs) == 6 * 3 and all(a[a.index("--seed") + 1] == "0" for _, _, a in jobs)
+    assert [a[a.index("--ar") + 1] for _, _, a in jobs][:3] == ["4"] * 3
+    assert all(("--data" in a and a[a.index("--data") + 1] == "corpus.txt") == f.startswith("text") for f, _, a in jobs)
+    assert mini.seed_jobs(args) == []                               # nothing is chosen before the sweep ran
+    args.lr, args.sweep = "3e-3", []                                # --lr: no sweep, every seed at that LR
+    assert len(mini.sweep_jobs(args)) == 0 and len(mini.seed_jobs(args)) == 2 * 2 * (3 + 5)  # the deepest: 5 seeds

@@ -48,8 +48,8 @@ import profile_gpu
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
 from model import GPT, GPTConfig
 import common
-from common import (ArgParser, check_options, design_options, csv, json_object, positive, print0, versions,
-                    write_json)
+from common import (ArgParser, check_options, csv, design_options, format_lr, json_object, positive, print0,
+                    versions, write_json)
 from residuals import RESIDUALS
 from shapes import SUITES, VOCAB, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
 
@@ -149,12 +149,6 @@ def build_parser():
 
 
 # ----------------------------------------------------------------------------- resolving a run's config
-
-def format_lr(lr):
-    """2e-3 -> '2e-3', 1.5e-3 -> '1.5e-3' (for run names)."""
-    mantissa, exponent = f"{lr:e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
-
 
 def residual_args(args, residual):
     """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
