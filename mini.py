@@ -31,9 +31,9 @@ from common import ArgParser, fail, format_lr, positive, write_atomic
 
 HERE = Path(__file__).resolve().parent
 TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
-# train.py settings per probe and scale (on top of --preset mini); see the README's mini-suite section
+# train.py settings per probe and scale (on top of --preset mini); docs/results.md, the regime search
 SCALES = {
-    # 2 cores, under 2 h for 3 designs x 5 ARs x 2 seeds x 2 probes (README: the regime search)
+    # 2 cores: 0.77 tokens per parameter of text, 0.64 synthetic (docs/results.md: the regime search)
     "cpu": {"synthetic": ["--global-batch", "8", "--steps", "500"],
             "text": ["--seq-len", "256", "--global-batch", "8", "--steps", "300"]},
     "gpu": {"synthetic": ["--params", "8M", "--global-batch", "128", "--steps", "6000", "--device", "cuda"],

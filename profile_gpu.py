@@ -5,7 +5,7 @@ What each residual design costs at a shape: analytic FLOPs and bytes, measured t
     python profile_gpu.py --residual all --params 405M --ar 76,42.67,28,9.1 --seq 4096 --batch 8 --out runs/profile/gpu.json
     # formulas only, any machine, instant: 2.98e12 / 4.33e12 FLOPs and 318.8 / 734.0 MB of KV cache per sequence
     python profile_gpu.py --analytic-only --shapes 16x1216,70x640 --seq 4096 --json
-    # a CPU table (one thread: spinning threads stall when cores are shared); measured results: README
+    # a CPU table (one thread: spinning threads stall when cores are shared); measured results: docs/speed.md
     python profile_gpu.py --shapes 11x320,45x192 --vocab 8192 --seq 256 --batch 4 --repeats 3 --threads 1
     # the speed benchmark (CPU, one thread; ~30-60 minutes on 2 shared cores, --quick: the step ratios only)
     python profile_gpu.py --bench

@@ -10,7 +10,7 @@ train.py: train one DepthBench model, or a grid of them, and log everything to r
 
 Presets (PRESETS below). `cpu` (the default without CUDA): a 0.8M-parameter backbone on the embedded
 synthetic task (data.py's running products, here in S3), fp32, eager; what it learns and how long it takes are
-measured in the README (its results section), not here. `mini`: the one-machine suite's shapes (mini.py).
+measured in the README's quick start, not here. `mini`: the one-machine suite's shapes (mini.py).
 `400m` (the default with CUDA): the paper's recipe (docs/designs.md#recipe) on the paper's own shapes:
 `--suite NAME` (shapes.SUITES: 400m, 302m-backbone, ladder, 1.6b; `--preset 400m` alone means
 `--suite 400m`) with `--row K`, `--layers L` or `--ar A` picking rows, the suite's step count (400m:
