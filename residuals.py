@@ -17,18 +17,16 @@ ctx, a dict, is all that travels from read to the same sublayer's write (HC: the
 H_post; MoDA: the MLP's input); for attention the trunk adds its pre-RoPE "k", "v" and MoDA's
 "depth_share". A design keeps no tensor on the module between calls.
 
-Also: scale_sublayer_init(i, module) and reset_parameters() (init), no_decay_params(); for
-diagnose.py depth_state(s, i) (the depth state z before sublayer i, i = 2L: the head's), skip(s, i)
-(the state with sublayer i left out), readout(s, i) (what the logit lens decodes), sublayer_params(i)
-and swap_blocks(i, j) (what a block swap moves), and `recording`, the recording forward's dict that
-`log` appends internals to. On the class, for the scripts: paper_lr and paper_micro_batch (the 400m
-recipe), options (constructor options -> defaults, --residual-args) and cost(L, d, T, **options)
-(profile_gpu.py's extra FLOPs per sequence and residual state per token in units of d).
+Also: scale_sublayer_init(i, module) and reset_parameters() (init), no_decay_params(); for diagnose.py
+depth_state(s, i) (the depth state z before sublayer i; i = 2L: the head's), skip(s, i) (the state with sublayer i
+left out), readout(s, i) (what the logit lens decodes), sublayer_params(i) and swap_blocks(i, j) (what a block swap
+moves), and `recording`, the dict that `log` fills in a recording forward. On the class, for the scripts: paper_lr,
+paper_lr_sweep and paper_micro_batch (the 400m recipe), options (constructor options -> defaults, --residual-args)
+and cost(L, d, T, **options) (profile_gpu.py's extra FLOPs per sequence, residual state per token in units of d).
 
-Rules: every parameter a design creates is used on every forward (DDP needs no
-find_unused_parameters); per-layer constants are Python floats computed in __init__ from i and L.
-Pre-LN is the base class: each design overrides only what differs. The shared maths (norms,
-Sinkhorn, the depth mix, ...) is in ops.py; `self.fast` picks its kernels.py bodies.
+Rules: every parameter a design creates is used on every forward (DDP needs no find_unused_parameters); per-layer
+constants are Python floats set in __init__ from i and L. Pre-LN is the base class; each design overrides only what
+differs. Shared maths (norms, Sinkhorn, the depth mix) is in ops.py; `self.fast` picks its kernels.py bodies.
 """
 import math
 
@@ -64,7 +62,8 @@ class PreLN(nn.Module):
     (counted in the backbone, 2dL + d). Init: gains 1. Cost: nothing beyond the backbone.
     """
     paper_lr = 2e-3          # the paper's Table 4 optimum (train.py's 400m preset)
-    paper_micro_batch = 16   # micro-batch per GPU that fit in memory in the paper's runs
+    paper_lr_sweep = (5e-4, 1e-3, 2e-3, 5e-3)   # the paper's LR sweep (train.py --print-grid)
+    paper_micro_batch = {1: 16}   # {from depth L: micro-batch per GPU} that fit in memory in the paper's runs
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
 
     @classmethod
@@ -153,9 +152,10 @@ class LNS(PreLN):
         h = x + F_i( RMSNorm_i(x) / sqrt(b + 1) )       b = i // 2, the 0-based *block* index
 
     Both sublayers of block b share the factor (it counts blocks, not sublayers, as the reference
-    does); the final norm is not scaled. No extra params. Peak LR 1e-2 in the paper.
+    does); the final norm is not scaled. No extra params. Peak LR 1e-2 in the paper, its sweep up to 2e-2.
     """
     paper_lr = 1e-2
+    paper_lr_sweep = PreLN.paper_lr_sweep + (1e-2, 2e-2)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -253,7 +253,7 @@ class HC(PreLN):
     write in ctx. mHC overrides only how the maps are formed (`_maps`).
     """
     collapse_mode = "sum"
-    paper_micro_batch = 8
+    paper_micro_batch = {1: 8, 26: 4}             # the official shape script: 8 at L16-24, 4 from L26
     options = {"n_streams": 4}
 
     @classmethod
@@ -545,7 +545,7 @@ class MoDA(PreLN):
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
-    paper_micro_batch = 4
+    paper_micro_batch = {1: 4}
     options = {"norm": "pre"}
 
     @classmethod
