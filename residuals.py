@@ -242,28 +242,29 @@ class HC(PreLN):
         beta = beta_static + s_b * tanh(H_bar w_b)    (B, T, n)
         y    = F_i(RMSNorm_i(sum_s A[s, 0] h_s))
         h'_t = sum_s A[s, t] h_s + beta_t y           (the width-mixed residual, the paper's form)
-    Collapse: sum of the streams, then the final RMSNorm.
+    Collapse (`collapse`): "sum" of the streams, then the final RMSNorm; "mean", then the norm (mHC's);
+    "norm_each": the final norm on each stream, then the sum. `forward="unmixed"`: h'_t = h_t + beta_t y
+    (A_r unused: = I). The older official code ran norm_each and unmixed (docs/designs.md#hc).
     Init: A_static column 0 = one-hot at i mod n, columns 1..n = I; beta_static = 1; W_a, w_b = 0;
     s_a = s_b = 0.01; W_o and W_2 of every block divided by sqrt(n). At init the model equals Pre-LN
     with an n-times residual, which the final norm cancels.
     Params: 6d + 26 per connector (n = 4), 2L connectors; A_static, beta_static are not decayed.
     Cost: n x wider residual activations; ~100 d extra FLOPs per token per sublayer.
-
-    read forms the maps and both mixes of the width connection; the mixed streams and H_post go to the
-    write in ctx. mHC overrides only how the maps are formed (`_maps`).
+    read forms the maps and both mixes; the mixed streams and H_post go to write in ctx; mHC overrides `_maps`.
     """
-    collapse_mode = "sum"
     paper_micro_batch = {1: 8, 26: 4}             # the official shape script: 8 at L16-24, 4 from L26
-    options = {"n_streams": 4}
+    options = {"n_streams": 4, "collapse": "sum", "forward": "mixed"}
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
         """2L connectors of ~96d FLOPs per token (n = 4): dynamic alpha/beta projections, width mix, write-back."""
         return 192 * L * d * T, n_streams
 
-    def __init__(self, cfg, n_streams=4):
+    def __init__(self, cfg, n_streams=4, collapse="sum", forward="mixed"):
         super().__init__(cfg)
-        self.n = n_streams
+        if collapse not in ("sum", "mean", "norm_each") or forward not in ("mixed", "unmixed"):
+            raise ValueError(f"HC collapse: sum, mean or norm_each; forward: mixed or unmixed; got {collapse}, {forward}")
+        self.n, self.collapse_mode, self.mixed = n_streams, collapse, forward == "mixed"
         self.conn = nn.ModuleList(self.make_connector(cfg.d_model, i) for i in range(self.n_sub))
 
     def make_connector(self, d, i):
@@ -303,7 +304,8 @@ class HC(PreLN):
         dyn = torch.tanh(normed_projection(H, W, 1e-8, fast=self.fast))                   # (B, T, n, n+2)
         A = c.static_alpha + c.alpha_scale * dyn[..., :n + 1]                             # (B, T, n, n+1)
         beta = c.static_beta + c.beta_scale * dyn[..., n + 1]                             # (B, T, n)
-        return A[..., 0], beta, A[..., 1:].transpose(-1, -2)
+        res = A[..., 1:].transpose(-1, -2) if self.mixed else torch.eye(n, dtype=A.dtype, device=A.device)
+        return A[..., 0], beta, res.expand(*A.shape[:-1], n)
 
     def init_stream(self, x0):
         return x0.unsqueeze(2).repeat(1, 1, self.n, 1)                                    # (B, T, n, D)
@@ -322,8 +324,9 @@ class HC(PreLN):
         return depth_connection(ctx["mixed"], ctx["post"], y, fast=self.fast)
 
     def collapse(self, s):
-        z = s.sum(2) if self.collapse_mode == "sum" else s.mean(2)
-        return self.norm_f(z)
+        if self.collapse_mode == "norm_each":
+            return self.norm_f(s).sum(2)
+        return self.norm_f(s.sum(2) if self.collapse_mode == "sum" else s.mean(2))
 
     def depth_state(self, s, i):
         return s.flatten(2)                                                               # (B, T, n*D), stream-major
@@ -342,7 +345,7 @@ class MHC(HC):
         H_post = 2 sigmoid(a_post m_post + b_post)
         H_res  = Sinkhorn(a_res mat(m_res) + b_res)        doubly stochastic, 20 iterations
         y = F_i(RMSNorm_i(sum_s H_pre[s] h_s));  h'_o = sum_i H_res[o, i] h_i + H_post[o] y
-    Collapse: the *mean* of the streams, then the final RMSNorm. W_o, W_2 / sqrt(n) as HC.
+    Collapse: the *mean* of the streams, then the final RMSNorm (`collapse`: as HC). W_o, W_2 / sqrt(n) as HC.
     Params: Phi (nD x 24), b (24), a_pre, a_post, a_res: 96d + 27 per connector (n = 4);
     b and the three a's are not decayed, Phi is.
     Cost: HC's plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token.
@@ -354,8 +357,7 @@ class MHC(HC):
     - "uniform": Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and H_res ~ 11^T / n,
       the transport starts at the uniform matrix (the Liger kernel's init; effective rank ~1).
     """
-    collapse_mode = "mean"
-    options = {"n_streams": 4, "init": "gap8", "sinkhorn_iters": 20}
+    options = {"n_streams": 4, "collapse": "mean", "init": "gap8", "sinkhorn_iters": 20}
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -363,11 +365,11 @@ class MHC(HC):
         mixes (~48d)."""
         return 488 * L * d * T, n_streams
 
-    def __init__(self, cfg, n_streams=4, init="gap8", sinkhorn_iters=20):
+    def __init__(self, cfg, n_streams=4, collapse="mean", init="gap8", sinkhorn_iters=20):
         if init not in ("uniform", "gap8"):
             raise ValueError(f"mHC init must be 'uniform' or 'gap8', got {init!r}")
         self.init, self.sinkhorn_iters = init, sinkhorn_iters
-        super().__init__(cfg, n_streams)
+        super().__init__(cfg, n_streams, collapse)
 
     def make_connector(self, d, i):
         n, c = self.n, nn.Module()
