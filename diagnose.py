@@ -96,13 +96,15 @@ def load_model(args):
         return GPT(cfg), run, None, None
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
         try:
-            model, info = official.load(args.checkpoint, args.step, args.kernels)
+            model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
         except CheckpointError as e:
             raise DiagError(str(e)) from None
         if args.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
             args.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
         return (model, {"tokenizer": info["tokenizer"], "seq_len": info["seq_len"]},
                 str(Path(info["step_dir"]) / "config.json"), info["step"])
+    if args.residual_args:
+        raise DiagError("--residual-args: for --init or an official checkpoint (a run's ckpt.pt records its own)")
     path = Path(args.checkpoint)
     path = path / "ckpt.pt" if path.is_dir() else path
     if not path.is_file():
@@ -507,7 +509,8 @@ def parse_args(argv):
     g.add_argument("--heads", type=pos, default=4, help="--init: attention heads (default 4)")
     g.add_argument("--vocab", type=pos, help="--init: vocab size (default: the tokenizer's, else the synthetic task's)")
     g.add_argument("--residual-args", type=json_object, default={},
-                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}' (its class' `options`)")
+                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}' (its class' `options`); an "
+                   "official checkpoint: what its config.json cannot tell (docs/official.md)")
     g = p.add_argument_group("calibration text and compute")
     g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
     g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files and NLL (default: the run's)")
@@ -544,7 +547,7 @@ def parse_args(argv):
     if not args.nll_tasks or set(args.nll_tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
     try:
-        check_options([args.init] if args.init else [], args.residual_args)
+        check_options([args.init] if args.init else list(RESIDUALS), args.residual_args)
     except ValueError as e:
         p.error(f"--residual-args: {e}")
     if args.init and args.width % args.heads:
