@@ -125,8 +125,9 @@ def calibration(args, run, vocab):
 
     auto = the run's own validation data: its synthetic task, or the val split of its token shards.
     A shard folder gives its val windows in order (data.BatchLoader, as train.py evaluates). Text
-    files are tokenized whole (EOT after each document) and N windows of T + 1 tokens start at
-    positions drawn uniformly, with replacement, by random.Random(seed) (docs/diagnostics.md#setup).
+    files are tokenized whole (EOT after each document) and N windows of T tokens start at positions
+    drawn uniformly, with replacement, by random.Random(seed), as the official build_sample_batch: the
+    last position has no target (y = -1) (docs/diagnostics.md#setup).
     """
     N, T, src = args.num_samples, args.seq_len, args.calib
     if src == "auto":
@@ -149,9 +150,8 @@ def calibration(args, run, vocab):
             raise DiagError(f"{src}: no text to calibrate on")
         ids = ids * math.ceil((T + 1) / len(ids))                       # too short: repeat it
         rng = random.Random(args.seed)
-        starts = [rng.randint(0, len(ids) - T - 1) for _ in range(N)]
-        w = torch.tensor([ids[s:s + T + 1] for s in starts])
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        x = torch.tensor([ids[s:s + T] for s in (rng.randint(0, len(ids) - T) for _ in range(N))])
+        y = torch.cat([x[:, 1:], torch.full((N, 1), -1)], 1)
         what = f"{src} ({len(ids)} {tok.name} tokens), {N} random windows, seed {args.seed}"
     if int(x.max()) >= vocab or int(y.max()) >= vocab:
         raise DiagError(f"calibration tokens reach id {int(max(x.max(), y.max()))} but the model's vocab is {vocab}")
