@@ -96,13 +96,15 @@ def load_model(args):
         return GPT(cfg), run, None, None
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
         try:
-            model, info = official.load(args.checkpoint, args.step, args.kernels)
+            model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
         except CheckpointError as e:
             raise DiagError(str(e)) from None
         if args.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
             args.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
         return (model, {"tokenizer": info["tokenizer"], "seq_len": info["seq_len"]},
                 str(Path(info["step_dir"]) / "config.json"), info["step"])
+    if args.residual_args:
+        raise DiagError("--residual-args: for --init or an official checkpoint (a run's ckpt.pt records its own)")
     path = Path(args.checkpoint)
     path = path / "ckpt.pt" if path.is_dir() else path
     if not path.is_file():
@@ -123,8 +125,9 @@ def calibration(args, run, vocab):
 
     auto = the run's own validation data: its synthetic task, or the val split of its token shards.
     A shard folder gives its val windows in order (data.BatchLoader, as train.py evaluates). Text
-    files are tokenized whole (EOT after each document) and N windows of T + 1 tokens start at
-    positions drawn uniformly, with replacement, by random.Random(seed) (docs/diagnostics.md#setup).
+    files are tokenized whole (EOT after each document) and N windows of T tokens start at positions
+    drawn uniformly, with replacement, by random.Random(seed), as the official build_sample_batch: the
+    last position has no target (y = -1) (docs/diagnostics.md#setup).
     """
     N, T, src = args.num_samples, args.seq_len, args.calib
     if src == "auto":
@@ -147,9 +150,8 @@ def calibration(args, run, vocab):
             raise DiagError(f"{src}: no text to calibrate on")
         ids = ids * math.ceil((T + 1) / len(ids))                       # too short: repeat it
         rng = random.Random(args.seed)
-        starts = [rng.randint(0, len(ids) - T - 1) for _ in range(N)]
-        w = torch.tensor([ids[s:s + T + 1] for s in starts])
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        x = torch.tensor([ids[s:s + T] for s in (rng.randint(0, len(ids) - T) for _ in range(N))])
+        y = torch.cat([x[:, 1:], torch.full((N, 1), -1)], 1)
         what = f"{src} ({len(ids)} {tok.name} tokens), {N} random windows, seed {args.seed}"
     if int(x.max()) >= vocab or int(y.max()) >= vocab:
         raise DiagError(f"calibration tokens reach id {int(max(x.max(), y.max()))} but the model's vocab is {vocab}")
@@ -507,7 +509,8 @@ def parse_args(argv):
     g.add_argument("--heads", type=pos, default=4, help="--init: attention heads (default 4)")
     g.add_argument("--vocab", type=pos, help="--init: vocab size (default: the tokenizer's, else the synthetic task's)")
     g.add_argument("--residual-args", type=json_object, default={},
-                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}' (its class' `options`)")
+                   help="--init: the design's options as JSON, e.g. '{\"n_groups\": 4}' (its class' `options`); an "
+                   "official checkpoint: what its config.json cannot tell (docs/official.md)")
     g = p.add_argument_group("calibration text and compute")
     g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
     g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files and NLL (default: the run's)")
@@ -544,7 +547,7 @@ def parse_args(argv):
     if not args.nll_tasks or set(args.nll_tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
     try:
-        check_options([args.init] if args.init else [], args.residual_args)
+        check_options([args.init] if args.init else list(RESIDUALS), args.residual_args)
     except ValueError as e:
         p.error(f"--residual-args: {e}")
     if args.init and args.width % args.heads:

@@ -9,11 +9,10 @@ The backbone is LLaMA-like (docs/designs.md#backbone):
 - SwiGLU MLP: W_2(silu(W_1 x) * W_3 x), no biases
 - truncated-normal init, std 0.02, clipped at +-3 std
 
-What is deliberately *not* here: norms, residual adds, the final norm. Attention and the MLP are
-pure branch functions; every norm placement, residual add, stream mixing and the final collapse live
-in residuals.py behind one small interface (see its module docstring). The trunk loop in
-`GPT.forward` is the whole contract between the two files. The maths both share is in ops.py;
-`kernels="fast"` runs its kernels.py bodies (the same maths, faster), "reference" ops.py's own.
+What is deliberately *not* here: norms, residual adds, the final norm. Attention and the MLP are pure branch
+functions; every norm placement, residual add, stream mixing and the final collapse live in residuals.py
+behind one small interface (its module docstring). `GPT.forward`'s trunk loop is the whole contract. The maths
+both share is in ops.py; `kernels="fast"` runs its kernels.py bodies (the same maths, faster).
 """
 from dataclasses import dataclass, field
 

@@ -27,8 +27,11 @@ nn/attention/__init__.py @aba1f652 (split w_q/w_k/w_v/w_out, head_dim, GQA), nn/
 @6bdf2ad9 (TransformerBlockConfig, HyperConnectionsConfig, MoDAConfig fields), nn/hf/convert.py @a9cea455
 and eval_utils/convert_olmo_to_hf.py @a9cea455 (the HF Llama names); allenai/OLMo-core
 src/olmo_core/distributed/checkpoint/__init__.py (the DCP holds {"model", "optim"}) and
-src/examples/huggingface/convert_checkpoint_to_hf.py. Not checkable from names: which HC forward
-(width-mixed, as ours, or the older un-mixed residual) a checkpoint was trained with.
+src/examples/huggingface/convert_checkpoint_to_hf.py. Older spellings are renamed as the repository's
+analysis/analysis_utils.py @3cc8a00 (AttnRes) and config.py @8cc2fd74 (HC/mHC) do; AttnRes' variants (block.py
+@b2141085) are refused. What config.json does not record, the user names (`--residual-args`): HC's forward (width-
+mixed in hyper_connections.py @8cc2fd74, un-mixed @5152cab0) and the "sum" collapse (model.py @8cc2fd74: sum, then
+the final norm; @5152cab0: the final norm on each stream, then the sum).
 """
 import inspect
 import json
@@ -41,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, pick_device
+from common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, pick_device
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -70,8 +73,9 @@ def refuse(cond, what):
         raise CheckpointError(f"unsupported official setting: {what}")
 
 
-def read_config(step_dir):
-    """config.json -> (GPTConfig computing what the checkpoint's model computes, notes dict)."""
+def read_config(step_dir, forced=None):
+    """config.json -> (GPTConfig computing what the checkpoint's model computes, notes dict). forced: the
+    design options that config.json cannot tell (HC's forward and collapse readings, `--residual-args`)."""
     path = Path(step_dir) / "config.json"
     try:
         exp = json.loads(path.read_text())
@@ -81,8 +85,14 @@ def read_config(step_dir):
         d, L, H = int(m["d_model"]), int(m["n_layers"]), int(att["n_heads"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: not an OLMo-core experiment config ({type(e).__name__}: {e})") from None
-    name = blk.get("name") or "default"
+    name, hc, forced = blk.get("name") or "default", blk.get("hyper_connections"), forced or {}
+    # older spellings, renamed as the official loaders do: AttnRes by its block size, HC/mHC by hyper_connections
+    if name == "attn_res" or name == "default" and blk.get("attnres_block_size") is not None:
+        name = "attnres"
+    if name == "default" and hc is not None:
+        name = "hc" if (hc.get("kind") or "hc") == "hc" else "mhc"
     refuse(name not in BLOCKS, f"block type {name!r} (known: {', '.join(BLOCKS)})")
+    refuse(hc is not None and name not in ("hc", "mhc"), f"hyper_connections on a {name} block")
     refuse((att.get("name") or "default") != "default", f"attention {att.get('name')!r} (only split w_q/w_k/w_v)")
     refuse(H % int(att.get("n_kv_heads") or H), f"n_kv_heads {att.get('n_kv_heads')} does not divide n_heads {H}")
     refuse(att.get("head_dim") not in (None, d // H) or d % H, f"head_dim {att.get('head_dim')} != d_model/n_heads")
@@ -106,22 +116,28 @@ def read_config(step_dir):
     refuse(m.get("block_pattern") is not None, "block_pattern")
     for key in ("attention_residual_alpha", "feed_forward_residual_alpha"):
         refuse(blk.get(key) not in (None, 1.0), f"{key} = {blk.get(key)}")
+    for key in ("attnres_topk_fraction", "attnres_use_bias", "attnres_learn_logit_scale"):   # AttnRes variants
+        refuse(blk.get(key) not in (None, False), f"{key} = {blk.get(key)} (only the plain AttnRes)")
     for i, o in (m.get("block_overrides") or {}).items():           # MoDA's last block skips its unused W_kv
         refuse({k: v for k, v in o.items() if k != "moda_skip_ffn_kv"} !=
                {k: v for k, v in blk.items() if k != "moda_skip_ffn_kv"}, f"block_overrides[{i}]")
-    residual, args = BLOCKS[name], {}
-    hc = blk.get("hyper_connections") or {}
-    if name == "hc":
-        refuse((hc.get("kind") or "hc") != "hc" or hc.get("tanh") is False, f"HC kind/tanh {hc}")
-        refuse(hc.get("collapse", "auto") not in ("auto", "sum"), f"HC collapse {hc.get('collapse')}")
+    residual, args, hc, unknown = BLOCKS[name], {}, hc or {}, {}   # unknown: option -> the readings config.json allows
+    if name in ("hc", "mhc"):     # code versions differ in the "sum" collapse: sum, norm (newer) or norm each, sum
+        mode = hc.get("collapse") or "auto"
+        mode = ("mean" if hc.get("kind") == "liger_mhc" else "sum") if mode == "auto" else mode
+        refuse(mode not in ("sum", "mean"), f"collapse {mode!r}")
+        args["collapse"] = mode
+        unknown.update({"collapse": ("sum", "norm_each")} if mode == "sum" else {})
         args["n_streams"] = int(hc.get("num_residual_streams", 4))
+    if name == "hc":              # and in HC's forward: with A's residual columns (newer) or without them (older)
+        refuse((hc.get("kind") or "hc") != "hc" or hc.get("tanh") is False, f"HC kind/tanh {hc}")
+        unknown["forward"] = ("mixed", "unmixed")
     if name == "mhc":
         refuse(hc.get("kind") != "liger_mhc", f"mHC kind {hc.get('kind')!r} (only the paper's liger_mhc)")
-        refuse(hc.get("collapse", "auto") not in ("auto", "mean"), f"mHC collapse {hc.get('collapse')}")
         defaults = {"liger_rms_eps": 1e-6, "liger_pre_eps": 0.0, "liger_sinkhorn_eps": 1e-6, "liger_post_mult": 2.0}
         for key, v in defaults.items():
             refuse(float(hc.get(key, v)) != v, f"mHC {key} = {hc.get(key)} (ours: {v})")
-        args.update(n_streams=int(hc.get("num_residual_streams", 4)), sinkhorn_iters=int(hc.get("sinkhorn_iters", 20)))
+        args["sinkhorn_iters"] = int(hc.get("sinkhorn_iters", 20))
     if name == "attnres":
         S = int(blk.get("attnres_block_size") or 1)
         refuse((2 * L) % S != 0, f"AttnRes block size {S} does not divide the {2 * L} sublayers")
@@ -132,6 +148,12 @@ def read_config(step_dir):
         refuse(moda.get("extra_ffn_kv_proj") is False or moda.get("extra_attn_kv_proj"), f"MoDA K/V projections {moda}")
         refuse(moda.get("attention_scale") is not None, f"MoDA attention_scale {moda.get('attention_scale')}")
         args["norm"] = "post" if name == "post_norm_moda" else "pre"
+    refuse(set(forced) - set(unknown), f"--residual-args {sorted(set(forced) - set(unknown))}: config.json says it")
+    if any(forced.get(k) not in v for k, v in unknown.items()):
+        choices = ", ".join(f'"{k}": ' + " or ".join(f'"{x}"' for x in v) for k, v in unknown.items())
+        raise CheckpointError(f"config.json cannot tell which official code version trained this {name}: choose with "
+                              f"--residual-args '{{{choices}}}' (newer code: the first; docs/official.md)")
+    args.update(forced)
     defaults = {k: p.default for k, p in inspect.signature(RESIDUALS[residual]).parameters.items()}
     args = {k: v for k, v in args.items() if defaults.get(k) != v}     # our config names only what differs
     tok = (exp.get("dataset") or {}).get("tokenizer") or {}
@@ -141,8 +163,7 @@ def read_config(step_dir):
                     **gqa)
     refuse(int(tok.get("vocab_size") or 0) > cfg.vocab_size, f"tokenizer vocab {tok.get('vocab_size')} > model's")
     notes = {"block": name, "tokenizer_vocab": tok.get("vocab_size"), "eos_token_id": tok.get("eos_token_id"),
-             "tokenizer_id": tok.get("identifier"),
-             "seq_len": (exp.get("dataset") or {}).get("sequence_length")}
+             "tokenizer_id": tok.get("identifier"), "seq_len": (exp.get("dataset") or {}).get("sequence_length")}
     return cfg, notes
 
 
@@ -314,10 +335,10 @@ def is_official(source):
     return not p.exists() and bool(re.fullmatch(r"[\w.-]+/[\w.-]+", source))
 
 
-def load(source, step=None, kernels="fast"):
-    """SOURCE -> (GPT in fp32, eval mode, info dict: step folder, tokenizer path, config notes)."""
+def load(source, step=None, kernels="fast", forced=None):
+    """SOURCE -> (GPT in fp32, eval mode, info dict: step folder, tokenizer path, config notes); forced: read_config's."""
     step_dir, tok = resolve(source, step)
-    cfg, notes = read_config(step_dir)
+    cfg, notes = read_config(step_dir, forced)
     cfg.kernels = kernels
     model = from_official(read_dcp(step_dir), GPT(cfg)).float().eval()
     mt = re.fullmatch(r"step(\d+)", step_dir.name)
@@ -361,6 +382,8 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, help="evaluate at most this many tokens")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--residual-args", type=json_object, default={}, help="what config.json cannot tell, e.g. HC's "
+                   "'{\"forward\": \"mixed\", \"collapse\": \"sum\"}' (docs/official.md)")
     p.add_kernels()
     args = p.parse_args(argv)
     if args.command == "evaluate" and not args.text:
@@ -370,7 +393,7 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     try:
-        model, info = load(args.source, args.step, args.kernels)
+        model, info = load(args.source, args.step, args.kernels, args.residual_args)
         cfg = model.cfg
         print(f"{args.source}: {info['block']} -> {cfg.residual} {cfg.residual_args or ''} L={cfg.n_layer} "
               f"d={cfg.d_model} heads={cfg.n_head} d_ff={cfg.d_ff} vocab={cfg.vocab_size} step={info['step']}, "

@@ -17,18 +17,16 @@ ctx, a dict, is all that travels from read to the same sublayer's write (HC: the
 H_post; MoDA: the MLP's input); for attention the trunk adds its pre-RoPE "k", "v" and MoDA's
 "depth_share". A design keeps no tensor on the module between calls.
 
-Also: scale_sublayer_init(i, module) and reset_parameters() (init), no_decay_params(); for
-diagnose.py depth_state(s, i) (the depth state z before sublayer i, i = 2L: the head's), skip(s, i)
-(the state with sublayer i left out), readout(s, i) (what the logit lens decodes), sublayer_params(i)
-and swap_blocks(i, j) (what a block swap moves), and `recording`, the recording forward's dict that
-`log` appends internals to. On the class, for the scripts: paper_lr and paper_micro_batch (the 400m
-recipe), options (constructor options -> defaults, --residual-args) and cost(L, d, T, **options)
-(profile_gpu.py's extra FLOPs per sequence and residual state per token in units of d).
+Also: scale_sublayer_init(i, module) and reset_parameters() (init), no_decay_params(); for diagnose.py
+depth_state(s, i) (the depth state z before sublayer i; i = 2L: the head's), skip(s, i) (the state with sublayer i
+left out), readout(s, i) (what the logit lens decodes), sublayer_params(i) and swap_blocks(i, j) (what a block swap
+moves), and `recording`, the dict that `log` fills in a recording forward. On the class, for the scripts: paper_lr,
+paper_lr_sweep and paper_micro_batch (the 400m recipe), options (constructor options -> defaults, --residual-args)
+and cost(L, d, T, **options) (profile_gpu.py's extra FLOPs per sequence, residual state per token in units of d).
 
-Rules: every parameter a design creates is used on every forward (DDP needs no
-find_unused_parameters); per-layer constants are Python floats computed in __init__ from i and L.
-Pre-LN is the base class: each design overrides only what differs. The shared maths (norms,
-Sinkhorn, the depth mix, ...) is in ops.py; `self.fast` picks its kernels.py bodies.
+Rules: every parameter a design creates is used on every forward (DDP needs no find_unused_parameters); per-layer
+constants are Python floats set in __init__ from i and L. Pre-LN is the base class; each design overrides only what
+differs. Shared maths (norms, Sinkhorn, the depth mix) is in ops.py; `self.fast` picks its kernels.py bodies.
 """
 import math
 
@@ -62,7 +60,8 @@ class PreLN(nn.Module):
     (counted in the backbone, 2dL + d). Init: gains 1. Cost: nothing beyond the backbone.
     """
     paper_lr = 2e-3          # the paper's Table 4 optimum (train.py's 400m preset)
-    paper_micro_batch = 16   # micro-batch per GPU that fit in memory in the paper's runs
+    paper_lr_sweep = (5e-4, 1e-3, 2e-3, 5e-3)   # the paper's LR sweep (train.py --print-grid)
+    paper_micro_batch = {1: 16}   # {from depth L: micro-batch per GPU} that fit in memory in the paper's runs
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
 
     @classmethod
@@ -151,9 +150,10 @@ class LNS(PreLN):
         h = x + F_i( RMSNorm_i(x) / sqrt(b + 1) )       b = i // 2, the 0-based *block* index
 
     Both sublayers of block b share the factor (it counts blocks, not sublayers, as the reference
-    does); the final norm is not scaled. No extra params. Peak LR 1e-2 in the paper.
+    does); the final norm is not scaled. No extra params. Peak LR 1e-2 in the paper, its sweep up to 2e-2.
     """
     paper_lr = 1e-2
+    paper_lr_sweep = PreLN.paper_lr_sweep + (1e-2, 2e-2)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -240,28 +240,29 @@ class HC(PreLN):
         beta = beta_static + s_b * tanh(H_bar w_b)    (B, T, n)
         y    = F_i(RMSNorm_i(sum_s A[s, 0] h_s))
         h'_t = sum_s A[s, t] h_s + beta_t y           (the width-mixed residual, the paper's form)
-    Collapse: sum of the streams, then the final RMSNorm.
+    Collapse (`collapse`): "sum" of the streams, then the final RMSNorm; "mean", then the norm (mHC's);
+    "norm_each": the final norm on each stream, then the sum. `forward="unmixed"`: h'_t = h_t + beta_t y
+    (A_r unused: = I). The older official code ran norm_each and unmixed (docs/designs.md#hc).
     Init: A_static column 0 = one-hot at i mod n, columns 1..n = I; beta_static = 1; W_a, w_b = 0;
     s_a = s_b = 0.01; W_o and W_2 of every block divided by sqrt(n). At init the model equals Pre-LN
     with an n-times residual, which the final norm cancels.
     Params: 6d + 26 per connector (n = 4), 2L connectors; A_static, beta_static are not decayed.
     Cost: n x wider residual activations; ~100 d extra FLOPs per token per sublayer.
-
-    read forms the maps and both mixes of the width connection; the mixed streams and H_post go to the
-    write in ctx. mHC overrides only how the maps are formed (`_maps`).
+    read forms the maps and both mixes; the mixed streams and H_post go to write in ctx; mHC overrides `_maps`.
     """
-    collapse_mode = "sum"
-    paper_micro_batch = 8
-    options = {"n_streams": 4}
+    paper_micro_batch = {1: 8, 26: 4}             # the official shape script: 8 at L16-24, 4 from L26
+    options = {"n_streams": 4, "collapse": "sum", "forward": "mixed"}
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
         """2L connectors of ~96d FLOPs per token (n = 4): dynamic alpha/beta projections, width mix, write-back."""
         return 192 * L * d * T, n_streams
 
-    def __init__(self, cfg, n_streams=4):
+    def __init__(self, cfg, n_streams=4, collapse="sum", forward="mixed"):
         super().__init__(cfg)
-        self.n = n_streams
+        if collapse not in ("sum", "mean", "norm_each") or forward not in ("mixed", "unmixed"):
+            raise ValueError(f"HC collapse: sum, mean or norm_each; forward: mixed or unmixed; got {collapse}, {forward}")
+        self.n, self.collapse_mode, self.mixed = n_streams, collapse, forward == "mixed"
         self.conn = nn.ModuleList(self.make_connector(cfg.d_model, i) for i in range(self.n_sub))
 
     def make_connector(self, d, i):
@@ -301,7 +302,8 @@ class HC(PreLN):
         dyn = torch.tanh(normed_projection(H, W, 1e-8, fast=self.fast))                   # (B, T, n, n+2)
         A = c.static_alpha + c.alpha_scale * dyn[..., :n + 1]                             # (B, T, n, n+1)
         beta = c.static_beta + c.beta_scale * dyn[..., n + 1]                             # (B, T, n)
-        return A[..., 0], beta, A[..., 1:].transpose(-1, -2)
+        res = A[..., 1:].transpose(-1, -2) if self.mixed else torch.eye(n, dtype=A.dtype, device=A.device)
+        return A[..., 0], beta, res.expand(*A.shape[:-1], n)
 
     def init_stream(self, x0):
         return x0.unsqueeze(2).repeat(1, 1, self.n, 1)                                    # (B, T, n, D)
@@ -319,8 +321,9 @@ class HC(PreLN):
         return depth_connection(ctx["mixed"], ctx["post"], y, fast=self.fast)
 
     def collapse(self, s):
-        z = s.sum(2) if self.collapse_mode == "sum" else s.mean(2)
-        return self.norm_f(z)
+        if self.collapse_mode == "norm_each":
+            return self.norm_f(s).sum(2)
+        return self.norm_f(s.sum(2) if self.collapse_mode == "sum" else s.mean(2))
 
     def depth_state(self, s, i):
         return s.flatten(2)                                                               # (B, T, n*D), stream-major
@@ -339,7 +342,7 @@ class MHC(HC):
         H_post = 2 sigmoid(a_post m_post + b_post)
         H_res  = Sinkhorn(a_res mat(m_res) + b_res)        doubly stochastic, 20 iterations
         y = F_i(RMSNorm_i(sum_s H_pre[s] h_s));  h'_o = sum_i H_res[o, i] h_i + H_post[o] y
-    Collapse: the *mean* of the streams, then the final RMSNorm. W_o, W_2 / sqrt(n) as HC.
+    Collapse: the *mean* of the streams, then the final RMSNorm (`collapse`: as HC). W_o, W_2 / sqrt(n) as HC.
     Params: Phi (nD x 24), b (24), a_pre, a_post, a_res: 96d + 27 per connector (n = 4);
     b and the three a's are not decayed, Phi is.
     Cost: HC's plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token.
@@ -351,8 +354,7 @@ class MHC(HC):
     - "uniform": Phi ~ N(0, 0.02^2), b = 0, a = 0.01, so H_pre ~ 1/2, H_post ~ 1 and H_res ~ 11^T / n,
       the transport starts at the uniform matrix (the Liger kernel's init; effective rank ~1).
     """
-    collapse_mode = "mean"
-    options = {"n_streams": 4, "init": "gap8", "sinkhorn_iters": 20}
+    options = {"n_streams": 4, "collapse": "mean", "init": "gap8", "sinkhorn_iters": 20}
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -360,11 +362,11 @@ class MHC(HC):
         mixes (~48d)."""
         return 488 * L * d * T, n_streams
 
-    def __init__(self, cfg, n_streams=4, init="gap8", sinkhorn_iters=20):
+    def __init__(self, cfg, n_streams=4, collapse="mean", init="gap8", sinkhorn_iters=20):
         if init not in ("uniform", "gap8"):
             raise ValueError(f"mHC init must be 'uniform' or 'gap8', got {init!r}")
         self.init, self.sinkhorn_iters = init, sinkhorn_iters
-        super().__init__(cfg, n_streams)
+        super().__init__(cfg, n_streams, collapse)
 
     def make_connector(self, d, i):
         n, c = self.n, nn.Module()
@@ -542,7 +544,7 @@ class MoDA(PreLN):
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
-    paper_micro_batch = 4
+    paper_micro_batch = {1: 4}
     options = {"norm": "pre"}
 
     @classmethod

@@ -29,14 +29,15 @@ VOCAB = 50280
 TABLE_LAYERS = [16, 20, 24, 26, 28, 30, 32, 36, 42, 50, 56, 62, 70]
 
 
-def _rows(shapes, steps, label, n_kv_head=N_HEAD):
-    return [{"n_layer": L, "d_model": d, "d_ff": f, "n_kv_head": n_kv_head, "steps": steps, "label": label}
+def _rows(shapes, steps, label, n_kv_head=N_HEAD, lr=None):
+    return [{"n_layer": L, "d_model": d, "d_ff": f, "n_kv_head": n_kv_head, "steps": steps, "label": label, "lr": lr}
             for L, d, f in shapes]
 
 
 _400M = [(16, 1216, 3248), (20, 1120, 2992), (24, 1024, 2736), (28, 960, 2560), (32, 896, 2400), (42, 800, 2144),
          (70, 640, 1712)]
-# name -> (what it is in the paper, rows). steps = the official launches' run length (tokens = steps x 512 x 2048)
+# name -> (what it is in the paper, rows). steps = the official launches' run length (tokens = steps x 512 x 2048);
+# lr = one peak LR for every design where the paper used one (1.6b), else None: each design's own (residuals.py)
 SUITES = {
     "400m": ("Table 3: 405M total at seven aspect ratios, ~8B tokens", _rows(_400M, 7600, "400M")),
     "302m-backbone": ("Fig. 2 bottom right: a fixed ~300M backbone, embeddings on top", _rows(
@@ -47,13 +48,13 @@ SUITES = {
                + _rows([(28, 800, 2144), (21, 896, 2400), (14, 1056, 2816)], 5700, "300M")
                + _rows([_400M[4], _400M[2], _400M[0]], 7600, "400M")
                + _rows([(34, 992, 2656), (26, 1120, 2992), (17, 1344, 3584)], 9500, "500M")),
-    "1.6b": ("Fig. 3 right: 1.6B with grouped-query attention (8 KV heads), d_ff = 3d, ~32B tokens",
-             _rows([(28, 2048, 6144), (40, 1728, 5184), (54, 1504, 4512)], 30400, "1.6B", n_kv_head=8)),
+    "1.6b": ("Fig. 3 right: 1.6B with grouped-query attention (8 KV heads), d_ff = 3d, ~32B tokens, LR 5e-4",
+             _rows([(28, 2048, 6144), (40, 1728, 5184), (54, 1504, 4512)], 30400, "1.6B", n_kv_head=8, lr=5e-4)),
 }
 
 
 def suite_rows(name, vocab=VOCAB):
-    """The rows of a suite with every derived number: shape, heads, AR, exact Pre-LN counts, steps."""
+    """The rows of a suite with every derived number: shape, heads, AR, exact Pre-LN counts, steps, LR."""
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
     rows = []
@@ -61,7 +62,8 @@ def suite_rows(name, vocab=VOCAB):
         L, d, f, kv = r["n_layer"], r["d_model"], r["d_ff"], r["n_kv_head"]
         rows.append({"n_layer": L, "d_model": d, "d_ff": f, "n_head": N_HEAD, "n_kv_head": kv,
                      "head_dim": d // N_HEAD, "ar": d / L, "params": preln_params(L, d, f, vocab, kv),
-                     "backbone_params": backbone_params(L, d, f, kv), "steps": r["steps"], "label": r["label"]})
+                     "backbone_params": backbone_params(L, d, f, kv), "steps": r["steps"], "label": r["label"],
+                     "lr": r["lr"]})
     return rows
 
 
@@ -191,7 +193,7 @@ def print_suite(args, fail):
         r["params"] = count_params(r["n_layer"], r["d_model"], r["d_ff"], args.residual, args.vocab,
                                    n_kv_head=r["n_kv_head"])
     if args.json:
-        keys = ["n_layer", "d_model", "d_ff", "n_head", "n_kv_head", "params", "backbone_params", "steps"]
+        keys = ["n_layer", "d_model", "d_ff", "n_head", "n_kv_head", "params", "backbone_params", "steps", "lr"]
         print(json.dumps([{k: r[k] for k in keys} for r in rows]))
         return
     print(f"{args.suite}: {SUITES[args.suite][0]}")

@@ -28,7 +28,8 @@ BLOCK = {"preln": "default", "sandwich": "peri_norm", "lns": "default_scaled", "
          "hc": "hc", "mhc": "mhc", "attnres": "attnres", "block_attnres": "attnres", "moda": "moda"}
 CASES = [(r, {}) for r in RESIDUALS if r != "block_attnres"] + [
     ("block_attnres", {"n_groups": 3}), ("block_attnres", {"n_groups": 2}), ("moda", {"norm": "post"}),
-    ("mhc", {"sinkhorn_iters": 7})]
+    ("mhc", {"sinkhorn_iters": 7}), ("hc", {"collapse": "norm_each", "forward": "unmixed"}),  # the older HC code
+    ("hc", {"collapse": "mean"}), ("mhc", {"collapse": "norm_each"})]
 
 
 def ours(residual, args=None, L=3, V=48, seed=0, n_kv_head=None):
@@ -50,11 +51,13 @@ def official_config(cfg, tokenizer_vocab=40):
              "sequence_mixer": {"name": "default", "n_heads": cfg.n_head, "n_kv_heads": cfg.n_kv_head, "bias": False,
                                 "rope": {"name": "default", "theta": cfg.rope_theta}, "_CLASS_": "AttentionConfig"},
              "feed_forward": {"name": "default", "hidden_size": cfg.d_ff, "bias": False}}
-    if r == "hc":
-        block["hyper_connections"] = {"kind": "hc", "num_residual_streams": 4, "collapse": "auto"}
-    if r == "mhc":
+    if r == "hc":    # "auto" is the sum, which the official code read two ways (readings below); "mean" is one
+        block["hyper_connections"] = {"kind": "hc", "num_residual_streams": 4,
+                                      "collapse": "mean" if a.get("collapse") == "mean" else "auto"}
+    if r == "mhc":   # "auto" is the mean; "sum" is read two ways, as HC's
         block["hyper_connections"] = {"kind": "liger_mhc", "num_residual_streams": 4, "tanh": False,
-                                      "sinkhorn_iters": a.get("sinkhorn_iters", 20), "collapse": "auto"}
+                                      "sinkhorn_iters": a.get("sinkhorn_iters", 20),
+                                      "collapse": "sum" if a.get("collapse") in ("sum", "norm_each") else "auto"}
     if r in ("attnres", "block_attnres"):
         block["attnres_block_size"] = 1 if r == "attnres" else 2 * cfg.n_layer // a.get("n_groups", 8)
     overrides = {}
@@ -67,6 +70,16 @@ def official_config(cfg, tokenizer_vocab=40):
     tok = {"vocab_size": tokenizer_vocab, "eos_token_id": tokenizer_vocab - 1, "pad_token_id": 1,
            "identifier": "allenai/gpt-neox-olmo-dolma-v1_5"}
     return {"model": model, "dataset": {"tokenizer": tok, "sequence_length": 16}}
+
+
+def readings(cfg):
+    """official.load's `forced` (--residual-args): what config.json cannot tell about our cfg, HC's forward and
+    a sum collapse (sum, then the norm: the newer code; norm_each: the older)."""
+    r, a = cfg.residual, cfg.residual_args
+    out = {"forward": a.get("forward", "mixed")} if r == "hc" else {}
+    if a.get("collapse", {"hc": "sum"}.get(r)) in ("sum", "norm_each"):
+        out["collapse"] = a.get("collapse", "sum")
+    return out
 
 
 def write_checkpoint(step_dir, model, tensors=None, config=None):
@@ -89,7 +102,7 @@ def tokens(V=40, B=2, T=10):
 def test_every_design_loads_with_the_same_logits(tmp_path, residual, args):
     src = ours(residual, args)
     step = write_checkpoint(tmp_path / "step100", src)
-    loaded, info = official.load(str(step))
+    loaded, info = official.load(str(step), forced=readings(src.cfg))
     assert loaded.cfg.residual == residual and loaded.cfg.residual_args == args and info["step"] == 100
     x = tokens()
     with torch.no_grad():
@@ -100,7 +113,7 @@ def test_every_design_loads_with_the_same_logits(tmp_path, residual, args):
     sd = official.to_official(src)
     sd["blocks.1.attention_norm.weight"], sd["blocks.1.feed_forward_norm.weight"] = (
         sd["blocks.1.feed_forward_norm.weight"], sd["blocks.1.attention_norm.weight"])
-    swapped, _ = official.load(str(write_checkpoint(tmp_path / "step101", src, sd)))
+    swapped, _ = official.load(str(write_checkpoint(tmp_path / "step101", src, sd)), forced=readings(src.cfg))
     with torch.no_grad():
         assert not torch.allclose(swapped(x)[0], src(x)[0])
 
@@ -146,13 +159,13 @@ def test_hc_branch_aliases_are_accepted_only_when_equal(tmp_path):
         sd[f"blocks.{b}.attention_hyper_connection.branch.norm.weight"] = sd[f"blocks.{b}.attention_norm.weight"]
         sd[f"blocks.{b}.feed_forward_hyper_connection.branch.feed_forward.w2.weight"] = (
             sd[f"blocks.{b}.feed_forward.w2.weight"])
-    loaded, _ = official.load(str(write_checkpoint(tmp_path / "step1", src, sd)))
+    loaded, _ = official.load(str(write_checkpoint(tmp_path / "step1", src, sd)), forced=readings(src.cfg))
     x = tokens()
     with torch.no_grad():
         assert torch.equal(loaded(x)[0], src(x)[0])
     sd["blocks.1.attention_hyper_connection.branch.norm.weight"] = sd["blocks.1.attention_norm.weight"] + 1
     with pytest.raises(official.CheckpointError, match="differs from blocks.1.attention_norm.weight"):
-        official.load(str(write_checkpoint(tmp_path / "step2", src, sd)))
+        official.load(str(write_checkpoint(tmp_path / "step2", src, sd)), forced=readings(src.cfg))
 
 
 def test_moda_last_block_kv_proj_is_ignored_when_not_skipped(tmp_path):
@@ -211,7 +224,7 @@ REFUSALS = [
     ("preln", set_key(("model", "block", "layer_norm", "name"), "default"), "block norm"),
     ("preln", set_key(("model", "lm_head", "layer_norm", "eps"), 1e-5), "final norm eps"),
     ("mhc", set_key(("model", "block", "hyper_connections", "kind"), "mhc"), "mHC kind 'mhc'"),
-    ("mhc", set_key(("model", "block", "hyper_connections", "collapse"), "sum"), "mHC collapse"),
+    ("mhc", set_key(("model", "block", "hyper_connections", "collapse"), "max"), "collapse 'max'"),
     ("hc", set_key(("model", "block", "hyper_connections", "tanh"), False), "HC kind/tanh"),
     ("attnres", set_key(("model", "block", "attnres_block_size"), 4), "block size 4 does not divide the 6"),
     ("moda", set_key(("model", "block", "moda", "extra_ffn_kv_proj"), False), "MoDA K/V"),
@@ -228,6 +241,74 @@ def test_unsupported_settings_are_refused_in_one_line(tmp_path, residual, change
     with pytest.raises(official.CheckpointError) as e:
         official.load(str(tmp_path / "step1"))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def rename(name, drop=()):
+    """A config change: the block type renamed (None: no name at all), keys `drop` removed from the block."""
+    def change(cfg):
+        blk = cfg["model"]["block"]
+        if name:
+            blk["name"] = name
+        else:
+            del blk["name"]
+        for key in drop:
+            blk.pop(key)
+    return change
+
+
+B, HCK = ("model", "block"), ("model", "block", "hyper_connections")
+SPELLINGS = [  # older config.json spellings (renamed as the official loaders do) and what they build
+    ("attnres", {}, rename("default")), ("attnres", {}, rename(None)),      # attnres_block_size with either name
+    ("attnres", {}, rename("attn_res", drop=["attnres_block_size"])), ("block_attnres", {"n_groups": 3}, rename(None)),
+    ("hc", {}, rename("default")), ("mhc", {}, rename("default")),         # default + a hyper_connections section
+]
+
+
+@pytest.mark.parametrize("residual, args, change", SPELLINGS, ids=[f"{r}{k}" for k, (r, _, _) in enumerate(SPELLINGS)])
+def test_older_spellings_load_as_the_official_loaders_read_them(tmp_path, residual, args, change):
+    src = ours(residual, args)
+    cfg = official_config(src.cfg)
+    change(cfg)
+    loaded, _ = official.load(str(write_checkpoint(tmp_path / "step1", src, config=cfg)), forced=readings(src.cfg))
+    assert (loaded.cfg.residual, loaded.cfg.residual_args) == (residual, args)
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens())[0], src(tokens())[0])
+
+
+def test_an_hc_checkpoint_loads_with_the_readings_the_user_names(tmp_path):
+    """config.json cannot tell the older HC code (norm each stream, then sum; un-mixed forward) from the newer:
+    each reading of the same files gives its own model's logits, and --residual-args names only those two."""
+    old = ours("hc", {"collapse": "norm_each", "forward": "unmixed"})
+    step, x = write_checkpoint(tmp_path / "step1", old), tokens()
+    as_old, _ = official.load(str(step), forced={"collapse": "norm_each", "forward": "unmixed"})
+    as_new, _ = official.load(str(step), forced={"collapse": "sum", "forward": "mixed"})
+    with torch.no_grad():
+        assert torch.equal(as_old(x)[0], old(x)[0]) and not torch.allclose(as_new(x)[0], old(x)[0])
+    with pytest.raises(official.CheckpointError, match='choose with --residual-args .*"forward": "mixed" or "unmixed"'):
+        official.load(str(step), forced={"collapse": "sum"})
+    with pytest.raises(official.CheckpointError, match=r"--residual-args \['n_streams'\]: config.json says it"):
+        official.load(str(step), forced={"collapse": "sum", "forward": "mixed", "n_streams": 4})
+
+
+CANNOT = [  # what we would compute differently, or cannot know, in the CLI's one line and exit code 2
+    ("attnres", set_key(B + ("attnres_topk_fraction",), 0.25), "attnres_topk_fraction = 0.25"),
+    ("attnres", set_key(B + ("attnres_use_bias",), True), "attnres_use_bias = True"),
+    ("attnres", set_key(B + ("attnres_learn_logit_scale",), True), "attnres_learn_logit_scale = True"),
+    ("hc", lambda cfg: None, '\'{"collapse": "sum" or "norm_each", "forward": "mixed" or "unmixed"}\''),
+    ("mhc", set_key(HCK + ("collapse",), "sum"), '\'{"collapse": "sum" or "norm_each"}\''),
+]
+
+
+@pytest.mark.parametrize("residual, change, message", CANNOT, ids=[f"{r}{k}" for k, (r, _, _) in enumerate(CANNOT)])
+def test_what_we_cannot_reproduce_exactly_is_one_line_and_exit_2(tmp_path, capsys, residual, change, message):
+    src = ours(residual)
+    cfg = official_config(src.cfg)
+    change(cfg)
+    write_checkpoint(tmp_path / "step1", src, config=cfg)
+    with pytest.raises(SystemExit) as e:
+        official.main(["info", str(tmp_path / "step1")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_settings_that_differ_from_our_defaults_build_the_matching_model():
@@ -354,7 +435,8 @@ def test_diagnose_runs_on_an_official_checkpoint_with_its_tokenizer(tmp_path):
     make_tokenizer(tmp_path / "repo" / "tokenizer")
     (tmp_path / "val.txt").write_text("the cat sat on the mat. a dog ate the hat. " * 8)
     r = run_cli("diagnose.py", tmp_path / "repo", "--step", 3, "--metrics", "angular", "--calib", tmp_path / "val.txt",
-                "--num-samples", 2, "--seq-len", 12, "--out", tmp_path / "d.json")
+                "--num-samples", 2, "--seq-len", 12, "--out", tmp_path / "d.json",
+                "--residual-args", json.dumps(readings(src.cfg)))
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "d.json").read_text())
     assert out["meta"]["residual"] == "hc" and out["meta"]["step"] == 3 and out["meta"]["n_layer"] == 3

@@ -301,15 +301,34 @@ def test_suite_rows_set_shape_steps_and_warmup(argv, row, steps):
 
 
 def test_print_grid_lists_the_paper_sweep(capsys):
-    """--print-grid: every design x row x LR of {5e-4, 1e-3, 2e-3, 5e-3}, LNS also 1e-2; filters narrow it."""
+    """--print-grid: every design x row x LR of {5e-4, 1e-3, 2e-3, 5e-3}, LNS also 1e-2 and 2e-2; the 1.6B suite
+    one LR, 5e-4, for every design; filters narrow it."""
     assert train.main(["--suite", "400m", "--print-grid"]) is None
     lines = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
-    assert len(lines) == 10 * 7 * 4 + 7 and len(set(lines)) == len(lines)
-    assert sum("--residual lns " in x and x.endswith("--lr 1e-2") for x in lines) == 7
+    assert len(lines) == 10 * 7 * 4 + 2 * 7 and len(set(lines)) == len(lines)
+    assert sum("--residual lns " in x and x.endswith(("--lr 1e-2", "--lr 2e-2")) for x in lines) == 14
+    train.main(["--suite", "1.6b", "--print-grid"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "the suite's LR 5e-4" in lines[0] and len(lines) == 1 + 10 * 3
+    assert all(x.endswith("--lr 5e-4") for x in lines[1:])
     train.main(["--suite", "ladder", "--row", "7", "--residual", "hc", "--lr", "2e-3", "--print-grid"])
     out = capsys.readouterr().out.splitlines()
     assert out[1:] == ["torchrun --standalone --nproc_per_node=8 train.py --suite ladder --row 7 --residual hc "
                        "--lr 2e-3"]
+
+
+@pytest.mark.parametrize("argv, residual, lr, batch", [
+    (["--layers", "24"], "hc", 2e-3, 8), (["--layers", "28"], "hc", 2e-3, 4),         # HC/mHC: 4 from L26 (memory)
+    (["--layers", "70"], "mhc", 2e-3, 4), (["--layers", "28"], "preln", 2e-3, 16), (["--layers", "16"], "lns", 1e-2, 16),
+    (["--layers", "28", "--batch-size", "2"], "hc", 2e-3, 2),                         # a given micro-batch wins
+    (["--suite", "1.6b", "--layers", "40"], "lns", 5e-4, 16),                        # the 1.6B suite: one LR for all
+    (["--suite", "1.6b", "--layers", "28", "--lr", "1e-3"], "hc", 1e-3, 4),          # a given LR wins
+])
+def test_a_suite_run_takes_the_papers_lr_and_micro_batch(argv, residual, lr, batch):
+    args, _ = train.parse_args(["--suite", "400m"] * ("--suite" not in argv) + argv +
+                               ["--residual", residual, "--device", "cpu", "--data", "synthetic"])
+    cfg = train.resolve(args, residual, "layers", args.layers[0], args.lr and args.lr[0], 42, 64, 1)
+    assert (cfg["lr"], cfg["batch_size"]) == (lr, batch)
 
 
 @pytest.mark.parametrize("kind", ["truncated", "foreign"])

@@ -15,8 +15,8 @@ measured in the README's quick start, not here. `mini`: the one-machine suite's 
 `--suite NAME` (shapes.SUITES: 400m, 302m-backbone, ladder, 1.6b; `--preset 400m` alone means
 `--suite 400m`) with `--row K`, `--layers L` or `--ar A` picking rows, the suite's step count (400m:
 7,600), global batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup (760 of 7,600)
-then cosine to 0.1x peak, the paper's peak LR per design, FineWeb-Edu with the GPT-2 tokenizer, bf16
-autocast, torch.compile.
+then cosine to 0.1x peak, the paper's peak LR per design (1.6b: 5e-4 for all), FineWeb-Edu with the GPT-2
+tokenizer, fp32 weights under bf16 autocast (the paper's runs kept bf16 weights), torch.compile.
 Any flag overrides its preset value; every derived number is printed before training.
 
 Each run writes {out}/{name}/run.json (config, params, per-step losses, evals; plot.py reads it) and
@@ -54,7 +54,6 @@ from residuals import RESIDUALS
 from shapes import SUITES, VOCAB, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
 
 SCHEMA = "depthbench.train/1"
-PAPER_LR_SWEEP = [5e-4, 1e-3, 2e-3, 5e-3]          # the paper's sweep for every design, plus its own paper_lr
 VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
 
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
@@ -103,14 +102,14 @@ def build_parser():
     add("--suite", choices=list(SUITES), help="the paper's shapes and step counts (shapes.py --suite); implies "
         "--preset 400m, which without --params means --suite 400m")
     add("--row", type=csv(int), help="--suite: row number(s) as `shapes.py --suite NAME` lists them")
-    add("--print-grid", action="store_true", help="--suite: print every design x row x LR of the paper's sweep "
-        "(plus the design's own paper_lr) as torchrun lines and exit; --residual, --row/--layers/--ar and --lr "
-        "narrow it")
+    add("--print-grid", action="store_true", help="--suite: print every design x row x LR the paper ran (the "
+        "design's paper_lr_sweep and paper_lr; 1.6b: the suite's one LR) as torchrun lines and exit; --residual, "
+        "--row/--layers/--ar and --lr narrow it")
     add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu/mini 0.8M backbone), "
         "instead of a suite")
     add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
     add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
-        "residuals.py; cpu/mini 3e-3)")
+        "residuals.py, the suite's for 1.6b: 5e-4; cpu/mini 3e-3)")
     add("--seed", type=csv(int), default=[42], help="seed(s) of the init and the train data order (the paper's 42)")
     add("--residual-args", type=json_object, default={}, help="design options as JSON (each design's `options` in "
         "residuals.py), e.g. '{\"n_streams\": 2, \"init\": \"uniform\", \"n_groups\": 4, \"norm\": \"post\"}'; "
@@ -126,8 +125,8 @@ def build_parser():
     add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu/mini 128)")
     # batch and schedule
     add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu/mini 32)")
-    add("--batch-size", type=pint, help="micro-batch per rank (preset: the design's paper_micro_batch; cpu/mini: "
-        "global batch / ranks)")
+    add("--batch-size", type=pint, help="micro-batch per rank (preset: the design's paper_micro_batch at this "
+        "depth; cpu/mini: global batch / ranks)")
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
         "tokens per budgeted param; cpu 800, mini 1200)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
@@ -175,10 +174,11 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     else:
         shape, budget = solved_shape(args, shape_key, shape_value, vocab_size)
     L, d, n_head = shape["n_layer"], shape["d_model"], shape["n_head"]
-    lr = lr if lr is not None else RESIDUALS[residual].paper_lr
-    # 400m: what fit on the paper's GPUs; the small presets: the whole global batch at once, split over ranks
-    batch_size = args.batch_size or (RESIDUALS[residual].paper_micro_batch if args.preset == "400m"
-                                     else max(1, args.global_batch // world_size))
+    design = RESIDUALS[residual]
+    lr = lr if lr is not None else shape.get("lr") or design.paper_lr     # a suite's one LR (1.6b), else the design's
+    # 400m: what fit on the paper's GPUs at this depth; the small presets: the whole global batch, split over ranks
+    mb = design.paper_micro_batch[max(k for k in design.paper_micro_batch if k <= L)]
+    batch_size = args.batch_size or (mb if args.preset == "400m" else max(1, args.global_batch // world_size))
     if args.global_batch % (batch_size * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {batch_size} "
                          f"x world size {world_size}")
@@ -549,7 +549,7 @@ def run_state(path):
 
 
 def print_grid(args):
-    """--print-grid: the suite's runs of the paper's LR sweep, one torchrun line each, on stdout."""
+    """--print-grid: the suite's runs at the paper's LRs (its sweep; 1.6b: one LR), one torchrun line each."""
     if not args.suite:
         fail("--print-grid needs --suite (or --preset 400m)")
     designs = args.residual or list(RESIDUALS)
@@ -564,11 +564,12 @@ def print_grid(args):
     except ValueError as e:
         fail(str(e))
     rows = [(k, r) for k, r in rows if not picked or r in picked]
+    suite_lr = rows[0][1]["lr"]                 # one LR for every design (1.6b), else each design's sweep
     lines = [f"torchrun --standalone --nproc_per_node=8 train.py --suite {args.suite} --row {k} --residual {res} "
-             f"--lr {format_lr(lr)}" for res in designs for k, _ in rows
-             for lr in args.lr or PAPER_LR_SWEEP + sorted({RESIDUALS[res].paper_lr} - set(PAPER_LR_SWEEP))]
-    print(f"# suite {args.suite}: {len(designs)} design(s) x {len(rows)} row(s) x {'--lr' if args.lr else 'the LR sweep'} "
-          f"= {len(lines)} runs")
+             f"--lr {format_lr(lr)}" for res in designs for k, _ in rows for lr in args.lr or
+             ([suite_lr] if suite_lr else sorted({*RESIDUALS[res].paper_lr_sweep, RESIDUALS[res].paper_lr}))]
+    lrs = "--lr" if args.lr else f"the suite's LR {format_lr(suite_lr)}" if suite_lr else "the LR sweep"
+    print(f"# suite {args.suite}: {len(designs)} design(s) x {len(rows)} row(s) x {lrs} = {len(lines)} runs")
     print("\n".join(lines))
 
 
