@@ -13,7 +13,6 @@ finished run; then `plot.py` on each probe's folder, and a table of the outcome 
 piece that is already done is skipped, so the same command continues a stopped suite.
 """
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import data
-from common import ArgParser, fail, positive, write_atomic
+from common import ArgParser, fail, positive, read_json, seed_number, write_atomic
 
 HERE = Path(__file__).resolve().parent
 TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
@@ -39,23 +38,46 @@ SCALES = {
 DIAG_METRICS = "causal,perm,pruning"
 
 
+def listed(kind, empty=False):
+    """argparse type: a comma list of items that `kind` accepts, kept as written (they go on train.py's command
+    line and into run labels), repeats dropped; '' is the empty list where `empty` allows it."""
+    def parse(text):
+        items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+        if not (items or empty):
+            raise ValueError(text)
+        for t in items:
+            kind(t)
+        return items
+    parse.__name__ = f"comma-separated {kind.__name__}"
+    return parse
+
+
+def design(name):
+    """argparse type: the name of a design (residuals.RESIDUALS)."""
+    from residuals import RESIDUALS
+    if name not in RESIDUALS:
+        raise ValueError(name)
+    return name
+
+
 def build_parser():
     p = ArgParser(prog="mini.py", description="Mini-DepthBench: train, diagnose and plot a design x shape x seed grid.")
     add = p.add_argument
     add("--out", type=Path, default=Path("runs/mini"), help="suite folder (default runs/mini)")
-    add("--designs", default="preln,hc,attnres", help="comma list of designs (default preln,hc,attnres)")
-    add("--ar", default="92,51,32,17,9.1", help="comma list of aspect ratios (default 92,51,32,17,9.1: L2, 3, 4, 6 "
-        "and 9, the paper's range 76..9.1)")
-    add("--seeds", default="0,1", help="comma list of seeds (default 0,1)")
+    add("--designs", type=listed(design), default="preln,hc,attnres", help="comma list of designs (default "
+        "preln,hc,attnres)")
+    add("--ar", type=listed(positive(float)), default="92,51,32,17,9.1", help="comma list of aspect ratios (default "
+        "92,51,32,17,9.1: L2, 3, 4, 6 and 9, the paper's range 76..9.1)")
+    add("--seeds", type=listed(seed_number), default="0,1", help="comma list of seeds (default 0,1)")
     add("--probes", default=None, help="text,synthetic (default: both when --text is given, else synthetic)")
     add("--text", help="real text for the text probe: 'austen' (six novels, downloaded once) or a .txt/.jsonl/"
         ".parquet file, folder or quoted glob")
-    add("--steps", help="override every run's schedule length (a toy or a longer run)")
-    add("--lr", help="peak LR for every run (default: the mini preset's, 3e-3)")
-    add("--lr-sweep", default="1e-3,1e-2", help="more LRs for each design at --sweep-ar, first seed only, in "
-        "<probe>-lr/ (default 1e-3,1e-2, around the preset's 3e-3; '' for none)")
-    add("--sweep-ar", default="9.1", type=float, help="the shape of the LR sweep (default 9.1)")
-    add("--diag-samples", default="32", help="diagnose.py's calibration windows per run (default 32)")
+    add("--steps", type=positive(), help="override every run's schedule length (a toy or a longer run)")
+    add("--lr", type=positive(float), help="peak LR for every run (default: the mini preset's, 3e-3)")
+    add("--lr-sweep", type=listed(positive(float), empty=True), default="1e-3,1e-2", help="more LRs for each design "
+        "at --sweep-ar, first seed only, in <probe>-lr/ (default 1e-3,1e-2, around the preset's 3e-3; '' for none)")
+    add("--sweep-ar", default="9.1", type=positive(float), help="the shape of the LR sweep (default 9.1)")
+    add("--diag-samples", type=positive(), default="32", help="diagnose.py's calibration windows per run (default 32)")
     add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")
     add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
     add("--dry-run", action="store_true", help="print the train.py commands and stop")
@@ -66,10 +88,9 @@ def train_commands(args):
     """One (folder, label, argv) per run, in the order they will run: the LR sweep, then the grid deepest
     first (the slowest runs start early, so two workers finish together)."""
     scale = SCALES["gpu" if args.gpu else "cpu"]
-    ars = sorted((float(a) for a in args.ar.split(",")), key=float)
-    designs, seeds = args.designs.split(","), args.seeds.split(",")
-    sweep = [lr for lr in args.lr_sweep.split(",") if lr]
-    runs = [(f"{p}-lr", p, args.sweep_ar, d, seeds[0], lr) for p, d, lr in itertools.product(args.probes, designs, sweep)]
+    ars, designs, seeds = sorted({float(a) for a in args.ar}), args.designs, args.seeds
+    runs = [(f"{p}-lr", p, args.sweep_ar, d, seeds[0], lr)
+            for p, d, lr in itertools.product(args.probes, designs, args.lr_sweep)]
     runs += [(p, p, ar, d, s, args.lr) for p, ar, d, s in itertools.product(args.probes, ars, designs, seeds)]
     jobs = []
     for folder, probe, ar, design, seed, lr in runs:
@@ -77,8 +98,8 @@ def train_commands(args):
                 "--ar", f"{ar:g}", "--seed", seed, "--out", str(args.out / folder), *scale[probe]]
         argv += ["--data", args.text, "--data-dir", str(args.out / "text-data"), "--tokenizer", TEXT_TOKENIZER] \
             if probe == "text" else []
-        argv += ["--steps", args.steps] if args.steps else []
-        argv += ["--lr", lr] if lr else []
+        argv += ["--steps", str(args.steps)] if args.steps else []
+        argv += ["--lr", str(lr)] if lr else []
         jobs.append((folder, f"{folder} {design} ar={ar:g} seed={seed}" + (f" lr={lr}" if lr else ""), argv))
     return jobs
 
@@ -112,8 +133,8 @@ def finished_runs(folder):
     """{run dir: run.json} of the finished runs under a probe's folder."""
     runs = {}
     for path in sorted(Path(folder).glob("*/run.json")):
-        run = json.loads(path.read_text())
-        if run.get("finished"):
+        run = read_json(path)
+        if run and run.get("finished"):
             runs[path.parent] = run
     return runs
 
@@ -142,8 +163,7 @@ def collect(folder):
     cells = {}
     for path, run in finished_runs(folder).items():
         c = run["config"]
-        diag_path = path / "diagnose.json"
-        diag = json.loads(diag_path.read_text()) if diag_path.exists() else {}
+        diag = read_json(path / "diagnose.json") or {}  # unreadable: as missing (main diagnoses it again)
         cell = cells.setdefault((c["residual"], c["n_layer"], c["d_model"], c["lr"]),
                                 {"loss": [], "gaps": [], "rc": [], "rp": [], "wall": []})
         cell["loss"].append(run["final"]["val_loss"])
@@ -185,15 +205,11 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     args.jobs = args.jobs or (1 if args.gpu else 2)
-    args.probes = (args.probes or ("text,synthetic" if args.text else "synthetic")).split(",")
+    args.probes = list(dict.fromkeys((args.probes or ("text,synthetic" if args.text else "synthetic")).split(",")))
     if set(args.probes) - {"text", "synthetic"}:
         parser.error(f"--probes: choose from text, synthetic, got {','.join(args.probes)}")
     if "text" in args.probes and not args.text:
         parser.error("the text probe needs --text ('austen', or a local corpus: a file, folder or quoted glob)")
-    try:
-        [float(a) for a in args.ar.split(",")]
-    except ValueError:
-        parser.error(f"--ar {args.ar!r}: expected comma-separated numbers")
     jobs = train_commands(args)
     if args.dry_run:
         print("\n".join(" ".join(argv[1:]) for _, _, argv in jobs))
@@ -204,17 +220,17 @@ def main(argv=None):
             data.prepare(args.text, args.out / "text-data", TEXT_TOKENIZER)
         except data.DataError as e:
             fail("mini.py", e)
-    print(f"mini suite: {len(jobs)} runs ({len(args.probes)} probes x {len(args.designs.split(','))} designs x "
-          f"{len(args.ar.split(','))} ARs x {len(args.seeds.split(','))} seeds, and the LR sweep: "
+    print(f"mini suite: {len(jobs)} runs ({len(args.probes)} probes x {len(args.designs)} designs x "
+          f"{len(args.ar)} ARs x {len(args.seeds)} seeds, and the LR sweep: "
           f"{sum(f.endswith('-lr') for f, _, _ in jobs)} runs at AR {args.sweep_ar:g}), {args.jobs} at a time -> {args.out}")
     failed = run_pool([(label, argv) for _, label, argv in jobs], args.jobs, "train", args.out / "logs")
     diag_jobs = []
     for probe in args.probes:
         for path in finished_runs(args.out / probe):
-            if not (path / "diagnose.json").exists():
+            if read_json(path / "diagnose.json") is None:  # missing, or unreadable: diagnosed again
                 diag_jobs.append((f"diagnose {path.name}",  # writes diagnose.json beside the run's ckpt.pt
                                   [sys.executable, str(HERE / "diagnose.py"), str(path), "--metrics", DIAG_METRICS,
-                                   "--num-samples", args.diag_samples]))
+                                   "--num-samples", str(args.diag_samples)]))
     failed += run_pool(diag_jobs, args.jobs, "diagnose", args.out / "logs")
     for probe in args.probes:
         subprocess.run([sys.executable, str(HERE / "plot.py"), str(args.out / probe), "--out",
