@@ -1,11 +1,12 @@
 """
 What every script shares, in one place: the one-line-error parser and its argument types, atomic writes,
-checkpoints, rank-0 printing, the device choice and the network probe.
+checkpoints, the run folder's lock, rank-0 printing, the device choice and the network probe.
 
 No torch at module level: plot.py imports this and must run (and start fast) without it.
 """
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -25,20 +26,28 @@ class ArgParser(argparse.ArgumentParser):
                           "run their kernels.py bodies (default); reference: ops.py's plain PyTorch, the same maths")
 
 
-def positive(kind=int):
-    """argparse type: a number of `kind` > 0 (argparse turns the ValueError into a one-line error)."""
+def positive(kind=int, zero=False, below=math.inf):
+    """argparse type: a finite number of `kind` > 0 (>= 0 with zero) and < below; nan and inf are refused too
+    (argparse turns the ValueError into a one-line error)."""
     def parse(text):
-        if (value := kind(text)) <= 0:
+        value = kind(text)
+        if not ((value >= 0) if zero else (value > 0)) or not value < min(below, math.inf):
             raise ValueError(text)
         return value
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}" + (
+        f" below {below}" if below < math.inf else "")
     return parse
 
 
+seed_number = positive(int, zero=True, below=2**63)  # argparse type of every --seed: what torch and numpy take
+seed_number.__name__ = "seed (an int from 0 to 2^63 - 1)"
+
+
 def csv(kind):
-    """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01]; every list makes a grid axis."""
+    """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01], repeats dropped; every list makes
+    a grid axis."""
     def parse(text):
-        return [kind(v) for v in text.split(",")]
+        return list(dict.fromkeys(kind(v) for v in text.split(",")))
     parse.__name__ = f"comma-separated {kind.__name__}"
     return parse
 
@@ -108,17 +117,59 @@ def check_options(names, given):
 # ----------------------------------------------------------------------------- files
 
 def write_atomic(path, content):
-    """Write str, bytes, or whatever the function `content(binary_file)` writes, to a temp file beside path,
-    then os.replace it: a reader sees the old file or the new one, never half of one."""
+    """Write str, bytes, or whatever the function `content(binary_file)` writes, to a temp file of its own beside
+    path (two writers never share one), fsync it, then os.replace it: a reader sees the old file or the new one,
+    never half of one. On any failure (a full disk, Ctrl-C) the temp file is removed and the old file stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if callable(content):
-            content(f)
-        else:
-            f.write(content.encode() if isinstance(content, str) else content)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            content(f) if callable(content) else f.write(content.encode() if isinstance(content, str) else content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_json(path):
+    """The JSON object in path, or None when it is missing, unreadable or not an object."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def lock_folder(folder):
+    """Lock a run folder for this process: flock on folder/.lock (made with the folder) -> the open lock file. The
+    lock ends when that file is closed or the process ends, even by kill -9, so a stale lock blocks nothing; the
+    holder's pid, host and command are written in it. A ValueError (one line) names the holder when another process
+    has the lock, or says why the folder cannot be written (a file in the way, read-only, full)."""
+    import fcntl
+    import socket
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(13, "not writable")
+        f = open(Path(folder) / ".lock", "a+")
+    except OSError as e:
+        raise ValueError(f"cannot write to {folder}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv)[:200]})")
+        f.flush()
+        os.fsync(f.fileno())
+        return f
+    except OSError as e:  # held by another process, or a full disk
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"{folder} is in use by {holder}; wait for it, or stop it" if isinstance(e, BlockingIOError)
+                         else f"cannot write to {folder}: {e.strerror or e}") from None
 
 
 def write_json(path, obj, strict=False):
@@ -143,8 +194,9 @@ def load_checkpoint(path, keys=("model", "model_config", "config")):
     import torch
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # unpickling errors of every kind: not a (whole) checkpoint
-        raise CheckpointError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
+    except Exception as e:  # unpickling errors of every kind: not a (whole) checkpoint; never loaded unsafely
+        why = "it holds objects beyond tensors and plain data" if "weights_only" in str(e) else first_line(e)
+        raise CheckpointError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {why})") from None
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a depthbench checkpoint (no {missing[0]!r} in it)")
@@ -158,6 +210,10 @@ def pick_device(name="auto"):
     import torch
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device (cpu, cuda, cuda:1, ...)") from None
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {name}, but torch sees no CUDA device")
     return name

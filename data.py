@@ -50,7 +50,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import ArgParser, fail, hub_unreachable, positive, unreachable, write_atomic, write_json
+from common import (ArgParser, fail, first_line, hub_unreachable, positive, read_json, seed_number, unreachable,
+                    write_atomic, write_json)
 
 MAGIC, VERSION = 20260517, 1  # our own magic, so an llm.c or nanoGPT .bin is rejected, not misread
 HEADER_INTS = 256
@@ -231,24 +232,33 @@ def list_files(source):
 
 
 def file_documents(path, text_field):
-    """The documents of one local file, as strings."""
-    if path.suffix == ".txt":
-        yield path.read_text(encoding="utf-8")
-    elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    row = json.loads(line)
-                    if text_field not in row:
-                        raise DataError(f"{path}:{lineno}: no field {text_field!r} (choose it with --text-field)")
-                    yield row[text_field]
-    else:
-        import pyarrow.parquet as pq  # comes with `datasets`
-        pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise DataError(f"{path}: no column {text_field!r}, only {pf.schema_arrow.names} (see --text-field)")
-        for batch in pf.iter_batches(columns=[text_field]):
-            yield from batch.column(0).to_pylist()
+    """The documents of one local file, as strings. A file that is not UTF-8 or not what its suffix says, a
+    malformed .jsonl line or a document that is not text is a DataError naming the file (and line)."""
+    where = path
+    try:
+        if path.suffix == ".txt":
+            yield path.read_text(encoding="utf-8")
+        elif path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    where = f"{path}:{lineno}"
+                    if line.strip():
+                        row = json.loads(line)
+                        if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+                            raise DataError(f"{where}: no field {text_field!r} holding text (see --text-field)")
+                        yield row[text_field]
+        else:
+            import pyarrow.parquet as pq  # comes with `datasets`
+            pf = pq.ParquetFile(path)
+            if text_field not in pf.schema_arrow.names or "string" not in str(pf.schema_arrow.field(text_field).type):
+                raise DataError(f"{path}: no text column {text_field!r} in {pf.schema_arrow.names} (see --text-field)")
+            for batch in pf.iter_batches(columns=[text_field]):
+                yield from (doc or "" for doc in batch.column(0).to_pylist())
+    except DataError:
+        raise
+    except Exception as e:  # not UTF-8, malformed JSON, not a parquet file, unreadable
+        why = f"{type(e).__name__}: {first_line(e, 120)}"
+        raise DataError(f"{where}: cannot read it as {path.suffix[1:]} ({why})") from None
 
 
 # Project Gutenberg's numbers of the six Austen novels: 4.0 MB of public-domain English, the text probe
@@ -313,8 +323,9 @@ def tokenize_documents(docs, tok, batch_size=256):
 # prepare: source -> shards
 
 def load_meta(out_dir):
-    path = Path(out_dir) / "meta.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    """meta.json of a shard folder, or None when there is none or it is unreadable (prepare() then rebuilds)."""
+    meta = read_json(Path(out_dir) / "meta.json")
+    return meta if meta and {"config", "shards", "n_tokens"} <= set(meta) else None
 
 
 def shards_intact(out_dir, meta):
@@ -521,15 +532,21 @@ def verdict(per_level, chance, n_layer):
 # batches
 
 class ShardStream:
-    """The tokens of one split of a shard folder, read as one long array across its files."""
+    """The tokens of one split of a shard folder, read as one long array across its files. Opening it checks
+    every token id against the vocabulary (one pass), so a bad id is a DataError now, not at some step of training."""
 
     def __init__(self, folder, split):
         meta = load_meta(folder)
         if meta is None:
-            raise DataError(f"no meta.json in {folder}: make it with python data.py --source ... --out {folder}")
+            raise DataError(f"no readable meta.json in {folder}: make it with python data.py --source ... --out {folder}")
         self.meta = meta
         self.shards = [read_shard(Path(folder) / s["file"]) for s in meta["shards"][split]]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])  # where each file begins in the stream
+        vocab = meta["config"]["vocab_size"]
+        for s, shard in zip(meta["shards"][split], self.shards):
+            if len(shard) and int(shard.max()) >= vocab:
+                raise DataError(f"{Path(folder) / s['file']}: token id {int(shard.max())} is outside the vocabulary "
+                                f"of {vocab} (meta.json); rebuild the shards with data.py")
 
     def __len__(self):
         return int(self.starts[-1])
@@ -662,7 +679,7 @@ def main(argv=None):
     p.add_argument("--group", default="s4", choices=["s3", "s4", "s5"], help="synthetic: the permutation group")
     p.add_argument("--show", type=positive(), default=0, help="print this many decoded example sequences")
     p.add_argument("--seq-len", type=positive(), default=64, help="T of the shown sequences and the loss floor")
-    p.add_argument("--seed", type=int, default=1337, help="seeds synthetic sequences and train window order")
+    p.add_argument("--seed", type=seed_number, default=1337, help="seeds synthetic sequences and train window order")
     args = p.parse_args(argv)
     if args.source != "synthetic" and args.out is None:
         p.error("--out is required to prepare shards from a real source")

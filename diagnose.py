@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import data
 from common import (ArgParser, CheckpointError, check_options, design_options, fail, first_line, hub_unreachable,
-                    json_object, load_checkpoint, pick_device, positive, write_json)
+                    json_object, load_checkpoint, pick_device, positive, seed_number, write_json)
 import official
 import shapes
 from model import GPT, GPTConfig
@@ -496,7 +496,7 @@ def layer_metrics(model, acc, todo, args):
 
 def parse_args(argv):
     p = ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
-    pos = positive(int)
+    pos, share = positive(int), positive(float, zero=True)
     p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
                    "checkpoint: hub id, folder with stepN/ folders or a step folder (official.py); or use --init")
     p.add_argument("--step", type=int, help="official checkpoint: the stepN folder (default: the highest)")
@@ -520,16 +520,17 @@ def parse_args(argv):
     g.add_argument("--seq-len", type=pos, help="tokens per window (default 512, the official; at most the run's "
                    "own seq_len)")
     g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL: examples) per forward pass (default 8)")
-    g.add_argument("--seed", type=int, help="seeds the window choice and --init (default: the run's seed, else 1337)")
+    g.add_argument("--seed", type=seed_number, help="seeds the window choice and --init (default: the run's seed, "
+                   "else 1337)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_kernels()
     g.add_argument("--threads", type=pos, default=1, help="CPU threads (default 1: tiny models run several "
                    "times faster single-threaded, most of all on a shared machine)")
     g = p.add_argument_group("metric settings")
-    g.add_argument("--causal-threshold", type=float, default=0.45, help="R_causal counts C > this (default 0.45)")
-    g.add_argument("--perm-threshold", type=float, default=0.15, help="R_perm counts P > this (default 0.15)")
-    g.add_argument("--dead-tau", type=float, default=0.05, help="dead when non-embedding weight < this (0.05)")
-    g.add_argument("--eps", type=float, default=1e-8, help="floor of |u_l| in the causal ratio (default 1e-8)")
+    g.add_argument("--causal-threshold", type=share, default=0.45, help="R_causal counts C > this (default 0.45)")
+    g.add_argument("--perm-threshold", type=share, default=0.15, help="R_perm counts P > this (default 0.15)")
+    g.add_argument("--dead-tau", type=share, default=0.05, help="dead when non-embedding weight < this (0.05)")
+    g.add_argument("--eps", type=positive(float), default=1e-8, help="floor of |u_l| in the causal ratio (default 1e-8)")
     g = p.add_argument_group("downstream NLL")
     g.add_argument("--nll-data", help="folder of local {task}.jsonl in each dataset's own fields (e.g. fixtures/nll)")
     g.add_argument("--nll-tasks", default=",".join(NLL_TASKS), help=f"comma list of {', '.join(NLL_TASKS)}")
@@ -546,12 +547,16 @@ def parse_args(argv):
     args.nll_tasks = [t.strip() for t in args.nll_tasks.split(",") if t.strip()]
     if not args.nll_tasks or set(args.nll_tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
+    if args.residual_args and not args.init:
+        p.error("--residual-args goes with --init (a checkpoint holds its design's options)")
     try:
         check_options([args.init] if args.init else list(RESIDUALS), args.residual_args)
     except ValueError as e:
         p.error(f"--residual-args: {e}")
-    if args.init and args.width % args.heads:
-        p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if args.init and (args.width % args.heads or args.width // args.heads % 2):
+        p.error(f"--width {args.width} must be a multiple of --heads {args.heads} with an even head_dim (RoPE)")
+    if args.out and Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a folder; give the JSON file's name")
     if args.tokenizer not in (None, "gpt2", "bytes") and not Path(args.tokenizer).exists():
         p.error(f"--tokenizer {args.tokenizer}: not gpt2, bytes or a tokenizer.json")
     if args.nll_data and not Path(args.nll_data).is_dir():
@@ -617,7 +622,10 @@ def main(argv=None):
         fail("diagnose.py", first_line(e, None))
     meta["wall_s"] = round(time.time() - t_start, 2)
     path = args.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")
-    write_json(path, out, strict=True)
+    try:
+        write_json(path, out, strict=True)
+    except OSError as e:
+        fail("diagnose.py", f"cannot write {path}: {e.strerror or e}")
     print(f"wrote {path} in {meta['wall_s']}s")
 
 

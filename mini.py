@@ -16,7 +16,6 @@ only (in <probe>/, beside the first seed's run, linked from the sweep). Each run
 Every piece that is already done is skipped, so the same command continues a stopped suite.
 """
 import itertools
-import json
 import math
 import os
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 import data
-from common import ArgParser, fail, format_lr, positive, write_atomic
+from common import ArgParser, fail, format_lr, positive, read_json, seed_number, write_atomic
 
 HERE = Path(__file__).resolve().parent
 TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
@@ -43,27 +42,51 @@ SCALES = {
 DIAG_METRICS = "causal,perm,pruning"
 
 
+def listed(kind, empty=False):
+    """argparse type: a comma list of items that `kind` accepts, kept as written (they go on train.py's command
+    line and into run labels), repeats dropped; '' is the empty list where `empty` allows it."""
+    def parse(text):
+        items = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+        if not (items or empty):
+            raise ValueError(text)
+        for t in items:
+            kind(t)
+        return items
+    parse.__name__ = f"comma-separated {kind.__name__}"
+    return parse
+
+
+def design(name):
+    """argparse type: the name of a design (residuals.RESIDUALS)."""
+    from residuals import RESIDUALS
+    if name not in RESIDUALS:
+        raise ValueError(name)
+    return name
+
+
 def build_parser():
     p = ArgParser(prog="mini.py", description="Mini-DepthBench: train, diagnose and plot a design x shape x seed grid.")
     add = p.add_argument
     add("--out", type=Path, default=Path("runs/mini"), help="suite folder (default runs/mini)")
-    add("--designs", default="preln,hc,attnres", help="comma list of designs (default preln,hc,attnres)")
-    add("--ar", default="92,51,32,17,9.1", help="comma list of aspect ratios (default 92,51,32,17,9.1: L2, 3, 4, 6 "
-        "and 9, the paper's range 76..9.1)")
-    add("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
-    add("--deep-seeds", default="0,1,2,3,4", help="seeds at the deepest shape, where R scores are coarsest "
-        "(default 0,1,2,3,4; '' for --seeds)")
+    add("--designs", type=listed(design), default="preln,hc,attnres", help="comma list of designs (default "
+        "preln,hc,attnres)")
+    add("--ar", type=listed(positive(float)), default="92,51,32,17,9.1", help="comma list of aspect ratios (default "
+        "92,51,32,17,9.1: L2, 3, 4, 6 and 9, the paper's range 76..9.1)")
+    add("--seeds", type=listed(seed_number), default="0,1,2", help="comma list of seeds (default 0,1,2)")
+    add("--deep-seeds", type=listed(seed_number, empty=True), default="0,1,2,3,4", help="seeds at the deepest "
+        "shape, where R scores are coarsest (default 0,1,2,3,4; '' for --seeds)")
     add("--probes", default=None, help="text,synthetic (default: both when --text is given, else synthetic)")
     add("--text", help="real text for the text probe: 'austen' (six novels, downloaded once) or a .txt/.jsonl/"
         ".parquet file, folder or quoted glob")
-    add("--steps", help="override every run's schedule length (a toy or a longer run)")
-    add("--lr", help="one peak LR for every run, no sweep (default: each cell at its best LR of --lr-sweep)")
-    add("--lr-sweep", default="1e-3,3e-3,1e-2", help="the LRs each (probe, design, shape) trains its first seed at; "
-        "the lowest final val loss wins, and a best LR at an edge extends the sweep once by x3 (default "
-        "1e-3,3e-3,1e-2; '' for none: the preset's 3e-3)")
+    add("--steps", type=positive(), help="override every run's schedule length (a toy or a longer run)")
+    add("--lr", type=positive(float), help="one peak LR for every run, no sweep (default: each cell at its best LR "
+        "of --lr-sweep)")
+    add("--lr-sweep", type=listed(positive(float), empty=True), default="1e-3,3e-3,1e-2", help="the LRs each (probe, "
+        "design, shape) trains its first seed at; the lowest final val loss wins, and a best LR at an edge extends "
+        "the sweep once by x3 (default 1e-3,3e-3,1e-2; '' for none: the preset's 3e-3)")
     add("--full-sweep", action="store_true", help="sweep every shape of the synthetic probe too (default: only its "
         "deepest; its other shapes take the LR each design chose there, to keep the suite near 3 h on 2 cores)")
-    add("--diag-samples", default="32", help="diagnose.py's calibration windows per run (default 32)")
+    add("--diag-samples", type=positive(), default="32", help="diagnose.py's calibration windows per run (default 32)")
     add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")
     add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
     add("--dry-run", action="store_true", help="print the train.py commands and stop")
@@ -76,25 +99,27 @@ def job(args, folder, probe, ar, design, seed, lr):
             "--seed", seed, "--out", str(args.out / folder), *SCALES["gpu" if args.gpu else "cpu"][probe]]
     argv += ["--data", args.text, "--data-dir", str(args.out / "text-data"), "--tokenizer", TEXT_TOKENIZER] \
         if probe == "text" else []
-    argv += ["--steps", args.steps] if args.steps else []
+    argv += ["--steps", str(args.steps)] if args.steps else []
     argv += ["--lr", lr] if lr else []
     return folder, f"{folder.split('/')[0]} {design} ar={ar:g} seed={seed}" + (f" lr={lr}" if lr else ""), argv
 
 
 def cells(args):
     """Every (probe, AR, design), deepest shapes first (the slowest runs start early, so workers finish together)."""
-    ars = sorted(float(a) for a in args.ar.split(","))
-    return list(itertools.product(args.probes, ars, args.designs.split(",")))
+    return list(itertools.product(args.probes, sorted({float(a) for a in args.ar}), args.designs))
+
+
+def deepest(args):
+    return min(float(a) for a in args.ar)
 
 
 def seeds_at(args, ar):
-    deepest = min(float(a) for a in args.ar.split(","))
-    return (args.deep_seeds or args.seeds).split(",") if ar == deepest else args.seeds.split(",")
+    return args.deep_seeds or args.seeds if ar == deepest(args) else args.seeds
 
 
 def sweeps(args, probe, ar):
     """Whether this cell sweeps (else it takes the LR its design chose at the probe's deepest shape)."""
-    return bool(args.sweep) and (probe == "text" or args.full_sweep or ar == min(float(a) for a in args.ar.split(",")))
+    return bool(args.sweep) and (probe == "text" or args.full_sweep or ar == deepest(args))
 
 
 def cell_folder(probe, ar, design):
@@ -120,9 +145,9 @@ def extension(args, losses):
 def chosen_lr(args, probe, ar, design):
     """A cell's LR: --lr, else the argmin of its sweep (with the extension), else its design's at the deepest shape."""
     if args.lr or not args.sweep:
-        return args.lr and float(args.lr)
+        return args.lr
     if not sweeps(args, probe, ar):
-        return chosen_lr(args, probe, min(float(a) for a in args.ar.split(",")), design)
+        return chosen_lr(args, probe, deepest(args), design)
     losses = sweep_result(args, probe, ar, design)[0]
     return min(losses, key=losses.get) if losses else None
 
@@ -186,8 +211,8 @@ def finished_runs(folder):
     """{run dir: run.json} of the finished runs under a folder."""
     runs = {}
     for path in sorted(Path(folder).glob("*/run.json")):
-        run = json.loads(path.read_text())
-        if run.get("finished"):
+        run = read_json(path)
+        if run and run.get("finished"):
             runs[path.parent] = run
     return runs
 
@@ -216,15 +241,12 @@ def collect(folder):
     cells = {}
     for path, run in finished_runs(folder).items():
         c = run["config"]
-        try:
-            diag = json.loads((path / "diagnose.json").read_text())
-        except (OSError, ValueError):
-            diag = {}
+        diag = read_json(path / "diagnose.json") or {}  # unreadable: as missing (main diagnoses it again)
         cell = cells.setdefault((c["residual"], c["n_layer"], c["d_model"], c["lr"]),
                                 {"loss": [], "gaps": [], "rc": [], "rp": [], "wall": [], "seed": []})
         cell["loss"].append(run["final"]["val_loss"])
         cell["wall"].append(run["wall_s"])
-        cell["seed"].append(c["seed"])
+        cell["seed"].append(c.get("seed"))
         per = run["evals"][-1].get("per_level") or {}
         cell["gaps"].append([per[g]["acc"] for g in sorted(per)])
         for key, metric, field in (("rc", "causal_score", "R_causal"), ("rp", "permutation_score", "R_perm")):
@@ -266,11 +288,11 @@ def summary(args):
                 row += " " + " / ".join(f"{a:.2f}" for a in np.mean(cell["gaps"], 0)) + " |"
             row += f" {spread(cell['rc'], '.1%')} | {spread(cell['rp'], '.1%')} | {np.mean(cell['wall']):.0f} s |"
             lines.append(row)
-        deepest = max((k for k in table), key=lambda k: k[1], default=None)
-        if deepest:
-            lines += ["", f"R scores at the deepest shape (L{deepest[1]}), per seed:", ""]
+        deep = max((k[1] for k in table), default=None)
+        if deep:
+            lines += ["", f"R scores at the deepest shape (L{deep}), per seed:", ""]
             for (res, L, d, lr), cell in sorted(table.items()):
-                if L == deepest[1] and cell["rc"]:
+                if L == deep and cell["rc"]:
                     lines.append(f"- {res}: R_causal " + ", ".join(f"{v:.1%}" for v in cell["rc"]) + "; R_perm "
                                  + ", ".join(f"{v:.1%}" for v in cell["rp"]) + f" (seeds {', '.join(map(str, cell['seed']))})")
         sweep = sweep_lines(args, probe)
@@ -284,19 +306,12 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     args.jobs = args.jobs or (1 if args.gpu else 2)
-    args.probes = (args.probes or ("text,synthetic" if args.text else "synthetic")).split(",")
+    args.probes = list(dict.fromkeys((args.probes or ("text,synthetic" if args.text else "synthetic")).split(",")))
     if set(args.probes) - {"text", "synthetic"}:
         parser.error(f"--probes: choose from text, synthetic, got {','.join(args.probes)}")
     if "text" in args.probes and not args.text:
         parser.error("the text probe needs --text ('austen', or a local corpus: a file, folder or quoted glob)")
-    try:
-        [float(a) for a in args.ar.split(",")]
-    except ValueError:
-        parser.error(f"--ar {args.ar!r}: expected comma-separated numbers")
-    try:
-        args.sweep = [float(lr) for lr in args.lr_sweep.split(",") if lr] if not args.lr else []
-    except ValueError:
-        parser.error(f"--lr-sweep {args.lr_sweep!r}: expected comma-separated numbers")
+    args.sweep = [] if args.lr else [float(lr) for lr in args.lr_sweep]
     if args.dry_run:  # the first phase; what follows depends on its results
         print("\n".join(" ".join(argv[1:]) for _, _, argv in sweep_jobs(args) or seed_jobs(args)))
         return 0
@@ -306,9 +321,9 @@ def main(argv=None):
             data.prepare(args.text, args.out / "text-data", TEXT_TOKENIZER)
         except data.DataError as e:
             fail("mini.py", e)
-    print(f"mini suite: {len(args.probes)} probes x {len(args.designs.split(','))} designs x "
-          f"{len(args.ar.split(','))} ARs, seeds {args.seeds} (deepest: {args.deep_seeds or args.seeds}), " +
-          (f"LR {args.lr}" if args.lr else f"each at its best LR of {args.lr_sweep or 'the preset'}") +
+    print(f"mini suite: {len(args.probes)} probes x {len(args.designs)} designs x {len(args.ar)} ARs, seeds "
+          f"{','.join(args.seeds)} (deepest: {','.join(args.deep_seeds or args.seeds)}), " +
+          (f"LR {args.lr:g}" if args.lr else f"each at its best LR of {','.join(args.lr_sweep) or 'the preset'}") +
           f", {args.jobs} runs at a time -> {args.out}")
     failed = []
     for what, jobs in (("sweep", lambda: sweep_jobs(args)), ("sweep edge", lambda: sweep_jobs(args, extend=True)),
@@ -317,10 +332,10 @@ def main(argv=None):
     diag_jobs = []
     for probe in args.probes:
         for path in finished_runs(args.out / probe):
-            if not (path / "diagnose.json").exists():
+            if read_json(path / "diagnose.json") is None:  # missing, or unreadable: diagnosed again
                 diag_jobs.append((f"diagnose {path.name}",  # writes diagnose.json beside the run's ckpt.pt
                                   [sys.executable, str(HERE / "diagnose.py"), str(path), "--metrics", DIAG_METRICS,
-                                   "--num-samples", args.diag_samples]))
+                                   "--num-samples", str(args.diag_samples)]))
     failed += run_pool(diag_jobs, args.jobs, "diagnose", args.out / "logs")
     for probe in args.probes:
         subprocess.run([sys.executable, str(HERE / "plot.py"), str(args.out / probe), "--out",

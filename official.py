@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, pick_device
+from common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, pick_device, positive
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -281,7 +281,11 @@ def read_dcp(step_dir):
         raise CheckpointError(f"{folder}: the checkpoint holds no model.* tensors")
     with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, storage_reader=reader, no_dist=True)
+        try:
+            dcp.load(sd, storage_reader=reader, no_dist=True)
+        except (Exception, dcp.CheckpointException) as e:  # a truncated .distcp file; DCP's error ends with the cause
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:160]
+            raise CheckpointError(f"{folder}: unreadable DCP data ({why})") from None
     return {k[len("model."):]: v for k, v in sd.items()}
 
 
@@ -378,9 +382,9 @@ def main(argv=None):
     p.add_argument("--step", type=int, help="step folder to use (default: the highest)")
     p.add_argument("--text", help="evaluate: text files, a folder or a glob (.txt/.jsonl/.parquet)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's tokenizer/ folder)")
-    p.add_argument("--seq-len", type=int, help="tokens per window (default: the run's sequence length, else 2048)")
-    p.add_argument("--max-tokens", type=int, help="evaluate at most this many tokens")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=positive(), help="tokens per window (default: the run's sequence length, else 2048)")
+    p.add_argument("--max-tokens", type=positive(), help="evaluate at most this many tokens")
+    p.add_argument("--batch-size", type=positive(), default=4)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_argument("--residual-args", type=json_object, default={}, help="what config.json cannot tell, e.g. HC's "
                    "'{\"forward\": \"mixed\", \"collapse\": \"sum\"}' (docs/official.md)")

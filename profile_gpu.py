@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
 from model import GPT, GPTConfig
-from common import ArgParser, check_options, design_options, json_object, pick_device, positive, write_json
+from common import ArgParser, check_options, csv, design_options, json_object, pick_device, positive, write_json
 from residuals import RESIDUALS
 
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
@@ -412,11 +412,11 @@ def parse_shapes(p, args):
                 p.error(f"--shapes: {text!r} is not a shape LxD like 16x1216")
         return [(int(m[1]), int(m[2])) for m in dims]
     try:
-        budget, ars = shapes.parse_count(args.params or "405M"), [float(a) for a in (args.ar or PAPER_AR).split(",")]
+        budget, ars = shapes.parse_count(args.params or "405M"), csv(positive(float))(args.ar or PAPER_AR)
     except ValueError:
         p.error(f"--params {args.params!r} / --ar {args.ar!r}: expected a count like 405M and numbers like 76,9.1")
-    if budget <= 0 or min(ars) <= 0:
-        p.error("--params and --ar must be positive")
+    if budget <= 0:
+        p.error("--params must be positive")
     try:
         return [(s["n_layer"], s["d_model"]) for s in (shapes.solve(budget, ar=ar, vocab=args.vocab) for ar in ars)]
     except ValueError as e:
@@ -424,7 +424,7 @@ def parse_shapes(p, args):
 
 
 def main(argv=None):
-    p = ArgParser(description="FLOPs, KV cache, memory and time of the residual designs, per shape.")
+    p = ArgParser(prog="profile_gpu.py", description="FLOPs, KV cache, memory and time of the residual designs, per shape.")
     p.add_argument("--residual", default="all", help=f"'all' or a comma list of: {', '.join(RESIDUALS)}")
     p.add_argument("--shapes", help="explicit shapes LxD, comma separated, e.g. 16x1216,70x640 (d_ff = shapes.ffn_dim(d))")
     p.add_argument("--params", help="budget solved with shapes.solve at each --ar, e.g. 405M (the default without --shapes)")
@@ -473,6 +473,8 @@ def main(argv=None):
     for L, d in dims:
         if d % args.heads or (d // args.heads) % 2:
             p.error(f"d={d} must split into {args.heads} heads of an even head_dim (RoPE rotates pairs)")
+        if L > shapes.MAX_LAYERS:
+            p.error(f"L={L:,}: more than the {shapes.MAX_LAYERS} blocks this code builds a model of")
     try:
         dev = torch.device(pick_device(args.device))
     except ValueError as e:
@@ -516,6 +518,9 @@ def main(argv=None):
         print(json.dumps(doc, indent=1))
     else:
         summary(doc)
+    if not args.analytic_only and all(r.get("error") for r in rows):
+        print(f"profile_gpu.py: every row failed to measure, the first with {rows[0]['error']}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,13 @@ own extra parameters come on top and are counted exactly by building the model o
 import json
 import math
 
-from common import ArgParser
+from common import ArgParser, positive
 
 N_HEAD = 16
 VOCAB = 50280
 # depths of `--table`, the solver's family for a budget; only L16, 20, 24, 28, 32, 42, 70 are paper rows (SUITES)
 TABLE_LAYERS = [16, 20, 24, 26, 28, 30, 32, 36, 42, 50, 56, 62, 70]
+MAX_LAYERS = 1024  # the paper's deepest model has 84 blocks
 
 
 def _rows(shapes, steps, label, n_kv_head=N_HEAD, lr=None):
@@ -105,9 +106,12 @@ def preln_params(L, d, d_ff, vocab=VOCAB, n_kv_head=N_HEAD, n_head=N_HEAD):
 
 
 def count_params(L, d, d_ff, residual="preln", vocab=VOCAB, n_head=N_HEAD, n_kv_head=None, **residual_args):
-    """Exact total of the built model (meta device: no memory, no init), any registered design."""
+    """Exact total of the built model (meta device: no memory, no init), any registered design; a ValueError past
+    MAX_LAYERS blocks, whose modules alone would take minutes to build."""
     import torch
     from model import GPT, GPTConfig
+    if L > MAX_LAYERS:
+        raise ValueError(f"{L:,} layers: more than the {MAX_LAYERS} blocks this code builds a model of")
     cfg = GPTConfig(vocab_size=vocab, n_layer=L, d_model=d, n_head=n_head, n_kv_head=n_kv_head, d_ff=d_ff,
                     residual=residual, residual_args=residual_args)
     with torch.device("meta"):
@@ -163,6 +167,8 @@ def parse_count(text):
     t = text.strip().lower().replace("_", "").replace(",", "")
     mult = units.get(t[-1:], 1)
     value = float(t[:-1] if t[-1:] in units else t) * mult
+    if not math.isfinite(value):
+        raise ValueError(text)
     return int(round(value))
 
 
@@ -206,14 +212,14 @@ def print_suite(args, fail):
 
 def main(argv=None):
     from residuals import RESIDUALS
-    p = ArgParser(description="Parameter counts and the width/depth solver of DepthBench.")
+    p = ArgParser(prog="shapes.py", description="Parameter counts and the width/depth solver of DepthBench.")
     p.add_argument("--params", default="405M", help="parameter budget, e.g. 405M, 1.6B (default 405M)")
     p.add_argument("--fixed", choices=["total", "backbone"], default="total",
                    help="what the budget counts: total (embeddings included) or backbone (blocks only)")
-    p.add_argument("--ar", type=float, help="target aspect ratio d_model / n_layer (e.g. 42.67, 9.1)")
-    p.add_argument("--layers", type=int, help="target depth (instead of --ar)")
+    p.add_argument("--ar", type=positive(float), help="target aspect ratio d_model / n_layer (e.g. 42.67, 9.1)")
+    p.add_argument("--layers", type=positive(), help="target depth (instead of --ar)")
     p.add_argument("--residual", default="preln", help=f"design whose exact total to report: {', '.join(RESIDUALS)}")
-    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (default 50280, the paper's)")
+    p.add_argument("--vocab", type=positive(), default=VOCAB, help="vocabulary size (default 50280, the paper's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--table", action="store_true", help="print the solver's shapes at 13 depths for this budget")
     p.add_argument("--suite", nargs="?", const="", help="print a suite of the paper's shapes (no name: list them)")
@@ -229,8 +235,6 @@ def main(argv=None):
         fail(f"--params must be positive, got {args.params}")
     if args.residual not in RESIDUALS:
         fail(f"unknown residual {args.residual!r}; choose from {', '.join(RESIDUALS)}")
-    if args.vocab <= 0:
-        fail("--vocab must be positive")
 
     if args.suite is not None:
         return print_suite(args, fail)
@@ -251,15 +255,11 @@ def main(argv=None):
 
     if (args.ar is None) == (args.layers is None):
         fail("give exactly one of --ar and --layers (or --table)")
-    if args.ar is not None and args.ar <= 0:
-        fail(f"--ar must be positive, got {args.ar}")
-    if args.layers is not None and args.layers <= 0:
-        fail(f"--layers must be positive, got {args.layers}")
     try:
         shape = solve(budget, ar=args.ar, layers=args.layers, fixed=args.fixed, vocab=args.vocab)
+        shape["params"] = count_params(shape["n_layer"], shape["d_model"], shape["d_ff"], args.residual, args.vocab)
     except ValueError as e:
         fail(str(e))
-    shape["params"] = count_params(shape["n_layer"], shape["d_model"], shape["d_ff"], args.residual, args.vocab)
     if args.json:
         print(json.dumps({k: shape[k] for k in ["n_layer", "d_model", "d_ff", "n_head", "head_dim", "ar", "params", "backbone_params"]}))
     else:

@@ -86,5 +86,5 @@ def test_the_sweep_covers_every_text_shape_and_the_deepest_synthetic_one():
     assert [a[a.index("--ar") + 1] for _, _, a in jobs][:3] == ["4"] * 3
     assert all(("--data" in a and a[a.index("--data") + 1] == "corpus.txt") == f.startswith("text") for f, _, a in jobs)
     assert mini.seed_jobs(args) == []                               # nothing is chosen before the sweep ran
-    args.lr, args.sweep = "3e-3", []                                # --lr: no sweep, every seed at that LR
+    args.lr, args.sweep = 3e-3, []                                  # --lr: no sweep, every seed at that LR
     assert len(mini.sweep_jobs(args)) == 0 and len(mini.seed_jobs(args)) == 2 * 2 * (3 + 5)  # the deepest: 5 seeds

@@ -22,17 +22,20 @@ Any flag overrides its preset value; every derived number is printed before trai
 Each run writes {out}/{name}/run.json (config, params, per-step losses, evals; plot.py reads it) and
 {out}/{name}/ckpt.pt (diagnose.py reads it), both atomically. --resume continues a run from ckpt.pt
 with the same losses as an uninterrupted run (bit-for-bit on CPU): the batches are a pure function of
-the step (data.py) and the LR a pure function of the step (get_lr). Exit codes: 0 ok, 1 a run
-diverged (NaN/inf loss), 2 bad input (one line on stderr, nothing written).
+the step (data.py) and the LR a pure function of the step (get_lr). One writer at a time: a run folder is
+locked while it trains. Ctrl-C (SIGINT) or SIGTERM: the current step ends, ckpt.pt is saved, one line gives the
+resume command; a second Ctrl-C aborts at once. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input
+or an unwritable run folder (one line on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
 """
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import os
 import re
 import resource
+import shlex
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -110,7 +113,8 @@ def build_parser():
     add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
     add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
         "residuals.py, the suite's for 1.6b: 5e-4; cpu/mini 3e-3)")
-    add("--seed", type=csv(int), default=[42], help="seed(s) of the init and the train data order (the paper's 42)")
+    add("--seed", type=csv(common.seed_number), default=[42], help="seed(s) of the init and the train data order (the "
+        "paper's 42)")
     add("--residual-args", type=json_object, default={}, help="design options as JSON (each design's `options` in "
         "residuals.py), e.g. '{\"n_streams\": 2, \"init\": \"uniform\", \"n_groups\": 4, \"norm\": \"post\"}'; "
         "each design of a grid takes the keys it declares; non-default values join the run name")
@@ -130,8 +134,9 @@ def build_parser():
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
         "tokens per budgeted param; cpu 800, mini 1200)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
-    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay (a design's static params get 0)")
-    add("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
+    add("--weight-decay", type=positive(float, zero=True), default=0.1, help="AdamW weight decay (a design's static "
+        "params get 0)")
+    add("--grad-clip", type=positive(float, zero=True), default=1.0, help="clip the global grad norm to this (0: off)")
     # evaluation, logging, checkpoints
     add("--eval-every", type=pint, help="evaluate every this many steps and at the end (preset: 250, cpu 100)")
     add("--eval-iters", type=pint, help="global batches of validation data per eval, the same ones each time (preset)")
@@ -391,7 +396,8 @@ def describe(r):
 
 
 def loop(r):
-    """Evaluate, checkpoint and take optimizer steps until the stop step; False if the run diverged."""
+    """Evaluate, checkpoint and take optimizer steps until the stop step; False if the run diverged. Asked to stop
+    (SIGINT/SIGTERM), it saves after the step it is in and exits with 128 + the signal's number."""
     cfg, log = r.cfg, r.log
     r.model = torch.compile(r.raw) if cfg["compile"] else r.raw
     r.train_model = DDP(r.model, device_ids=[r.env["local_rank"]] if r.cuda else None) if r.ddp else r.model
@@ -400,11 +406,15 @@ def loop(r):
         torch.cuda.reset_peak_memory_stats(r.device)
     r.wall_before, r.t_start, step_start = log["wall_s"], time.time(), r.step
     while True:
-        last = r.step >= r.stop
-        if last:
-            log["finished"] = r.step >= cfg["total_steps"]
+        last, stop = r.step >= r.stop, interrupted(r)
         maybe_evaluate(r, last)
-        maybe_save(r, last)
+        maybe_save(r, last, stop)
+        if stop:
+            if r.ddp:
+                dist.barrier()  # no rank leaves (and makes torchrun stop the rest) before rank 0 has saved
+            print0(f"interrupted at step {r.step}: " + (f"saved {r.ckpt_path.name}; resume with: {r.env['resume']}"
+                   if r.step else "nothing trained yet"), file=sys.stderr)
+            sys.exit(128 + stop)
         if last:
             break
         loss, grad_norm, lr, dt = optimizer_step(r)
@@ -469,11 +479,13 @@ def maybe_evaluate(r, last):
         save_json(r)
 
 
-def maybe_save(r, last):
-    """ckpt.pt at every ckpt_every-th step and the last one, with run.json first (so the log in the checkpoint
-    has this step's wall time); both atomic, written by rank 0."""
-    if r.step > 0 and (r.step % r.cfg["ckpt_every"] == 0 or last) and r.step != r.saved_step:
-        save_json(r)
+def maybe_save(r, last, force=False):
+    """ckpt.pt at every ckpt_every-th step, the last one and when asked to stop, then run.json: run.json says
+    finished only once the final ckpt.pt is on disk, so a kill between the two leaves a run that --resume ends.
+    Both atomic, written by rank 0."""
+    due = r.step > 0 and (r.step % r.cfg["ckpt_every"] == 0 or last or force) and r.step != r.saved_step
+    if due:
+        save_json(r, write=False)  # this step's wall time into the log the checkpoint carries
         if r.master:
             rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(r.device)} if r.cuda else {})}
             common.save_checkpoint(r.ckpt_path, {
@@ -481,16 +493,36 @@ def maybe_save(r, last):
                 "step": r.step, "optimizer": r.opt.state_dict(), "rng": rng, "loader": r.train_loader.state_dict(),
                 "log": r.log})
         r.saved_step = r.step
+    if due or last:
+        r.log["finished"] = last and r.step >= r.cfg["total_steps"]
+        save_json(r)
 
 
-def save_json(r):
-    """run.json with the wall time and memory peak so far (rank 0)."""
+def save_json(r, write=True):
+    """run.json with the wall time and memory peak so far (rank 0); write=False updates them in the log only."""
     log = r.log
     log["wall_s"] = r.wall_before + time.time() - r.t_start
     log["peak_mem_bytes"] = max(log["peak_mem_bytes"], torch.cuda.max_memory_allocated(r.device) if r.cuda
                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-    if r.master:
+    if r.master and write:
         write_json(r.json_path, log)
+
+
+STOP = []  # the signals received (SIGINT/SIGTERM): the loop saves and exits after the step it is in
+
+
+def on_signal(signum, frame):
+    STOP.append(signum)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: KeyboardInterrupt at once
+
+
+def interrupted(r):
+    """The signal that asks this run to stop, else 0; under torchrun every rank agrees, so none waits in a collective."""
+    if not r.ddp:
+        return STOP[0] if STOP else 0
+    flag = torch.tensor(STOP[:1] or [0], device=r.device)
+    dist.all_reduce(flag, dist.ReduceOp.MAX)
+    return int(flag)
 
 
 # ----------------------------------------------------------------------------- setup and the grid
@@ -510,12 +542,13 @@ def init_distributed(cuda):
 
 
 def on_rank0(fn, env):
-    """Run fn on rank 0 only and hand every rank its result, or its DataError, so all ranks stop together."""
+    """Run fn on rank 0 only and hand every rank its result, or its ValueError (a DataError, a folder in use or
+    not writable), so all ranks stop together."""
     out = [None, None]
     if env["rank"] == 0:
         try:
             out[0] = fn()
-        except DataError as e:
+        except ValueError as e:
             out[1] = str(e)
     if env["world_size"] > 1:
         dist.broadcast_object_list(out, src=0)
@@ -540,12 +573,37 @@ def prepare_data(args, cfg):
         data.prepare("fineweb-edu", args.data_dir, args.tokenizer, max_tokens=need + 10_000_000)
 
 
+def claim(path, held):
+    """Rank 0, before a run: lock its folder (into `held`; one writer at a time) and check it can be written, remove
+    temp files of a writer killed mid-save -> run_state. A problem is a ValueError (one line)."""
+    held.append(common.lock_folder(path))
+    for p in (path / "run.json", path / "ckpt.pt"):
+        if p.exists() and not p.is_file():
+            raise ValueError(f"{p} is not a file; move it away to train this run")
+    for tmp in [*path.glob("ckpt.pt.*.tmp"), *path.glob("run.json.*.tmp")]:
+        tmp.unlink()
+    return run_state(path)
+
+
 def run_state(path):
-    """'finished', 'partial' (a run.json or ckpt.pt exists) or 'new' for a run folder."""
+    """'finished', 'partial' (a run.json or ckpt.pt exists) or 'new' for a run folder. Finished: run.json says so
+    and ckpt.pt holds its last step; when ckpt.pt is missing or older (a kill between the two saves of an older
+    train.py, which wrote run.json first) the run is partial, and --resume continues from the ckpt.pt there is."""
+    log, ckpt = common.read_json(path / "run.json"), path / "ckpt.pt"
+    if log is None and (path / "run.json").exists():
+        raise ValueError(f"{path / 'run.json'} is not a run log of train.py; move it away to train this run")
+    if not (log or {}).get("finished"):
+        return "partial" if log or ckpt.exists() else "new"
+    last = (log.get("steps") or [{}])[-1].get("step")
     try:
-        return "finished" if json.loads((path / "run.json").read_text()).get("finished") else "partial"
-    except (OSError, ValueError):
-        return "partial" if (path / "ckpt.pt").exists() else "new"
+        at = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except Exception:  # missing, unreadable or foreign: not the final checkpoint
+        at = None
+    if at == last:
+        return "finished"
+    print0(f"run.json says finished at step {last}, but ckpt.pt is "
+           + (f"at step {at}" if at else "missing or unreadable") + ": not finished")
+    return "partial"
 
 
 def print_grid(args):
@@ -603,6 +661,9 @@ def parse_args(argv=None):
     for key, value in PRESETS[args.preset].items():
         if key not in ("ar", "layers") and getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.data == "synthetic" and args.max_gap + 3 > args.seq_len:
+        parser.error(f"--max-gap {args.max_gap} with --seq-len {args.seq_len}: a sequence could hold no answer (the "
+                     f"first one comes after up to max gap + 3 tokens); lower --max-gap or raise --seq-len")
     if args.compile is None:
         args.compile = cuda  # on CPU compile pays only after thousands of steps (docs/speed.md)
     args.device = "cuda" if cuda else "cpu"
@@ -625,7 +686,45 @@ def parse_args(argv=None):
     return args, cuda
 
 
+def check_memory(cfg):
+    """ValueError when a rank cannot hold the run, before anything is allocated: a lower bound of its bytes (fp32
+    weights and gradients, 16 bytes of activations per token, layer and unit of width) over the device's total."""
+    L, d, B, T = cfg["n_layer"], cfg["d_model"], cfg["batch_size"], cfg["seq_len"]
+    need = 8 * preln_params(L, d, cfg["d_ff"], cfg["vocab_size"], cfg["n_kv_head"], cfg["n_head"]) + 16 * B * T * L * d
+    have = (torch.cuda.get_device_properties(0).total_memory if cfg["device"] == "cuda"
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if need > have:
+        raise ValueError(f"{cfg['name']} needs at least {need / 2**30:,.0f} GiB at micro-batch {B} x {T} tokens, the "
+                         f"{cfg['device']} has {have / 2**30:,.0f} GiB: lower --seq-len or --batch-size")
+
+
+def grid_run(args, cfg, env, counter):
+    """One run of the grid, in its locked folder: skipped when finished, else trained; False if it diverged."""
+    path, held = Path(cfg["out"]) / cfg["name"], []
+    print0(f"\n{counter} {cfg['residual']} ar={cfg['ar']:.4g} lr={format_lr(cfg['lr'])} seed={cfg['seed']}  ({path})")
+    try:
+        state = on_rank0(lambda: claim(path, held), env)
+        if state == "finished":
+            print0("finished already (run.json says so): skipping")
+            return True
+        if state == "partial" and not args.resume:
+            print0("this run folder holds an unfinished run: starting over (--resume continues it)")
+        if args.compile:
+            torch._dynamo.reset()  # a fresh compile cache per shape
+        return train_run(cfg, env, args.resume)
+    except DataError as e:  # e.g. a shard that was truncated since it was made
+        fail(str(e))
+    except OSError as e:  # a full disk, a folder gone read-only: the files keep their last good version
+        fail(f"{cfg['name']} stopped at a failed write ({e}); the run folder keeps its last good files")
+    finally:
+        for f in held:
+            f.close()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, cuda = parse_args(argv)
     if args.print_grid:
         return print_grid(args)
@@ -641,6 +740,7 @@ def main(argv=None):
     for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):
         try:
             cfg = resolve(args, residual, key, value, lr, seed, vocab, env["world_size"])
+            check_memory(cfg)
         except ValueError as e:
             fail(str(e))
         if cfg["name"] not in names:  # two ARs can solve to the same shape
@@ -649,26 +749,15 @@ def main(argv=None):
     if args.data != "synthetic":
         on_rank0(lambda: prepare_data(args, runs[0]), env)
 
-    diverged = []
-    for k, cfg in enumerate(runs):
-        path = Path(cfg["out"]) / cfg["name"]
-        print0(f"\n[{k + 1}/{len(runs)}] {cfg['residual']} ar={cfg['ar']:.4g} lr={format_lr(cfg['lr'])} "
-               f"seed={cfg['seed']}  ({path})")
-        state = on_rank0(lambda: run_state(path), env)
-        if state == "finished":
-            print0("finished already (run.json says so): skipping")
-            continue
-        if state == "partial" and not args.resume:
-            print0("this run folder holds an unfinished run: starting over (--resume continues it)")
-        if args.compile:
-            torch._dynamo.reset()  # a fresh compile cache per shape
-        try:
-            if not train_run(cfg, env, args.resume):
-                diverged.append(cfg["name"])
-        except DataError as e:  # e.g. a shard that was truncated since it was made
-            fail(str(e))
-        if cuda:
-            torch.cuda.empty_cache()
+    env["resume"] = ("torchrun ... " if env["world_size"] > 1 else "python ") + shlex.join(
+        ["train.py", *argv] + ([] if args.resume else ["--resume"]))
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    STOP.clear()
+    try:
+        diverged = [cfg["name"] for k, cfg in enumerate(runs) if not grid_run(args, cfg, env, f"[{k + 1}/{len(runs)}]")]
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
     if len(runs) > 1:
         print0(f"\ngrid done: {len(runs)} runs, {len(diverged)} diverged {' '.join(diverged)}")
     if dist.is_initialized():
