@@ -547,8 +547,6 @@ def parse_args(argv):
     args.nll_tasks = [t.strip() for t in args.nll_tasks.split(",") if t.strip()]
     if not args.nll_tasks or set(args.nll_tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
-    if args.residual_args and not args.init:
-        p.error("--residual-args goes with --init (a checkpoint holds its design's options)")
     try:
         check_options([args.init] if args.init else list(RESIDUALS), args.residual_args)
     except ValueError as e:

@@ -109,7 +109,7 @@ CASES = [
      "argument --max-tokens: invalid"),
     ("official.py", "--seq-len 0", ["evaluate", "{tmp}/step1", "--seq-len", "0"], {}, 2, "argument --seq-len: invalid"),
     ("diagnose.py", "--residual-args with a checkpoint", ["{tmp}/run", "--residual-args", '{"n_groups": 4}'], {}, 2,
-     "--residual-args goes with --init"),
+     "--residual-args: for --init or an official checkpoint"),
     ("mini.py", "an unknown design in --designs", ["--designs", "preln,nope", "--out", "{tmp}/m"], {}, 2,
      "argument --designs: invalid"),
     ("mini.py", "a seed that is no number in --seeds", ["--seeds", "0,x", "--out", "{tmp}/m"], {}, 2,

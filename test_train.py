@@ -149,6 +149,19 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_checkpoint_from_before_a_design_option_existed_resumes(tmp_path, capsys):
+    """An HC run saved before HC had its `collapse` and `forward` options (its residual_args hold only n_streams)
+    resumes: the options it lacks take their defaults, which is what the older code computed."""
+    args = TINY + ["--residual", "hc", "--steps", "4", "--out", str(tmp_path)]
+    assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
+    path = next(tmp_path.glob("*/ckpt.pt"))
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["config"]["residual_args"] = {"n_streams": 4}
+    torch.save(ckpt, path)
+    code, out, _ = run_main(args + ["--resume"], capsys)
+    assert code == 0 and "resumed from" in out and load_run(tmp_path)["finished"] is True
+
+
 def test_two_ranks_match_one(tmp_path, capsys):
     """torchrun with 2 gloo processes at the same global batch gives the losses of 1 process."""
     args = TINY + ["--steps", "3", "--ckpt-every", "100"]

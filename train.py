@@ -337,6 +337,8 @@ def maybe_resume(r, resume):
         except common.CheckpointError as e:
             fail(f"cannot resume: {e}")
         old = {"n_kv_head": ckpt["config"].get("n_head"), **ckpt["config"]}  # checkpoints from before GQA: MHA
+        # options added to a design since (HC's collapse, forward) take their defaults, which the older code computed
+        old["residual_args"] = design_options(old["residual"], old.get("residual_args"))
         changed = [k for k in RESUME_KEYS if old.get(k) != r.cfg.get(k)]
         if changed:
             was = ", ".join(f"{k}={old.get(k)!r}" for k in changed)
