@@ -763,6 +763,7 @@ def main(argv=None):
     if len(runs) > 1:
         print0(f"\ngrid done: {len(runs)} runs, {len(diverged)} diverged {' '.join(diverged)}")
     if dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down while another still talks to it (that aborted rank 1 at exit)
         dist.destroy_process_group()
     sys.exit(1 if diverged else 0)
 
