@@ -164,8 +164,9 @@ class Sinkhorn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- AttnRes
 
 def depth_mix(query, key_gain, sources, eps):
-    """The mix as one node (`DepthMix`), each source's 1/rms formed inside it."""
-    mix, p = DepthMix.apply(key_gain.float() * query.float(), eps, *(v.float() for v in sources))
+    """The mix as one node (`DepthMix`), each source's 1/rms formed inside it, in fp32 from sources kept as they are
+    (fp32 copies saved per consumer would hold O(L^2) of them under bf16 autocast)."""
+    mix, p = DepthMix.apply(key_gain.float() * query.float(), eps, *sources)
     return mix.to(sources[0].dtype), p
 
 
@@ -178,19 +179,21 @@ class DepthMix(torch.autograd.Function):
     vectors, source-major so that each is contiguous; the norm's gradient joins dv_j in the same pass."""
 
     @staticmethod
-    def forward(ctx, gq, eps, *sources):
+    def forward(ctx, gq, eps, *kept):
+        sources = [v.float() for v in kept]
         r = torch.stack([(torch.linalg.vector_norm(v, dim=-1).square() / v.size(-1) + eps).rsqrt() for v in sources])
         s = torch.stack([v @ gq for v in sources]) * r                                    # (S, B, T)
         p = s.softmax(dim=0)
         mix = torch.zeros_like(sources[0])
         for pj, v in zip(p, sources):
             mix.addcmul_(pj[..., None], v)
-        ctx.save_for_backward(gq, p, r, s, *sources)
+        ctx.save_for_backward(gq, p, r, s, *kept)
         return mix, p.movedim(0, -1)
 
     @staticmethod
     def backward(ctx, dmix, dp_out):
         gq, p, r, s, *sources = ctx.saved_tensors
+        sources = [v.float() for v in sources]  # the gradients go back in fp32; autograd casts them to the inputs'
         dp = torch.stack([torch.linalg.vecdot(v, dmix) for v in sources]) + dp_out.movedim(-1, 0)  # (S, B, T)
         ds = p * (dp - (p * dp).sum(0))
         a, c = ds * r, ds * s * r.square() / -sources[0].size(-1)
