@@ -674,3 +674,15 @@ def test_shapes_cli_suite_json():
     assert [line.split()[0] for line in listing.stdout.splitlines()] == list(shapes.SUITES)
     bad = run("shapes.py", "--suite", "nosuch")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not bad.stdout
+
+
+def test_every_design_traces_under_compile_for_training_and_eval():
+    """torch.compile's tracer (dynamo, backend "eager": no inductor) takes every design through a training step and
+    a no-grad eval, as train.py runs them on a GPU; an autograd node's arguments were once misread in the eval."""
+    for residual in ALL:
+        torch._dynamo.reset()
+        model = build(residual)
+        compiled, idx = torch.compile(model, backend="eager"), batch()
+        compiled(idx, idx, logits=False)[1].backward()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(idx, idx)[1], model(idx, idx)[1])
