@@ -224,7 +224,7 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     }
     # 400m: the largest paper-like micro-batch that fits an 80 GB GPU; the small presets: the whole global batch at
     # once, split over the ranks. Gradient accumulation makes up the rest: the maths does not depend on it.
-    B = cfg["batch_size"] = args.batch_size or (default_micro_batch(cfg, params) if args.preset == "400m"
+    B = cfg["batch_size"] = args.batch_size or ((default_micro_batch(cfg, params) or 1) if args.preset == "400m"
                                                 else max(1, args.global_batch // world_size))
     if args.global_batch % (B * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {B} x world size "
@@ -250,98 +250,70 @@ MARGIN, RESERVE = 1.1, 4 * GB  # slack on activations and loss; CUDA context, NC
 
 
 def memory_plan(cfg, params, bf16=True):
-    """Bytes per GPU of a training step of the resolved run `cfg` with `params` parameters -> {fixed, activations,
-    loss, eval, reserve, total}: an estimate (docs/training.md#memory), not a measurement.
-    - fixed: fp32 weights, gradients and AdamW m, v (16 B per parameter) and DDP's gradient buckets (4 B, counted for
-      one process too, so that the plan holds for any number of GPUs); FSDP shards the 16 B over the ranks and
-      gathers the root (embedding, head, the design's parameters) and two blocks' weights and gradients at a time
-    - activations: what autograd keeps per token of the micro-batch, BLOCK_BYTES and the design's act_bytes per
-      block, and autocast's bf16 copies of the weights (2 B per parameter); with activation checkpointing, each
-      block's input (the design's state: act_bytes[2] per unit of d) and one block's set
-    - loss: the final norm's output and the chunked loss's logits; eval: an eval micro-batch's full logits (bf16,
-      fp32, log-softmax), held after the step's activations are freed
-    total = fixed + max(MARGIN x (activations + loss), eval) + RESERVE."""
-    L, d, d_ff, W = cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["world_size"]
-    d_kv, tokens, design = d * cfg["n_kv_head"] // cfg["n_head"], cfg["batch_size"] * cfg["seq_len"], \
-        RESIDUALS[cfg["residual"]]
+    """An estimate (docs/training.md#memory) of the bytes per GPU of a training step of the resolved run `cfg` with
+    `params` parameters -> {fixed, activations, loss, eval, reserve, total}: fp32 weights, gradients, AdamW and DDP
+    buckets, 20 B per parameter (FSDP: 16 B sharded, plus the root and two blocks whole); what autograd keeps per
+    token (BLOCK_BYTES and the design's act_bytes per block, or with checkpointing its act_bytes[2] per block and
+    one block's set) and autocast's bf16 weights; the final norm's output and the loss chunks; an eval batch's
+    logits (after the step); total = fixed + max(MARGIN x (activations + loss), eval) + RESERVE."""
+    L, d, d_ff, W, design = cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["world_size"], RESIDUALS[cfg["residual"]]
+    d_kv, tokens = d * cfg["n_kv_head"] // cfg["n_head"], cfg["batch_size"] * cfg["seq_len"]
     block = sum(c * x for c, x in zip(BLOCK_BYTES[bf16], (d, d_ff, d_kv))) + design.act_bytes[not bf16] * d
-    blocks = backbone_params(L, d, d_ff, cfg["n_kv_head"], cfg["n_head"])
-    casts = 2 * params if bf16 else 0
-    if cfg["activation_checkpointing"]:  # each block's input, and one block's set during its backward
+    blocks, casts = backbone_params(L, d, d_ff, cfg["n_kv_head"], cfg["n_head"]), 2 * params if bf16 else 0
+    if cfg["activation_checkpointing"]:  # each block's input; one block's set (and bf16 weights) at a time
         act, casts = L * design.act_bytes[2] * d + block, casts * (1 - blocks / params * (L - 1) / L)
     else:
         act = L * block
-    fsdp = cfg["fsdp"] and W > 1
-    fixed = 16 * params / W + 8 * (params - blocks) + 16 * blocks / L if fsdp else 20 * params
-    plan = {"fixed": fixed, "activations": tokens * act + casts, "loss": tokens * 4 * d + 4 * kernels.LOSS_CHUNK_BYTES,
-            "eval": tokens * cfg["vocab_size"] * 10, "reserve": RESERVE}
-    plan["total"] = fixed + max(MARGIN * (plan["activations"] + plan["loss"]), plan["eval"]) + RESERVE
+    plan = {"fixed": 16 * params / W + 8 * (params - blocks) + 16 * blocks / L if cfg["fsdp"] and W > 1
+            else 20 * params, "activations": tokens * act + casts, "eval": tokens * cfg["vocab_size"] * 10,
+            "loss": tokens * 4 * d + 4 * kernels.LOSS_CHUNK_BYTES, "reserve": RESERVE}
+    plan["total"] = plan["fixed"] + max(MARGIN * (plan["activations"] + plan["loss"]), plan["eval"]) + RESERVE
     return plan
 
 
-def paper_micro_batch(design, L):
-    """The design's paper_micro_batch: a number, or {from depth: micro-batch} where it changes with depth."""
-    mb = design.paper_micro_batch
-    return mb if isinstance(mb, int) else mb[max(k for k in mb if k <= L)]
-
-
-def fitting_micro_batch(cfg, params, limit, most=None, bf16=True):
-    """The largest power of two <= most (default: the global batch over the ranks) that divides the global batch
-    over the ranks and whose plan fits `limit` bytes, else None."""
-    share = cfg["global_batch"] // cfg["world_size"]
-    for B in (2 ** k for k in range(int(math.log2(most or share)), -1, -1)):
-        if share % B == 0 and memory_plan({**cfg, "batch_size": B}, params, bf16)["total"] <= limit:
-            return B
-    return None
-
-
-def default_micro_batch(cfg, params):
-    """The 400m recipe's micro-batch per rank: the paper's (the design's paper_micro_batch, what fit its GPUs at
-    400M) or less, as fits an 80 GB GPU by the memory plan (1 if nothing does: --dry-run says what to do)."""
-    most = min(paper_micro_batch(RESIDUALS[cfg["residual"]], cfg["n_layer"]), cfg["global_batch"] // cfg["world_size"])
-    return fitting_micro_batch(cfg, params, PLAN_BYTES, max(most, 1)) or 1
+def default_micro_batch(cfg, params, limit=PLAN_BYTES, most=None, bf16=True):
+    """The largest power of two up to `most` (default: the design's paper_micro_batch, what fit the paper's GPUs at
+    400M: a number, or {from depth: micro-batch}) that divides the global batch over the ranks and whose memory
+    plan fits `limit` bytes (an 80 GB GPU); None if none does."""
+    mb, share = RESIDUALS[cfg["residual"]].paper_micro_batch, cfg["global_batch"] // cfg["world_size"]
+    most = min(share, most or (mb if isinstance(mb, int) else mb[max(k for k in mb if k <= cfg["n_layer"])]))
+    return next((B for B in (2 ** k for k in range(int(math.log2(max(most, 1))), -1, -1)) if share % B == 0
+                 and memory_plan({**cfg, "batch_size": B}, params, bf16)["total"] <= limit), None)
 
 
 def dry_run(runs, gpu_mem, cuda):
-    """--dry-run: each run's plan against the GPU's memory (--gpu-mem, this GPU's, or in fp32 the host's); exit 0
+    """--dry-run: each run's plan against a GPU's memory (--gpu-mem, this GPU's, or in fp32 the host's); exit 0
     when all fit, else 2 with one line naming the fix."""
     bf16 = cuda or gpu_mem is not None
     limit = (gpu_mem * GB if gpu_mem else torch.cuda.get_device_properties(0).total_memory if cuda
              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    worst = None
+    over = []
     for cfg in runs:
         params = count_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["residual"], cfg["vocab_size"],
                               cfg["n_head"], cfg["n_kv_head"], **cfg["residual_args"])
         plan, W = memory_plan(cfg, params, bf16), cfg["world_size"]
-        engine = f"FSDP2 over {W} ranks" if cfg["fsdp"] and W > 1 else f"DDP over {W} ranks" if W > 1 else "1 process"
-        print0(f"memory plan per GPU of {cfg['name']} (an estimate: docs/training.md#memory)\n"
-               f"  L{cfg['n_layer']} d{cfg['d_model']}, {params:,} params, micro-batch {cfg['batch_size']} x "
-               f"{cfg['seq_len']}, {engine}, {'bf16 autocast' if bf16 else 'fp32'}"
-               + (", activation checkpointing" if cfg["activation_checkpointing"] else "") + "\n"
-               f"  fixed        {plan['fixed'] / GB:7.1f} GB  weights, gradients, AdamW" + (" (sharded)" if "FSDP" in
-               engine else "") + "\n"
-               f"  activations  {plan['activations'] / GB:7.1f} GB  kept for the backward\n"
-               f"  loss         {plan['loss'] / GB:7.1f} GB  (eval logits {plan['eval'] / GB:.1f} GB, after the step)\n"
-               f"  reserve      {plan['reserve'] / GB:7.1f} GB  CUDA context, NCCL, allocator (and x{MARGIN} on the two "
-               "above)\n"
-               f"  total        {plan['total'] / GB:7.1f} GB  of {limit / GB:.1f} GB: "
-               + ("fits" if plan["total"] <= limit else "does NOT fit"))
-        if plan["total"] > limit and worst is None:
-            worst = (cfg, params, plan)
-    if worst is None:
+        print0(f"memory plan per GPU of {cfg['name']} (an estimate: docs/training.md#memory)\n  L{cfg['n_layer']} "
+               f"d{cfg['d_model']}, {params:,} params, micro-batch {cfg['batch_size']} x {cfg['seq_len']}, "
+               + (f"{'FSDP2' if cfg['fsdp'] else 'DDP'} over {W} ranks" if W > 1 else "1 process")
+               + (", bf16 autocast" if bf16 else ", fp32")
+               + (", activation checkpointing" if cfg["activation_checkpointing"] else ""))
+        for key, what in [("fixed", "weights, gradients, AdamW"), ("activations", "kept for the backward"),
+                          ("loss", f"(eval logits {plan['eval'] / GB:.1f} GB, after the step)"),
+                          ("reserve", f"CUDA context, NCCL, allocator (and x{MARGIN} on the two above)"),
+                          ("total", f"of {limit / GB:.1f} GB: " + ("fits" if plan["total"] <= limit else
+                                                                   "does NOT fit"))]:
+            print0(f"  {key:<12}{plan[key] / GB:8.1f} GB  {what}")
+        over += [(cfg, params, plan)] if plan["total"] > limit else []
+    if not over:
         sys.exit(0)
-    cfg, params, plan = worst
-    W = max(8, cfg["world_size"])
-    ckpt = {"activation_checkpointing": True}
-    for flags in ({}, ckpt, {**ckpt, "fsdp": True, "world_size": W}):
-        B = fitting_micro_batch({**cfg, **flags}, params, limit, bf16=bf16)
-        if B:
+    (cfg, params, plan), W, ckpt = over[0], max(8, cfg["world_size"]), {"activation_checkpointing": True}
+    for flags in ({}, ckpt, {**ckpt, "fsdp": True, "world_size": W}):  # the cheapest way out first
+        if B := default_micro_batch({**cfg, **flags}, params, limit, 2 ** 30, bf16):
             fix = f"use --batch-size {B}" + "".join(f" --{k.replace('_', '-')}" for k in flags if k != "world_size")
             break
-    else:
-        fix = "use more GPUs with --fsdp --activation-checkpointing, or a shorter --seq-len"
     fail(f"{cfg['name']} needs {plan['total'] / GB:.1f} GB per GPU at micro-batch {cfg['batch_size']}, over "
-         f"{limit / GB:.1f} GB: {fix}" + (f" under torchrun on {W} GPUs" if "fsdp" in flags and B else ""))
+         f"{limit / GB:.1f} GB: " + (fix + (f" under torchrun on {W} GPUs" if "fsdp" in flags else "") if B else
+                                     "use more GPUs with --fsdp --activation-checkpointing, or a shorter --seq-len"))
 
 
 # ----------------------------------------------------------------------------- one training run
@@ -455,10 +427,9 @@ def build(cfg, env):
 
 
 def shard(model):
-    """FSDP2, the engine of the official runs: each block is a unit (gathered for its forward and backward), then
-    the root: the embedding, the head and the design's parameters (`model.res`, read by every block). FSDP2 shards
-    dim 0, so a 0-dim parameter (HC/mHC's scales) becomes a vector of one; the checkpoint keeps the model's shapes.
-    -> {name: shape} of the model's parameters."""
+    """FSDP2, the engine of the official runs: each block a unit, then the root (embedding, head and `model.res`,
+    which every block reads). FSDP2 shards dim 0: a 0-dim parameter (HC/mHC's scales) becomes a vector of one,
+    which checkpoints turn back. -> the model's {name: shape}."""
     from torch.distributed.fsdp import fully_shard
     warnings.filterwarnings("ignore", "FSDP2-wrapped module .* view")  # no design writes in place into a block's output
     shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -472,13 +443,12 @@ def shard(model):
     return shapes
 
 
-def reshaped(model, optimizer, shapes):
-    """Model and optimizer state dicts (the latter keyed by name) with each parameter's tensors, its AdamW moments
-    too, in shapes[name]."""
-    return ({k: v.reshape(shapes[k]) for k, v in model.items()},
-            {"state": {k: {m: v if m == "step" else v.reshape(shapes[k]) for m, v in st.items()}
-                       for k, st in optimizer.get("state", {}).items()},
-             "param_groups": optimizer.get("param_groups", [])})
+def reshaped(model, osd, shapes):
+    """State dicts (the optimizer's keyed by name) with each parameter, and its AdamW moments, in shapes[name]."""
+    state = {k: {m: v if m == "step" else v.reshape(shapes[k]) for m, v in st.items()}
+             for k, st in osd.get("state", {}).items()}
+    model = {k: v.reshape(shapes[k]) for k, v in model.items()}
+    return model, {"state": state, "param_groups": osd.get("param_groups", [])}
 
 
 def rekey(osd, key):
@@ -488,29 +458,26 @@ def rekey(osd, key):
 
 
 def full_state(r):
-    """(model, optimizer) state dicts as one process saves them: whole tensors, plain names and shapes, the
-    optimizer keyed by position. Under FSDP every rank must call it: it gathers them onto rank 0's CPU (the others
-    get empty ones)."""
+    """(model, optimizer) state dicts as one process saves them (whole tensors, plain names and shapes, the optimizer
+    keyed by position); under FSDP gathered onto rank 0's CPU, a collective that every rank calls."""
     if not r.fsdp:
         return r.raw.state_dict(), r.opt.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model, osd = reshaped(get_model_state_dict(r.raw, options=opts),
+    model, osd = reshaped(get_model_state_dict(r.raw, options=opts),  # optimizer by name; both empty off rank 0
                           get_optimizer_state_dict(r.raw, r.opt, options=opts), r.shapes)
-    names = [n for g in osd["param_groups"] for n in g["params"]]
-    return model, rekey(osd, {n: k for k, n in enumerate(names)})
+    return model, rekey(osd, {n: k for k, n in enumerate(n for g in osd["param_groups"] for n in g["params"])})
 
 
 def load_full_state(r, model, optimizer):
-    """Load what full_state saved, into either engine at any number of ranks (FSDP: each rank keeps its shard)."""
+    """Load what full_state saved into either engine at any number of ranks (FSDP: each rank keeps its shard)."""
     if not r.fsdp:
         r.raw.load_state_dict(model)
         return r.opt.load_state_dict(optimizer)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-    names = {id(p): n for n, p in r.raw.named_parameters()}
-    order = [names[id(p)] for g in r.opt.param_groups for p in g["params"]]
-    model, optimizer = reshaped(model, rekey(optimizer, order), {n: p.shape for n, p in r.raw.named_parameters()})
-    opts = StateDictOptions(full_state_dict=True)
+    names, opts = {id(p): n for n, p in r.raw.named_parameters()}, StateDictOptions(full_state_dict=True)
+    optimizer = rekey(optimizer, [names[id(p)] for g in r.opt.param_groups for p in g["params"]])
+    model, optimizer = reshaped(model, optimizer, {n: p.shape for n, p in r.raw.named_parameters()})
     set_model_state_dict(r.raw, model, options=opts)
     set_optimizer_state_dict(r.raw, r.opt, optimizer, options=opts)
 
@@ -577,7 +544,7 @@ def describe(r):
     threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
     print0(f"device     {r.env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}"
            f", {cfg.get('kernels', 'fast')} kernels, world size {r.world}"
-           + (" (FSDP2)" if r.fsdp else " (DDP)" if r.ddp else "")
+           + (" (FSDP2)" if r.fsdp else " (DDP)" if r.ddp else " (--fsdp: nothing to shard)" if cfg.get("fsdp") else "")
            + (", activation checkpointing" if cfg.get("activation_checkpointing") else "")
            + f"; MFU from {r.flops_tok:.3g} FLOPs/token and a peak of "
            + (f"{r.peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if r.peak
