@@ -189,11 +189,12 @@ def save_checkpoint(path, obj):
 
 
 def load_checkpoint(path, keys=("model", "model_config", "config")):
-    """A train.py ckpt.pt, loaded weights-only onto the CPU, or a one-line CheckpointError: a truncated file,
-    another program's checkpoint, or one without `keys`. Every script loads ckpt.pt through this."""
+    """A train.py ckpt.pt, loaded weights-only onto the CPU, memory-mapped (each rank reads pages as it uses them), or
+    a one-line CheckpointError: a truncated file, another program's checkpoint, or one without `keys`. Every script
+    loads ckpt.pt through this."""
     import torch
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # unpickling errors of every kind: not a (whole) checkpoint; never loaded unsafely
         why = "it holds objects beyond tensors and plain data" if "weights_only" in str(e) else first_line(e)
         raise CheckpointError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {why})") from None

@@ -165,8 +165,16 @@ class Sinkhorn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- AttnRes
 
 def depth_mix(query, key_gain, sources, eps):
-    """The mix as one node (`DepthMix`), each source's 1/rms formed inside it."""
-    return DepthMix.apply(key_gain * query, eps, *(v.float() for v in sources))
+    """The mix as one node (`DepthMix`), each source's 1/rms formed inside it, in fp32 from sources kept as they are
+    (fp32 copies saved per consumer would hold O(L^2) of them under bf16 autocast). Without grad (evals, diagnostics)
+    the same loop runs outside the node: torch.compile (2.13) misreads the node's arguments when none needs one."""
+    gq = key_gain.float() * query.float()
+    if torch.is_grad_enabled():
+        mix, p = DepthMix.apply(gq, eps, *sources)
+    else:
+        mix, p = DepthMix.mix(gq, eps, [v.float() for v in sources])[:2]
+        p = p.movedim(0, -1)
+    return mix.to(sources[0].dtype), p
 
 
 class DepthMix(torch.autograd.Function):
@@ -178,19 +186,25 @@ class DepthMix(torch.autograd.Function):
     vectors, source-major so that each is contiguous; the norm's gradient joins dv_j in the same pass."""
 
     @staticmethod
-    def forward(ctx, gq, eps, *sources):
+    def mix(gq, eps, sources):
         r = torch.stack([(torch.linalg.vector_norm(v, dim=-1).square() / v.size(-1) + eps).rsqrt() for v in sources])
         s = torch.stack([v @ gq for v in sources]) * r                                    # (S, B, T)
         p = s.softmax(dim=0)
         mix = torch.zeros_like(sources[0])
         for pj, v in zip(p, sources):
             mix.addcmul_(pj[..., None], v)
-        ctx.save_for_backward(gq, p, r, s, *sources)
+        return mix, p, r, s
+
+    @staticmethod
+    def forward(ctx, gq, eps, *kept):
+        mix, p, r, s = DepthMix.mix(gq, eps, [v.float() for v in kept])
+        ctx.save_for_backward(gq, p, r, s, *kept)
         return mix, p.movedim(0, -1)
 
     @staticmethod
     def backward(ctx, dmix, dp_out):
         gq, p, r, s, *sources = ctx.saved_tensors
+        sources = [v.float() for v in sources]  # the gradients go back in fp32; autograd casts them to the inputs'
         dp = torch.stack([torch.linalg.vecdot(v, dmix) for v in sources]) + dp_out.movedim(-1, 0)  # (S, B, T)
         ds = p * (dp - (p * dp).sum(0))
         a, c = ds * r, ds * s * r.square() / -sources[0].size(-1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import kernels
 from ops import apply_rope, causal_attention, joint_attention, rope_cos_sin
@@ -41,6 +42,7 @@ class GPTConfig:
     residual: str = "preln"     # key of residuals.RESIDUALS
     residual_args: dict = field(default_factory=dict)  # constructor options of the design, e.g. {"n_groups": 8}
     kernels: str = "fast"       # "fast": ops' functions run their kernels.py bodies; "reference": ops.py's own
+    checkpoint_blocks: bool = False  # activation checkpointing: backward recomputes each block from its input
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -83,11 +85,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)           # (B, Hkv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         qr, kr = (apply_rope(t, *rope, fast=self.fast) for t in (q, k))
-        share = None
-        if depth_kv is None:
-            o = causal_attention(qr, kr, v, fast=self.fast)
-        else:
-            o, share = joint_attention(qr, kr, v, *depth_kv, fast=self.fast)
+        o, share = (causal_attention(qr, kr, v, fast=self.fast), None) if depth_kv is None else \
+            joint_attention(qr, kr, v, *depth_kv, fast=self.fast)
         y = self.wo(o.transpose(1, 2).reshape(B, T, -1))                                   # (B, T, d)
         return y, {"k": k, "v": v, "depth_share": share}
 
@@ -106,12 +105,19 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Just a container of the two sublayers; the residual design decides how they are wired."""
+    """The two sublayers; the residual design `res` (GPT.res) wires them: the state s before block b -> after it."""
 
     def __init__(self, cfg):
         super().__init__()
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
+
+    def forward(self, s, b, res, rope):
+        h, ctx = res.read(s, 2 * b)                           # attention input; ctx: what write needs
+        y, aux = self.attn(h, rope, ctx.get("depth_kv"))      # aux: its pre-RoPE k, v (MoDA caches them)
+        s = res.write(s, 2 * b, y, {**ctx, **aux})
+        h, ctx = res.read(s, 2 * b + 1)                       # MLP input
+        return res.write(s, 2 * b + 1, self.mlp(h), ctx)
 
 
 class GPT(nn.Module):
@@ -167,11 +173,8 @@ class GPT(nn.Module):
             if b == skip:
                 s = self.res.skip(self.res.skip(s, 2 * b), 2 * b + 1)
                 continue
-            h, ctx = self.res.read(s, 2 * b)                       # attention input; ctx: what write needs
-            y, aux = block.attn(h, rope, ctx.get("depth_kv"))      # aux: its pre-RoPE k, v (MoDA caches them)
-            s = self.res.write(s, 2 * b, y, {**ctx, **aux})
-            h, ctx = self.res.read(s, 2 * b + 1)                   # MLP input
-            s = self.res.write(s, 2 * b + 1, block.mlp(h), ctx)
+            ckpt = self.cfg.checkpoint_blocks and torch.is_grad_enabled()  # keep s only; backward recomputes the block
+            s = checkpoint(block, s, b, self.res, rope, use_reentrant=False) if ckpt else block(s, b, self.res, rope)
         self.observe(s, 2 * self.cfg.n_layer, rec)
         z = self.res.collapse(s)                                   # (B, T, D), the final norm included
         self.res.recording = None
@@ -194,13 +197,10 @@ class GPT(nn.Module):
 
     def param_groups(self, weight_decay):
         """AdamW groups (docs/designs.md#recipe): decay everything except what the design marks static."""
-        no_decay = {id(p) for p in self.res.no_decay_params()}
-        decay = [p for p in self.parameters() if id(p) not in no_decay]
-        static = [p for p in self.parameters() if id(p) in no_decay]
-        groups = [{"params": decay, "weight_decay": weight_decay}]
-        if static:
-            groups.append({"params": static, "weight_decay": 0.0})
-        return groups
+        static = {id(p) for p in self.res.no_decay_params()}
+        groups = [{"params": [p for p in self.parameters() if (id(p) in static) == st], "weight_decay": 0.0 if st
+                   else weight_decay} for st in (False, True)]
+        return [g for g in groups if g["params"]]
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

@@ -46,9 +46,8 @@ class RMSNorm(nn.Module):
 
 def reset_norms(module):
     """Set every norm gain below `module` to 1."""
-    for m in module.modules():
-        if isinstance(m, RMSNorm):
-            nn.init.ones_(m.weight)
+    for m in filter(lambda m: isinstance(m, RMSNorm), module.modules()):
+        nn.init.ones_(m.weight)
 
 
 def fp32(fn):
@@ -65,8 +64,7 @@ def fp32(fn):
 def rope_cos_sin(T, head_dim, theta, device):
     """cos/sin tables (T, head_dim) in fp32, frequencies duplicated over the two halves."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)                                         # (T, hd)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq).repeat(1, 2)  # (T, hd)
     return angles.cos(), angles.sin()
 
 
@@ -75,17 +73,15 @@ def apply_rope(x, cos, sin, fast=False):
     x cos + rotate_half(x) sin, rotate_half([x1, x2]) = [-x2, x1]."""
     if fast:
         return kernels.apply_rope(x, cos, sin)
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
+    x1, x2 = (xf := x.float()).chunk(2, dim=-1)
     return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 def causal_attention(q, k, v, fast=False):
     """softmax(q k^T / sqrt(hd), causal) v, q (B, H, T, hd), k, v (B, Hkv, T, hd): with Hkv < H (GQA) query
     head h reads kv head h // (H / Hkv). PyTorch's fused kernel (never holds the T x T logits)."""
-    if fast:
-        return kernels.causal_attention(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.size(1) < q.size(1))
+    return kernels.causal_attention(q, k, v) if fast else \
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.size(1) < q.size(1))
 
 
 def depth_slot(t, fast=False):
@@ -123,9 +119,7 @@ def joint_attention(q, k, v, depth_k, depth_v, fast=False):
 def normed_projection(x, W, eps, fast=False):
     """(x / rms(x)) @ W, no gain, in fp32: what HC's and mHC's dynamic maps are made from. x (..., K),
     W (K, M) with few columns (n + 2 for HC, n^2 + 2n for mHC)."""
-    if fast:
-        return kernels.normed_projection(x, W, eps)
-    return rms_norm(x, eps=eps) @ W
+    return kernels.normed_projection(x, W, eps) if fast else rms_norm(x, eps=eps) @ W
 
 
 @fp32
@@ -142,9 +136,7 @@ def width_connection(H, pre, res, fast=False):
 def depth_connection(mixed, post, y, fast=False):
     """HC's depth connection: the branch output y (B, T, D) joins each mixed stream o with weight post_o:
     h'_o = mixed_o + post_o y -> (B, T, n, D)."""
-    if fast:
-        return kernels.depth_connection(mixed, post, y)
-    return mixed + post[..., None] * y[..., None, :]
+    return kernels.depth_connection(mixed, post, y) if fast else mixed + post[..., None] * y[..., None, :]
 
 
 def sinkhorn(logits, iters=20, eps=1e-6, fast=False):

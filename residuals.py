@@ -70,6 +70,8 @@ class PreLN(nn.Module):
         L blocks and width d, for profile_gpu.py. Norms, scalings and adds are not counted (nor are they
         for Pre-LN's formula), so a norm-placement design costs nothing extra: (0, 1)."""
         return 0, 1
+    # activations kept per token and block, bytes per unit of d: beyond Pre-LN's under bf16 autocast and in fp32, and
+    act_bytes = (0, 0, 4)  # the block's input under checkpointing; measured on CPU (docs/training.md#memory)
 
     def __init__(self, cfg):
         super().__init__()
@@ -132,6 +134,7 @@ class SandwichLN(PreLN):
 
     Extra params: one gain per sublayer, 2dL, init 1, decayed. Cost: one more norm per sublayer.
     """
+    act_bytes = (17, 17, 4)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -211,6 +214,7 @@ class KEEL(PreLN):
     Extra params: a post-norm gain on every sublayer but the first, (2L - 1) d, init 1, decayed.
     Init otherwise unchanged.
     """
+    act_bytes = (17, 17, 4)
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -257,6 +261,7 @@ class HC(PreLN):
     def cost(cls, L, d, T, n_streams=4, **options):
         """2L connectors of ~96d FLOPs per token (n = 4): dynamic alpha/beta projections, width mix, write-back."""
         return 192 * L * d * T, n_streams
+    act_bytes = (66, 77, 16)
 
     def __init__(self, cfg, n_streams=4, collapse="sum", forward="mixed"):
         super().__init__(cfg)
@@ -361,6 +366,7 @@ class MHC(HC):
         """2L connectors of ~244d FLOPs per token (n = 4): the (4d x 24) phi projection (192d), the pre/res/post
         mixes (~48d)."""
         return 488 * L * d * T, n_streams
+    act_bytes = (116, 127, 16)
 
     def __init__(self, cfg, n_streams=4, collapse="mean", init="gap8", sinkhorn_iters=20):
         if init not in ("uniform", "gap8"):
@@ -419,6 +425,7 @@ class BlockAttnRes(PreLN):
     weights at init. Cost: at most N + 1 sources per sublayer.
     """
     options = {"n_groups": 8}
+    act_bytes = (6, 10, 9)
 
     @classmethod
     def cost(cls, L, d, T, n_groups=8, **options):
@@ -552,6 +559,7 @@ class MoDA(PreLN):
         """W_kv (d x 2d kv_ratio; kv_ratio = kv heads / heads) on blocks 0..L-2; block b's queries see 2b depth
         keys of 2d + 2d FLOPs each; the state: the stream and the depth K/V."""
         return 4 * kv_ratio * d * d * (L - 1) * T + 4 * d * L * (L - 1) * T, 1 + 4 * L * kv_ratio
+    act_bytes = (19, 32, 20)
 
     def __init__(self, cfg, norm="pre"):
         super().__init__(cfg)

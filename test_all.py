@@ -768,3 +768,15 @@ def test_attnres_memory_is_linear_in_depth_under_autocast():
             model(x, x)
         per_layer.append(tb.peak / L)
     assert per_layer[1] < 1.1 * per_layer[0]
+
+
+def test_every_design_traces_under_compile_for_training_and_eval():
+    """torch.compile's tracer (dynamo, backend "eager": no inductor) takes every design through a training step and
+    a no-grad eval, as train.py runs them on a GPU; an autograd node's arguments were once misread in the eval."""
+    for residual in ALL:
+        torch._dynamo.reset()
+        model = build(residual)
+        compiled, idx = torch.compile(model, backend="eager"), batch()
+        compiled(idx, idx, logits=False)[1].backward()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(idx, idx)[1], model(idx, idx)[1])

@@ -9,9 +9,12 @@ Most runs call train.main() in-process on a tiny model (2 layers, d=64); the REA
 2-process DDP run are real subprocesses. The GPT-2 test skips where ../shared/data is absent.
 """
 import copy
+import functools
+import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -364,3 +367,158 @@ def test_a_broken_checkpoint_is_one_line_and_exit_2(tmp_path, capsys, kind):
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "not a depthbench checkpoint" in err, err
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+# ----------------------------------------------------------------------------- memory: the plan, checkpointing, FSDP
+
+def resolved(argv, residual="preln", world_size=1):
+    """train.resolve for the first run of a command line (device cpu) -> cfg."""
+    args, _ = train.parse_args(argv + ["--device", "cpu"])
+    key, value = ("row", args.row[0]) if args.row else ("layers", args.layers[0]) if args.layers else ("ar", args.ar[0])
+    return train.resolve(args, residual, key, value, None, 42, 50304, world_size)
+
+
+def test_every_suite_row_and_design_fits_80gb_at_its_default(monkeypatch):
+    """The 400m recipe's default micro-batch: a power of two up to the paper's, dividing the global batch over 8
+    ranks, whose memory plan fits an 80 GB GPU, for every row of every suite and every design."""
+    monkeypatch.setattr(train, "count_params", functools.lru_cache(train.count_params))  # one meta build per shape
+    for suite, (_, rows) in train.SUITES.items():
+        for k in range(len(rows)):
+            for residual, cls in train.RESIDUALS.items():
+                cfg = resolved(["--suite", suite, "--row", str(k)], residual, world_size=8)
+                params = train.count_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], residual, 50304,
+                                            cfg["n_head"], cfg["n_kv_head"], **cfg["residual_args"])
+                B, where, mb = cfg["batch_size"], f"{suite} row {k} {residual}", cls.paper_micro_batch
+                paper = mb if isinstance(mb, int) else mb[max(k for k in mb if k <= cfg["n_layer"])]  # or by depth
+                assert B & (B - 1) == 0 and B <= paper and cfg["grad_accum"] * B * 8 == 512, where
+                assert train.memory_plan(cfg, params)["total"] <= 80e9, where
+                if B < paper:  # the largest that fits
+                    assert train.memory_plan({**cfg, "batch_size": 2 * B}, params)["total"] > 80e9, where
+
+
+def test_dry_run_prints_the_plan_and_names_the_fix(capsys):
+    """The issue's commands: 1.6B L54 Full AttnRes fits 80 GB at its default micro-batch (exit 0, the plan on
+    stdout); at micro-batch 16 it does not: exit 2 and one line that names a micro-batch that fits."""
+    argv = ["--suite", "1.6b", "--layers", "54", "--residual", "attnres", "--dry-run", "--gpu-mem", "80"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 0 and err == "", err
+    for word in ("fixed", "activations", "loss", "total", "of 80.0 GB: fits", "micro-batch"):
+        assert word in out, word
+    code, out, err = run_main(argv + ["--batch-size", "16"], capsys)
+    assert code == 2 and "does NOT fit" in out
+    assert len(err.strip().splitlines()) == 1 and "--batch-size" in err and "over 80.0 GB" in err, err
+    code, _, err = run_main(argv + ["--batch-size", "16", "--gpu-mem", "1"], capsys)  # nothing fits: a way out still
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--fsdp" in err, err
+
+
+def kept_bytes(model, idx):
+    """Bytes of the tensors autograd keeps after a training forward, on CPU, eager: what profile_gpu.TensorBytes saw
+    allocated and still alive, less the weights (a view of a weight counts its storage there)."""
+    from profile_gpu import TensorBytes
+    with TensorBytes() as tb:
+        loss = model(idx, idx, logits=False)[1]  # held: its graph holds what the backward needs
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = sum(n for ptr, (ref, n) in tb.live.items() if not ref.expired() and ptr not in weights)
+    del loss
+    return kept
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_the_plan_bounds_measured_activations(ckpt):
+    """memory_plan's activations per token and block (the differences between L6 and L2, micro-batch 4 and 2) against
+    what autograd keeps after a forward, measured on CPU in fp32 for every design, as the plan's constants were
+    (docs/training.md#memory): never under, at most 1.6x over."""
+    wrong = []
+    for residual in train.RESIDUALS:
+        kept, planned = {}, {}
+        for L, B in itertools.product((2, 6), (2, 4)):
+            cfg = {"n_layer": L, "d_model": 128, "d_ff": 352, "n_head": 8, "n_kv_head": 8, "vocab_size": 64,
+                   "residual": residual, "residual_args": {}, "seq_len": 32, "batch_size": B, "world_size": 1,
+                   "fsdp": False, "activation_checkpointing": ckpt}
+            model = GPT(GPTConfig(**{k: cfg[k] for k in ("n_layer", "d_model", "d_ff", "n_head", "vocab_size",
+                                                         "residual")}, checkpoint_blocks=ckpt))
+            kept[L, B] = kept_bytes(model, torch.randint(0, 64, (B, 32), generator=torch.Generator().manual_seed(0)))
+            planned[L, B] = train.memory_plan(cfg, model.num_params(), bf16=False)["activations"]
+        measured, plan = ((x[6, 4] - x[2, 4] - x[6, 2] + x[2, 2]) / 4 / 64 for x in (kept, planned))
+        if not measured <= plan <= 1.6 * measured:
+            wrong.append((residual, measured, plan))
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("residual", list(train.RESIDUALS))
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(residual):
+    """GPTConfig.checkpoint_blocks (train.py --activation-checkpointing) recomputes each block in the backward:
+    the same loss and every gradient, with less kept; a recording forward (no grad) is unchanged."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, n_layer=3, d_model=64, n_head=4, d_ff=176, residual=residual)
+    plain, ckpt = GPT(GPTConfig(**cfg)), GPT(GPTConfig(**cfg, checkpoint_blocks=True))
+    ckpt.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 32))
+    assert kept_bytes(ckpt, idx) < kept_bytes(plain, idx)
+    for m in (plain, ckpt):
+        m(idx, idx, logits=False)[1].backward()
+    torch.testing.assert_close(ckpt(idx, idx)[1], plain(idx, idx)[1], rtol=0, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+    with torch.no_grad():
+        a, b = plain(idx, record=True)[2], ckpt(idx, record=True)[2]
+    assert all(torch.equal(x, y) for x, y in zip(a["states"], b["states"]))
+
+
+@pytest.mark.parametrize("residual", list(train.RESIDUALS))
+def test_init_weights_alone_sets_every_tensor(residual):
+    """A model built on the meta device, materialised and initialised by init_weights equals one built on the CPU
+    and re-initialised at the same seed: init_weights sets every tensor, so a model built on any device (train.py
+    builds it on the GPU) gets the project's init."""
+    cfg = GPTConfig(vocab_size=64, n_layer=3, d_model=64, n_head=4, d_ff=176, residual=residual)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    meta.to_empty(device="cpu")
+    cpu = GPT(cfg)
+    for m in (meta, cpu):
+        torch.manual_seed(7)
+        m.init_weights()
+    a, b = meta.state_dict(), cpu.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def torchrun(args, timeout=300):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", *args], cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_fsdp_matches_one_process_and_resumes_across_engines(tmp_path, capsys):
+    """--fsdp with 2 gloo processes gives the losses of 1 process; its checkpoint (plain names, whole tensors) is
+    resumed by 1 process, whose checkpoint is resumed by FSDP again: 6 steps as one uninterrupted run."""
+    args = TINY + ["--residual", "hc", "--steps", "6", "--ckpt-every", "100", "--eval-every", "100"]
+    assert run_main(args + ["--out", str(tmp_path / "one")], capsys)[0] == 0
+    out = tmp_path / "mixed"
+    assert "(FSDP2)" in torchrun(args + ["--fsdp", "--max-steps", "2", "--out", str(out)])
+    ckpt = torch.load(next(out.glob("*/ckpt.pt")), weights_only=True)
+    GPT(GPTConfig(**ckpt["model_config"])).load_state_dict(ckpt["model"])  # strict: plain names, whole tensors
+    assert sorted(ckpt["optimizer"]["state"]) == list(range(len(ckpt["model"])))
+    assert run_main(args + ["--resume", "--max-steps", "4", "--out", str(out)], capsys)[0] == 0
+    torchrun(args + ["--fsdp", "--resume", "--out", str(out)])
+    one, mixed = load_run(tmp_path / "one"), load_run(out)
+    assert mixed["finished"] and [s["step"] for s in mixed["steps"]] == list(range(1, 7))
+    for key in ("loss", "grad_norm"):
+        assert [s[key] for s in mixed["steps"]] == pytest.approx([s[key] for s in one["steps"]], rel=1e-5), key
+    assert mixed["final"]["val_loss"] == pytest.approx(one["final"]["val_loss"], rel=1e-5)
+
+
+def test_gpu_smoke_script_parses_and_its_train_commands_resolve(capsys):
+    """scripts/gpu_smoke.sh is valid bash, every long option in it is one of the scripts' own, and its heaviest
+    training commands fit an 80 GB GPU by the plan."""
+    script = HERE / "scripts" / "gpu_smoke.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    known = {o for a in train.build_parser()._actions for o in a.option_strings}
+    known |= {"--shapes", "--seq", "--batch", "--repeats", "--standalone", "--nproc_per_node"}  # profile_gpu, torchrun
+    used = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", script.read_text()))
+    assert used <= known, used - known
+    for argv in (["--suite", "400m", "--layers", "24", "--residual", "attnres", "--global-batch", "16"],
+                 ["--suite", "1.6b", "--layers", "54", "--residual", "attnres", "--global-batch", "4", "--no-compile"]):
+        code, _, err = run_main(argv + ["--data", "synthetic", "--dry-run", "--gpu-mem", "80"], capsys)
+        assert code == 0, err

@@ -6,6 +6,7 @@ train.py: train one DepthBench model, or a grid of them, and log everything to r
     python train.py --residual preln,hc --seed 0,1   # a grid: every combination in turn, finished runs skipped
     python data.py --source fineweb-edu --max-tokens 8200000000 --out data_cache/fineweb-edu-gpt2  # once, first
     torchrun --standalone --nproc_per_node=8 train.py --suite 1.6b --layers 40 --residual attnres  # a paper run
+    python train.py --suite 1.6b --layers 54 --residual attnres --dry-run --gpu-mem 80  # its memory plan per GPU
     python train.py --suite 400m --print-grid        # the suite's whole LR sweep as torchrun lines, for a cluster
 
 Presets (PRESETS below). `cpu` (the default without CUDA): a 0.8M-parameter backbone on the embedded
@@ -38,6 +39,7 @@ import shlex
 import signal
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,6 +49,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
+import kernels
 import profile_gpu
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
 from model import GPT, GPTConfig
@@ -129,8 +132,8 @@ def build_parser():
     add("--seq-len", type=pint, help="tokens per sequence (preset: 2048, cpu/mini 128)")
     # batch and schedule
     add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu/mini 32)")
-    add("--batch-size", type=pint, help="micro-batch per rank (preset: the design's paper_micro_batch at this "
-        "depth; cpu/mini: global batch / ranks)")
+    add("--batch-size", type=pint, help="micro-batch per rank (preset: the largest power of two up to the design's "
+        "paper_micro_batch whose memory plan fits an 80 GB GPU; cpu/mini: global batch / ranks)")
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
         "tokens per budgeted param; cpu 800, mini 1200)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
@@ -148,6 +151,14 @@ def build_parser():
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on with CUDA, "
         "off on CPU, where it pays only after thousands of steps: docs/speed.md)")
+    add("--activation-checkpointing", action="store_true", help="keep only each block's input for the backward, "
+        "which recomputes the block: about a third more compute for most of the activation memory")
+    add("--fsdp", action="store_true", help="under torchrun: shard weights, gradients and AdamW state over the ranks "
+        "(FSDP2: each block, then the root) instead of a DDP replica on each")
+    add("--dry-run", action="store_true", help="print each run's memory plan per GPU and exit: 0 if it fits, 2 with "
+        "one line naming the fix if not (for the ranks of torchrun, or of WORLD_SIZE if set)")
+    add("--gpu-mem", type=positive(float), help="--dry-run: GB per GPU to plan for (default: this GPU's memory; "
+        "without one, the host's, in fp32)")
     p.add_kernels()
     return p
 
@@ -179,26 +190,19 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     else:
         shape, budget = solved_shape(args, shape_key, shape_value, vocab_size)
     L, d, n_head = shape["n_layer"], shape["d_model"], shape["n_head"]
-    design = RESIDUALS[residual]
-    lr = lr if lr is not None else shape.get("lr") or design.paper_lr     # a suite's one LR (1.6b), else the design's
-    # 400m: what fit on the paper's GPUs at this depth; the small presets: the whole global batch, split over ranks
-    mb = design.paper_micro_batch[max(k for k in design.paper_micro_batch if k <= L)]
-    batch_size = args.batch_size or (mb if args.preset == "400m" else max(1, args.global_batch // world_size))
-    if args.global_batch % (batch_size * world_size):
-        raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {batch_size} "
-                         f"x world size {world_size}")
+    lr = lr if lr is not None else shape.get("lr") or RESIDUALS[residual].paper_lr  # 1.6b: the suite's one LR
     tokens_per_step = args.global_batch * args.seq_len
     steps = args.steps or shape["steps"]
     opts, tag = residual_args(args, residual)
     # the design's own checks of its option values (a ValueError), on the meta device, before anything is written
-    count_params(L, d, shape["d_ff"], residual, vocab_size, n_head, shape["n_kv_head"], **opts)
+    params = count_params(L, d, shape["d_ff"], residual, vocab_size, n_head, shape["n_kv_head"], **opts)
     if args.suite:  # a suite's name and depth: the ladder has one AR at several sizes
         tag += f"_{args.suite}-L{L}"
     else:
         tag += f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's budget
         tag += f"_ar{round(d / L, 2):g}"
     name = f"{residual}{tag}_lr{format_lr(lr)}_s{seed}"
-    return {
+    cfg = {
         "name": name, "preset": args.preset, "suite": args.suite, "residual": residual, "residual_args": opts,
         "n_layer": L, "d_model": d, "d_ff": shape["d_ff"], "n_head": n_head, "n_kv_head": shape["n_kv_head"],
         "head_dim": d // n_head, "ar": d / L, "vocab_size": vocab_size, "params_budget": budget,
@@ -208,20 +212,106 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
         "grad_clip": args.grad_clip, "seed": seed,
         "data": args.data, "data_dir": args.data_dir, "tokenizer": None if args.data == "synthetic" else args.tokenizer,
         "max_gap": args.max_gap, "group": args.group, "answers_only": bool(args.answers_only) and args.data == "synthetic",
-        "seq_len": args.seq_len, "batch_size": batch_size, "global_batch": args.global_batch,
-        "world_size": world_size, "grad_accum": args.global_batch // (batch_size * world_size),
+        "seq_len": args.seq_len, "batch_size": args.batch_size, "global_batch": args.global_batch,
+        "world_size": world_size, "fsdp": args.fsdp, "activation_checkpointing": args.activation_checkpointing,
         "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
         "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
         "log_every": args.log_every, "out": args.out, "device": args.device,
         "compile": args.compile, "kernels": args.kernels,
         "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
     }
+    # 400m: the largest paper-like micro-batch that fits an 80 GB GPU; the small presets: the whole global batch at
+    # once, split over the ranks. Gradient accumulation makes up the rest: the maths does not depend on it.
+    B = cfg["batch_size"] = args.batch_size or ((default_micro_batch(cfg, params) or 1) if args.preset == "400m"
+                                                else max(1, args.global_batch // world_size))
+    if args.global_batch % (B * world_size):
+        raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {B} x world size "
+                         f"{world_size}")
+    cfg["grad_accum"] = args.global_batch // (B * world_size)
+    return cfg
 
 
 # keys that define a run's maths: a checkpoint made with other values cannot be resumed
 RESUME_KEYS = ["residual", "residual_args", "n_layer", "d_model", "d_ff", "n_head", "n_kv_head", "vocab_size", "lr",
                "warmup_steps", "total_steps", "weight_decay", "grad_clip", "seed", "data", "tokenizer", "max_gap",
                "group", "answers_only", "seq_len", "global_batch"]
+
+
+# ----------------------------------------------------------------------------- the memory plan
+
+GB = 1e9
+PLAN_BYTES = 80 * GB  # the 400m defaults fit an 80 GB GPU (--gpu-mem plans for another)
+# Activations autograd keeps per token and block, bytes per unit of d, d_ff and the K/V width d_kv, with bf16 autocast
+# and in fp32: Pre-LN's, measured on CPU (eager; docs/training.md#memory). A design's own on top: its act_bytes.
+BLOCK_BYTES = {True: (31, 8, 4), False: (33, 16, 8)}
+MARGIN, RESERVE = 1.1, 4 * GB  # slack on activations and loss; CUDA context, NCCL buffers, allocator
+
+
+def memory_plan(cfg, params, bf16=True):
+    """An estimate (docs/training.md#memory) of the bytes per GPU of a training step of the resolved run `cfg` with
+    `params` parameters -> {fixed, activations, loss, eval, reserve, total}: fp32 weights, gradients, AdamW and DDP
+    buckets, 20 B per parameter (FSDP: 16 B sharded, plus the root and two blocks whole); what autograd keeps per
+    token (BLOCK_BYTES and the design's act_bytes per block, or with checkpointing its act_bytes[2] per block and
+    one block's set) and autocast's bf16 weights; the final norm's output and the loss chunks; an eval batch's
+    logits (after the step); total = fixed + max(MARGIN x (activations + loss), eval) + RESERVE."""
+    L, d, d_ff, W, design = cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["world_size"], RESIDUALS[cfg["residual"]]
+    d_kv, tokens = d * cfg["n_kv_head"] // cfg["n_head"], cfg["batch_size"] * cfg["seq_len"]
+    block = sum(c * x for c, x in zip(BLOCK_BYTES[bf16], (d, d_ff, d_kv))) + design.act_bytes[not bf16] * d
+    blocks, casts = backbone_params(L, d, d_ff, cfg["n_kv_head"], cfg["n_head"]), 2 * params if bf16 else 0
+    if cfg["activation_checkpointing"]:  # each block's input; one block's set (and bf16 weights) at a time
+        act, casts = L * design.act_bytes[2] * d + block, casts * (1 - blocks / params * (L - 1) / L)
+    else:
+        act = L * block
+    plan = {"fixed": 16 * params / W + 8 * (params - blocks) + 16 * blocks / L if cfg["fsdp"] and W > 1
+            else 20 * params, "activations": tokens * act + casts, "eval": tokens * cfg["vocab_size"] * 10,
+            "loss": tokens * 4 * d + 4 * kernels.LOSS_CHUNK_BYTES, "reserve": RESERVE}
+    plan["total"] = plan["fixed"] + max(MARGIN * (plan["activations"] + plan["loss"]), plan["eval"]) + RESERVE
+    return plan
+
+
+def default_micro_batch(cfg, params, limit=PLAN_BYTES, most=None, bf16=True):
+    """The largest power of two up to `most` (default: the design's paper_micro_batch, what fit the paper's GPUs at
+    400M: a number, or {from depth: micro-batch}) that divides the global batch over the ranks and whose memory
+    plan fits `limit` bytes (an 80 GB GPU); None if none does."""
+    mb, share = RESIDUALS[cfg["residual"]].paper_micro_batch, cfg["global_batch"] // cfg["world_size"]
+    most = min(share, most or (mb if isinstance(mb, int) else mb[max(k for k in mb if k <= cfg["n_layer"])]))
+    return next((B for B in (2 ** k for k in range(int(math.log2(max(most, 1))), -1, -1)) if share % B == 0
+                 and memory_plan({**cfg, "batch_size": B}, params, bf16)["total"] <= limit), None)
+
+
+def dry_run(runs, gpu_mem, cuda):
+    """--dry-run: each run's plan against a GPU's memory (--gpu-mem, this GPU's, or in fp32 the host's); exit 0
+    when all fit, else 2 with one line naming the fix."""
+    bf16 = cuda or gpu_mem is not None
+    limit = (gpu_mem * GB if gpu_mem else torch.cuda.get_device_properties(0).total_memory if cuda
+             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    over = []
+    for cfg in runs:
+        params = count_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["residual"], cfg["vocab_size"],
+                              cfg["n_head"], cfg["n_kv_head"], **cfg["residual_args"])
+        plan, W = memory_plan(cfg, params, bf16), cfg["world_size"]
+        print0(f"memory plan per GPU of {cfg['name']} (an estimate: docs/training.md#memory)\n  L{cfg['n_layer']} "
+               f"d{cfg['d_model']}, {params:,} params, micro-batch {cfg['batch_size']} x {cfg['seq_len']}, "
+               + (f"{'FSDP2' if cfg['fsdp'] else 'DDP'} over {W} ranks" if W > 1 else "1 process")
+               + (", bf16 autocast" if bf16 else ", fp32")
+               + (", activation checkpointing" if cfg["activation_checkpointing"] else ""))
+        for key, what in [("fixed", "weights, gradients, AdamW"), ("activations", "kept for the backward"),
+                          ("loss", f"(eval logits {plan['eval'] / GB:.1f} GB, after the step)"),
+                          ("reserve", f"CUDA context, NCCL, allocator (and x{MARGIN} on the two above)"),
+                          ("total", f"of {limit / GB:.1f} GB: " + ("fits" if plan["total"] <= limit else
+                                                                   "does NOT fit"))]:
+            print0(f"  {key:<12}{plan[key] / GB:8.1f} GB  {what}")
+        over += [(cfg, params, plan)] if plan["total"] > limit else []
+    if not over:
+        sys.exit(0)
+    (cfg, params, plan), W, ckpt = over[0], max(8, cfg["world_size"]), {"activation_checkpointing": True}
+    for flags in ({}, ckpt, {**ckpt, "fsdp": True, "world_size": W}):  # the cheapest way out first
+        if B := default_micro_batch({**cfg, **flags}, params, limit, 2 ** 30, bf16):
+            fix = f"use --batch-size {B}" + "".join(f" --{k.replace('_', '-')}" for k in flags if k != "world_size")
+            break
+    fail(f"{cfg['name']} needs {plan['total'] / GB:.1f} GB per GPU at micro-batch {cfg['batch_size']}, over "
+         f"{limit / GB:.1f} GB: " + (fix + (f" under torchrun on {W} GPUs" if "fsdp" in flags else "") if B else
+                                     "use more GPUs with --fsdp --activation-checkpointing, or a shorter --seq-len"))
 
 
 # ----------------------------------------------------------------------------- one training run
@@ -290,6 +380,7 @@ def build(cfg, env):
     """Loaders, model, optimizer and an empty log for one run -> the run's state `r`."""
     r = SimpleNamespace(cfg=cfg, env=env, rank=env["rank"], world=env["world_size"], device=env["device"])
     r.master, r.ddp, r.cuda = r.rank == 0, r.world > 1, r.device.startswith("cuda")
+    r.fsdp = r.ddp and cfg.get("fsdp", False)
     r.run_dir = Path(cfg["out"]) / cfg["name"]
     r.json_path, r.ckpt_path = r.run_dir / "run.json", r.run_dir / "ckpt.pt"
 
@@ -307,10 +398,15 @@ def build(cfg, env):
     r.model_config = GPTConfig(vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
                                n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], d_ff=cfg["d_ff"],
                                residual=cfg["residual"], residual_args=dict(cfg["residual_args"]),
-                               kernels=cfg.get("kernels", "fast"))
-    r.raw = GPT(r.model_config).to(r.device)
+                               kernels=cfg.get("kernels", "fast"),
+                               checkpoint_blocks=cfg.get("activation_checkpointing", False))
+    with torch.device(r.device):  # built and initialised there: no CPU init and copy per rank (CUDA: its own RNG)
+        r.raw = GPT(r.model_config)
+    if r.fsdp:
+        r.shapes = shard(r.raw)
     r.groups = r.raw.param_groups(cfg["weight_decay"])
-    r.opt = torch.optim.AdamW(r.groups, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], fused=r.cuda)
+    r.opt = torch.optim.AdamW(r.groups, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"],
+                              fused=r.cuda and not r.fsdp)
     total, heads = r.raw.num_params(), (cfg["n_kv_head"], cfg["n_head"])
     r.preln = preln_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"], *heads)
     params = {"total": total, "backbone": backbone_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], *heads),
@@ -328,6 +424,62 @@ def build(cfg, env):
     return r
 
 
+def shard(model):
+    """FSDP2, the engine of the official runs: each block a unit, then the root (embedding, head and `model.res`,
+    which every block reads). FSDP2 shards dim 0: a 0-dim parameter (HC/mHC's scales) becomes a vector of one,
+    which checkpoints turn back. -> the model's {name: shape}."""
+    from torch.distributed.fsdp import fully_shard
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module .* view")  # no design writes in place into a block's output
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    for m in model.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if p.dim() == 0:
+                setattr(m, name, torch.nn.Parameter(p.detach().reshape(1)))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return shapes
+
+
+def reshaped(model, osd, shapes):
+    """State dicts (the optimizer's keyed by name) with each parameter, and its AdamW moments, in shapes[name]."""
+    state = {k: {m: v if m == "step" else v.reshape(shapes[k]) for m, v in st.items()}
+             for k, st in osd.get("state", {}).items()}
+    model = {k: v.reshape(shapes[k]) for k, v in model.items()}
+    return model, {"state": state, "param_groups": osd.get("param_groups", [])}
+
+
+def rekey(osd, key):
+    """An optimizer state dict with its parameters renamed by key[...]: positions <-> names."""
+    return {"state": {key[k]: v for k, v in osd.get("state", {}).items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in osd.get("param_groups", [])]}
+
+
+def full_state(r):
+    """(model, optimizer) state dicts as one process saves them (whole tensors, plain names and shapes, the optimizer
+    keyed by position); under FSDP gathered onto rank 0's CPU, a collective that every rank calls."""
+    if not r.fsdp:
+        return r.raw.state_dict(), r.opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model, osd = reshaped(get_model_state_dict(r.raw, options=opts),  # optimizer by name; both empty off rank 0
+                          get_optimizer_state_dict(r.raw, r.opt, options=opts), r.shapes)
+    return model, rekey(osd, {n: k for k, n in enumerate(n for g in osd["param_groups"] for n in g["params"])})
+
+
+def load_full_state(r, model, optimizer):
+    """Load what full_state saved into either engine at any number of ranks (FSDP: each rank keeps its shard)."""
+    if not r.fsdp:
+        r.raw.load_state_dict(model)
+        return r.opt.load_state_dict(optimizer)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    names, opts = {id(p): n for n, p in r.raw.named_parameters()}, StateDictOptions(full_state_dict=True)
+    optimizer = rekey(optimizer, [names[id(p)] for g in r.opt.param_groups for p in g["params"]])
+    model, optimizer = reshaped(model, optimizer, {n: p.shape for n, p in r.raw.named_parameters()})
+    set_model_state_dict(r.raw, model, options=opts)
+    set_optimizer_state_dict(r.raw, r.opt, optimizer, options=opts)
+
+
 def maybe_resume(r, resume):
     """--resume and a ckpt.pt made with the same maths (RESUME_KEYS): weights, optimizer, loader, RNG and
     log from it. Otherwise step 0, and a stale checkpoint of an older run is deleted."""
@@ -343,8 +495,7 @@ def maybe_resume(r, resume):
         if changed:
             was = ", ".join(f"{k}={old.get(k)!r}" for k in changed)
             fail(f"cannot resume {r.ckpt_path}: it was made with other settings ({was}); use another --out")
-        r.raw.load_state_dict(ckpt["model"])
-        r.opt.load_state_dict(ckpt["optimizer"])
+        load_full_state(r, ckpt["model"], ckpt["optimizer"])
         r.train_loader.load_state_dict(ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["cpu"])
         if r.cuda and "cuda" in ckpt["rng"]:
@@ -392,9 +543,16 @@ def describe(r):
            f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
     threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
     print0(f"device     {r.env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}"
-           f", {cfg.get('kernels', 'fast')} kernels, world size {r.world}; MFU from {r.flops_tok:.3g} FLOPs/token and a peak of "
+           f", {cfg.get('kernels', 'fast')} kernels, world size {r.world}"
+           + (" (FSDP2)" if r.fsdp else " (DDP)" if r.ddp else " (--fsdp: nothing to shard)" if cfg.get("fsdp") else "")
+           + (", activation checkpointing" if cfg.get("activation_checkpointing") else "")
+           + f"; MFU from {r.flops_tok:.3g} FLOPs/token and a peak of "
            + (f"{r.peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if r.peak
               else "? (unknown GPU)"))
+    plan = memory_plan(cfg, params["total"], cuda)["total"]
+    print0(f"memory     planned {plan / GB:.1f} GB per {'GPU' if cuda else 'process'}"
+           + (f" of {torch.cuda.get_device_properties(r.device).total_memory / GB:.1f} GB" if cuda else "")
+           + " (an estimate; --dry-run shows its parts)")
 
 
 def loop(r):
@@ -402,7 +560,8 @@ def loop(r):
     (SIGINT/SIGTERM), it saves after the step it is in and exits with 128 + the signal's number."""
     cfg, log = r.cfg, r.log
     r.model = torch.compile(r.raw) if cfg["compile"] else r.raw
-    r.train_model = DDP(r.model, device_ids=[r.env["local_rank"]] if r.cuda else None) if r.ddp else r.model
+    r.train_model = (DDP(r.model, device_ids=[r.env["local_rank"]] if r.cuda else None) if r.ddp and not r.fsdp
+                     else r.model)
     r.ctx = torch.autocast("cuda", dtype=torch.bfloat16) if r.cuda else nullcontext()  # CPU stays fp32
     if r.cuda:
         torch.cuda.reset_peak_memory_stats(r.device)
@@ -447,12 +606,14 @@ def optimizer_step(r):
     lr = get_lr(r.step, cfg["lr"], cfg["warmup_steps"], cfg["total_steps"], cfg["final_lr_frac"])
     for g in r.opt.param_groups:
         g["lr"] = lr
-    loss = forward_backward(r.train_model, r.train_loader, r.train_loader.accum_steps, r.ctx, r.device, r.ddp)
+    loss = forward_backward(r.train_model, r.train_loader, r.train_loader.accum_steps, r.ctx, r.device,
+                            isinstance(r.train_model, DDP))
     if r.ddp:
         dist.all_reduce(loss)  # for the log only (the gradients are already averaged); gloo has no AVG
         loss /= r.world
     clip = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(r.raw.parameters(), clip).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(r.raw.parameters(), clip)
+    grad_norm = (grad_norm.full_tensor() if r.fsdp else grad_norm).item()  # FSDP: a DTensor
     loss = loss.item()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         r.log["diverged"] = True  # stop before this update makes the weights non-finite too
@@ -488,11 +649,12 @@ def maybe_save(r, last, force=False):
     due = r.step > 0 and (r.step % r.cfg["ckpt_every"] == 0 or last or force) and r.step != r.saved_step
     if due:
         save_json(r, write=False)  # this step's wall time into the log the checkpoint carries
+        model, optimizer = full_state(r)  # under FSDP a collective: every rank calls it
         if r.master:
             rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(r.device)} if r.cuda else {})}
             common.save_checkpoint(r.ckpt_path, {
-                "model": r.raw.state_dict(), "model_config": dataclasses.asdict(r.model_config), "config": r.cfg,
-                "step": r.step, "optimizer": r.opt.state_dict(), "rng": rng, "loader": r.train_loader.state_dict(),
+                "model": model, "model_config": dataclasses.asdict(r.model_config), "config": r.cfg,
+                "step": r.step, "optimizer": optimizer, "rng": rng, "loader": r.train_loader.state_dict(),
                 "log": r.log})
         r.saved_step = r.step
     if due or last:
@@ -732,7 +894,7 @@ def main(argv=None):
         return print_grid(args)
 
     # every run of the grid is resolved (and so checked) before anything is written
-    env = init_distributed(cuda)
+    env = {"world_size": int(os.environ.get("WORLD_SIZE", 1))} if args.dry_run else init_distributed(cuda)
     tokenizer = {"gpt2": data.GPT2Tokenizer, "bytes": data.ByteTokenizer}[args.tokenizer]  # the class: no download
     task = SyntheticTask(args.max_gap, args.group, answers_only=bool(args.answers_only))
     vocab = padded_vocab_size((task if args.data == "synthetic" else tokenizer).vocab_size)
@@ -742,12 +904,15 @@ def main(argv=None):
     for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):
         try:
             cfg = resolve(args, residual, key, value, lr, seed, vocab, env["world_size"])
-            check_memory(cfg)
+            if not args.dry_run:  # --dry-run checks the memory plan instead
+                check_memory(cfg)
         except ValueError as e:
             fail(str(e))
         if cfg["name"] not in names:  # two ARs can solve to the same shape
             runs.append(cfg)
             names.add(cfg["name"])
+    if args.dry_run:
+        dry_run(runs, args.gpu_mem, cuda)
     if args.data != "synthetic":
         on_rank0(lambda: prepare_data(args, runs[0]), env)
 
