@@ -62,7 +62,8 @@ def joint_attention(q, k, v, depth_k, depth_v):
     sink_k, sink_v = (torch.cat([q.new_zeros(hd), e]).expand(B, Hkv, 1, hd + pad) for e in (e0 + e1, e0))
     out = F.scaled_dot_product_attention(
         torch.cat([q_aug.new_zeros(B, H, 1, hd + pad), q_aug], dim=2),            # dummy query first
-        torch.cat([sink_k.to(k.dtype), F.pad(k, (0, pad))], dim=2), torch.cat([sink_v.to(v.dtype), F.pad(v, (0, pad))], dim=2),
+        torch.cat([sink_k.to(k.dtype), F.pad(k, (0, pad))], dim=2),
+        torch.cat([sink_v.to(v.dtype), F.pad(v, (0, pad))], dim=2),
         is_causal=True, scale=scale, enable_gqa=Hkv < H)[:, :, 1:]                 # (B, H, T, hd + pad)
     share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
     return out[..., :hd] + share[..., None] * o_depth, share.detach()

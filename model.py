@@ -57,16 +57,14 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
-    """Causal attention with RoPE, multi-head (n_kv_head = n_head) or grouped-query (n_kv_head < n_head:
-    W_k, W_v map d -> n_kv_head * head_dim and query head h reads kv head h // (n_head / n_kv_head), the
-    same maths as MHA whose k/v heads are copies). No norm inside.
+    """Causal attention with RoPE, multi-head (n_kv_head = n_head) or grouped-query (n_kv_head < n_head: W_k, W_v
+    map d -> n_kv_head * head_dim and query head h reads kv head h // (n_head / n_kv_head), the same maths as MHA
+    whose k/v heads are copies). No norm inside.
 
-    `depth_kv` is the one door into attention, used only by MoDA (residuals.py): a pair of lists
-    (keys, values), each (B, n_kv_head, T, hd), of earlier sublayers at the same token, which join the
-    causal keys in one softmax (`ops.joint_attention`). The forward returns (y, aux): aux holds this layer's
-    *pre-RoPE* k and v, (B, n_kv_head, T, hd) each, which MoDA caches for later layers, and MoDA's
-    depth-attention share.
-    """
+    `depth_kv` is the one door into attention, used only by MoDA (residuals.py): lists (keys, values), each
+    (B, n_kv_head, T, hd), of earlier sublayers at the same token, which join the causal keys in one softmax
+    (`ops.joint_attention`). Returns (y, aux): aux holds this layer's *pre-RoPE* k and v, (B, n_kv_head, T, hd)
+    each, which MoDA caches for later layers, and MoDA's depth-attention share."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -178,11 +176,12 @@ class GPT(nn.Module):
         self.observe(s, 2 * self.cfg.n_layer, rec)
         z = self.res.collapse(s)                                   # (B, T, D), the final norm included
         self.res.recording = None
-        if targets is not None and not logits and self.cfg.kernels == "fast":  # training: never all (B, T, V) logits at once
+        if targets is not None and not logits and self.cfg.kernels == "fast":  # training: no (B, T, V) logits at once
             loss = kernels.chunked_cross_entropy(z.flatten(0, 1), self.lm_head.weight, targets.flatten())
             return (None, loss, rec) if record else (None, loss)
         out = self.lm_head(z)
-        loss = None if targets is None else F.cross_entropy(out.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        loss = None if targets is None else \
+            F.cross_entropy(out.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
         out = out if logits else None
         return (out, loss, rec) if record else (out, loss)
 
@@ -198,8 +197,8 @@ class GPT(nn.Module):
     def param_groups(self, weight_decay):
         """AdamW groups (docs/designs.md#recipe): decay everything except what the design marks static."""
         static = {id(p) for p in self.res.no_decay_params()}
-        groups = [{"params": [p for p in self.parameters() if (id(p) in static) == st], "weight_decay": 0.0 if st
-                   else weight_decay} for st in (False, True)]
+        groups = [{"params": [p for p in self.parameters() if id(p) not in static], "weight_decay": weight_decay},
+                  {"params": [p for p in self.parameters() if id(p) in static], "weight_decay": 0.0}]
         return [g for g in groups if g["params"]]
 
     def num_params(self):

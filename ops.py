@@ -1,13 +1,12 @@
 """
 ops.py: the maths the designs share, each written the way its equation reads, in plain PyTorch.
 
-The norm, RoPE and causal attention of the backbone; HC/mHC's normalised map projection, their width and
-depth connections and mHC's Sinkhorn; AttnRes' softmax over depth; MoDA's joint sequence + depth softmax.
-A function with a `fast` argument has a second body in kernels.py: the same maths with the layouts, fused
-nodes and hand-written backward passes that make it fast (GPTConfig.kernels, `--kernels fast|reference`).
-The body below is the definition; test_all.py checks, design by design, that both give the same logits,
-loss and gradients. Precision, the same for every design under bf16 autocast: the sublayers' matmuls run
-in bf16; the residual state, the designs' mixing and every depth-softmax logit in fp32 (`fp32`).
+The norm, RoPE and attention of the backbone; HC/mHC's map projection, width and depth connections and mHC's
+Sinkhorn; AttnRes' softmax over depth; MoDA's joint sequence + depth softmax. A function with a `fast` argument
+has a second body in kernels.py: the same maths in the layouts, fused nodes and hand-written backward passes that
+make it fast (GPTConfig.kernels, --kernels). The body here is the definition; test_all.py checks, for every
+design, that both give the same logits, loss and gradients. Precision, one rule for all designs under bf16
+autocast: the sublayers' matmuls in bf16; the residual state, its mixing and every depth-softmax logit in fp32.
 """
 import functools
 
@@ -42,12 +41,6 @@ class RMSNorm(nn.Module):
         if self.center:
             return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
-
-
-def reset_norms(module):
-    """Set every norm gain below `module` to 1."""
-    for m in filter(lambda m: isinstance(m, RMSNorm), module.modules()):
-        nn.init.ones_(m.weight)
 
 
 def fp32(fn):

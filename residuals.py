@@ -33,19 +33,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ops import (RMSNorm, depth_connection, depth_mix, depth_slot, normed_projection, reset_norms, rms_norm, sinkhorn,
+from ops import (RMSNorm, depth_connection, depth_mix, depth_slot, normed_projection, rms_norm, sinkhorn,
                  width_connection)
-
-
-def attnres_sources(L, N):
-    """Sources read by all depth mixes of AttnRes with N groups spread evenly over the 2L sublayers.
-
-    Sublayer k >= 1 reads the embedding and every group touched so far: g(k-1) + 2 sources, g(j) = floor(jN / 2L).
-    Sublayer 0 has no mix; the head's readout reads the embedding and all N groups. Each mix sees at most N + 1.
-    N = 2L is Full AttnRes: sum_{k=1}^{2L-1} (k+1) + (2L+1) = 2L² + 3L.
-    """
-    N = min(N, 2 * L)
-    return sum((k - 1) * N // (2 * L) + 2 for k in range(1, 2 * L)) + N + 1
 
 
 # ----------------------------------------------------------------------------- norm-placement designs
@@ -64,14 +53,15 @@ class PreLN(nn.Module):
     paper_micro_batch = {1: 16}   # {from depth L: micro-batch per GPU} that fit in memory in the paper's runs
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
 
+    # activation bytes per token and block in units of d, for train.py's memory plan (docs/training.md#memory):
+    # beyond Pre-LN's under bf16 autocast, beyond it in fp32, and the block's input when checkpointed
+    act_bytes = (0, 0, 4)
+
     @classmethod
     def cost(cls, L, d, T, **options):
-        """(extra forward FLOPs per sequence of T tokens, residual state per token in units of d) at
-        L blocks and width d, for profile_gpu.py. Norms, scalings and adds are not counted (nor are they
-        for Pre-LN's formula), so a norm-placement design costs nothing extra: (0, 1)."""
+        """(extra forward FLOPs per sequence of T tokens, residual state per token in units of d) at L blocks and width
+        d, for profile_gpu.py. Norms, scalings and adds are not counted (nor are they for Pre-LN's formula)."""
         return 0, 1
-    # activations kept per token and block, bytes per unit of d: beyond Pre-LN's under bf16 autocast and in fp32, and
-    act_bytes = (0, 0, 4)  # the block's input under checkpointing; measured on CPU (docs/training.md#memory)
 
     def __init__(self, cfg):
         super().__init__()
@@ -99,15 +89,15 @@ class PreLN(nn.Module):
         pass
 
     def reset_parameters(self):
-        reset_norms(self)
+        for norm in (m for m in self.modules() if isinstance(m, RMSNorm)):  # every norm gain of the design: 1
+            nn.init.ones_(norm.weight)
 
     def no_decay_params(self):
         return []
 
     def sublayer_params(self, i):
-        """The design's own tensors that belong to sublayer i, by a name shared across sublayers
-        (diagnose.py's block swap exchanges tensors of equal name and shape). Rows of a stacked
-        parameter are returned as views, so writing into them writes the parameter."""
+        """The design's own tensors of sublayer i, by a name shared across sublayers (diagnose.py's block swap exchanges
+        tensors of equal name and shape); rows of a stacked parameter as views, so writing them writes the parameter."""
         return {"norm": self.norms[i].weight}
 
     def swap_blocks(self, i, j):
@@ -198,9 +188,8 @@ class DeepNorm(PreLN):
 
     @torch.no_grad()
     def scale_sublayer_init(self, i, module):
-        weights = [module.wv.weight, module.wo.weight] if i % 2 == 0 else [module.w1.weight, module.w2.weight, module.w3.weight]
-        for w in weights:
-            w.mul_(self.beta)
+        for lin in (module.wv, module.wo) if i % 2 == 0 else (module.w1, module.w2, module.w3):
+            lin.weight.mul_(self.beta)
 
 
 class KEEL(PreLN):
@@ -256,17 +245,18 @@ class HC(PreLN):
     """
     paper_micro_batch = {1: 8, 26: 4}             # the official shape script: 8 at L16-24, 4 from L26
     options = {"n_streams": 4, "collapse": "sum", "forward": "mixed"}
+    act_bytes = (66, 77, 16)
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
         """2L connectors of ~96d FLOPs per token (n = 4): dynamic alpha/beta projections, width mix, write-back."""
         return 192 * L * d * T, n_streams
-    act_bytes = (66, 77, 16)
 
     def __init__(self, cfg, n_streams=4, collapse="sum", forward="mixed"):
         super().__init__(cfg)
         if collapse not in ("sum", "mean", "norm_each") or forward not in ("mixed", "unmixed"):
-            raise ValueError(f"HC collapse: sum, mean or norm_each; forward: mixed or unmixed; got {collapse}, {forward}")
+            raise ValueError(f"HC collapse: sum, mean or norm_each; forward: mixed or unmixed; "
+                             f"got {collapse}, {forward}")
         self.n, self.collapse_mode, self.mixed = n_streams, collapse, forward == "mixed"
         self.conn = nn.ModuleList(self.make_connector(cfg.d_model, i) for i in range(self.n_sub))
 
@@ -360,13 +350,13 @@ class MHC(HC):
       the transport starts at the uniform matrix (the Liger kernel's init; effective rank ~1).
     """
     options = {"n_streams": 4, "collapse": "mean", "init": "gap8", "sinkhorn_iters": 20}
+    act_bytes = (116, 127, 16)
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
         """2L connectors of ~244d FLOPs per token (n = 4): the (4d x 24) phi projection (192d), the pre/res/post
         mixes (~48d)."""
         return 488 * L * d * T, n_streams
-    act_bytes = (116, 127, 16)
 
     def __init__(self, cfg, n_streams=4, collapse="mean", init="gap8", sinkhorn_iters=20):
         if init not in ("uniform", "gap8"):
@@ -429,8 +419,11 @@ class BlockAttnRes(PreLN):
 
     @classmethod
     def cost(cls, L, d, T, n_groups=8, **options):
-        """4 FLOPs per source and channel of every depth mix (score dot 2, weighted sum 2); the state: N + 1 sources."""
-        return 4 * d * attnres_sources(L, n_groups) * T, min(n_groups, 2 * L) + 1
+        """4 FLOPs per source and channel of every depth mix (score dot 2, weighted sum 2), over all its sources:
+        sublayer k >= 1 reads the embedding and every group touched so far, g(k-1) + 2 with g(j) = jN // 2L, and the
+        head the embedding and all N groups (Full AttnRes, N = 2L: 2L^2 + 3L in all); the state: N + 1 sources."""
+        N = min(n_groups, 2 * L)
+        return 4 * d * (sum((k - 1) * N // (2 * L) + 2 for k in range(1, 2 * L)) + N + 1) * T, N + 1
 
     def __init__(self, cfg, n_groups=8):
         super().__init__(cfg)
@@ -453,9 +446,8 @@ class BlockAttnRes(PreLN):
         return [x0], None
 
     def sublayer_params(self, i):
-        # row i belongs to consumer i + 1, the mix that first reads sublayer i's output: block b owns
-        # its MLP-side mixer (row 2b) and the mixer that reads its output (row 2b + 1, the head's for
-        # the last block), the reference's swap rule (docs/diagnostics.md#interventions)
+        # row i: consumer i + 1, the first mix to read sublayer i's output. Block b owns its MLP-side mixer (row 2b)
+        # and the one reading its output (2b + 1; the head's for the last block): docs/diagnostics.md#interventions
         return {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
 
     class AfterSkip(tuple):
@@ -546,20 +538,19 @@ class MoDA(PreLN):
     The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
     the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
     State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd), one per slot.
-    Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed; 2d for MHA) on blocks 0 .. L-2: 2 d H_kv hd (L - 1),
-    +12-14% at 400M.
+    Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed) on blocks 0 .. L-2: 2 d H_kv hd (L - 1), +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
     """
     paper_micro_batch = {1: 4}
     options = {"norm": "pre"}
+    act_bytes = (19, 32, 20)
 
     @classmethod
     def cost(cls, L, d, T, kv_ratio=1.0, **options):
         """W_kv (d x 2d kv_ratio; kv_ratio = kv heads / heads) on blocks 0..L-2; block b's queries see 2b depth
         keys of 2d + 2d FLOPs each; the state: the stream and the depth K/V."""
         return 4 * kv_ratio * d * d * (L - 1) * T + 4 * d * L * (L - 1) * T, 1 + 4 * L * kv_ratio
-    act_bytes = (19, 32, 20)
 
     def __init__(self, cfg, norm="pre"):
         super().__init__(cfg)

@@ -74,10 +74,15 @@ def test_formulas_small_shape_L8_d64():
            [8_192, 32_768, 139_264, 73_728, 270_336]
 
 
+def attnres_sources(L, N):
+    """The source visits of all depth mixes that BlockAttnRes.cost counts: its FLOPs at d = T = 1, over 4."""
+    return residuals.BlockAttnRes.cost(L, 1, 1, n_groups=N)[0] // 4
+
+
 @pytest.mark.parametrize("L", [1, 2, 5, 16])
 def test_block_attnres_with_one_group_per_sublayer_is_full(L):
-    assert residuals.attnres_sources(L, 2 * L) == 2 * L * L + 3 * L
-    assert residuals.attnres_sources(L, 99) == 2 * L * L + 3 * L   # more groups than sublayers: Full
+    assert attnres_sources(L, 2 * L) == 2 * L * L + 3 * L
+    assert attnres_sources(L, 99) == 2 * L * L + 3 * L   # more groups than sublayers: Full
 
 
 @pytest.mark.parametrize("res,visits", [("attnres", 152), ("block_attnres", 88)])
@@ -88,7 +93,7 @@ def test_attnres_source_count_matches_the_model(res, visits):
     model = GPT(GPTConfig(vocab_size=32, n_layer=8, d_model=32, n_head=4, d_ff=96, residual=res))
     _, _, rec = model(torch.zeros(1, 4, dtype=torch.long), record=True)
     N = 8 if res == "block_attnres" else 16
-    assert sum(w.numel() for w in rec["attnres_weights"]) == visits == residuals.attnres_sources(8, N)
+    assert sum(w.numel() for w in rec["attnres_weights"]) == visits == attnres_sources(8, N)
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2])
