@@ -97,19 +97,13 @@ def load_folder(folder):
         if kind is None:
             skipped.append((rel, reason))
             continue
-        obj["_path"] = rel
-        if obj["schema"] == "depthbench.diagnose/1":
-            upgrade_diagnose_v1(obj)
+        obj["_path"], perm = rel, obj.get("permutation_score")
+        if obj["schema"] == "depthbench.diagnose/1" and isinstance(perm, dict) and "R_perm" in perm:
+            # /1 -> /2 names: the headline R_perm is the last three quarters' share, all pairs move to R_perm_all
+            # (a /1 file without R_perm_last34 has no headline: it draws as missing)
+            perm["R_perm_all"], perm["R_perm"] = perm["R_perm"], perm.get("R_perm_last34")
         data[kind].append(obj)
     return data, skipped
-
-
-def upgrade_diagnose_v1(obj):
-    """diagnose/1 -> /2 field names: the headline R_perm is the last three quarters' share, all pairs move
-    to R_perm_all (a v1 file without R_perm_last34 has no headline: it draws as missing)."""
-    perm = obj.get("permutation_score")
-    if isinstance(perm, dict) and "R_perm" in perm:
-        perm["R_perm_all"], perm["R_perm"] = perm["R_perm"], perm.get("R_perm_last34")
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -220,8 +214,13 @@ def by_design(points):
     return out
 
 
-def heatmap(ax, m, cmap, norm, title, xlabel, ylabel, **kw):
-    """imshow with integer ticks and a colour bar."""
+def heatmap(ax, m, cmap, title, xlabel, ylabel, vmin=None, top=100, **kw):
+    """imshow with integer ticks and a colour bar, the colours from vmin (default: the least value) to the top-th
+    percentile (default: the largest) of m's finite values; nothing when it has none."""
+    v = finite(m)
+    if not v.size:
+        return
+    norm = colors.Normalize(v.min() if vmin is None else vmin, float(np.percentile(v, top)))
     im = ax.imshow(m, cmap=cmap, norm=norm, interpolation="nearest", **kw)
     ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
@@ -387,11 +386,9 @@ def fig4_nll(data, out_path, svg=False):
 def fig5_angular(data, out_path, svg=False):
     def draw(g, axes):
         m = matrix(g["angular_distance"]["subsequent"])  # row n-1 = gap n, col l = start state
-        v = finite(m)
-        if v.size:  # origin lower puts n = 1 at the bottom as in the reference; colour limits = data range
-            heatmap(axes[0], m, "viridis_r", colors.Normalize(v.min(), v.max()), label(g["meta"]),
-                    "layer index ℓ (0 = embedding)", "subsequent n-th layer", origin="lower",
-                    extent=(-0.5, m.shape[1] - 0.5, 0.5, m.shape[0] + 0.5))
+        # origin lower puts n = 1 at the bottom as in the reference; colour limits = data range
+        heatmap(axes[0], m, "viridis_r", label(g["meta"]), "layer index ℓ (0 = embedding)", "subsequent n-th layer",
+                origin="lower", extent=(-0.5, m.shape[1] - 0.5, 0.5, m.shape[0] + 0.5))
     return per_model(data, ["angular_distance.subsequent"], out_path, svg,
                      r"Angular distance $d(z_\ell, z_{\ell+n})$ (fraction of π)", draw)
 
@@ -427,12 +424,10 @@ def fig6_score_maps(data, out_path, svg=False):
         causal = matrix((metric(g, "causal_score") or {}).get("matrix"))
         perm = matrix((metric(g, "permutation_score") or {}).get("matrix"))
         axes[0].set_title("C(s, l): not computed"), axes[1].set_title("P(i, j): not computed")  # until drawn
-        if finite(causal).size:  # as the reference: limits [0, 99th percentile], so one outlier can't wash it out
-            heatmap(axes[0], causal, CAUSAL_CMAP, colors.Normalize(0, float(np.percentile(finite(causal), 99))),
-                    f"{label(g['meta'])}: C(s, l)", "affected layer l", "removed layer s")
-        if finite(perm).size:
-            heatmap(axes[1], perm, PERM_CMAP, colors.Normalize(finite(perm).min(), finite(perm).max()),
-                    f"{label(g['meta'])}: P(i, j)", "layer index j", "layer index i")
+        # C as the reference: limits [0, 99th percentile], so one outlier can't wash it out
+        heatmap(axes[0], causal, CAUSAL_CMAP, f"{label(g['meta'])}: C(s, l)", "affected layer l", "removed layer s",
+                vmin=0, top=99)
+        heatmap(axes[1], perm, PERM_CMAP, f"{label(g['meta'])}: P(i, j)", "layer index j", "layer index i")
     return per_model(data, ["causal_score.matrix", "permutation_score.matrix"], out_path, svg,
                      "Layer-skip causal score (left) and weight-swap permutation score (right)", draw, panels=2)
 
@@ -443,10 +438,9 @@ def fig7_attnres_weights(data, out_path, svg=False):
 
     def draw(g, axes):
         for ax, (view, xlabel, ylabel) in zip(axes, views):
-            m = matrix(g["attnres_weights"].get(view))
-            if finite(m).size:  # rows sum to 1; future sources are null and stay blank
-                heatmap(ax, m, "Blues", colors.Normalize(0, finite(m).max()), f"{label(g['meta'])}: {view}",
-                        xlabel, ylabel)
+            # rows sum to 1; future sources are null and stay blank
+            heatmap(ax, matrix(g["attnres_weights"].get(view)), "Blues", f"{label(g['meta'])}: {view}", xlabel, ylabel,
+                    vmin=0)
     return per_model(data, ["attnres_weights"], out_path, svg,
                      "AttnRes residual-path weights w(source → consumer), averaged over tokens", draw, panels=2,
                      w=4.4, h=4)
@@ -494,8 +488,7 @@ def fig9_dead_zone(data, out_path, svg=False):
         ax.axhline(num(dz.get("tau")), color="black", ls="--", lw=0.8)  # nan (no tau) draws nothing
         ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
         ax.set(title=f"{label(g['meta'])}\n{dz.get('count_blocks', '?')} dead block(s), τ = {num(dz.get('tau')):g}",
-               ylim=(0, 1.05),
-               xlabel="consumer sublayer", ylabel="weight on non-embedding sources")
+               ylim=(0, 1.05), xlabel="consumer sublayer", ylabel="weight on non-embedding sources")
     return per_model(data, ["dead_zone.schedule"], out_path, svg,
                      "Block AttnRes depth-mixing schedule (hatched = dead, dashed = τ)", draw)
 
