@@ -475,6 +475,8 @@ def main(argv=None):
     print(f"device {device}, dtype {dtype}, {len(dims)} shapes x {len(designs)} designs", file=sys.stderr)
 
     rows, jobs = [], []
+    settings = {"heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "repeats": args.repeats,
+                "threads": args.threads, "device": str(dev), "dtype": dtype, "kernels": args.kernels}
     for L, d in dims:
         for res in designs:
             d_ff, opts = shapes.ffn_dim(d), design_options(res, args.residual_args)
@@ -483,10 +485,7 @@ def main(argv=None):
                          "batch": args.batch, "params": params,
                          **analytic(res, L, d, d_ff, args.seq, args.batch, args.vocab, params, DTYPES[dtype].itemsize,
                                     opts, args.kv_heads / args.heads), **dict.fromkeys(MEASURED)})
-            jobs.append({"residual": res, "residual_args": opts, "n_layer": L, "d_model": d, "d_ff": d_ff,
-                         "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab,
-                         "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "threads": args.threads,
-                         "device": str(dev), "dtype": dtype, "kernels": args.kernels})
+            jobs.append({**rows[-1], **settings, "residual_args": opts})  # measure() reads the shape off the row
     peak = None
     if not args.analytic_only:
         peak = peak_flops(dev, DTYPES[dtype])
