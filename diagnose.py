@@ -6,12 +6,10 @@ diagnose.py: the layer-wise diagnostics of DepthBench for one model, as one JSON
     python diagnose.py --init attnres --layers 6 --width 128 --heads 4       # a fresh model, synthetic text
     python diagnose.py runs/austen_L6 --metrics nll --nll-data fixtures/nll  # NLL offline, on local JSONL
 
-Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll (docs/diagnostics.md).
-DEFINITIONS below says what each computes; the JSON carries it next to the numbers. The depth states
-z_0..z_L come from the model's own recording forward, `model(idx, record=True)`, never from hooks. The
-interventions leave a block out through the same loop (`model(idx, skip=b)`, the design's own skip rules). A swap exchanges two blocks' weights in place, together with the residual's
-own tensors of those blocks (`sublayer_params` in residuals.py), each distinct tensor exactly once.
-Everything runs in fp32 (angles and sums in fp64), in eval mode, without gradients.
+Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll. DEFINITIONS below says what
+each computes, and the JSON carries it next to the numbers. docs/diagnostics.md has the setup (fp32, eval mode,
+no gradients, fp64 sums), the depth states (the model's own `model(idx, record=True)`, no hooks) and the
+interventions (`model(idx, skip=b)`; a swap moves two blocks' weights with the residual's own tensors).
 """
 import hashlib
 import json
@@ -77,7 +75,7 @@ NLL_TASKS = {"mbpp": ("coding", "google-research-datasets/mbpp", "full", "test")
 
 
 class DiagError(ValueError):
-    """A problem the user can fix; main prints it as one line and exits with 2."""
+    """A problem the user can fix; main prints it (and a CheckpointError) as one line and exits with 2."""
 
 
 # ----------------------------------------------------------------------------- model and calibration text
@@ -95,10 +93,7 @@ def load_model(args):
                "max_gap": args.max_gap, "seed": args.seed}
         return GPT(cfg), run, None, None
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
-        try:
-            model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
-        except CheckpointError as e:
-            raise DiagError(str(e)) from None
+        model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
         if args.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
             args.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
         return (model, {"tokenizer": info["tokenizer"], "seq_len": info["seq_len"]},
@@ -109,26 +104,18 @@ def load_model(args):
     path = path / "ckpt.pt" if path.is_dir() else path
     if not path.is_file():
         raise DiagError(f"{args.checkpoint}: no checkpoint (give a run folder holding ckpt.pt, a .pt file, or --init)")
+    ckpt = load_checkpoint(path)
     try:
-        ckpt = load_checkpoint(path)
         model = GPT(GPTConfig(**{**ckpt["model_config"], "kernels": args.kernels}))
         model.load_state_dict(ckpt["model"])
-    except CheckpointError as e:
-        raise DiagError(str(e)) from None
     except Exception as e:  # a config or state dict of another model: not our checkpoint
         raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
     return model, ckpt["config"], str(path), ckpt.get("step")
 
 
 def calibration(args, run, vocab):
-    """The calibration windows -> (x, y) int64 (N, T), y = x shifted by one, and a description.
-
-    auto = the run's own validation data: its synthetic task, or the val split of its token shards.
-    A shard folder gives its val windows in order (data.BatchLoader, as train.py evaluates). Text
-    files are tokenized whole (EOT after each document) and N windows of T tokens start at positions
-    drawn uniformly, with replacement, by random.Random(seed), as the official build_sample_batch: the
-    last position has no target (y = -1) (docs/diagnostics.md#setup).
-    """
+    """The calibration windows -> (x, y) int64 (N, T), y = x shifted by one, and a description: auto = the run's
+    own validation data; shards give their val windows in order, text N random windows (docs/diagnostics.md#setup)."""
     N, T, src = args.num_samples, args.seq_len, args.calib
     if src == "auto":
         src = "synthetic" if run.get("data") == "synthetic" else run.get("data_dir")
@@ -151,7 +138,7 @@ def calibration(args, run, vocab):
         ids = ids * math.ceil((T + 1) / len(ids))                       # too short: repeat it
         rng = random.Random(args.seed)
         x = torch.tensor([ids[s:s + T] for s in (rng.randint(0, len(ids) - T) for _ in range(N))])
-        y = torch.cat([x[:, 1:], torch.full((N, 1), -1)], 1)
+        y = torch.cat([x[:, 1:], torch.full((N, 1), -1)], 1)          # the last position has no target
         what = f"{src} ({len(ids)} {tok.name} tokens), {N} random windows, seed {args.seed}"
     if int(x.max()) >= vocab or int(y.max()) >= vocab:
         raise DiagError(f"calibration tokens reach id {int(max(x.max(), y.max()))} but the model's vocab is {vocab}")
@@ -171,20 +158,16 @@ def block_tensors(model, b):
 
 @torch.no_grad()
 def swap_blocks(model, i, j):
-    """Swap the weights of blocks i and j in place; twice restores the model (docs/diagnostics.md#interventions).
-
-    Tensors pair up by name; one without a partner of the same shape stays (KEEL block 0 has no
-    attention post-norm). Each distinct tensor moves exactly once: a tensor reachable under two
-    names is swapped the first time only (the reference swapped HC's shared modules twice, a no-op).
-    Per-block constants (LNS' scales) move with `swap_blocks` of the design. Returns the swap count.
-    """
+    """Swap the weights of blocks i and j in place, twice restores the model (docs/diagnostics.md#interventions);
+    -> the swap count. Tensors pair by name and shape (KEEL's block 0 has no attention post-norm: it stays);
+    per-block constants (LNS' scales) move with the design's `swap_blocks`."""
     a, b = block_tensors(model, i), block_tensors(model, j)
     seen, n = set(), 0
     for name, ta in a.items():
         tb = b.get(name)
         keys = [(t.data_ptr(), tuple(t.shape), t.stride()) for t in (ta, tb)] if tb is not None else []
         if tb is None or ta.shape != tb.shape or keys[0] == keys[1] or seen & set(keys):
-            continue
+            continue  # a tensor under two names moves once (the reference swapped HC's shared modules twice)
         seen.update(keys)
         tmp = ta.clone()
         ta.copy_(tb)
@@ -434,13 +417,6 @@ def nll_metric(model, args, tok, device):
             "definition": DEFINITIONS["nll"]}
 
 
-def check_hub():
-    """Fail fast, before any compute, when the NLL sets would come from a hub that does not answer."""
-    if down := hub_unreachable():
-        raise DiagError(f"cannot reach the HuggingFace hub at {down[0]} ({down[1]}); offline, use "
-                        f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics")
-
-
 # ----------------------------------------------------------------------------- metrics -> JSON objects
 
 def layer_metrics(model, acc, todo, args):
@@ -520,8 +496,7 @@ def parse_args(argv):
     g.add_argument("--seq-len", type=pos, help="tokens per window (default 512, the official; at most the run's "
                    "own seq_len)")
     g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL: examples) per forward pass (default 8)")
-    g.add_argument("--seed", type=seed_number, help="seeds the window choice and --init (default: the run's seed, "
-                   "else 1337)")
+    g.add_argument("--seed", type=seed_number, help="seeds the windows and --init (default: the run's seed, else 1337)")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_kernels()
     g.add_argument("--threads", type=pos, default=1, help="CPU threads (default 1: tiny models run several "
@@ -530,7 +505,7 @@ def parse_args(argv):
     g.add_argument("--causal-threshold", type=share, default=0.45, help="R_causal counts C > this (default 0.45)")
     g.add_argument("--perm-threshold", type=share, default=0.15, help="R_perm counts P > this (default 0.15)")
     g.add_argument("--dead-tau", type=share, default=0.05, help="dead when non-embedding weight < this (0.05)")
-    g.add_argument("--eps", type=positive(float), default=1e-8, help="floor of |u_l| in the causal ratio (default 1e-8)")
+    g.add_argument("--eps", type=positive(float), default=1e-8, help="floor of |u_l| in causal ratios (default 1e-8)")
     g = p.add_argument_group("downstream NLL")
     g.add_argument("--nll-data", help="folder of local {task}.jsonl in each dataset's own fields (e.g. fixtures/nll)")
     g.add_argument("--nll-tasks", default=",".join(NLL_TASKS), help=f"comma list of {', '.join(NLL_TASKS)}")
@@ -573,8 +548,9 @@ def setup(args):
     if "nll" in args.todo:
         if args.tok_name is None or (run.get("data") == "synthetic" and not args.tokenizer):
             args.nll_skip = "the model reads synthetic-task tokens, not text (--tokenizer forces a text tokenizer)"
-        elif not args.nll_data:
-            check_hub()  # fail fast, before any compute
+        elif not args.nll_data and (down := hub_unreachable()):  # fail fast, before any compute
+            raise DiagError(f"cannot reach the HuggingFace hub at {down[0]} ({down[1]}); offline, use "
+                            f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics")
     try:
         device = torch.device(pick_device(args.device))
     except ValueError as e:
@@ -616,7 +592,7 @@ def main(argv=None):
             tok = data.get_tokenizer(args.tok_name) if not args.nll_skip else None
             out["nll"] = {"skipped": args.nll_skip} if args.nll_skip else nll_metric(model, args, tok, device)
             timings["nll"] = round(time.time() - t0, 2)
-    except (DiagError, data.DataError) as e:
+    except (DiagError, CheckpointError, data.DataError) as e:
         fail("diagnose.py", first_line(e, None))
     meta["wall_s"] = round(time.time() - t_start, 2)
     path = args.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")

@@ -7,10 +7,9 @@ It reads RUNS_DIR/**/*.json, recognises each file by its "schema" field ("name/v
 can, then lists what it drew and what it skipped, and why. No torch here: plotting works on any machine
 that has the JSON, numpy and matplotlib.
 
-Each figure is a function fig_xxx(data, out_path, svg=False) over already-loaded dicts, where
-data = {"train": [run, ...], "diagnose": [diag, ...], "profile": [prof, ...]} (each dict also carries
-its file path in "_path"). It writes out_path and returns {"drew": "what, in words", ...}, or writes
-nothing and returns {"skipped": "reason"}. FIGURES at the bottom lists them in paper order for main().
+A figure is fig_xxx(data, out_path, svg=False), data = {"train": [run, ...], "diagnose": [...], "profile": [...]}
+(each dict also carries its file path in "_path"). It writes out_path and returns {"drew": "what, in words", ...},
+or writes nothing and returns {"skipped": "reason"}. FIGURES at the bottom lists them in paper order for main().
 """
 import json
 import math
@@ -35,19 +34,13 @@ SCHEMAS = {"depthbench.train": (1,), "depthbench.diagnose": (1, 2), "depthbench.
 PAPER_FIG6 = {"R_causal": {"preln": 1, "hc": 7, "attnres": 16}, "R_perm": {"preln": 8, "hc": 35, "attnres": 46}}
 
 # registry key -> (display name, colour). One colour per design in every figure, so a reader learns it once.
-# Hues loosely follow families: norm placement (grey/brown/olive/purple/pink), HC (blues), AttnRes (red/orange).
-DESIGNS = {
-    "preln": ("Pre-LN", "#4d4d4d"),
-    "sandwich": ("Sandwich-LN", "#8c564b"),
-    "lns": ("LNS", "#bcbd22"),
-    "deepnorm": ("DeepNorm", "#9467bd"),
-    "keel": ("KEEL", "#e377c2"),
-    "hc": ("HC", "#1f77b4"),
-    "mhc": ("mHC", "#17becf"),
-    "attnres": ("Full AttnRes", "#d62728"),
-    "block_attnres": ("Block AttnRes", "#ff7f0e"),
-    "moda": ("MoDA", "#2ca02c"),
-}
+# Hues loosely follow families, one a line: norm placement (grey/brown/olive/purple/pink), HC (blues), AttnRes
+# (red/orange), MoDA (green).
+DESIGNS = {"preln": ("Pre-LN", "#4d4d4d"), "sandwich": ("Sandwich-LN", "#8c564b"), "lns": ("LNS", "#bcbd22"),
+           "deepnorm": ("DeepNorm", "#9467bd"), "keel": ("KEEL", "#e377c2"),
+           "hc": ("HC", "#1f77b4"), "mhc": ("mHC", "#17becf"),
+           "attnres": ("Full AttnRes", "#d62728"), "block_attnres": ("Block AttnRes", "#ff7f0e"),
+           "moda": ("MoDA", "#2ca02c")}
 STYLES = ["-", "--", ":", "-."]  # line styles tell depths or LRs apart where colour already means design
 FLOP_UNITS = [(1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1, "FLOP")]
 BYTE_UNITS = [(1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")]
@@ -104,19 +97,13 @@ def load_folder(folder):
         if kind is None:
             skipped.append((rel, reason))
             continue
-        obj["_path"] = rel
-        if obj["schema"] == "depthbench.diagnose/1":
-            upgrade_diagnose_v1(obj)
+        obj["_path"], perm = rel, obj.get("permutation_score")
+        if obj["schema"] == "depthbench.diagnose/1" and isinstance(perm, dict) and "R_perm" in perm:
+            # /1 -> /2 names: the headline R_perm is the last three quarters' share, all pairs move to R_perm_all
+            # (a /1 file without R_perm_last34 has no headline: it draws as missing)
+            perm["R_perm_all"], perm["R_perm"] = perm["R_perm"], perm.get("R_perm_last34")
         data[kind].append(obj)
     return data, skipped
-
-
-def upgrade_diagnose_v1(obj):
-    """diagnose/1 -> /2 field names: the headline R_perm is the last three quarters' share, all pairs move
-    to R_perm_all (a v1 file without R_perm_last34 has no headline: it draws as missing)."""
-    perm = obj.get("permutation_score")
-    if isinstance(perm, dict) and "R_perm" in perm:
-        perm["R_perm_all"], perm["R_perm"] = perm["R_perm"], perm.get("R_perm_last34")
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -182,7 +169,18 @@ def grid(n, ncols=4, w=3.8, h=3.2):
     return fig, list(axes.flat[:n])
 
 
-def save(fig, out_path, svg=False):
+def save(fig, out_path, svg, drew, title=None, legend=None, **extra):
+    """Finish a figure and write it (PNG; with svg an SVG too) -> its result {"drew": drew, **extra}. title: above
+    the panels; legend = (ax, axes): right of ax, one entry per label over all of axes (repeated bars and markers
+    share labels)."""
+    uniq = {}
+    for a in legend[1] if legend else []:
+        for h, lab in zip(*a.get_legend_handles_labels()):
+            uniq.setdefault(lab, h)
+    if uniq:
+        legend[0].legend(uniq.values(), uniq.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if title:
+        fig.suptitle(title)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -190,16 +188,7 @@ def save(fig, out_path, svg=False):
     if svg:
         fig.savefig(out_path.with_suffix(".svg"))
     plt.close(fig)
-
-
-def legend_once(ax, axes):
-    """One legend entry per label over all `axes` (repeated bars and markers share labels), right of ax."""
-    uniq = {}
-    for a in axes:
-        for h, lab in zip(*a.get_legend_handles_labels()):
-            uniq.setdefault(lab, h)
-    if uniq:
-        ax.legend(uniq.values(), uniq.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return {"drew": drew, **extra}
 
 
 def ar_axis(ax, ars):
@@ -225,8 +214,13 @@ def by_design(points):
     return out
 
 
-def heatmap(ax, m, cmap, norm, title, xlabel, ylabel, **kw):
-    """imshow with integer ticks and a colour bar."""
+def heatmap(ax, m, cmap, title, xlabel, ylabel, vmin=None, top=100, **kw):
+    """imshow with integer ticks and a colour bar, the colours from vmin (default: the least value) to the top-th
+    percentile (default: the largest) of m's finite values; nothing when it has none."""
+    v = finite(m)
+    if not v.size:
+        return
+    norm = colors.Normalize(v.min() if vmin is None else vmin, float(np.percentile(v, top)))
     im = ax.imshow(m, cmap=cmap, norm=norm, interpolation="nearest", **kw)
     ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
@@ -249,19 +243,20 @@ def per_model(data, paths, out_path, svg, title, draw, panels=1, **size):
     fig, axes = grid(panels * len(docs), **size)
     for i, g in enumerate(docs):
         draw(g, axes[panels * i:panels * (i + 1)])
-    fig.suptitle(title)
-    save(fig, out_path, svg)
-    return {"drew": f"{len(docs)} model(s)"}
+    return save(fig, out_path, svg, f"{len(docs)} model(s)", title)
 
 
-def overlay(data, path, **subplots):
-    """Frame of the figures that overlay models: (the diagnose JSONs having `path`, a line style per depth
-    (colour already means design), fig, axes), or a "skipped" result when no JSON has it."""
+def overlay(data, path, out_path, svg, title, draw, ncols=1, **size):
+    """Frame of the figures that overlay models in one row of `ncols` panels, the legend right of the last:
+    draw(docs, style, axes) draws the diagnose JSONs having `path`, style(g) = a line style per depth (colour
+    already means design)."""
     docs = with_metric(data, path)
     if not docs:
         return {"skipped": f"no diagnose JSON with {path}"}
     styles = {L: STYLES[i % len(STYLES)] for i, L in enumerate(sorted({shape(g["meta"])[1] for g in docs}))}
-    return (docs, styles, *plt.subplots(**subplots))
+    fig, axes = plt.subplots(1, ncols, squeeze=False, **size)
+    draw(docs, lambda g: styles[shape(g["meta"])[1]], list(axes.flat))
+    return save(fig, out_path, svg, f"{len(docs)} model(s)", title, (axes.flat[-1], axes.flat[-1:]))
 
 
 # ----------------------------------------------------------------------------- Fig. 2: loss vs aspect ratio
@@ -322,11 +317,10 @@ def fig2_final_loss(data, out_path, svg=False):
     what = f"{fixed.pop()} " if len(fixed) == 1 else ""
     budget = f" (budget {budgets.pop() / 1e6:.3g}M {what}params)" if len(budgets) == 1 else ""
     ax.set(ylabel="final validation loss (nats/token)", title=f"Final validation loss vs aspect ratio{budget}")
-    legend_once(ax, [ax])
-    save(fig, out_path, svg)
     unfinished = sum(not r.get("finished", True) and not r.get("diverged") for r in runs)
-    return {"drew": f"{len(points)} (design, AR) points from {len(runs)} runs, {len(diverged)} diverged run(s) "
-                    f"marked, {unfinished} unfinished left out", "best_lr": best_lr, "diverged": diverged}
+    return save(fig, out_path, svg, f"{len(points)} (design, AR) points from {len(runs)} runs, {len(diverged)} "
+                f"diverged run(s) marked, {unfinished} unfinished left out", legend=(ax, [ax]), best_lr=best_lr,
+                diverged=diverged)
 
 
 def fig2_loss_curves(data, out_path, svg=False):
@@ -362,9 +356,8 @@ def fig2_loss_curves(data, out_path, svg=False):
         ax.set(title=f"{display(res)} L{L} d{d:g} (AR {ar:g})", xlabel="tokens", ylabel="train loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle("Training loss curves" + (" (× = diverged)" if diverged else ""))
-    save(fig, out_path, svg)
-    return {"drew": f"{len(runs)} runs in {len(groups)} panels, {len(diverged)} diverged", "diverged": diverged}
+    return save(fig, out_path, svg, f"{len(runs)} runs in {len(groups)} panels, {len(diverged)} diverged",
+                "Training loss curves" + (" (× = diverged)" if diverged else ""), diverged=diverged)
 
 
 # ----------------------------------------------------------------------------- Fig. 4: downstream NLL
@@ -384,10 +377,8 @@ def fig4_nll(data, out_path, svg=False):
             ax.plot(xs, mean, "o-", color=colour(res), label=display(res))
         ar_axis(ax, [ar for _, ar in points])
         ax.set(title=cat, ylabel="NLL per target token (nats)")
-    legend_once(axes[-1], axes)
-    fig.suptitle("Downstream teacher-forced NLL by category")
-    save(fig, out_path, svg)
-    return {"drew": f"{len(cats)} categories from {len(docs)} diagnose JSON", "categories": cats}
+    return save(fig, out_path, svg, f"{len(cats)} categories from {len(docs)} diagnose JSON",
+                "Downstream teacher-forced NLL by category", (axes[-1], axes), categories=cats)
 
 
 # ----------------------------------------------------------------------------- Fig. 5-10: per-model diagnostics
@@ -395,11 +386,9 @@ def fig4_nll(data, out_path, svg=False):
 def fig5_angular(data, out_path, svg=False):
     def draw(g, axes):
         m = matrix(g["angular_distance"]["subsequent"])  # row n-1 = gap n, col l = start state
-        v = finite(m)
-        if v.size:  # origin lower puts n = 1 at the bottom as in the reference; colour limits = data range
-            heatmap(axes[0], m, "viridis_r", colors.Normalize(v.min(), v.max()), label(g["meta"]),
-                    "layer index ℓ (0 = embedding)", "subsequent n-th layer", origin="lower",
-                    extent=(-0.5, m.shape[1] - 0.5, 0.5, m.shape[0] + 0.5))
+        # origin lower puts n = 1 at the bottom as in the reference; colour limits = data range
+        heatmap(axes[0], m, "viridis_r", label(g["meta"]), "layer index ℓ (0 = embedding)", "subsequent n-th layer",
+                origin="lower", extent=(-0.5, m.shape[1] - 0.5, 0.5, m.shape[0] + 0.5))
     return per_model(data, ["angular_distance.subsequent"], out_path, svg,
                      r"Angular distance $d(z_\ell, z_{\ell+n})$ (fraction of π)", draw)
 
@@ -427,9 +416,7 @@ def fig6_depth_use(data, out_path, svg=False):
         paper = ", ".join(f"{display(r)} {v}%" for r, v in PAPER_FIG6[field].items())
         ax.text(0.01, 0.98, f"paper (L32, 8B tokens): {paper}", transform=ax.transAxes, va="top", fontsize=7)
         ax.grid(axis="y", alpha=0.3)
-    legend_once(axes[1], axes)
-    save(fig, out_path, svg)
-    return {"drew": f"{len(designs)} design(s) x {len(depths)} depth(s)"}
+    return save(fig, out_path, svg, f"{len(designs)} design(s) x {len(depths)} depth(s)", legend=(axes[1], axes))
 
 
 def fig6_score_maps(data, out_path, svg=False):
@@ -437,12 +424,10 @@ def fig6_score_maps(data, out_path, svg=False):
         causal = matrix((metric(g, "causal_score") or {}).get("matrix"))
         perm = matrix((metric(g, "permutation_score") or {}).get("matrix"))
         axes[0].set_title("C(s, l): not computed"), axes[1].set_title("P(i, j): not computed")  # until drawn
-        if finite(causal).size:  # as the reference: limits [0, 99th percentile], so one outlier can't wash it out
-            heatmap(axes[0], causal, CAUSAL_CMAP, colors.Normalize(0, float(np.percentile(finite(causal), 99))),
-                    f"{label(g['meta'])}: C(s, l)", "affected layer l", "removed layer s")
-        if finite(perm).size:
-            heatmap(axes[1], perm, PERM_CMAP, colors.Normalize(finite(perm).min(), finite(perm).max()),
-                    f"{label(g['meta'])}: P(i, j)", "layer index j", "layer index i")
+        # C as the reference: limits [0, 99th percentile], so one outlier can't wash it out
+        heatmap(axes[0], causal, CAUSAL_CMAP, f"{label(g['meta'])}: C(s, l)", "affected layer l", "removed layer s",
+                vmin=0, top=99)
+        heatmap(axes[1], perm, PERM_CMAP, f"{label(g['meta'])}: P(i, j)", "layer index j", "layer index i")
     return per_model(data, ["causal_score.matrix", "permutation_score.matrix"], out_path, svg,
                      "Layer-skip causal score (left) and weight-swap permutation score (right)", draw, panels=2)
 
@@ -453,10 +438,9 @@ def fig7_attnres_weights(data, out_path, svg=False):
 
     def draw(g, axes):
         for ax, (view, xlabel, ylabel) in zip(axes, views):
-            m = matrix(g["attnres_weights"].get(view))
-            if finite(m).size:  # rows sum to 1; future sources are null and stay blank
-                heatmap(ax, m, "Blues", colors.Normalize(0, finite(m).max()), f"{label(g['meta'])}: {view}",
-                        xlabel, ylabel)
+            # rows sum to 1; future sources are null and stay blank
+            heatmap(ax, matrix(g["attnres_weights"].get(view)), "Blues", f"{label(g['meta'])}: {view}", xlabel, ylabel,
+                    vmin=0)
     return per_model(data, ["attnres_weights"], out_path, svg,
                      "AttnRes residual-path weights w(source → consumer), averaged over tokens", draw, panels=2,
                      w=4.4, h=4)
@@ -475,26 +459,22 @@ def fig8_pruning(data, out_path, svg=False):
 
 
 def fig8_logit_lens(data, out_path, svg=False):
-    frame = overlay(data, "logit_lens.states", ncols=3, figsize=(16, 4.2))
-    if isinstance(frame, dict):
-        return frame
-    docs, styles, fig, axes = frame
     panels = [("early_exit_ce", "early-exit CE (nats/token)"), ("kl_to_final", "KL(p_final ‖ p_ℓ) (nats)"),
               ("top5_overlap", "top-5 overlap with final (fraction)")]
-    for g in docs:
-        states, res = [s for s in g["logit_lens"]["states"] if isinstance(s, dict)], g["meta"]["residual"]
-        for ax, (key, ylabel) in zip(axes, panels):
-            ax.plot([num(s.get("index")) for s in states], [num(s.get(key)) for s in states],
-                    styles[shape(g["meta"])[1]], marker=".", color=colour(res), label=label(g["meta"]))
-            ax.set(xlabel="depth state ℓ (0 = embedding)", ylabel=ylabel)
-            ax.grid(alpha=0.3)
-        # the real output's loss: the lens should come down to it at the last state
-        axes[0].axhline(num(g["logit_lens"].get("final_loss")), color=colour(res), ls="--", lw=0.8)
-    axes[0].set_title("dashed: the model's final loss")
-    legend_once(axes[2], axes[2:])
-    fig.suptitle("Logit lens: each depth state decoded with the final norm and head")
-    save(fig, out_path, svg)
-    return {"drew": f"{len(docs)} model(s)"}
+
+    def draw(docs, style, axes):
+        for g in docs:
+            states, res = [s for s in g["logit_lens"]["states"] if isinstance(s, dict)], g["meta"]["residual"]
+            for ax, (key, ylabel) in zip(axes, panels):
+                ax.plot([num(s.get("index")) for s in states], [num(s.get(key)) for s in states], style(g),
+                        marker=".", color=colour(res), label=label(g["meta"]))
+                ax.set(xlabel="depth state ℓ (0 = embedding)", ylabel=ylabel)
+                ax.grid(alpha=0.3)
+            # the real output's loss: the lens should come down to it at the last state
+            axes[0].axhline(num(g["logit_lens"].get("final_loss")), color=colour(res), ls="--", lw=0.8)
+        axes[0].set_title("dashed: the model's final loss")
+    return overlay(data, "logit_lens.states", out_path, svg,
+                   "Logit lens: each depth state decoded with the final norm and head", draw, 3, figsize=(16, 4.2))
 
 
 def fig9_dead_zone(data, out_path, svg=False):
@@ -508,30 +488,24 @@ def fig9_dead_zone(data, out_path, svg=False):
         ax.axhline(num(dz.get("tau")), color="black", ls="--", lw=0.8)  # nan (no tau) draws nothing
         ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
         ax.set(title=f"{label(g['meta'])}\n{dz.get('count_blocks', '?')} dead block(s), τ = {num(dz.get('tau')):g}",
-               ylim=(0, 1.05),
-               xlabel="consumer sublayer", ylabel="weight on non-embedding sources")
+               ylim=(0, 1.05), xlabel="consumer sublayer", ylabel="weight on non-embedding sources")
     return per_model(data, ["dead_zone.schedule"], out_path, svg,
                      "Block AttnRes depth-mixing schedule (hatched = dead, dashed = τ)", draw)
 
 
 def fig10_transport_erank(data, out_path, svg=False):
-    frame = overlay(data, "transport_erank.per_connector", figsize=(8.5, 4.5))
-    if isinstance(frame, dict):
-        return frame
-    docs, styles, fig, ax = frame
-    for g in docs:
-        te = g["transport_erank"]
-        ax.plot([num(v) for v in te["per_connector"]], styles[shape(g["meta"])[1]], marker=".",
-                color=colour(g["meta"]["residual"]), label=f"{label(g['meta'])} (mean {num(te.get('mean')):.2f})")
-    # n streams give n x n transport matrices, so the effective rank can't exceed n (the paper's n = 4)
-    n = max(np.nan_to_num([num(g["meta"].get("n_streams", 4)) for g in docs], nan=4))
-    ax.axhline(n, color="black", ls="--", lw=0.8, label=f"max = n = {n:g}")
-    ax.set(title="HC / mHC residual transport effective rank", xlabel="connector k (2 per layer)",
-           ylabel="effective rank of the stream-mixing matrix", ylim=(0, n + 0.3))
-    ax.grid(alpha=0.3)
-    legend_once(ax, [ax])
-    save(fig, out_path, svg)
-    return {"drew": f"{len(docs)} model(s)"}
+    def draw(docs, style, axes):
+        for g in docs:
+            te = g["transport_erank"]
+            axes[0].plot([num(v) for v in te["per_connector"]], style(g), marker=".", color=colour(
+                g["meta"]["residual"]), label=f"{label(g['meta'])} (mean {num(te.get('mean')):.2f})")
+        # n streams give n x n transport matrices, so the effective rank can't exceed n (the paper's n = 4)
+        n = max(np.nan_to_num([num(g["meta"].get("n_streams", 4)) for g in docs], nan=4))
+        axes[0].axhline(n, color="black", ls="--", lw=0.8, label=f"max = n = {n:g}")
+        axes[0].set(title="HC / mHC residual transport effective rank", xlabel="connector k (2 per layer)",
+                    ylabel="effective rank of the stream-mixing matrix", ylim=(0, n + 0.3))
+        axes[0].grid(alpha=0.3)
+    return overlay(data, "transport_erank.per_connector", out_path, svg, None, draw, figsize=(8.5, 4.5))
 
 
 # ----------------------------------------------------------------------------- Fig. 11: system cost
@@ -560,11 +534,8 @@ def fig11_system(data, out_path, svg=False):
             ax.text(0.5, 0.5, "not measured", ha="center", transform=ax.transAxes)
         ar_axis(ax, [ar for _, ar in rows])
         ax.set(title=title + (" (solid: fwd, dashed: fwd+bwd)" if field == "fwd_ms" else ""), ylabel=f"{title} ({u})")
-    legend_once(axes[-1], axes)
-    fig.suptitle(f"System cost vs aspect ratio ({head['device']}, {head['dtype']}, T = {head['seq']}, "
-                 f"batch {head['batch']})")
-    save(fig, out_path, svg)
-    return {"drew": f"{len(rows)} (design, AR) rows"}
+    return save(fig, out_path, svg, f"{len(rows)} (design, AR) rows", f"System cost vs aspect ratio ({head['device']}, "
+                f"{head['dtype']}, T = {head['seq']}, batch {head['batch']})", (axes[-1], axes))
 
 
 # ----------------------------------------------------------------------------- the mini suite's composition probe
@@ -594,10 +565,8 @@ def fig_composition(data, out_path, svg=False):
         ax.set(title=f"gap {g} ({g} composition{'s' * (g != '1')})", xlabel="depth n_layer", ylim=(0, 1.02),
                ylabel="answer accuracy" if g == gaps[0] else None)
         ax.grid(alpha=0.3)
-    legend_once(axes[-1], axes)
-    fig.suptitle("Synthetic probe: answers solved vs depth (dotted: chance)")
-    save(fig, out_path, svg)
-    return {"drew": f"{len(runs)} runs, gaps {', '.join(gaps)}"}
+    return save(fig, out_path, svg, f"{len(runs)} runs, gaps {', '.join(gaps)}",
+                "Synthetic probe: answers solved vs depth (dotted: chance)", (axes[-1], axes))
 
 
 # ----------------------------------------------------------------------------- main

@@ -1,29 +1,15 @@
 """
 What each residual design costs at a shape: analytic FLOPs and bytes, measured time and memory (Fig. 11).
+The fields and formulas: docs/diagnostics.md#cost; measured results and the --bench benchmark: docs/speed.md.
 
     # the paper's sweep on one GPU (400M family, AR 76 -> 9.1, T = 4096, batch 8, bf16 autocast):
-    python profile_gpu.py --residual all --params 405M --ar 76,42.67,28,9.1 --seq 4096 --batch 8 --out runs/profile/gpu.json
+    python profile_gpu.py --residual all --params 405M --ar 76,42.67,28,9.1 --seq 4096 --batch 8 --out gpu.json
     # formulas only, any machine, instant: 2.98e12 / 4.33e12 FLOPs and 318.8 / 734.0 MB of KV cache per sequence
     python profile_gpu.py --analytic-only --shapes 16x1216,70x640 --seq 4096 --json
-    # a CPU table (one thread: spinning threads stall when cores are shared); measured results: docs/speed.md
+    # a CPU table (one thread: spinning threads stall when cores are shared)
     python profile_gpu.py --shapes 11x320,45x192 --vocab 8192 --seq 256 --batch 4 --repeats 3 --threads 1
-    # the speed benchmark (CPU, one thread; ~30-60 minutes on 2 shared cores, --quick: the step ratios only)
+    # the speed benchmark (CPU, one thread; ~30-60 minutes on 2 shared cores, --quick: the step ratios and HF only)
     python profile_gpu.py --bench
-
---bench prints, in one run: every cross-layer design's training step time over Pre-LN's at a wide (L8 d256) and a
-deep (L32 d128) shape (vocab 512, T 256, batch 8; medians of steps alternating between the designs in one process,
-so load on shared cores hits all alike), our Pre-LN's training tokens/s over HF transformers' LlamaForCausalLM's
-(only if transformers is installed; the project does not need it), torch.compile's cold/warm compile time and
-break-even in steps per design at L8 d128 (each in a fresh process and inductor cache), and the peak memory of
-one 400M L24 training step at micro-batch 1, T 2048 with the plain loss (full fp32 logits) and the logits-free
-one: the peak of live tensor bytes (`TensorBytes`, what CUDA's max_memory_allocated counts) and the peak RSS.
-
-Fields (docs/diagnostics.md#cost): the analytic prefill FLOPs (the backbone's, GQA-aware), the design's overhead,
-training FLOPs per token, KV-cache, weight and residual-state bytes; measured, labelled with the device: the
-prefill's latency and peak memory (logits for the last position only), and the training step's (forward, loss
-and backward as train.py runs it: the logits-free loss, compiled on CUDA), each in its own window, so that one
-running out of memory keeps the other. Peak memory: CUDA's max_memory_allocated, or on CPU the model plus the
-peak tensor bytes of one more untimed run (TensorBytes; exact and repeatable, where peak RSS is not).
 """
 import concurrent.futures
 import json
@@ -34,6 +20,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 
@@ -44,12 +31,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
 from model import GPT, GPTConfig
-from common import ArgParser, check_options, csv, design_options, json_object, pick_device, positive, write_json
+from common import (ArgParser, check_options, csv, design_options, first_line, json_object, pick_device, positive,
+                    write_json)
 from residuals import RESIDUALS
 
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization"]
+CPU = torch.device("cpu")
 
 
 def analytic(residual, L, d, d_ff, T, B, V, params, elem_bytes, options=None, kv_ratio=1.0):
@@ -87,6 +76,12 @@ def timed(fn, repeats, dev, warmup=1):
     return times
 
 
+def in_fresh_process(fn, job):
+    """fn(job) in a new spawned process: a clean allocator, thread setting and inductor cache for each run."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, job).result()
+
+
 def peak_flops(dev, dtype):
     """The device's matmul peak in FLOP/s, measured: the best of a few n x n matmuls in the run's dtype."""
     n = 8192 if dev.type == "cuda" else 1024
@@ -116,10 +111,8 @@ def memory(dev, field="VmHWM"):
 class TensorBytes(TorchDispatchMode):
     """Peak bytes of tensor storage allocated while it is active, on any device: the counterpart of CUDA's
     max_memory_allocated, for the CPU, where peak RSS also counts the C allocator's kept pages and is noisy.
-
-        with TensorBytes() as tb:
-            step()
-        tb.peak  # the most bytes alive at once, of storages the step created (parameters and inputs excluded)
+    After `with TensorBytes() as tb: step()`, tb.peak is the most bytes alive at once, of storages the step
+    created (parameters and inputs excluded).
 
     Every op's outputs are recorded by storage (views and in-place results add nothing); storages that died
     are swept before each op, so the peak is exact at op granularity. Not counted: scratch memory inside one
@@ -189,7 +182,7 @@ def measure(job):
         try:
             out.update(zip(fields, window(fn)))
         except Exception as e:  # out of memory in one window keeps the other's numbers
-            errors.append(f"{name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200])
+            errors.append(f"{name}: {type(e).__name__}: {first_line(e, None)}"[:200])
         finally:
             if hook:
                 hook.remove()
@@ -208,10 +201,9 @@ def run_measured(jobs, dev):
                 torch.cuda.empty_cache()
                 results.append(measure(job))
             else:
-                with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                    results.append(pool.submit(measure, job).result())
+                results.append(in_fresh_process(measure, job))
         except Exception as e:  # one design running out of memory (MoDA's T x T logits at T = 4096) ends only its row
-            results.append({"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200]})
+            results.append({"error": f"{type(e).__name__}: {first_line(e, None)}"[:200]})
     return results
 
 
@@ -235,8 +227,8 @@ def device_peak(dev):
 
 def tiny_gpt(residual, L, d, V=512, kernels="fast"):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=shapes.N_HEAD, d_ff=shapes.ffn_dim(d), residual=residual,
-                         kernels=kernels))
+    return GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=shapes.N_HEAD, d_ff=shapes.ffn_dim(d),
+                         residual=residual, kernels=kernels))
 
 
 def step_fn(model, B, T, V, logits=True):
@@ -249,15 +241,14 @@ def step_fn(model, B, T, V, logits=True):
     return step
 
 
-def interleaved_ratios(L, d, designs, B=8, T=256, V=512, repeats=5, kernels="fast"):
-    """{design: step time / Pre-LN's}, Pre-LN's ms: medians of steps alternating over the designs in one process."""
-    steps = {r: step_fn(tiny_gpt(r, L, d, V, kernels), B, T, V) for r in ["preln", *designs]}
-    times = {r: timed(f, 0, torch.device("cpu"), warmup=1) for r, f in steps.items()}
+def interleaved(steps, repeats):
+    """{name: median ms} of the steps run in turn, one of each per round, in one process (after one warm-up
+    each), so that load on shared cores hits them all alike."""
+    times = {k: timed(f, 0, CPU, warmup=1) for k, f in steps.items()}
     for _ in range(repeats):
-        for r, f in steps.items():
-            times[r] += timed(f, 1, torch.device("cpu"), warmup=0)
-    ms = {r: statistics.median(v) for r, v in times.items()}
-    return {r: ms[r] / ms["preln"] for r in designs}, ms["preln"]
+        for k, f in steps.items():
+            times[k] += timed(f, 1, CPU, warmup=0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def compile_cost(job):
@@ -265,28 +256,23 @@ def compile_cost(job):
     torch.set_num_threads(1)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = job["cache"]
     model = tiny_gpt(job["residual"], job["L"], job["d"], kernels=job["kernels"])
-    eager = statistics.median(timed(step_fn(model, job["B"], job["T"], 512, logits=False), 3, torch.device("cpu")))
+    eager = statistics.median(timed(step_fn(model, job["B"], job["T"], 512, logits=False), 3, CPU))
     compiled = step_fn(torch.compile(model), job["B"], job["T"], 512, logits=False)
     t0 = time.perf_counter()
     compiled()
     first = time.perf_counter() - t0
-    fast = statistics.median(timed(compiled, 3, torch.device("cpu")))
+    fast = statistics.median(timed(compiled, 3, CPU))
     return first - fast / 1e3, eager, fast
 
 
 def compile_break_even(designs, L=8, d=128, B=8, T=256, kernels="fast"):
     """{design: {cold_s, warm_s, eager_ms, compiled_ms, break_even_steps}}: cold = an empty inductor cache,
     warm = the same cache again; break-even = cold compile s / s saved per step (None: compile never pays)."""
-    import tempfile
     out = {}
     with tempfile.TemporaryDirectory() as root:
         for r in designs:
             job = {"residual": r, "L": L, "d": d, "B": B, "T": T, "cache": os.path.join(root, r), "kernels": kernels}
-            runs = []
-            for _ in ("cold", "warm"):
-                with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                    runs.append(pool.submit(compile_cost, job).result())
-            (cold, eager, fast), (warm, _, _) = runs
+            (cold, eager, fast), (warm, _, _) = [in_fresh_process(compile_cost, job) for _ in ("cold", "warm")]
             saved = (eager - fast) / 1e3
             out[r] = {"cold_s": cold, "warm_s": warm, "eager_ms": eager, "compiled_ms": fast,
                       "break_even_steps": math.ceil(cold / saved) if saved > 0 else None}
@@ -307,11 +293,11 @@ def loss_memory(job):
     model = model.to_empty(device="cpu")  # memory, not values, is measured: skip the slow 400M init
     torch.nn.init.normal_(model.lm_head.weight, std=0.02)
     step = step_fn(model, 1, job["T"], cfg.vocab_size, logits=job["logits"])
-    reset_peak(torch.device("cpu"))
-    base = memory(torch.device("cpu"), "VmRSS")
+    reset_peak(CPU)
+    base = memory(CPU, "VmRSS")
     with TensorBytes() as tb:
         step()
-    return tb.peak, memory(torch.device("cpu")) - base, f"L{s['n_layer']} d{s['d_model']} V{cfg.vocab_size}"
+    return tb.peak, memory(CPU) - base, f"L{s['n_layer']} d{s['d_model']} V{cfg.vocab_size}"
 
 
 def hf_llama_ratio(L, d, V, T, B, repeats=5, kernels="fast"):
@@ -334,27 +320,27 @@ def hf_llama_ratio(L, d, V, T, B, repeats=5, kernels="fast"):
             opt.step()
             opt.zero_grad(set_to_none=True)
         steps[name] = step
-    times = {k: timed(f, 0, torch.device("cpu"), warmup=1) for k, f in steps.items()}
-    for _ in range(repeats):
-        for k, f in steps.items():
-            times[k] += timed(f, 1, torch.device("cpu"), warmup=0)
-    return statistics.median(times["hf"]) / statistics.median(times["ours"])
+    ms = interleaved(steps, repeats)
+    return ms["hf"] / ms["ours"]
 
 
 def bench(repeats, quick=False, kernels="fast"):
-    """--bench: every speed figure of the project in one run, on CPU, one thread (module docstring)."""
+    """--bench: every speed figure of the project in one run, on CPU, one thread (docs/speed.md)."""
     torch.set_num_threads(1)
+    load = lambda: f"   [load {os.getloadavg()[0]:.1f}]"  # noqa: E731
     print(f"bench: cpu, 1 thread, fp32, {kernels} kernels, vocab 512, T 256, batch 8; "
           f"load average {os.getloadavg()[0]:.1f} at start")
     for L, d in [(8, 256), (32, 128)]:
-        ratios, ms = interleaved_ratios(L, d, BENCH_DESIGNS, repeats=repeats, kernels=kernels)
-        print(f"step / Pre-LN at L{L} d{d} (Pre-LN {ms:.0f} ms): "
-              + "  ".join(f"{r} {x:.2f}x" for r, x in ratios.items()) + f"   [load {os.getloadavg()[0]:.1f}]", flush=True)
+        ms = interleaved({r: step_fn(tiny_gpt(r, L, d, kernels=kernels), 8, 256, 512)
+                          for r in ["preln", *BENCH_DESIGNS]}, repeats)
+        print(f"step / Pre-LN at L{L} d{d} (Pre-LN {ms['preln']:.0f} ms): "
+              + "  ".join(f"{r} {ms[r] / ms['preln']:.2f}x" for r in BENCH_DESIGNS) + load(), flush=True)
     try:
         import transformers  # noqa: F401  (optional: only this comparison needs it)
         for L, d, V, T, B in [(4, 128, 256, 256, 16), (8, 256, 8192, 256, 8), (16, 64, 256, 128, 32)]:
-            print(f"Pre-LN vs HF Llama at L{L} d{d} V{V} T{T} B{B}: {hf_llama_ratio(L, d, V, T, B, repeats, kernels):.2f}x "
-                  f"its tokens/s (fwd+bwd+AdamW)   [load {os.getloadavg()[0]:.1f}]", flush=True)
+            ratio = hf_llama_ratio(L, d, V, T, B, repeats, kernels)
+            print(f"Pre-LN vs HF Llama at L{L} d{d} V{V} T{T} B{B}: {ratio:.2f}x its tokens/s (fwd+bwd+AdamW)"
+                  + load(), flush=True)
     except ImportError:
         print("Pre-LN vs HF Llama: skipped (transformers is not installed)")
     if quick:
@@ -364,8 +350,7 @@ def bench(repeats, quick=False, kernels="fast"):
         print(f"compile at L8 d128 T256 B8, {r}: cold {c['cold_s']:.0f} s, warm {c['warm_s']:.0f} s, step "
               f"{c['eager_ms']:.0f} -> {c['compiled_ms']:.0f} ms, pays after {be}", flush=True)
     for logits in (True, False):
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            peak, rss, shape = pool.submit(loss_memory, {"params": 405_000_000, "L": 24, "T": 2048, "logits": logits}).result()
+        peak, rss, shape = in_fresh_process(loss_memory, {"params": 405_000_000, "L": 24, "T": 2048, "logits": logits})
         print(f"loss memory, one 400M step ({shape}, micro-batch 1, T 2048), "
               f"{'full fp32 logits' if logits else 'the logits-free chunked loss'}: peak tensor memory "
               f"{peak / 2 ** 20:,.0f} MiB (peak RSS above the step's start {rss / 2 ** 20:,.0f} MiB)", flush=True)
@@ -377,12 +362,12 @@ def summary(doc):
     """One line per row; x = measured ratio to Pre-LN at the same shape, when Pre-LN was measured."""
     rows, measured = doc["rows"], doc["peak_flops"] is not None
     ref = {(r["n_layer"], r["d_model"]): r for r in rows if r["residual"] == "preln" and r.get("fwdbwd_ms")}
-    fmt = lambda x, f: "-" if x is None else format(x, f)
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     print(f"{doc['device']}, {doc['dtype']}, T={rows[0]['seq']}, batch {rows[0]['batch']}"
           + (f", matmul peak {doc['peak_flops'] / 1e12:.3f} TFLOP/s" if measured else ""))
-    print(f"{'design':<14}{'L':>4}{'d':>6}{'AR':>6}{'params':>9}{'prefill':>10}{'+design':>8}{'KV MB':>8}{'state MB':>9}"
-          + (f"{'fwd ms':>9}{'step ms':>9}{'x':>6}{'tok/s':>8}{'peak MB':>9}{'x':>6}{'train MB':>9}{'x':>6}{'util':>6}"
-             if measured else ""))
+    print(f"{'design':<14}{'L':>4}{'d':>6}{'AR':>6}{'params':>9}{'prefill':>10}{'+design':>8}{'KV MB':>8}"
+          f"{'state MB':>9}" + (f"{'fwd ms':>9}{'step ms':>9}{'x':>6}{'tok/s':>8}{'peak MB':>9}{'x':>6}"
+                                f"{'train MB':>9}{'x':>6}{'util':>6}" if measured else ""))
     for r in rows:
         p = ref.get((r["n_layer"], r["d_model"]), {})
         ratio = lambda k: fmt(r.get(k) / p[k] if r.get(k) is not None and p.get(k) else None, ".2f")
@@ -398,7 +383,8 @@ def summary(doc):
                      f"{fmt(r['utilization'] and 100 * r['utilization'], '.1f'):>5}%  {r.get('error', '')}")
         print(line.rstrip())
     print("prefill: formula A, FLOPs per sequence (no head); +design: residual_overhead_flops, % of it; KV, state:"
-          " MB per sequence" + ("; step = fwd+bwd; peak = prefill, train = step; x = ratio to Pre-LN" if measured else ""))
+          " MB per sequence" + ("; step = fwd+bwd; peak = prefill, train = step; x = ratio to Pre-LN" if measured
+                                else ""))
 
 
 def parse_shapes(p, args):
@@ -424,10 +410,11 @@ def parse_shapes(p, args):
 
 
 def main(argv=None):
-    p = ArgParser(prog="profile_gpu.py", description="FLOPs, KV cache, memory and time of the residual designs, per shape.")
+    p = ArgParser(prog="profile_gpu.py", description="FLOPs, KV cache, memory and time of the residual designs, "
+                  "per shape.")
     p.add_argument("--residual", default="all", help=f"'all' or a comma list of: {', '.join(RESIDUALS)}")
-    p.add_argument("--shapes", help="explicit shapes LxD, comma separated, e.g. 16x1216,70x640 (d_ff = shapes.ffn_dim(d))")
-    p.add_argument("--params", help="budget solved with shapes.solve at each --ar, e.g. 405M (the default without --shapes)")
+    p.add_argument("--shapes", help="shapes LxD, comma separated, e.g. 16x1216,70x640 (d_ff = shapes.ffn_dim(d))")
+    p.add_argument("--params", help="budget solved by shapes.solve at each --ar, e.g. 405M (default without --shapes)")
     p.add_argument("--ar", help=f"aspect ratios d/L for --params, comma separated (default {PAPER_AR}, the paper's)")
     p.add_argument("--heads", type=positive(), default=shapes.N_HEAD,
                    help="attention heads (default 16; head_dim must be even)")
@@ -441,7 +428,8 @@ def main(argv=None):
     p.add_argument("--residual-args", type=json_object, default={}, help="design options as JSON (each design's "
                    "`options` in residuals.py; each design takes the keys it declares), e.g. '{\"n_groups\": 4}'")
     p.add_argument("--analytic-only", action="store_true", help="formulas only: build and run no model")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to measure (auto: cuda if any)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to measure (auto: cuda if any)")
     p.add_argument("--dtype", choices=list(DTYPES), help="bf16 (autocast) or fp32; default bf16 on CUDA and with "
                    "--analytic-only, fp32 on CPU")
     p.add_argument("--threads", type=positive(),
@@ -487,6 +475,8 @@ def main(argv=None):
     print(f"device {device}, dtype {dtype}, {len(dims)} shapes x {len(designs)} designs", file=sys.stderr)
 
     rows, jobs = [], []
+    settings = {"heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "repeats": args.repeats,
+                "threads": args.threads, "device": str(dev), "dtype": dtype, "kernels": args.kernels}
     for L, d in dims:
         for res in designs:
             d_ff, opts = shapes.ffn_dim(d), design_options(res, args.residual_args)
@@ -495,10 +485,7 @@ def main(argv=None):
                          "batch": args.batch, "params": params,
                          **analytic(res, L, d, d_ff, args.seq, args.batch, args.vocab, params, DTYPES[dtype].itemsize,
                                     opts, args.kv_heads / args.heads), **dict.fromkeys(MEASURED)})
-            jobs.append({"residual": res, "residual_args": opts, "n_layer": L, "d_model": d, "d_ff": d_ff,
-                         "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab,
-                         "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "threads": args.threads,
-                         "device": str(dev), "dtype": dtype, "kernels": args.kernels})
+            jobs.append({**rows[-1], **settings, "residual_args": opts})  # measure() reads the shape off the row
     peak = None
     if not args.analytic_only:
         peak = peak_flops(dev, DTYPES[dtype])
