@@ -14,7 +14,6 @@ docs/official.md#provenance.
 SOURCE: a hub id (downloaded with huggingface_hub: the chosen step and tokenizer/ only), a local
 repository folder with stepN/ subfolders (default: the highest step), or one step folder.
 """
-import inspect
 import itertools
 import json
 import os
@@ -136,8 +135,7 @@ def read_config(step_dir, forced=None):
         raise CheckpointError(f"config.json cannot tell which official code version trained this {name}: choose with "
                               f"--residual-args '{{{choices}}}' (newer code: the first; docs/official.md)")
     args.update(forced)
-    defaults = {k: p.default for k, p in inspect.signature(RESIDUALS[residual]).parameters.items()}
-    args = {k: v for k, v in args.items() if defaults.get(k) != v}     # our config names only what differs
+    args = {k: v for k, v in args.items() if RESIDUALS[residual].options.get(k) != v}  # only what differs
     tok = (exp.get("dataset") or {}).get("tokenizer") or {}
     gqa = {"n_kv_head": int(att["n_kv_heads"])} if att.get("n_kv_heads") not in (None, H) else {}
     cfg = GPTConfig(vocab_size=int(m["vocab_size"]), n_layer=L, d_model=d, n_head=H, d_ff=int(ff["hidden_size"]),
