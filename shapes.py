@@ -58,10 +58,8 @@ def suite_rows(name, vocab=VOCAB):
     rows = []
     for r in SUITES[name][1]:
         L, d, f, kv = r["n_layer"], r["d_model"], r["d_ff"], r["n_kv_head"]
-        rows.append({"n_layer": L, "d_model": d, "d_ff": f, "n_head": N_HEAD, "n_kv_head": kv,
-                     "head_dim": d // N_HEAD, "ar": d / L, "params": preln_params(L, d, f, vocab, kv),
-                     "backbone_params": backbone_params(L, d, f, kv), "steps": r["steps"], "label": r["label"],
-                     "lr": r["lr"]})
+        rows.append({**r, "n_head": N_HEAD, "head_dim": d // N_HEAD, "ar": d / L,
+                     "params": preln_params(L, d, f, vocab, kv), "backbone_params": backbone_params(L, d, f, kv)})
     return rows
 
 
