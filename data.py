@@ -373,17 +373,15 @@ def prepare(source, out_dir, tokenizer="gpt2", val_tokens=None, shard_tokens=100
 
 class SyntheticTask:
     """Running products in the permutation group S4 (or S3, S5), with the answer written after a gap
-    (docs/training.md#the-synthetic-task: why a gap, why this group, the loss floor).
-
-    Tokens: 0..|G|-1 are the group elements (permutations of 0..n-1 in lexicographic order, so 0 is
-    the identity) and |G| is the separator "=". Vocab 25 for S4, 121 for S5. A sequence is
+    (docs/training.md#the-synthetic-task: the layout, why a gap, why this group, the loss floor). A sequence is
 
         = a0 | e e = a1 | e = a2 | e e e e = a3 | ...
 
-    It opens with "=" and a random start a0. Then each segment draws a gap g uniform in 1..max_gap,
-    writes g uniform random elements, then "=", then the answer a_j = a_{j-1}·e_1·…·e_g. The product
-    p·q means "apply p, then q": (p·q)[i] = q[p[i]]. (The "|" are not tokens.) The answer after a gap
-    of g needs g compositions of what came before, so g is the answer's difficulty level.
+    (the "|" are not tokens): "=", a random start a0, then segments of g uniform random elements (g uniform
+    in 1..max_gap), "=" and the answer a_j = a_{j-1}·e_1·…·e_g, where p·q means "apply p, then q":
+    (p·q)[i] = q[p[i]]. Tokens 0..|G|-1 are the permutations of 0..n-1 in lexicographic order (0: the
+    identity) and |G| is "=" (vocab 25 for S4, 121 for S5). The answer after a gap of g needs g
+    compositions, so g is its difficulty level.
     """
 
     def __init__(self, max_gap=4, group="s4", answers_only=False):
@@ -617,9 +615,8 @@ def show_shards(args, meta, out):
 
 def main(argv=None):
     p = ArgParser(prog="data.py", description="Prepare token shards from a real source, or show the synthetic task.")
-    p.add_argument("--source", required=True,
-                   help="'fineweb-edu', 'austen' (downloaded once), 'synthetic', or a .txt/.jsonl/.parquet file, "
-                   "folder or quoted glob")
+    p.add_argument("--source", required=True, help="'fineweb-edu', 'austen' (downloaded once), 'synthetic', or a "
+                   ".txt/.jsonl/.parquet file, folder or quoted glob")
     p.add_argument("--out", help="output folder for the shards (required for real sources)")
     p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"],
                    help="gpt2 (tiktoken BPE) or bytes (UTF-8, vocab 257)")
