@@ -26,11 +26,10 @@ from common import ArgParser, fail, format_lr, positive, read_json, seed_number,
 
 HERE = Path(__file__).resolve().parent
 TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
-# train.py settings per probe and scale (on top of --preset mini); docs/results.md, the regime search
+# train.py settings per probe and scale, on top of --preset mini (docs/results.md#the-regime-search)
 SCALES = {
-    # 2 cores: 0.77 tokens per parameter of text, 0.64 synthetic (docs/results.md: the regime search)
-    "cpu": {"synthetic": ["--global-batch", "8", "--steps", "500"],
-            "text": ["--seq-len", "256", "--global-batch", "8", "--steps", "300"]},
+    "cpu": {"synthetic": ["--global-batch", "8", "--steps", "500"],  # on 2 cores: 0.64 tokens per parameter
+            "text": ["--seq-len", "256", "--global-batch", "8", "--steps", "300"]},  # 0.77 tokens per parameter
     "gpu": {"synthetic": ["--params", "8M", "--global-batch", "128", "--steps", "6000", "--device", "cuda"],
             "text": ["--params", "8M", "--seq-len", "256", "--global-batch", "128", "--steps", "5000",
                      "--device", "cuda"]},
