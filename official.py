@@ -355,7 +355,7 @@ def main(argv=None):
     p.add_argument("--step", type=int, help="step folder to use (default: the highest)")
     p.add_argument("--text", help="evaluate: text files, a folder or a glob (.txt/.jsonl/.parquet)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's tokenizer/ folder)")
-    p.add_argument("--seq-len", type=positive(), help="tokens per window (default: the run's T, else 2048)")
+    p.add_argument("--seq-len", type=positive(), help="window length (default: the run's sequence length, else 2048)")
     p.add_argument("--max-tokens", type=positive(), help="evaluate at most this many tokens")
     p.add_argument("--batch-size", type=positive(), default=4)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
