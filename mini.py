@@ -6,14 +6,10 @@ that one machine runs in an afternoon.
     python mini.py --gpu --text austen                     # one GPU: a bigger budget, more tokens per param
     python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
 
-For each probe (real text read as bytes, and the synthetic composition task scored on answers alone),
-design and aspect ratio (a cell) it follows the paper's protocol, each cell at its best learning rate: the
-first seed trains at every LR of --lr-sweep (in <probe>-lr/<cell>/), the lowest final val loss picks the
-cell's LR (a best LR at an edge of the sweep extends it once, x3), and the other seeds train at that LR
-only (in <probe>/, beside the first seed's run, linked from the sweep). Each run is `train.py --preset mini`,
---jobs at a time with one thread each (on 2 cores, two 1-thread runs beat one 2-thread run); then
-`diagnose.py` on every run in <probe>/, `plot.py` on each probe's folder, and the tables in summary.md.
-Every piece that is already done is skipped, so the same command continues a stopped suite.
+Each cell (probe, design, aspect ratio) trains at its best learning rate: the first seed at every LR of
+--lr-sweep (in <probe>-lr/<cell>/), the other seeds at the winner (in <probe>/), each run `train.py --preset
+mini`, --jobs at a time with one thread each; then diagnose.py, plot.py and summary.md. Whatever is done is
+skipped, so the same command continues a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
 """
 import itertools
 import math
@@ -30,11 +26,10 @@ from common import ArgParser, fail, format_lr, positive, read_json, seed_number,
 
 HERE = Path(__file__).resolve().parent
 TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
-# train.py settings per probe and scale (on top of --preset mini); docs/results.md, the regime search
+# train.py settings per probe and scale, on top of --preset mini (docs/results.md#the-regime-search)
 SCALES = {
-    # 2 cores: 0.77 tokens per parameter of text, 0.64 synthetic (docs/results.md: the regime search)
-    "cpu": {"synthetic": ["--global-batch", "8", "--steps", "500"],
-            "text": ["--seq-len", "256", "--global-batch", "8", "--steps", "300"]},
+    "cpu": {"synthetic": ["--global-batch", "8", "--steps", "500"],  # on 2 cores: 0.64 tokens per parameter
+            "text": ["--seq-len", "256", "--global-batch", "8", "--steps", "300"]},  # 0.77 tokens per parameter
     "gpu": {"synthetic": ["--params", "8M", "--global-batch", "128", "--steps", "6000", "--device", "cuda"],
             "text": ["--params", "8M", "--seq-len", "256", "--global-batch", "128", "--steps", "5000",
                      "--device", "cuda"]},
@@ -65,11 +60,10 @@ def design(name):
 
 
 def build_parser():
-    p = ArgParser(prog="mini.py", description="Mini-DepthBench: train, diagnose and plot a design x shape x seed grid.")
+    p = ArgParser(prog="mini.py", description="Mini-DepthBench: train, diagnose and plot designs x shapes x seeds.")
     add = p.add_argument
     add("--out", type=Path, default=Path("runs/mini"), help="suite folder (default runs/mini)")
-    add("--designs", type=listed(design), default="preln,hc,attnres", help="comma list of designs (default "
-        "preln,hc,attnres)")
+    add("--designs", type=listed(design), default="preln,hc,attnres", help="comma list (default %(default)s)")
     add("--ar", type=listed(positive(float)), default="92,51,32,17,9.1", help="comma list of aspect ratios (default "
         "92,51,32,17,9.1: L2, 3, 4, 6 and 9, the paper's range 76..9.1)")
     add("--seeds", type=listed(seed_number), default="0,1,2", help="comma list of seeds (default 0,1,2)")
@@ -209,12 +203,8 @@ def run_pool(jobs, n, what, log_dir):
 
 def finished_runs(folder):
     """{run dir: run.json} of the finished runs under a folder."""
-    runs = {}
-    for path in sorted(Path(folder).glob("*/run.json")):
-        run = read_json(path)
-        if run and run.get("finished"):
-            runs[path.parent] = run
-    return runs
+    runs = {path.parent: read_json(path) for path in sorted(Path(folder).glob("*/run.json"))}
+    return {path: run for path, run in runs.items() if run and run.get("finished")}
 
 
 def spread(values, fmt=".4f"):
@@ -263,9 +253,10 @@ def sweep_lines(args, probe):
         losses = sweep_result(args, probe, ar, design)[0]
         if losses:
             best, ext = min(losses, key=losses.get), extension(args, losses)
-            lines.append(f"- {design}, AR {ar:g}: " + " · ".join(
-                (f"**{format_lr(lr)}: {v:.4f}**" if lr == best else f"{format_lr(lr)}: {v:.4f}") for lr, v in sorted(losses.items()))
-                + (f" (best at the sweep's edge: extended once to {format_lr(ext)})" if ext else ""))
+            runs = " · ".join(f"**{format_lr(lr)}: {v:.4f}**" if lr == best else f"{format_lr(lr)}: {v:.4f}"
+                              for lr, v in sorted(losses.items()))
+            lines.append(f"- {design}, AR {ar:g}: {runs}"
+                         + (f" (best at the sweep's edge: extended once to {format_lr(ext)})" if ext else ""))
     return lines
 
 
@@ -281,7 +272,7 @@ def summary(args):
         head += " R_causal | R_perm last 3/4 | wall per run |"
         lines += [f"## {probe}", "", head, "|" + "---|" * (head.count("|") - 1)]
         for (res, L, d, lr), cell in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            base = next((c["loss"] for k, c in table.items() if k[:3] == ("preln", L, d)), None) if res != "preln" else None
+            base = next((c["loss"] for k, c in table.items() if k[:3] == ("preln", L, d) and res != "preln"), None)
             row = (f"| {res} | {L} | {d} | {d / L:.1f} | {lr:g} | {len(cell['loss'])} | {spread(cell['loss'])} | "
                    f"{versus(cell['loss'], base)} |")
             if probe == "synthetic":
@@ -293,8 +284,8 @@ def summary(args):
             lines += ["", f"R scores at the deepest shape (L{deep}), per seed:", ""]
             for (res, L, d, lr), cell in sorted(table.items()):
                 if L == deep and cell["rc"]:
-                    lines.append(f"- {res}: R_causal " + ", ".join(f"{v:.1%}" for v in cell["rc"]) + "; R_perm "
-                                 + ", ".join(f"{v:.1%}" for v in cell["rp"]) + f" (seeds {', '.join(map(str, cell['seed']))})")
+                    rc, rp = (", ".join(f"{v:.1%}" for v in cell[key]) for key in ("rc", "rp"))
+                    lines.append(f"- {res}: R_causal {rc}; R_perm {rp} (seeds {', '.join(map(str, cell['seed']))})")
         sweep = sweep_lines(args, probe)
         if sweep:
             lines += ["", "LR sweep (first seed; final val loss at each LR, the chosen one in bold):", "", *sweep]
@@ -329,13 +320,11 @@ def main(argv=None):
     for what, jobs in (("sweep", lambda: sweep_jobs(args)), ("sweep edge", lambda: sweep_jobs(args, extend=True)),
                        ("train", lambda: seed_jobs(args))):  # each phase's runs follow from the ones before
         failed += run_pool([(label, argv) for _, label, argv in jobs()], args.jobs, what, args.out / "logs")
-    diag_jobs = []
-    for probe in args.probes:
-        for path in finished_runs(args.out / probe):
-            if read_json(path / "diagnose.json") is None:  # missing, or unreadable: diagnosed again
-                diag_jobs.append((f"diagnose {path.name}",  # writes diagnose.json beside the run's ckpt.pt
-                                  [sys.executable, str(HERE / "diagnose.py"), str(path), "--metrics", DIAG_METRICS,
-                                   "--num-samples", str(args.diag_samples)]))
+    # diagnose.py writes diagnose.json beside each run's ckpt.pt; a missing or unreadable one is diagnosed again
+    diag_jobs = [(f"diagnose {path.name}", [sys.executable, str(HERE / "diagnose.py"), str(path), "--metrics",
+                                            DIAG_METRICS, "--num-samples", str(args.diag_samples)])
+                 for probe in args.probes for path in finished_runs(args.out / probe)
+                 if read_json(path / "diagnose.json") is None]
     failed += run_pool(diag_jobs, args.jobs, "diagnose", args.out / "logs")
     for probe in args.probes:
         subprocess.run([sys.executable, str(HERE / "plot.py"), str(args.out / probe), "--out",

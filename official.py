@@ -1,12 +1,11 @@
 """
-Load the DepthBench authors' released OLMo-core checkpoints into our GPT, and evaluate them.
+Load the DepthBench authors' released OLMo-core checkpoints into our GPT, and evaluate them (docs/official.md).
 
-A released repository (e.g. `aspect-ratio-scaling/preln-lr2e-3-llama-400M-L24-pretrain`) holds step
-folders (`step0`, ..., `step7600`) and a `tokenizer/` folder. A step folder holds `config.json` (the
-experiment config: sections `model` and `dataset.tokenizer`) and `model_and_optim/`, a torch
-distributed checkpoint (DCP: `.distcp` files + `.metadata`) of {"model": ..., "optim": ...}. We read
-only the `model.*` tensors, with torch's own DCP reader (no OLMo-core), map every official name onto
-ours (`layout`), and refuse, in one line, any setting our model would compute differently.
+A step folder holds `config.json` (sections `model` and `dataset.tokenizer`) and `model_and_optim/`, a torch
+distributed checkpoint (DCP) of {"model": ..., "optim": ...}. We read only the `model.*` tensors, with
+torch's own DCP reader (no OLMo-core), map every official name onto ours (`layout`), and refuse, in one
+line, any setting our model would compute differently. Where the official names and layouts were read:
+docs/official.md#provenance.
 
     python official.py info  SOURCE [--step N]                 # design, shape and what was mapped
     python official.py evaluate SOURCE --text FILES [--step N] [--seq-len 2048] [--max-tokens N]
@@ -14,26 +13,8 @@ ours (`layout`), and refuse, in one line, any setting our model would compute di
 
 SOURCE: a hub id (downloaded with huggingface_hub: the chosen step and tokenizer/ only), a local
 repository folder with stepN/ subfolders (default: the highest step), or one step folder.
-
-Official names and layouts were read (facts, not code) from keyu-wang-2002/DepthBench,
-`pretrain/OLMo-core/src/olmo_core/`: nn/transformer/block.py @6bdf2ad9 (every block class and its
-parameter names: attention_norm, feed_forward_norm, post_attention_norm, post_feed_forward_norm,
-attn_res_proj/attn_res_norm/mlp_res_proj/mlp_res_norm, the *_hyper_connection connectors and their
-branch modules, MoDA's wrapped attention/feed_forward), nn/transformer/model.py @8cc2fd74 (embeddings,
-lm_head, the model-level AttnRes res_proj/res_norm), nn/hyper_connections.py @5152cab0 (HC's static_alpha,
-dynamic_alpha_proj, dynamic_alpha_scale, static_beta, dynamic_beta_proj, dynamic_beta_scale; Liger mHC's
-phi (n*d, n^2+2n), b, alpha_pre/post/res), nn/moda.py @100da5f4 (kv_proj: d -> [K; V]),
-nn/attention/__init__.py @aba1f652 (split w_q/w_k/w_v/w_out, head_dim, GQA), nn/transformer/config.py
-@6bdf2ad9 (TransformerBlockConfig, HyperConnectionsConfig, MoDAConfig fields), nn/hf/convert.py @a9cea455
-and eval_utils/convert_olmo_to_hf.py @a9cea455 (the HF Llama names); allenai/OLMo-core
-src/olmo_core/distributed/checkpoint/__init__.py (the DCP holds {"model", "optim"}) and
-src/examples/huggingface/convert_checkpoint_to_hf.py. Older spellings are renamed as the repository's
-analysis/analysis_utils.py @3cc8a00 (AttnRes) and config.py @8cc2fd74 (HC/mHC) do; AttnRes' variants (block.py
-@b2141085) are refused. What config.json does not record, the user names (`--residual-args`): HC's forward (width-
-mixed in hyper_connections.py @8cc2fd74, un-mixed @5152cab0) and the "sum" collapse (model.py @8cc2fd74: sum, then
-the final norm; @5152cab0: the final norm on each stream, then the sum).
 """
-import inspect
+import itertools
 import json
 import os
 import re
@@ -154,8 +135,7 @@ def read_config(step_dir, forced=None):
         raise CheckpointError(f"config.json cannot tell which official code version trained this {name}: choose with "
                               f"--residual-args '{{{choices}}}' (newer code: the first; docs/official.md)")
     args.update(forced)
-    defaults = {k: p.default for k, p in inspect.signature(RESIDUALS[residual]).parameters.items()}
-    args = {k: v for k, v in args.items() if defaults.get(k) != v}     # our config names only what differs
+    args = {k: v for k, v in args.items() if RESIDUALS[residual].options.get(k) != v}  # only what differs
     tok = (exp.get("dataset") or {}).get("tokenizer") or {}
     gqa = {"n_kv_head": int(att["n_kv_heads"])} if att.get("n_kv_heads") not in (None, H) else {}
     cfg = GPTConfig(vocab_size=int(m["vocab_size"]), n_layer=L, d_model=d, n_head=H, d_ff=int(ff["hidden_size"]),
@@ -183,16 +163,12 @@ def layout(cfg):
         out += [(f"{p}mlp.w{x}.weight", None, f"{p}{ff}.w{x}.weight") for x in "123"]
         out += [(f"res.norms.{2 * b}.weight", None, f"{p}attention_norm.weight"),
                 (f"res.norms.{2 * b + 1}.weight", None, f"{p}feed_forward_norm.weight")]
-        if r == "sandwich":
-            out += [(f"res.post_norms.{2 * b}.weight", None, f"{p}post_attention_norm.weight"),
-                    (f"res.post_norms.{2 * b + 1}.weight", None, f"{p}post_feed_forward_norm.weight")]
-        if r == "keel" and b > 0:                         # post_norms[i - 1] belongs to sublayer i >= 1
-            out += [(f"res.post_norms.{2 * b - 1}.weight", None, f"{p}post_attention_norm.weight")]
-        if r == "keel":
-            out += [(f"res.post_norms.{2 * b}.weight", None, f"{p}post_feed_forward_norm.weight")]
         if moda and b < L - 1:
             out += [(f"res.kv_proj.{b}.weight", None, f"{p}feed_forward.kv_proj.weight")]
         for i, side in ((2 * b, "attention"), (2 * b + 1, "feed_forward")):
+            shift = int(r == "keel")                      # KEEL: post_norms[i - 1] belongs to sublayer i >= 1
+            if r in ("sandwich", "keel") and i >= shift:
+                out += [(f"res.post_norms.{i - shift}.weight", None, f"{p}post_{side}_norm.weight")]
             c = f"{p}{side}_hyper_connection."
             if r == "hc":
                 out += [(f"res.conn.{i}.{a}", None, c + o) for a, o in [
@@ -200,7 +176,8 @@ def layout(cfg):
                     ("alpha_scale", "dynamic_alpha_scale"), ("static_beta", "static_beta"),
                     ("dynamic_beta", "dynamic_beta_proj"), ("beta_scale", "dynamic_beta_scale")]]
             if r == "mhc":
-                out += [(f"res.conn.{i}.{a}", None, c + a) for a in ("phi", "b", "alpha_pre", "alpha_post", "alpha_res")]
+                out += [(f"res.conn.{i}.{a}", None, c + a)
+                        for a in ("phi", "b", "alpha_pre", "alpha_post", "alpha_res")]
             if r in ("attnres", "block_attnres") and i > 0:  # consumer i reads row i - 1
                 pre = "attn" if side == "attention" else "mlp"
                 out += [("res.queries", i - 1, f"{p}{pre}_res_proj.weight"),
@@ -313,8 +290,8 @@ def download(repo_id, step, timeout=5.0):
     except CheckpointError:
         raise
     except Exception as e:  # a wrong id, no access, a broken connection
-        why = (str(e).splitlines() or [""])[0][:160]
-        raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub download failed ({type(e).__name__}: {why})") from None
+        raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub download failed "
+                              f"({type(e).__name__}: {first_line(e, 160)})") from None
     return Path(root) / f"step{n}"
 
 
@@ -340,7 +317,7 @@ def is_official(source):
 
 
 def load(source, step=None, kernels="fast", forced=None):
-    """SOURCE -> (GPT in fp32, eval mode, info dict: step folder, tokenizer path, config notes); forced: read_config's."""
+    """SOURCE -> (GPT in fp32, eval mode, info: step folder, tokenizer path, config notes); forced: read_config's."""
     step_dir, tok = resolve(source, step)
     cfg, notes = read_config(step_dir, forced)
     cfg.kernels = kernels
@@ -356,12 +333,8 @@ def evaluate(model, tok, text, seq_len, max_tokens=None, batch_size=4, device="c
     """Mean next-token cross-entropy over non-overlapping windows of seq_len + 1 tokens of the
     documents in `text` (files/folder/glob, .txt/.jsonl/.parquet), each followed by EOS, as trained."""
     docs = (d for f in data.list_files(text) for d in data.file_documents(f, "text"))
-    ids = []
-    for doc in data.tokenize_documents(docs, tok):
-        ids += doc
-        if max_tokens and len(ids) >= max_tokens + 1:
-            break
-    ids = ids[:max_tokens + 1] if max_tokens else ids
+    tokens = itertools.chain.from_iterable(data.tokenize_documents(docs, tok))
+    ids = list(itertools.islice(tokens, max_tokens + 1 if max_tokens else None))
     n = (len(ids) - 1) // seq_len
     if n == 0:
         raise CheckpointError(f"{text}: {len(ids)} tokens, fewer than one window of {seq_len + 1}")
@@ -382,7 +355,7 @@ def main(argv=None):
     p.add_argument("--step", type=int, help="step folder to use (default: the highest)")
     p.add_argument("--text", help="evaluate: text files, a folder or a glob (.txt/.jsonl/.parquet)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's tokenizer/ folder)")
-    p.add_argument("--seq-len", type=positive(), help="tokens per window (default: the run's sequence length, else 2048)")
+    p.add_argument("--seq-len", type=positive(), help="window length (default: the run's sequence length, else 2048)")
     p.add_argument("--max-tokens", type=positive(), help="evaluate at most this many tokens")
     p.add_argument("--batch-size", type=positive(), default=4)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")

@@ -1,15 +1,11 @@
 """
 The paper's model suites as data, exact parameter counts and a width/depth solver of DepthBench
-(docs/designs.md#backbone).
+(docs/training.md#shapes; the counts' formulas: docs/designs.md#backbone).
 
-SUITES holds every shape the paper trains (its configs, not solved): 16 query heads, vocab 50280,
-T = 2048, global batch 512 x 2048, and the run length in optimizer steps. Aspect ratio AR = d / L.
-The solver reproduces the 400M rule (16 heads, an even head_dim, d = 16 * head_dim, d_ff = ceil(8d/3)
-rounded up to a multiple of 16) for other budgets and depths; its shapes are not the paper's unless
-they appear in SUITES.
-
-Every design runs at the shape solved from the Pre-LN count (the paper's convention); a design's
-own extra parameters come on top and are counted exactly by building the model on the meta device.
+SUITES holds every shape the paper trains (its configs, not solved). The solver reproduces the 400M rule
+for other budgets and depths; its shapes are not the paper's unless they appear in SUITES. Every design
+runs at the shape solved from the Pre-LN count (the paper's convention); a design's own extra parameters
+come on top and are counted exactly by building the model on the meta device.
 
     python shapes.py --params 405M --ar 9.1            # -> L=70, d=640, d_ff=1712, 409,229,440 params
     python shapes.py --params 405M --layers 24 --residual mhc
@@ -18,6 +14,7 @@ own extra parameters come on top and are counted exactly by building the model o
     python shapes.py --table                           # the solver at 13 depths (7 of them are the paper's 400m)
     python shapes.py --params 300M --fixed backbone --ar 9.1 --json
 """
+import itertools
 import json
 import math
 
@@ -61,10 +58,8 @@ def suite_rows(name, vocab=VOCAB):
     rows = []
     for r in SUITES[name][1]:
         L, d, f, kv = r["n_layer"], r["d_model"], r["d_ff"], r["n_kv_head"]
-        rows.append({"n_layer": L, "d_model": d, "d_ff": f, "n_head": N_HEAD, "n_kv_head": kv,
-                     "head_dim": d // N_HEAD, "ar": d / L, "params": preln_params(L, d, f, vocab, kv),
-                     "backbone_params": backbone_params(L, d, f, kv), "steps": r["steps"], "label": r["label"],
-                     "lr": r["lr"]})
+        rows.append({**r, "n_head": N_HEAD, "head_dim": d // N_HEAD, "ar": d / L,
+                     "params": preln_params(L, d, f, vocab, kv), "backbone_params": backbone_params(L, d, f, kv)})
     return rows
 
 
@@ -119,30 +114,23 @@ def count_params(L, d, d_ff, residual="preln", vocab=VOCAB, n_head=N_HEAD, n_kv_
 
 
 def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=256, n_head=N_HEAD, tolerance=0.1):
-    """The valid shape for a parameter budget and an aspect ratio (or a depth).
-
-    For every depth L, the width is the valid d (a multiple of 2 * n_head: n_head heads of an even
-    head_dim, as RoPE needs) whose Pre-LN count is closest to the budget; then the depth is `layers`,
-    or the L whose d/L is nearest to `ar`. The paper has 16 heads; the mini preset keeps the rule with
-    4 heads, so that at ~1M parameters widths come in steps of 8 and the aspect ratios 100 ... 4 exist.
-    `fixed` is "total" (embeddings included, the paper's fixed-total family) or "backbone" (blocks only,
-    the iso-backbone control). Returns a dict of the shape; a ValueError (one line) when its AR, or the
-    count that `fixed` names, is off by more than `tolerance` (a share; None: return the nearest anyway).
-    """
+    """The valid shape for a parameter budget and an aspect ratio (or a depth). For every depth L, the
+    width is the valid d (a multiple of 2 * n_head: n_head heads of an even head_dim, as RoPE needs; 16
+    heads in the paper, 4 in the mini preset: docs/training.md#presets) whose Pre-LN count is closest to
+    the budget; then the depth is `layers`, or the L whose d/L is nearest to `ar`. `fixed` is "total"
+    (embeddings included, the paper's fixed-total family) or "backbone" (blocks only, the iso-backbone
+    control). Returns a dict of the shape; a ValueError (one line) when its AR, or the count that `fixed`
+    names, is off by more than `tolerance` (a share; None: return the nearest anyway)."""
     def count(L, d):
         return backbone_params(L, d, ffn_dim(d)) if fixed == "backbone" else preln_params(L, d, ffn_dim(d), vocab)
 
     def best_width(L):
         # the count grows monotonically in d, so scan head_dim upward until it passes the budget
-        best, hd = None, 2
-        while True:
-            d = n_head * hd
-            c = count(L, d)
-            if best is None or abs(c - budget) < abs(best[1] - budget):
-                best = (d, c)
-            if c > budget:
-                return best
-            hd += 2
+        widths = []
+        for d in itertools.count(2 * n_head, 2 * n_head):
+            widths.append((d, count(L, d)))
+            if widths[-1][1] > budget:
+                return min(widths, key=lambda w: abs(w[1] - budget))  # the first of equally close ones
 
     depths = [layers] if layers is not None else range(1, max_layers + 1)
     candidates = [(L, *best_width(L)) for L in depths]
@@ -174,15 +162,16 @@ def parse_count(text):
 
 def describe(shape, residual="preln", vocab=VOCAB):
     """A few lines with every derived number of a shape."""
-    L, d, d_ff = shape["n_layer"], shape["d_model"], shape["d_ff"]
-    total = shape["params"]
-    lines = [f"shape      L={L}  d={d}  d_ff={d_ff}  heads={shape['n_head']}  head_dim={shape['head_dim']}  AR=d/L={shape['ar']:.2f}",
+    L, d, d_ff, total = shape["n_layer"], shape["d_model"], shape["d_ff"], shape["params"]
+    preln = preln_params(L, d, d_ff, vocab)
+    lines = [f"shape      L={L}  d={d}  d_ff={d_ff}  heads={shape['n_head']}  head_dim={shape['head_dim']}  "
+             f"AR=d/L={shape['ar']:.2f}",
              f"backbone   {shape['backbone_params']:,}  ({L} x {backbone_params(1, d, d_ff):,} per block)",
              f"embed+head {2 * vocab * d:,}  (vocab {vocab}, untied) + final norm {d}",
-             f"Pre-LN     {preln_params(L, d, d_ff, vocab):,} total"]
+             f"Pre-LN     {preln:,} total"]
     if residual != "preln":
-        extra = total - preln_params(L, d, d_ff, vocab)
-        lines.append(f"{residual:<10} {total:,} total  (+{extra:,} = +{100 * extra / preln_params(L, d, d_ff, vocab):.2f}% design params)")
+        extra = total - preln
+        lines.append(f"{residual:<10} {total:,} total  (+{extra:,} = +{100 * extra / preln:.2f}% design params)")
     return "\n".join(lines)
 
 
@@ -224,9 +213,7 @@ def main(argv=None):
     p.add_argument("--table", action="store_true", help="print the solver's shapes at 13 depths for this budget")
     p.add_argument("--suite", nargs="?", const="", help="print a suite of the paper's shapes (no name: list them)")
     args = p.parse_args(argv)
-
     fail = p.error
-
     try:
         budget = parse_count(args.params)
     except ValueError:
@@ -260,8 +247,9 @@ def main(argv=None):
         shape["params"] = count_params(shape["n_layer"], shape["d_model"], shape["d_ff"], args.residual, args.vocab)
     except ValueError as e:
         fail(str(e))
+    keys = ["n_layer", "d_model", "d_ff", "n_head", "head_dim", "ar", "params", "backbone_params"]
     if args.json:
-        print(json.dumps({k: shape[k] for k in ["n_layer", "d_model", "d_ff", "n_head", "head_dim", "ar", "params", "backbone_params"]}))
+        print(json.dumps({k: shape[k] for k in keys}))
     else:
         print(describe(shape, args.residual, args.vocab))
 
