@@ -1,32 +1,17 @@
 """
-train.py: train one DepthBench model, or a grid of them, and log everything to run.json.
+train.py: train one DepthBench model, or a grid of them, and log everything to run.json and ckpt.pt.
 
     python train.py                                  # CPU preset: 2 layers learn S3 compositions in minutes
     python train.py --max-steps 3 --out /tmp/runs    # the same run, stopped after 3 steps (a smoke test)
     python train.py --residual preln,hc --seed 0,1   # a grid: every combination in turn, finished runs skipped
-    python data.py --source fineweb-edu --max-tokens 8200000000 --out data_cache/fineweb-edu-gpt2  # once, first
     torchrun --standalone --nproc_per_node=8 train.py --suite 1.6b --layers 40 --residual attnres  # a paper run
     python train.py --suite 1.6b --layers 54 --residual attnres --dry-run --gpu-mem 80  # its memory plan per GPU
     python train.py --suite 400m --print-grid        # the suite's whole LR sweep as torchrun lines, for a cluster
 
-Presets (PRESETS below). `cpu` (the default without CUDA): a 0.8M-parameter backbone on the embedded
-synthetic task (data.py's running products, here in S3), fp32, eager; what it learns and how long it takes are
-measured in the README's quick start, not here. `mini`: the one-machine suite's shapes (mini.py).
-`400m` (the default with CUDA): the paper's recipe (docs/designs.md#recipe) on the paper's own shapes:
-`--suite NAME` (shapes.SUITES: 400m, 302m-backbone, ladder, 1.6b; `--preset 400m` alone means
-`--suite 400m`) with `--row K`, `--layers L` or `--ar A` picking rows, the suite's step count (400m:
-7,600), global batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup (760 of 7,600)
-then cosine to 0.1x peak, the paper's peak LR per design (1.6b: 5e-4 for all), FineWeb-Edu with the GPT-2
-tokenizer, fp32 weights under bf16 autocast (the paper's runs kept bf16 weights), torch.compile.
-Any flag overrides its preset value; every derived number is printed before training.
-
-Each run writes {out}/{name}/run.json (config, params, per-step losses, evals; plot.py reads it) and
-{out}/{name}/ckpt.pt (diagnose.py reads it), both atomically. --resume continues a run from ckpt.pt
-with the same losses as an uninterrupted run (bit-for-bit on CPU): the batches are a pure function of
-the step (data.py) and the LR a pure function of the step (get_lr). One writer at a time: a run folder is
-locked while it trains. Ctrl-C (SIGINT) or SIGTERM: the current step ends, ckpt.pt is saved, one line gives the
-resume command; a second Ctrl-C aborts at once. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input
-or an unwritable run folder (one line on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
+The presets and suites, what a run writes, --resume, Ctrl-C and the memory plan: docs/training.md; every fault
+and bad input: docs/reliability.md. Any flag overrides its preset value; every derived number is printed before
+training. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input or an unwritable run folder (one line
+on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
 """
 import argparse
 import dataclasses
