@@ -238,7 +238,9 @@ def memory_plan(cfg, params, bf16=True):
     buckets, 20 B per parameter (FSDP: 16 B sharded, plus the root and two blocks whole); what autograd keeps per
     token (BLOCK_BYTES and the design's act_bytes per block, or with checkpointing its act_bytes[2] per block and
     one block's set) and autocast's bf16 weights; the final norm's output and the loss chunks; an eval batch's
-    logits (after the step); total = fixed + max(MARGIN x (activations + loss), eval) + RESERVE."""
+    logits (after the step); total = fixed + max(MARGIN x (activations + loss), eval) + RESERVE. And a floor, what
+    no step of this shape does without: fp32 weights and gradients and 16 B per token, block and unit of d (with
+    checkpointing, each block's input): a run over it clearly cannot fit, whatever the estimate's errors."""
     L, d, d_ff, W, design = cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["world_size"], RESIDUALS[cfg["residual"]]
     d_kv, tokens = d * cfg["n_kv_head"] // cfg["n_head"], cfg["batch_size"] * cfg["seq_len"]
     block = sum(c * x for c, x in zip(BLOCK_BYTES[bf16], (d, d_ff, d_kv))) + design.act_bytes[not bf16] * d
@@ -251,6 +253,7 @@ def memory_plan(cfg, params, bf16=True):
             else 20 * params, "activations": tokens * act + casts, "eval": tokens * cfg["vocab_size"] * 10,
             "loss": tokens * 4 * d + 4 * kernels.LOSS_CHUNK_BYTES, "reserve": RESERVE}
     plan["total"] = plan["fixed"] + max(MARGIN * (plan["activations"] + plan["loss"]), plan["eval"]) + RESERVE
+    plan["floor"] = 8 * params + tokens * L * d * (design.act_bytes[2] if cfg["activation_checkpointing"] else 16)
     return plan
 
 
@@ -264,9 +267,11 @@ def default_micro_batch(cfg, params, limit=PLAN_BYTES, most=None, bf16=True):
                  and memory_plan({**cfg, "batch_size": B}, params, bf16)["total"] <= limit), None)
 
 
-def dry_run(runs, gpu_mem, cuda):
-    """--dry-run: each run's plan against a GPU's memory (--gpu-mem, this GPU's, or in fp32 the host's); exit 0
-    when all fit, else 2 with one line naming the fix."""
+def check_memory(runs, args, cuda):
+    """Each run's memory plan against a device's memory, before anything is allocated: a run over its floor is
+    refused in one line (exit 2). --dry-run instead prints each plan against --gpu-mem (default: this GPU's memory;
+    without one, the host's, in fp32) and exits: 0 when all fit, else 2 with one line naming the fix."""
+    gpu_mem = args.gpu_mem if args.dry_run else None
     bf16 = cuda or gpu_mem is not None
     limit = (gpu_mem * GB if gpu_mem else torch.cuda.get_device_properties(0).total_memory if cuda
              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -275,6 +280,13 @@ def dry_run(runs, gpu_mem, cuda):
         params = count_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["residual"], cfg["vocab_size"],
                               cfg["n_head"], cfg["n_kv_head"], **cfg["residual_args"])
         plan, W = memory_plan(cfg, params, bf16), cfg["world_size"]
+        if not args.dry_run:
+            if plan["floor"] > limit:
+                fail(f"{cfg['name']} needs at least {plan['floor'] / GB:,.1f} GB at micro-batch {cfg['batch_size']} "
+                     f"x {cfg['seq_len']} tokens, the {cfg['device']} has {limit / GB:,.1f} GB: lower --seq-len or "
+                     "--batch-size")
+            continue
+        over += [(cfg, params, plan)] if plan["total"] > limit else []
         print0(f"memory plan per GPU of {cfg['name']} (an estimate: docs/training.md#memory)\n  L{cfg['n_layer']} "
                f"d{cfg['d_model']}, {params:,} params, micro-batch {cfg['batch_size']} x {cfg['seq_len']}, "
                + (f"{'FSDP2' if cfg['fsdp'] else 'DDP'} over {W} ranks" if W > 1 else "1 process")
@@ -286,7 +298,8 @@ def dry_run(runs, gpu_mem, cuda):
                           ("total", f"of {limit / GB:.1f} GB: " + ("fits" if plan["total"] <= limit else
                                                                    "does NOT fit"))]:
             print0(f"  {key:<12}{plan[key] / GB:8.1f} GB  {what}")
-        over += [(cfg, params, plan)] if plan["total"] > limit else []
+    if not args.dry_run:
+        return
     if not over:
         sys.exit(0)
     (cfg, params, plan), W, ckpt = over[0], max(8, cfg["world_size"]), {"activation_checkpointing": True}
@@ -835,18 +848,6 @@ def parse_args(argv=None):
     return args, cuda
 
 
-def check_memory(cfg):
-    """ValueError when a rank cannot hold the run, before anything is allocated: a lower bound of its bytes (fp32
-    weights and gradients, 16 bytes of activations per token, layer and unit of width) over the device's total."""
-    L, d, B, T = cfg["n_layer"], cfg["d_model"], cfg["batch_size"], cfg["seq_len"]
-    need = 8 * preln_params(L, d, cfg["d_ff"], cfg["vocab_size"], cfg["n_kv_head"], cfg["n_head"]) + 16 * B * T * L * d
-    have = (torch.cuda.get_device_properties(0).total_memory if cfg["device"] == "cuda"
-            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    if need > have:
-        raise ValueError(f"{cfg['name']} needs at least {need / 2**30:,.0f} GiB at micro-batch {B} x {T} tokens, the "
-                         f"{cfg['device']} has {have / 2**30:,.0f} GiB: lower --seq-len or --batch-size")
-
-
 def grid_run(args, cfg, env, counter):
     """One run of the grid, in its locked folder: skipped when finished, else trained; False if it diverged."""
     path, held = Path(cfg["out"]) / cfg["name"], []
@@ -885,19 +886,15 @@ def main(argv=None):
     vocab = padded_vocab_size((task if args.data == "synthetic" else tokenizer).vocab_size)
     shape_axis = ([("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers] if args.layers
                   else [("row", k) for k in args.row])
-    runs, names = [], set()
+    runs = {}
     for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):
         try:
             cfg = resolve(args, residual, key, value, lr, seed, vocab, env["world_size"])
-            if not args.dry_run:  # --dry-run checks the memory plan instead
-                check_memory(cfg)
         except ValueError as e:
             fail(str(e))
-        if cfg["name"] not in names:  # two ARs can solve to the same shape
-            runs.append(cfg)
-            names.add(cfg["name"])
-    if args.dry_run:
-        dry_run(runs, args.gpu_mem, cuda)
+        runs.setdefault(cfg["name"], cfg)  # two ARs can solve to the same shape
+    runs = list(runs.values())
+    check_memory(runs, args, cuda)
     if args.data != "synthetic":
         on_rank0(lambda: prepare_data(args, runs[0]), env)
 
