@@ -42,23 +42,21 @@ import common
 from common import (ArgParser, check_options, csv, design_options, format_lr, json_object, positive, print0,
                     versions, write_json)
 from residuals import RESIDUALS
-from shapes import SUITES, VOCAB, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
+from shapes import SUITES, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
 
 SCHEMA = "depthbench.train/1"
 VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
 
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
 # so that a real-text vocab (50k rows of embedding) does not eat the tiny budget; the paper fixes the total.
+SMALL = dict(params="0.8M", fixed="backbone", n_head=4, data="synthetic", answers_only=True, group="s3", seq_len=128,
+             global_batch=32, batch_size=None, lr=[3e-3], eval_every=200, eval_iters=8, ckpt_every=400, log_every=50)
 PRESETS = {
-    "cpu": dict(params="0.8M", fixed="backbone", n_head=4, layers=[2], data="synthetic", answers_only=True, group="s3",
-                seq_len=128, global_batch=32, batch_size=None, steps=800, lr=[3e-3], eval_every=200, eval_iters=8,
-                ckpt_every=400, log_every=50),
-    "mini": dict(params="0.8M", fixed="backbone", n_head=4, ar=[9.1], data="synthetic", answers_only=True, group="s3",
-                 seq_len=128, global_batch=32, batch_size=None, steps=1200, lr=[3e-3], eval_every=200, eval_iters=8,
-                 ckpt_every=400, log_every=50),
-    "400m": dict(params="405M", fixed="total", n_head=16, ar=[42.67], data="fineweb-edu", answers_only=False, group="s4",
-                 seq_len=2048, global_batch=512, batch_size=None, steps=None, lr=None, eval_every=250, eval_iters=8,
-                 ckpt_every=1000, log_every=10),
+    "cpu": dict(SMALL, layers=[2], steps=800),
+    "mini": dict(SMALL, ar=[9.1], steps=1200),  # the cpu preset's budget and recipe at any AR (mini.py's suite)
+    "400m": dict(params="405M", fixed="total", n_head=16, ar=[42.67], data="fineweb-edu", answers_only=False,
+                 group="s4", seq_len=2048, global_batch=512, batch_size=None, steps=None, lr=None, eval_every=250,
+                 eval_iters=8, ckpt_every=1000, log_every=10),
 }
 
 
@@ -84,25 +82,25 @@ def build_parser():
     p = ArgParser(prog="train.py", description="Train DepthBench models: one run, or a grid of comma-separated values.")
     add, pint = p.add_argument, positive(int)
     # what to train (comma-separated values make a grid)
-    add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's "
-        "shapes: 4 heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); "
-        "default: 400m with CUDA, cpu without. Flags below marked (preset) default to the preset's value")
+    add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's shapes: 4 "
+        "heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); default: 400m with CUDA, cpu without. Flags below "
+        "marked (preset) default to the preset's value")
     add("--residual", type=csv(str), help=f"design(s): {', '.join(RESIDUALS)} (default preln; --print-grid: all)")
     add("--ar", type=csv(positive(float)), help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
     add("--layers", type=csv(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 2)")
     add("--suite", choices=list(SUITES), help="the paper's shapes and step counts (shapes.py --suite); implies "
         "--preset 400m, which without --params means --suite 400m")
     add("--row", type=csv(int), help="--suite: row number(s) as `shapes.py --suite NAME` lists them")
-    add("--print-grid", action="store_true", help="--suite: print every design x row x LR the paper ran (the "
-        "design's paper_lr_sweep and paper_lr; 1.6b: the suite's one LR) as torchrun lines and exit; --residual, "
+    add("--print-grid", action="store_true", help="--suite: print every design x row x LR the paper ran (the design's "
+        "paper_lr_sweep and paper_lr; 1.6b: the suite's one LR) as torchrun lines and exit; --residual, "
         "--row/--layers/--ar and --lr narrow it")
-    add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu/mini 0.8M backbone), "
-        "instead of a suite")
-    add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
+    add("--params", help="parameter budget the shape is solved for, instead of a suite (preset: 405M, cpu/mini 0.8M "
+        "backbone)")
+    add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu/mini backbone)")
     add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
         "residuals.py, the suite's for 1.6b: 5e-4; cpu/mini 3e-3)")
-    add("--seed", type=csv(common.seed_number), default=[42], help="seed(s) of the init and the train data order (the "
-        "paper's 42)")
+    add("--seed", type=csv(common.seed_number), default=[42], help="seed(s) of the init and the train data order "
+        "(the paper's 42)")
     add("--residual-args", type=json_object, default={}, help="design options as JSON (each design's `options` in "
         "residuals.py), e.g. '{\"n_streams\": 2, \"init\": \"uniform\", \"n_groups\": 4, \"norm\": \"post\"}'; "
         "each design of a grid takes the keys it declares; non-default values join the run name")
@@ -126,7 +124,7 @@ def build_parser():
         "params get 0)")
     add("--grad-clip", type=positive(float, zero=True), default=1.0, help="clip the global grad norm to this (0: off)")
     # evaluation, logging, checkpoints
-    add("--eval-every", type=pint, help="evaluate every this many steps and at the end (preset: 250, cpu 100)")
+    add("--eval-every", type=pint, help="evaluate every this many steps and at the end (preset: 250, cpu/mini 200)")
     add("--eval-iters", type=pint, help="global batches of validation data per eval, the same ones each time (preset)")
     add("--ckpt-every", type=pint, help="write ckpt.pt every this many steps and at the end (preset)")
     add("--log-every", type=pint, help="print a training line every this many steps; run.json keeps all (preset)")
@@ -150,60 +148,46 @@ def build_parser():
 
 # ----------------------------------------------------------------------------- resolving a run's config
 
-def residual_args(args, residual):
-    """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
-    opts = design_options(residual, args.residual_args)
-    return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])
-
-
-def solved_shape(args, key, value, vocab_size):
-    """The solver's shape for --params/--fixed (the cpu preset, or a budget that is no suite)."""
-    budget = parse_count(args.params)
-    n_head = PRESETS[args.preset]["n_head"]
-    shape = solve(budget, **{key: value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)  # ValueError: none
-    shape["n_kv_head"] = shape["n_head"]
-    # 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
-    shape["steps"] = round(20 * budget / (args.global_batch * args.seq_len))
-    return shape, budget
-
-
 def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_size):
     """Everything one run needs, as the flat dict that goes into run.json and ckpt.pt."""
-    if args.suite:
+    tokens_per_step = args.global_batch * args.seq_len
+    if args.suite:  # named by suite and depth: the ladder has one AR at several sizes
         shape = suite_row(args.suite, shape_key, shape_value, vocab_size)
         budget = shape["backbone_params"] if args.suite.endswith("backbone") else shape["params"]
-    else:
-        shape, budget = solved_shape(args, shape_key, shape_value, vocab_size)
+        where = f"_{args.suite}-L{shape['n_layer']}"
+    else:  # the solver's shape for --params/--fixed (the cpu preset, or a budget that is no suite); ValueError: none
+        budget = parse_count(args.params)
+        shape = solve(budget, **{shape_key: shape_value}, fixed=args.fixed, vocab=vocab_size,
+                      n_head=PRESETS[args.preset]["n_head"])
+        shape["n_kv_head"] = shape["n_head"]
+        # 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
+        shape["steps"] = round(20 * budget / tokens_per_step)
+        budget_tag = f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's
+        where = f"{budget_tag}_ar{round(shape['d_model'] / shape['n_layer'], 2):g}"
     L, d, n_head = shape["n_layer"], shape["d_model"], shape["n_head"]
     lr = lr if lr is not None else shape.get("lr") or RESIDUALS[residual].paper_lr  # 1.6b: the suite's one LR
-    tokens_per_step = args.global_batch * args.seq_len
     steps = args.steps or shape["steps"]
-    opts, tag = residual_args(args, residual)
+    opts = design_options(residual, args.residual_args)  # the design's constructor options (GPTConfig.residual_args)
+    tag = "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])  # non-defaults
     # the design's own checks of its option values (a ValueError), on the meta device, before anything is written
     params = count_params(L, d, shape["d_ff"], residual, vocab_size, n_head, shape["n_kv_head"], **opts)
-    if args.suite:  # a suite's name and depth: the ladder has one AR at several sizes
-        tag += f"_{args.suite}-L{L}"
-    else:
-        tag += f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's budget
-        tag += f"_ar{round(d / L, 2):g}"
-    name = f"{residual}{tag}_lr{format_lr(lr)}_s{seed}"
     cfg = {
-        "name": name, "preset": args.preset, "suite": args.suite, "residual": residual, "residual_args": opts,
-        "n_layer": L, "d_model": d, "d_ff": shape["d_ff"], "n_head": n_head, "n_kv_head": shape["n_kv_head"],
-        "head_dim": d // n_head, "ar": d / L, "vocab_size": vocab_size, "params_budget": budget,
+        "name": f"{residual}{tag}{where}_lr{format_lr(lr)}_s{seed}", "preset": args.preset, "suite": args.suite,
+        "residual": residual, "residual_args": opts, "n_layer": L, "d_model": d, "d_ff": shape["d_ff"],
+        "n_head": n_head, "n_kv_head": shape["n_kv_head"], "head_dim": d // n_head, "ar": d / L,
+        "vocab_size": vocab_size, "params_budget": budget,
         "fixed": "backbone" if args.suite and args.suite.endswith("backbone") else args.fixed,
         "lr": lr, "final_lr_frac": 0.1, "warmup_steps": round(0.1 * steps), "total_steps": steps,
         "max_steps": args.max_steps, "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
-        "grad_clip": args.grad_clip, "seed": seed,
-        "data": args.data, "data_dir": args.data_dir, "tokenizer": None if args.data == "synthetic" else args.tokenizer,
-        "max_gap": args.max_gap, "group": args.group, "answers_only": bool(args.answers_only) and args.data == "synthetic",
+        "grad_clip": args.grad_clip, "seed": seed, "data": args.data, "data_dir": args.data_dir,
+        "tokenizer": None if args.data == "synthetic" else args.tokenizer, "max_gap": args.max_gap,
+        "group": args.group, "answers_only": bool(args.answers_only) and args.data == "synthetic",
         "seq_len": args.seq_len, "batch_size": args.batch_size, "global_batch": args.global_batch,
         "world_size": world_size, "fsdp": args.fsdp, "activation_checkpointing": args.activation_checkpointing,
         "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
         "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
-        "log_every": args.log_every, "out": args.out, "device": args.device,
-        "compile": args.compile, "kernels": args.kernels,
-        "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
+        "log_every": args.log_every, "out": args.out, "device": args.device, "compile": args.compile,
+        "kernels": args.kernels, "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
     }
     # 400m: the largest paper-like micro-batch that fits an 80 GB GPU; the small presets: the whole global batch at
     # once, split over the ranks. Gradient accumulation makes up the rest: the maths does not depend on it.
@@ -233,14 +217,10 @@ MARGIN, RESERVE = 1.1, 4 * GB  # slack on activations and loss; CUDA context, NC
 
 
 def memory_plan(cfg, params, bf16=True):
-    """An estimate (docs/training.md#memory) of the bytes per GPU of a training step of the resolved run `cfg` with
-    `params` parameters -> {fixed, activations, loss, eval, reserve, total}: fp32 weights, gradients, AdamW and DDP
-    buckets, 20 B per parameter (FSDP: 16 B sharded, plus the root and two blocks whole); what autograd keeps per
-    token (BLOCK_BYTES and the design's act_bytes per block, or with checkpointing its act_bytes[2] per block and
-    one block's set) and autocast's bf16 weights; the final norm's output and the loss chunks; an eval batch's
-    logits (after the step); total = fixed + max(MARGIN x (activations + loss), eval) + RESERVE. And a floor, what
-    no step of this shape does without: fp32 weights and gradients and 16 B per token, block and unit of d (with
-    checkpointing, each block's input): a run over it clearly cannot fit, whatever the estimate's errors."""
+    """An estimate of the bytes per GPU of a training step of the resolved run `cfg` with `params` parameters ->
+    {fixed, activations, loss, eval, reserve, total, floor}, each part as docs/training.md#memory derives it. The
+    floor is what no step of this shape does without: a run over it clearly cannot fit, whatever the estimate's
+    errors."""
     L, d, d_ff, W, design = cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["world_size"], RESIDUALS[cfg["residual"]]
     d_kv, tokens = d * cfg["n_kv_head"] // cfg["n_head"], cfg["batch_size"] * cfg["seq_len"]
     block = sum(c * x for c, x in zip(BLOCK_BYTES[bf16], (d, d_ff, d_kv))) + design.act_bytes[not bf16] * d
@@ -679,7 +659,7 @@ def on_signal(signum, frame):
 
 
 def interrupted(r):
-    """The signal that asks this run to stop, else 0; under torchrun every rank agrees, so none waits in a collective."""
+    """The signal that asks this run to stop, else 0; under torchrun all ranks agree: none waits in a collective."""
     if not r.ddp:
         return STOP[0] if STOP else 0
     flag = torch.tensor(STOP[:1] or [0], device=r.device)
@@ -768,19 +748,17 @@ def run_state(path):
     return "partial"
 
 
+def shapes_asked(args):
+    """(key, value) of each shape that --row, --layers and --ar ask for (only --print-grid takes more than one)."""
+    return [(key, value) for key in ("row", "layers", "ar") for value in getattr(args, key) or []]
+
+
 def print_grid(args):
     """--print-grid: the suite's runs at the paper's LRs (its sweep; 1.6b: one LR), one torchrun line each."""
-    if not args.suite:
-        fail("--print-grid needs --suite (or --preset 400m)")
     designs = args.residual or list(RESIDUALS)
-    bad = [r for r in designs if r not in RESIDUALS]
-    if bad:
-        fail(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
     rows = list(enumerate(suite_rows(args.suite)))
     try:
-        picked = [suite_row(args.suite, "row", k, VOCAB) for k in args.row or []] + \
-                 [suite_row(args.suite, "layers", L, VOCAB) for L in args.layers or []] + \
-                 [suite_row(args.suite, "ar", a, VOCAB) for a in args.ar or []]
+        picked = [suite_row(args.suite, key, value) for key, value in shapes_asked(args)]
     except ValueError as e:
         fail(str(e))
     rows = [(k, r) for k, r in rows if not picked or r in picked]
@@ -808,7 +786,12 @@ def parse_args(argv=None):
     args.preset = args.preset or ("400m" if cuda or args.suite else "cpu")
     if args.preset == "400m" and not (args.params or args.fixed):
         args.suite = args.suite or "400m"
+    bad = [r for r in args.residual or [] if r not in RESIDUALS]
+    if bad:
+        parser.error(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
     if args.print_grid:
+        if not args.suite:
+            parser.error("--print-grid needs --suite (or --preset 400m)")
         return args, cuda
     args.residual = args.residual or ["preln"]
     if sum(x is not None for x in (args.ar, args.layers, args.row)) > 1:
@@ -829,14 +812,11 @@ def parse_args(argv=None):
     if args.compile is None:
         args.compile = cuda  # on CPU compile pays only after thousands of steps (docs/speed.md)
     args.device = "cuda" if cuda else "cpu"
-    if args.data != "synthetic" and args.data_dir is None:
-        slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # data/austen -> data_austen
-        args.data_dir = f"data_cache/{slug}-{args.tokenizer}"
     if args.data == "synthetic":
         args.data_dir = None
-    bad = [r for r in args.residual if r not in RESIDUALS]
-    if bad:
-        parser.error(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
+    elif args.data_dir is None:
+        slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # data/austen -> data_austen
+        args.data_dir = f"data_cache/{slug}-{args.tokenizer}"
     try:
         check_options(args.residual, args.residual_args)
     except ValueError as e:
@@ -884,10 +864,9 @@ def main(argv=None):
     tokenizer = {"gpt2": data.GPT2Tokenizer, "bytes": data.ByteTokenizer}[args.tokenizer]  # the class: no download
     task = SyntheticTask(args.max_gap, args.group, answers_only=bool(args.answers_only))
     vocab = padded_vocab_size((task if args.data == "synthetic" else tokenizer).vocab_size)
-    shape_axis = ([("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers] if args.layers
-                  else [("row", k) for k in args.row])
     runs = {}
-    for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):
+    grid = itertools.product(args.residual, shapes_asked(args), args.lr or [None], args.seed)
+    for residual, (key, value), lr, seed in grid:
         try:
             cfg = resolve(args, residual, key, value, lr, seed, vocab, env["world_size"])
         except ValueError as e:
