@@ -46,6 +46,7 @@ from shapes import SUITES, backbone_params, count_params, parse_count, preln_par
 
 SCHEMA = "depthbench.train/1"
 VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
+FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
 
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
 # so that a real-text vocab (50k rows of embedding) does not eat the tiny budget; the paper fixes the total.
@@ -345,27 +346,18 @@ def finite_or_none(x):
     return x if math.isfinite(x) else None  # JSON has no NaN; null marks a non-finite value
 
 
-def train_run(cfg, env, resume):
-    """Train one resolved config to its end (or --max-steps); returns False if it diverged. The steps share
-    one namespace `r` (the run's state), which each step below reads and extends."""
-    r = build(cfg, env)
-    maybe_resume(r, resume)
-    describe(r)
-    return loop(r)
-
-
 def build(cfg, env):
-    """Loaders, model, optimizer and an empty log for one run -> the run's state `r`."""
+    """Loaders, model, optimizer and an empty log for one run -> the run's state `r`, one namespace that each step
+    of the run (maybe_resume, describe, loop and what it calls) reads and extends."""
     r = SimpleNamespace(cfg=cfg, env=env, rank=env["rank"], world=env["world_size"], device=env["device"])
     r.master, r.ddp, r.cuda = r.rank == 0, r.world > 1, r.device.startswith("cuda")
-    r.fsdp = r.ddp and cfg.get("fsdp", False)
+    r.fsdp = r.ddp and cfg["fsdp"]
     r.run_dir = Path(cfg["out"]) / cfg["name"]
     r.json_path, r.ckpt_path = r.run_dir / "run.json", r.run_dir / "ckpt.pt"
 
     # data: both loaders cut each global batch the same way, whatever the number of ranks (data.py)
     r.synthetic = cfg["data"] == "synthetic"
-    r.source = (SyntheticTask(cfg["max_gap"], cfg.get("group", "s4"), cfg.get("answers_only", False)) if r.synthetic
-                else cfg["data_dir"])
+    r.source = SyntheticTask(cfg["max_gap"], cfg["group"], cfg["answers_only"]) if r.synthetic else cfg["data_dir"]
     B, T, G = cfg["batch_size"], cfg["seq_len"], cfg["global_batch"]
     r.train_loader = BatchLoader(r.source, "train", B, T, G, r.rank, r.world, seed=cfg["seed"])
     r.val_loader = BatchLoader(r.source, "val", B, T, G, r.rank, r.world,
@@ -373,11 +365,9 @@ def build(cfg, env):
 
     # model and optimizer; `raw` is what we save (no DDP/compile prefixes in the state dict)
     torch.manual_seed(cfg["seed"])
-    r.model_config = GPTConfig(vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
-                               n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], d_ff=cfg["d_ff"],
-                               residual=cfg["residual"], residual_args=dict(cfg["residual_args"]),
-                               kernels=cfg.get("kernels", "fast"),
-                               checkpoint_blocks=cfg.get("activation_checkpointing", False))
+    arch = ("vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "residual", "kernels")
+    r.model_config = GPTConfig(**{k: cfg[k] for k in arch}, residual_args=dict(cfg["residual_args"]),
+                               checkpoint_blocks=cfg["activation_checkpointing"])
     with torch.device(r.device):  # built and initialised there: no CPU init and copy per rank (CUDA: its own RNG)
         r.raw = GPT(r.model_config)
     if r.fsdp:
@@ -389,8 +379,7 @@ def build(cfg, env):
     r.preln = preln_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"], *heads)
     params = {"total": total, "backbone": backbone_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], *heads),
               "residual_extra": total - r.preln}
-    r.log = {"schema": SCHEMA, "config": cfg, "params": params, "steps": [], "evals": [],
-             "final": {"val_loss": None, "answer_loss": None, "answer_acc": None},
+    r.log = {"schema": SCHEMA, "config": cfg, "params": params, "steps": [], "evals": [], "final": dict.fromkeys(FINAL),
              "diverged": False, "finished": False, "wall_s": 0.0, "peak_mem_bytes": 0, "device": env["device_name"],
              "versions": versions()}
     r.step = 0
@@ -521,9 +510,9 @@ def describe(r):
            f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
     threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
     print0(f"device     {r.env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}"
-           f", {cfg.get('kernels', 'fast')} kernels, world size {r.world}"
-           + (" (FSDP2)" if r.fsdp else " (DDP)" if r.ddp else " (--fsdp: nothing to shard)" if cfg.get("fsdp") else "")
-           + (", activation checkpointing" if cfg.get("activation_checkpointing") else "")
+           f", {cfg['kernels']} kernels, world size {r.world}"
+           + (" (FSDP2)" if r.fsdp else " (DDP)" if r.ddp else " (--fsdp: nothing to shard)" if cfg["fsdp"] else "")
+           + (", activation checkpointing" if cfg["activation_checkpointing"] else "")
            + f"; MFU from {r.flops_tok:.3g} FLOPs/token and a peak of "
            + (f"{r.peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if r.peak
               else "? (unknown GPU)"))
@@ -564,11 +553,11 @@ def loop(r):
             print0(f"step {step:>5}/{cfg['total_steps']} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
                    f"| {dt * 1000:.0f} ms | {cfg['tokens_per_step'] / dt:,.0f} tok/s{mfu} | ETA {eta / 60:.1f} min")
         if log["diverged"]:
-            log["final"] = {"val_loss": None, "answer_loss": None, "answer_acc": None}
+            log["final"] = dict.fromkeys(FINAL)
             save_json(r)
-            if r.master:  # the one line of a diverged run, on stderr; the grid goes on with the next run
-                print(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}, grad norm "
-                      f"{grad_norm}); see {r.json_path}", file=sys.stderr, flush=True)
+            # the one line of a diverged run, on stderr; the grid goes on with the next run
+            print0(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}, grad norm {grad_norm}); "
+                   f"see {r.json_path}", file=sys.stderr)
             return False
     print0(f"done: {cfg['name']} at step {r.step} in {log['wall_s']:.1f} s" + ("" if log["finished"] else
            f" (stopped by --max-steps; --resume continues to step {cfg['total_steps']})"))
@@ -612,7 +601,7 @@ def maybe_evaluate(r, last):
     if step > 0 and (step % cfg["eval_every"] == 0 or last) and not evaluated:
         ev = evaluate(r.model, r.val_loader, cfg["eval_iters"], r.ctx, r.device, cfg["max_gap"])
         log["evals"].append({"step": step, "tokens": step * cfg["tokens_per_step"], **ev})
-        log["final"] = {k: ev[k] for k in ("val_loss", "answer_loss", "answer_acc")}
+        log["final"] = {k: ev[k] for k in FINAL}
         levels = "" if ev["per_level"] is None else (
             f" | answers loss {ev['answer_loss']:.4f} acc {ev['answer_acc']:.1%} | by gap " +
             " ".join(f"{g}: {m['acc']:.0%}" for g, m in ev["per_level"].items()))
@@ -841,7 +830,10 @@ def grid_run(args, cfg, env, counter):
             print0("this run folder holds an unfinished run: starting over (--resume continues it)")
         if args.compile:
             torch._dynamo.reset()  # a fresh compile cache per shape
-        return train_run(cfg, env, args.resume)
+        r = build(cfg, env)
+        maybe_resume(r, args.resume)
+        describe(r)
+        return loop(r)  # to the end or --max-steps; False if it diverged
     except DataError as e:  # e.g. a shard that was truncated since it was made
         fail(str(e))
     except OSError as e:  # a full disk, a folder gone read-only: the files keep their last good version
