@@ -1,8 +1,7 @@
 """
 What every script shares, in one place: the one-line-error parser and its argument types, atomic writes,
-checkpoints, the run folder's lock, rank-0 printing, the device choice and the network probe.
-
-No torch at module level: plot.py imports this and must run (and start fast) without it.
+checkpoints, the run folder's lock, rank-0 printing, the device choice and the network probe. No torch at module
+level: plot.py imports this and must run (and start fast) without it.
 """
 import argparse
 import json
@@ -66,20 +65,15 @@ def json_object(text):
     return value
 
 
-def is_rank0():
-    return int(os.environ.get("RANK", 0)) == 0  # torchrun sets RANK; a plain process is rank 0
-
-
 def print0(*a, **kw):
-    """print, flushed, from rank 0 only."""
-    if is_rank0():
+    """print, flushed, from rank 0 only (torchrun sets RANK; a plain process is rank 0)."""
+    if int(os.environ.get("RANK", 0)) == 0:
         print(*a, **kw, flush=True)
 
 
 def fail(prog, message):
     """Bad input: one line on stderr (from rank 0) and exit code 2."""
-    if is_rank0():
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    print0(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
