@@ -30,11 +30,10 @@ def positive(kind=int, zero=False, below=math.inf):
     (argparse turns the ValueError into a one-line error)."""
     def parse(text):
         value = kind(text)
-        if not ((value >= 0) if zero else (value > 0)) or not value < min(below, math.inf):
+        if not ((value >= 0) if zero else (value > 0)) or not value < below:
             raise ValueError(text)
         return value
-    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}" + (
-        f" below {below}" if below < math.inf else "")
+    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"  # seed_number names its bound
     return parse
 
 
@@ -241,7 +240,6 @@ def hub_unreachable(timeout=5.0):
 def versions():
     """Provenance for a run's JSON: Python, torch and CUDA versions, and the git commit of this code."""
     import subprocess
-
     import torch
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,

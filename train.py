@@ -15,6 +15,7 @@ on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
 """
 import argparse
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -47,6 +48,7 @@ from shapes import SUITES, backbone_params, count_params, parse_count, preln_par
 SCHEMA = "depthbench.train/1"
 VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
 FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
+fail = functools.partial(common.fail, "train.py")  # bad input: one line on stderr (from rank 0) and exit code 2
 
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
 # so that a real-text vocab (50k rows of embedding) does not eat the tiny budget; the paper fixes the total.
@@ -59,11 +61,6 @@ PRESETS = {
                  group="s4", seq_len=2048, global_batch=512, batch_size=None, steps=None, lr=None, eval_every=250,
                  eval_iters=8, ckpt_every=1000, log_every=10),
 }
-
-
-def fail(message):
-    """Bad input: one line on stderr (from rank 0) and exit code 2."""
-    common.fail("train.py", message)
 
 
 def get_lr(step, peak, warmup, total, final_frac=0.1):
@@ -283,7 +280,8 @@ def check_memory(runs, args, cuda):
         return
     if not over:
         sys.exit(0)
-    (cfg, params, plan), W, ckpt = over[0], max(8, cfg["world_size"]), {"activation_checkpointing": True}
+    cfg, params, plan = over[0]
+    W, ckpt = max(8, cfg["world_size"]), {"activation_checkpointing": True}
     for flags in ({}, ckpt, {**ckpt, "fsdp": True, "world_size": W}):  # the cheapest way out first
         if B := default_micro_batch({**cfg, **flags}, params, limit, 2 ** 30, bf16):
             fix = f"use --batch-size {B}" + "".join(f" --{k.replace('_', '-')}" for k in flags if k != "world_size")
