@@ -152,7 +152,7 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
     if args.suite:  # named by suite and depth: the ladder has one AR at several sizes
         shape = suite_row(args.suite, shape_key, shape_value, vocab_size)
         budget = shape["backbone_params"] if args.suite.endswith("backbone") else shape["params"]
-        where = f"_{args.suite}-L{shape['n_layer']}"
+        shape_tag = f"_{args.suite}-L{shape['n_layer']}"
     else:  # the solver's shape for --params/--fixed (the cpu preset, or a budget that is no suite); ValueError: none
         budget = parse_count(args.params)
         shape = solve(budget, **{shape_key: shape_value}, fixed=args.fixed, vocab=vocab_size,
@@ -161,19 +161,19 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
         # 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
         shape["steps"] = round(20 * budget / tokens_per_step)
         budget_tag = f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's
-        where = f"{budget_tag}_ar{round(shape['d_model'] / shape['n_layer'], 2):g}"
+        shape_tag = f"{budget_tag}_ar{round(shape['d_model'] / shape['n_layer'], 2):g}"
     L, d, n_head = shape["n_layer"], shape["d_model"], shape["n_head"]
     lr = lr if lr is not None else shape.get("lr") or RESIDUALS[residual].paper_lr  # 1.6b: the suite's one LR
     steps = args.steps or shape["steps"]
     opts = design_options(residual, args.residual_args)  # the design's constructor options (GPTConfig.residual_args)
-    tag = "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])  # non-defaults
+    opts_tag = "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])  # non-defaults
     # the design's own checks of its option values (a ValueError), on the meta device, before anything is written
     params = count_params(L, d, shape["d_ff"], residual, vocab_size, n_head, shape["n_kv_head"], **opts)
     cfg = {
-        "name": f"{residual}{tag}{where}_lr{format_lr(lr)}_s{seed}", "preset": args.preset, "suite": args.suite,
-        "residual": residual, "residual_args": opts, "n_layer": L, "d_model": d, "d_ff": shape["d_ff"],
-        "n_head": n_head, "n_kv_head": shape["n_kv_head"], "head_dim": d // n_head, "ar": d / L,
-        "vocab_size": vocab_size, "params_budget": budget,
+        "name": f"{residual}{opts_tag}{shape_tag}_lr{format_lr(lr)}_s{seed}", "preset": args.preset,
+        "suite": args.suite, "residual": residual, "residual_args": opts, "n_layer": L, "d_model": d,
+        "d_ff": shape["d_ff"], "n_head": n_head, "n_kv_head": shape["n_kv_head"], "head_dim": d // n_head,
+        "ar": d / L, "vocab_size": vocab_size, "params_budget": budget,
         "fixed": "backbone" if args.suite and args.suite.endswith("backbone") else args.fixed,
         "lr": lr, "final_lr_frac": 0.1, "warmup_steps": round(0.1 * steps), "total_steps": steps,
         "max_steps": args.max_steps, "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
@@ -809,8 +809,9 @@ def parse_args(argv=None):
     except ValueError as e:
         parser.error(f"--residual-args: {e}")
     try:
-        assert parse_count(args.params) > 0
-    except (ValueError, AssertionError):
+        if not parse_count(args.params) > 0:
+            raise ValueError(args.params)
+    except ValueError:  # not an assert: python -O would skip it
         parser.error(f"--params {args.params!r} is not a count like 405M")
     return args, cuda
 
