@@ -101,8 +101,7 @@ def check_options(names, given):
     declared = {k: v for name in names for k, v in RESIDUALS[name].options.items()}
     unknown = sorted(set(given) - set(declared))
     if unknown:
-        raise ValueError(f"no design of {', '.join(names)} has an option {unknown[0]!r} "
-                         f"(theirs: {declared or 'none'})")
+        raise ValueError(f"no design of {', '.join(names)} has an option {unknown[0]!r} (theirs: {declared or 'none'})")
     for name in names:
         design_options(name, given)
 
