@@ -1,8 +1,7 @@
 """
 What every script shares, in one place: the one-line-error parser and its argument types, atomic writes,
-checkpoints, the run folder's lock, rank-0 printing, the device choice and the network probe.
-
-No torch at module level: plot.py imports this and must run (and start fast) without it.
+checkpoints, the run folder's lock, rank-0 printing, the device choice and the network probe. No torch at module
+level: plot.py imports this and must run (and start fast) without it.
 """
 import argparse
 import json
@@ -31,11 +30,10 @@ def positive(kind=int, zero=False, below=math.inf):
     (argparse turns the ValueError into a one-line error)."""
     def parse(text):
         value = kind(text)
-        if not ((value >= 0) if zero else (value > 0)) or not value < min(below, math.inf):
+        if not ((value >= 0) if zero else (value > 0)) or not value < below:
             raise ValueError(text)
         return value
-    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}" + (
-        f" below {below}" if below < math.inf else "")
+    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"  # seed_number names its bound
     return parse
 
 
@@ -66,20 +64,15 @@ def json_object(text):
     return value
 
 
-def is_rank0():
-    return int(os.environ.get("RANK", 0)) == 0  # torchrun sets RANK; a plain process is rank 0
-
-
 def print0(*a, **kw):
-    """print, flushed, from rank 0 only."""
-    if is_rank0():
+    """print, flushed, from rank 0 only (torchrun sets RANK; a plain process is rank 0)."""
+    if int(os.environ.get("RANK", 0)) == 0:
         print(*a, **kw, flush=True)
 
 
 def fail(prog, message):
     """Bad input: one line on stderr (from rank 0) and exit code 2."""
-    if is_rank0():
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    print0(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -108,8 +101,7 @@ def check_options(names, given):
     declared = {k: v for name in names for k, v in RESIDUALS[name].options.items()}
     unknown = sorted(set(given) - set(declared))
     if unknown:
-        raise ValueError(f"no design of {', '.join(names)} has an option {unknown[0]!r} "
-                         f"(theirs: {declared or 'none'})")
+        raise ValueError(f"no design of {', '.join(names)} has an option {unknown[0]!r} (theirs: {declared or 'none'})")
     for name in names:
         design_options(name, given)
 
@@ -247,7 +239,6 @@ def hub_unreachable(timeout=5.0):
 def versions():
     """Provenance for a run's JSON: Python, torch and CUDA versions, and the git commit of this code."""
     import subprocess
-
     import torch
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,

@@ -1,35 +1,21 @@
 """
-train.py: train one DepthBench model, or a grid of them, and log everything to run.json.
+train.py: train one DepthBench model, or a grid of them, and log everything to run.json and ckpt.pt.
 
     python train.py                                  # CPU preset: 2 layers learn S3 compositions in minutes
     python train.py --max-steps 3 --out /tmp/runs    # the same run, stopped after 3 steps (a smoke test)
     python train.py --residual preln,hc --seed 0,1   # a grid: every combination in turn, finished runs skipped
-    python data.py --source fineweb-edu --max-tokens 8200000000 --out data_cache/fineweb-edu-gpt2  # once, first
     torchrun --standalone --nproc_per_node=8 train.py --suite 1.6b --layers 40 --residual attnres  # a paper run
     python train.py --suite 1.6b --layers 54 --residual attnres --dry-run --gpu-mem 80  # its memory plan per GPU
     python train.py --suite 400m --print-grid        # the suite's whole LR sweep as torchrun lines, for a cluster
 
-Presets (PRESETS below). `cpu` (the default without CUDA): a 0.8M-parameter backbone on the embedded
-synthetic task (data.py's running products, here in S3), fp32, eager; what it learns and how long it takes are
-measured in the README's quick start, not here. `mini`: the one-machine suite's shapes (mini.py).
-`400m` (the default with CUDA): the paper's recipe (docs/designs.md#recipe) on the paper's own shapes:
-`--suite NAME` (shapes.SUITES: 400m, 302m-backbone, ladder, 1.6b; `--preset 400m` alone means
-`--suite 400m`) with `--row K`, `--layers L` or `--ar A` picking rows, the suite's step count (400m:
-7,600), global batch 512 x 2048, AdamW (0.9, 0.95) eps 1e-8 wd 0.1, clip 1.0, 10% warmup (760 of 7,600)
-then cosine to 0.1x peak, the paper's peak LR per design (1.6b: 5e-4 for all), FineWeb-Edu with the GPT-2
-tokenizer, fp32 weights under bf16 autocast (the paper's runs kept bf16 weights), torch.compile.
-Any flag overrides its preset value; every derived number is printed before training.
-
-Each run writes {out}/{name}/run.json (config, params, per-step losses, evals; plot.py reads it) and
-{out}/{name}/ckpt.pt (diagnose.py reads it), both atomically. --resume continues a run from ckpt.pt
-with the same losses as an uninterrupted run (bit-for-bit on CPU): the batches are a pure function of
-the step (data.py) and the LR a pure function of the step (get_lr). One writer at a time: a run folder is
-locked while it trains. Ctrl-C (SIGINT) or SIGTERM: the current step ends, ckpt.pt is saved, one line gives the
-resume command; a second Ctrl-C aborts at once. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input
-or an unwritable run folder (one line on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
+The presets and suites, what a run writes, --resume, Ctrl-C and the memory plan: docs/training.md; every fault
+and bad input: docs/reliability.md. Any flag overrides its preset value; every derived number is printed before
+training. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input or an unwritable run folder (one line
+on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
 """
 import argparse
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -57,29 +43,24 @@ import common
 from common import (ArgParser, check_options, csv, design_options, format_lr, json_object, positive, print0,
                     versions, write_json)
 from residuals import RESIDUALS
-from shapes import SUITES, VOCAB, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
+from shapes import SUITES, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
 
 SCHEMA = "depthbench.train/1"
 VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
+FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
+fail = functools.partial(common.fail, "train.py")  # bad input: one line on stderr (from rank 0) and exit code 2
 
 # Values a flag left unset takes from its preset. The cpu preset fixes the *backbone* budget (blocks only)
 # so that a real-text vocab (50k rows of embedding) does not eat the tiny budget; the paper fixes the total.
+SMALL = dict(params="0.8M", fixed="backbone", n_head=4, data="synthetic", answers_only=True, group="s3", seq_len=128,
+             global_batch=32, batch_size=None, lr=[3e-3], eval_every=200, eval_iters=8, ckpt_every=400, log_every=50)
 PRESETS = {
-    "cpu": dict(params="0.8M", fixed="backbone", n_head=4, layers=[2], data="synthetic", answers_only=True, group="s3",
-                seq_len=128, global_batch=32, batch_size=None, steps=800, lr=[3e-3], eval_every=200, eval_iters=8,
-                ckpt_every=400, log_every=50),
-    "mini": dict(params="0.8M", fixed="backbone", n_head=4, ar=[9.1], data="synthetic", answers_only=True, group="s3",
-                 seq_len=128, global_batch=32, batch_size=None, steps=1200, lr=[3e-3], eval_every=200, eval_iters=8,
-                 ckpt_every=400, log_every=50),
-    "400m": dict(params="405M", fixed="total", n_head=16, ar=[42.67], data="fineweb-edu", answers_only=False, group="s4",
-                 seq_len=2048, global_batch=512, batch_size=None, steps=None, lr=None, eval_every=250, eval_iters=8,
-                 ckpt_every=1000, log_every=10),
+    "cpu": dict(SMALL, layers=[2], steps=800),
+    "mini": dict(SMALL, ar=[9.1], steps=1200),  # the cpu preset's budget and recipe at any AR (mini.py's suite)
+    "400m": dict(params="405M", fixed="total", n_head=16, ar=[42.67], data="fineweb-edu", answers_only=False,
+                 group="s4", seq_len=2048, global_batch=512, batch_size=None, steps=None, lr=None, eval_every=250,
+                 eval_iters=8, ckpt_every=1000, log_every=10),
 }
-
-
-def fail(message):
-    """Bad input: one line on stderr (from rank 0) and exit code 2."""
-    common.fail("train.py", message)
 
 
 def get_lr(step, peak, warmup, total, final_frac=0.1):
@@ -99,25 +80,25 @@ def build_parser():
     p = ArgParser(prog="train.py", description="Train DepthBench models: one run, or a grid of comma-separated values.")
     add, pint = p.add_argument, positive(int)
     # what to train (comma-separated values make a grid)
-    add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's "
-        "shapes: 4 heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); "
-        "default: 400m with CUDA, cpu without. Flags below marked (preset) default to the preset's value")
+    add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's shapes: 4 "
+        "heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); default: 400m with CUDA, cpu without. Flags below "
+        "marked (preset) default to the preset's value")
     add("--residual", type=csv(str), help=f"design(s): {', '.join(RESIDUALS)} (default preln; --print-grid: all)")
     add("--ar", type=csv(positive(float)), help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
     add("--layers", type=csv(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 2)")
     add("--suite", choices=list(SUITES), help="the paper's shapes and step counts (shapes.py --suite); implies "
         "--preset 400m, which without --params means --suite 400m")
     add("--row", type=csv(int), help="--suite: row number(s) as `shapes.py --suite NAME` lists them")
-    add("--print-grid", action="store_true", help="--suite: print every design x row x LR the paper ran (the "
-        "design's paper_lr_sweep and paper_lr; 1.6b: the suite's one LR) as torchrun lines and exit; --residual, "
+    add("--print-grid", action="store_true", help="--suite: print every design x row x LR the paper ran (the design's "
+        "paper_lr_sweep and paper_lr; 1.6b: the suite's one LR) as torchrun lines and exit; --residual, "
         "--row/--layers/--ar and --lr narrow it")
-    add("--params", help="parameter budget the shape is solved for (preset: 405M, cpu/mini 0.8M backbone), "
-        "instead of a suite")
-    add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu backbone)")
+    add("--params", help="parameter budget the shape is solved for, instead of a suite (preset: 405M, cpu/mini 0.8M "
+        "backbone)")
+    add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu/mini backbone)")
     add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
         "residuals.py, the suite's for 1.6b: 5e-4; cpu/mini 3e-3)")
-    add("--seed", type=csv(common.seed_number), default=[42], help="seed(s) of the init and the train data order (the "
-        "paper's 42)")
+    add("--seed", type=csv(common.seed_number), default=[42], help="seed(s) of the init and the train data order "
+        "(the paper's 42)")
     add("--residual-args", type=json_object, default={}, help="design options as JSON (each design's `options` in "
         "residuals.py), e.g. '{\"n_streams\": 2, \"init\": \"uniform\", \"n_groups\": 4, \"norm\": \"post\"}'; "
         "each design of a grid takes the keys it declares; non-default values join the run name")
@@ -141,7 +122,7 @@ def build_parser():
         "params get 0)")
     add("--grad-clip", type=positive(float, zero=True), default=1.0, help="clip the global grad norm to this (0: off)")
     # evaluation, logging, checkpoints
-    add("--eval-every", type=pint, help="evaluate every this many steps and at the end (preset: 250, cpu 100)")
+    add("--eval-every", type=pint, help="evaluate every this many steps and at the end (preset: 250, cpu/mini 200)")
     add("--eval-iters", type=pint, help="global batches of validation data per eval, the same ones each time (preset)")
     add("--ckpt-every", type=pint, help="write ckpt.pt every this many steps and at the end (preset)")
     add("--log-every", type=pint, help="print a training line every this many steps; run.json keeps all (preset)")
@@ -165,60 +146,46 @@ def build_parser():
 
 # ----------------------------------------------------------------------------- resolving a run's config
 
-def residual_args(args, residual):
-    """The design's constructor options (GPTConfig.residual_args), and a run-name tag for non-defaults."""
-    opts = design_options(residual, args.residual_args)
-    return opts, "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])
-
-
-def solved_shape(args, key, value, vocab_size):
-    """The solver's shape for --params/--fixed (the cpu preset, or a budget that is no suite)."""
-    budget = parse_count(args.params)
-    n_head = PRESETS[args.preset]["n_head"]
-    shape = solve(budget, **{key: value}, fixed=args.fixed, vocab=vocab_size, n_head=n_head)  # ValueError: none
-    shape["n_kv_head"] = shape["n_head"]
-    # 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
-    shape["steps"] = round(20 * budget / (args.global_batch * args.seq_len))
-    return shape, budget
-
-
 def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_size):
     """Everything one run needs, as the flat dict that goes into run.json and ckpt.pt."""
-    if args.suite:
+    tokens_per_step = args.global_batch * args.seq_len
+    if args.suite:  # named by suite and depth: the ladder has one AR at several sizes
         shape = suite_row(args.suite, shape_key, shape_value, vocab_size)
         budget = shape["backbone_params"] if args.suite.endswith("backbone") else shape["params"]
-    else:
-        shape, budget = solved_shape(args, shape_key, shape_value, vocab_size)
+        shape_tag = f"_{args.suite}-L{shape['n_layer']}"
+    else:  # the solver's shape for --params/--fixed (the cpu preset, or a budget that is no suite); ValueError: none
+        budget = parse_count(args.params)
+        shape = solve(budget, **{shape_key: shape_value}, fixed=args.fixed, vocab=vocab_size,
+                      n_head=PRESETS[args.preset]["n_head"])
+        shape["n_kv_head"] = shape["n_head"]
+        # 20 tokens per budgeted parameter, the same tokens for every design and shape of the budget
+        shape["steps"] = round(20 * budget / tokens_per_step)
+        budget_tag = f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's
+        shape_tag = f"{budget_tag}_ar{round(shape['d_model'] / shape['n_layer'], 2):g}"
     L, d, n_head = shape["n_layer"], shape["d_model"], shape["n_head"]
     lr = lr if lr is not None else shape.get("lr") or RESIDUALS[residual].paper_lr  # 1.6b: the suite's one LR
-    tokens_per_step = args.global_batch * args.seq_len
     steps = args.steps or shape["steps"]
-    opts, tag = residual_args(args, residual)
+    opts = design_options(residual, args.residual_args)  # the design's constructor options (GPTConfig.residual_args)
+    opts_tag = "".join(f"_{k}-{v}" for k, v in opts.items() if v != RESIDUALS[residual].options[k])  # non-defaults
     # the design's own checks of its option values (a ValueError), on the meta device, before anything is written
     params = count_params(L, d, shape["d_ff"], residual, vocab_size, n_head, shape["n_kv_head"], **opts)
-    if args.suite:  # a suite's name and depth: the ladder has one AR at several sizes
-        tag += f"_{args.suite}-L{L}"
-    else:
-        tag += f"_{args.fixed}" if args.fixed != PRESETS[args.preset]["fixed"] else ""  # not the preset's budget
-        tag += f"_ar{round(d / L, 2):g}"
-    name = f"{residual}{tag}_lr{format_lr(lr)}_s{seed}"
     cfg = {
-        "name": name, "preset": args.preset, "suite": args.suite, "residual": residual, "residual_args": opts,
-        "n_layer": L, "d_model": d, "d_ff": shape["d_ff"], "n_head": n_head, "n_kv_head": shape["n_kv_head"],
-        "head_dim": d // n_head, "ar": d / L, "vocab_size": vocab_size, "params_budget": budget,
+        "name": f"{residual}{opts_tag}{shape_tag}_lr{format_lr(lr)}_s{seed}", "preset": args.preset,
+        "suite": args.suite, "residual": residual, "residual_args": opts, "n_layer": L, "d_model": d,
+        "d_ff": shape["d_ff"], "n_head": n_head, "n_kv_head": shape["n_kv_head"], "head_dim": d // n_head,
+        "ar": d / L, "vocab_size": vocab_size, "params_budget": budget,
         "fixed": "backbone" if args.suite and args.suite.endswith("backbone") else args.fixed,
         "lr": lr, "final_lr_frac": 0.1, "warmup_steps": round(0.1 * steps), "total_steps": steps,
         "max_steps": args.max_steps, "weight_decay": args.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8,
-        "grad_clip": args.grad_clip, "seed": seed,
-        "data": args.data, "data_dir": args.data_dir, "tokenizer": None if args.data == "synthetic" else args.tokenizer,
-        "max_gap": args.max_gap, "group": args.group, "answers_only": bool(args.answers_only) and args.data == "synthetic",
+        "grad_clip": args.grad_clip, "seed": seed, "data": args.data, "data_dir": args.data_dir,
+        "tokenizer": None if args.data == "synthetic" else args.tokenizer, "max_gap": args.max_gap,
+        "group": args.group, "answers_only": bool(args.answers_only) and args.data == "synthetic",
         "seq_len": args.seq_len, "batch_size": args.batch_size, "global_batch": args.global_batch,
         "world_size": world_size, "fsdp": args.fsdp, "activation_checkpointing": args.activation_checkpointing,
         "tokens_per_step": tokens_per_step, "total_tokens": steps * tokens_per_step,
         "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
-        "log_every": args.log_every, "out": args.out, "device": args.device,
-        "compile": args.compile, "kernels": args.kernels,
-        "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
+        "log_every": args.log_every, "out": args.out, "device": args.device, "compile": args.compile,
+        "kernels": args.kernels, "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
     }
     # 400m: the largest paper-like micro-batch that fits an 80 GB GPU; the small presets: the whole global batch at
     # once, split over the ranks. Gradient accumulation makes up the rest: the maths does not depend on it.
@@ -248,12 +215,10 @@ MARGIN, RESERVE = 1.1, 4 * GB  # slack on activations and loss; CUDA context, NC
 
 
 def memory_plan(cfg, params, bf16=True):
-    """An estimate (docs/training.md#memory) of the bytes per GPU of a training step of the resolved run `cfg` with
-    `params` parameters -> {fixed, activations, loss, eval, reserve, total}: fp32 weights, gradients, AdamW and DDP
-    buckets, 20 B per parameter (FSDP: 16 B sharded, plus the root and two blocks whole); what autograd keeps per
-    token (BLOCK_BYTES and the design's act_bytes per block, or with checkpointing its act_bytes[2] per block and
-    one block's set) and autocast's bf16 weights; the final norm's output and the loss chunks; an eval batch's
-    logits (after the step); total = fixed + max(MARGIN x (activations + loss), eval) + RESERVE."""
+    """An estimate of the bytes per GPU of a training step of the resolved run `cfg` with `params` parameters ->
+    {fixed, activations, loss, eval, reserve, total, floor}, each part as docs/training.md#memory derives it. The
+    floor is what no step of this shape does without: a run over it clearly cannot fit, whatever the estimate's
+    errors."""
     L, d, d_ff, W, design = cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["world_size"], RESIDUALS[cfg["residual"]]
     d_kv, tokens = d * cfg["n_kv_head"] // cfg["n_head"], cfg["batch_size"] * cfg["seq_len"]
     block = sum(c * x for c, x in zip(BLOCK_BYTES[bf16], (d, d_ff, d_kv))) + design.act_bytes[not bf16] * d
@@ -266,6 +231,7 @@ def memory_plan(cfg, params, bf16=True):
             else 20 * params, "activations": tokens * act + casts, "eval": tokens * cfg["vocab_size"] * 10,
             "loss": tokens * 4 * d + 4 * kernels.LOSS_CHUNK_BYTES, "reserve": RESERVE}
     plan["total"] = plan["fixed"] + max(MARGIN * (plan["activations"] + plan["loss"]), plan["eval"]) + RESERVE
+    plan["floor"] = 8 * params + tokens * L * d * (design.act_bytes[2] if cfg["activation_checkpointing"] else 16)
     return plan
 
 
@@ -279,9 +245,11 @@ def default_micro_batch(cfg, params, limit=PLAN_BYTES, most=None, bf16=True):
                  and memory_plan({**cfg, "batch_size": B}, params, bf16)["total"] <= limit), None)
 
 
-def dry_run(runs, gpu_mem, cuda):
-    """--dry-run: each run's plan against a GPU's memory (--gpu-mem, this GPU's, or in fp32 the host's); exit 0
-    when all fit, else 2 with one line naming the fix."""
+def check_memory(runs, args, cuda):
+    """Each run's memory plan against a device's memory, before anything is allocated: a run over its floor is
+    refused in one line (exit 2). --dry-run instead prints each plan against --gpu-mem (default: this GPU's memory;
+    without one, the host's, in fp32) and exits: 0 when all fit, else 2 with one line naming the fix."""
+    gpu_mem = args.gpu_mem if args.dry_run else None
     bf16 = cuda or gpu_mem is not None
     limit = (gpu_mem * GB if gpu_mem else torch.cuda.get_device_properties(0).total_memory if cuda
              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -290,6 +258,13 @@ def dry_run(runs, gpu_mem, cuda):
         params = count_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["residual"], cfg["vocab_size"],
                               cfg["n_head"], cfg["n_kv_head"], **cfg["residual_args"])
         plan, W = memory_plan(cfg, params, bf16), cfg["world_size"]
+        if not args.dry_run:
+            if plan["floor"] > limit:
+                fail(f"{cfg['name']} needs at least {plan['floor'] / GB:,.1f} GB at micro-batch {cfg['batch_size']} "
+                     f"x {cfg['seq_len']} tokens, the {cfg['device']} has {limit / GB:,.1f} GB: lower --seq-len or "
+                     "--batch-size")
+            continue
+        over += [(cfg, params, plan)] if plan["total"] > limit else []
         print0(f"memory plan per GPU of {cfg['name']} (an estimate: docs/training.md#memory)\n  L{cfg['n_layer']} "
                f"d{cfg['d_model']}, {params:,} params, micro-batch {cfg['batch_size']} x {cfg['seq_len']}, "
                + (f"{'FSDP2' if cfg['fsdp'] else 'DDP'} over {W} ranks" if W > 1 else "1 process")
@@ -301,10 +276,12 @@ def dry_run(runs, gpu_mem, cuda):
                           ("total", f"of {limit / GB:.1f} GB: " + ("fits" if plan["total"] <= limit else
                                                                    "does NOT fit"))]:
             print0(f"  {key:<12}{plan[key] / GB:8.1f} GB  {what}")
-        over += [(cfg, params, plan)] if plan["total"] > limit else []
+    if not args.dry_run:
+        return
     if not over:
         sys.exit(0)
-    (cfg, params, plan), W, ckpt = over[0], max(8, cfg["world_size"]), {"activation_checkpointing": True}
+    cfg, params, plan = over[0]
+    W, ckpt = max(8, cfg["world_size"]), {"activation_checkpointing": True}
     for flags in ({}, ckpt, {**ckpt, "fsdp": True, "world_size": W}):  # the cheapest way out first
         if B := default_micro_batch({**cfg, **flags}, params, limit, 2 ** 30, bf16):
             fix = f"use --batch-size {B}" + "".join(f" --{k.replace('_', '-')}" for k in flags if k != "world_size")
@@ -367,27 +344,18 @@ def finite_or_none(x):
     return x if math.isfinite(x) else None  # JSON has no NaN; null marks a non-finite value
 
 
-def train_run(cfg, env, resume):
-    """Train one resolved config to its end (or --max-steps); returns False if it diverged. The steps share
-    one namespace `r` (the run's state), which each step below reads and extends."""
-    r = build(cfg, env)
-    maybe_resume(r, resume)
-    describe(r)
-    return loop(r)
-
-
 def build(cfg, env):
-    """Loaders, model, optimizer and an empty log for one run -> the run's state `r`."""
+    """Loaders, model, optimizer and an empty log for one run -> the run's state `r`, one namespace that each step
+    of the run (maybe_resume, describe, loop and what it calls) reads and extends."""
     r = SimpleNamespace(cfg=cfg, env=env, rank=env["rank"], world=env["world_size"], device=env["device"])
     r.master, r.ddp, r.cuda = r.rank == 0, r.world > 1, r.device.startswith("cuda")
-    r.fsdp = r.ddp and cfg.get("fsdp", False)
+    r.fsdp = r.ddp and cfg["fsdp"]
     r.run_dir = Path(cfg["out"]) / cfg["name"]
     r.json_path, r.ckpt_path = r.run_dir / "run.json", r.run_dir / "ckpt.pt"
 
     # data: both loaders cut each global batch the same way, whatever the number of ranks (data.py)
     r.synthetic = cfg["data"] == "synthetic"
-    r.source = (SyntheticTask(cfg["max_gap"], cfg.get("group", "s4"), cfg.get("answers_only", False)) if r.synthetic
-                else cfg["data_dir"])
+    r.source = SyntheticTask(cfg["max_gap"], cfg["group"], cfg["answers_only"]) if r.synthetic else cfg["data_dir"]
     B, T, G = cfg["batch_size"], cfg["seq_len"], cfg["global_batch"]
     r.train_loader = BatchLoader(r.source, "train", B, T, G, r.rank, r.world, seed=cfg["seed"])
     r.val_loader = BatchLoader(r.source, "val", B, T, G, r.rank, r.world,
@@ -395,11 +363,9 @@ def build(cfg, env):
 
     # model and optimizer; `raw` is what we save (no DDP/compile prefixes in the state dict)
     torch.manual_seed(cfg["seed"])
-    r.model_config = GPTConfig(vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
-                               n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], d_ff=cfg["d_ff"],
-                               residual=cfg["residual"], residual_args=dict(cfg["residual_args"]),
-                               kernels=cfg.get("kernels", "fast"),
-                               checkpoint_blocks=cfg.get("activation_checkpointing", False))
+    arch = ("vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "residual", "kernels")
+    r.model_config = GPTConfig(**{k: cfg[k] for k in arch}, residual_args=dict(cfg["residual_args"]),
+                               checkpoint_blocks=cfg["activation_checkpointing"])
     with torch.device(r.device):  # built and initialised there: no CPU init and copy per rank (CUDA: its own RNG)
         r.raw = GPT(r.model_config)
     if r.fsdp:
@@ -411,8 +377,7 @@ def build(cfg, env):
     r.preln = preln_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], cfg["vocab_size"], *heads)
     params = {"total": total, "backbone": backbone_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], *heads),
               "residual_extra": total - r.preln}
-    r.log = {"schema": SCHEMA, "config": cfg, "params": params, "steps": [], "evals": [],
-             "final": {"val_loss": None, "answer_loss": None, "answer_acc": None},
+    r.log = {"schema": SCHEMA, "config": cfg, "params": params, "steps": [], "evals": [], "final": dict.fromkeys(FINAL),
              "diverged": False, "finished": False, "wall_s": 0.0, "peak_mem_bytes": 0, "device": env["device_name"],
              "versions": versions()}
     r.step = 0
@@ -543,9 +508,9 @@ def describe(r):
            f"({cfg['eval_iters'] * cfg['tokens_per_step']:,} val tokens); ckpt every {cfg['ckpt_every']} steps")
     threads = "" if cuda else f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
     print0(f"device     {r.env['device_name']}{threads}, {cfg['dtype']}, compile {'on' if cfg['compile'] else 'off'}"
-           f", {cfg.get('kernels', 'fast')} kernels, world size {r.world}"
-           + (" (FSDP2)" if r.fsdp else " (DDP)" if r.ddp else " (--fsdp: nothing to shard)" if cfg.get("fsdp") else "")
-           + (", activation checkpointing" if cfg.get("activation_checkpointing") else "")
+           f", {cfg['kernels']} kernels, world size {r.world}"
+           + (" (FSDP2)" if r.fsdp else " (DDP)" if r.ddp else " (--fsdp: nothing to shard)" if cfg["fsdp"] else "")
+           + (", activation checkpointing" if cfg["activation_checkpointing"] else "")
            + f"; MFU from {r.flops_tok:.3g} FLOPs/token and a peak of "
            + (f"{r.peak / 1e12:.3g} TFLOP/s ({'bf16 table' if cuda else 'measured fp32 matmul'})" if r.peak
               else "? (unknown GPU)"))
@@ -586,11 +551,11 @@ def loop(r):
             print0(f"step {step:>5}/{cfg['total_steps']} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
                    f"| {dt * 1000:.0f} ms | {cfg['tokens_per_step'] / dt:,.0f} tok/s{mfu} | ETA {eta / 60:.1f} min")
         if log["diverged"]:
-            log["final"] = {"val_loss": None, "answer_loss": None, "answer_acc": None}
+            log["final"] = dict.fromkeys(FINAL)
             save_json(r)
-            if r.master:  # the one line of a diverged run, on stderr; the grid goes on with the next run
-                print(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}, grad norm "
-                      f"{grad_norm}); see {r.json_path}", file=sys.stderr, flush=True)
+            # the one line of a diverged run, on stderr; the grid goes on with the next run
+            print0(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}, grad norm {grad_norm}); "
+                   f"see {r.json_path}", file=sys.stderr)
             return False
     print0(f"done: {cfg['name']} at step {r.step} in {log['wall_s']:.1f} s" + ("" if log["finished"] else
            f" (stopped by --max-steps; --resume continues to step {cfg['total_steps']})"))
@@ -634,7 +599,7 @@ def maybe_evaluate(r, last):
     if step > 0 and (step % cfg["eval_every"] == 0 or last) and not evaluated:
         ev = evaluate(r.model, r.val_loader, cfg["eval_iters"], r.ctx, r.device, cfg["max_gap"])
         log["evals"].append({"step": step, "tokens": step * cfg["tokens_per_step"], **ev})
-        log["final"] = {k: ev[k] for k in ("val_loss", "answer_loss", "answer_acc")}
+        log["final"] = {k: ev[k] for k in FINAL}
         levels = "" if ev["per_level"] is None else (
             f" | answers loss {ev['answer_loss']:.4f} acc {ev['answer_acc']:.1%} | by gap " +
             " ".join(f"{g}: {m['acc']:.0%}" for g, m in ev["per_level"].items()))
@@ -681,7 +646,7 @@ def on_signal(signum, frame):
 
 
 def interrupted(r):
-    """The signal that asks this run to stop, else 0; under torchrun every rank agrees, so none waits in a collective."""
+    """The signal that asks this run to stop, else 0; under torchrun all ranks agree: none waits in a collective."""
     if not r.ddp:
         return STOP[0] if STOP else 0
     flag = torch.tensor(STOP[:1] or [0], device=r.device)
@@ -770,19 +735,17 @@ def run_state(path):
     return "partial"
 
 
+def shapes_asked(args):
+    """(key, value) of each shape that --row, --layers and --ar ask for (only --print-grid takes more than one)."""
+    return [(key, value) for key in ("row", "layers", "ar") for value in getattr(args, key) or []]
+
+
 def print_grid(args):
     """--print-grid: the suite's runs at the paper's LRs (its sweep; 1.6b: one LR), one torchrun line each."""
-    if not args.suite:
-        fail("--print-grid needs --suite (or --preset 400m)")
     designs = args.residual or list(RESIDUALS)
-    bad = [r for r in designs if r not in RESIDUALS]
-    if bad:
-        fail(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
     rows = list(enumerate(suite_rows(args.suite)))
     try:
-        picked = [suite_row(args.suite, "row", k, VOCAB) for k in args.row or []] + \
-                 [suite_row(args.suite, "layers", L, VOCAB) for L in args.layers or []] + \
-                 [suite_row(args.suite, "ar", a, VOCAB) for a in args.ar or []]
+        picked = [suite_row(args.suite, key, value) for key, value in shapes_asked(args)]
     except ValueError as e:
         fail(str(e))
     rows = [(k, r) for k, r in rows if not picked or r in picked]
@@ -810,7 +773,12 @@ def parse_args(argv=None):
     args.preset = args.preset or ("400m" if cuda or args.suite else "cpu")
     if args.preset == "400m" and not (args.params or args.fixed):
         args.suite = args.suite or "400m"
+    bad = [r for r in args.residual or [] if r not in RESIDUALS]
+    if bad:
+        parser.error(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
     if args.print_grid:
+        if not args.suite:
+            parser.error("--print-grid needs --suite (or --preset 400m)")
         return args, cuda
     args.residual = args.residual or ["preln"]
     if sum(x is not None for x in (args.ar, args.layers, args.row)) > 1:
@@ -831,35 +799,21 @@ def parse_args(argv=None):
     if args.compile is None:
         args.compile = cuda  # on CPU compile pays only after thousands of steps (docs/speed.md)
     args.device = "cuda" if cuda else "cpu"
-    if args.data != "synthetic" and args.data_dir is None:
-        slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # data/austen -> data_austen
-        args.data_dir = f"data_cache/{slug}-{args.tokenizer}"
     if args.data == "synthetic":
         args.data_dir = None
-    bad = [r for r in args.residual if r not in RESIDUALS]
-    if bad:
-        parser.error(f"unknown residual {bad[0]!r}; choose from {', '.join(RESIDUALS)}")
+    elif args.data_dir is None:
+        slug = re.sub(r"[^A-Za-z0-9-]+", "_", args.data).strip("_")[-40:]  # data/austen -> data_austen
+        args.data_dir = f"data_cache/{slug}-{args.tokenizer}"
     try:
         check_options(args.residual, args.residual_args)
     except ValueError as e:
         parser.error(f"--residual-args: {e}")
     try:
-        assert parse_count(args.params) > 0
-    except (ValueError, AssertionError):
+        if not parse_count(args.params) > 0:
+            raise ValueError(args.params)
+    except ValueError:  # not an assert: python -O would skip it
         parser.error(f"--params {args.params!r} is not a count like 405M")
     return args, cuda
-
-
-def check_memory(cfg):
-    """ValueError when a rank cannot hold the run, before anything is allocated: a lower bound of its bytes (fp32
-    weights and gradients, 16 bytes of activations per token, layer and unit of width) over the device's total."""
-    L, d, B, T = cfg["n_layer"], cfg["d_model"], cfg["batch_size"], cfg["seq_len"]
-    need = 8 * preln_params(L, d, cfg["d_ff"], cfg["vocab_size"], cfg["n_kv_head"], cfg["n_head"]) + 16 * B * T * L * d
-    have = (torch.cuda.get_device_properties(0).total_memory if cfg["device"] == "cuda"
-            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    if need > have:
-        raise ValueError(f"{cfg['name']} needs at least {need / 2**30:,.0f} GiB at micro-batch {B} x {T} tokens, the "
-                         f"{cfg['device']} has {have / 2**30:,.0f} GiB: lower --seq-len or --batch-size")
 
 
 def grid_run(args, cfg, env, counter):
@@ -875,7 +829,10 @@ def grid_run(args, cfg, env, counter):
             print0("this run folder holds an unfinished run: starting over (--resume continues it)")
         if args.compile:
             torch._dynamo.reset()  # a fresh compile cache per shape
-        return train_run(cfg, env, args.resume)
+        r = build(cfg, env)
+        maybe_resume(r, args.resume)
+        describe(r)
+        return loop(r)  # to the end or --max-steps; False if it diverged
     except DataError as e:  # e.g. a shard that was truncated since it was made
         fail(str(e))
     except OSError as e:  # a full disk, a folder gone read-only: the files keep their last good version
@@ -898,21 +855,16 @@ def main(argv=None):
     tokenizer = {"gpt2": data.GPT2Tokenizer, "bytes": data.ByteTokenizer}[args.tokenizer]  # the class: no download
     task = SyntheticTask(args.max_gap, args.group, answers_only=bool(args.answers_only))
     vocab = padded_vocab_size((task if args.data == "synthetic" else tokenizer).vocab_size)
-    shape_axis = ([("ar", a) for a in args.ar] if args.ar else [("layers", n) for n in args.layers] if args.layers
-                  else [("row", k) for k in args.row])
-    runs, names = [], set()
-    for residual, (key, value), lr, seed in itertools.product(args.residual, shape_axis, args.lr or [None], args.seed):
+    runs = {}
+    grid = itertools.product(args.residual, shapes_asked(args), args.lr or [None], args.seed)
+    for residual, (key, value), lr, seed in grid:
         try:
             cfg = resolve(args, residual, key, value, lr, seed, vocab, env["world_size"])
-            if not args.dry_run:  # --dry-run checks the memory plan instead
-                check_memory(cfg)
         except ValueError as e:
             fail(str(e))
-        if cfg["name"] not in names:  # two ARs can solve to the same shape
-            runs.append(cfg)
-            names.add(cfg["name"])
-    if args.dry_run:
-        dry_run(runs, args.gpu_mem, cuda)
+        runs.setdefault(cfg["name"], cfg)  # two ARs can solve to the same shape
+    runs = list(runs.values())
+    check_memory(runs, args, cuda)
     if args.data != "synthetic":
         on_rank0(lambda: prepare_data(args, runs[0]), env)
 
