@@ -85,8 +85,11 @@ def load_folder(folder):
     followed (mini.py links a cell's first seed in from its LR sweep)."""
     folder = Path(folder)
     data, skipped = {"train": [], "diagnose": [], "profile": []}, []
-    walk = os.walk(folder, followlinks=True)
+    walk, seen = os.walk(folder, followlinks=True), set()
     for path in sorted(Path(root) / f for root, _, files in walk for f in files if f.endswith(".json")):
+        if path.resolve() in seen:  # a linked run is also under its sweep folder: read it once
+            continue
+        seen.add(path.resolve())
         rel = str(path.relative_to(folder))
         try:
             obj = json.loads(path.read_text())  # Python's json also takes the NaN/Infinity torch code writes
@@ -290,14 +293,15 @@ def fig2_final_loss(data, out_path, svg=False):
         if scored:
             _, _, best_lr[f"{res}@{ar:g}"], points[(res, ar)] = min(scored, key=lambda s: s[:2])
     fig, ax = plt.subplots(figsize=(8, 5))
+    own_lr = len(set(best_lr.values())) > 1  # each point at its own LR (mini.py's protocol): say which
     for res, (xs, mean, lo, hi) in by_design(points).items():
         yerr = [np.subtract(mean, lo), np.subtract(hi, mean)]  # min-max over seeds
         ax.errorbar(xs, mean, yerr=yerr, color=colour(res), marker="o", capsize=3, label=display(res))
-        for x in xs:  # every seed as a faint dot, so "3 seeds agree" and "1 seed" look different
+        for x, m in zip(xs, mean):  # every seed as a faint dot, so "3 seeds agree" and "1 seed" look different
             ax.scatter([x] * len(points[(res, x)]), points[(res, x)], color=colour(res), s=10, alpha=0.4)
-            if len(set(best_lr.values())) > 1:  # each point at its own LR (mini.py's protocol): say which
-                ax.annotate(f"{best_lr[f'{res}@{x:g}']:g}", (x, np.mean(points[(res, x)])), xytext=(3, 3),
-                            textcoords="offset points", fontsize=7, color=colour(res))
+            if own_lr:
+                ax.annotate(f"{best_lr[f'{res}@{x:g}']:g}", (x, m), xytext=(3, 3), textcoords="offset points",
+                            fontsize=7, color=colour(res))
     # a diverged run has no loss to plot: an x at the top of the axis at its AR (any LR) marks it,
     # stacked downwards when several designs diverged at the same AR
     diverged, stack = [], {}

@@ -200,6 +200,17 @@ def test_best_lr_is_lowest_mean_over_seeds(tmp_path):
     assert "1 unfinished left out" in info["drew"]
 
 
+def test_a_linked_run_folder_is_read_once(tmp_path):
+    """mini.py links a cell's first seed from its sweep folder into the probe's: plotting the probe reads the
+    link, and plotting the folder above both reads that run once, not twice."""
+    sweep = write(tmp_path, "text-lr/preln_ar32/s0/run.json", train_json(seed=0, final=3.0)).parent
+    write(tmp_path, "text/s1/run.json", train_json(seed=1, final=3.2))
+    (tmp_path / "text" / "s0").symlink_to(sweep, target_is_directory=True)
+    assert sorted(r["config"]["seed"] for r in plot.load_folder(tmp_path / "text")[0]["train"]) == [0, 1]
+    data, skipped = plot.load_folder(tmp_path)
+    assert sorted(r["config"]["seed"] for r in data["train"]) == [0, 1] and not skipped
+
+
 def test_other_schema_version_is_skipped_by_name(tmp_path):
     """A depthbench.train/2 file is not drawn; the reason names the version found and the one supported."""
     write(tmp_path, "new/run.json", dict(train_json(), schema="depthbench.train/2"))
