@@ -97,13 +97,18 @@ def skinny_matmul(x, w):
     return out.t().reshape(*x.shape[:-1], w.size(1))
 
 
+def inv_rms(v, eps):
+    """r = rsqrt(mean(v^2) + eps) over the last dim, (..., D) -> (...), without a squared copy of v."""
+    return (torch.linalg.vector_norm(v, dim=-1).square() / v.size(-1) + eps).rsqrt()
+
+
 class InvRms(torch.autograd.Function):
-    """r = rsqrt(mean(v^2) + eps) over the last dim, (..., D) -> (...), with its exact gradient
-    dv = v (-dr r^3 / D): one full-size multiply, where autograd through the norm made three passes."""
+    """inv_rms with its exact gradient dv = v (-dr r^3 / D): one full-size multiply, where autograd through the
+    norm made three passes."""
 
     @staticmethod
     def forward(ctx, v, eps):
-        r = (torch.linalg.vector_norm(v, dim=-1).square() / v.size(-1) + eps).rsqrt()
+        r = inv_rms(v, eps)
         ctx.save_for_backward(v, r)
         return r
 
@@ -188,7 +193,7 @@ class DepthMix(torch.autograd.Function):
 
     @staticmethod
     def mix(gq, eps, sources):
-        r = torch.stack([(torch.linalg.vector_norm(v, dim=-1).square() / v.size(-1) + eps).rsqrt() for v in sources])
+        r = torch.stack([inv_rms(v, eps) for v in sources])
         s = torch.stack([v @ gq for v in sources]) * r                                    # (S, B, T)
         p = s.softmax(dim=0)
         mix = torch.zeros_like(sources[0])
