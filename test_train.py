@@ -392,7 +392,7 @@ def test_every_suite_row_and_design_fits_80gb_at_its_default(monkeypatch):
                 params = train.count_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], residual, 50304,
                                             cfg["n_head"], cfg["n_kv_head"], **cfg["residual_args"])
                 B, where, mb = cfg["batch_size"], f"{suite} row {k} {residual}", cls.paper_micro_batch
-                paper = mb if isinstance(mb, int) else mb[max(k for k in mb if k <= cfg["n_layer"])]  # or by depth
+                paper = mb[max(k for k in mb if k <= cfg["n_layer"])]  # {from depth: micro-batch}
                 assert B & (B - 1) == 0 and B <= paper and cfg["grad_accum"] * B * 8 == 512, where
                 assert train.memory_plan(cfg, params)["total"] <= 80e9, where
                 if B < paper:  # the largest that fits

@@ -237,10 +237,10 @@ def memory_plan(cfg, params, bf16=True):
 
 def default_micro_batch(cfg, params, limit=PLAN_BYTES, most=None, bf16=True):
     """The largest power of two up to `most` (default: the design's paper_micro_batch, what fit the paper's GPUs at
-    400M: a number, or {from depth: micro-batch}) that divides the global batch over the ranks and whose memory
+    400M, {from depth: micro-batch}) that divides the global batch over the ranks and whose memory
     plan fits `limit` bytes (an 80 GB GPU); None if none does."""
     mb, share = RESIDUALS[cfg["residual"]].paper_micro_batch, cfg["global_batch"] // cfg["world_size"]
-    most = min(share, most or (mb if isinstance(mb, int) else mb[max(k for k in mb if k <= cfg["n_layer"])]))
+    most = min(share, most or mb[max(k for k in mb if k <= cfg["n_layer"])])
     return next((B for B in (2 ** k for k in range(int(math.log2(max(most, 1))), -1, -1)) if share % B == 0
                  and memory_plan({**cfg, "batch_size": B}, params, bf16)["total"] <= limit), None)
 
@@ -385,7 +385,8 @@ def build(cfg, env):
     # MFU: the analytic training FLOPs per token over the device's peak
     r.peak = profile_gpu.device_peak(torch.device(r.device))
     r.flops_tok = profile_gpu.analytic(cfg["residual"], cfg["n_layer"], cfg["d_model"], cfg["d_ff"], T, B,
-                                       cfg["vocab_size"], total, 4, cfg["residual_args"])["train_flops_per_token"]
+                                       cfg["vocab_size"], total, 4, cfg["residual_args"],
+                                       kv_ratio=cfg["n_kv_head"] / cfg["n_head"])["train_flops_per_token"]
     return r
 
 
@@ -725,7 +726,7 @@ def run_state(path):
         return "partial" if log or ckpt.exists() else "new"
     last = (log.get("steps") or [{}])[-1].get("step")
     try:
-        at = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["step"]
+        at = common.load_checkpoint(ckpt, keys=("step",))["step"]
     except Exception:  # missing, unreadable or foreign: not the final checkpoint
         at = None
     if at == last:
