@@ -154,7 +154,9 @@ def measure(job):
         with torch.inference_mode(), amp:
             model(idx)
 
-    trained = torch.compile(model) if dev.type == "cuda" else model  # as train.py: compiled on CUDA only
+    if dev.type == "cuda":  # as train.py: compiled on CUDA only; the jobs share this process, and without a reset
+        torch._dynamo.reset()  # each design and shape would count against dynamo's recompile limit, then run eager
+    trained = torch.compile(model) if dev.type == "cuda" else model
 
     def train_step():
         with amp:
