@@ -41,13 +41,23 @@ seed_number = positive(int, zero=True, below=2**63)  # argparse type of every --
 seed_number.__name__ = "seed (an int from 0 to 2^63 - 1)"
 
 
-def csv(kind):
-    """argparse type for a comma-separated list: '2e-3,1e-2' -> [0.002, 0.01], repeats dropped; every list makes
-    a grid axis."""
+def comma_list(kind, empty=False):
+    """argparse type of every comma list in the project: '2e-3, 1e-2' -> [0.002, 0.01], each item stripped and
+    read by `kind`, repeats dropped (each list makes a grid axis). An empty item ('92,,9.1', 'preln,') is refused;
+    so is an empty list unless `empty` allows '' for [] (the caller says what an empty list means)."""
     def parse(text):
-        return list(dict.fromkeys(kind(v) for v in text.split(",")))
+        if empty and not text.strip():
+            return []
+        items = [t.strip() for t in text.split(",")]
+        if not all(items):
+            raise ValueError(text)
+        return list(dict.fromkeys(kind(t) for t in items))
     parse.__name__ = f"comma-separated {kind.__name__}"
     return parse
+
+
+VAL_SEED = 1337  # the seed of what every run is scored on (synthetic validation sequences, calibration windows) and
+#                  of a data stream nobody seeded: one number, so every design and seed is measured on the same set
 
 
 def format_lr(lr):
@@ -194,6 +204,48 @@ def load_checkpoint(path, keys=("model", "model_config", "config")):
     if missing:
         raise CheckpointError(f"{path}: not a depthbench checkpoint (no {missing[0]!r} in it)")
     return ckpt
+
+
+# ----------------------------------------------------------------------------- runs
+
+def run_state(folder):
+    """What a train.py run folder holds: 'new' (nothing), 'partial' (a run.json or ckpt.pt to resume or redo),
+    'diverged' (run.json says the loss or gradient went non-finite: a result, not redone) or 'finished'. Finished
+    means run.json says so *and* ckpt.pt holds its last step: ckpt.pt is saved first, so when it is missing or older
+    (a kill between the two saves of an older train.py, which wrote run.json first) the run is only partial, and
+    --resume continues from the ckpt.pt there is. The one definition train.py, mini.py and plot.py use; a run.json
+    that is not train.py's run log is a ValueError."""
+    folder = Path(folder)
+    log, ckpt = read_json(folder / "run.json"), folder / "ckpt.pt"
+    if log is None and (folder / "run.json").exists():
+        raise ValueError(f"{folder / 'run.json'} is not a run log of train.py; move it away to train this run")
+    if (log or {}).get("diverged"):
+        return "diverged"
+    if not (log or {}).get("finished"):
+        return "partial" if log or ckpt.exists() else "new"
+    last = (log.get("steps") or [{}])[-1].get("step")
+    try:
+        at = load_checkpoint(ckpt, keys=("step",))["step"]
+    except Exception:  # missing, unreadable or foreign: not the final checkpoint
+        at = None
+    if at == last:
+        return "finished"
+    print0(f"{folder}: run.json says finished at step {last}, but ckpt.pt is "
+           + (f"at step {at}" if at else "missing or unreadable") + ": not finished")
+    return "partial"
+
+
+def best_lr(results):
+    """The best LR of {lr: [each seed's final val loss, None (or nan) where the run diverged]}: the fewest diverged
+    runs first, then the lowest mean loss of the rest. An LR that sometimes blows up does not win because its
+    surviving seeds happen to be good. None when no LR has a finite loss. mini.py's sweep (one seed per LR) and
+    plot.py's figures (every seed) both choose with this."""
+    scored = []
+    for lr, losses in results.items():
+        finite = [v for v in losses if v is not None and math.isfinite(v)]
+        if finite:
+            scored.append((len(losses) - len(finite), sum(finite) / len(finite), lr))
+    return min(scored)[2] if scored else None
 
 
 # ----------------------------------------------------------------------------- machine and network

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from common import (ArgParser, fail, first_line, hub_unreachable, positive, read_json, seed_number, unreachable,
-                    write_atomic, write_json)
+                    write_atomic, write_json, VAL_SEED)
 
 MAGIC, VERSION = 20260517, 1  # our own magic, so an llm.c or nanoGPT .bin is rejected, not misread
 HEADER_INTS = 256
@@ -399,7 +399,7 @@ class SyntheticTask:
         self.answer_offset = self.eq + 1 if answers_only else 0
         self.vocab_size = self.eq + 1 + (self.eq if answers_only else 0)
 
-    def sequence(self, split, index, length, seed=1337):
+    def sequence(self, split, index, length, seed=VAL_SEED):
         """Sequence number `index` of a split: (tokens, levels), two int lists of `length`;
         levels[t] = g when token t is an answer written after a gap of g, else -1. The RNG is seeded
         by (seed, split, index): train and val never share a stream, and any sequence can be rebuilt
@@ -521,7 +521,7 @@ class BatchLoader:
     global sequence g is a window of real text (train: shuffled per epoch, seeded by (seed, epoch); val: in
     order) or the synthetic sequence seeded by (seed, split, g): docs/training.md#shard-format-and-batch-order."""
 
-    def __init__(self, source, split, batch_size, seq_len, global_batch=None, rank=0, world_size=1, seed=1337):
+    def __init__(self, source, split, batch_size, seq_len, global_batch=None, rank=0, world_size=1, seed=VAL_SEED):
         """source: a SyntheticTask, or a folder of shards made by prepare(). global_batch: sequences
         per optimizer step over all ranks and micro-steps (default batch_size * world_size)."""
         global_batch = global_batch or batch_size * world_size
@@ -630,7 +630,7 @@ def main(argv=None):
     p.add_argument("--group", default="s4", choices=["s3", "s4", "s5"], help="synthetic: the permutation group")
     p.add_argument("--show", type=positive(), default=0, help="print this many decoded example sequences")
     p.add_argument("--seq-len", type=positive(), default=64, help="T of the shown sequences and the loss floor")
-    p.add_argument("--seed", type=seed_number, default=1337, help="seeds synthetic sequences and train window order")
+    p.add_argument("--seed", type=seed_number, default=VAL_SEED, help="seeds synthetic sequences and train window order")
     args = p.parse_args(argv)
     if args.source != "synthetic" and args.out is None:
         p.error("--out is required to prepare shards from a real source")

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import data
 from common import (ArgParser, CheckpointError, check_options, design_options, fail, first_line, hub_unreachable,
-                    json_object, load_checkpoint, pick_device, positive, seed_number, write_json)
+                    json_object, load_checkpoint, pick_device, positive, seed_number, write_json, VAL_SEED)
 import official
 import shapes
 from model import GPT, GPTConfig
@@ -496,7 +496,7 @@ def parse_args(argv):
     g.add_argument("--seq-len", type=pos, help="tokens per window (default 512, the official; at most the run's "
                    "own seq_len)")
     g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL: examples) per forward pass (default 8)")
-    g.add_argument("--seed", type=seed_number, help="seeds the windows and --init (default: the run's seed, else 1337)")
+    g.add_argument("--seed", type=seed_number, help="seeds the windows and --init (default: the run's seed, else %d)" % VAL_SEED)
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     p.add_kernels()
     g.add_argument("--threads", type=pos, default=1, help="CPU threads (default 1: tiny models run several "
@@ -539,9 +539,9 @@ def parse_args(argv):
 
 def setup(args):
     """Model, calibration batches and the derived settings; every problem a user can fix is a DiagError."""
-    args.seed = 1337 if args.init and args.seed is None else args.seed
+    args.seed = VAL_SEED if args.init and args.seed is None else args.seed
     model, run, ckpt_path, step = load_model(args)
-    args.seed = run.get("seed", 1337) if args.seed is None else args.seed
+    args.seed = run.get("seed", VAL_SEED) if args.seed is None else args.seed
     args.seq_len = args.seq_len or min(512, run.get("seq_len") or 512)
     args.nll_max_len = args.nll_max_len or run.get("seq_len") or args.seq_len
     args.tok_name, args.nll_skip = args.tokenizer or run.get("tokenizer"), None

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
 from model import GPT, GPTConfig
-from common import (ArgParser, check_options, csv, design_options, first_line, json_object, pick_device, positive,
+from common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device, positive,
                     write_json)
 from residuals import RESIDUALS
 
@@ -400,7 +400,7 @@ def parse_shapes(p, args):
                 p.error(f"--shapes: {text!r} is not a shape LxD like 16x1216")
         return [(int(m[1]), int(m[2])) for m in dims]
     try:
-        budget, ars = shapes.parse_count(args.params or "405M"), csv(positive(float))(args.ar or PAPER_AR)
+        budget, ars = shapes.parse_count(args.params or "405M"), comma_list(positive(float))(args.ar or PAPER_AR)
     except ValueError:
         p.error(f"--params {args.params!r} / --ar {args.ar!r}: expected a count like 405M and numbers like 76,9.1")
     if budget <= 0:

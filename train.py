@@ -40,13 +40,12 @@ import profile_gpu
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
 from model import GPT, GPTConfig
 import common
-from common import (ArgParser, check_options, csv, design_options, format_lr, json_object, positive, print0,
+from common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive, print0,
                     versions, write_json)
 from residuals import RESIDUALS
 from shapes import SUITES, backbone_params, count_params, parse_count, preln_params, solve, suite_row, suite_rows
 
 SCHEMA = "depthbench.train/1"
-VAL_SEED = 1337  # synthetic validation sequences do not depend on --seed, so every seed is scored on the same set
 FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
 fail = functools.partial(common.fail, "train.py")  # bad input: one line on stderr (from rank 0) and exit code 2
 
@@ -83,21 +82,21 @@ def build_parser():
     add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's shapes: 4 "
         "heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); default: 400m with CUDA, cpu without. Flags below "
         "marked (preset) default to the preset's value")
-    add("--residual", type=csv(str), help=f"design(s): {', '.join(RESIDUALS)} (default preln; --print-grid: all)")
-    add("--ar", type=csv(positive(float)), help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
-    add("--layers", type=csv(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 2)")
+    add("--residual", type=comma_list(str), help=f"design(s): {', '.join(RESIDUALS)} (default preln; --print-grid: all)")
+    add("--ar", type=comma_list(positive(float)), help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
+    add("--layers", type=comma_list(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 2)")
     add("--suite", choices=list(SUITES), help="the paper's shapes and step counts (shapes.py --suite); implies "
         "--preset 400m, which without --params means --suite 400m")
-    add("--row", type=csv(int), help="--suite: row number(s) as `shapes.py --suite NAME` lists them")
+    add("--row", type=comma_list(int), help="--suite: row number(s) as `shapes.py --suite NAME` lists them")
     add("--print-grid", action="store_true", help="--suite: print every design x row x LR the paper ran (the design's "
         "paper_lr_sweep and paper_lr; 1.6b: the suite's one LR) as torchrun lines and exit; --residual, "
         "--row/--layers/--ar and --lr narrow it")
     add("--params", help="parameter budget the shape is solved for, instead of a suite (preset: 405M, cpu/mini 0.8M "
         "backbone)")
     add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu/mini backbone)")
-    add("--lr", type=csv(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
+    add("--lr", type=comma_list(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
         "residuals.py, the suite's for 1.6b: 5e-4; cpu/mini 3e-3)")
-    add("--seed", type=csv(common.seed_number), default=[42], help="seed(s) of the init and the train data order "
+    add("--seed", type=comma_list(common.seed_number), default=[42], help="seed(s) of the init and the train data order "
         "(the paper's 42)")
     add("--residual-args", type=json_object, default={}, help="design options as JSON (each design's `options` in "
         "residuals.py), e.g. '{\"n_streams\": 2, \"init\": \"uniform\", \"n_groups\": 4, \"norm\": \"post\"}'; "
@@ -359,7 +358,7 @@ def build(cfg, env):
     B, T, G = cfg["batch_size"], cfg["seq_len"], cfg["global_batch"]
     r.train_loader = BatchLoader(r.source, "train", B, T, G, r.rank, r.world, seed=cfg["seed"])
     r.val_loader = BatchLoader(r.source, "val", B, T, G, r.rank, r.world,
-                               seed=VAL_SEED if r.synthetic else cfg["seed"])
+                               seed=common.VAL_SEED if r.synthetic else cfg["seed"])
 
     # model and optimizer; `raw` is what we save (no DDP/compile prefixes in the state dict)
     torch.manual_seed(cfg["seed"])
@@ -712,28 +711,7 @@ def claim(path, held):
             raise ValueError(f"{p} is not a file; move it away to train this run")
     for tmp in [*path.glob("ckpt.pt.*.tmp"), *path.glob("run.json.*.tmp")]:
         tmp.unlink()
-    return run_state(path)
-
-
-def run_state(path):
-    """'finished', 'partial' (a run.json or ckpt.pt exists) or 'new' for a run folder. Finished: run.json says so
-    and ckpt.pt holds its last step; when ckpt.pt is missing or older (a kill between the two saves of an older
-    train.py, which wrote run.json first) the run is partial, and --resume continues from the ckpt.pt there is."""
-    log, ckpt = common.read_json(path / "run.json"), path / "ckpt.pt"
-    if log is None and (path / "run.json").exists():
-        raise ValueError(f"{path / 'run.json'} is not a run log of train.py; move it away to train this run")
-    if not (log or {}).get("finished"):
-        return "partial" if log or ckpt.exists() else "new"
-    last = (log.get("steps") or [{}])[-1].get("step")
-    try:
-        at = common.load_checkpoint(ckpt, keys=("step",))["step"]
-    except Exception:  # missing, unreadable or foreign: not the final checkpoint
-        at = None
-    if at == last:
-        return "finished"
-    print0(f"run.json says finished at step {last}, but ckpt.pt is "
-           + (f"at step {at}" if at else "missing or unreadable") + ": not finished")
-    return "partial"
+    return common.run_state(path)
 
 
 def shapes_asked(args):
@@ -823,9 +801,9 @@ def grid_run(args, cfg, env, counter):
     print0(f"\n{counter} {cfg['residual']} ar={cfg['ar']:.4g} lr={format_lr(cfg['lr'])} seed={cfg['seed']}  ({path})")
     try:
         state = on_rank0(lambda: claim(path, held), env)
-        if state == "finished":
-            print0("finished already (run.json says so): skipping")
-            return True
+        if state in ("finished", "diverged"):
+            print0(f"{state} already (run.json says so): skipping; move the folder away to train it again")
+            return state == "finished"
         if state == "partial" and not args.resume:
             print0("this run folder holds an unfinished run: starting over (--resume continues it)")
         if args.compile:
