@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import common
 import mini
 
 HERE = Path(__file__).resolve().parent
@@ -88,3 +91,47 @@ def test_the_sweep_covers_every_text_shape_and_the_deepest_synthetic_one():
     assert mini.seed_jobs(args) == []                               # nothing is chosen before the sweep ran
     args.lr, args.sweep = 3e-3, []                                  # --lr: no sweep, every seed at that LR
     assert len(mini.sweep_jobs(args)) == 0 and len(mini.seed_jobs(args)) == 2 * 2 * (3 + 5)  # the deepest: 5 seeds
+
+
+@pytest.mark.parametrize("flag, value", [("--ar", "92,,9.1"), ("--designs", "preln,"), ("--seeds", "0,,1"),
+                                         ("--deep-seeds", ",0"), ("--lr-sweep", "1e-3,,1e-2"), ("--probes", "text,"),
+                                         ("--seeds", ""), ("--designs", "")])
+def test_an_empty_list_item_is_refused(capsys, tmp_path, flag, value):
+    """An empty item (a doubled or trailing comma) is a typo, not a shorter list: one line, exit 2, nothing written.
+    Only --deep-seeds and --lr-sweep take '' (the whole list), for "use --seeds" and "no sweep"."""
+    with pytest.raises(SystemExit) as e:
+        mini.main([flag, value, "--text", "corpus.txt", "--out", str(tmp_path / "suite")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"mini.py: error: argument {flag}: invalid")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_empty_lists_that_mean_something():
+    """--deep-seeds '' means every shape takes --seeds; --lr-sweep '' means no sweep, every run at the preset's LR;
+    items are parsed (seeds as ints, LRs as floats) and repeats dropped."""
+    args = mini.parse_args(["--designs", "preln", "--ar", "32,9.1,32.0", "--seeds", "3,1,3", "--deep-seeds", "",
+                            "--lr-sweep", ""])
+    assert (args.ar, args.seeds, args.deep_seeds, args.sweep) == ([32.0, 9.1], [3, 1], [], [])
+    assert mini.seeds_at(args, 9.1) == [3, 1] and mini.sweep_jobs(args) == []
+    jobs = mini.seed_jobs(args)
+    assert [a[a.index("--seed") + 1] for _, _, a in jobs] == ["3", "1"] * 2 and not any("--lr" in a for _, _, a in jobs)
+
+
+def test_a_second_suite_on_the_same_folder_is_refused(tmp_path):
+    """While one mini.py holds its suite folder, a second on the same --out says who holds it in one line, exits 2
+    and writes nothing: no log (a cell's log is written only by the suite that trains it), no summary.md."""
+    out = tmp_path / "suite"
+    held = common.lock_folder(out)  # the first suite, as main holds it
+    log = out / "logs" / "synthetic_preln_ar32_seed0.log"
+    log.parent.mkdir()
+    log.write_text("the first suite's run, still training\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    argv = [sys.executable, "mini.py", "--designs", "preln", "--ar", "32", "--seeds", "0", "--deep-seeds", "",
+            "--lr-sweep", "", "--steps", "2", "--out", str(out)]
+    r = subprocess.run(argv, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    held.close()
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"mini.py: error: {out} is in use by pid {os.getpid()}")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not (out / "summary.md").exists() and not (out / "synthetic").exists()
