@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 README_MAX_LINES = 250                                      # a newcomer's five-minute read (issue 19)
 FORBIDDEN = ("../shared", "architectures.md", "spec §", "diagnostics.md §")
-PAGES = ("designs", "diagnostics", "results", "speed", "training", "official")
+PAGES = ("designs", "diagnostics", "results", "speed", "training", "official", "contributing")
 CITE = re.compile(r"(?:docs/)?(" + "|".join(PAGES) + r")\.md#([A-Za-z0-9_-]+)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")      # a Markdown link or image's target, without its anchor
 
