@@ -199,10 +199,10 @@ def required_params(fn):
     return [a.arg for a in required if a.arg not in ("self", "cls")]
 
 
-def shape_offenders(rule):
-    """Every 'file:line name' that breaks `rule`, over every source file."""
+def shape_offenders(rule, files=None):
+    """Every 'file:line name' that breaks `rule`, over `files` ([(name, ast)]; default: every source file)."""
     found = []
-    for name, tree in parsed():
+    for name, tree in files or parsed():
         if rule == "function length":
             for fn in functions(tree):
                 lines = fn.end_lineno - fn.lineno + 1
@@ -240,7 +240,9 @@ def shape_offenders(rule):
                 if spelled == "SimpleNamespace" or "SimpleNamespace" in names:
                     found.append(f"{name}:{node.lineno} SimpleNamespace")
         elif rule == "file length" and name not in FILE_LINES_ASIDE:
-            lines = (HERE / name).read_bytes().count(b"\n")
+            lines = tree.body[-1].end_lineno if tree.body else 0  # the last statement's last line
+            if files is None:
+                lines = (HERE / name).read_bytes().count(b"\n")
             if lines > MAX_FILE_LINES:
                 found.append(f"{name}:{lines} {name} ({lines} lines)")
     return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1].split()[0]), s))
@@ -264,3 +266,38 @@ def test_shape_rules(rule):
     """STYLE §4's shape rules, checked over every non-test Python file; each offender as 'file:line name'."""
     found = shape_offenders(rule)
     assert not found, f"{SHAPE_RULES[rule]}:\n" + "\n".join(found)
+
+
+def test_the_shape_rules_find_what_they_say():
+    """The checker on made-up files: each rule flags exactly its offenders, and what each rule sets aside (an
+    argparse builder, a compound statement's body, self, dimension arguments, residuals.py's length) passes."""
+    body = "\n".join(f"    x{k} = {k}" for k in range(59))
+    source = f"""from types import SimpleNamespace
+def long_one():
+{body}
+    return x0
+def build_parser():
+{body}
+    return x0
+def branches(self, a, b, c, d, e, f, g, h=1):
+    y = a if b else c if d else e
+    z = (a if b else c) + (d if e else f)
+    if a if b else c:
+        w = d if e else f
+    f(a, b, c, d, e)
+    a.permute(0, 1, 2, 3, 4)
+    f(a, b, c, d=d, e=e)
+    return y, z, w
+def six(a, b, c, d, e, f, *, g=1):
+    return SimpleNamespace(a=a)
+"""
+    files = [("made_up.py", ast.parse(source)), ("big.py", ast.parse("x = 1\n" * 701)),
+             ("residuals.py", ast.parse("x = 1\n" * 701))]
+    expected = {"function length": ["made_up.py:2 long_one (61 lines)"],
+                "nested conditional expression": ["made_up.py:125 branches"],
+                "conditional expressions per statement": ["made_up.py:125 branches (2)", "made_up.py:126 branches (2)"],
+                "required parameters": ["made_up.py:124 branches (7: a, b, c, d, e, f, g)"],
+                "positional arguments": ["made_up.py:129 branches (f, 5 positional)"],
+                "SimpleNamespace": ["made_up.py:1 SimpleNamespace", "made_up.py:134 SimpleNamespace"],
+                "file length": ["big.py:701 big.py (701 lines)"]}
+    assert {rule: shape_offenders(rule, files) for rule in SHAPE_RULES} == expected
