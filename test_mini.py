@@ -135,3 +135,37 @@ def test_a_second_suite_on_the_same_folder_is_refused(tmp_path):
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"mini.py: error: {out} is in use by pid {os.getpid()}")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert not (out / "summary.md").exists() and not (out / "synthetic").exists()
+
+
+def sweep_run(folder, lr, loss=None, state="finished"):
+    """A sweep run folder as train.py leaves it: run.json, and for a finished run a ckpt.pt at its last step."""
+    import torch
+    folder.mkdir(parents=True)
+    run = {"schema": "depthbench.train/1", "config": {"lr": lr, "seed": 0}, "steps": [{"step": 2}],
+           "final": {"val_loss": loss}, "diverged": state == "diverged", "finished": state == "finished"}
+    common.write_json(folder / "run.json", run)
+    if state == "finished":
+        torch.save({"step": 2}, folder / "ckpt.pt")
+
+
+def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
+    """By common.run_state: a diverged run is done (listed as diverged) but never chosen, even where it is the only
+    one at an edge; an unfinished run is not done; a cell where every run diverged has no LR, so no seeds train."""
+    args = mini.parse_args(["--designs", "preln,hc", "--ar", "9.1", "--seeds", "0,1", "--deep-seeds", "",
+                            "--out", str(tmp_path)])
+    preln, hc = mini.cells(args)
+    folder = tmp_path / mini.cell_folder(preln)
+    sweep_run(folder / "a", 1e-3, 3.1)
+    sweep_run(folder / "b", 3e-3, 3.0)
+    sweep_run(folder / "c", 1e-2, state="diverged")       # the other edge: no loss, never the best
+    sweep_run(folder / "d", 3e-4, 2.0, state="partial")   # killed early: a too-early loss, not done
+    for name, lr in (("a", 1e-3), ("b", 3e-3), ("c", 1e-2)):
+        sweep_run(tmp_path / mini.cell_folder(hc) / name, lr, state="diverged")
+    assert mini.sweep_result(args, preln)[0] == {1e-3: 3.1, 3e-3: 3.0, 1e-2: None}
+    assert mini.chosen_lr(args, preln) == 3e-3 and mini.extension(args, mini.sweep_result(args, preln)[0]) is None
+    assert mini.sweep_lines(args, "synthetic")[0] == "- preln, AR 9.1: 1e-3: 3.1000 · **3e-3: 3.0000** · 1e-2: diverged"
+    assert mini.chosen_lr(args, hc) is None
+    jobs = mini.seed_jobs(args)                           # preln's seed 1 at 3e-3 (seed 0 is its sweep run), no hc
+    assert [(label.split()[1], a[a.index("--seed") + 1], a[a.index("--lr") + 1]) for _, label, a in jobs] == [
+        ("preln", "1", "3e-3")]
+    assert (tmp_path / "synthetic" / "b").is_symlink()
