@@ -39,7 +39,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         if self.center:
-            return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
+            normed = F.layer_norm(x.float(), x.shape[-1:], weight=self.weight.float(), bias=None, eps=self.eps)
+            return normed.to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -94,7 +95,7 @@ def joint_attention(q, k, v, depth_k, depth_v, fast=False):
     lists of S tensors (B, Hkv, T, hd). Returns o (B, H, T, hd) and the depth share sum_j a_j (B, H, T),
     detached, for diagnostics."""
     if fast:
-        return kernels.joint_attention(q, k, v, depth_k, depth_v)
+        return kernels.joint_attention(q, k, v, depth_k=depth_k, depth_v=depth_v)
     T, G, scale = q.size(2), q.size(1) // k.size(1), q.size(-1) ** -0.5
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)          # (B, H, T, hd)
     dk, dv = (torch.stack(ts, dim=3).repeat_interleave(G, dim=1) for ts in (depth_k, depth_v))  # (B, H, T, S, hd)

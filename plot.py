@@ -23,6 +23,7 @@ matplotlib.use("Agg")  # files only, never a window: works headless, in tests an
 import matplotlib.pyplot as plt
 from matplotlib import colors, ticker, transforms
 
+import common
 from common import ArgParser
 
 # ----------------------------------------------------------------------------- the contract and the look
@@ -63,6 +64,47 @@ def design_order(res):
 
 # ----------------------------------------------------------------------------- loading
 
+# The fields the figures read whose JSON type matters, per kind: a file where one holds another type is skipped
+# with one line naming it, so it costs itself, not a figure. A null field counts as missing (each figure handles
+# that); a null item of a list or object does not.
+# "a.b" is field b of object a, "a.[]" each item of list a, "a.*" each value of object a. Numbers are not listed:
+# num() reads junk as nan. Parents come before their fields, so the message names the outermost odd field.
+FIELD_TYPES = {
+    "train": [("config", dict), ("config.group", str), ("config.fixed", str), ("final", dict), ("steps", list),
+              ("evals", list), ("evals.[]", dict), ("evals.[].per_level", dict), ("evals.[].per_level.*", dict)],
+    "diagnose": [("meta", dict), ("angular_distance", dict), ("causal_score", dict), ("permutation_score", dict),
+                 ("logit_lens", dict), ("logit_lens.states", list), ("layer_pruning", dict),
+                 ("layer_pruning.layers", list), ("attnres_weights", dict), ("transport_erank", dict),
+                 ("transport_erank.per_connector", list), ("dead_zone", dict), ("dead_zone.schedule", list),
+                 ("dead_zone.dead", list), ("nll", dict), ("nll.categories", dict), ("nll.categories.*", dict)],
+    "profile": [("rows", list)],
+}
+JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "a number",
+              float: "a number", type(None): "null"}
+
+
+def odd_field(value, parts, want, where=""):
+    """(path, value) of the first field along `parts` (["evals", "[]", "per_level"]) under `value` that is not a
+    `want`, else None. A named field may be null (missing); an item of a list or object may not. A container of the
+    wrong type on the way is left to its own entry."""
+    if not parts:
+        return None if isinstance(value, want) else (where, value)
+    head, rest = parts[0], parts[1:]
+    if head == "[]" and isinstance(value, list):
+        children = [(f"{where}[{i}]", item) for i, item in enumerate(value)]
+    elif head == "*" and isinstance(value, dict):
+        children = [(f"{where}.{key}", item) for key, item in value.items()]
+    elif head not in ("[]", "*") and isinstance(value, dict) and value.get(head) is not None:
+        children = [(f"{where}.{head}".lstrip("."), value[head])]
+    else:
+        return None
+    for path, child in children:
+        found = odd_field(child, rest, want, path)
+        if found:
+            return found
+    return None
+
+
 def check_schema(obj):
     """Return (kind, None) for a JSON this file can draw, else (None, reason to print)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("schema"), str):
@@ -73,11 +115,20 @@ def check_schema(obj):
     if version not in map(str, SCHEMAS[name]):
         return None, f"schema {obj['schema']}, this plot.py reads version {', '.join(map(str, SCHEMAS[name]))}"
     kind = name.split(".")[1]
+    for field, want in FIELD_TYPES[kind]:
+        found = odd_field(obj, field.split("."), want)
+        if found:
+            path, value = found
+            got = JSON_TYPES.get(type(value), type(value).__name__)
+            return None, f"schema {obj['schema']} but field {path!r} is {got}, not {JSON_TYPES[want]}"
     # only what every figure of this kind needs; all other fields are optional and checked per figure
     key = {"train": "config", "diagnose": "meta", "profile": "rows"}[kind]
-    v = obj.get(key)
-    ok = isinstance(v, list) if kind == "profile" else isinstance(v, dict) and isinstance(v.get("residual"), str)
-    return (kind, None) if ok else (None, f"schema {obj['schema']} but no usable {key!r}")
+    value = obj.get(key)
+    if kind == "profile":
+        usable = isinstance(value, list)
+    else:
+        usable = isinstance(value, dict) and isinstance(value.get("residual"), str)
+    return (kind, None) if usable else (None, f"schema {obj['schema']} but no usable {key!r}")
 
 
 def load_folder(folder):
@@ -121,7 +172,9 @@ def num(x):
 
 def matrix(rows):
     """(Possibly ragged) list of lists with nulls -> float array with nulls masked (drawn blank)."""
-    rows = [r if isinstance(r, list) else [] for r in (rows if isinstance(rows, list) else [])]
+    if not isinstance(rows, list):
+        rows = []
+    rows = [r if isinstance(r, list) else [] for r in rows]
     a = np.full((len(rows), max((len(r) for r in rows), default=0)), np.nan)
     for i, r in enumerate(rows):
         a[i, :len(r)] = [num(v) for v in r]
@@ -246,7 +299,7 @@ def per_model(data, paths, out_path, svg, title, draw, panels=1, **size):
     fig, axes = grid(panels * len(docs), **size)
     for i, g in enumerate(docs):
         draw(g, axes[panels * i:panels * (i + 1)])
-    return save(fig, out_path, svg, f"{len(docs)} model(s)", title)
+    return save(fig, out_path, svg, f"{len(docs)} model(s)", title=title)
 
 
 def overlay(data, path, out_path, svg, title, draw, ncols=1, **size):
@@ -259,7 +312,8 @@ def overlay(data, path, out_path, svg, title, draw, ncols=1, **size):
     styles = {L: STYLES[i % len(STYLES)] for i, L in enumerate(sorted({shape(g["meta"])[1] for g in docs}))}
     fig, axes = plt.subplots(1, ncols, squeeze=False, **size)
     draw(docs, lambda g: styles[shape(g["meta"])[1]], list(axes.flat))
-    return save(fig, out_path, svg, f"{len(docs)} model(s)", title, (axes.flat[-1], axes.flat[-1:]))
+    legend = (axes.flat[-1], axes.flat[-1:])
+    return save(fig, out_path, svg, f"{len(docs)} model(s)", title=title, legend=legend)
 
 
 # ----------------------------------------------------------------------------- Fig. 2: loss vs aspect ratio
@@ -269,6 +323,19 @@ def final_val(run):
     v = num((run.get("final") or {}).get("val_loss"))
     last = (run.get("evals") or [None])[-1]
     return num(last.get("val_loss")) if math.isnan(v) and isinstance(last, dict) else v
+
+
+def seed_losses(runs):
+    """What common.best_lr scores for one LR's runs (the seeds): each finished run's final val loss, None for each
+    diverged run. An unfinished run (killed or still going) would bring a too-early loss, and a finished one without
+    a finite loss has none to give: both are left out."""
+    losses = []
+    for r in runs:
+        if r.get("diverged"):
+            losses.append(None)
+        elif r.get("finished", True) and math.isfinite(final_val(r)):
+            losses.append(final_val(r))
+    return losses
 
 
 def fig2_final_loss(data, out_path, svg=False):
@@ -281,17 +348,12 @@ def fig2_final_loss(data, out_path, svg=False):
         groups.setdefault((res, ar), {}).setdefault(num(r["config"].get("lr")), []).append(r)
     best_lr, points = {}, {}
     for (res, ar), by_lr in groups.items():
-        # best LR = fewest diverged seeds, then lowest mean final val loss: an LR that sometimes blows
-        # up should not win because its surviving seeds happen to be good. Unfinished runs (killed or
-        # still going) would bring a too-early loss, so they are left out.
-        scored = []
-        for lr, rs in by_lr.items():
-            vals = [final_val(r) for r in rs if r.get("finished", True) and not r.get("diverged")
-                    and math.isfinite(final_val(r))]
-            if vals:
-                scored.append((sum(bool(r.get("diverged")) for r in rs), np.mean(vals), lr, vals))
-        if scored:
-            _, _, best_lr[f"{res}@{ar:g}"], points[(res, ar)] = min(scored, key=lambda s: s[:2])
+        # the point of a (design, AR) is its best LR's seeds: common.best_lr, the choice mini.py makes too
+        losses = {lr: seed_losses(rs) for lr, rs in by_lr.items()}
+        lr = common.best_lr(losses)
+        if lr is not None:
+            best_lr[f"{res}@{ar:g}"] = lr
+            points[(res, ar)] = [v for v in losses[lr] if v is not None]
     fig, ax = plt.subplots(figsize=(8, 5))
     own_lr = len(set(best_lr.values())) > 1  # each point at its own LR (mini.py's protocol): say which
     for res, (xs, mean, lo, hi) in by_design(points).items():
@@ -350,8 +412,11 @@ def fig2_loss_curves(data, out_path, svg=False):
         lo = min((c[:, 1].min() for c in curves if len(c)), default=0.0)
         for r, xy in zip(rs, curves):
             bad, lr = bool(r.get("diverged")), num(r["config"].get("lr"))
-            ax.plot(xy[:, 0], xy[:, 1], STYLES[lrs.index(lr) % 4], color=colour(res), lw=1, alpha=0.5 if bad else 0.9,
-                    label=f"lr {lr:g} seed {r['config'].get('seed', '?')}" + (" DIVERGED" if bad else ""))
+            name = f"lr {lr:g} seed {r['config'].get('seed', '?')}"
+            if bad:
+                name += " DIVERGED"
+            alpha = 0.5 if bad else 0.9
+            ax.plot(xy[:, 0], xy[:, 1], STYLES[lrs.index(lr) % 4], color=colour(res), lw=1, alpha=alpha, label=name)
             if bad:
                 diverged.append(r["_path"])
                 if len(xy):  # where it stopped being finite, clipped into view
@@ -360,8 +425,11 @@ def fig2_loss_curves(data, out_path, svg=False):
         ax.set(title=f"{display(res)} L{L} d{d:g} (AR {ar:g})", xlabel="tokens", ylabel="train loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
+    title = "Training loss curves"
+    if diverged:
+        title += " (× = diverged)"
     return save(fig, out_path, svg, f"{len(runs)} runs in {len(groups)} panels, {len(diverged)} diverged",
-                "Training loss curves" + (" (× = diverged)" if diverged else ""), diverged=diverged)
+                title=title, diverged=diverged)
 
 
 # ----------------------------------------------------------------------------- Fig. 4: downstream NLL
@@ -382,7 +450,7 @@ def fig4_nll(data, out_path, svg=False):
         ar_axis(ax, [ar for _, ar in points])
         ax.set(title=cat, ylabel="NLL per target token (nats)")
     return save(fig, out_path, svg, f"{len(cats)} categories from {len(docs)} diagnose JSON",
-                "Downstream teacher-forced NLL by category", (axes[-1], axes), categories=cats)
+                title="Downstream teacher-forced NLL by category", legend=(axes[-1], axes), categories=cats)
 
 
 # ----------------------------------------------------------------------------- Fig. 5-10: per-model diagnostics
@@ -391,10 +459,10 @@ def fig5_angular(data, out_path, svg=False):
     def draw(g, axes):
         m = matrix(g["angular_distance"]["subsequent"])  # row n-1 = gap n, col l = start state
         # origin lower puts n = 1 at the bottom as in the reference; colour limits = data range
-        heatmap(axes[0], m, "viridis_r", label(g["meta"]), "layer index ℓ (0 = embedding)", "subsequent n-th layer",
-                origin="lower", extent=(-0.5, m.shape[1] - 0.5, 0.5, m.shape[0] + 0.5))
+        heatmap(axes[0], m, "viridis_r", title=label(g["meta"]), xlabel="layer index ℓ (0 = embedding)",
+                ylabel="subsequent n-th layer", origin="lower", extent=(-0.5, m.shape[1] - 0.5, 0.5, m.shape[0] + 0.5))
     return per_model(data, ["angular_distance.subsequent"], out_path, svg,
-                     r"Angular distance $d(z_\ell, z_{\ell+n})$ (fraction of π)", draw)
+                     title=r"Angular distance $d(z_\ell, z_{\ell+n})$ (fraction of π)", draw=draw)
 
 
 def fig6_depth_use(data, out_path, svg=False):
@@ -429,11 +497,13 @@ def fig6_score_maps(data, out_path, svg=False):
         perm = matrix((metric(g, "permutation_score") or {}).get("matrix"))
         axes[0].set_title("C(s, l): not computed"), axes[1].set_title("P(i, j): not computed")  # until drawn
         # C as the reference: limits [0, 99th percentile], so one outlier can't wash it out
-        heatmap(axes[0], causal, CAUSAL_CMAP, f"{label(g['meta'])}: C(s, l)", "affected layer l", "removed layer s",
-                vmin=0, top=99)
-        heatmap(axes[1], perm, PERM_CMAP, f"{label(g['meta'])}: P(i, j)", "layer index j", "layer index i")
+        heatmap(axes[0], causal, CAUSAL_CMAP, title=f"{label(g['meta'])}: C(s, l)", xlabel="affected layer l",
+                ylabel="removed layer s", vmin=0, top=99)
+        heatmap(axes[1], perm, PERM_CMAP, title=f"{label(g['meta'])}: P(i, j)", xlabel="layer index j",
+                ylabel="layer index i")
     return per_model(data, ["causal_score.matrix", "permutation_score.matrix"], out_path, svg,
-                     "Layer-skip causal score (left) and weight-swap permutation score (right)", draw, panels=2)
+                     title="Layer-skip causal score (left) and weight-swap permutation score (right)", draw=draw,
+                     panels=2)
 
 
 def fig7_attnres_weights(data, out_path, svg=False):
@@ -443,11 +513,11 @@ def fig7_attnres_weights(data, out_path, svg=False):
     def draw(g, axes):
         for ax, (view, xlabel, ylabel) in zip(axes, views):
             # rows sum to 1; future sources are null and stay blank
-            heatmap(ax, matrix(g["attnres_weights"].get(view)), "Blues", f"{label(g['meta'])}: {view}", xlabel, ylabel,
-                    vmin=0)
+            weights = matrix(g["attnres_weights"].get(view))
+            heatmap(ax, weights, "Blues", title=f"{label(g['meta'])}: {view}", xlabel=xlabel, ylabel=ylabel, vmin=0)
     return per_model(data, ["attnres_weights"], out_path, svg,
-                     "AttnRes residual-path weights w(source → consumer), averaged over tokens", draw, panels=2,
-                     w=4.4, h=4)
+                     title="AttnRes residual-path weights w(source → consumer), averaged over tokens", draw=draw,
+                     panels=2, w=4.4, h=4)
 
 
 def fig8_pruning(data, out_path, svg=False):
@@ -459,7 +529,7 @@ def fig8_pruning(data, out_path, svg=False):
         axes[0].set(title=f"{label(g['meta'])} (base {num(g['layer_pruning'].get('baseline_loss')):.3g})",
                     xlabel="skipped layer", ylabel="Δ loss (nats/token)")
     return per_model(data, ["layer_pruning.layers"], out_path, svg,
-                     "Single-layer pruning: loss increase when one layer is skipped", draw)
+                     title="Single-layer pruning: loss increase when one layer is skipped", draw=draw)
 
 
 def fig8_logit_lens(data, out_path, svg=False):
@@ -478,7 +548,8 @@ def fig8_logit_lens(data, out_path, svg=False):
             axes[0].axhline(num(g["logit_lens"].get("final_loss")), color=colour(res), ls="--", lw=0.8)
         axes[0].set_title("dashed: the model's final loss")
     return overlay(data, "logit_lens.states", out_path, svg,
-                   "Logit lens: each depth state decoded with the final norm and head", draw, 3, figsize=(16, 4.2))
+                   title="Logit lens: each depth state decoded with the final norm and head", draw=draw, ncols=3,
+                   figsize=(16, 4.2))
 
 
 def fig9_dead_zone(data, out_path, svg=False):
@@ -494,7 +565,7 @@ def fig9_dead_zone(data, out_path, svg=False):
         ax.set(title=f"{label(g['meta'])}\n{dz.get('count_blocks', '?')} dead block(s), τ = {num(dz.get('tau')):g}",
                ylim=(0, 1.05), xlabel="consumer sublayer", ylabel="weight on non-embedding sources")
     return per_model(data, ["dead_zone.schedule"], out_path, svg,
-                     "Block AttnRes depth-mixing schedule (hatched = dead, dashed = τ)", draw)
+                     title="Block AttnRes depth-mixing schedule (hatched = dead, dashed = τ)", draw=draw)
 
 
 def fig10_transport_erank(data, out_path, svg=False):
@@ -509,7 +580,7 @@ def fig10_transport_erank(data, out_path, svg=False):
         axes[0].set(title="HC / mHC residual transport effective rank", xlabel="connector k (2 per layer)",
                     ylabel="effective rank of the stream-mixing matrix", ylim=(0, n + 0.3))
         axes[0].grid(alpha=0.3)
-    return overlay(data, "transport_erank.per_connector", out_path, svg, None, draw, figsize=(8.5, 4.5))
+    return overlay(data, "transport_erank.per_connector", out_path, svg, title=None, draw=draw, figsize=(8.5, 4.5))
 
 
 # ----------------------------------------------------------------------------- Fig. 11: system cost
@@ -524,9 +595,11 @@ def fig11_system(data, out_path, svg=False):
     if not rows:
         return {"skipped": "no profile JSON with rows"}
     batch_kv = any(math.isfinite(num(r.get("kv_cache_bytes_batch"))) for r in rows.values())
-    panels = [("prefill_flops", FLOP_UNITS, "prefill compute per sequence"),
-              ("kv_cache_bytes_batch" if batch_kv else "kv_cache_bytes", BYTE_UNITS,
-               "KV cache, whole batch" if batch_kv else "KV cache per sequence"),
+    if batch_kv:
+        kv_panel = ("kv_cache_bytes_batch", BYTE_UNITS, "KV cache, whole batch")
+    else:
+        kv_panel = ("kv_cache_bytes", BYTE_UNITS, "KV cache per sequence")
+    panels = [("prefill_flops", FLOP_UNITS, "prefill compute per sequence"), kv_panel,
               ("peak_mem_bytes", BYTE_UNITS, "peak memory"), ("fwd_ms", [(1, "ms")], "time per batch")]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     for ax, (field, table, title) in zip(axes, panels):
@@ -538,8 +611,8 @@ def fig11_system(data, out_path, svg=False):
             ax.text(0.5, 0.5, "not measured", ha="center", transform=ax.transAxes)
         ar_axis(ax, [ar for _, ar in rows])
         ax.set(title=title + (" (solid: fwd, dashed: fwd+bwd)" if field == "fwd_ms" else ""), ylabel=f"{title} ({u})")
-    return save(fig, out_path, svg, f"{len(rows)} (design, AR) rows", f"System cost vs aspect ratio ({head['device']}, "
-                f"{head['dtype']}, T = {head['seq']}, batch {head['batch']})", (axes[-1], axes))
+    title = f"System cost vs aspect ratio ({head['device']}, {head['dtype']}, T = {head['seq']}, batch {head['batch']})"
+    return save(fig, out_path, svg, f"{len(rows)} (design, AR) rows", title=title, legend=(axes[-1], axes))
 
 
 # ----------------------------------------------------------------------------- the mini suite's composition probe
@@ -570,7 +643,7 @@ def fig_composition(data, out_path, svg=False):
                ylabel="answer accuracy" if g == gaps[0] else None)
         ax.grid(alpha=0.3)
     return save(fig, out_path, svg, f"{len(runs)} runs, gaps {', '.join(gaps)}",
-                "Synthetic probe: answers solved vs depth (dotted: chance)", (axes[-1], axes))
+                title="Synthetic probe: answers solved vs depth (dotted: chance)", legend=(axes[-1], axes))
 
 
 # ----------------------------------------------------------------------------- main

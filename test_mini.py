@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import common
 import mini
 
 HERE = Path(__file__).resolve().parent
@@ -88,3 +91,81 @@ def test_the_sweep_covers_every_text_shape_and_the_deepest_synthetic_one():
     assert mini.seed_jobs(args) == []                               # nothing is chosen before the sweep ran
     args.lr, args.sweep = 3e-3, []                                  # --lr: no sweep, every seed at that LR
     assert len(mini.sweep_jobs(args)) == 0 and len(mini.seed_jobs(args)) == 2 * 2 * (3 + 5)  # the deepest: 5 seeds
+
+
+@pytest.mark.parametrize("flag, value", [("--ar", "92,,9.1"), ("--designs", "preln,"), ("--seeds", "0,,1"),
+                                         ("--deep-seeds", ",0"), ("--lr-sweep", "1e-3,,1e-2"), ("--probes", "text,"),
+                                         ("--seeds", ""), ("--designs", "")])
+def test_an_empty_list_item_is_refused(capsys, tmp_path, flag, value):
+    """An empty item (a doubled or trailing comma) is a typo, not a shorter list: one line, exit 2, nothing written.
+    Only --deep-seeds and --lr-sweep take '' (the whole list), for "use --seeds" and "no sweep"."""
+    with pytest.raises(SystemExit) as e:
+        mini.main([flag, value, "--text", "corpus.txt", "--out", str(tmp_path / "suite")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"mini.py: error: argument {flag}: invalid")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_empty_lists_that_mean_something():
+    """--deep-seeds '' means every shape takes --seeds; --lr-sweep '' means no sweep, every run at the preset's LR;
+    items are parsed (seeds as ints, LRs as floats) and repeats dropped."""
+    args = mini.parse_args(["--designs", "preln", "--ar", "32,9.1,32.0", "--seeds", "3,1,3", "--deep-seeds", "",
+                            "--lr-sweep", ""])
+    assert (args.ar, args.seeds, args.deep_seeds, args.sweep) == ([32.0, 9.1], [3, 1], [], [])
+    assert mini.seeds_at(args, 9.1) == [3, 1] and mini.sweep_jobs(args) == []
+    jobs = mini.seed_jobs(args)
+    assert [a[a.index("--seed") + 1] for _, _, a in jobs] == ["3", "1"] * 2 and not any("--lr" in a for _, _, a in jobs)
+
+
+def test_a_second_suite_on_the_same_folder_is_refused(tmp_path):
+    """While one mini.py holds its suite folder, a second on the same --out says who holds it in one line, exits 2
+    and writes nothing: no log (a cell's log is written only by the suite that trains it), no summary.md."""
+    out = tmp_path / "suite"
+    held = common.lock_folder(out)  # the first suite, as main holds it
+    log = out / "logs" / "synthetic_preln_ar32_seed0.log"
+    log.parent.mkdir()
+    log.write_text("the first suite's run, still training\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    argv = [sys.executable, "mini.py", "--designs", "preln", "--ar", "32", "--seeds", "0", "--deep-seeds", "",
+            "--lr-sweep", "", "--steps", "2", "--out", str(out)]
+    r = subprocess.run(argv, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    held.close()
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"mini.py: error: {out} is in use by pid {os.getpid()}")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not (out / "summary.md").exists() and not (out / "synthetic").exists()
+
+
+def sweep_run(folder, lr, loss=None, state="finished"):
+    """A sweep run folder as train.py leaves it: run.json, and for a finished run a ckpt.pt at its last step."""
+    import torch
+    folder.mkdir(parents=True)
+    run = {"schema": "depthbench.train/1", "config": {"lr": lr, "seed": 0}, "steps": [{"step": 2}],
+           "final": {"val_loss": loss}, "diverged": state == "diverged", "finished": state == "finished"}
+    common.write_json(folder / "run.json", run)
+    if state == "finished":
+        torch.save({"step": 2}, folder / "ckpt.pt")
+
+
+def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
+    """By common.run_state: a diverged run is done (listed as diverged) but never chosen, even where it is the only
+    one at an edge; an unfinished run is not done; a cell where every run diverged has no LR, so no seeds train."""
+    args = mini.parse_args(["--designs", "preln,hc", "--ar", "9.1", "--seeds", "0,1", "--deep-seeds", "",
+                            "--out", str(tmp_path)])
+    preln, hc = mini.cells(args)
+    folder = tmp_path / mini.cell_folder(preln)
+    sweep_run(folder / "a", 1e-3, 3.1)
+    sweep_run(folder / "b", 3e-3, 3.0)
+    sweep_run(folder / "c", 1e-2, state="diverged")       # the other edge: no loss, never the best
+    sweep_run(folder / "d", 3e-4, 2.0, state="partial")   # killed early: a too-early loss, not done
+    for name, lr in (("a", 1e-3), ("b", 3e-3), ("c", 1e-2)):
+        sweep_run(tmp_path / mini.cell_folder(hc) / name, lr, state="diverged")
+    assert mini.sweep_result(args, preln)[0] == {1e-3: 3.1, 3e-3: 3.0, 1e-2: None}
+    assert mini.chosen_lr(args, preln) == 3e-3 and mini.extension(args, mini.sweep_result(args, preln)[0]) is None
+    assert mini.sweep_lines(args, "synthetic")[0] == "- preln, AR 9.1: 1e-3: 3.1000 · **3e-3: 3.0000** · 1e-2: diverged"
+    assert mini.chosen_lr(args, hc) is None
+    jobs = mini.seed_jobs(args)                           # preln's seed 1 at 3e-3 (seed 0 is its sweep run), no hc
+    assert [(label.split()[1], a[a.index("--seed") + 1], a[a.index("--lr") + 1]) for _, label, a in jobs] == [
+        ("preln", "1", "3e-3")]
+    assert (tmp_path / "synthetic" / "b").is_symlink()

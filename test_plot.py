@@ -294,6 +294,27 @@ def test_malformed_fields_cost_a_figure_not_the_run(tmp_path, capsys):
     assert sorted(line.split(":")[0] for line in lines if line.split(":")[0] in names) == sorted(names)
 
 
+def test_a_field_of_the_wrong_type_skips_its_file_by_name(tmp_path, capsys):
+    """Right schema, wrong field types ("evals": 5, "config": [], a null eval, a number for a gap's result): each file
+    is skipped with one line naming it and the field, and every figure is drawn from the rest, none FAILED."""
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        write(runs, f"good{seed}/run.json", train_json("preln", seed=seed))
+    bad = {"evals": dict(train_json(), evals=5), "config": dict(train_json(), config=[]),
+           "evals[0]": dict(train_json(), evals=[None]),
+           "evals[0].per_level.2": dict(train_json(), evals=[dict(train_json()["evals"][0], per_level={"2": 0.5})])}
+    for k, (field, obj) in enumerate(bad.items()):
+        write(runs, f"bad{k}/run.json", obj)
+    assert plot.main([str(runs), "--out", str(tmp_path / "figs")]) == 0
+    lines = capsys.readouterr().out.replace("\\", "/").splitlines()
+    for k, field in enumerate(bad):
+        said = [line for line in lines if line.startswith(f"  skipped bad{k}/run.json: ")]
+        assert len(said) == 1 and f"field {field!r} is " in said[0], (field, said)
+    assert lines[0].endswith("2 train, 0 diagnose, 0 profile; 4 file(s) skipped")
+    assert any(line.startswith("fig2_final_loss_vs_ar: ") and "from 2 runs" in line for line in lines)
+    assert not [line for line in lines if "FAILED" in line]
+
+
 def test_main_draws_everything_with_svg(full_dir, tmp_path, capsys):
     """A complete folder gives every figure, as PNG and SVG; --only narrows it down."""
     out = tmp_path / "figs"

@@ -128,6 +128,10 @@ CASES = [
      "more than the 1024 blocks"),
     ("shapes.py", "10^5 layers of 10^15 parameters", ["--params", "1e15", "--layers", "100000"], {}, 2,
      "more than the 1024 blocks"),
+    ("mini.py", "an empty item in --ar", ["--ar", "92,,9.1", "--out", "{tmp}/m"], {}, 2, "argument --ar: invalid"),
+    ("mini.py", "a trailing comma in --designs", ["--designs", "preln,", "--out", "{tmp}/m"], {}, 2,
+     "argument --designs: invalid"),
+    ("mini.py", "an empty item in --seeds", ["--seeds", "0,,1", "--out", "{tmp}/m"], {}, 2, "argument --seeds: invalid"),
 ]
 
 FAULTS = []  # (fault, what it gives, test), in the page's order

@@ -6,14 +6,17 @@ from it, the docs sections and files that README, docs and code cite exist, and 
 
     python -m pytest -q test_repo.py
 """
+import ast
 import re
 from pathlib import Path
+
+import pytest
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 README_MAX_LINES = 250                                      # a newcomer's five-minute read (issue 19)
 FORBIDDEN = ("../shared", "architectures.md", "spec §", "diagnostics.md §")
-PAGES = ("designs", "diagnostics", "results", "speed", "training", "official")
+PAGES = ("designs", "diagnostics", "results", "speed", "training", "official", "contributing")
 CITE = re.compile(r"(?:docs/)?(" + "|".join(PAGES) + r")\.md#([A-Za-z0-9_-]+)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")      # a Markdown link or image's target, without its anchor
 
@@ -122,3 +125,179 @@ def test_readme_and_docs_links_point_at_files_that_exist():
         local = [t for t in LINK.findall(page.read_text(encoding="utf-8")) if "://" not in t]
         missing += [f"{page.name}: {t}" for t in local if not (page.parent / t).is_file()]
     assert not missing, f"links to files that do not exist: {missing}"
+
+
+# ----------------------------------------------------------------------------- shape rules (docs/contributing.md)
+
+MAX_FUNCTION_LINES = 60
+MAX_REQUIRED_PARAMS = 6
+MAX_POSITIONAL_ARGS = 4
+MAX_FILE_LINES = 700
+FILE_LINES_ASIDE = ("residuals.py",)                        # grows with its registry
+IFEXP_ASIDE = ("kernels.py",)                                # fused kernels pick their branch inline
+VARIADIC = ("permute", "view", "reshape", "expand", "repeat")  # tensor methods whose positional arguments are
+#                                                                  the dimensions themselves: no keyword names them
+
+
+def source_files():
+    """Every non-test Python file of the repository: the code a reader reads."""
+    return [p for p in sorted(HERE.glob("*.py")) if not p.name.startswith("test_")]
+
+
+def parsed():
+    """(file name, its ast) of every source file."""
+    return [(p.name, ast.parse(p.read_text(encoding="utf-8"), filename=p.name)) for p in source_files()]
+
+
+def functions(tree):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def is_parser_builder(fn):
+    """An argparse builder, which may be long (one flag a line): a function whose name ends in 'parser'."""
+    return fn.name.endswith("parser")
+
+
+def statements(tree):
+    """(statement, name of the function or class holding it, or '<module>') for every statement of the file."""
+    out = []
+
+    def visit(node, owner):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else owner
+            if isinstance(child, ast.stmt):
+                out.append((child, owner))
+            visit(child, inner)
+    visit(tree, "<module>")
+    return out
+
+
+def header_nodes(stmt):
+    """The expressions of a statement that count for its conditional expressions: all of a simple statement; only
+    the header (test, target, items, signature, decorators) of a compound one, whose body holds statements of its
+    own."""
+    nodes = []
+    for _, value in ast.iter_fields(stmt):
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, ast.AST) and not isinstance(v, (ast.stmt, ast.excepthandler, ast.match_case)):
+                nodes.append(v)
+    return nodes
+
+
+def if_expressions(stmt):
+    count = 0
+    for node in header_nodes(stmt):
+        count += sum(isinstance(n, ast.IfExp) for n in ast.walk(node))
+    return count
+
+
+def required_params(fn):
+    """Parameters without a default, self and cls not counted."""
+    positional = fn.args.posonlyargs + fn.args.args
+    required = positional[:len(positional) - len(fn.args.defaults)]
+    required += [a for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is None]
+    return [a.arg for a in required if a.arg not in ("self", "cls")]
+
+
+def shape_offenders(rule, files=None):
+    """Every 'file:line name' that breaks `rule`, over `files` ([(name, ast)]; default: every source file)."""
+    found = []
+    for name, tree in files or parsed():
+        if rule == "function length":
+            for fn in functions(tree):
+                lines = fn.end_lineno - fn.lineno + 1
+                if lines > MAX_FUNCTION_LINES and not is_parser_builder(fn):
+                    found.append(f"{name}:{fn.lineno} {fn.name} ({lines} lines)")
+        elif rule == "nested conditional expression":
+            for stmt, owner in statements(tree):
+                for node in header_nodes(stmt):
+                    for ifexp in [n for n in ast.walk(node) if isinstance(n, ast.IfExp)]:
+                        if any(isinstance(n, ast.IfExp) for n in ast.walk(ifexp) if n is not ifexp):
+                            found.append(f"{name}:{ifexp.lineno} {owner}")
+        elif rule == "conditional expressions per statement" and name not in IFEXP_ASIDE:
+            for stmt, owner in statements(tree):
+                count = if_expressions(stmt)
+                if count > 1:
+                    found.append(f"{name}:{stmt.lineno} {owner} ({count})")
+        elif rule == "required parameters":
+            for fn in functions(tree):
+                required = required_params(fn)
+                if len(required) > MAX_REQUIRED_PARAMS:
+                    found.append(f"{name}:{fn.lineno} {fn.name} ({len(required)}: {', '.join(required)})")
+        elif rule == "positional arguments":
+            for stmt, owner in statements(tree):
+                for node in header_nodes(stmt):
+                    for call in [n for n in ast.walk(node) if isinstance(n, ast.Call)]:
+                        positional = [a for a in call.args if not isinstance(a, ast.Starred)]
+                        variadic = isinstance(call.func, ast.Attribute) and call.func.attr in VARIADIC
+                        if len(positional) > MAX_POSITIONAL_ARGS and not variadic:
+                            found.append(f"{name}:{call.lineno} {owner} ({ast.unparse(call.func)}, "
+                                         f"{len(positional)} positional)")
+        elif rule == "SimpleNamespace":
+            for node in ast.walk(tree):
+                spelled = getattr(node, "id", None) or getattr(node, "attr", None)
+                names = [a.name for a in getattr(node, "names", [])] if isinstance(node, ast.ImportFrom) else []
+                if spelled == "SimpleNamespace" or "SimpleNamespace" in names:
+                    found.append(f"{name}:{node.lineno} SimpleNamespace")
+        elif rule == "file length" and name not in FILE_LINES_ASIDE:
+            lines = tree.body[-1].end_lineno if tree.body else 0  # the last statement's last line
+            if files is None:
+                lines = (HERE / name).read_bytes().count(b"\n")
+            if lines > MAX_FILE_LINES:
+                found.append(f"{name}:{lines} {name} ({lines} lines)")
+    return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1].split()[0]), s))
+
+
+SHAPE_RULES = {  # rule -> what it says, for the failure message
+    "function length": f"functions over {MAX_FUNCTION_LINES} lines (argparse builders, named *parser, aside)",
+    "nested conditional expression": "conditional expressions inside a conditional expression",
+    "conditional expressions per statement": "statements with more than one conditional expression (kernels.py "
+                                             "aside; a compound statement counts its header only)",
+    "required parameters": f"functions with more than {MAX_REQUIRED_PARAMS} required parameters (self, cls aside)",
+    "positional arguments": f"calls with more than {MAX_POSITIONAL_ARGS} positional arguments (use keywords; "
+                            f"{', '.join(VARIADIC)} aside)",
+    "SimpleNamespace": "SimpleNamespace used as a record (use a dataclass with commented fields)",
+    "file length": f"files over {MAX_FILE_LINES} lines (residuals.py aside)",
+}
+
+
+@pytest.mark.parametrize("rule", SHAPE_RULES)
+def test_shape_rules(rule):
+    """STYLE §4's shape rules, checked over every non-test Python file; each offender as 'file:line name'."""
+    found = shape_offenders(rule)
+    assert not found, f"{SHAPE_RULES[rule]}:\n" + "\n".join(found)
+
+
+def test_the_shape_rules_find_what_they_say():
+    """The checker on made-up files: each rule flags exactly its offenders, and what each rule sets aside (an
+    argparse builder, a compound statement's body, self, dimension arguments, residuals.py's length) passes."""
+    body = "\n".join(f"    x{k} = {k}" for k in range(59))
+    source = f"""from types import SimpleNamespace
+def long_one():
+{body}
+    return x0
+def build_parser():
+{body}
+    return x0
+def branches(self, a, b, c, d, e, f, g, h=1):
+    y = a if b else c if d else e
+    z = (a if b else c) + (d if e else f)
+    if a if b else c:
+        w = d if e else f
+    f(a, b, c, d, e)
+    a.permute(0, 1, 2, 3, 4)
+    f(a, b, c, d=d, e=e)
+    return y, z, w
+def six(a, b, c, d, e, f, *, g=1):
+    return SimpleNamespace(a=a)
+"""
+    files = [("made_up.py", ast.parse(source)), ("big.py", ast.parse("x = 1\n" * 701)),
+             ("residuals.py", ast.parse("x = 1\n" * 701))]
+    expected = {"function length": ["made_up.py:2 long_one (61 lines)"],
+                "nested conditional expression": ["made_up.py:125 branches"],
+                "conditional expressions per statement": ["made_up.py:125 branches (2)", "made_up.py:126 branches (2)"],
+                "required parameters": ["made_up.py:124 branches (7: a, b, c, d, e, f, g)"],
+                "positional arguments": ["made_up.py:129 branches (f, 5 positional)"],
+                "SimpleNamespace": ["made_up.py:1 SimpleNamespace", "made_up.py:134 SimpleNamespace"],
+                "file length": ["big.py:701 big.py (701 lines)"]}
+    assert {rule: shape_offenders(rule, files) for rule in SHAPE_RULES} == expected
