@@ -136,15 +136,13 @@ class WriteError(OSError):
 
 
 def os_error(e):
-    """The OSError e is or was caused by (torch's zip writer raises `RuntimeError: [enforce fail at
+    """The OSError e is, or the one behind a RuntimeError (torch's zip writer raises `RuntimeError: [enforce fail at
     inline_container.cc] unexpected pos` after the OSError of a full disk), else None."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        seen.add(id(e))
+    for _ in range(8):  # a chain of a few RuntimeErrors at most
+        if not isinstance(e, RuntimeError):
+            break
         e = e.__cause__ or e.__context__
-    return None
+    return e if isinstance(e, OSError) and e.errno is not None else None
 
 
 def why_failed(e, path):
@@ -245,6 +243,22 @@ def write_atomic(path, content):
         if cause is None or isinstance(e, WriteError):
             raise
         raise WriteError(cause.errno, cause.strerror, str(path)) from e
+
+
+def cannot_write(path):
+    """Why no file can be written at path, checked before the work that makes it (an --out given to a script), or
+    None: path is a folder, the first of its parents that exists is a file or is not writable."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder"
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{parent} is a file, not a folder"
+            if not os.access(parent, os.W_OK):
+                return f"{parent} is not writable"
+            return None
+    return None
 
 
 def read_json(path):

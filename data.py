@@ -216,13 +216,14 @@ def file_documents(path, text_field):
                     if line.strip():
                         row = json.loads(line)
                         if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                            raise DataError(f"{where}: no field {text_field!r} holding text (see --text-field)")
+                            raise DataError(f"{where}: no field {text_field!r} holding text (data.py's --text-field)")
                         yield row[text_field]
         else:
             import pyarrow.parquet as pq  # comes with `datasets`
             pf = pq.ParquetFile(path)
             if text_field not in pf.schema_arrow.names or "string" not in str(pf.schema_arrow.field(text_field).type):
-                raise DataError(f"{path}: no text column {text_field!r} in {pf.schema_arrow.names} (see --text-field)")
+                raise DataError(f"{path}: no text column {text_field!r} in {pf.schema_arrow.names} "
+                                f"(data.py's --text-field)")
             for batch in pf.iter_batches(columns=[text_field]):
                 yield from (doc or "" for doc in batch.column(0).to_pylist())
     except DataError:
@@ -320,11 +321,11 @@ def open_source(source, text_field, fineweb_config):
 def write_splits(docs, tok, out_dir, val_tokens, shard_tokens, max_tokens):
     """Tokenize docs into val and train shards: validation is the first whole documents, until at least val_tokens
     (no document is in both splits). Returns {split: [{"file", "tokens"}]} and the total; train is empty when the
-    documents ran out first."""
+    documents ran out first. The progress bar shows in a terminal only (disable=None), not in a log."""
     from tqdm import tqdm
     writers = {s: ShardWriter(out_dir, s, shard_tokens, tok) for s in ("val", "train")}
     split, total = "val", 0
-    with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({tok.name})") as bar:
+    with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({tok.name})", disable=None) as bar:
         for ids in tokenize_documents(docs, tok):
             ids = ids if max_tokens is None else ids[:max_tokens - total]
             writers[split].add(ids)
@@ -358,10 +359,9 @@ def split_by_tokens(out_dir, tok, shards, n_val, shard_tokens):
 
 
 def build_shards(docs, tok, out_dir, config, given, val_flag):
-    """Write the shard set of config (prepare's) from docs into out_dir, meta.json last: a folder without it is
-    rebuilt, never read. given, val_flag: the val_tokens the caller gave (None: the default) and its flag's name.
-    On any failure (a full disk, Ctrl-C) the shards made so far are removed (a full disk gets its space back) and
-    an OS failure is a DataError naming the path. Returns meta."""
+    """Write config's shard set (prepare's) from docs into out_dir, meta.json last: a folder without it is rebuilt,
+    never read. given, val_flag: the val_tokens the caller gave (None: the default), its flag. On any failure (a
+    full disk, Ctrl-C) the shards so far are removed, and an OS failure is a DataError naming the path -> meta."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -504,9 +504,7 @@ class SyntheticTask:
             word = "=" if t == self.eq else "".join(map(str, self.elements[element]))
             if level > 0:
                 word = f"g{level}:{word} |"
-            elif i == 1:
-                word += " |"  # a0, the start
-            words.append(word)
+            words.append(word + " |" if i == 1 else word)  # token 1 is a0, the start
         return " ".join(words)
 
 
