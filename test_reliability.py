@@ -450,10 +450,11 @@ def one_text_file(tmp, n_bytes=2000):
 
 
 @fault("a full disk or a read-only file system while data.py writes its shards (simulated: the second shard's "
-       "fsync fails with ENOSPC / EROFS)", "one line naming the shard and the cause, exit 2; no shard, no temp file "
+       "fsync fails with ENOSPC / EROFS / EACCES)", "one line naming the shard and the cause, exit 2; no shard, no temp file "
        "and no meta.json left (a folder without meta.json is rebuilt, never read); the rerun completes")
 @pytest.mark.parametrize("code, cause", [(errno.ENOSPC, "No space left on device (ENOSPC)"),
-                                         (errno.EROFS, "Read-only file system (EROFS)")])
+                                         (errno.EROFS, "Read-only file system (EROFS)"),
+                                         (errno.EACCES, "Permission denied (EACCES)")])
 def test_data_on_a_full_disk_leaves_no_shard(tmp_path, capsys, monkeypatch, code, cause):
     source = one_text_file(tmp_path)
     argv = ["--source", str(source), "--tokenizer", "bytes", "--out", str(tmp_path / "o"), "--shard-tokens", "500"]
@@ -503,6 +504,13 @@ def test_train_checkpoint_under_a_file_size_limit(tmp_path, capsys):
     after = files(tmp_path)
     assert sorted(after) == sorted(before) and after[run / "ckpt.pt"] == before[run / "ckpt.pt"]
     assert common.run_state(run) == "partial"  # run.json may hold the steps after it (an eval): --resume redoes them
+
+
+@fault("an OSError that is no failure of the machine (ENOENT: a path a script got wrong)",
+       "common.one_line_faults lets it through: a bug keeps its traceback")
+def test_other_os_errors_keep_their_traceback(tmp_path):
+    with pytest.raises(FileNotFoundError), common.one_line_faults("x.py"):
+        open(tmp_path / "missing")
 
 
 @fault("Ctrl-C (SIGINT) or SIGTERM while data.py tokenizes (the test signals itself after the first shard)",
