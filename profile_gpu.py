@@ -80,11 +80,16 @@ def timed(fn, repeats, dev, warmup=1):
 
 def in_fresh_process(fn, job):
     """fn(job) in a new spawned process: a clean allocator, thread setting and inductor cache for each run. The
-    child ignores Ctrl-C (no traceback of its own); on Ctrl-C or SIGTERM here it is stopped at once (r31)."""
-    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                  initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    child is started ignoring Ctrl-C (inherited through exec, so from its first import on: no traceback of its
+    own); on Ctrl-C or SIGTERM here it is stopped at once (r31)."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        return pool.submit(fn, job).result()
+        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        future = pool.submit(fn, job)  # starts the child
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        return future.result()
     except KeyboardInterrupt:  # common.Interrupted (SIGTERM) too
         for process in list(pool._processes.values()):  # Python 3.14 has pool.terminate_workers()
             process.terminate()
