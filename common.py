@@ -4,9 +4,13 @@ checkpoints, the run folder's lock, rank-0 printing, the device choice and the n
 level: plot.py imports this and must run (and start fast) without it.
 """
 import argparse
+import atexit
+import contextlib
+import errno
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -116,24 +120,145 @@ def check_options(names, given):
         design_options(name, given)
 
 
+# ----------------------------------------------------------------------------- faults: one line, not a traceback
+
+# the OS failures a user fixes (a full disk or quota, a file-size limit, a read-only or forbidden place, a file where
+# a folder should be, a folder where a file should be, a failing disk): one line naming the path, never a traceback
+FS_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+             errno.EEXIST, errno.EISDIR, errno.ENAMETOOLONG, errno.EIO}
+
+
+class WriteError(OSError):
+    """A write of `filename` that failed for an OS reason; str() is one line naming the path and the cause."""
+
+    def __str__(self):
+        return f"cannot write {self.filename}: {why_failed(self, self.filename)}"
+
+
+def os_error(e):
+    """The OSError e is, or the one behind a RuntimeError (torch's zip writer raises `RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos` after the OSError of a full disk), else None."""
+    for _ in range(8):  # a chain of a few RuntimeErrors at most
+        if not isinstance(e, RuntimeError):
+            break
+        e = e.__cause__ or e.__context__
+    return e if isinstance(e, OSError) and e.errno is not None else None
+
+
+def why_failed(e, path):
+    """The cause of OSError e at path, in words: for a file in the way (ENOTDIR, EEXIST), which one."""
+    code = errno.errorcode.get(e.errno, str(e.errno))
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and path:
+        for p in [Path(path), *Path(path).parents]:
+            if p.exists() and not p.is_dir():
+                return f"{p} is a file, not a folder ({code})"
+    return f"{e.strerror or e} ({code})"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or another signal that asks a script to stop), raised where the script is, like Ctrl-C's
+    KeyboardInterrupt: the `finally` blocks and write_atomic's clean-up run."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def one_line_faults(prog, note="what was finished is kept; run the same command again to go on"):
+    """Around a script's main: Ctrl-C (KeyboardInterrupt) and SIGTERM end it with one line and exit code 130 / 143
+    (128 + the signal's number), an OS failure at a write (WriteError, or an OSError of FS_ERRNOS) with one line
+    naming the path and the cause and exit code 2, never a traceback. SIGTERM raises Interrupted for the time of
+    the block, so clean-ups run; the old handler is put back after. A script whose own handlers catch a signal
+    for a while (train.py's loop) keeps them: they replace these while they are installed.
+
+        if __name__ == "__main__":
+            with one_line_faults("data.py"):
+                main()
+    """
+    old = signal.getsignal(signal.SIGTERM)
+    if old == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print0(f"{prog}: interrupted ({name}); {note}", file=sys.stderr)
+        sys.exit(128 + signum)
+    except OSError as e:
+        if not isinstance(e, WriteError) and e.errno not in FS_ERRNOS:
+            raise  # not the machine's fault: a bug, and its traceback helps
+        message = str(e) if isinstance(e, WriteError) else f"{e.filename or 'a file'}: {why_failed(e, e.filename)}"
+        fail(prog, message)
+    finally:
+        if old == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, old)
+
+
+def interrupt_hook(kind, value, tb, previous=sys.excepthook):
+    """sys.excepthook of every script: a Ctrl-C that nothing caught, say while torch is imported (seconds), is one
+    line and exit code 130, not a traceback through the import machinery. Set when this module is imported, so a
+    script imports it before torch; other exceptions go to the previous hook."""
+    if not issubclass(kind, KeyboardInterrupt):
+        return previous(kind, value, tb)
+    print(f"{Path(sys.argv[0]).name}: interrupted (Ctrl-C); run the same command again to go on", file=sys.stderr)
+    atexit._run_exitfuncs()  # what a normal exit runs (multiprocessing ends its children), then the exit code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
+
+
+if sys.excepthook is sys.__excepthook__:  # not in an interpreter that set its own (IPython, pytest)
+    sys.excepthook = interrupt_hook
+
+
 # ----------------------------------------------------------------------------- files
 
 def write_atomic(path, content):
     """Write str, bytes, or whatever the function `content(binary_file)` writes, to a temp file of its own beside
     path (two writers never share one), fsync it, then os.replace it: a reader sees the old file or the new one,
-    never half of one. On any failure (a full disk, Ctrl-C) the temp file is removed and the old file stays."""
+    never half of one. On any failure (a full disk, Ctrl-C) the temp file is removed and the old file stays; an OS
+    failure is raised as a WriteError naming path (also when torch's zip writer turned it into a RuntimeError)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "xb") as f:
-            content(f) if callable(content) else f.write(content.encode() if isinstance(content, str) else content)
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # the temp file may never have been made (a file in the way)
+            tmp.unlink(missing_ok=True)
+        cause = os_error(e)
+        if cause is None or isinstance(e, WriteError):
+            raise
+        raise WriteError(cause.errno, cause.strerror, str(path)) from e
+
+
+def cannot_write(path):
+    """Why no file can be written at path, checked before the work that makes it (an --out given to a script), or
+    None: path is a folder, the first of its parents that exists is a file or is not writable."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder"
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{parent} is a file, not a folder"
+            if not os.access(parent, os.W_OK):
+                return f"{parent} is not writable"
+            return None
+    return None
 
 
 def read_json(path):
@@ -158,7 +283,7 @@ def lock_folder(folder):
             raise PermissionError(13, "not writable")
         f = open(Path(folder) / ".lock", "a+")
     except OSError as e:
-        raise ValueError(f"cannot write to {folder}: {e.strerror or e}") from None
+        raise ValueError(f"cannot write to {folder}: {why_failed(e, folder)}") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         f.truncate(0)
@@ -186,6 +311,8 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(path, obj):
+    """torch.save through write_atomic: the old ckpt.pt stays whole until the new one is; a full disk is a
+    WriteError (one line), not torch's `[enforce fail at inline_container.cc] unexpected pos`."""
     import torch
     write_atomic(path, lambda f: torch.save(obj, f))
 
@@ -197,9 +324,16 @@ def load_checkpoint(path, keys=("model", "model_config", "config")):
     import torch
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
     except Exception as e:  # unpickling errors of every kind: not a (whole) checkpoint; never loaded unsafely
-        why = "it holds objects beyond tensors and plain data" if "weights_only" in str(e) else first_line(e)
-        raise CheckpointError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {why})") from None
+        if "weights_only" in str(e):
+            why = f"{type(e).__name__}: it holds objects beyond tensors and plain data"
+            raise CheckpointError(f"{path}: not a depthbench checkpoint ({why})") from None
+        # a cut-off zip: "failed finding central directory", or (cut near its end) OSError EINVAL from mmap
+        size = os.path.getsize(path)
+        raise CheckpointError(f"{path} ({size:,} bytes): truncated or not a depthbench checkpoint "
+                              f"({type(e).__name__}: {first_line(e, 80)})") from None
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a depthbench checkpoint (no {missing[0]!r} in it)")
@@ -233,6 +367,29 @@ def run_state(folder):
     print0(f"{folder}: run.json says finished at step {last}, but ckpt.pt is "
            + (f"at step {at}" if at else "missing or unreadable") + ": not finished")
     return "partial"
+
+
+def rebuild_run_log(folder):
+    """When folder/run.json is damaged (cut off, not a JSON object) or gone and folder/ckpt.pt is a whole train.py
+    checkpoint, write run.json again from the log the checkpoint carries (train.py saves its run log in ckpt.pt as
+    "log", as of the checkpoint's step), marked not finished: run_state then says 'partial' and --resume trains on
+    from that step (when it was the last one, --resume only marks the run finished). Returns the log written, or
+    None, writing nothing, when run.json is readable or ckpt.pt is missing or not whole. train.py calls it for
+    --resume before run_state, holding the folder's lock."""
+    folder = Path(folder)
+    if read_json(folder / "run.json") is not None:
+        return None
+    try:
+        ckpt = load_checkpoint(folder / "ckpt.pt", keys=("log", "step", "config"))
+    except CheckpointError:
+        return None
+    log = ckpt["log"]
+    if not isinstance(log, dict) or not isinstance(log.get("steps"), list):
+        return None
+    log = {**log, "finished": False}
+    write_json(folder / "run.json", log)
+    print0(f"{folder / 'run.json'} was damaged or missing: rebuilt from ckpt.pt's log (step {ckpt['step']})")
+    return log
 
 
 def best_lr(results):

@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# common first: its sys.excepthook makes a Ctrl-C while torch is imported one line
+from common import (ArgParser, fail, first_line, hub_unreachable, one_line_faults, positive, read_json, seed_number,
+                    unreachable, why_failed, write_atomic, write_json, VAL_SEED, WriteError)
 import numpy as np
 import torch
-
-from common import (ArgParser, fail, first_line, hub_unreachable, positive, read_json, seed_number, unreachable,
-                    write_atomic, write_json, VAL_SEED)
 
 MAGIC, VERSION = 20260517, 1  # our own magic, so an llm.c or nanoGPT .bin is rejected, not misread
 HEADER_INTS = 256
@@ -216,13 +216,14 @@ def file_documents(path, text_field):
                     if line.strip():
                         row = json.loads(line)
                         if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                            raise DataError(f"{where}: no field {text_field!r} holding text (see --text-field)")
+                            raise DataError(f"{where}: no field {text_field!r} holding text (data.py's --text-field)")
                         yield row[text_field]
         else:
             import pyarrow.parquet as pq  # comes with `datasets`
             pf = pq.ParquetFile(path)
             if text_field not in pf.schema_arrow.names or "string" not in str(pf.schema_arrow.field(text_field).type):
-                raise DataError(f"{path}: no text column {text_field!r} in {pf.schema_arrow.names} (see --text-field)")
+                raise DataError(f"{path}: no text column {text_field!r} in {pf.schema_arrow.names} "
+                                f"(data.py's --text-field)")
             for batch in pf.iter_batches(columns=[text_field]):
                 yield from (doc or "" for doc in batch.column(0).to_pylist())
     except DataError:
@@ -318,11 +319,13 @@ def open_source(source, text_field, fineweb_config):
 
 
 def write_splits(docs, tok, out_dir, val_tokens, shard_tokens, max_tokens):
-    """Tokenize docs into val and train shards; return {split: [{"file", "tokens"}]} and the total."""
+    """Tokenize docs into val and train shards: validation is the first whole documents, until at least val_tokens
+    (no document is in both splits). Returns {split: [{"file", "tokens"}]} and the total; train is empty when the
+    documents ran out first. The progress bar shows in a terminal only (disable=None), not in a log."""
     from tqdm import tqdm
     writers = {s: ShardWriter(out_dir, s, shard_tokens, tok) for s in ("val", "train")}
     split, total = "val", 0
-    with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({tok.name})") as bar:
+    with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc=f"tokenizing ({tok.name})", disable=None) as bar:
         for ids in tokenize_documents(docs, tok):
             ids = ids if max_tokens is None else ids[:max_tokens - total]
             writers[split].add(ids)
@@ -334,18 +337,75 @@ def write_splits(docs, tok, out_dir, val_tokens, shard_tokens, max_tokens):
                 break
     for w in writers.values():
         w.flush()
-    if not writers["train"].shards:
-        raise DataError(f"nothing left for training: validation (whole documents, at least --val-tokens "
-                        f"{val_tokens}) took all {total} tokens; lower --val-tokens or add documents")
     return {s: w.shards for s, w in writers.items()}, total
 
 
+VAL_FRACTION = 0.1  # a source split by tokens without a given validation size: at most its last 10% (nanoGPT's)
+
+
+def split_by_tokens(out_dir, tok, shards, n_val, shard_tokens):
+    """Re-cut `shards`, all of a source that ran out of documents before the train split began (so at most
+    val_tokens and one document: it fits in memory): its last n_val tokens become val shards, the rest train
+    shards. Returns {split: [{"file", "tokens"}]}."""
+    tokens = np.concatenate([read_shard(Path(out_dir) / s["file"]) for s in shards])  # a copy: the files can go
+    for s in shards:
+        (Path(out_dir) / s["file"]).unlink()
+    writers = {s: ShardWriter(out_dir, s, shard_tokens, tok) for s in ("val", "train")}
+    writers["train"].add(tokens[:len(tokens) - n_val])
+    writers["val"].add(tokens[len(tokens) - n_val:])
+    for w in writers.values():
+        w.flush()
+    return {s: w.shards for s, w in writers.items()}
+
+
+def build_shards(docs, tok, out_dir, config, given, val_flag):
+    """Write config's shard set (prepare's) from docs into out_dir, meta.json last: a folder without it is rebuilt,
+    never read. given, val_flag: the val_tokens the caller gave (None: the default), its flag. On any failure (a
+    full disk, Ctrl-C) the shards so far are removed, and an OS failure is a DataError naming the path -> meta."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot write {out_dir}: {why_failed(e, out_dir)}") from None
+    for old in [out_dir / "meta.json", *out_dir.glob("val_*.bin"), *out_dir.glob("train_*.bin")]:
+        old.unlink(missing_ok=True)  # start clean, meta.json first
+    t0 = time.time()
+    try:
+        shards, total = write_splits(docs, tok, out_dir, val_tokens=config["val_tokens"],
+                                     shard_tokens=config["shard_tokens"], max_tokens=config["max_tokens"])
+        split = "documents"
+        if not shards["train"]:  # fewer documents than two splits need (a single .txt file is one document)
+            n_val = config["val_tokens"]
+            if given is None:
+                n_val = max(1, min(n_val, int(total * VAL_FRACTION)))
+            elif n_val >= total:
+                raise DataError(f"validation ({val_flag} {n_val:,}) would take all {total:,} tokens of the source, "
+                                f"leaving none for training; lower {val_flag}")
+            print(f"{config['source']}: too few documents for a split by documents, so split by tokens: the last "
+                  f"{n_val:,} of {total:,} tokens ({n_val / total:.1%}) are validation")
+            shards = split_by_tokens(out_dir, tok, shards["val"], n_val=n_val, shard_tokens=config["shard_tokens"])
+            split = "tokens"
+        meta = {"format": "depthbench-shards", "version": VERSION, "config": config, "split": split,
+                "n_tokens": total, "seconds": round(time.time() - t0, 2), "shards": shards}
+        write_json(out_dir / "meta.json", meta)
+    except BaseException as e:
+        for f in [*out_dir.glob("val_*.bin"), *out_dir.glob("train_*.bin")]:
+            f.unlink(missing_ok=True)
+        if isinstance(e, WriteError):
+            raise DataError(str(e)) from None
+        raise
+    return meta
+
+
 def prepare(source, out_dir, tokenizer="gpt2", val_tokens=None, shard_tokens=100_000_000,
-            max_tokens=None, text_field="text", fineweb_config="sample-10BT"):
-    """Tokenize a real source into shards in out_dir, or reuse them; return the meta dict.
-    val_tokens defaults to 10M for fineweb-edu and 100k for local files (Austen: one novel)."""
+            max_tokens=None, text_field="text", fineweb_config="sample-10BT", val_flag="--val-tokens"):
+    """Tokenize a real source into shards in out_dir, or reuse them; return the meta dict. Validation is the first
+    whole documents, until at least val_tokens (default 10M for fineweb-edu, 100k for local files: Austen's one
+    novel); a source with too few documents (one .txt file) is split by tokens instead: its last val_tokens, or
+    without them the less of 100k and 10% of all. val_flag: how the caller's command line names val_tokens."""
     out_dir, tok = Path(out_dir), get_tokenizer(tokenizer)
-    val_tokens = val_tokens or (10_000_000 if source == "fineweb-edu" else 100_000)
+    given = val_tokens
+    if val_tokens is None:
+        val_tokens = 10_000_000 if source == "fineweb-edu" else 100_000
     described, docs = open_source(source, text_field, fineweb_config)
     config = {"source": source, "tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
               "val_tokens": val_tokens, "shard_tokens": shard_tokens, "max_tokens": max_tokens, **described}
@@ -356,17 +416,7 @@ def prepare(source, out_dir, tokenizer="gpt2", val_tokens=None, shard_tokens=100
     first = next(docs, None)  # read now: an unreachable source fails before anything is deleted
     if first is None:
         raise DataError(f"{source}: no documents")
-
-    # start clean, meta.json first: from here on, a crash can never look like a finished run
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in [out_dir / "meta.json", *out_dir.glob("val_*.bin"), *out_dir.glob("train_*.bin")]:
-        old.unlink(missing_ok=True)
-    t0 = time.time()
-    shards, total = write_splits(itertools.chain([first], docs), tok, out_dir, val_tokens, shard_tokens, max_tokens)
-    meta = {"format": "depthbench-shards", "version": VERSION, "config": config, "n_tokens": total,
-            "seconds": round(time.time() - t0, 2), "shards": shards}
-    write_json(out_dir / "meta.json", meta)
-    return meta
+    return build_shards(itertools.chain([first], docs), tok, out_dir, config=config, given=given, val_flag=val_flag)
 
 
 # ----------------------------------------------------------------------------- the synthetic task
@@ -448,10 +498,14 @@ class SyntheticTask:
 
     def decode(self, tokens, levels):
         """Readable text: elements in one-line notation, answers as 'g2:3021 |'."""
-        words = [("=" if t == self.eq else "".join(map(str, self.elements[t - (t > self.eq) * self.answer_offset])))
-                 for t in tokens]
-        return " ".join(f"g{l}:{w} |" if l > 0 else f"{w} |" if i == 1 else w
-                        for i, (w, l) in enumerate(zip(words, levels)))
+        words = []
+        for i, (t, level) in enumerate(zip(tokens, levels)):
+            element = t - self.answer_offset if t > self.eq else t  # answers_only: answers have ids of their own
+            word = "=" if t == self.eq else "".join(map(str, self.elements[element]))
+            if level > 0:
+                word = f"g{level}:{word} |"
+            words.append(word + " |" if i == 1 else word)  # token 1 is a0, the start
+        return " ".join(words)
 
 
 def answer_metrics(logits, y, level, max_gap):
@@ -621,7 +675,8 @@ def main(argv=None):
     p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"],
                    help="gpt2 (tiktoken BPE) or bytes (UTF-8, vocab 257)")
     p.add_argument("--val-tokens", type=positive(), help="validation = the first whole documents, until at least "
-                   "this many tokens (default 10M for fineweb-edu, 100k for local files)")
+                   "this many tokens (default 10M for fineweb-edu, 100k for local files); a source of too few "
+                   "documents (one .txt file): its last this many tokens (default: 100k or 10%%, the less)")
     p.add_argument("--shard-tokens", type=positive(), default=100_000_000, help="tokens per train shard file")
     p.add_argument("--max-tokens", type=positive(), help="stop after this many tokens in all (default: all)")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl rows / .parquet columns")
@@ -638,12 +693,14 @@ def main(argv=None):
         if args.source == "synthetic":
             show_synthetic(args)
         else:
-            meta = prepare(args.source, args.out, args.tokenizer, args.val_tokens, args.shard_tokens,
-                           args.max_tokens, args.text_field, args.fineweb_config)
+            meta = prepare(args.source, args.out, args.tokenizer, val_tokens=args.val_tokens,
+                           shard_tokens=args.shard_tokens, max_tokens=args.max_tokens, text_field=args.text_field,
+                           fineweb_config=args.fineweb_config)
             show_shards(args, meta, args.out)
     except DataError as e:
         fail("data.py", e)
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_faults("data.py", "no meta.json was written, so the same command makes these shards again"):
+        main()

@@ -18,12 +18,14 @@ import multiprocessing
 import os
 import platform
 import re
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from contextlib import nullcontext
 
+import common  # r31: first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -77,9 +79,23 @@ def timed(fn, repeats, dev, warmup=1):
 
 
 def in_fresh_process(fn, job):
-    """fn(job) in a new spawned process: a clean allocator, thread setting and inductor cache for each run."""
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, job).result()
+    """fn(job) in a new spawned process: a clean allocator, thread setting and inductor cache for each run. The
+    child is started ignoring Ctrl-C (inherited through exec, so from its first import on: no traceback of its
+    own); on Ctrl-C or SIGTERM here it is stopped at once (r31)."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        future = pool.submit(fn, job)  # starts the child
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        return future.result()
+    except KeyboardInterrupt:  # common.Interrupted (SIGTERM) too
+        for process in list(pool._processes.values()):  # Python 3.14 has pool.terminate_workers()
+            process.terminate()
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def peak_flops(dev, dtype):
@@ -445,6 +461,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="with --bench: the step ratios and HF only")
     p.add_kernels()
     args = p.parse_args(argv)
+    if args.out and (why := common.cannot_write(args.out)):  # r31: before the work, not after
+        p.error(f"--out {args.out}: {why}")
     if args.bench:
         return bench(min(args.repeats, 5), args.quick, args.kernels)
 
@@ -501,7 +519,10 @@ def main(argv=None):
            "peak_flops": peak, "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
            "rows": rows}
     if args.out:
-        write_json(args.out, doc)
+        try:
+            write_json(args.out, doc)
+        except OSError as e:  # r31: a common.WriteError, one line naming the path and the cause
+            common.fail("profile_gpu.py", str(e))
         print(f"wrote {args.out}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -513,4 +534,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with common.one_line_faults("profile_gpu.py", "nothing was written; run the same command again"):  # r31: Ctrl-C
+        main()

@@ -158,6 +158,24 @@ def test_prepare_austen(tmp_path, monkeypatch, name, capsys):
     assert split_tokens(out, "train") == enc[1] + enc[2]
 
 
+@pytest.mark.parametrize("val_tokens, n_val", [(None, 100), (37, 37)])
+def test_a_single_text_file_is_split_by_tokens(tmp_path, capsys, val_tokens, n_val):
+    """One .txt file is one document, which a split by documents gives whole to validation: it is split by tokens
+    instead, the last val_tokens (default: the less of 100k and 10%, printed) for validation, the rest for train;
+    together they are the file's tokens, in order. A val_tokens that leaves no train token names the caller's flag."""
+    text = ("To be, or not to be, that is the question:\n" * 24)[:999]  # 999 bytes, + EOT = 1000 tokens
+    (tmp_path / "input.txt").write_text(text)
+    out = tmp_path / "out"
+    meta = data.prepare(str(tmp_path / "input.txt"), out, "bytes", val_tokens=val_tokens, shard_tokens=300)
+    assert f"the last {n_val:,} of 1,000 tokens ({n_val / 10:.1f}%) are validation" in capsys.readouterr().out
+    train, val = split_tokens(out, "train"), split_tokens(out, "val")
+    assert (len(train), len(val), meta["split"]) == (1000 - n_val, n_val, "tokens")
+    assert train + val == list(text.encode()) + [256]
+    assert max(s["tokens"] for s in meta["shards"]["train"]) == 300  # shard_tokens still holds
+    with pytest.raises(DataError, match=r"^validation \(--val-size 1,000\) would take all 1,000 tokens.*--val-size$"):
+        data.prepare(str(tmp_path / "input.txt"), out, "bytes", val_tokens=1000, val_flag="--val-size")
+
+
 def test_prepare_jsonl_parquet_and_max_tokens(tmp_path):
     """Rows of .jsonl and .parquet are documents; --max-tokens cuts the stream exactly."""
     import pyarrow as pa
@@ -172,8 +190,9 @@ def test_prepare_jsonl_parquet_and_max_tokens(tmp_path):
     assert train.count(256) == 3 and tok.decode(train) == "twothreefour"
     data.prepare(str(tmp_path / "*"), out, "bytes", val_tokens=1, max_tokens=9)
     assert len(split_tokens(out, "val") + split_tokens(out, "train")) == 9
-    with pytest.raises(DataError, match="nothing left for training"):
+    with pytest.raises(DataError, match=r"validation \(--val-tokens 1,000,000\) would take all 19 tokens"):
         data.prepare(str(tmp_path / "*"), out, "bytes", val_tokens=10**6)
+    assert not list(out.iterdir())  # the failed set's shards are gone: a folder without meta.json is never read
     with pytest.raises(DataError, match="no field 'body'"):
         data.prepare(str(tmp_path / "a.jsonl"), out, "bytes", text_field="body")
 

@@ -13,11 +13,13 @@ import errno
 import importlib
 import os
 import re
+import resource
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +135,38 @@ CASES = [
      "argument --designs: invalid"),
     ("mini.py", "an empty item in --seeds", ["--seeds", "0,,1", "--out", "{tmp}/m"], {}, 2, "argument --seeds: invalid"),
 ]
+
+# ----------------------------------------------------------------------------- issue 31's bad input (own block)
+
+def truncated_checkpoint(tmp):
+    """A run folder whose ckpt.pt is cut off after its first 1,000 bytes."""
+    ckpt = tmp / "run" / "ckpt.pt"
+    common.save_checkpoint(ckpt, {"model": {"w": torch.zeros(1000)}, "model_config": {}, "config": {}, "step": 1})
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+
+
+ONE_TXT = {"a.txt": "x" * 99}  # one document of 100 bytes tokens (EOT included)
+CASES += [
+    ("data.py", "--out under a plain file", ["--source", "{tmp}/a.txt", "--tokenizer", "bytes", "--out", "{tmp}/f/x"],
+     {**ONE_TXT, "f": "a file"}, 2, "cannot write {tmp}/f/x: {tmp}/f is a file, not a folder (ENOTDIR)"),
+    ("data.py", "--out that is a file", ["--source", "{tmp}/a.txt", "--tokenizer", "bytes", "--out", "{tmp}/f"],
+     {**ONE_TXT, "f": "a file"}, 2, "cannot write {tmp}/f: {tmp}/f is a file, not a folder (EEXIST)"),
+    ("data.py", "one .txt file, --val-tokens above its tokens", ["--source", "{tmp}/a.txt", "--tokenizer", "bytes",
+     "--out", "{tmp}/o", "--val-tokens", "1000"], ONE_TXT, 2,
+     "validation (--val-tokens 1,000) would take all 100 tokens of the source, leaving none for training; lower "
+     "--val-tokens"),
+    ("diagnose.py", "--out under a plain file", [*INIT, "--metrics", "erank", "--num-samples", "2", "--seq-len", "8",
+     "--out", "{tmp}/f/d.json"], {"f": "a file"}, 2, "--out {tmp}/f/d.json: {tmp}/f is a file, not a folder"),
+    ("profile_gpu.py", "--out under a plain file", ["--analytic-only", "--shapes", "2x64", "--vocab", "64", "--out",
+     "{tmp}/f/p.json"], {"f": "a file"}, 2, "--out {tmp}/f/p.json: {tmp}/f is a file, not a folder"),
+    ("diagnose.py", "a truncated ckpt.pt", ["{tmp}/run"], truncated_checkpoint, 2,
+     "run/ckpt.pt (1,000 bytes): truncated or not a depthbench checkpoint"),
+    # needs the integrator's train.py --val-tokens (passed to data.prepare)
+    ("train.py", "one .txt file, --val-tokens above its tokens", [*TRAIN, "--data", "{tmp}/a.txt", "--tokenizer",
+     "bytes", "--data-dir", "{tmp}/d", "--val-tokens", "1000"], ONE_TXT, 2,
+     "validation (--val-tokens 1,000) would take all 100 tokens"),
+]
+
 
 FAULTS = []  # (fault, what it gives, test), in the page's order
 
@@ -393,6 +427,242 @@ def test_a_corrupt_meta_json_is_rebuilt(tmp_path):
     common.write_atomic(tmp_path / "o" / "meta.json", "[1, 2")
     meta = data.prepare(str(tmp_path / "texts"), tmp_path / "o", "bytes", val_tokens=1)
     assert data.load_meta(tmp_path / "o") == meta and meta["n_tokens"] == 2 * 201
+
+
+# ----------------------------------------------------------------------------- 8. issue 31: writes that fail, signals
+#                                                                                outside the training loop, one .txt
+
+def limited(max_bytes):
+    """preexec_fn of a subprocess: no file it writes may grow past max_bytes (ulimit -f). SIGXFSZ is ignored (Python
+    ignores it too), so the write fails with EFBIG instead of killing the process."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+    return limit
+
+
+def script(argv, preexec_fn=None):
+    """python argv in this folder, one thread -> the finished process (stdout and stderr as text)."""
+    return subprocess.run([sys.executable, "-B", *argv], cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600, preexec_fn=preexec_fn)
+
+
+def one_text_file(tmp, n_bytes=2000):
+    path = tmp / "input.txt"
+    path.write_text(("First Citizen: Before we proceed any further, hear me speak.\n" * 50)[:n_bytes])
+    return path
+
+
+@fault("a full disk or a read-only file system while data.py writes its shards (simulated: the second shard's "
+       "fsync fails with ENOSPC / EROFS / EACCES)", "one line naming the shard and the cause, exit 2; no shard, no temp file "
+       "and no meta.json left (a folder without meta.json is rebuilt, never read); the rerun completes")
+@pytest.mark.parametrize("code, cause", [(errno.ENOSPC, "No space left on device (ENOSPC)"),
+                                         (errno.EROFS, "Read-only file system (EROFS)"),
+                                         (errno.EACCES, "Permission denied (EACCES)")])
+def test_data_on_a_full_disk_leaves_no_shard(tmp_path, capsys, monkeypatch, code, cause):
+    source = one_text_file(tmp_path)
+    argv = ["--source", str(source), "--tokenizer", "bytes", "--out", str(tmp_path / "o"), "--shard-tokens", "500"]
+    fsync, calls = os.fsync, []
+
+    def fails_second(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(code, os.strerror(code))
+        fsync(fd)
+    monkeypatch.setattr(os, "fsync", fails_second)
+    with pytest.raises(SystemExit) as e:
+        data.main(argv)
+    err = capsys.readouterr().err
+    want = f"data.py: error: cannot write {tmp_path}/o/val_000001.bin: {cause}"
+    assert (e.value.code, err.splitlines()) == (2, [want])
+    assert list(files(tmp_path)) == [source]
+    monkeypatch.undo()
+    data.main(argv)
+    assert data.load_meta(tmp_path / "o")["n_tokens"] == 2001
+
+
+@fault("a file-size limit (`ulimit -f`, a real RLIMIT_FSIZE) while data.py writes a shard",
+       "one line, `cannot write .../val_000000.bin: File too large (EFBIG)`, exit 2; the output folder is empty")
+def test_data_under_a_file_size_limit(tmp_path):
+    source = one_text_file(tmp_path)
+    p = script(["data.py", "--source", str(source), "--tokenizer", "bytes", "--out", str(tmp_path / "o"),
+                "--shard-tokens", "4000"], limited(3000))
+    assert (p.returncode, p.stderr.strip().splitlines()[-1]) == (
+        2, f"data.py: error: cannot write {tmp_path}/o/val_000000.bin: File too large (EFBIG)"), p.stderr
+    assert "Traceback" not in p.stderr and list(files(tmp_path)) == [source]
+
+
+@fault("a file-size limit (a real RLIMIT_FSIZE) at a checkpoint of train.py --resume: torch's zip writer raises "
+       "`RuntimeError: [enforce fail at inline_container.cc] unexpected pos` after the OSError",
+       "one line naming ckpt.pt and `File too large (EFBIG)`, exit 2; ckpt.pt is the last good one (byte for byte), "
+       "run.json says not finished, no temp file")
+def test_train_checkpoint_under_a_file_size_limit(tmp_path, capsys):
+    args = [*TINY, "--steps", "4", "--out", str(tmp_path)]
+    assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
+    (run,) = tmp_path.iterdir()
+    before = files(tmp_path)
+    p = script(["train.py", *args, "--resume"], limited(100_000))  # run.json fits, ckpt.pt (~1 MB) does not
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "enforce fail" not in p.stderr, p.stderr
+    assert f"cannot write {run}/ckpt.pt: File too large (EFBIG)" in lines[0], p.stderr
+    after = files(tmp_path)
+    assert sorted(after) == sorted(before) and after[run / "ckpt.pt"] == before[run / "ckpt.pt"]
+    assert common.run_state(run) == "partial"  # run.json may hold the steps after it (an eval): --resume redoes them
+
+
+@fault("an OSError that is no failure of the machine (ENOENT: a path a script got wrong)",
+       "common.one_line_faults lets it through: a bug keeps its traceback")
+def test_other_os_errors_keep_their_traceback(tmp_path):
+    with pytest.raises(FileNotFoundError), common.one_line_faults("x.py"):
+        open(tmp_path / "missing")
+
+
+@fault("Ctrl-C (SIGINT) or SIGTERM while data.py tokenizes (the test signals itself after the first shard)",
+       "one line, exit 130 / 143; no shard or temp file left, no meta.json; the same command then makes the shards")
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_tokenizing(tmp_path, capsys, monkeypatch, sig, code):
+    source = one_text_file(tmp_path)
+    argv = ["--source", str(source), "--tokenizer", "bytes", "--out", str(tmp_path / "o"), "--shard-tokens", "500"]
+    write_shard = data.write_shard
+
+    def signalled(path, *a, **k):
+        write_shard(path, *a, **k)
+        os.kill(os.getpid(), sig)
+    monkeypatch.setattr(data, "write_shard", signalled)
+    with pytest.raises(SystemExit) as e, common.one_line_faults("data.py", "no meta.json was written"):
+        data.main(argv)
+    name = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}[sig]
+    assert (e.value.code, capsys.readouterr().err.splitlines()) == (
+        code, [f"data.py: interrupted ({name}); no meta.json was written"])
+    assert list(files(tmp_path)) == [source] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    monkeypatch.undo()
+    data.main(argv)
+    assert data.load_meta(tmp_path / "o")["n_tokens"] == 2001
+
+
+@fault("Ctrl-C while train.py tokenizes a text source (before its training loop's handlers)",
+       "one line, exit 130 (common.one_line_faults around train.py's main); no shard left")
+def test_ctrl_c_while_train_tokenizes(tmp_path, capsys, monkeypatch):
+    source = one_text_file(tmp_path)
+    monkeypatch.setattr(data, "tokenize_documents", lambda docs, tok: os.kill(os.getpid(), signal.SIGINT) or [])
+    with pytest.raises(SystemExit) as e, common.one_line_faults("train.py"):
+        train.main([*TRAIN[:-1], str(tmp_path / "runs"), "--data", str(source), "--tokenizer", "bytes",
+                    "--data-dir", str(tmp_path / "d")])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err.splitlines() == ["train.py: interrupted (Ctrl-C); what was finished is kept; "
+                                                        "run the same command again to go on"]
+    assert list(files(tmp_path)) == [source]
+
+
+@fault("Ctrl-C or SIGTERM during diagnose.py's sweep", "one line, exit 130 / 143; no diagnose.json, no temp file")
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_diagnose(tmp_path, capsys, monkeypatch, sig, code):
+    import diagnose
+    monkeypatch.setattr(diagnose, "sweep", lambda *a: os.kill(os.getpid(), sig))
+    with pytest.raises(SystemExit) as e, common.one_line_faults("diagnose.py", "nothing was written"):
+        diagnose.main([*INIT, "--metrics", "erank", "--num-samples", "2", "--seq-len", "8", "--out",
+                       str(tmp_path / "d.json")])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == code and len(err) == 1 and err[0].startswith("diagnose.py: interrupted (")
+    assert not list(tmp_path.iterdir())
+
+
+@fault("Ctrl-C in a terminal (to the whole process group) while profile_gpu.py measures in its spawned worker",
+       "one line after the progress lines, no traceback from either process, exit 130; the worker is gone too")
+def test_ctrl_c_while_profile_measures(tmp_path):
+    p = subprocess.Popen([sys.executable, "-B", "profile_gpu.py", "--shapes", "2x64", "--residual", "preln", "--device",
+                          "cpu", "--vocab", "64", "--seq", "64", "--batch", "2", "--repeats", "1000000", "--out",
+                          str(tmp_path / "p.json")], cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    for line in p.stderr:
+        seen.append(line)
+        if line.startswith("measuring"):
+            break
+    time.sleep(1)  # (not asserted on) the worker ignores Ctrl-C from its start: any moment will do
+    os.killpg(p.pid, signal.SIGINT)
+    err = "".join(seen) + p.stderr.read()
+    assert p.wait(timeout=120) == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "profile_gpu.py: interrupted (Ctrl-C); nothing was written; run the same " \
+                                           "command again"
+    for _ in range(300):  # the worker (same process group) ends with its parent
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("a process of profile_gpu.py outlived it")
+    assert not list(tmp_path.iterdir())
+
+
+@fault("Ctrl-C while a script imports torch (simulated: a script that imports common, then is interrupted)",
+       "one line, exit 130, no traceback; data.py, diagnose.py and profile_gpu.py import common before torch")
+def test_ctrl_c_at_start_up(tmp_path):
+    (tmp_path / "starting.py").write_text(f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport common\nimport os, "
+                                          "signal\nos.kill(os.getpid(), signal.SIGINT)\nimport torch\n")
+    p = script([str(tmp_path / "starting.py")])
+    assert (p.returncode, p.stderr) == (130, "starting.py: interrupted (Ctrl-C); run the same command again to go "
+                                             "on\n")
+    for name in ("data", "diagnose", "profile_gpu"):
+        order = script(["-c", f"import sys; import {name}; m = list(sys.modules); print(m.index('common') < "
+                              f"m.index('torch'))"]).stdout
+        assert order == "True\n", name
+
+
+@fault("a truncated ckpt.pt", "`<path> (<size> bytes): truncated or not a depthbench checkpoint (...)`, one line")
+def test_a_truncated_checkpoint_names_its_size(tmp_path):
+    truncated_checkpoint(tmp_path)
+    with pytest.raises(common.CheckpointError, match=r"ckpt.pt \(1,000 bytes\): truncated or not a depthbench"):
+        common.load_checkpoint(tmp_path / "run" / "ckpt.pt")
+
+
+@fault("run.json cut off (or gone) with an intact ckpt.pt", "common.rebuild_run_log writes run.json again from "
+       "ckpt.pt's log (not finished: run_state says partial); nothing is written when run.json is readable or ckpt.pt "
+       "is not whole")
+def test_run_json_is_rebuilt_from_the_checkpoint(tmp_path, capsys):
+    assert run_main([*TINY, "--steps", "4", "--max-steps", "2", "--out", str(tmp_path)], capsys)[0] == 0
+    (run,) = tmp_path.iterdir()
+    assert common.rebuild_run_log(run) is None  # readable: left alone
+    log = torch.load(run / "ckpt.pt", weights_only=True)["log"]
+    text = (run / "run.json").read_text()
+    (run / "run.json").write_text(text[:len(text) // 2])
+    assert common.rebuild_run_log(run) == {**log, "finished": False} == common.read_json(run / "run.json")
+    assert common.run_state(run) == "partial" and [s["step"] for s in log["steps"]] == [1, 2]
+    (run / "run.json").write_text("{")
+    (run / "ckpt.pt").write_bytes((run / "ckpt.pt").read_bytes()[:1000])
+    assert common.rebuild_run_log(run) is None and (run / "run.json").read_text() == "{"
+
+
+@fault("train.py --resume with run.json cut off and an intact ckpt.pt (needs the integrator's call of "
+       "common.rebuild_run_log in train.py)", "run.json is rebuilt from ckpt.pt's log, the run resumes to the losses "
+       "of an uninterrupted run")
+def test_resume_rebuilds_a_damaged_run_json(tmp_path, capsys):
+    args = [*TINY, "--steps", "4", "--eval-every", "2"]
+    assert run_main(args + ["--out", str(tmp_path / "a")], capsys)[0] == 0
+    assert run_main(args + ["--max-steps", "2", "--out", str(tmp_path / "b")], capsys)[0] == 0
+    (run,) = (tmp_path / "b").iterdir()
+    (run / "run.json").write_text((run / "run.json").read_text()[:100])
+    code, out, err = run_main(args + ["--resume", "--out", str(tmp_path / "b")], capsys)
+    assert code == 0 and "rebuilt from ckpt.pt" in out and "resumed from" in out, err
+    a, b = load_run(tmp_path / "a"), load_run(tmp_path / "b")
+    assert b["finished"] is True and [s["loss"] for s in b["steps"]] == [s["loss"] for s in a["steps"]]
+
+
+@fault("train.py on a single .txt file (one document: a split by documents would give it all to validation)",
+       "split by tokens: the last 10% (at most 100k) validate, printed; it trains; with `--val-tokens N` (needs the "
+       "integrator's flag) the last N")
+@pytest.mark.parametrize("val_tokens", [None, 300])
+def test_train_on_one_text_file(tmp_path, capsys, val_tokens):
+    source = one_text_file(tmp_path)
+    flag = [] if val_tokens is None else ["--val-tokens", str(val_tokens)]
+    code, out, err = run_main([*TINY, "--max-steps", "2", "--out", str(tmp_path / "runs"), "--data", str(source),
+                               "--tokenizer", "bytes", "--data-dir", str(tmp_path / "d"), *flag], capsys)
+    n_val = val_tokens or 200
+    assert code == 0 and f"the last {n_val:,} of 2,001 tokens" in out, err
+    meta = data.load_meta(tmp_path / "d")
+    assert [sum(s["tokens"] for s in meta["shards"][k]) for k in ("train", "val")] == [2001 - n_val, n_val]
+    assert [s["step"] for s in load_run(tmp_path / "runs")["steps"]] == [1, 2]
 
 
 # ----------------------------------------------------------------------------- the page
