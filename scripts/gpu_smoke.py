@@ -202,7 +202,8 @@ def bf16_vs_fp32(s):
     """One step in fp32 on the CPU makes a checkpoint; it is resumed for 20 steps (--tiny: 5) in fp32 (CPU) and in
     bf16 autocast (CUDA, eager): the same weights, optimizer state and batches, so the losses differ by precision
     alone (and device arithmetic). train.py builds a model with the device's own RNG, hence the shared checkpoint."""
-    base = ["--preset", "cpu", "--layers", "2" if s.tiny else "4", "--residual", "preln", "--eval-every", "1000", "--log-every", "1",
+    layers = "2" if s.tiny else "4"
+    base = ["--preset", "cpu", "--layers", layers, "--residual", "preln", "--eval-every", "1000", "--log-every", "1",
             "--eval-iters", "1"]
     if s.tiny:
         base += ["--params", "100k", "--seq-len", "32", "--global-batch", "8"]
