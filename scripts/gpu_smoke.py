@@ -112,8 +112,10 @@ def check(s, name, fn):
         status = f"error: {type(e).__name__}: {e}"[:300]
     s.summary["checks"].append({"check": name, "status": status, "seconds": round(time.monotonic() - t0, 1)})
     save(s)
-    print(f"{'ok  ' if status == 'ok' else 'FAIL'}  {name:<14} {time.monotonic() - t0:6.0f} s  "
-          f"{'' if status == 'ok' else status}", flush=True)
+    line = f"ok    {name:<14} {time.monotonic() - t0:6.0f} s"
+    if status != "ok":
+        line = f"FAIL  {name:<14} {time.monotonic() - t0:6.0f} s  {status}"
+    print(line, flush=True)
 
 
 # ----------------------------------------------------------------------------- train.py runs and what they tell
@@ -159,10 +161,11 @@ def compile_seconds(s, doc):
 
 
 def memory_of(res, doc):
+    """train.py's planned GB (its log line) and the measured peak (run.json)."""
     planned = re.search(r"memory\s+planned ([0-9.]+) GB", res.text)
-    return {"planned_gb": float(planned[1]) if planned else None,
-            "peak_gb": round(doc["peak_mem_bytes"] / GB, 2),
-            "peak_kind": "cuda max_memory_allocated" if doc["config"]["device"] != "cpu" else "cpu peak RSS"}
+    kind = "cpu peak RSS" if doc["device"] == "cpu" else "cuda max_memory_allocated"
+    return {"planned_gb": float(planned[1]) if planned else None, "peak_gb": round(doc["peak_mem_bytes"] / GB, 2),
+            "peak_kind": kind}
 
 
 def throughput(s):
@@ -342,14 +345,14 @@ def sequence(tiny):
 def empty_summary(s, budget):
     """Every question's key, null until its check answers (a killed smoke leaves the reason)."""
     pending = "not run yet (budget spent or smoke stopped)"
+    compiled = {"reason": "tiny: nothing is compiled on the CPU"} if s.tiny else {}
     return {"schema": "depthbench.smoke/1", "mode": "tiny" if s.tiny else "gpu", "budget_s": budget,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "environment": {},
             "throughput": {"tokens_per_s": None, "mfu": None, "reason": pending},
             "bf16_vs_fp32": {"max_abs_loss_diff": None, "reason": pending},
             "ddp_vs_fsdp2": {"max_abs_loss_diff": None, "reason": pending},
             "memory": {d: {"planned_gb": None, "peak_gb": None, "reason": pending} for d in MEMORY_DESIGNS},
-            "compile_s": {**dict.fromkeys(["preln_L24", "mhc_L24", "preln_L70", "mhc_L70"]),
-                          **({"reason": "tiny: nothing is compiled on the CPU"} if s.tiny else {})},
+            "compile_s": {**dict.fromkeys(["preln_L24", "mhc_L24", "preln_L70", "mhc_L70"]), **compiled},
             "design_step": {"fast": {}, "reference": {}, "use": None, "reason": pending}, "checks": []}
 
 
