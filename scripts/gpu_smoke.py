@@ -1,0 +1,390 @@
+"""The first contact with a GPU machine, as numbers: scripts/gpu_smoke.sh runs this driver.
+
+Each check runs the project's own scripts as subprocesses (train.py, profile_gpu.py, torchrun), most informative
+first, each with what is left of the time budget (SMOKE_BUDGET_S, default 480 s) as its timeout. After every check
+$OUT/summary.json is rewritten (atomically), so a kill leaves everything measured so far; $OUT/smoke.log holds every
+command and its output. Scratch run folders (a 400M checkpoint is ~5 GB) live in a temporary folder, removed as
+each check ends. summary.json answers, each as a number or as null with a reason:
+
+  throughput      Pre-LN 400M L24 bf16 compiled: tokens/s and MFU (the median step after the first two)
+  bf16_vs_fp32    the same 20 steps from one checkpoint, resumed in fp32 (CPU) and in bf16 autocast (CUDA)
+  ddp_vs_fsdp2    with 2+ GPUs: the same 10 steps under DDP and under FSDP2 (--fsdp)
+  memory          planned (train.py's estimate) vs measured peak GB for Pre-LN, mHC and Full AttnRes at L24
+  compile_s       first step minus a steady step, Pre-LN and mHC at L24 and L70
+  design_step     every design's compiled training step over Pre-LN's at the 400M shape with the fewest blocks
+                  (L16 d1216: the cheapest to compile), with each --kernels value, and which value is faster
+
+--tiny runs the same sequence on CPU at toy shapes (no compile), for the tests and as a rehearsal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from common import write_json  # noqa: E402  (the repository root, on the path just above)
+
+DESIGNS = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda"]
+FIRST_DESIGNS = ["preln", "hc", "mhc", "attnres"]  # measured first (with both kernels) when the budget is short
+TINY_DESIGNS = ["preln", "mhc"]  # --tiny: a process per design and kernels value on the CPU; two designs show it
+MEMORY_DESIGNS = ["preln", "mhc", "attnres"]
+OLDEST_TORCH = (2, 6)  # the README's supported versions start here
+GB = 1e9
+
+
+@dataclass
+class Smoke:
+    out: Path                  # $OUT: summary.json and smoke.log, nothing else
+    work: Path                 # scratch run folders, removed at the end
+    tiny: bool                 # CPU, toy shapes, no compile
+    ngpu: int                  # GPUs detected (0 with --tiny)
+    deadline: float            # time.monotonic() at which the budget is spent
+    summary: dict = field(default_factory=dict)  # what summary.json holds, rewritten after every check
+
+
+@dataclass
+class Result:
+    rc: int | None             # exit status; None: killed at the budget
+    text: str                  # stdout and stderr together
+    seconds: float             # wall time of the command
+
+
+def left(s):
+    return s.deadline - time.monotonic()
+
+
+def log(s, text):
+    with open(s.out / "smoke.log", "a") as f:
+        f.write(text)
+
+
+def save(s):
+    s.summary["elapsed_s"] = round(s.summary["budget_s"] - left(s), 1)
+    write_json(s.out / "summary.json", s.summary, strict=True)
+
+
+def run(s, argv, env=None):
+    """argv from the repository root, its own process group, killed (TERM, then KILL) when the budget ends."""
+    t0 = time.monotonic()
+    log(s, f"\n$ {' '.join(argv)}\n")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        text, rc = proc.communicate(timeout=max(left(s), 1))[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # train.py saves and exits; torchrun passes it on
+        try:
+            text = proc.communicate(timeout=15)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text = proc.communicate()[0]
+        text, rc = text + "\n[killed: the smoke budget is spent]\n", None
+    log(s, text)
+    return Result(rc, text, time.monotonic() - t0)
+
+
+def why(res):
+    """A null's reason from a failed command: the budget, or its last line."""
+    if res.rc is None:
+        return f"budget spent after {res.seconds:.0f} s"
+    lines = [line for line in res.text.strip().splitlines() if line.strip()] or ["no output"]
+    return f"exit {res.rc}: {lines[-1][:300]}"
+
+
+def check(s, name, fn):
+    """Run one check, record its status and time, and write summary.json."""
+    t0 = time.monotonic()
+    try:
+        status = fn(s) or "ok"
+    except Exception as e:  # one broken check must not lose the others
+        status = f"error: {type(e).__name__}: {e}"[:300]
+    s.summary["checks"].append({"check": name, "status": status, "seconds": round(time.monotonic() - t0, 1)})
+    save(s)
+    line = f"ok    {name:<14} {time.monotonic() - t0:6.0f} s"
+    if status != "ok":
+        line = f"FAIL  {name:<14} {time.monotonic() - t0:6.0f} s  {status}"
+    print(line, flush=True)
+
+
+# ----------------------------------------------------------------------------- train.py runs and what they tell
+
+
+def train_args(s, design, layers, steps):
+    """train.py flags of one short synthetic run: a 400M row, or --tiny's toy twin (L2 for L24, L3 for L70)."""
+    if s.tiny:
+        toy, budget = {24: (2, "100k"), 70: (3, "85k")}[layers]  # d64 and d48 (L70's twin: for a run by hand)
+        return ["--preset", "cpu", "--layers", str(toy), "--params", budget, "--residual", design, "--device", "cpu",
+                "--seq-len", "32", "--global-batch", "8", "--eval-iters", "1", "--log-every", "1",
+                "--max-steps", str(min(steps, 5)), "--ckpt-every", "100000"]
+    return ["--suite", "400m", "--layers", str(layers), "--residual", design, "--data", "synthetic",
+            "--eval-iters", "1", "--log-every", "1", "--global-batch", "16",
+            "--max-steps", str(steps), "--ckpt-every", "100000"]
+
+
+def train(s, args, folder, ranks=1):
+    """(Result, run.json or None) of train.py, under torchrun for ranks > 1; the run folder is removed after."""
+    out = s.work / folder
+    head = [sys.executable, "train.py"]
+    if ranks > 1:
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py"]
+    res = run(s, head + args + ["--out", str(out)], env={"OMP_NUM_THREADS": "1"} if s.tiny else None)
+    found = sorted(out.glob("*/run.json"))
+    doc = json.loads(found[0].read_text()) if found else None
+    shutil.rmtree(out, ignore_errors=True)
+    return res, doc
+
+
+def step_seconds(doc):
+    """Seconds of each logged step (run.json keeps tokens per step over tokens/s)."""
+    tokens = doc["config"]["tokens_per_step"]
+    return [tokens / st["tok_per_s"] for st in doc["steps"]]
+
+
+def compile_seconds(s, doc):
+    """The first step's time beyond a steady step's: compiling the training graph (None without compile)."""
+    dt = step_seconds(doc)
+    if not doc["config"]["compile"] or len(dt) < 3:
+        return None
+    return round(dt[0] - statistics.median(dt[2:]), 2)
+
+
+def memory_of(res, doc):
+    """train.py's planned GB (its log line) and the measured peak (run.json)."""
+    planned = re.search(r"memory\s+planned ([0-9.]+) GB", res.text)
+    kind = "cpu peak RSS" if doc["device"] == "cpu" else "cuda max_memory_allocated"
+    return {"planned_gb": float(planned[1]) if planned else None, "peak_gb": round(doc["peak_mem_bytes"] / GB, 2),
+            "peak_kind": kind}
+
+
+def throughput(s):
+    """Pre-LN 400M L24: tokens/s, MFU, compile seconds and memory from one 20-step run."""
+    res, doc = train(s, train_args(s, "preln", 24, 20), "preln-L24")
+    if not doc or len(doc["steps"]) < 3:
+        s.summary["throughput"] = {"tokens_per_s": None, "mfu": None, "reason": why(res)}
+        return why(res)
+    steady = step_seconds(doc)[2:]
+    mfus = [float(m) / 100 for m in re.findall(r"MFU ([0-9.]+)%", res.text)][2:]
+    s.summary["throughput"] = {
+        "tokens_per_s": round(doc["config"]["tokens_per_step"] / statistics.median(steady)),
+        "mfu": round(statistics.median(mfus), 4) if mfus else None,
+        "step_ms": round(1000 * statistics.median(steady), 1), "device": doc["device"],
+        "tokens_per_step": doc["config"]["tokens_per_step"], "world_size": doc["config"]["world_size"],
+        "compile": doc["config"]["compile"], "dtype": doc["config"]["dtype"]}
+    if not mfus:
+        s.summary["throughput"]["reason"] = "train.py printed no MFU (a GPU its peak table lacks)"
+    s.summary["memory"]["preln"] = memory_of(res, doc)
+    s.summary["compile_s"]["preln_L24"] = compile_seconds(s, doc)
+
+
+def design_run(s, design, layers):
+    """A 5-step run: its compile seconds, and at L24 its planned vs measured memory."""
+    res, doc = train(s, train_args(s, design, layers, 5), f"{design}-L{layers}")
+    if not doc or not doc["steps"]:
+        s.summary["compile_s"][f"{design}_L{layers}"] = None
+        if layers == 24 and design in MEMORY_DESIGNS:
+            s.summary["memory"][design] = {"planned_gb": None, "peak_gb": None, "reason": why(res)}
+        return why(res)
+    s.summary["compile_s"][f"{design}_L{layers}"] = compile_seconds(s, doc)
+    if layers == 24 and design in MEMORY_DESIGNS:
+        s.summary["memory"][design] = memory_of(res, doc)
+
+
+def bf16_vs_fp32(s):
+    """One step in fp32 on the CPU makes a checkpoint; it is resumed for 20 steps (--tiny: 5) in fp32 (CPU) and in
+    bf16 autocast (CUDA, eager): the same weights, optimizer state and batches, so the losses differ by precision
+    alone (and device arithmetic). train.py builds a model with the device's own RNG, hence the shared checkpoint."""
+    layers = "2" if s.tiny else "4"
+    base = ["--preset", "cpu", "--layers", layers, "--residual", "preln", "--eval-every", "1000", "--log-every", "1",
+            "--eval-iters", "1"]
+    if s.tiny:
+        base += ["--params", "100k", "--seq-len", "32", "--global-batch", "8"]
+    seed = s.work / "precision-seed"
+    res = run(s, [sys.executable, "train.py", *base, "--device", "cpu", "--max-steps", "1", "--out", str(seed)])
+    legs = {"fp32": "cpu", "bf16": "cpu" if s.tiny else "cuda"}
+    losses = {}
+    for leg, device in legs.items():
+        if res.rc != 0:
+            break
+        folder = s.work / f"precision-{leg}"
+        shutil.copytree(seed, folder)
+        stop = "6" if s.tiny else "21"
+        res = run(s, [sys.executable, "train.py", *base, "--device", device, "--no-compile", "--max-steps", stop,
+                      "--resume", "--out", str(folder)])
+        if res.rc != 0:
+            break
+        doc = json.loads(next(folder.glob("*/run.json")).read_text())
+        losses[leg] = [st["loss"] for st in doc["steps"][1:]]
+    for folder in s.work.glob("precision-*"):
+        shutil.rmtree(folder, ignore_errors=True)
+    if res.rc != 0 or len(losses) < 2:
+        s.summary["bf16_vs_fp32"] = {"max_abs_loss_diff": None, "reason": why(res)}
+        return why(res)
+    diffs = [abs(a - b) for a, b in zip(losses["fp32"], losses["bf16"])]
+    s.summary["bf16_vs_fp32"] = {"max_abs_loss_diff": round(max(diffs), 6), "steps": len(diffs),
+                                 "final_loss": {"fp32": losses["fp32"][-1], "bf16": losses["bf16"][-1]}}
+    if s.tiny:  # both legs ran fp32 on the CPU: the number is the control (0 if resuming is exact), not bf16's
+        s.summary["bf16_vs_fp32"] = {"max_abs_loss_diff": None, "reason": "no CUDA: train.py runs fp32 only on "
+                                     "the CPU", "control_fp32_vs_fp32": round(max(diffs), 6)}
+
+
+def ddp_vs_fsdp2(s):
+    """The same steps under DDP and under FSDP2 on every GPU (--tiny: two gloo processes), HC at L24, eager."""
+    ranks = 2 if s.tiny else s.ngpu
+    if ranks < 2:
+        s.summary["ddp_vs_fsdp2"] = {"max_abs_loss_diff": None, "reason": "one GPU: DDP and FSDP2 need 2+ ranks"}
+        return "skipped: one GPU"
+    args = train_args(s, "hc", 24, 3 if s.tiny else 10) + ["--no-compile"]
+    if not s.tiny:
+        args += ["--global-batch", str(8 * ranks)]  # the later flag wins: micro-batch 8, the plan's for HC
+    losses = {}
+    for engine, flag in (("ddp", []), ("fsdp2", ["--fsdp"])):
+        res, doc = train(s, args + flag, f"engine-{engine}", ranks=ranks)
+        if res.rc != 0 or not doc:
+            s.summary["ddp_vs_fsdp2"] = {"max_abs_loss_diff": None, "reason": f"{engine}: {why(res)}"}
+            return why(res)
+        losses[engine] = [st["loss"] for st in doc["steps"]]
+    diffs = [abs(a - b) for a, b in zip(losses["ddp"], losses["fsdp2"])]
+    s.summary["ddp_vs_fsdp2"] = {"max_abs_loss_diff": round(max(diffs), 6), "steps": len(diffs), "ranks": ranks,
+                                 "final_loss": {k: v[-1] for k, v in losses.items()}}
+
+
+# ----------------------------------------------------------------------------- profile_gpu.py: the design ratios
+
+
+def profile_args(s, designs, kernels):
+    shape = ["--shapes", "2x64", "--seq", "32", "--batch", "2", "--vocab", "256", "--device", "cpu",
+             "--threads", "1"] if s.tiny else ["--shapes", "16x1216", "--seq", "2048", "--batch", "4"]
+    return [sys.executable, "profile_gpu.py", *shape, "--residual", ",".join(designs), "--repeats", "3",
+            "--kernels", kernels, "--out", str(s.work / "profile.json")]
+
+
+def design_step(s):
+    """Every design's training step (forward + backward; compiled on CUDA) over Pre-LN's, with each --kernels
+    value: four designs first (both values), then the other six."""
+    rest = [d for d in DESIGNS if d not in FIRST_DESIGNS]
+    batches = [TINY_DESIGNS] if s.tiny else [FIRST_DESIGNS, ["preln", *rest]]
+    ms = {"fast": {}, "reference": {}}
+    for designs in batches:
+        for kernels in ("fast", "reference"):
+            res = run(s, profile_args(s, designs, kernels))
+            if res.rc != 0:
+                design_summary(s, ms, why(res))
+                return why(res)
+            rows = json.loads((s.work / "profile.json").read_text())["rows"]
+            ms[kernels].update({r["residual"]: r.get("fwdbwd_ms") for r in rows})
+            design_summary(s, ms)
+            save(s)
+
+
+def design_summary(s, ms, reason=None):
+    """Ratios to Pre-LN per kernels value, fast over reference per design, and the faster value overall."""
+    out = {"shape": "L2 d64 T32 B2, CPU eager (tiny)" if s.tiny else "L16 d1216 T2048 B4, bf16, compiled"}
+    for kernels, got in ms.items():
+        base = got.get("preln")
+        out[kernels] = {d: round(v / base, 3) if v and base else None for d, v in got.items()}
+    both = [d for d in ms["fast"] if ms["fast"][d] and ms["reference"].get(d)]
+    out["fast_over_reference"] = {d: round(ms["fast"][d] / ms["reference"][d], 3) for d in both}
+    out["step_ms"] = {k: {d: round(v, 2) if v else None for d, v in got.items()} for k, got in ms.items()}
+    total = {k: sum(ms[k][d] for d in both) for k in ms}
+    out["use"] = (min(total, key=total.get) if both else None)  # the value whose summed step time is smaller
+    if reason or len(both) < len(DESIGNS):
+        out["reason"] = reason or ("tiny: two designs" if s.tiny else "budget spent before every design was measured")
+    s.summary["design_step"] = out
+
+
+# ----------------------------------------------------------------------------- the sequence
+
+
+ENV_PROBE = """import json, platform, torch
+n = torch.cuda.device_count()
+print(json.dumps({"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
+                  "gpus": [torch.cuda.get_device_name(i) for i in range(n)]}))"""
+
+
+def environment(s):
+    """torch, CUDA and the GPUs, from a child process (this one never holds a CUDA context)."""
+    res = run(s, [sys.executable, "-c", ENV_PROBE])
+    if res.rc != 0:
+        s.summary["environment"] = {"reason": why(res)}
+        return why(res)
+    env = json.loads(res.text.strip().splitlines()[-1])
+    s.ngpu = 0 if s.tiny else min(len(env["gpus"]), 8)
+    version = tuple(int(x) for x in re.findall(r"\d+", env["torch"])[:2])
+    s.summary["environment"] = {**env, "gpus_used": s.ngpu, "torch_supported": version >= OLDEST_TORCH}
+    if not s.tiny and not s.ngpu:
+        return "no GPU: run with --tiny for the CPU rehearsal"
+    if version < OLDEST_TORCH:
+        return f"torch {env['torch']} is older than the oldest supported, {'.'.join(map(str, OLDEST_TORCH))}"
+
+
+def sequence(tiny):
+    """(name, fn) in the order they run: the most informative first. --tiny leaves out the L70 runs, which on the
+    CPU (no compile) would answer nothing."""
+    checks = [("environment", environment), ("throughput", throughput), ("bf16_vs_fp32", bf16_vs_fp32),
+              ("ddp_vs_fsdp2", ddp_vs_fsdp2)]
+    for design in MEMORY_DESIGNS[1:]:
+        checks.append((f"{design}_L24", lambda s, d=design: design_run(s, d, 24)))
+    for design in [] if tiny else ["preln", "mhc"]:
+        checks.append((f"{design}_L70", lambda s, d=design: design_run(s, d, 70)))
+    checks.append(("design_step", design_step))
+    return checks
+
+
+def empty_summary(s, budget):
+    """Every question's key, null until its check answers (a killed smoke leaves the reason)."""
+    pending = "not run yet (budget spent or smoke stopped)"
+    compiled = {"reason": "tiny: nothing is compiled on the CPU"} if s.tiny else {}
+    return {"schema": "depthbench.smoke/1", "mode": "tiny" if s.tiny else "gpu", "budget_s": budget,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "environment": {},
+            "throughput": {"tokens_per_s": None, "mfu": None, "reason": pending},
+            "bf16_vs_fp32": {"max_abs_loss_diff": None, "reason": pending},
+            "ddp_vs_fsdp2": {"max_abs_loss_diff": None, "reason": pending},
+            "memory": {d: {"planned_gb": None, "peak_gb": None, "reason": pending} for d in MEMORY_DESIGNS},
+            "compile_s": {**dict.fromkeys(["preln_L24", "mhc_L24", "preln_L70", "mhc_L70"]), **compiled},
+            "design_step": {"fast": {}, "reference": {}, "use": None, "reason": pending}, "checks": []}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="gpu_smoke.py", description="The first contact with a GPU machine: "
+                                "summary.json and smoke.log under $OUT (see the module docstring).")
+    p.add_argument("--tiny", action="store_true", help="CPU, toy shapes, no compile: the same sequence in minutes")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/depthbench-smoke"),
+                   help="folder of summary.json and smoke.log (default $OUT, else /tmp/depthbench-smoke)")
+    p.add_argument("--budget", type=float, default=float(os.environ.get("SMOKE_BUDGET_S", 480)),
+                   help="seconds for everything (default $SMOKE_BUDGET_S, else 480); checks past it are skipped")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "smoke.log").unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="depthbench-smoke-") as work:
+        s = Smoke(out=out, work=Path(work), tiny=args.tiny, ngpu=0, deadline=time.monotonic() + args.budget)
+        s.summary = empty_summary(s, args.budget)
+        save(s)
+        for name, fn in sequence(s.tiny):
+            if left(s) < 5:
+                s.summary["checks"].append({"check": name, "status": "skipped: budget spent", "seconds": 0})
+                print(f"skip  {name:<14} budget spent", flush=True)
+                continue
+            check(s, name, fn)
+            if name == "environment" and not s.tiny and not s.ngpu:
+                break
+        save(s)
+    print(f"wrote {out / 'summary.json'} and {out / 'smoke.log'} in {s.summary['elapsed_s']:.0f} s")
+    failed = [c for c in s.summary["checks"] if c["status"] not in ("ok", "skipped: one GPU")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Launching beyond one process: the GPU smoke's CPU rehearsal (scripts/gpu_smoke.sh --tiny) and its summary.json,
+its budget, the GPU commands' memory plans, and two torchrun "nodes" of one process each against one process.
+
+    python -m pytest -q test_launch.py
+
+Every run is a real subprocess, as a user would start it. Speed is reported, never asserted.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "scripts"))
+import gpu_smoke  # noqa: E402  (scripts/ is not a package)
+
+# 2 layers, d=64 (4 heads of 16): 100,608 backbone params; 8 sequences of 32 tokens per step in 2 micro-batches
+TINY = ["--layers", "2", "--params", "100k", "--seq-len", "32", "--global-batch", "8", "--batch-size", "4",
+        "--eval-iters", "1", "--log-every", "1", "--steps", "3", "--ckpt-every", "100"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def smoke(out, budget, timeout):
+    return subprocess.run(["bash", "scripts/gpu_smoke.sh", "--tiny"], cwd=HERE, capture_output=True, text=True,
+                          env={**ENV, "OUT": str(out), "SMOKE_BUDGET_S": str(budget)}, timeout=timeout)
+
+
+def test_tiny_smoke_answers_every_question(tmp_path):
+    """--tiny runs every check on the CPU: each question's key holds a number, or null with a reason where a CPU
+    cannot answer; the exact equivalences hold (resumed fp32 twice, DDP vs FSDP2 at 2 gloo ranks); only
+    summary.json and smoke.log are left in $OUT."""
+    r = smoke(tmp_path, 600, 900)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smoke.log", "summary.json"]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["mode"] == "tiny" and [c["status"] for c in s["checks"]] == ["ok"] * len(gpu_smoke.sequence(tiny=True))
+    assert s["throughput"]["tokens_per_s"] > 0 and 0 < s["throughput"]["mfu"] < 1
+    assert s["bf16_vs_fp32"]["max_abs_loss_diff"] is None and s["bf16_vs_fp32"]["reason"]
+    assert s["bf16_vs_fp32"]["control_fp32_vs_fp32"] == 0.0  # a resumed run repeats itself exactly
+    assert s["ddp_vs_fsdp2"]["ranks"] == 2 and s["ddp_vs_fsdp2"]["max_abs_loss_diff"] < 1e-5
+    for design in gpu_smoke.MEMORY_DESIGNS:
+        assert s["memory"][design]["planned_gb"] > 0 and s["memory"][design]["peak_gb"] > 0
+    assert set(s["compile_s"]) == {"preln_L24", "mhc_L24", "attnres_L24", "preln_L70", "mhc_L70", "reason"}
+    assert {v for k, v in s["compile_s"].items() if k != "reason"} == {None}  # nothing compiles on the CPU
+    step = s["design_step"]
+    assert step["fast"]["preln"] == step["reference"]["preln"] == 1.0 and step["fast"]["mhc"] > 0
+    assert step["use"] in ("fast", "reference") and set(step["fast_over_reference"]) == set(gpu_smoke.TINY_DESIGNS)
+    print(f"tiny smoke: {s['elapsed_s']:.0f} s", file=sys.stderr)  # reported (pytest -s), never asserted
+
+
+def test_smoke_stops_at_its_budget_with_what_it_has(tmp_path):
+    """A budget that ends early: the check it ends in is killed (or, with under 5 s left, not started), later ones
+    are skipped, summary.json keeps every key (null with the reason) and the exit status says it did not finish."""
+    r = smoke(tmp_path, 20, 120)
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    statuses = [c["status"] for c in s["checks"]]
+    assert len(statuses) == len(gpu_smoke.sequence(tiny=True)) and statuses[-1] == "skipped: budget spent"
+    assert s["design_step"]["use"] is None and "reason" in s["design_step"]
+    assert s["elapsed_s"] < 20 + 30  # the killed check's grace period, not a speed claim
+
+
+def test_gpu_smoke_train_commands_fit_an_80gb_plan():
+    """Every 400M run the smoke trains on a GPU fits an 80 GB GPU by train.py's own memory plan."""
+    s = gpu_smoke.Smoke(out=Path("."), work=Path("."), tiny=False, ngpu=1, deadline=0.0)
+    argvs = [gpu_smoke.train_args(s, ",".join(gpu_smoke.MEMORY_DESIGNS), 24, 20),  # a grid: one plan per design
+             gpu_smoke.train_args(s, "preln,mhc", 70, 5)]
+    for argv in argvs:
+        r = subprocess.run([sys.executable, "train.py", *argv, "--dry-run", "--gpu-mem", "80"], cwd=HERE, env=ENV,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (argv, r.stdout[-2000:] + r.stderr[-2000:])
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def losses(root):
+    paths = list(Path(root).glob("*/run.json"))
+    assert len(paths) == 1, paths
+    run = json.loads(paths[0].read_text())
+    return run, [s["loss"] for s in run["steps"]]
+
+
+def test_two_nodes_of_one_process_match_one_process(tmp_path):
+    """docs/training.md's multi-node launch, on localhost: two torchrun "nodes" of one gloo process each, meeting
+    through c10d rendezvous and writing one shared run folder, give the losses of one process."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "test-launch",
+              "train.py", *TINY, "--out", str(tmp_path / "two")]
+    nodes = [subprocess.Popen(launch, cwd=HERE, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-2000:] for out in outs)
+    r = subprocess.run([sys.executable, "train.py", *TINY, "--out", str(tmp_path / "one")], cwd=HERE, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (one, a), (two, b) = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert two["config"]["world_size"] == 2 and one["config"]["world_size"] == 1 and len(a) == len(b) == 3
+    assert b == pytest.approx(a, abs=1e-4)
+    assert two["final"]["val_loss"] == pytest.approx(one["final"]["val_loss"], abs=1e-4)
