@@ -37,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data
 import kernels
 import profile_gpu
+import telemetry
+import trackers
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
 from model import GPT, GPTConfig
 import common
@@ -139,6 +141,7 @@ def build_parser():
         "one line naming the fix if not (for the ranks of torchrun, or of WORLD_SIZE if set)")
     add("--gpu-mem", type=positive(float), help="--dry-run: GB per GPU to plan for (default: this GPU's memory; "
         "without one, the host's, in fp32)")
+    telemetry.add_flags(p)
     p.add_kernels()
     return p
 
@@ -185,6 +188,7 @@ def resolve(args, residual, shape_key, shape_value, lr, seed, vocab_size, world_
         "eval_every": args.eval_every, "eval_iters": args.eval_iters, "ckpt_every": args.ckpt_every,
         "log_every": args.log_every, "out": args.out, "device": args.device, "compile": args.compile,
         "kernels": args.kernels, "dtype": "bfloat16 autocast" if args.device.startswith("cuda") else "float32",
+        "stats_every": args.stats_every, "log_to": args.log_to,      # telemetry.py, trackers.py
     }
     # 400m: the largest paper-like micro-batch that fits an 80 GB GPU; the small presets: the whole global batch at
     # once, split over the ranks. Gradient accumulation makes up the rest: the maths does not depend on it.
@@ -467,6 +471,7 @@ def maybe_resume(r, resume):
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], r.device)
         r.step, old = ckpt["step"], ckpt["log"]
         r.log.update(steps=old["steps"], evals=old["evals"], wall_s=old["wall_s"], peak_mem_bytes=old["peak_mem_bytes"])
+        r.log["telemetry"] = old.get("telemetry")
         print0(f"resumed from {r.ckpt_path} at step {r.step}")
     else:
         if resume:
@@ -531,6 +536,7 @@ def loop(r):
     if r.cuda:
         torch.cuda.reset_peak_memory_stats(r.device)
     r.wall_before, r.t_start, step_start = log["wall_s"], time.time(), r.step
+    r.watch = telemetry.Watch.start(r.raw, r.opt, r.val_loader, log, cfg, r.step)
     while True:
         last, stop = r.step >= r.stop, interrupted(r)
         maybe_evaluate(r, last)
@@ -540,10 +546,12 @@ def loop(r):
                 dist.barrier()  # no rank leaves (and makes torchrun stop the rest) before rank 0 has saved
             print0(f"interrupted at step {r.step}: " + (f"saved {r.ckpt_path.name}; resume with: {r.env['resume']}"
                    if r.step else "nothing trained yet"), file=sys.stderr)
+            r.watch.close()
             sys.exit(128 + stop)
         if last:
             break
         loss, grad_norm, lr, dt = optimizer_step(r)
+        r.watch.after_step(log["steps"][-1])
         step = r.step
         if step == 1 or step % cfg["log_every"] == 0 or step == r.stop or log["diverged"]:
             mfu = f" | MFU {100 * r.flops_tok * cfg['tokens_per_step'] / dt / r.world / r.peak:.1f}%" if r.peak else ""
@@ -556,7 +564,9 @@ def loop(r):
             # the one line of a diverged run, on stderr; the grid goes on with the next run
             print0(f"train.py: error: {cfg['name']} diverged at step {step} (loss {loss}, grad norm {grad_norm}); "
                    f"see {r.json_path}", file=sys.stderr)
+            r.watch.close()
             return False
+    r.watch.close()
     print0(f"done: {cfg['name']} at step {r.step} in {log['wall_s']:.1f} s" + ("" if log["finished"] else
            f" (stopped by --max-steps; --resume continues to step {cfg['total_steps']})"))
     if r.synthetic and log["evals"]:
@@ -599,6 +609,7 @@ def maybe_evaluate(r, last):
     if step > 0 and (step % cfg["eval_every"] == 0 or last) and not evaluated:
         ev = evaluate(r.model, r.val_loader, cfg["eval_iters"], r.ctx, r.device, cfg["max_gap"])
         log["evals"].append({"step": step, "tokens": step * cfg["tokens_per_step"], **ev})
+        r.watch.at_eval(step, ev)
         log["final"] = {k: ev[k] for k in FINAL}
         levels = "" if ev["per_level"] is None else (
             f" | answers loss {ev['answer_loss']:.4f} acc {ev['answer_acc']:.1%} | by gap " +
@@ -787,6 +798,8 @@ def parse_args(argv=None):
         check_options(args.residual, args.residual_args)
     except ValueError as e:
         parser.error(f"--residual-args: {e}")
+    if trackers.missing(args.log_to):
+        parser.error(trackers.missing(args.log_to))
     try:
         if not parse_count(args.params) > 0:
             raise ValueError(args.params)
