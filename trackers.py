@@ -13,6 +13,7 @@ step that a killed run left behind (purge_step).
 import importlib.util
 import netrc
 import os
+import uuid
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --log-to -> the package it needs (pip install NAME)
 
@@ -82,7 +83,7 @@ class WandB(Tracker):
     def __init__(self, run_dir, cfg, state, floor=0):
         super().__init__(floor)
         import wandb
-        state.setdefault("wandb_id", wandb.util.generate_id())
+        state.setdefault("wandb_id", uuid.uuid4().hex[:12])     # os.urandom: no RNG of training's
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "depthbench"), name=cfg["name"],
                               id=state["wandb_id"], resume="allow", dir=str(run_dir), config=cfg, mode=mode)
