@@ -116,6 +116,12 @@ class PreLN(nn.Module):
         if self.recording is not None:
             self.recording.setdefault(key, []).append(value.detach())
 
+    def telemetry(self, rec):
+        """The design's own statistics for telemetry.py (docs/training.md#telemetry), from a recording forward's dict
+        `rec` (what `log` filled in): {name: a float, or a list of floats per sublayer or connector}. Pre-LN has none;
+        the generic part (state and output RMS per sublayer, gradient and update per block) covers every design."""
+        return {}
+
 
 class SandwichLN(PreLN):
     """Sandwich-LN / Peri-LN (docs/designs.md#sandwich-ln): a second RMSNorm on the sublayer output.
@@ -327,6 +333,17 @@ class HC(PreLN):
     def scale_sublayer_init(self, i, module):
         (module.wo if i % 2 == 0 else module.w2).weight.div_(math.sqrt(self.n))
 
+    def telemetry(self, rec):
+        """Per connector, of its token-averaged stream transport (HC: A_r; mHC: H_res) as [out, in]: the effective
+        rank (diagnose.erank: n for the identity or a permutation, 1 when every stream takes the same mix) and the
+        Frobenius distance from the identity (0: the transport never left its init, for gap-8 mHC)."""
+        from diagnose import erank                                  # the one definition, diagnose.py's metric
+        transports = [M.double().cpu() for M in rec.get("H_res", [])]
+        eye = torch.eye(self.n, dtype=torch.float64)
+        ranks = [erank(M) for M in transports]
+        return {"erank": ranks, "erank_mean": sum(ranks) / max(len(ranks), 1),
+                "res_from_identity": [float((M - eye).norm()) for M in transports]}
+
 
 class MHC(HC):
     """Manifold-constrained HC, DeepSeek (arXiv 2512.24880; docs/designs.md#mhc), Liger form, n = 4.
@@ -396,7 +413,15 @@ class MHC(HC):
         pre = torch.sigmoid(c.alpha_pre * m[..., :n] + c.b[:n])
         post = 2 * torch.sigmoid(c.alpha_post * m[..., n:2 * n] + c.b[n:2 * n])
         res_logits = c.alpha_res * m[..., 2 * n:] + c.b[2 * n:]
-        return pre, post, sinkhorn(res_logits.unflatten(-1, (n, n)), self.sinkhorn_iters, fast=self.fast)
+        res = sinkhorn(res_logits.unflatten(-1, (n, n)), self.sinkhorn_iters, fast=self.fast)
+        if self.recording is not None:                                # telemetry: the worst row/column sum, any token
+            self.log("ds_error", torch.maximum((res.sum(-1) - 1).abs().amax(), (res.sum(-2) - 1).abs().amax()))
+        return pre, post, res
+
+    def telemetry(self, rec):
+        """HC's, and the doubly-stochastic error of H_res: the largest |row or column sum - 1| over tokens, per
+        connector (Sinkhorn's iterations leave it near 0; growth means they no longer converge)."""
+        return {**super().telemetry(rec), "ds_error": [float(e) for e in rec.get("ds_error", [])]}
 
 
 class BlockAttnRes(PreLN):
@@ -499,6 +524,20 @@ class BlockAttnRes(PreLN):
 
     def collapse(self, s):
         return rms_norm(self._source(s, self.n_sub), self.norm_f.weight, self.eps)
+
+    dead_tau = 0.05   # telemetry: a consumer is near-dead below this non-embedding weight (diagnose.py --dead-tau)
+
+    def telemetry(self, rec):
+        """Per consumer k = 1 .. 2L (2L: the head's readout), of its token-averaged depth-softmax weights: the entropy
+        in nats (log of the number of sources when uniform, as at init; 0 when one source takes all) and the weight
+        on the embedding; and the near-dead sublayers, whose mix puts < dead_tau on non-embedding sources
+        (diagnose.dead_zone, Fig. 9; sublayer 0 reads only the embedding, so it always counts)."""
+        from diagnose import dead_zone                              # the one definition, diagnose.py's metric
+        weights = [w.double().cpu() for w in rec.get("attnres_weights", [])]
+        entropy = [float(-(p[p > 0] * p[p > 0].log()).sum()) for p in weights]
+        zone = dead_zone([[1.0]] + [w.tolist() for w in weights], self.n_layer, self.dead_tau)
+        return {"depth_entropy": entropy, "depth_entropy_mean": sum(entropy) / max(len(entropy), 1),
+                "embedding_weight": [float(w[0]) for w in weights], "dead_sublayers": zone["count_sublayers"]}
 
     def depth_state(self, s, i):
         """z for diagnostics: the embedding (i = 0), the raw mix at a group boundary (and for the head),
@@ -611,6 +650,12 @@ class MoDA(PreLN):
 
     def depth_state(self, s, i):
         return s[0]
+
+    def telemetry(self, rec):
+        """The depth-attention share of each block b >= 1's attention: the softmax mass on the depth keys (earlier
+        sublayers at the same token) against the sequence keys, mean over heads and tokens; and its mean."""
+        shares = [float(v) for v in rec.get("moda_depth_mass", [])]
+        return {"depth_share": shares, "depth_share_mean": sum(shares) / max(len(shares), 1)}
 
 
 # ----------------------------------------------------------------------------- registry
