@@ -520,6 +520,6 @@ def test_diagnose_runs_on_an_official_checkpoint_with_its_tokenizer(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "d.json").read_text())
     assert out["meta"]["residual"] == "hc" and out["meta"]["step"] == 3 and out["meta"]["n_layer"] == 3
-    assert "tokenizer.json" in out["meta"]["calibration"]
+    assert "tokenizer.json" in out["meta"]["samples"]["angular"]["calibration"]
     r = run_cli("diagnose.py", tmp_path / "repo", "--step", 4, "--metrics", "angular")
     assert r.returncode == 2 and "no step4" in r.stderr and len(r.stderr.strip().splitlines()) == 1
