@@ -665,8 +665,8 @@ class PostLN(PreLN):
 
 
 class PreLNDepthMuP(PreLN):
-    """Pre-LN under depth-muP (Yang et al., arXiv 2310.02244; Bordelon et al., arXiv 2309.16620; docs/designs.md#
-    depth-mup), the release's `depth_mup` block: the residual branch is scaled by m_L^(-alpha), alpha = 1/2.
+    """Pre-LN under depth-muP (arXiv 2310.02244, 2309.16620; docs/designs.md#depth-mup), the release's `depth_mup`
+    block: the residual branch is scaled by m_L^(-alpha), alpha = 1/2.
 
         h = x + m_L^(-alpha) F_i(RMSNorm_i(x))      m_L = L / base_depth (24, the release's), per block count L
 
@@ -737,7 +737,7 @@ RESIDUALS = {
     "attnres": FullAttnRes,
     "block_attnres": BlockAttnRes,
     "moda": MoDA,
-    # the release's extra baselines, not among the paper's ten (README.md#designs)
+    # the release's extra baselines, not among the paper's ten (the README's second design table)
     "postln": PostLN,
     "preln_mup": PreLNDepthMuP,
     "preln_completep": PreLNCompleteP,
