@@ -146,7 +146,8 @@ def calibration(args, st, run, N, T):
         if not paths:
             raise DiagError(f"--token-data-glob {args.token_data_glob}: no file matches")
         x = windows.token_windows(paths, N, T, seed=st.seed)
-        return x, windows.shifted(x), f"{len(paths)} token shard(s) {args.token_data_glob}, the release's rule, seed {st.seed}"
+        what = f"{len(paths)} token shard(s) {args.token_data_glob}, the release's rule, seed {st.seed}"
+        return x, windows.shifted(x), what
     if src == "auto":
         src = "synthetic" if run.get("data") == "synthetic" else run.get("data_dir")
         if not src:
@@ -613,7 +614,8 @@ def calibration_groups(args, st, run, model, device):
         x, y, what = calibration(args, st, run, N=N, T=T)
         vocab = model.cfg.vocab_size
         if int(x.max()) >= vocab or int(y.max()) >= vocab:
-            raise DiagError(f"calibration tokens reach id {int(max(x.max(), y.max()))} but the model's vocab is {vocab}")
+            top = int(max(x.max(), y.max()))
+            raise DiagError(f"calibration tokens reach id {top} but the model's vocab is {vocab}")
         batches = [(a.to(device), b.to(device)) for a, b in zip(x.split(args.batch_size), y.split(args.batch_size))]
         out[(N, T)] = (set(metrics), batches, what)
     return out

@@ -64,7 +64,8 @@ def official_config(cfg, tokenizer_vocab=40):
                                       "sinkhorn_iters": a.get("sinkhorn_iters", 20),
                                       "collapse": "sum" if a.get("collapse") in ("sum", "norm_each") else "auto"}
     if r in ("attnres", "block_attnres"):
-        block["attnres_block_size"] = 1 if r == "attnres" else a.get("block_size", 2 * cfg.n_layer // a.get("n_groups", 8))
+        size = a.get("block_size", 2 * cfg.n_layer // a.get("n_groups", 8))
+        block["attnres_block_size"] = 1 if r == "attnres" else size
     init = {}
     if r in ("preln_mup", "preln_completep"):   # the release writes the base depth; depth_width changes the init
         block["residual_scaling_base_depth"] = a.get("base_depth", 24)
