@@ -11,11 +11,14 @@ each computes, and the JSON carries it next to the numbers. docs/diagnostics.md 
 no gradients, fp64 sums), the depth states (the model's own `model(idx, record=True)`, no hooks) and the
 interventions (`model(idx, skip=b)`; a swap moves two blocks' weights with the residual's own tensors).
 """
+import contextlib
+import glob
 import hashlib
 import json
 import math
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import common  # r31: first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
@@ -28,6 +31,7 @@ from common import (ArgParser, CheckpointError, check_options, design_options, f
                     json_object, load_checkpoint, pick_device, positive, seed_number, write_json, VAL_SEED)
 import official
 import shapes
+import windows
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -75,28 +79,47 @@ NLL_TASKS = {"mbpp": ("coding", "google-research-datasets/mbpp", "full", "test")
              "math500": ("math", "HuggingFaceH4/MATH-500", None, "test")}
 
 
+# The release's calibration protocol (its analysis scripts' defaults, docs/diagnostics.md#setup): metric -> (windows,
+# tokens per window). attnres, erank and deadzone come from the recording forward that angular distance runs.
+PROTOCOL = {"angular": (128, 512), "attnres": (128, 512), "erank": (128, 512), "deadzone": (128, 512),
+            "lens": (32, 512), "causal": (16, 256), "pruning": (16, 256), "perm": (12, 256)}
+
+
+@dataclass
+class Settings:
+    """What the command line and the checkpoint resolve to (argparse's namespace keeps what was typed)."""
+    todo: set                   # the metrics to compute
+    nll_tasks: list             # the NLL tasks
+    seed: int = None            # seeds the windows (and --init's weights)
+    samples: dict = field(default_factory=dict)  # metric -> (windows, tokens per window)
+    nll_max_len: int = None     # NLL context length
+    tok_name: str = None        # tokenizer of text calibration and NLL
+    nll_skip: str = None        # why NLL is skipped, or None
+    out: str = None             # the output JSON
+
+
 class DiagError(ValueError):
     """A problem the user can fix; main prints it (and a CheckpointError) as one line and exits with 2."""
 
 
 # ----------------------------------------------------------------------------- model and calibration text
 
-def load_model(args):
+def load_model(args, st):
     """-> (model, the run's train config, checkpoint path or None, step or None)."""
     if args.init:  # the vocab follows the text: the tokenizer's, else the synthetic task's
         vocab = args.vocab or {"gpt2": data.padded_vocab_size(50257), "bytes": 257}.get(args.tokenizer)
         vocab = vocab or data.SyntheticTask(args.max_gap).vocab_size
-        torch.manual_seed(args.seed)
+        torch.manual_seed(st.seed)
         cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
                         d_ff=shapes.ffn_dim(args.width), residual=args.init,
                         residual_args=design_options(args.init, args.residual_args), kernels=args.kernels)
         run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
-               "max_gap": args.max_gap, "seed": args.seed}
+               "max_gap": args.max_gap, "seed": st.seed}
         return GPT(cfg), run, None, None
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
         model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
-        if args.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
-            args.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
+        if st.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
+            st.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
         return (model, {"tokenizer": info["tokenizer"], "seq_len": info["seq_len"]},
                 str(Path(info["step_dir"]) / "config.json"), info["step"])
     if args.residual_args:
@@ -114,10 +137,18 @@ def load_model(args):
     return model, ckpt["config"], str(path), ckpt.get("step")
 
 
-def calibration(args, run, vocab):
-    """The calibration windows -> (x, y) int64 (N, T), y = x shifted by one, and a description: auto = the run's
-    own validation data; shards give their val windows in order, text N random windows (docs/diagnostics.md#setup)."""
-    N, T, src = args.num_samples, args.seq_len, args.calib
+def calibration(args, st, run, N, T):
+    """N calibration windows of T tokens -> (x, y) int64 (N, T), y = x shifted by one (-1: no target), and a
+    description. --token-data-glob: the release's token-shard rule; --calib auto = the run's own validation data;
+    shards give their val windows in order, text N random windows (docs/diagnostics.md#setup)."""
+    src = args.calib
+    if args.token_data_glob:
+        paths = sorted(glob.glob(args.token_data_glob))
+        if not paths:
+            raise DiagError(f"--token-data-glob {args.token_data_glob}: no file matches")
+        x = windows.token_windows(paths, N, T, seed=st.seed)
+        what = f"{len(paths)} token shard(s) {args.token_data_glob}, the release's rule, seed {st.seed}"
+        return x, windows.shifted(x), what
     if src == "auto":
         src = "synthetic" if run.get("data") == "synthetic" else run.get("data_dir")
         if not src:
@@ -125,25 +156,13 @@ def calibration(args, run, vocab):
     if src == "synthetic":
         task = data.SyntheticTask(run.get("max_gap") or args.max_gap, run.get("group") or "s4",
                                   answers_only=run.get("answers_only", False))
-        x, y, _ = data.BatchLoader(task, "val", N, T, seed=args.seed).get_batch(0, 0)
-        what = f"synthetic {task.group} max_gap {task.max_gap}, val split, seed {args.seed}"
-    elif (Path(src) / "meta.json").exists():
-        x, y, _ = data.BatchLoader(src, "val", N, T, seed=args.seed).get_batch(0, 0)
-        what = f"val split of {src} (windows 0..{N - 1})"
-    else:
-        tok = data.get_tokenizer(args.tokenizer or run.get("tokenizer") or "bytes")
-        docs = (d for f in data.list_files(src) for d in data.file_documents(f, "text"))
-        ids = [t for doc in data.tokenize_documents(docs, tok) for t in doc]
-        if len(ids) < 2:
-            raise DiagError(f"{src}: no text to calibrate on")
-        ids = ids * math.ceil((T + 1) / len(ids))                       # too short: repeat it
-        rng = random.Random(args.seed)
-        x = torch.tensor([ids[s:s + T] for s in (rng.randint(0, len(ids) - T) for _ in range(N))])
-        y = torch.cat([x[:, 1:], torch.full((N, 1), -1)], 1)          # the last position has no target
-        what = f"{src} ({len(ids)} {tok.name} tokens), {N} random windows, seed {args.seed}"
-    if int(x.max()) >= vocab or int(y.max()) >= vocab:
-        raise DiagError(f"calibration tokens reach id {int(max(x.max(), y.max()))} but the model's vocab is {vocab}")
-    return x, y, what
+        x, y, _ = data.BatchLoader(task, "val", N, T, seed=st.seed).get_batch(0, 0)
+        return x, y, f"synthetic {task.group} max_gap {task.max_gap}, val split, seed {st.seed}"
+    if (Path(src) / "meta.json").exists():
+        x, y, _ = data.BatchLoader(src, "val", N, T, seed=st.seed).get_batch(0, 0)
+        return x, y, f"val split of {src} (windows 0..{N - 1})"
+    x, what = windows.text_windows(src, data.get_tokenizer(st.tok_name or "bytes"), N, T=T, seed=st.seed)
+    return x, windows.shifted(x), what
 
 
 # ----------------------------------------------------------------------------- interventions
@@ -368,7 +387,7 @@ def nll_rows(task, nll_data, limit):
 
 
 @torch.no_grad()
-def nll_task(model, tok, rows, task, max_len, batch_size, device):
+def nll_task(model, tok, rows, task, max_len=2048, batch_size=8, device="cpu"):
     """Summed NLL of the answer tokens over all examples, and how many answer tokens were scored."""
     seqs = []
     for row in rows:
@@ -397,9 +416,9 @@ def pooled(nll_sum, tokens, **extra):
             "perplexity": None if mean is None else math.exp(min(mean, 700.0))}
 
 
-def nll_metric(model, args, tok, device):
+def nll_metric(model, args, st, tok, device):
     tasks = {}
-    for task in tqdm(args.nll_tasks, desc="nll", unit="task"):
+    for task in tqdm(st.nll_tasks, desc="nll", unit="task"):
         try:
             rows = nll_rows(task, args.nll_data, args.nll_limit) or f"no {task}.jsonl in {args.nll_data}"
         except Exception as e:  # a gated or missing dataset costs that task only (the hub itself was checked)
@@ -407,14 +426,14 @@ def nll_metric(model, args, tok, device):
         if isinstance(rows, str):
             tasks[task] = {"skipped": rows}
             continue
-        s, n = nll_task(model, tok, rows, task, args.nll_max_len, args.batch_size, device)
+        s, n = nll_task(model, tok, rows, task, max_len=st.nll_max_len, batch_size=args.batch_size, device=device)
         tasks[task] = pooled(s, n, category=NLL_TASKS[task][0], num_examples=len(rows))
     done = {t: v for t, v in tasks.items() if "skipped" not in v}
     def pool(ts):  # a category or all tasks: pooled over tokens, not a mean of the task means
         return pooled(sum(done[t]["nll_sum"] for t in ts), sum(done[t]["num_target_tokens"] for t in ts), tasks=ts)
     cats = dict.fromkeys(v["category"] for v in done.values())
     return {"tasks": tasks, "categories": {c: pool([t for t in done if done[t]["category"] == c]) for c in cats},
-            "aggregate": pool(list(done)), "source": args.nll_data or "huggingface hub", "max_len": args.nll_max_len,
+            "aggregate": pool(list(done)), "source": args.nll_data or "huggingface hub", "max_len": st.nll_max_len,
             "definition": DEFINITIONS["nll"]}
 
 
@@ -471,7 +490,7 @@ def layer_metrics(model, acc, todo, args):
 
 # ----------------------------------------------------------------------------- command line
 
-def parse_args(argv):
+def build_parser():
     p = ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
     pos, share = positive(int), positive(float, zero=True)
     p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
@@ -490,15 +509,22 @@ def parse_args(argv):
                    "official checkpoint: what its config.json cannot tell (docs/official.md)")
     g = p.add_argument_group("calibration text and compute")
     g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
+    g.add_argument("--token-data-glob", help="pre-tokenized .npy token shards (a glob), windows drawn by the release's "
+                   "rule (files in proportion to their usable length, numpy default_rng(seed)); replaces --calib")
     g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files and NLL (default: the run's)")
     g.add_argument("--max-gap", type=pos, default=4, help="synthetic task's max gap if the run says none (default 4)")
-    g.add_argument("--num-samples", type=pos, default=128, help="calibration windows (default 128, the official "
-                   "causal/permutation setting; its angular distance used 1024: --metrics angular --num-samples 1024)")
-    g.add_argument("--seq-len", type=pos, help="tokens per window (default 512, the official; at most the run's "
-                   "own seq_len)")
+    protocol = ", ".join(f"{m} {n} x {t}" for m, (n, t) in PROTOCOL.items() if m not in ("attnres", "erank",
+                                                                                          "deadzone"))
+    g.add_argument("--num-samples", type=pos, help=f"windows, for every metric (default: the release's per metric: "
+                   f"{protocol}; attnres, erank and deadzone as angular)")
+    g.add_argument("--seq-len", type=pos, help="tokens per window, for every metric (default: the release's per "
+                   "metric, as --num-samples; at most the run's own seq_len)")
     g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL: examples) per forward pass (default 8)")
-    g.add_argument("--seed", type=seed_number, help="seeds the windows and --init (default: the run's seed, else %d)" % VAL_SEED)
+    g.add_argument("--seed", type=seed_number, help="seeds the windows and --init (default: the run's seed, else %d; "
+                   "the release's analysis used 42)" % VAL_SEED)
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fp32 (default), or bf16 on CUDA as the "
+                   "release's analysis: weights rounded to bf16, the forward under bf16 autocast")
     p.add_kernels()
     g.add_argument("--threads", type=pos, default=1, help="CPU threads (default 1: tiny models run several "
                    "times faster single-threaded, most of all on a shared machine)")
@@ -512,16 +538,21 @@ def parse_args(argv):
     g.add_argument("--nll-tasks", default=",".join(NLL_TASKS), help=f"comma list of {', '.join(NLL_TASKS)}")
     g.add_argument("--nll-limit", type=pos, help="at most this many examples per task (default: all)")
     g.add_argument("--nll-max-len", type=pos, help="context length, left-truncated (default: the run's seq_len)")
-    args = p.parse_args(argv)
+    return p
 
+
+def parse_args(argv):
+    """The command line -> (args as typed, Settings with the metrics and tasks); bad input exits 2 in one line."""
+    p = build_parser()
+    args = p.parse_args(argv)
     if (args.checkpoint is None) == (args.init is None):
         p.error("give a checkpoint or --init RESIDUAL (one of them)")
-    args.todo = set(METRICS) if args.metrics == "all" else {m.strip() for m in args.metrics.split(",") if m.strip()}
-    if not args.todo or args.todo - set(METRICS):
-        bad = ", ".join(sorted(args.todo - set(METRICS))) or "(none)"
+    todo = set(METRICS) if args.metrics == "all" else {m.strip() for m in args.metrics.split(",") if m.strip()}
+    if not todo or todo - set(METRICS):
+        bad = ", ".join(sorted(todo - set(METRICS))) or "(none)"
         p.error(f"unknown metric(s) {bad}; choose from {', '.join(METRICS)}, all")
-    args.nll_tasks = [t.strip() for t in args.nll_tasks.split(",") if t.strip()]
-    if not args.nll_tasks or set(args.nll_tasks) - set(NLL_TASKS):
+    tasks = [t.strip() for t in args.nll_tasks.split(",") if t.strip()]
+    if not tasks or set(tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
     try:
         check_options([args.init] if args.init else list(RESIDUALS), args.residual_args)
@@ -537,68 +568,119 @@ def parse_args(argv):
         p.error(f"--tokenizer {args.tokenizer}: not gpt2, bytes or a tokenizer.json")
     if args.nll_data and not Path(args.nll_data).is_dir():
         p.error(f"--nll-data {args.nll_data}: not a folder")
-    return args
+    seed = VAL_SEED if args.init and args.seed is None else args.seed
+    return args, Settings(todo=todo, nll_tasks=tasks, seed=seed, out=args.out)
 
 
-def setup(args):
-    """Model, calibration batches and the derived settings; every problem a user can fix is a DiagError."""
-    args.seed = VAL_SEED if args.init and args.seed is None else args.seed
-    model, run, ckpt_path, step = load_model(args)
-    args.seed = run.get("seed", VAL_SEED) if args.seed is None else args.seed
-    args.seq_len = args.seq_len or min(512, run.get("seq_len") or 512)
-    args.nll_max_len = args.nll_max_len or run.get("seq_len") or args.seq_len
-    args.tok_name, args.nll_skip = args.tokenizer or run.get("tokenizer"), None
-    if "nll" in args.todo:
-        if args.tok_name is None or (run.get("data") == "synthetic" and not args.tokenizer):
-            args.nll_skip = "the model reads synthetic-task tokens, not text (--tokenizer forces a text tokenizer)"
+def resolve(args, st, run):
+    """Fill in what the checkpoint's run decides: the seed, each metric's windows, NLL's length and tokenizer."""
+    st.seed = run.get("seed", VAL_SEED) if st.seed is None else st.seed
+    run_len = run.get("seq_len")
+    for m in st.todo & set(PROTOCOL):
+        N, T = PROTOCOL[m]
+        T = args.seq_len or min(T, run_len or T)
+        st.samples[m] = (args.num_samples or N, T)
+    st.nll_max_len = args.nll_max_len or run_len or args.seq_len or 512
+    st.tok_name = args.tokenizer or run.get("tokenizer")
+    if "nll" in st.todo:
+        if st.tok_name is None or (run.get("data") == "synthetic" and not args.tokenizer):
+            st.nll_skip = "the model reads synthetic-task tokens, not text (--tokenizer forces a text tokenizer)"
         elif not args.nll_data and (down := hub_unreachable()):  # fail fast, before any compute
             raise DiagError(f"cannot reach the HuggingFace hub at {down[0]} ({down[1]}); offline, use "
                             f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics")
+
+
+def place(model, args):
+    """The model on its device and in its precision -> (model, device, the forward's autocast context)."""
     try:
         device = torch.device(pick_device(args.device))
     except ValueError as e:
         raise DiagError(str(e)) from None
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    model = model.float().to(device).eval()
-    x, y, calib = calibration(args, run, model.cfg.vocab_size)
-    batches = [(a.to(device), b.to(device)) for a, b in zip(x.split(args.batch_size), y.split(args.batch_size))]
+    model = model.float()
+    if args.dtype == "bf16":
+        if device.type != "cuda":
+            raise DiagError(f"--dtype bf16 runs on CUDA (as the release's analysis), not on {device}")
+        model = model.to(torch.bfloat16).float()          # the weights as bf16 holds them
+        return model.to(device).eval(), device, torch.autocast("cuda", dtype=torch.bfloat16)
+    return model.to(device).eval(), device, contextlib.nullcontext()
+
+
+def calibration_groups(args, st, run, model, device):
+    """{(windows, tokens): (metrics, batches, description)}: metrics that share a setting share their windows."""
+    groups = {}
+    for m, setting in sorted(st.samples.items()):
+        groups.setdefault(setting, []).append(m)
+    out = {}
+    for (N, T), metrics in groups.items():
+        x, y, what = calibration(args, st, run, N=N, T=T)
+        vocab = model.cfg.vocab_size
+        if int(x.max()) >= vocab or int(y.max()) >= vocab:
+            top = int(max(x.max(), y.max()))
+            raise DiagError(f"calibration tokens reach id {top} but the model's vocab is {vocab}")
+        batches = [(a.to(device), b.to(device)) for a, b in zip(x.split(args.batch_size), y.split(args.batch_size))]
+        out[(N, T)] = (set(metrics), batches, what)
+    return out
+
+
+def setup(args, st):
+    """Model, calibration batches per setting and the run's meta; every problem a user can fix is a DiagError."""
+    model, run, ckpt_path, step = load_model(args, st)
+    resolve(args, st, run)
+    model, device, precision = place(model, args)
+    groups = calibration_groups(args, st, run, model=model, device=device)
     cfg, res = model.cfg, model.res
+    samples = {m: {"num_samples": N, "seq_len": T, "calibration": what}
+               for (N, T), (metrics, _, what) in groups.items() for m in sorted(metrics)}
     meta = {"residual": cfg.residual, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "ar": cfg.d_model / cfg.n_layer,
             "n_head": cfg.n_head, "d_ff": cfg.d_ff, "vocab_size": cfg.vocab_size, "residual_args": cfg.residual_args,
             "n_streams": getattr(res, "n", None), "n_groups": getattr(res, "n_groups", None),
-            "checkpoint": ckpt_path, "step": step, "init": args.init, "calibration": calib, "num_samples": len(x),
-            "seq_len": args.seq_len, "batch_size": args.batch_size, "dtype": "float32", "device": str(device),
-            "threads": torch.get_num_threads() if device.type == "cpu" else None, "seed": args.seed,
-            "torch": torch.__version__, "timings_s": {}}
-    return model, batches, meta, device
+            "checkpoint": ckpt_path, "step": step, "init": args.init, "samples": samples,
+            "batch_size": args.batch_size, "dtype": {"fp32": "float32", "bf16": "bfloat16 (autocast)"}[args.dtype],
+            "device": str(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
+            "seed": st.seed, "torch": torch.__version__, "timings_s": {}}
+    return model, groups, meta, device, precision
+
+
+def compute(model, args, st, groups, meta):
+    """Every metric, group by group of calibration windows -> {JSON key: object}."""
+    out, timings = {}, meta["timings_s"]
+    for (N, T), (metrics, batches, _) in groups.items():
+        t0 = time.time()
+        if metrics - {"perm"}:  # the layer metrics of a group come from one sweep over its batches
+            acc = sweep(model, batches, metrics, args.eps)
+            out.update({METRICS[m]: obj for m, obj in layer_metrics(model, acc, metrics, args).items()})
+        if "perm" in metrics:
+            out["permutation_score"] = permutation(model, batches, args.perm_threshold)
+        timings[f"{N}x{T}"] = round(time.time() - t0, 2)
+    if "nll" in st.todo:
+        t0 = time.time()
+        if st.nll_skip:
+            out["nll"] = {"skipped": st.nll_skip}
+        else:
+            tok = data.get_tokenizer(st.tok_name)
+            out["nll"] = nll_metric(model, args, st, tok=tok, device=meta["device"])
+        timings["nll"] = round(time.time() - t0, 2)
+    return out
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args, st = parse_args(argv)
     t_start = time.time()
     try:
-        model, batches, meta, device = setup(args)
-        cfg, todo, timings = model.cfg, args.todo, meta["timings_s"]
+        model, groups, meta, device, precision = setup(args, st)
+        cfg = model.cfg
+        plan = "; ".join(f"{', '.join(sorted(ms))}: {N} x {T}" for (N, T), (ms, _, _) in groups.items())
         print(f"diagnose: {cfg.residual} L={cfg.n_layer} d={cfg.d_model} on {device} ({meta['threads'] or 'GPU'} "
-              f"threads), fp32, {meta['num_samples']} x {args.seq_len} tokens from {meta['calibration']}; "
-              f"metrics: {', '.join(m for m in METRICS if m in todo)}")
-        out, t0 = {"schema": SCHEMA, "meta": meta}, time.time()
-        if todo - {"perm", "nll"}:  # every layer metric comes from one sweep over the calibration batches
-            acc = sweep(model, batches, todo, args.eps)
-            out.update({METRICS[m]: obj for m, obj in layer_metrics(model, acc, todo, args).items()})
-            timings["layers"], t0 = round(time.time() - t0, 2), time.time()
-        if "perm" in todo:
-            out["permutation_score"] = permutation(model, batches, args.perm_threshold)
-            timings["perm"], t0 = round(time.time() - t0, 2), time.time()
-        if "nll" in todo:
-            tok = data.get_tokenizer(args.tok_name) if not args.nll_skip else None
-            out["nll"] = {"skipped": args.nll_skip} if args.nll_skip else nll_metric(model, args, tok, device)
-            timings["nll"] = round(time.time() - t0, 2)
+              f"threads), {meta['dtype']}, windows x tokens: {plan or 'none'}; "
+              f"metrics: {', '.join(m for m in METRICS if m in st.todo)}")
+        with precision:
+            out = {"schema": SCHEMA, "meta": meta, **compute(model, args, st, groups=groups, meta=meta)}
     except (DiagError, CheckpointError, data.DataError) as e:
         fail("diagnose.py", first_line(e, None))
     meta["wall_s"] = round(time.time() - t_start, 2)
-    path = args.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")
+    path = st.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")
     try:
         write_json(path, out, strict=True)
     except OSError as e:  # r31: a common.WriteError, one line naming the path and the cause (a file in the way, full)

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import kernels
 from ops import apply_rope, causal_attention, joint_attention, rope_cos_sin
-from residuals import RESIDUALS
+from residuals import RESIDUALS, OptimRule
 
 KERNELS = ("fast", "reference")
 
@@ -138,7 +138,8 @@ class GPT(nn.Module):
 
         - embedding, W_q, W_k, W_v, W_o, W_1, W_2, W_3, LM head: truncated normal(0, 0.02) at +-3 std
         - then the design may rescale a sublayer (`res.scale_sublayer_init`: DeepNorm's beta on
-          v/o/FFN, HC/mHC's 1/sqrt(n) on W_o and W_2); scaling a +-3 std truncated normal by c gives
+          v/o/FFN, HC/mHC's 1/sqrt(n) on W_o and W_2, depth-muP's width axis m_N^(-1/2) on all seven);
+          scaling a +-3 std truncated normal by c gives
           exactly the +-3 (c std) truncated normal
         - then the design initialises its own parameters (`res.reset_parameters`: norm gains 1,
           mixing weights, pseudo-queries, MoDA's W_kv)
@@ -172,7 +173,10 @@ class GPT(nn.Module):
                 s = self.res.skip(self.res.skip(s, 2 * b), 2 * b + 1)
                 continue
             ckpt = self.cfg.checkpoint_blocks and torch.is_grad_enabled()  # keep s only; backward recomputes the block
-            s = checkpoint(block, s, b, self.res, rope, use_reentrant=False) if ckpt else block(s, b, self.res, rope)
+            if ckpt:
+                s = checkpoint(block, s, b, res=self.res, rope=rope, use_reentrant=False)
+            else:
+                s = block(s, b, self.res, rope)
         self.observe(s, 2 * self.cfg.n_layer, rec)
         z = self.res.collapse(s)                                   # (B, T, D), the final norm included
         self.res.recording = None
@@ -194,12 +198,40 @@ class GPT(nn.Module):
             rec["readouts"].append(self.res.readout(s, i))
         self.res.recording = rec
 
-    def param_groups(self, weight_decay):
-        """AdamW groups (docs/designs.md#recipe): decay everything except what the design marks static."""
+    def param_roles(self):
+        """{parameter name: role} for the design's optimizer rules (`res.optim_rules`): "embedding", "head" (W_out
+        and the final norm), "block_matrix" (attention and MLP weights) or "residual" (the design's own tensors
+        of the blocks: norm gains, connectors, queries, MoDA's W_kv)."""
+        roles = {}
+        for name, _ in self.named_parameters():
+            if name == "wte.weight":
+                roles[name] = "embedding"
+            elif name in ("lm_head.weight", "res.norm_f.weight"):
+                roles[name] = "head"
+            elif name.startswith("blocks."):
+                roles[name] = "block_matrix"
+            else:
+                roles[name] = "residual"
+        return roles
+
+    def param_groups(self, weight_decay, eps=1e-8):
+        """AdamW groups (docs/designs.md#recipe): decay everything except what the design marks static, each role
+        with the design's optimizer rule (`res.optim_rules`). A group carries "lr_scale" (the trainer sets its LR to
+        the schedule's x lr_scale), its "weight_decay", and its own "eps" where the rule scales the run's eps."""
         static = {id(p) for p in self.res.no_decay_params()}
-        groups = [{"params": [p for p in self.parameters() if id(p) not in static], "weight_decay": weight_decay},
-                  {"params": [p for p in self.parameters() if id(p) in static], "weight_decay": 0.0}]
-        return [g for g in groups if g["params"]]
+        rules, roles = self.res.optim_rules(), self.param_roles()
+        by_key = {}
+        for name, p in self.named_parameters():
+            rule = rules.get(roles[name], OptimRule())
+            by_key.setdefault((rule, id(p) in static), []).append(p)
+        groups = []
+        for (rule, is_static), params in by_key.items():
+            group = {"params": params, "lr_scale": rule.lr_scale}
+            group["weight_decay"] = 0.0 if is_static else weight_decay * rule.wd_scale
+            if rule.eps_scale != 1.0:
+                group["eps"] = eps * rule.eps_scale
+            groups.append(group)
+        return groups
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

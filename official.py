@@ -11,14 +11,16 @@ docs/official.md#provenance.
     python official.py evaluate SOURCE --text FILES [--step N] [--seq-len 2048] [--max-tokens N]
     python diagnose.py SOURCE [--step N] --metrics ...           # every diagnostic (diagnose.py)
 
-SOURCE: a hub id (downloaded with huggingface_hub: the chosen step and tokenizer/ only), a local
-repository folder with stepN/ subfolders (default: the highest step), or one step folder.
+SOURCE: a hub id (downloaded with huggingface_hub: the chosen step and tokenizer/ only; a repository that keeps one
+checkpoint at its root: that one), a local repository folder with stepN/ subfolders (default: the highest step), or
+one step folder (a repository root holding config.json and model_and_optim/ is one).
 """
 import itertools
 import json
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,9 +31,12 @@ from common import ArgParser, CheckpointError, fail, first_line, hub_unreachable
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
-# official block type -> our design (Block AttnRes is "attnres" with a block size > 1)
+# official block type -> our design (Block AttnRes is "attnres" with a block size > 1); the last three are the
+# release's extra baselines (docs/official.md#release)
 BLOCKS = {"default": "preln", "peri_norm": "sandwich", "default_scaled": "lns", "deepnorm": "deepnorm",
-          "keel": "keel", "hc": "hc", "mhc": "mhc", "attnres": "attnres", "moda": "moda", "post_norm_moda": "moda"}
+          "keel": "keel", "hc": "hc", "mhc": "mhc", "attnres": "attnres", "moda": "moda", "post_norm_moda": "moda",
+          "post_norm": "postln", "depth_mup": "preln_mup", "completep": "preln_completep"}
+DEPTH_ALPHA = {"depth_mup": 0.5, "completep": 1.0}   # the release's residual-branch exponent per depth block
 HF_LLAMA = [("embeddings.weight", "model.embed_tokens.weight"), ("lm_head.norm.weight", "model.norm.weight"),
             ("lm_head.w_out.weight", "lm_head.weight")] + [
     (f"blocks.{{}}.{a}.weight", f"model.layers.{{}}.{b}.weight") for a, b in [
@@ -54,81 +59,176 @@ def refuse(cond, what):
         raise CheckpointError(f"unsupported official setting: {what}")
 
 
-def read_config(step_dir, forced=None):
-    """config.json -> (GPTConfig computing what the checkpoint's model computes, notes dict). forced: the
-    design options that config.json cannot tell (HC's forward and collapse readings, `--residual-args`)."""
+@dataclass
+class Sections:
+    """The parts of an official config.json that read_config checks, each a dict ({} where absent)."""
+    experiment: dict     # the whole config.json
+    model: dict          # "model"
+    block: dict          # model.block
+    attention: dict      # block.sequence_mixer (older: block.attention)
+    feed_forward: dict   # block.feed_forward
+    rope: dict           # attention.rope
+    norm: dict           # block.layer_norm: every norm of the blocks
+    head: dict           # model.lm_head
+    head_norm: dict      # lm_head.layer_norm: the final norm
+    hc: dict             # block.hyper_connections (HC/mHC)
+
+
+# What our model computes, as data: (section, key, the values we reproduce, what it is). A missing key reads None.
+ALLOWED = [
+    ("attention", "name", (None, "default"), "attention type (only split w_q/w_k/w_v)"),
+    ("attention", "qk_norm", (None,), "attention qk_norm"),
+    ("attention", "gate", (None,), "attention gate"),
+    ("attention", "clip_qkv", (None,), "attention clip_qkv"),
+    ("attention", "sliding_window", (None,), "attention sliding_window"),
+    ("attention", "bias", (None, False), "linear biases"),
+    ("feed_forward", "bias", (None, False), "linear biases"),
+    ("head", "bias", (None, False), "linear biases"),
+    ("rope", "name", (None, "default"), "RoPE (only the default rotate-half RoPE, no scaling)"),
+    ("rope", "scaling", (None, False, {}), "RoPE (only the default rotate-half RoPE, no scaling)"),
+    ("feed_forward", "name", (None, "default"), "feed-forward (only SwiGLU)"),
+    ("feed_forward", "activation", (None, "silu"), "feed-forward (only SwiGLU)"),
+    ("norm", "bias", (None, False), "block norm bias"),
+    ("head_norm", "name", ("rms",), "final norm (only RMSNorm)"),
+    ("head_norm", "bias", (None, False), "final norm bias"),
+    ("model", "embedding_norm", (None,), "embedding norm"),
+    ("model", "embed_scale", (None, 1.0), "embedding scale"),
+    ("model", "block_pattern", (None,), "block_pattern"),
+    ("block", "attention_residual_alpha", (None, 1.0), "attention_residual_alpha"),
+    ("block", "feed_forward_residual_alpha", (None, 1.0), "feed_forward_residual_alpha"),
+    ("block", "attnres_topk_fraction", (None, False), "AttnRes variant (only the plain AttnRes)"),
+    ("block", "attnres_use_bias", (None, False), "AttnRes variant (only the plain AttnRes)"),
+    ("block", "attnres_learn_logit_scale", (None, False), "AttnRes variant (only the plain AttnRes)"),
+]
+MHC_DEFAULTS = {"liger_rms_eps": 1e-6, "liger_pre_eps": 0.0, "liger_sinkhorn_eps": 1e-6, "liger_post_mult": 2.0}
+
+
+def sections(step_dir):
+    """config.json -> Sections; a file that is not an OLMo-core experiment config is a CheckpointError."""
     path = Path(step_dir) / "config.json"
     try:
         exp = json.loads(path.read_text())
         m = exp["model"]
-        blk, lm = m["block"], m.get("lm_head") or {}
+        blk = m["block"]
         att = blk.get("sequence_mixer") or blk.get("attention")
-        d, L, H = int(m["d_model"]), int(m["n_layers"]), int(att["n_heads"])
+        int(m["d_model"]), int(m["n_layers"]), int(att["n_heads"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: not an OLMo-core experiment config ({type(e).__name__}: {e})") from None
-    name, hc, forced = blk.get("name") or "default", blk.get("hyper_connections"), forced or {}
-    # older spellings, renamed as the official loaders do: AttnRes by its block size, HC/mHC by hyper_connections
-    if name == "attn_res" or name == "default" and blk.get("attnres_block_size") is not None:
+    head = m.get("lm_head") or {}
+    return Sections(experiment=exp, model=m, block=blk, attention=att, feed_forward=blk.get("feed_forward") or {},
+                    rope=att.get("rope") or {}, norm=blk.get("layer_norm") or {}, head=head,
+                    head_norm=head.get("layer_norm") or {}, hc=blk.get("hyper_connections") or {})
+
+
+def block_name(sec):
+    """The block type, with the older spellings renamed as the official loaders do: AttnRes by its block size,
+    HC/mHC by a hyper_connections section on a default block."""
+    name = sec.block.get("name") or "default"
+    if name == "attn_res" or name == "default" and sec.block.get("attnres_block_size") is not None:
         name = "attnres"
-    if name == "default" and hc is not None:
-        name = "hc" if (hc.get("kind") or "hc") == "hc" else "mhc"
+    if name == "default" and sec.block.get("hyper_connections") is not None:
+        name = "hc" if (sec.hc.get("kind") or "hc") == "hc" else "mhc"
     refuse(name not in BLOCKS, f"block type {name!r} (known: {', '.join(BLOCKS)})")
-    refuse(hc is not None and name not in ("hc", "mhc"), f"hyper_connections on a {name} block")
-    refuse((att.get("name") or "default") != "default", f"attention {att.get('name')!r} (only split w_q/w_k/w_v)")
-    refuse(H % int(att.get("n_kv_heads") or H), f"n_kv_heads {att.get('n_kv_heads')} does not divide n_heads {H}")
-    refuse(att.get("head_dim") not in (None, d // H) or d % H, f"head_dim {att.get('head_dim')} != d_model/n_heads")
-    for key in ("qk_norm", "gate", "clip_qkv", "sliding_window"):
-        refuse(att.get(key) is not None, f"attention {key} = {att.get(key)}")
-    refuse(bool(att.get("bias")) or bool((blk.get("feed_forward") or {}).get("bias")) or bool(lm.get("bias")),
-           "linear biases")
-    rope = att.get("rope") or {}
-    refuse((rope.get("name") or "default") != "default" or rope.get("scaling") or not rope,
-           f"RoPE {rope or None} (only the default rotate-half RoPE, no scaling)")
-    ff = blk.get("feed_forward") or {}
-    refuse((ff.get("name") or "default") != "default" or ff.get("activation") not in (None, "silu"),
-           f"feed-forward {ff.get('name')}/{ff.get('activation')} (only SwiGLU)")
-    norm, head_norm = blk.get("layer_norm") or {}, lm.get("layer_norm") or {}
+    refuse(sec.block.get("hyper_connections") is not None and name not in ("hc", "mhc"),
+           f"hyper_connections on a {name} block")
+    return name
+
+
+def check_backbone(sec, name):
+    """Refuse, in one line, any backbone setting our model would compute differently (ALLOWED and the relations)."""
+    for part, key, allowed, what in ALLOWED:
+        value = getattr(sec, part).get(key)
+        refuse(value not in allowed, f"{what}: {key} = {value!r}")
+    d, H = int(sec.model["d_model"]), int(sec.attention["n_heads"])
+    kv = sec.attention.get("n_kv_heads") or H
+    refuse(H % int(kv), f"n_kv_heads {kv} does not divide n_heads {H}")
+    refuse(sec.attention.get("head_dim") not in (None, d // H) or d % H,
+           f"head_dim {sec.attention.get('head_dim')} != d_model/n_heads")
+    refuse(not sec.rope, "no RoPE (only the default rotate-half RoPE, no scaling)")
     want = "default" if name == "deepnorm" else "rms"        # DeepNorm's block norms are true LayerNorms
-    refuse((norm.get("name") or "default") != want or bool(norm.get("bias")), f"{name} block norm {norm}")
-    refuse((head_norm.get("name") or "default") != "rms" or bool(head_norm.get("bias")), f"final norm {head_norm}")
-    eps = float(norm.get("eps", 1e-5))
-    refuse(abs(float(head_norm.get("eps", 1e-5)) - eps) > 1e-12, f"final norm eps {head_norm.get('eps')} != {eps}")
-    refuse(m.get("embedding_norm") is not None or m.get("embed_scale") not in (None, 1.0), "embedding norm/scale")
-    refuse(m.get("block_pattern") is not None, "block_pattern")
-    for key in ("attention_residual_alpha", "feed_forward_residual_alpha"):
-        refuse(blk.get(key) not in (None, 1.0), f"{key} = {blk.get(key)}")
-    for key in ("attnres_topk_fraction", "attnres_use_bias", "attnres_learn_logit_scale"):   # AttnRes variants
-        refuse(blk.get(key) not in (None, False), f"{key} = {blk.get(key)} (only the plain AttnRes)")
-    for i, o in (m.get("block_overrides") or {}).items():           # MoDA's last block skips its unused W_kv
-        refuse({k: v for k, v in o.items() if k != "moda_skip_ffn_kv"} !=
-               {k: v for k, v in blk.items() if k != "moda_skip_ffn_kv"}, f"block_overrides[{i}]")
-    residual, args, hc, unknown = BLOCKS[name], {}, hc or {}, {}   # unknown: option -> the readings config.json allows
-    if name in ("hc", "mhc"):     # code versions differ in the "sum" collapse: sum, norm (newer) or norm each, sum
-        mode = hc.get("collapse") or "auto"
-        mode = ("mean" if hc.get("kind") == "liger_mhc" else "sum") if mode == "auto" else mode
-        refuse(mode not in ("sum", "mean"), f"collapse {mode!r}")
-        args["collapse"] = mode
-        unknown.update({"collapse": ("sum", "norm_each")} if mode == "sum" else {})
-        args["n_streams"] = int(hc.get("num_residual_streams", 4))
-    if name == "hc":              # and in HC's forward: with A's residual columns (newer) or without them (older)
+    refuse((sec.norm.get("name") or "default") != want, f"{name} block norm {sec.norm}")
+    eps = float(sec.norm.get("eps", 1e-5))
+    head_eps = float(sec.head_norm.get("eps", 1e-5))
+    refuse(abs(head_eps - eps) > 1e-12, f"final norm eps {sec.head_norm.get('eps')} != {eps}")
+    for i, o in (sec.model.get("block_overrides") or {}).items():   # MoDA's last block skips its unused W_kv
+        same = {k: v for k, v in o.items() if k != "moda_skip_ffn_kv"}
+        refuse(same != {k: v for k, v in sec.block.items() if k != "moda_skip_ffn_kv"}, f"block_overrides[{i}]")
+
+
+def streams_args(sec, name):
+    """HC/mHC: (options, unknown readings). Code versions differ in the "sum" collapse: sum, then the norm
+    (newer) or the norm on each stream, then the sum; and HC's forward: with A's residual columns (newer) or not."""
+    hc = sec.hc
+    mode = hc.get("collapse") or "auto"
+    if mode == "auto":
+        mode = "mean" if hc.get("kind") == "liger_mhc" else "sum"
+    refuse(mode not in ("sum", "mean"), f"collapse {mode!r}")
+    args = {"collapse": mode, "n_streams": int(hc.get("num_residual_streams", 4))}
+    unknown = {"collapse": ("sum", "norm_each")} if mode == "sum" else {}
+    if name == "hc":
         refuse((hc.get("kind") or "hc") != "hc" or hc.get("tanh") is False, f"HC kind/tanh {hc}")
         unknown["forward"] = ("mixed", "unmixed")
-    if name == "mhc":
+    else:
         refuse(hc.get("kind") != "liger_mhc", f"mHC kind {hc.get('kind')!r} (only the paper's liger_mhc)")
-        defaults = {"liger_rms_eps": 1e-6, "liger_pre_eps": 0.0, "liger_sinkhorn_eps": 1e-6, "liger_post_mult": 2.0}
-        for key, v in defaults.items():
+        for key, v in MHC_DEFAULTS.items():
             refuse(float(hc.get(key, v)) != v, f"mHC {key} = {hc.get(key)} (ours: {v})")
         args["sinkhorn_iters"] = int(hc.get("sinkhorn_iters", 20))
+    return args, unknown
+
+
+def attnres_design(sec):
+    """AttnRes: (design, options). Block size S = 1 is Full AttnRes; S > 1 is Block AttnRes with boundaries every S
+    sublayers (the official block's rule: any S, the last group short when S does not divide 2L)."""
+    S = int(sec.block.get("attnres_block_size") or 1)
+    refuse(S < 1, f"AttnRes block size {S}")
+    if S == 1:
+        return "attnres", {}
+    return "block_attnres", {"block_size": S}
+
+
+def moda_args(sec, name):
+    moda = sec.block.get("moda") or {}
+    refuse(moda.get("extra_ffn_kv_proj") is False or moda.get("extra_attn_kv_proj"), f"MoDA K/V projections {moda}")
+    refuse(moda.get("attention_scale") is not None, f"MoDA attention_scale {moda.get('attention_scale')}")
+    norm = "post" if name == "post_norm_moda" else "pre"
+    return {"norm": norm}
+
+
+def depth_args(sec, name):
+    """depth-muP / CompleteP: the base depth from config.json; the scaling axis from the init, which depth_width
+    alone changes (hidden init std x m_N^(-1/2), the embedding's kept): m_N = (embedding std / init std)^2."""
+    alpha = sec.block.get("residual_scaling_alpha")
+    refuse(alpha not in (None, DEPTH_ALPHA[name]), f"{name} residual_scaling_alpha = {alpha}")
+    args = {"base_depth": int(sec.block.get("residual_scaling_base_depth") or 24)}
+    emb_std = sec.model.get("embedding_init_std")
+    if emb_std is not None:
+        m_N = (float(emb_std) / float(sec.model.get("init_std") or 0.02)) ** 2
+        args.update(scaling="depth_width", base_width=round(int(sec.model["d_model"]) / m_N))
+    return args
+
+
+def design_of(sec, name):
+    """-> (our design, its options, {option: the readings config.json allows} for what it cannot tell)."""
+    if name in ("hc", "mhc"):
+        args, unknown = streams_args(sec, name)
+        return BLOCKS[name], args, unknown
     if name == "attnres":
-        S = int(blk.get("attnres_block_size") or 1)
-        refuse((2 * L) % S != 0, f"AttnRes block size {S} does not divide the {2 * L} sublayers")
-        if S > 1:
-            residual, args = "block_attnres", {"n_groups": 2 * L // S}
+        residual, args = attnres_design(sec)
+        return residual, args, {}
     if name in ("moda", "post_norm_moda"):
-        moda = blk.get("moda") or {}
-        refuse(moda.get("extra_ffn_kv_proj") is False or moda.get("extra_attn_kv_proj"), f"MoDA K/V projections {moda}")
-        refuse(moda.get("attention_scale") is not None, f"MoDA attention_scale {moda.get('attention_scale')}")
-        args["norm"] = "post" if name == "post_norm_moda" else "pre"
+        return "moda", moda_args(sec, name), {}
+    if name in DEPTH_ALPHA:
+        return BLOCKS[name], depth_args(sec, name), {}
+    return BLOCKS[name], {}, {}
+
+
+def read_config(step_dir, forced=None):
+    """config.json -> (GPTConfig computing what the checkpoint's model computes, notes dict). forced: the
+    design options that config.json cannot tell (HC's forward and collapse readings, `--residual-args`)."""
+    sec, forced = sections(step_dir), forced or {}
+    name = block_name(sec)
+    check_backbone(sec, name)
+    residual, args, unknown = design_of(sec, name)
     refuse(set(forced) - set(unknown), f"--residual-args {sorted(set(forced) - set(unknown))}: config.json says it")
     if any(forced.get(k) not in v for k, v in unknown.items()):
         choices = ", ".join(f'"{k}": ' + " or ".join(f'"{x}"' for x in v) for k, v in unknown.items())
@@ -136,14 +236,17 @@ def read_config(step_dir, forced=None):
                               f"--residual-args '{{{choices}}}' (newer code: the first; docs/official.md)")
     args.update(forced)
     args = {k: v for k, v in args.items() if RESIDUALS[residual].options.get(k) != v}  # only what differs
-    tok = (exp.get("dataset") or {}).get("tokenizer") or {}
+    m, att = sec.model, sec.attention
+    H = int(att["n_heads"])
     gqa = {"n_kv_head": int(att["n_kv_heads"])} if att.get("n_kv_heads") not in (None, H) else {}
-    cfg = GPTConfig(vocab_size=int(m["vocab_size"]), n_layer=L, d_model=d, n_head=H, d_ff=int(ff["hidden_size"]),
-                    rope_theta=float(rope.get("theta", 10000)), norm_eps=eps, residual=residual, residual_args=args,
-                    **gqa)
+    cfg = GPTConfig(vocab_size=int(m["vocab_size"]), n_layer=int(m["n_layers"]), d_model=int(m["d_model"]),
+                    n_head=H, d_ff=int(sec.feed_forward["hidden_size"]), rope_theta=float(sec.rope.get("theta", 10000)),
+                    norm_eps=float(sec.norm.get("eps", 1e-5)), residual=residual, residual_args=args, **gqa)
+    dataset = sec.experiment.get("dataset") or {}
+    tok = dataset.get("tokenizer") or {}
     refuse(int(tok.get("vocab_size") or 0) > cfg.vocab_size, f"tokenizer vocab {tok.get('vocab_size')} > model's")
     notes = {"block": name, "tokenizer_vocab": tok.get("vocab_size"), "eos_token_id": tok.get("eos_token_id"),
-             "tokenizer_id": tok.get("identifier"), "seq_len": (exp.get("dataset") or {}).get("sequence_length")}
+             "tokenizer_id": tok.get("identifier"), "seq_len": dataset.get("sequence_length")}
     return cfg, notes
 
 
@@ -278,21 +381,34 @@ def pick(steps, step, where):
     return steps[-1] if step is None else step
 
 
+def hub_layout(files, step, repo_id):
+    """A hub repository's file list -> (allow_patterns, the folder in it that holds the checkpoint). The release
+    keeps either stepN/ folders or one checkpoint at the root (config.json and model_and_optim/ there)."""
+    steps = steps_in(files)
+    if "config.json" in files and (step is None or not steps):
+        if step is not None:
+            raise CheckpointError(f"{repo_id}: one checkpoint at the repository root, no step{step} folder")
+        return ["config.json", "model_and_optim/*", "tokenizer/*"], ""
+    n = pick(steps, step, repo_id)
+    return [f"step{n}/*", "tokenizer/*"], f"step{n}"
+
+
 def download(repo_id, step, timeout=5.0):
-    """A hub repository's step folder and tokenizer/ -> local folder (huggingface_hub's cache)."""
+    """A hub repository's checkpoint (a step folder, or the root's) and tokenizer/ -> local folder (huggingface_hub's
+    cache)."""
     if down := hub_unreachable(timeout):
         raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub at {down[0]} cannot be reached "
                               f"({down[1]}); offline, download it elsewhere and give its folder")
     from huggingface_hub import HfApi, snapshot_download
     try:
-        n = pick(steps_in(HfApi().list_repo_files(repo_id)), step, repo_id)
-        root = snapshot_download(repo_id, allow_patterns=[f"step{n}/*", "tokenizer/*"])
+        patterns, folder = hub_layout(HfApi().list_repo_files(repo_id), step, repo_id)
+        root = snapshot_download(repo_id, allow_patterns=patterns)
     except CheckpointError:
         raise
     except Exception as e:  # a wrong id, no access, a broken connection
         raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub download failed "
                               f"({type(e).__name__}: {first_line(e, 160)})") from None
-    return Path(root) / f"step{n}"
+    return Path(root) / folder
 
 
 def resolve(source, step=None):
@@ -377,8 +493,9 @@ def main(argv=None):
               f"{model.num_params():,} parameters, every tensor mapped")
         if args.command == "evaluate":
             tok = data.get_tokenizer(args.tokenizer or info["tokenizer"] or "", info["eos_token_id"])
-            res = evaluate(model.to(args.device), tok, args.text, args.seq_len or info["seq_len"] or 2048,
-                           args.max_tokens, args.batch_size, args.device)
+            seq_len = args.seq_len or info["seq_len"] or 2048
+            res = evaluate(model.to(args.device), tok, args.text, seq_len=seq_len, max_tokens=args.max_tokens,
+                           batch_size=args.batch_size, device=args.device)
             print(json.dumps({**res, "step": info["step"], "source": args.source}))
     except (CheckpointError, data.DataError) as e:
         fail("official.py", first_line(e, None))

@@ -1,5 +1,6 @@
 """
-The ten residual / normalization designs of DepthBench, one small class each, one registry.
+The ten residual / normalization designs of DepthBench, one small class each, one registry; then the three
+extra baselines of the authors' release (Post-LN, Pre-LN under depth-muP and CompleteP), in the same registry.
 
 Legend (shape comments): B batch, T time, D width (d_model), n streams (HC/mHC), L blocks,
 2L sublayers, i sublayer index (attention of block b is i = 2b, its MLP is i = 2b + 1), N groups.
@@ -17,7 +18,8 @@ ctx, a dict, is all that travels from read to the same sublayer's write (HC: the
 H_post; MoDA: the MLP's input); for attention the trunk adds its pre-RoPE "k", "v" and MoDA's
 "depth_share". A design keeps no tensor on the module between calls.
 
-Also: scale_sublayer_init(i, module) and reset_parameters() (init), no_decay_params(); for diagnose.py
+Also: scale_sublayer_init(i, module) and reset_parameters() (init), no_decay_params() and optim_rules() (the
+optimizer's per-role LR, eps and weight-decay multipliers, which GPT.param_groups applies); for diagnose.py
 depth_state(s, i) (the depth state z before sublayer i; i = 2L: the head's), skip(s, i) (the state with sublayer i
 left out), readout(s, i) (what the logit lens decodes), sublayer_params(i) and swap_blocks(i, j) (what a block swap
 moves), and `recording`, the dict that `log` fills in a recording forward. On the class, for the scripts: paper_lr,
@@ -29,12 +31,21 @@ constants are Python floats set in __init__ from i and L. Pre-LN is the base cla
 differs. Shared maths (norms, Sinkhorn, the depth mix) is in ops.py; `self.fast` picks its kernels.py bodies.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ops import (RMSNorm, depth_connection, depth_mix, depth_slot, normed_projection, rms_norm, sinkhorn,
                  width_connection)
+
+
+@dataclass(frozen=True)
+class OptimRule:
+    """AdamW multipliers for the parameters of one role (GPT.param_groups; docs/designs.md#recipe)."""
+    lr_scale: float = 1.0       # the group's LR = the schedule's LR x lr_scale
+    eps_scale: float = 1.0      # the group's AdamW eps = the run's eps x eps_scale
+    wd_scale: float = 1.0       # the group's weight decay = the run's x wd_scale (static tensors keep 0)
 
 
 # ----------------------------------------------------------------------------- norm-placement designs
@@ -94,6 +105,12 @@ class PreLN(nn.Module):
 
     def no_decay_params(self):
         return []
+
+    def optim_rules(self):
+        """{role: OptimRule} for the roles whose optimizer settings differ from the run's (GPT.param_groups names
+        the roles: embedding, head (W_out and the final norm), block_matrix (attention/MLP weights), residual (the
+        design's own tensors of the blocks)); Pre-LN: none."""
+        return {}
 
     def sublayer_params(self, i):
         """The design's own tensors of sublayer i, by a name shared across sublayers (diagnose.py's block swap exchanges
@@ -427,8 +444,10 @@ class MHC(HC):
 class BlockAttnRes(PreLN):
     """Block Attention Residuals, Kimi (arXiv 2603.15031; docs/designs.md#block-attnres), N groups.
 
-    No residual stream. Sublayer outputs f_j are summed into N groups of consecutive sublayers
-    (group of j = floor(j N / 2L), so sizes differ by at most one when 2L/N is not an integer).
+    No residual stream. Sublayer outputs f_j are summed into N groups of consecutive sublayers, read one of
+    two ways: `n_groups` N (group of j = floor(j N / 2L), sizes differ by at most one when 2L/N is not an
+    integer), or the official `block_size` S (a boundary where j % S == 0: group of j = j // S, N = ceil(2L/S),
+    the last group short when S does not divide 2L; official checkpoints carry S).
     Sublayer k >= 1 reads a softmax over depth of its sources: the embedding, the completed groups,
     and its own group's partial sum (if non-empty):
         p_j = softmax_j <q_k, g_k * RMSNorm(v_j)>    (zero-init pseudo-query q_k, key gain g_k, scale 1)
@@ -439,23 +458,34 @@ class BlockAttnRes(PreLN):
     Params: q_k, g_k for k >= 1 and the final pair: 4dL, all decayed. Zero queries = uniform
     weights at init. Cost: at most N + 1 sources per sublayer.
     """
-    options = {"n_groups": 8}
+    options = {"n_groups": 8}   # and `block_size` (GPTConfig.residual_args; None: the n_groups reading)
     act_bytes = (6, 10, 9)
 
-    @classmethod
-    def cost(cls, L, d, T, n_groups=8, **options):
-        """4 FLOPs per source and channel of every depth mix (score dot 2, weighted sum 2), over all its sources:
-        sublayer k >= 1 reads the embedding and every group touched so far, g(k-1) + 2 with g(j) = jN // 2L, and the
-        head the embedding and all N groups (Full AttnRes, N = 2L: 2L^2 + 3L in all); the state: N + 1 sources."""
-        N = min(n_groups, 2 * L)
-        return 4 * d * (sum((k - 1) * N // (2 * L) + 2 for k in range(1, 2 * L)) + N + 1) * T, N + 1
-
-    def __init__(self, cfg, n_groups=8):
-        super().__init__(cfg)
+    @staticmethod
+    def groups(n_sub, n_groups=8, block_size=None):
+        """The group of each sublayer 0 .. n_sub-1, by block size S (j // S) or, without one, by the count N."""
+        if block_size is not None:
+            if block_size < 1:
+                raise ValueError(f"block_size must be >= 1, got {block_size}")
+            return [k // block_size for k in range(n_sub)]
         if n_groups < 1:
             raise ValueError(f"n_groups must be >= 1, got {n_groups}")
-        self.n_groups = min(n_groups, self.n_sub)    # more groups than sublayers is Full AttnRes
-        self.group = [k * self.n_groups // self.n_sub for k in range(self.n_sub)]      # group of sublayer k
+        n_groups = min(n_groups, n_sub)              # more groups than sublayers is Full AttnRes
+        return [k * n_groups // n_sub for k in range(n_sub)]
+
+    @classmethod
+    def cost(cls, L, d, T, n_groups=8, block_size=None, **options):
+        """4 FLOPs per source and channel of every depth mix (score dot 2, weighted sum 2), over all its sources:
+        sublayer k >= 1 reads the embedding and every group touched so far, g(k-1) + 2, and the head the embedding
+        and all N groups (Full AttnRes, N = 2L: 2L^2 + 3L in all); the state: N + 1 sources."""
+        g = cls.groups(2 * L, n_groups, block_size)
+        N = g[-1] + 1
+        return 4 * d * (sum(g[k - 1] + 2 for k in range(1, 2 * L)) + N + 1) * T, N + 1
+
+    def __init__(self, cfg, n_groups=8, block_size=None):
+        super().__init__(cfg)
+        self.group = self.groups(self.n_sub, n_groups, block_size)                    # group of sublayer k
+        self.n_groups = self.group[-1] + 1
         # row k - 1 belongs to consumer k = 1 .. 2L, where consumer 2L is the head's final readout
         self.queries = nn.Parameter(torch.zeros(self.n_sub, cfg.d_model))
         self.key_gains = nn.Parameter(torch.ones(self.n_sub, cfg.d_model))
@@ -633,7 +663,8 @@ class MoDA(PreLN):
         b = i // 2
         if b == len(self.kv_proj):                                    # last block: no W_kv
             return x_new, ks, vs
-        kv = self.kv_proj[b](ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim)).permute(2, 0, 3, 1, 4)
+        kv = self.kv_proj[b](ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim))   # (B, T, 2, Hkv, hd)
+        kv = kv.permute((2, 0, 3, 1, 4))                                                    # (2, B, Hkv, T, hd)
         return x_new, ks + [depth_slot(kv[0], self.fast)], vs + [depth_slot(kv[1], self.fast)]  # (B, Hkv, T, hd)
 
     def collapse(self, s):
@@ -658,6 +689,86 @@ class MoDA(PreLN):
         return {"depth_share": shares, "depth_share_mean": sum(shares) / max(len(shares), 1)}
 
 
+# ----------------------------------------------------------------------------- the release's extra baselines
+
+class PostLN(PreLN):
+    """Post-LN, the original Transformer's placement (Vaswani et al., arXiv 1706.03762; docs/designs.md#post-ln);
+    the release's dense post-norm baseline (its `post_norm` block). Not one of the paper's ten.
+
+        h = RMSNorm_i( x + F_i(x) )        F_i sees the raw stream; no up-weighted skip (DeepNorm with alpha = 1)
+        logits = W_out RMSNorm_f(x_2L)     (the head keeps its final norm, as the release's LM head)
+
+    Params: one RMSNorm gain per sublayer + the final norm, as Pre-LN (2dL + d), init 1. Init otherwise Pre-LN's.
+    LR: Pre-LN's rule. Cost: nothing beyond the backbone.
+    """
+
+    def read(self, s, i):
+        return s, {}
+
+    def write(self, s, i, y, ctx=None):
+        return self.norms[i](s + y)
+
+
+class PreLNDepthMuP(PreLN):
+    """Pre-LN under depth-muP (arXiv 2310.02244, 2309.16620; docs/designs.md#depth-mup), the release's `depth_mup`
+    block: the residual branch is scaled by m_L^(-alpha), alpha = 1/2.
+
+        h = x + m_L^(-alpha) F_i(RMSNorm_i(x))      m_L = L / base_depth (24, the release's), per block count L
+
+    Optimizer rules (`optim_rules`, the release's two scaling axes; m_N = d / base_width, 1024):
+    - "depth_only": every block tensor (attention/MLP weights and the pre-norms) gets LR x m_L^(alpha - 1) and
+      AdamW eps x m_L^(-alpha); the embedding, the head and the final norm keep the run's.
+    - "depth_width": attention/MLP weights LR x m_N^-1 m_L^(alpha - 1), eps x m_N^-1 m_L^(-alpha), weight decay
+      x m_N, init std x m_N^(-1/2); pre-norms LR x m_L^(alpha - 1), eps x m_N^-1 m_L^(-alpha); embedding and head
+      (W_out and the final norm) eps x m_N^-1; the logits are scaled by m_N^-1 (here: the head's input), and W_out's
+      init stays std 0.02 (the release scales it by m_N^(-1/2), then back by m_N^(1/2)).
+    Params: Pre-LN's. At L = base_depth (and d = base_width) the model and its optimizer are exactly Pre-LN's.
+    """
+    alpha = 0.5
+    options = {"scaling": "depth_only", "base_depth": 24, "base_width": 1024}
+
+    def __init__(self, cfg, scaling="depth_only", base_depth=24, base_width=1024):
+        super().__init__(cfg)
+        if scaling not in ("depth_only", "depth_width") or base_depth < 1 or base_width < 1:
+            raise ValueError(f"scaling: depth_only or depth_width, base_depth and base_width >= 1; "
+                             f"got {scaling}, {base_depth}, {base_width}")
+        self.scaling = scaling
+        self.m_L = cfg.n_layer / base_depth                    # depth multiplier
+        self.m_N = cfg.d_model / base_width                     # width multiplier (depth_width only)
+        self.branch_scale = self.m_L ** -self.alpha
+        self.head_scale = 1.0 / self.m_N if scaling == "depth_width" else 1.0
+
+    def write(self, s, i, y, ctx=None):
+        return s + self.branch_scale * y
+
+    def collapse(self, s):
+        return self.norm_f(s) * self.head_scale
+
+    @torch.no_grad()
+    def scale_sublayer_init(self, i, module):
+        if self.scaling == "depth_width":
+            for lin in (m for m in module.modules() if isinstance(m, nn.Linear)):
+                lin.weight.mul_(self.m_N ** -0.5)
+
+    def optim_rules(self):
+        lr_depth = self.m_L ** (self.alpha - 1.0)
+        eps_depth = self.m_L ** -self.alpha
+        if self.scaling == "depth_only":
+            block = OptimRule(lr_scale=lr_depth, eps_scale=eps_depth)
+            return {"block_matrix": block, "residual": block}
+        width = 1.0 / self.m_N
+        return {"block_matrix": OptimRule(lr_scale=width * lr_depth, eps_scale=width * eps_depth, wd_scale=self.m_N),
+                "residual": OptimRule(lr_scale=lr_depth, eps_scale=width * eps_depth),
+                "embedding": OptimRule(eps_scale=width), "head": OptimRule(eps_scale=width)}
+
+
+class PreLNCompleteP(PreLNDepthMuP):
+    """Pre-LN under CompleteP (Dey et al., arXiv 2505.01618; docs/designs.md#depth-mup), the release's `completep`
+    block: depth-muP's update, init and optimizer rules with alpha = 1, so the branch is scaled by m_L^-1 and the
+    block LR is not scaled with depth (m_L^0); the block eps is x m_L^-1."""
+    alpha = 1.0
+
+
 # ----------------------------------------------------------------------------- registry
 
 RESIDUALS = {
@@ -671,5 +782,10 @@ RESIDUALS = {
     "attnres": FullAttnRes,
     "block_attnres": BlockAttnRes,
     "moda": MoDA,
+    # the release's extra baselines, not among the paper's ten (the README's second design table)
+    "postln": PostLN,
+    "preln_mup": PreLNDepthMuP,
+    "preln_completep": PreLNCompleteP,
 }
+PAPER_DESIGNS = list(RESIDUALS)[:10]   # the paper's ten, in its order (the mini suite, the README's design table)
 

@@ -27,20 +27,26 @@ TABLE_LAYERS = [16, 20, 24, 26, 28, 30, 32, 36, 42, 50, 56, 62, 70]
 MAX_LAYERS = 1024  # the paper's deepest model has 84 blocks
 
 
-def _rows(shapes, steps, label, n_kv_head=N_HEAD, lr=None):
-    return [{"n_layer": L, "d_model": d, "d_ff": f, "n_kv_head": n_kv_head, "steps": steps, "label": label, "lr": lr}
-            for L, d, f in shapes]
+def _rows(shapes, steps, label, n_kv_head=N_HEAD, lr=None, designs=None):
+    """Suite rows; designs: the designs the authors released at these shapes (None: every design)."""
+    return [{"n_layer": L, "d_model": d, "d_ff": f, "n_kv_head": n_kv_head, "steps": steps, "label": label, "lr": lr,
+             "designs": designs} for L, d, f in shapes]
 
 
 _400M = [(16, 1216, 3248), (20, 1120, 2992), (24, 1024, 2736), (28, 960, 2560), (32, 896, 2400), (42, 800, 2144),
          (70, 640, 1712)]
 # name -> (what it is in the paper, rows). steps = the official launches' run length (tokens = steps x 512 x 2048);
-# lr = one peak LR for every design where the paper used one (1.6b), else None: each design's own (residuals.py)
+# lr = one peak LR for every design where the paper used one (1.6b), else None: each design's own (residuals.py).
+# Sources (docs/official.md#release): the paper's rows are the repository's configs/README.md tables; the rows with
+# `designs` were released as checkpoints at shapes the paper's tables do not list (400M L36, configs/llama_400m_L36
+# .json; 300M-backbone L56, the backbone rule at L56), appended so that the row numbers of the paper's rows stay.
+# 302m-backbone's L24 and L32 are the 400m shapes (configs/README.md says so), L84 has its own config JSON.
 SUITES = {
-    "400m": ("Table 3: 405M total at seven aspect ratios, ~8B tokens", _rows(_400M, 7600, "400M")),
-    "302m-backbone": ("Fig. 2 bottom right: a fixed ~300M backbone, embeddings on top", _rows(
+    "400m": ("Table 3: 405M total at seven aspect ratios, ~8B tokens (+ the released L36)",
+             _rows(_400M, 7600, "400M") + _rows([(36, 864, 2304)], 7600, "400M", designs=("hc", "mhc", "attnres"))),
+    "302m-backbone": ("Fig. 2 bottom right: a fixed ~300M backbone, embeddings on top (+ the released L56)", _rows(
         [(16, 1248, 3328), (24, 1024, 2736), (32, 896, 2400), (42, 768, 2048), (70, 608, 1632), (84, 544, 1456)],
-        7600, "302M backbone")),
+        7600, "302M backbone") + _rows([(56, 672, 1792)], 7600, "302M backbone", designs=("hc", "mhc"))),
     "ladder": ("Fig. 3 left: 200M-500M, each at AR ~28 / 43 / 75, tokens in proportion",
                _rows([(24, 672, 1792), (18, 768, 2048), (12, 896, 2400)], 3800, "200M")
                + _rows([(28, 800, 2144), (21, 896, 2400), (14, 1056, 2816)], 5700, "300M")
@@ -59,7 +65,8 @@ def suite_rows(name, vocab=VOCAB):
     for r in SUITES[name][1]:
         L, d, f, kv = r["n_layer"], r["d_model"], r["d_ff"], r["n_kv_head"]
         rows.append({**r, "n_head": N_HEAD, "head_dim": d // N_HEAD, "ar": d / L,
-                     "params": preln_params(L, d, f, vocab, kv), "backbone_params": backbone_params(L, d, f, kv)})
+                     "params": preln_params(L, d, f, vocab=vocab, n_kv_head=kv),
+                     "backbone_params": backbone_params(L, d, f, n_kv_head=kv)})
     return rows
 
 
@@ -97,7 +104,7 @@ def backbone_params(L, d, d_ff, n_kv_head=N_HEAD, n_head=N_HEAD):
 
 def preln_params(L, d, d_ff, vocab=VOCAB, n_kv_head=N_HEAD, n_head=N_HEAD):
     """Pre-LN total: backbone + embedding + LM head (untied) + final norm."""
-    return backbone_params(L, d, d_ff, n_kv_head, n_head) + 2 * vocab * d + d
+    return backbone_params(L, d, d_ff, n_kv_head=n_kv_head, n_head=n_head) + 2 * vocab * d + d
 
 
 def count_params(L, d, d_ff, residual="preln", vocab=VOCAB, n_head=N_HEAD, n_kv_head=None, **residual_args):
@@ -185,18 +192,20 @@ def print_suite(args, fail):
         fail(f"unknown suite {args.suite!r}; choose from {', '.join(SUITES)}")
     rows = suite_rows(args.suite, args.vocab)
     for r in rows:
-        r["params"] = count_params(r["n_layer"], r["d_model"], r["d_ff"], args.residual, args.vocab,
+        r["params"] = count_params(r["n_layer"], r["d_model"], r["d_ff"], args.residual, vocab=args.vocab,
                                    n_kv_head=r["n_kv_head"])
     if args.json:
-        keys = ["n_layer", "d_model", "d_ff", "n_head", "n_kv_head", "params", "backbone_params", "steps", "lr"]
+        keys = ["n_layer", "d_model", "d_ff", "n_head", "n_kv_head", "params", "backbone_params", "steps", "lr",
+                "designs"]
         print(json.dumps([{k: r[k] for k in keys} for r in rows]))
         return
     print(f"{args.suite}: {SUITES[args.suite][0]}")
     print(f"{'row':>3} {'size':>13} {'L':>4} {'d':>6} {'d_ff':>6} {'kv':>3} {'d/L':>6} {'backbone':>14} "
-          f"{'total':>14} {'steps':>7}  ({args.residual})")
+          f"{'total':>14} {'steps':>7}  designs ({args.residual})")
     for k, r in enumerate(rows):
+        released = ",".join(r["designs"] or ["all"])
         print(f"{k:>3} {r['label']:>13} {r['n_layer']:>4} {r['d_model']:>6} {r['d_ff']:>6} {r['n_kv_head']:>3} "
-              f"{r['ar']:>6.1f} {r['backbone_params']:>14,} {r['params']:>14,} {r['steps']:>7,}")
+              f"{r['ar']:>6.1f} {r['backbone_params']:>14,} {r['params']:>14,} {r['steps']:>7,}  {released}")
 
 
 def main(argv=None):
@@ -229,7 +238,7 @@ def main(argv=None):
         rows = []
         for L in TABLE_LAYERS:
             s = solve(budget, layers=L, fixed=args.fixed, vocab=args.vocab, tolerance=None)
-            s["params"] = count_params(L, s["d_model"], s["d_ff"], args.residual, args.vocab)
+            s["params"] = count_params(L, s["d_model"], s["d_ff"], args.residual, vocab=args.vocab)
             rows.append(s)
         if args.json:
             print(json.dumps(rows))
@@ -244,7 +253,8 @@ def main(argv=None):
         fail("give exactly one of --ar and --layers (or --table)")
     try:
         shape = solve(budget, ar=args.ar, layers=args.layers, fixed=args.fixed, vocab=args.vocab)
-        shape["params"] = count_params(shape["n_layer"], shape["d_model"], shape["d_ff"], args.residual, args.vocab)
+        shape["params"] = count_params(shape["n_layer"], shape["d_model"], shape["d_ff"], args.residual,
+                                       vocab=args.vocab)
     except ValueError as e:
         fail(str(e))
     keys = ["n_layer", "d_model", "d_ff", "n_head", "head_dim", "ar", "params", "backbone_params"]

@@ -14,6 +14,7 @@ import torch
 
 import shapes
 from model import GPT, GPTConfig
+from ops import rope_cos_sin
 from residuals import RESIDUALS
 
 PY = sys.executable
@@ -174,7 +175,8 @@ def assert_kernels_agree(residual, shape, options=None):
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("residual,options", [(r, None) for r in ALL] + [
     ("mhc", {"init": "uniform"}), ("moda", {"norm": "post"}), ("block_attnres", {"n_groups": 4}),
-    ("hc", {"collapse": "norm_each", "forward": "unmixed"})])
+    ("hc", {"collapse": "norm_each", "forward": "unmixed"}), ("block_attnres", {"block_size": 4}),
+    ("preln_mup", {"scaling": "depth_width", "base_width": 256})])
 def test_fast_kernels_equal_the_reference(residual, options, shape):
     """Every registered design (test_extend.py adds one more) and the other readings of four, whose paths
     differ (mHC's transport away from the identity, MoDA post-norm, groups of several sublayers, the older
@@ -198,6 +200,7 @@ def test_preln_counts_match_spec(L, d, d_ff, backbone, total):
 
 @pytest.mark.parametrize("residual,extra_l24,extra_l70", [
     ("sandwich", 49_152, 89_600), ("lns", 0, 0), ("deepnorm", 0, 0), ("keel", 48_128, 88_960),
+    ("postln", 0, 0), ("preln_mup", 0, 0), ("preln_completep", 0, 0),
 ])
 def test_design_extra_params_match_spec(residual, extra_l24, extra_l70):
     """docs/designs.md#overhead: each design's own parameters on top of Pre-LN, at L24 and L70."""
@@ -353,6 +356,93 @@ def test_block_attnres_groups_spread_evenly():
             res = GPT(GPTConfig(n_layer=L, d_model=32, n_head=2, d_ff=96, vocab_size=8, residual="block_attnres")).res
         sizes = [res.group.count(g) for g in range(8)]
         assert res.group == sorted(res.group) and max(sizes) - min(sizes) <= 1 and sum(sizes) == 2 * L
+
+
+def test_block_attnres_block_size_is_the_official_boundary_rule():
+    """block_size S: a boundary where k % S == 0 (the official block's rule), the last group short when S does not
+    divide 2L; where S divides 2L it is the n_groups reading with N = 2L / S, on the same weights."""
+    for L, S in [(3, 4), (3, 5), (7, 8), (3, 2)]:
+        with torch.device("meta"):
+            res = GPT(tiny("block_attnres", n_layer=L, residual_args={"block_size": S})).res
+        starts = [k for k in range(2 * L) if k == 0 or res.group[k] != res.group[k - 1]]
+        assert starts == [k for k in range(2 * L) if k % S == 0] and res.n_groups == -(-2 * L // S)
+    full = build("attnres")
+    with torch.no_grad():
+        full.res.queries.normal_(0, 0.5)
+    x = batch()
+    for S, N in [(2, 3), (3, 2), (1, 6)]:
+        by_size, by_count = build("block_attnres", residual_args={"block_size": S}), \
+            build("block_attnres", residual_args={"n_groups": N})
+        by_size.load_state_dict(full.state_dict())
+        by_count.load_state_dict(full.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(by_size(x)[0], by_count(x)[0], rtol=0, atol=0)
+
+
+def test_postln_is_the_post_norm_formula():
+    """h = RMSNorm_i(x + F_i(x)) per sublayer, then the final norm and the head, written out by hand."""
+    model = build("postln")
+    with torch.no_grad():
+        for norm in model.res.norms:
+            norm.weight.normal_(1.0, 0.3)
+        x = batch()
+        h = model.wte(x)
+        rope = rope_cos_sin(x.shape[1], model.cfg.head_dim, model.cfg.rope_theta, x.device)
+        for b, blk in enumerate(model.blocks):
+            h = model.res.norms[2 * b](h + blk.attn(h, rope)[0])
+            h = model.res.norms[2 * b + 1](h + blk.mlp(h))
+        torch.testing.assert_close(model(x)[0], model.lm_head(model.res.norm_f(h)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("residual, alpha", [("preln_mup", 0.5), ("preln_completep", 1.0)])
+def test_depth_scaled_preln_branch_multiplier_and_base_depth(residual, alpha):
+    """h = x + (L / L_base)^(-alpha) F(RMSNorm(x)); at L = L_base (and d = base_width) it is Pre-LN, model and
+    optimizer groups alike."""
+    pre = build("preln")
+    same = build(residual, residual_args={"base_depth": 3, "scaling": "depth_width", "base_width": 64})
+    same.load_state_dict(pre.state_dict())
+    x = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(same(x)[0], pre(x)[0], rtol=0, atol=0)
+    assert [(g["lr_scale"], g["weight_decay"], "eps" in g) for g in same.param_groups(0.1)] == [(1.0, 0.1, False)]
+    deep = build(residual, residual_args={"base_depth": 12})        # m_L = 1/4
+    assert deep.res.branch_scale == pytest.approx(4 ** alpha)
+    states = deep(x, record=True)[2]["states"]
+    with torch.no_grad():                                           # the first block's update, by hand
+        rope = rope_cos_sin(x.shape[1], deep.cfg.head_dim, deep.cfg.rope_theta, x.device)
+        h = states[0] + 4 ** alpha * deep.blocks[0].attn(deep.res.norms[0](states[0]), rope)[0]
+        h = h + 4 ** alpha * deep.blocks[0].mlp(deep.res.norms[1](h))
+        torch.testing.assert_close(states[1], h, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("residual, alpha", [("preln_mup", 0.5), ("preln_completep", 1.0)])
+def test_depth_scaled_preln_optimizer_rules_are_the_releases(residual, alpha):
+    """m_L = L / base_depth, m_N = d / base_width. depth_only: every block tensor LR x m_L^(alpha-1), eps x
+    m_L^-alpha. depth_width: matrices LR x m_N^-1 m_L^(alpha-1), eps x m_N^-1 m_L^-alpha, WD x m_N; block norms
+    LR x m_L^(alpha-1), eps x m_N^-1 m_L^-alpha; embedding and head eps x m_N^-1; init and head scale."""
+    m_L, m_N, eps = 3 / 12, 64 / 256, 1e-8
+    only = build(residual, residual_args={"base_depth": 12})
+    wide = build(residual, residual_args={"base_depth": 12, "scaling": "depth_width", "base_width": 256})
+    for model, want in [(only, {"embedding": (1, 1, 1), "head": (1, 1, 1),
+                                "block_matrix": (m_L ** (alpha - 1), m_L ** -alpha, 1),
+                                "residual": (m_L ** (alpha - 1), m_L ** -alpha, 1)}),
+                        (wide, {"embedding": (1, 1 / m_N, 1), "head": (1, 1 / m_N, 1),
+                                "block_matrix": (m_L ** (alpha - 1) / m_N, m_L ** -alpha / m_N, m_N),
+                                "residual": (m_L ** (alpha - 1), m_L ** -alpha / m_N, 1)})]:
+        roles = model.param_roles()
+        role_of = {id(p): roles[n] for n, p in model.named_parameters()}
+        for g in model.param_groups(0.1, eps=eps):
+            for p in g["params"]:
+                lr, e, wd = want[role_of[id(p)]]
+                assert g["lr_scale"] == pytest.approx(lr) and g.get("eps", eps) == pytest.approx(eps * e)
+                assert g["weight_decay"] == pytest.approx(0.1 * wd)
+    assert roles["res.norm_f.weight"] == "head" and roles["res.norms.0.weight"] == "residual"
+    ref = build("preln")                                  # same seed: the init differs only by the width rules
+    for name, p in wide.named_parameters():
+        scale = m_N ** -0.5 if name.startswith("blocks.") else 1.0
+        torch.testing.assert_close(p, ref.state_dict()[name] * scale, msg=name)
+    z = torch.randn(2, 64)
+    torch.testing.assert_close(wide.res.collapse(z), wide.res.norm_f(z) / m_N)     # logits x m_N^-1
 
 
 def test_attnres_weights_uniform_at_init_and_sum_to_one():
@@ -660,7 +750,7 @@ def test_gqa_equals_mha_with_copied_kv_heads(residual):
 @pytest.mark.parametrize("suite,L,total", [
     ("400m", 42, 404_151_200), ("302m-backbone", 84, 353_831_200), ("ladder", 12, 206_073_728),
     ("ladder", 34, 502_401_376), ("1.6b", 28, 1_615_349_760), ("1.6b", 40, 1_607_179_968),
-    ("1.6b", 54, 1_617_192_544),
+    ("1.6b", 54, 1_617_192_544), ("400m", 36, 409_433_184), ("302m-backbone", 56, 371_116_704),
 ])
 def test_suite_totals(suite, L, total):
     """The official configs' exact Pre-LN totals: the formula and the model built on the meta device."""
@@ -673,7 +763,7 @@ def test_suites_match_the_paper_configs():
     """Every suite row: 16 heads, d = 16 x head_dim; 1.6b uses 8 KV heads and d_ff = 3d, the others
     MHA and ceil16(8d/3); the 400M rows are what the solver finds at 405M; steps as launched."""
     steps = {"400m": {7600}, "302m-backbone": {7600}, "ladder": {3800, 5700, 7600, 9500}, "1.6b": {30400}}
-    assert shapes.suite_rows("302m-backbone")[-1]["backbone_params"] == 299_126_016
+    assert shapes.suite_rows("302m-backbone")[5]["backbone_params"] == 299_126_016
     for name in shapes.SUITES:
         for r in shapes.suite_rows(name):
             assert r["n_head"] * r["head_dim"] == r["d_model"] and r["head_dim"] % 2 == 0
@@ -684,7 +774,19 @@ def test_suites_match_the_paper_configs():
     for r in shapes.suite_rows("400m"):
         s = shapes.solve(405_000_000, layers=r["n_layer"])
         assert (s["d_model"], s["d_ff"], s["params"]) == (r["d_model"], r["d_ff"], r["params"])
-    assert [len(shapes.suite_rows(n)) for n in shapes.SUITES] == [7, 6, 12, 3]
+    assert [len(shapes.suite_rows(n)) for n in shapes.SUITES] == [8, 7, 12, 3]
+
+
+def test_released_shapes_follow_the_paper_rows_with_their_designs():
+    """The release's extra shapes come after the paper's rows (whose row numbers stay), each naming the designs
+    released there; the L56 backbone is what the solver finds for the 302M backbone at L56."""
+    released = {name: [(r["n_layer"], r["d_model"], r["designs"]) for r in shapes.suite_rows(name) if r["designs"]]
+                for name in shapes.SUITES}
+    assert released == {"400m": [(36, 864, ("hc", "mhc", "attnres"))], "302m-backbone": [(56, 672, ("hc", "mhc"))],
+                        "ladder": [], "1.6b": []}
+    assert [r["n_layer"] for r in shapes.suite_rows("400m")][:7] == [16, 20, 24, 28, 32, 42, 70]
+    s = shapes.solve(302_432_256, layers=56, fixed="backbone")
+    assert (s["d_model"], s["d_ff"]) == (672, 1792)
 
 
 def test_shapes_cli_suite_json():

@@ -340,12 +340,71 @@ def test_cli_on_a_checkpoint_writes_every_metric(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads((run / "diagnose.json").read_text())
     assert out["schema"] == "depthbench.diagnose/2"
-    assert out["meta"]["step"] == 7 and out["meta"]["seq_len"] == 16 and out["meta"]["seed"] == 3
+    assert out["meta"]["step"] == 7 and out["meta"]["seed"] == 3
+    assert {m: (v["num_samples"], v["seq_len"]) for m, v in out["meta"]["samples"].items()} == {
+        m: (4, 16) for m in dg.PROTOCOL}                    # --num-samples for every metric, the run's 16 tokens
     for key in dg.METRICS.values():
         assert key in out
     assert out["nll"]["skipped"] and out["attnres_weights"]["skipped"] and len(out["transport_erank"]["per_connector"]) == 4
     assert len(out["angular_distance"]["matrix"]) == 3 and out["angular_distance"]["matrix"][1][0] is None
     assert out["permutation_score"]["swap_dedup"] is True and out["causal_score"]["n_pairs"] == 0
+
+
+def release_windows(paths, n, T, seed):
+    """The release's token-shard rule, written out again: every file draw first (weights = usable lengths), then a
+    start per drawn file."""
+    import numpy as np
+    arrays = [np.load(p) for p in paths]
+    usable = np.array([max(0, len(a) - T) for a in arrays], dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(arrays), size=n, p=usable / usable.sum())
+    out = []
+    for k in picks:
+        start = int(rng.integers(0, len(arrays[k]) - T))
+        out.append(arrays[k][start:start + T].astype(np.int64))
+    return np.stack(out)
+
+
+def test_token_shard_windows_follow_the_release_rule(tmp_path):
+    """Same seed, same windows as the rule reimplemented here; another seed others; a file too short is never drawn;
+    the windows are slices of their file (values encode file and position)."""
+    import numpy as np
+    import windows
+    lengths = [300, 40, 5, 1000]
+    paths = []
+    for f, n in enumerate(lengths):
+        paths.append(tmp_path / f"eval_{f}.npy")
+        np.save(paths[-1], (np.arange(n) + 10_000 * f).astype(np.uint16))
+    got = windows.token_windows(paths, 64, 16, seed=42)
+    assert got.dtype == torch.int64 and got.shape == (64, 16)
+    assert np.array_equal(got.numpy(), release_windows(paths, 64, 16, 42))
+    assert not torch.equal(got, windows.token_windows(paths, 64, 16, seed=43))
+    files = (got[:, 0] // 10_000).tolist()
+    assert 2 not in files and set(files) <= {0, 1, 3}
+    assert torch.equal(got[:, 1:] - got[:, :-1], torch.ones(64, 15, dtype=torch.int64))   # contiguous slices
+
+
+def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
+    """No --num-samples/--seq-len: each metric gets the release's windows x tokens (capped at the run's length),
+    metrics with one setting share one sweep; --token-data-glob gives the release's windows; bf16 needs CUDA."""
+    import numpy as np
+    for f in range(2):
+        np.save(tmp_path / f"eval_{f}.npy", np.random.default_rng(f).integers(0, V, 4000).astype(np.uint16))
+    r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--vocab", str(V),
+                "--token-data-glob", str(tmp_path / "eval_*.npy"), "--metrics", "angular,lens,causal,perm,pruning",
+                "--seed", "42", "--out", str(tmp_path / "d.json"), "--batch-size", "16")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "d.json").read_text())["meta"]
+    assert {m: (v["num_samples"], v["seq_len"]) for m, v in meta["samples"].items()} == {
+        "angular": (128, 512), "lens": (32, 512), "causal": (16, 256), "pruning": (16, 256), "perm": (12, 256)}
+    assert "the release's rule, seed 42" in meta["samples"]["causal"]["calibration"]
+    assert set(meta["timings_s"]) == {"128x512", "32x512", "16x256", "12x256"}
+    help_text = run_cli("--help").stdout
+    want = "angular 128 x 512, lens 32 x 512, causal 16 x 256, pruning 16 x 256, perm 12 x 256"
+    assert want in " ".join(help_text.split())
+    r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--calib", "synthetic",
+                "--dtype", "bf16", "--device", "cpu", "--metrics", "angular")
+    assert r.returncode == 2 and "--dtype bf16 runs on CUDA" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_cli_init_with_local_nll_fixtures(tmp_path):

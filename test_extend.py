@@ -78,7 +78,7 @@ def test_an_eleventh_design_trains_diagnoses_and_profiles(tmp_path, capsys):
     assert doc["meta"]["residual"] == "scaled" and doc["meta"]["residual_args"] == {"a0": 0.5}
     assert len(doc["causal_score"]["matrix"]) == 2 and len(doc["layer_pruning"]["layers"]) == 2
     assert "skipped" in doc["attnres_weights"] and "skipped" in doc["transport_erank"] and "skipped" in doc["nll"]
-    model, *_ = diagnose.load_model(diagnose.parse_args([str(run_dir)]))
+    model, *_ = diagnose.load_model(*diagnose.parse_args([str(run_dir)]))
     before = model.res.a.clone()
     diagnose.swap_blocks(model, 0, 1)
     assert torch.equal(model.res.a, before[[2, 3, 0, 1]])                        # the scalars move with their block

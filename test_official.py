@@ -25,9 +25,14 @@ from residuals import RESIDUALS
 
 HERE = Path(__file__).resolve().parent
 BLOCK = {"preln": "default", "sandwich": "peri_norm", "lns": "default_scaled", "deepnorm": "deepnorm", "keel": "keel",
-         "hc": "hc", "mhc": "mhc", "attnres": "attnres", "block_attnres": "attnres", "moda": "moda"}
+         "hc": "hc", "mhc": "mhc", "attnres": "attnres", "block_attnres": "attnres", "moda": "moda",
+         "postln": "post_norm", "preln_mup": "depth_mup", "preln_completep": "completep"}
+WIDE = {"scaling": "depth_width", "base_depth": 2, "base_width": 128}     # both axes away from 1: m_L 1.5, m_N 1/4
 CASES = [(r, {}) for r in RESIDUALS if r != "block_attnres"] + [
-    ("block_attnres", {"n_groups": 3}), ("block_attnres", {"n_groups": 2}), ("moda", {"norm": "post"}),
+    ("block_attnres", {"block_size": 2}), ("block_attnres", {"block_size": 3}),   # S divides 2L = 6
+    ("block_attnres", {"block_size": 4}), ("block_attnres", {"block_size": 5}),   # S does not: the last group short
+    ("preln_mup", {"base_depth": 2}), ("preln_completep", {"base_depth": 5}), ("preln_mup", WIDE),
+    ("preln_completep", WIDE), ("moda", {"norm": "post"}),
     ("mhc", {"sinkhorn_iters": 7}), ("hc", {"collapse": "norm_each", "forward": "unmixed"}),  # the older HC code
     ("hc", {"collapse": "mean"}), ("mhc", {"collapse": "norm_each"})]
 
@@ -59,14 +64,21 @@ def official_config(cfg, tokenizer_vocab=40):
                                       "sinkhorn_iters": a.get("sinkhorn_iters", 20),
                                       "collapse": "sum" if a.get("collapse") in ("sum", "norm_each") else "auto"}
     if r in ("attnres", "block_attnres"):
-        block["attnres_block_size"] = 1 if r == "attnres" else 2 * cfg.n_layer // a.get("n_groups", 8)
+        size = a.get("block_size", 2 * cfg.n_layer // a.get("n_groups", 8))
+        block["attnres_block_size"] = 1 if r == "attnres" else size
+    init = {}
+    if r in ("preln_mup", "preln_completep"):   # the release writes the base depth; depth_width changes the init
+        block["residual_scaling_base_depth"] = a.get("base_depth", 24)
+        if a.get("scaling") == "depth_width":
+            m_N = cfg.d_model / a["base_width"]
+            init = {"init_std": cfg.init_std * m_N ** -0.5, "embedding_init_std": cfg.init_std}
     overrides = {}
     if r == "moda":
         block["moda"] = {"backend": "v17", "extra_ffn_kv_proj": True, "extra_attn_kv_proj": False}
         overrides = {str(cfg.n_layer - 1): {**block, "moda_skip_ffn_kv": True}}
     model = {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "n_layers": cfg.n_layer, "block": block,
              "lm_head": {"name": "default", "layer_norm": dict(norm, name="rms"), "bias": False},
-             "block_overrides": overrides or None, "dtype": "bfloat16", "_CLASS_": "TransformerConfig"}
+             "block_overrides": overrides or None, "dtype": "bfloat16", "_CLASS_": "TransformerConfig", **init}
     tok = {"vocab_size": tokenizer_vocab, "eos_token_id": tokenizer_vocab - 1, "pad_token_id": 1,
            "identifier": "allenai/gpt-neox-olmo-dolma-v1_5"}
     return {"model": model, "dataset": {"tokenizer": tok, "sequence_length": 16}}
@@ -218,7 +230,7 @@ A = ("model", "block", "sequence_mixer")
 REFUSALS = [
     ("preln", set_key(A + ("n_kv_heads",), 3), "n_kv_heads 3 does not divide"),
     ("preln", set_key(A + ("qk_norm",), {"name": "rms"}), "qk_norm"),
-    ("preln", set_key(A + ("name",), "fused"), "attention 'fused'"),
+    ("preln", set_key(A + ("name",), "fused"), "name = 'fused'"),
     ("preln", set_key(A + ("rope",), {"name": "complex", "theta": 10000}), "RoPE"),
     ("preln", set_key(("model", "block", "name"), "normalized"), "block type 'normalized'"),
     ("preln", set_key(("model", "block", "layer_norm", "name"), "default"), "block norm"),
@@ -226,7 +238,8 @@ REFUSALS = [
     ("mhc", set_key(("model", "block", "hyper_connections", "kind"), "mhc"), "mHC kind 'mhc'"),
     ("mhc", set_key(("model", "block", "hyper_connections", "collapse"), "max"), "collapse 'max'"),
     ("hc", set_key(("model", "block", "hyper_connections", "tanh"), False), "HC kind/tanh"),
-    ("attnres", set_key(("model", "block", "attnres_block_size"), 4), "block size 4 does not divide the 6"),
+    ("attnres", set_key(("model", "block", "attnres_block_size"), -1), "AttnRes block size -1"),
+    ("preln_mup", set_key(("model", "block", "residual_scaling_alpha"), 1.0), "depth_mup residual_scaling_alpha"),
     ("moda", set_key(("model", "block", "moda", "extra_ffn_kv_proj"), False), "MoDA K/V"),
     ("preln", set_key(("dataset", "tokenizer", "vocab_size"), 60), "tokenizer vocab 60"),
 ]
@@ -259,7 +272,7 @@ def rename(name, drop=()):
 B, HCK = ("model", "block"), ("model", "block", "hyper_connections")
 SPELLINGS = [  # older config.json spellings (renamed as the official loaders do) and what they build
     ("attnres", {}, rename("default")), ("attnres", {}, rename(None)),      # attnres_block_size with either name
-    ("attnres", {}, rename("attn_res", drop=["attnres_block_size"])), ("block_attnres", {"n_groups": 3}, rename(None)),
+    ("attnres", {}, rename("attn_res", drop=["attnres_block_size"])), ("block_attnres", {"block_size": 2}, rename(None)),
     ("hc", {}, rename("default")), ("mhc", {}, rename("default")),         # default + a hyper_connections section
 ]
 
@@ -313,7 +326,8 @@ def test_what_we_cannot_reproduce_exactly_is_one_line_and_exit_2(tmp_path, capsy
 
 def test_settings_that_differ_from_our_defaults_build_the_matching_model():
     L = 4
-    for size, want in [(1, ("attnres", {})), (2, ("block_attnres", {"n_groups": 4})), (8, ("block_attnres", {"n_groups": 1}))]:
+    for size, want in [(1, ("attnres", {})), (2, ("block_attnres", {"block_size": 2})),
+                       (3, ("block_attnres", {"block_size": 3})), (8, ("block_attnres", {"block_size": 8}))]:
         cfg = official_config(ours("attnres", L=L).cfg)
         cfg["model"]["block"]["attnres_block_size"] = size
         got, _ = official_read(cfg)
@@ -429,6 +443,73 @@ def test_evaluate_is_the_models_own_loss_on_the_windows(tmp_path):
     assert got["val_loss"] == pytest.approx(loss.item(), rel=1e-5)
 
 
+RELEASE = [("preln", {}, "root"), ("postln", {}, "steps"), ("postln", {}, "root"), ("preln_mup", WIDE, "steps"),
+           ("preln_completep", {"base_depth": 2}, "root"), ("block_attnres", {"block_size": 4}, "steps"),
+           ("block_attnres", {"block_size": 5}, "root")]
+
+
+@pytest.mark.parametrize("residual, args, where", RELEASE, ids=[f"{r}{a or ''}-{w}" for r, a, w in RELEASE])
+def test_release_layouts_and_blocks_load_and_evaluate(tmp_path, residual, args, where):
+    """Both hub layouts (stepN/ folders; one checkpoint at the repository root) and the release's extra blocks
+    (post_norm, depth_mup, completep; AttnRes with a block size that does not divide 2L): the loaded model gives
+    our model's logits, and `evaluate` gives its own loss on the windows."""
+    src = ours(residual, args, V=40)
+    repo = tmp_path / "repo"
+    write_checkpoint(repo / "step7" if where == "steps" else repo, src)
+    path = make_tokenizer(repo / "tokenizer")
+    loaded, info = official.load(str(repo))
+    assert (loaded.cfg.residual, loaded.cfg.residual_args) == (residual, args)
+    assert info["tokenizer"] == str(path) and info["step"] == (7 if where == "steps" else None)
+    x = tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(x)[0], src(x)[0])
+    (tmp_path / "val.txt").write_text("the cat sat on the mat. a dog ate the hat. " * 4)
+    import data
+    tok = data.get_tokenizer(str(path), 39)
+    got = official.evaluate(loaded, tok, str(tmp_path / "val.txt"), seq_len=8)
+    ids = next(data.tokenize_documents([(tmp_path / "val.txt").read_text()], tok))
+    n = (len(ids) - 1) // 8
+    w = torch.tensor(ids[:8 * n + 1])
+    with torch.no_grad():
+        _, loss = src(w[:-1].view(n, 8), w[1:].view(n, 8))
+    assert got["windows"] == n and got["val_loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_hub_layout_reads_step_folders_or_the_root():
+    steps = ["step10/config.json", "step10/model_and_optim/.metadata", "step30/config.json", "tokenizer/tokenizer.json"]
+    root = ["config.json", "model_and_optim/.metadata", "model_and_optim/__0_0.distcp", "tokenizer/tokenizer.json"]
+    assert official.hub_layout(steps, None, "a/b") == (["step30/*", "tokenizer/*"], "step30")
+    assert official.hub_layout(steps, 10, "a/b") == (["step10/*", "tokenizer/*"], "step10")
+    assert official.hub_layout(root, None, "a/b") == (["config.json", "model_and_optim/*", "tokenizer/*"], "")
+    with pytest.raises(official.CheckpointError, match="at the repository root, no step5 folder"):
+        official.hub_layout(root, 5, "a/b")
+    with pytest.raises(official.CheckpointError, match="no stepN folders"):
+        official.hub_layout(["README.md"], None, "a/b")
+
+
+def test_a_root_layout_hub_repo_downloads_and_loads(tmp_path, monkeypatch):
+    """download() with the hub's answers stubbed: a repository with the checkpoint at its root loads from there."""
+    import huggingface_hub
+    src = ours("postln")
+    write_checkpoint(tmp_path / "snap", src)
+    asked = []
+
+    class Api:
+        def list_repo_files(self, repo_id):
+            return ["config.json", "model_and_optim/.metadata", "README.md"]
+
+    def snapshot(repo_id, allow_patterns):
+        asked.append(allow_patterns)
+        return str(tmp_path / "snap")
+    monkeypatch.setattr(official, "hub_unreachable", lambda timeout=5.0: None)
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    loaded, info = official.load("owner/postln-root")
+    assert asked == [["config.json", "model_and_optim/*", "tokenizer/*"]] and info["step_dir"] == str(tmp_path / "snap")
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens())[0], src(tokens())[0])
+
+
 def test_diagnose_runs_on_an_official_checkpoint_with_its_tokenizer(tmp_path):
     src = ours("hc", V=40)
     write_checkpoint(tmp_path / "repo" / "step3", src)
@@ -440,6 +521,6 @@ def test_diagnose_runs_on_an_official_checkpoint_with_its_tokenizer(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "d.json").read_text())
     assert out["meta"]["residual"] == "hc" and out["meta"]["step"] == 3 and out["meta"]["n_layer"] == 3
-    assert "tokenizer.json" in out["meta"]["calibration"]
+    assert "tokenizer.json" in out["meta"]["samples"]["angular"]["calibration"]
     r = run_cli("diagnose.py", tmp_path / "repo", "--step", 4, "--metrics", "angular")
     assert r.returncode == 2 and "no step4" in r.stderr and len(r.stderr.strip().splitlines()) == 1
