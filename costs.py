@@ -68,7 +68,7 @@ def memory_plan(cfg, params, bf16=True):
     design = RESIDUALS[cfg.residual]
     tokens = cfg.batch_size * cfg.seq_len
     block = block_bytes(cfg, bf16)
-    blocks = backbone_params(L, d, cfg.d_ff, cfg.n_kv_head, cfg.n_head)
+    blocks = backbone_params(L, d, cfg.d_ff, n_kv_head=cfg.n_kv_head, n_head=cfg.n_head)
     casts = 2 * params if bf16 else 0  # the bf16 copies of the weights autocast makes
     if cfg.activation_checkpointing:  # each block's input; one block's set (and bf16 weights) at a time
         act = L * design.act_bytes[2] * d + block
@@ -116,8 +116,8 @@ def device_bytes(args, cuda):
 
 def run_params(cfg):
     """The parameter count of the run's model, counted on the meta device."""
-    return count_params(cfg.n_layer, cfg.d_model, cfg.d_ff, cfg.residual, cfg.vocab_size, cfg.n_head, cfg.n_kv_head,
-                        **cfg.residual_args)
+    return count_params(cfg.n_layer, cfg.d_model, cfg.d_ff, cfg.residual, vocab=cfg.vocab_size, n_head=cfg.n_head,
+                        n_kv_head=cfg.n_kv_head, **cfg.residual_args)
 
 
 def print_plan(cfg, params, plan, limit, bf16):
@@ -145,7 +145,7 @@ def memory_fix(cfg, params, limit, bf16):
     W = max(8, cfg.world_size)
     ckpt = {"activation_checkpointing": True}
     for flags in ({}, ckpt, {**ckpt, "fsdp": True, "world_size": W}):  # the cheapest way out first
-        B = default_micro_batch(dataclasses.replace(cfg, **flags), params, limit, 2 ** 30, bf16)
+        B = default_micro_batch(dataclasses.replace(cfg, **flags), params, limit, most=2 ** 30, bf16=bf16)
         if B:
             fix = f"use --batch-size {B}" + "".join(f" --{k.replace('_', '-')}" for k in flags if k != "world_size")
             if "fsdp" in flags:
@@ -172,7 +172,7 @@ def check_memory(runs, args, cuda):
             continue
         if plan["total"] > limit:
             over.append((cfg, params, plan))
-        print_plan(cfg, params, plan, limit, bf16)
+        print_plan(cfg, params, plan, limit=limit, bf16=bf16)
     if not args.dry_run:
         return
     if not over:

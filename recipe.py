@@ -151,8 +151,11 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
     defaults = RESIDUALS[residual].options
     opts_tag = "".join(f"_{k}-{v}" for k, v in opts.items() if v != defaults[k])  # non-default options name the run
     # the design's own checks of its option values (a ValueError), on the meta device, before anything is written
-    params = count_params(L, d, row["d_ff"], residual, vocab_size, n_head, row["n_kv_head"], **opts)
+    params = count_params(L, d, row["d_ff"], residual, vocab=vocab_size, n_head=n_head, n_kv_head=row["n_kv_head"],
+                          **opts)
     tokens_per_step = args.global_batch * args.seq_len
+    tokenizer = None if args.data == "synthetic" else args.tokenizer  # synthetic: none
+    dtype = "bfloat16 autocast" if args.device.startswith("cuda") else "float32"
     cfg = RunConfig(
         name=f"{residual}{opts_tag}{shape_tag}_lr{format_lr(lr)}_s{seed}", preset=args.preset, suite=args.suite,
         residual=residual, residual_args=opts, n_layer=L, d_model=d, d_ff=row["d_ff"], n_head=n_head,
@@ -160,14 +163,13 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
         fixed=budget_counts(args), lr=lr, final_lr_frac=0.1, warmup_steps=round(0.1 * steps), total_steps=steps,
         max_steps=args.max_steps, weight_decay=args.weight_decay, betas=[0.9, 0.95], eps=1e-8,
         grad_clip=args.grad_clip, seed=seed, data=args.data, data_dir=args.data_dir,
-        tokenizer=None if args.data == "synthetic" else args.tokenizer, max_gap=args.max_gap, group=args.group,
+        tokenizer=tokenizer, max_gap=args.max_gap, group=args.group,
         answers_only=bool(args.answers_only) and args.data == "synthetic", seq_len=args.seq_len,
         batch_size=args.batch_size, global_batch=args.global_batch, world_size=world_size, fsdp=args.fsdp,
         activation_checkpointing=args.activation_checkpointing, tokens_per_step=tokens_per_step,
         total_tokens=steps * tokens_per_step, eval_every=args.eval_every, eval_iters=args.eval_iters,
         ckpt_every=args.ckpt_every, log_every=args.log_every, out=args.out, device=args.device,
-        compile=args.compile, kernels=args.kernels,
-        dtype="bfloat16 autocast" if args.device.startswith("cuda") else "float32")
+        compile=args.compile, kernels=args.kernels, dtype=dtype)
     B = micro_batch(args, cfg, params)
     if args.global_batch % (B * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {B} x world size "
@@ -231,8 +233,10 @@ def build_parser():
     add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's shapes: 4 "
         "heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); default: 400m with CUDA, cpu without. Flags below "
         "marked (preset) default to the preset's value")
-    add("--residual", type=comma_list(str), help=f"design(s): {', '.join(RESIDUALS)} (default preln; --print-grid: all)")
-    add("--ar", type=comma_list(positive(float)), help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
+    add("--residual", type=comma_list(str),
+        help=f"design(s): {', '.join(RESIDUALS)} (default preln; --print-grid: all)")
+    add("--ar", type=comma_list(positive(float)),
+        help="aspect ratio(s) d_model/n_layer (preset; 400m: 42.67 = L24 d1024)")
     add("--layers", type=comma_list(pint), help="depth(s) n_layer, instead of --ar (preset; cpu: 2)")
     add("--suite", choices=list(SUITES), help="the paper's shapes and step counts (shapes.py --suite); implies "
         "--preset 400m, which without --params means --suite 400m")
@@ -245,8 +249,8 @@ def build_parser():
     add("--fixed", choices=["total", "backbone"], help="what --params counts (preset: total, cpu/mini backbone)")
     add("--lr", type=comma_list(positive(float)), help="peak LR(s) (preset: the paper's, each design's paper_lr in "
         "residuals.py, the suite's for 1.6b: 5e-4; cpu/mini 3e-3)")
-    add("--seed", type=comma_list(common.seed_number), default=[42], help="seed(s) of the init and the train data order "
-        "(the paper's 42)")
+    add("--seed", type=comma_list(common.seed_number), default=[42],
+        help="seed(s) of the init and the train data order (the paper's 42)")
     add("--residual-args", type=json_object, default={}, help="design options as JSON (each design's `options` in "
         "residuals.py), e.g. '{\"n_streams\": 2, \"init\": \"uniform\", \"n_groups\": 4, \"norm\": \"post\"}'; "
         "each design of a grid takes the keys it declares; non-default values join the run name")

@@ -420,7 +420,7 @@ def optimizer_step(run):
     a non-finite loss or gradient norm marks the run diverged and skips the update. -> (loss, grad norm, lr,
     seconds)."""
     cfg, t0 = run.cfg, time.time()
-    lr = get_lr(run.step, cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.final_lr_frac)
+    lr = get_lr(run.step, cfg.lr, warmup=cfg.warmup_steps, total=cfg.total_steps, final_frac=cfg.final_lr_frac)
     for g in run.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
     loss = forward_backward(run.trained, run.train_loader, run.autocast, run.ranks.device)
@@ -581,7 +581,7 @@ def resolve_grid(args, world_size):
     runs = {}
     for residual, shape, lr, seed in itertools.product(args.residual, shapes_asked(args), args.lr or [None], args.seed):
         try:
-            cfg = resolve(args, residual, shape, lr, seed, vocab_size=vocab, world_size=world_size)
+            cfg = resolve(args, residual, shape, lr=lr, seed=seed, vocab_size=vocab, world_size=world_size)
         except ValueError as e:
             fail(str(e))
         runs.setdefault(cfg.name, cfg)  # two ARs can solve to the same shape
