@@ -1,27 +1,22 @@
 """
-costs.py: what a run costs, in one place: the memory plan per GPU and the default micro-batch it allows
-(train.py), the analytic FLOPs and bytes of a design at a shape (profile_gpu.py, train.py's MFU) and the
-devices' peak FLOP/s. The formulas: docs/training.md#memory and docs/diagnostics.md#cost.
+costs.py: what a run costs, in one place: the memory plan per GPU, the default micro-batch it allows and the
+check of a grid's runs against a device (train.py, --dry-run); the analytic FLOPs and bytes of a design at a
+shape (profile_gpu.py, train.py's MFU); the GPUs' peak FLOP/s. The formulas: docs/training.md#memory and
+docs/diagnostics.md#cost.
 
 Each design's own costs stay on its class in residuals.py: `cost(L, d, T, **options)` (its extra FLOPs and
 residual state) and `act_bytes` (its activation bytes beyond Pre-LN's); this module adds the backbone's.
 """
 import dataclasses
-import functools
 import math
 import os
-import sys
 
 import torch
-
-import common
 
 from common import design_options, print0
 from kernels import LOSS_CHUNK_BYTES
 from residuals import RESIDUALS
 from shapes import backbone_params, count_params, ffn_dim
-
-fail = functools.partial(common.fail, "train.py")  # bad input: one line on stderr (from rank 0) and exit code 2
 
 GB = 1e9
 PLAN_BYTES = 80 * GB  # the 400m defaults fit an 80 GB GPU (--gpu-mem plans for another)
@@ -156,8 +151,8 @@ def memory_fix(cfg, params, limit, bf16):
 
 def check_memory(runs, args, cuda):
     """Each run's memory plan against a device's memory, before anything is allocated: a run over its floor is
-    refused in one line (exit 2). --dry-run instead prints each plan against --gpu-mem (default: this GPU's memory;
-    without one, the host's, in fp32) and exits: 0 when all fit, else 2 with one line naming the fix."""
+    a ValueError (train.py: one line, exit 2). --dry-run instead prints each plan against --gpu-mem (default: this
+    GPU's memory; without one, the host's, in fp32); one that does not fit is a ValueError naming the fix."""
     bf16 = cuda or (args.dry_run and args.gpu_mem is not None)
     limit = device_bytes(args, cuda)
     over = []
@@ -166,20 +161,18 @@ def check_memory(runs, args, cuda):
         plan = memory_plan(cfg, params, bf16)
         if not args.dry_run:
             if plan["floor"] > limit:
-                fail(f"{cfg.name} needs at least {plan['floor'] / GB:,.1f} GB at micro-batch {cfg.batch_size} "
-                     f"x {cfg.seq_len} tokens, the {cfg.device} has {limit / GB:,.1f} GB: lower --seq-len or "
-                     "--batch-size")
+                raise ValueError(f"{cfg.name} needs at least {plan['floor'] / GB:,.1f} GB at micro-batch "
+                                 f"{cfg.batch_size} x {cfg.seq_len} tokens, the {cfg.device} has {limit / GB:,.1f} "
+                                 "GB: lower --seq-len or --batch-size")
             continue
         if plan["total"] > limit:
             over.append((cfg, params, plan))
         print_plan(cfg, params, plan, limit=limit, bf16=bf16)
-    if not args.dry_run:
-        return
     if not over:
-        sys.exit(0)
+        return
     cfg, params, plan = over[0]
-    fail(f"{cfg.name} needs {plan['total'] / GB:.1f} GB per GPU at micro-batch {cfg.batch_size}, over "
-         f"{limit / GB:.1f} GB: " + memory_fix(cfg, params, limit, bf16))
+    raise ValueError(f"{cfg.name} needs {plan['total'] / GB:.1f} GB per GPU at micro-batch {cfg.batch_size}, over "
+                     f"{limit / GB:.1f} GB: " + memory_fix(cfg, params, limit, bf16))
 
 
 # ----------------------------------------------------------------------------- FLOPs and bytes

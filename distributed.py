@@ -4,7 +4,6 @@ result or error every rank gets, and FSDP2: sharding a model, and the whole (uns
 state that ckpt.pt holds, saved and loaded with any engine at any number of ranks.
 """
 import dataclasses
-import functools
 import os
 import warnings
 
@@ -12,8 +11,6 @@ import torch
 import torch.distributed as dist
 
 import common
-
-fail = functools.partial(common.fail, "train.py")  # bad input: one line on stderr (from rank 0) and exit code 2
 
 
 @dataclasses.dataclass
@@ -63,7 +60,7 @@ def on_rank0(fn, ranks):
     if ranks.world_size > 1:
         dist.broadcast_object_list(out, src=0)
     if out[1] is not None:
-        fail(out[1])
+        common.fail("train.py", out[1])  # one line on stderr (from rank 0) and exit code 2
     return out[0]
 
 

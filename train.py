@@ -14,7 +14,6 @@ training. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input or an u
 on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
 """
 import dataclasses
-import functools
 import itertools
 import math
 import os
@@ -40,12 +39,11 @@ from costs import GB, check_memory, memory_plan
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
 from distributed import Ranks, full_state, init_distributed, load_full_state, on_rank0, shard
 from model import GPT, GPTConfig
-from recipe import RunConfig, parse_args, print_grid, resolve, shapes_asked
+from recipe import RunConfig, fail, parse_args, print_grid, resolve, shapes_asked
 from shapes import backbone_params, preln_params
 
 SCHEMA = "depthbench.train/1"
 FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
-fail = functools.partial(common.fail, "train.py")  # bad input: one line on stderr (from rank 0) and exit code 2
 
 
 def get_lr(step, peak, warmup, total, final_frac=0.1):
@@ -608,7 +606,12 @@ def main(argv=None):
     else:
         ranks = init_distributed(cuda)
     runs = resolve_grid(args, ranks.world_size)
-    check_memory(runs, args, cuda)
+    try:
+        check_memory(runs, args, cuda)
+    except ValueError as e:
+        fail(str(e))
+    if args.dry_run:
+        sys.exit(0)  # every plan fits
     if args.data != "synthetic":
         on_rank0(lambda: prepare_data(args, runs[0]), ranks)
 
