@@ -168,6 +168,23 @@ def test_a_checkpoint_from_before_a_design_option_existed_resumes(tmp_path, caps
     assert code == 0 and "resumed from" in out and load_run(tmp_path)["finished"] is True
 
 
+def test_a_param_groups_lr_scale_multiplies_the_schedule(tmp_path, capsys, monkeypatch):
+    """A param group's "lr_scale" multiplies the schedule's LR for that group (depth-µP's per-role LRs): at scale 0
+    two AdamW steps (weight decay included, decoupled: lr x wd) leave every weight at its init, bit for bit, while
+    run.json logs the schedule's LR itself."""
+    groups = GPT.param_groups
+
+    def frozen(self, weight_decay):
+        return [{**g, "lr_scale": 0.0} for g in groups(self, weight_decay)]
+    monkeypatch.setattr(GPT, "param_groups", frozen)
+    assert run_main(TINY + ["--steps", "4", "--max-steps", "2", "--out", str(tmp_path)], capsys)[0] == 0
+    ckpt = torch.load(next(tmp_path.glob("*/ckpt.pt")), weights_only=True)
+    torch.manual_seed(42)
+    init = GPT(GPTConfig(**ckpt["model_config"])).state_dict()
+    assert all(torch.equal(init[k], ckpt["model"][k]) for k in init)
+    assert [s["lr"] for s in load_run(tmp_path)["steps"]] == [train.get_lr(t, 3e-3, 0, 4) for t in range(2)]
+
+
 def test_two_ranks_match_one(tmp_path, capsys):
     """torchrun with 2 gloo processes at the same global batch gives the losses of 1 process."""
     args = TINY + ["--steps", "3", "--ckpt-every", "100"]
