@@ -12,6 +12,9 @@ The presets and suites, what a run writes, --resume, Ctrl-C and the memory plan:
 and bad input: docs/reliability.md. Any flag overrides its preset value; every derived number is printed before
 training. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input or an unwritable run folder (one line
 on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
+
+What to run is decided in recipe.py (the command line -> one RunConfig per run), what it costs in costs.py, and
+the torchrun ranks and FSDP2 state live in distributed.py; this file builds a run (Run), trains, evaluates and saves.
 """
 import dataclasses
 import itertools
