@@ -400,6 +400,21 @@ def resolved(argv, residual="preln", world_size=1):
     return recipe.resolve(args, residual, recipe.shapes_asked(args)[0], vocab_size=50304, world_size=world_size)
 
 
+def test_a_config_from_any_version_becomes_a_run_config():
+    """RunConfig.from_dict reads what run.json/ckpt.pt hold, from older and newer versions: asdict round-trips;
+    a key it lacks is None (n_kv_head: n_head, from before GQA), a key it does not know is dropped; only the
+    fields marked resume can refuse a resume."""
+    cfg = resolved(TINY + ["--residual", "hc"])
+    assert recipe.RunConfig.from_dict(dataclasses.asdict(cfg)) == cfg
+    old = dataclasses.asdict(cfg)
+    del old["n_kv_head"], old["grad_accum"]
+    old["a_key_of_another_version"] = 1
+    read = recipe.RunConfig.from_dict(old)
+    assert (read.n_kv_head, read.grad_accum) == (cfg.n_head, None) and read.resume_changes(cfg) == []
+    other = dataclasses.replace(read, lr=2 * cfg.lr, seq_len=16, eval_every=7, out="elsewhere")
+    assert other.resume_changes(cfg) == ["lr", "seq_len"]
+
+
 def test_every_suite_row_and_design_fits_80gb_at_its_default(monkeypatch):
     """The 400m recipe's default micro-batch: a power of two up to the paper's, dividing the global batch over 8
     ranks, whose memory plan fits an 80 GB GPU, for every row of every suite and every design."""
