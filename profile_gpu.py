@@ -32,28 +32,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
+from costs import analytic, gpu_peak
 from model import GPT, GPTConfig
-from common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device, positive,
-                    write_json)
+from common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
+                    positive, write_json)
 from residuals import RESIDUALS
 
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization"]
 CPU = torch.device("cpu")
-
-
-def analytic(residual, L, d, d_ff, T, B, V, params, elem_bytes, options=None, kv_ratio=1.0):
-    """The analytic fields of one row (docs/diagnostics.md#cost); options: the design's (default: its defaults);
-    kv_ratio = kv heads / query heads (GQA: W_k, W_v, the KV cache and MoDA's W_kv shrink by it)."""
-    A = 2 * T * L * ((2 + 2 * kv_ratio) * d * d + 3 * d * d_ff) + 2 * L * d * T * T  # QKᵀ, AV: 2 x 2 x d·T²/2
-    head = 2 * T * d * V
-    over, state = RESIDUALS[residual].cost(L, d, T, kv_ratio=kv_ratio, **design_options(residual, options))
-    kv = 2 * L * T * round(d * kv_ratio) * elem_bytes
-    return {"prefill_flops": A, "prefill_flops_head": A + head, "residual_overhead_flops": over,
-            "train_flops_per_token": 3 * (A + head + over) / T, "kv_cache_bytes": kv,
-            "kv_cache_bytes_batch": kv * B, "weight_bytes": params * elem_bytes,
-            "residual_state_bytes": state * d * T * elem_bytes}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -228,19 +216,12 @@ def run_measured(jobs, dev):
 # ----------------------------------------------------------------------------- the speed benchmark (--bench)
 
 BENCH_DESIGNS = [r for r, cls in RESIDUALS.items() if cls.cost(8, 128, 256)[0]]  # those with extra work
-# dense bf16 peak by device name, the first match wins: the H100's PCIe and NVL variants before the SXM's
-GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100": 989e12, "A100": 312e12,
-                 "L40S": 362e12, "A10": 125e12, "4090": 165e12}
-
-
-def gpu_peak(name):
-    """Dense bf16 FLOP/s of a GPU by its device name (GPU_BF16_PEAK), None for one the table lacks."""
-    return next((v for k, v in GPU_BF16_PEAK.items() if k in name), None)
-
-
 def device_peak(dev):
-    """Peak FLOP/s for MFU: the dense bf16 table on CUDA (None for an unknown GPU), a measured fp32 matmul on CPU."""
-    return gpu_peak(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else peak_flops(dev, torch.float32)
+    """Peak FLOP/s for MFU: the dense bf16 table on CUDA (costs.GPU_BF16_PEAK; None for an unknown GPU), a measured
+    fp32 matmul on CPU."""
+    if dev.type == "cuda":
+        return gpu_peak(torch.cuda.get_device_name(dev))
+    return peak_flops(dev, torch.float32)
 
 
 def tiny_gpt(residual, L, d, V=512, kernels="fast"):
@@ -326,7 +307,7 @@ def hf_llama_ratio(L, d, V, T, B, repeats=5, kernels="fast"):
                                       num_hidden_layers=L, num_attention_heads=shapes.N_HEAD, rms_norm_eps=1e-6,
                                       max_position_embeddings=T, tie_word_embeddings=False,
                                       attn_implementation="sdpa"))
-    ours = tiny_gpt("preln", L, d, V, kernels)
+    ours = tiny_gpt("preln", L, d, V=V, kernels=kernels)
     idx = torch.randint(0, V, (B, T))
     steps = {}
     for name, model, call in [("ours", ours, lambda m: m(idx, idx, logits=False)[1]),
@@ -356,7 +337,7 @@ def bench(repeats, quick=False, kernels="fast"):
     try:
         import transformers  # noqa: F401  (optional: only this comparison needs it)
         for L, d, V, T, B in [(4, 128, 256, 256, 16), (8, 256, 8192, 256, 8), (16, 64, 256, 128, 32)]:
-            ratio = hf_llama_ratio(L, d, V, T, B, repeats, kernels)
+            ratio = hf_llama_ratio(L, d, V, T, B=B, repeats=repeats, kernels=kernels)
             print(f"Pre-LN vs HF Llama at L{L} d{d} V{V} T{T} B{B}: {ratio:.2f}x its tokens/s (fwd+bwd+AdamW)"
                   + load(), flush=True)
     except ImportError:
@@ -427,7 +408,7 @@ def parse_shapes(p, args):
         p.error(str(e))
 
 
-def main(argv=None):
+def build_parser():
     p = ArgParser(prog="profile_gpu.py", description="FLOPs, KV cache, memory and time of the residual designs, "
                   "per shape.")
     p.add_argument("--residual", default="all", help=f"'all' or a comma list of: {', '.join(RESIDUALS)}")
@@ -460,12 +441,11 @@ def main(argv=None):
                    "(interleaved), Pre-LN vs HF Llama (if transformers is installed), compile break-even, loss memory")
     p.add_argument("--quick", action="store_true", help="with --bench: the step ratios and HF only")
     p.add_kernels()
-    args = p.parse_args(argv)
-    if args.out and (why := common.cannot_write(args.out)):  # r31: before the work, not after
-        p.error(f"--out {args.out}: {why}")
-    if args.bench:
-        return bench(min(args.repeats, 5), args.quick, args.kernels)
+    return p
 
+
+def checked_args(p, args):
+    """The designs, the shapes [(L, d)] and the device the command line asks for; bad input exits 2."""
     designs = list(RESIDUALS) if args.residual == "all" else args.residual.split(",")
     for name in designs:
         if name not in RESIDUALS:
@@ -487,34 +467,62 @@ def main(argv=None):
         dev = torch.device(pick_device(args.device))
     except ValueError as e:
         p.error(str(e))
-    if args.threads:
-        torch.set_num_threads(args.threads)  # for the matmul peak here; every measuring process sets it too
-    dtype = args.dtype or ("bf16" if dev.type == "cuda" or args.analytic_only else "fp32")
-    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
-        f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
-    print(f"device {device}, dtype {dtype}, {len(dims)} shapes x {len(designs)} designs", file=sys.stderr)
+    return designs, dims, dev
 
-    rows, jobs = [], []
-    settings = {"heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "repeats": args.repeats,
-                "threads": args.threads, "device": str(dev), "dtype": dtype, "kernels": args.kernels}
+
+def analytic_rows(args, designs, dims, dtype):
+    """One row per shape and design: its shape, parameters and analytic fields, the measured ones None."""
+    rows = []
     for L, d in dims:
         for res in designs:
             d_ff, opts = shapes.ffn_dim(d), design_options(res, args.residual_args)
-            params = shapes.count_params(L, d, d_ff, res, args.vocab, args.heads, args.kv_heads, **opts)
+            params = shapes.count_params(L, d, d_ff, res, vocab=args.vocab, n_head=args.heads, n_kv_head=args.kv_heads,
+                                         **opts)
+            fields = analytic(res, n_layer=L, d_model=d, d_ff=d_ff, seq=args.seq, batch=args.batch, vocab=args.vocab,
+                              params=params, elem_bytes=DTYPES[dtype].itemsize, options=opts,
+                              kv_ratio=args.kv_heads / args.heads)
             rows.append({"residual": res, "n_layer": L, "d_model": d, "d_ff": d_ff, "ar": d / L, "seq": args.seq,
-                         "batch": args.batch, "params": params,
-                         **analytic(res, L, d, d_ff, args.seq, args.batch, args.vocab, params, DTYPES[dtype].itemsize,
-                                    opts, args.kv_heads / args.heads), **dict.fromkeys(MEASURED)})
-            jobs.append({**rows[-1], **settings, "residual_args": opts})  # measure() reads the shape off the row
+                         "batch": args.batch, "params": params, **fields, **dict.fromkeys(MEASURED)})
+    return rows
+
+
+def measure_rows(args, rows, dev, dtype):
+    """Time and memory of every row, measured, into the rows -> the device's measured matmul peak FLOP/s."""
+    settings = {"heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "repeats": args.repeats,
+                "threads": args.threads, "device": str(dev), "dtype": dtype, "kernels": args.kernels}
+    # measure() reads the shape off the row
+    jobs = [{**row, **settings, "residual_args": design_options(row["residual"], args.residual_args)}
+            for row in rows]
+    peak = peak_flops(dev, DTYPES[dtype])
+    kind = "cuda max_memory_allocated" if dev.type == "cuda" else "cpu model + peak tensor bytes (TensorBytes)"
+    for row, got in zip(rows, run_measured(jobs, dev)):
+        row.update(got, peak_mem_kind=kind)
+        if "fwdbwd_ms" in got:
+            row["tok_per_s"] = row["batch"] * row["seq"] / (got["fwdbwd_ms"] / 1e3)
+            row["utilization"] = row["train_flops_per_token"] * row["tok_per_s"] / peak
+    return peak
+
+
+def main(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.out and (why := common.cannot_write(args.out)):  # before the work, not after
+        p.error(f"--out {args.out}: {why}")
+    if args.bench:
+        return bench(min(args.repeats, 5), args.quick, args.kernels)
+    designs, dims, dev = checked_args(p, args)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # for the matmul peak here; every measuring process sets it too
+    dtype = args.dtype or ("bf16" if dev.type == "cuda" or args.analytic_only else "fp32")
+    device = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+    if dev.type == "cuda":
+        device = torch.cuda.get_device_name(dev)
+    print(f"device {device}, dtype {dtype}, {len(dims)} shapes x {len(designs)} designs", file=sys.stderr)
+
+    rows = analytic_rows(args, designs, dims, dtype)
     peak = None
     if not args.analytic_only:
-        peak = peak_flops(dev, DTYPES[dtype])
-        kind = "cuda max_memory_allocated" if dev.type == "cuda" else "cpu model + peak tensor bytes (TensorBytes)"
-        for row, got in zip(rows, run_measured(jobs, dev)):
-            row.update(got, peak_mem_kind=kind)
-            if "fwdbwd_ms" in got:
-                row["tok_per_s"] = row["batch"] * row["seq"] / (got["fwdbwd_ms"] / 1e3)
-                row["utilization"] = row["train_flops_per_token"] * row["tok_per_s"] / peak
+        peak = measure_rows(args, rows, dev, dtype)
     doc = {"schema": "depthbench.profile/1", "device": device, "dtype": str(DTYPES[dtype]).removeprefix("torch."),
            "peak_flops": peak, "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
            "rows": rows}

@@ -24,7 +24,7 @@ depth_state(s, i) (the depth state z before sublayer i; i = 2L: the head's), ski
 left out), readout(s, i) (what the logit lens decodes), sublayer_params(i) and swap_blocks(i, j) (what a block swap
 moves), and `recording`, the dict that `log` fills in a recording forward. On the class, for the scripts: paper_lr,
 paper_lr_sweep and paper_micro_batch (the 400m recipe), options (constructor options -> defaults, --residual-args)
-and cost(L, d, T, **options) (profile_gpu.py's extra FLOPs per sequence, residual state per token in units of d).
+and cost(L, d, T, **options) (costs.analytic's extra FLOPs per sequence, residual state per token in units of d).
 
 Rules: every parameter a design creates is used on every forward (DDP needs no find_unused_parameters); per-layer
 constants are Python floats set in __init__ from i and L. Pre-LN is the base class; each design overrides only what
@@ -64,14 +64,16 @@ class PreLN(nn.Module):
     paper_micro_batch = {1: 16}   # {from depth L: micro-batch per GPU} that fit in memory in the paper's runs
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
 
-    # activation bytes per token and block in units of d, for train.py's memory plan (docs/training.md#memory):
-    # beyond Pre-LN's under bf16 autocast, beyond it in fp32, and the block's input when checkpointed
+    # activation bytes autograd keeps per token and block, in units of d, for costs.memory_plan
+    # (docs/training.md#memory): (beyond Pre-LN's under bf16 autocast, beyond Pre-LN's in fp32, the block's input
+    # kept when the block is checkpointed); measured on CPU like Pre-LN's own costs.BLOCK_BYTES
     act_bytes = (0, 0, 4)
 
     @classmethod
     def cost(cls, L, d, T, **options):
         """(extra forward FLOPs per sequence of T tokens, residual state per token in units of d) at L blocks and width
-        d, for profile_gpu.py. Norms, scalings and adds are not counted (nor are they for Pre-LN's formula)."""
+        d, for costs.analytic (profile_gpu.py's rows, train.py's MFU). Norms, scalings and adds are not counted (nor
+        are they for Pre-LN's formula)."""
         return 0, 1
 
     def __init__(self, cfg):

@@ -16,6 +16,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+import costs
 import profile_gpu
 import residuals
 from model import GPT, GPTConfig
@@ -29,7 +30,8 @@ ROW_KEYS = ["residual", "n_layer", "d_model", "d_ff", "ar", "seq", "batch", "par
 
 def test_formulas_paper_shape_L16_d1216():
     """The widest 400M shape at T = 4096, V = 50280, bf16: every field from arithmetic written out here."""
-    a = lambda res: profile_gpu.analytic(res, 16, 1216, 3248, 4096, 8, 50280, params=406_534_336, elem_bytes=2)
+    a = lambda res: costs.analytic(res, n_layer=16, d_model=1216, d_ff=3248, seq=4096, batch=8, vocab=50280,
+                                   params=406_534_336, elem_bytes=2)
     r = a("preln")
     # N_blk = 16 (4 * 1216^2 + 3 * 1216 * 3248) = 16 (5,914,624 + 11,848,704) = 284,213,248
     # A = 2 * 4096 * 284,213,248 + 2 * 16 * 1216 * 4096^2 = 2,328,274,927,616 + 652,835,028,992
@@ -52,7 +54,8 @@ def test_formulas_paper_shape_L16_d1216():
 
 def test_formulas_small_shape_L8_d64():
     """L = 8, d = 64, d_ff = 176, T = 32, V = 100, batch 2, fp32: 16 sublayers, so Block AttnRes (N = 8) != Full."""
-    a = lambda res: profile_gpu.analytic(res, 8, 64, 176, 32, 2, 100, params=1000, elem_bytes=4)
+    a = lambda res: costs.analytic(res, n_layer=8, d_model=64, d_ff=176, seq=32, batch=2, vocab=100,
+                                   params=1000, elem_bytes=4)
     r = a("preln")
     # N_blk = 8 (4 * 64^2 + 3 * 64 * 176) = 8 (16,384 + 33,792) = 401,408
     # A = 2 * 32 * 401,408 + 2 * 8 * 64 * 32^2 = 25,690,112 + 1,048,576
@@ -107,7 +110,8 @@ def test_flop_counter_agrees_with_analytic_preln(n_kv_head):
     L, d, d_ff, T, V, B = 2, 64, 176, 16, 128, 2
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=4, n_kv_head=n_kv_head, d_ff=d_ff))
-    r = profile_gpu.analytic("preln", L, d, d_ff, T, B, V, model.num_params(), 4, kv_ratio=n_kv_head / 4)
+    r = costs.analytic("preln", n_layer=L, d_model=d, d_ff=d_ff, seq=T, batch=B, vocab=V, params=model.num_params(),
+                       elem_bytes=4, kv_ratio=n_kv_head / 4)
     idx = torch.randint(0, V, (B, T))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
         model(idx)
@@ -228,7 +232,7 @@ def test_readme_profile_commands_resolve_their_shapes(capsys):
 
 def test_gpu_peak_tells_the_h100_variants_apart():
     """MFU's peak: the H100's PCIe (756) and NVL (835) variants are not the SXM's 989 bf16 TFLOP/s."""
-    peaks = {name: profile_gpu.gpu_peak(name) for name in
+    peaks = {name: costs.gpu_peak(name) for name in
              ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "Tesla T4"]}
     assert peaks == {"NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 80GB HBM3": 989e12,
                      "NVIDIA H200": 989e12, "Tesla T4": None}

@@ -9,6 +9,7 @@ Most runs call train.main() in-process on a tiny model (2 layers, d=64); the REA
 2-process DDP run are real subprocesses. The GPT-2 test skips where ../shared/data is absent.
 """
 import copy
+import dataclasses
 import functools
 import itertools
 import json
@@ -23,7 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import costs
 import data
+import recipe
 import train
 from data import BatchLoader, SyntheticTask
 from model import GPT, GPTConfig
@@ -81,7 +84,7 @@ def test_grad_accumulation_equals_big_batch(residual):
     for batch_size in (8, 2):
         m = copy.deepcopy(model)
         loader = BatchLoader(task, "train", batch_size, 32, global_batch=8, seed=0)
-        losses.append(train.forward_backward(m, loader, loader.accum_steps, nullcontext(), "cpu", ddp=False))
+        losses.append(train.forward_backward(m, loader, nullcontext(), "cpu"))
         grads.append([p.grad.clone() for p in m.parameters()])
     assert loader.accum_steps == 4
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
@@ -165,6 +168,23 @@ def test_a_checkpoint_from_before_a_design_option_existed_resumes(tmp_path, caps
     assert code == 0 and "resumed from" in out and load_run(tmp_path)["finished"] is True
 
 
+def test_a_param_groups_lr_scale_multiplies_the_schedule(tmp_path, capsys, monkeypatch):
+    """A param group's "lr_scale" multiplies the schedule's LR for that group (depth-µP's per-role LRs): at scale 0
+    two AdamW steps (weight decay included, decoupled: lr x wd) leave every weight at its init, bit for bit, while
+    run.json logs the schedule's LR itself."""
+    groups = GPT.param_groups
+
+    def frozen(self, weight_decay):
+        return [{**g, "lr_scale": 0.0} for g in groups(self, weight_decay)]
+    monkeypatch.setattr(GPT, "param_groups", frozen)
+    assert run_main(TINY + ["--steps", "4", "--max-steps", "2", "--out", str(tmp_path)], capsys)[0] == 0
+    ckpt = torch.load(next(tmp_path.glob("*/ckpt.pt")), weights_only=True)
+    torch.manual_seed(42)
+    init = GPT(GPTConfig(**ckpt["model_config"])).state_dict()
+    assert all(torch.equal(init[k], ckpt["model"][k]) for k in init)
+    assert [s["lr"] for s in load_run(tmp_path)["steps"]] == [train.get_lr(t, 3e-3, 0, 4) for t in range(2)]
+
+
 def test_two_ranks_match_one(tmp_path, capsys):
     """torchrun with 2 gloo processes at the same global batch gives the losses of 1 process."""
     args = TINY + ["--steps", "3", "--ckpt-every", "100"]
@@ -213,7 +233,7 @@ def test_design_card_command_runs_on_cpu_under_torchrun(tmp_path):
     assert [s["step"] for s in run["steps"]] == [1, 2] and all(math.isfinite(s["loss"]) for s in run["steps"])
 
 
-@pytest.mark.parametrize("residual", list(train.RESIDUALS))
+@pytest.mark.parametrize("residual", list(recipe.RESIDUALS))
 def test_twenty_steps_train_alike_with_either_kernels(tmp_path, capsys, residual):
     """20 AdamW steps of every design give the same losses with --kernels fast and --kernels reference (1e-5)."""
     losses = {}
@@ -309,11 +329,10 @@ def test_compiled_run_matches_eager_and_saves_plain_keys(tmp_path, capsys):
 ])
 def test_suite_rows_set_shape_steps_and_warmup(argv, row, steps):
     """A suite row fixes the shape (KV heads too), the steps and a warmup of 10% of them."""
-    args, _ = train.parse_args(argv + ["--device", "cpu", "--data", "synthetic"])
-    key, value = ("row", args.row[0]) if args.row else ("layers", args.layers[0]) if args.layers else ("ar", args.ar[0])
-    cfg = train.resolve(args, "preln", key, value, None, 42, 64, 1)
-    assert (cfg["n_layer"], cfg["d_model"], cfg["n_kv_head"]) == row
-    assert (cfg["total_steps"], cfg["warmup_steps"]) == (steps, steps // 10)
+    args, _ = recipe.parse_args(argv + ["--device", "cpu", "--data", "synthetic"])
+    cfg = recipe.resolve(args, "preln", recipe.shapes_asked(args)[0], vocab_size=64, world_size=1)
+    assert (cfg.n_layer, cfg.d_model, cfg.n_kv_head) == row
+    assert (cfg.total_steps, cfg.warmup_steps) == (steps, steps // 10)
 
 
 def test_print_grid_lists_the_paper_sweep(capsys):
@@ -344,10 +363,11 @@ def test_print_grid_lists_the_paper_sweep(capsys):
 def test_a_suite_run_takes_the_papers_lr_and_micro_batch(argv, residual, lr, batch):
     """The LR of the suite (1.6b) or the design, and the micro-batch: the paper's at this depth (HC/mHC 4 from L26),
     lowered to the largest power of two whose memory plan fits an 80 GB GPU (issue 22), unless given."""
-    args, _ = train.parse_args(["--suite", "400m"] * ("--suite" not in argv) + argv +
-                               ["--residual", residual, "--device", "cpu", "--data", "synthetic"])
-    cfg = train.resolve(args, residual, "layers", args.layers[0], args.lr and args.lr[0], 42, 64, 1)
-    assert (cfg["lr"], cfg["batch_size"]) == (lr, batch)
+    args, _ = recipe.parse_args(["--suite", "400m"] * ("--suite" not in argv) + argv +
+                                ["--residual", residual, "--device", "cpu", "--data", "synthetic"])
+    cfg = recipe.resolve(args, residual, ("layers", args.layers[0]), lr=args.lr and args.lr[0], vocab_size=64,
+                         world_size=1)
+    assert (cfg.lr, cfg.batch_size) == (lr, batch)
 
 
 @pytest.mark.parametrize("kind", ["truncated", "foreign"])
@@ -375,28 +395,42 @@ def test_a_broken_checkpoint_is_one_line_and_exit_2(tmp_path, capsys, kind):
 # ----------------------------------------------------------------------------- memory: the plan, checkpointing, FSDP
 
 def resolved(argv, residual="preln", world_size=1):
-    """train.resolve for the first run of a command line (device cpu) -> cfg."""
-    args, _ = train.parse_args(argv + ["--device", "cpu"])
-    key, value = ("row", args.row[0]) if args.row else ("layers", args.layers[0]) if args.layers else ("ar", args.ar[0])
-    return train.resolve(args, residual, key, value, None, 42, 50304, world_size)
+    """recipe.resolve for the first run of a command line (device cpu) -> RunConfig."""
+    args, _ = recipe.parse_args(argv + ["--device", "cpu"])
+    return recipe.resolve(args, residual, recipe.shapes_asked(args)[0], vocab_size=50304, world_size=world_size)
+
+
+def test_a_config_from_any_version_becomes_a_run_config():
+    """RunConfig.from_dict reads what run.json/ckpt.pt hold, from older and newer versions: asdict round-trips;
+    a key it lacks is None (n_kv_head: n_head, from before GQA), a key it does not know is dropped; only the
+    fields marked resume can refuse a resume."""
+    cfg = resolved(TINY + ["--residual", "hc"])
+    assert recipe.RunConfig.from_dict(dataclasses.asdict(cfg)) == cfg
+    old = dataclasses.asdict(cfg)
+    del old["n_kv_head"], old["grad_accum"]
+    old["a_key_of_another_version"] = 1
+    read = recipe.RunConfig.from_dict(old)
+    assert (read.n_kv_head, read.grad_accum) == (cfg.n_head, None) and read.resume_changes(cfg) == []
+    other = dataclasses.replace(read, lr=2 * cfg.lr, seq_len=16, eval_every=7, out="elsewhere")
+    assert other.resume_changes(cfg) == ["lr", "seq_len"]
 
 
 def test_every_suite_row_and_design_fits_80gb_at_its_default(monkeypatch):
     """The 400m recipe's default micro-batch: a power of two up to the paper's, dividing the global batch over 8
     ranks, whose memory plan fits an 80 GB GPU, for every row of every suite and every design."""
-    monkeypatch.setattr(train, "count_params", functools.lru_cache(train.count_params))  # one meta build per shape
-    for suite, (_, rows) in train.SUITES.items():
+    monkeypatch.setattr(recipe, "count_params", functools.lru_cache(recipe.count_params))  # one meta build per shape
+    for suite, (_, rows) in recipe.SUITES.items():
         for k in range(len(rows)):
-            for residual, cls in train.RESIDUALS.items():
+            for residual, cls in recipe.RESIDUALS.items():
                 cfg = resolved(["--suite", suite, "--row", str(k)], residual, world_size=8)
-                params = train.count_params(cfg["n_layer"], cfg["d_model"], cfg["d_ff"], residual, 50304,
-                                            cfg["n_head"], cfg["n_kv_head"], **cfg["residual_args"])
-                B, where, mb = cfg["batch_size"], f"{suite} row {k} {residual}", cls.paper_micro_batch
-                paper = mb[max(k for k in mb if k <= cfg["n_layer"])]  # {from depth: micro-batch}
-                assert B & (B - 1) == 0 and B <= paper and cfg["grad_accum"] * B * 8 == 512, where
-                assert train.memory_plan(cfg, params)["total"] <= 80e9, where
+                params = recipe.count_params(cfg.n_layer, cfg.d_model, cfg.d_ff, residual, vocab=50304,
+                                             n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, **cfg.residual_args)
+                B, where, mb = cfg.batch_size, f"{suite} row {k} {residual}", cls.paper_micro_batch
+                paper = mb[max(k for k in mb if k <= cfg.n_layer)]  # {from depth: micro-batch}
+                assert B & (B - 1) == 0 and B <= paper and cfg.grad_accum * B * 8 == 512, where
+                assert costs.memory_plan(cfg, params)["total"] <= 80e9, where
                 if B < paper:  # the largest that fits
-                    assert train.memory_plan({**cfg, "batch_size": 2 * B}, params)["total"] > 80e9, where
+                    assert costs.memory_plan(dataclasses.replace(cfg, batch_size=2 * B), params)["total"] > 80e9, where
 
 
 def test_dry_run_prints_the_plan_and_names_the_fix(capsys):
@@ -432,7 +466,7 @@ def test_the_plan_bounds_measured_activations(ckpt):
     what autograd keeps after a forward, measured on CPU in fp32 for every design, as the plan's constants were
     (docs/training.md#memory): never under, at most 1.6x over."""
     wrong = []
-    for residual in train.RESIDUALS:
+    for residual in recipe.RESIDUALS:
         kept, planned = {}, {}
         for L, B in itertools.product((2, 6), (2, 4)):
             cfg = {"n_layer": L, "d_model": 128, "d_ff": 352, "n_head": 8, "n_kv_head": 8, "vocab_size": 64,
@@ -441,14 +475,15 @@ def test_the_plan_bounds_measured_activations(ckpt):
             model = GPT(GPTConfig(**{k: cfg[k] for k in ("n_layer", "d_model", "d_ff", "n_head", "vocab_size",
                                                          "residual")}, checkpoint_blocks=ckpt))
             kept[L, B] = kept_bytes(model, torch.randint(0, 64, (B, 32), generator=torch.Generator().manual_seed(0)))
-            planned[L, B] = train.memory_plan(cfg, model.num_params(), bf16=False)["activations"]
+            plan = costs.memory_plan(recipe.RunConfig.from_dict(cfg), model.num_params(), bf16=False)
+            planned[L, B] = plan["activations"]
         measured, plan = ((x[6, 4] - x[2, 4] - x[6, 2] + x[2, 2]) / 4 / 64 for x in (kept, planned))
         if not measured <= plan <= 1.6 * measured:
             wrong.append((residual, measured, plan))
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("residual", list(train.RESIDUALS))
+@pytest.mark.parametrize("residual", list(recipe.RESIDUALS))
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(residual):
     """GPTConfig.checkpoint_blocks (train.py --activation-checkpointing) recomputes each block in the backward:
     the same loss and every gradient, with less kept; a recording forward (no grad) is unchanged."""
@@ -468,7 +503,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(residual):
     assert all(torch.equal(x, y) for x, y in zip(a["states"], b["states"]))
 
 
-@pytest.mark.parametrize("residual", list(train.RESIDUALS))
+@pytest.mark.parametrize("residual", list(recipe.RESIDUALS))
 def test_init_weights_alone_sets_every_tensor(residual):
     """A model built on the meta device, materialised and initialised by init_weights equals one built on the CPU
     and re-initialised at the same seed: init_weights sets every tensor, so a model built on any device (train.py
@@ -517,7 +552,7 @@ def test_gpu_smoke_script_parses_and_its_train_commands_resolve(capsys):
     training commands fit an 80 GB GPU by the plan."""
     script = HERE / "scripts" / "gpu_smoke.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    known = {o for a in train.build_parser()._actions for o in a.option_strings}
+    known = {o for a in recipe.build_parser()._actions for o in a.option_strings}
     known |= {"--shapes", "--seq", "--batch", "--repeats", "--standalone", "--nproc_per_node"}  # profile_gpu, torchrun
     used = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", script.read_text()))
     assert used <= known, used - known
