@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import common  # r31: first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
+import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -562,7 +562,7 @@ def parse_args(argv):
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads} with an even head_dim (RoPE)")
     if args.out and Path(args.out).is_dir():
         p.error(f"--out {args.out} is a folder; give the JSON file's name")
-    if args.out and (why := common.cannot_write(args.out)):  # r31: before the work, not after
+    if args.out and (why := common.cannot_write(args.out)):  # before the work, not after
         p.error(f"--out {args.out}: {why}")
     if args.tokenizer not in (None, "gpt2", "bytes") and not Path(args.tokenizer).exists():
         p.error(f"--tokenizer {args.tokenizer}: not gpt2, bytes or a tokenizer.json")
@@ -683,11 +683,11 @@ def main(argv=None):
     path = st.out or (Path(meta["checkpoint"]).parent / "diagnose.json" if meta["checkpoint"] else "diagnose.json")
     try:
         write_json(path, out, strict=True)
-    except OSError as e:  # r31: a common.WriteError, one line naming the path and the cause (a file in the way, full)
+    except OSError as e:  # a common.WriteError, one line naming the path and the cause (a file in the way, full)
         fail("diagnose.py", str(e))
     print(f"wrote {path} in {meta['wall_s']}s")
 
 
 if __name__ == "__main__":
-    with common.one_line_faults("diagnose.py", "nothing was written; run the same command again"):  # r31: Ctrl-C
+    with common.one_line_faults("diagnose.py", "nothing was written; run the same command again"):  # Ctrl-C: one line
         main()

@@ -25,7 +25,7 @@ import tempfile
 import time
 from contextlib import nullcontext
 
-import common  # r31: first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
+import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -69,7 +69,7 @@ def timed(fn, repeats, dev, warmup=1):
 def in_fresh_process(fn, job):
     """fn(job) in a new spawned process: a clean allocator, thread setting and inductor cache for each run. The
     child is started ignoring Ctrl-C (inherited through exec, so from its first import on: no traceback of its
-    own); on Ctrl-C or SIGTERM here it is stopped at once (r31)."""
+    own); on Ctrl-C or SIGTERM here it is stopped at once."""
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
@@ -529,7 +529,7 @@ def main(argv=None):
     if args.out:
         try:
             write_json(args.out, doc)
-        except OSError as e:  # r31: a common.WriteError, one line naming the path and the cause
+        except OSError as e:  # a common.WriteError, one line naming the path and the cause
             common.fail("profile_gpu.py", str(e))
         print(f"wrote {args.out}", file=sys.stderr)
     if args.json:
@@ -542,5 +542,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    with common.one_line_faults("profile_gpu.py", "nothing was written; run the same command again"):  # r31: Ctrl-C
+    with common.one_line_faults("profile_gpu.py", "nothing was written; run the same command again"):  # Ctrl-C: one line
         main()

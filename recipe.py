@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import common
 from common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
+import telemetry
+import trackers
 from costs import default_micro_batch
 from residuals import RESIDUALS
 from shapes import SUITES, count_params, parse_count, solve, suite_row, suite_rows
@@ -84,6 +86,8 @@ class RunConfig:
     compile: bool                   # torch.compile the model
     kernels: str                    # fast | reference (kernels.py)
     dtype: str                      # "bfloat16 autocast" (CUDA) or "float32"
+    stats_every: int = None         # telemetry.py: a record every this many steps as well as at each eval; 0: off
+    log_to: str = None              # trackers.py: tensorboard | wandb mirror the log; None: run.json only
     grad_accum: int = None          # micro-steps per optimizer step: global_batch / (batch_size * world_size)
 
     @classmethod
@@ -169,7 +173,8 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
         activation_checkpointing=args.activation_checkpointing, tokens_per_step=tokens_per_step,
         total_tokens=steps * tokens_per_step, eval_every=args.eval_every, eval_iters=args.eval_iters,
         ckpt_every=args.ckpt_every, log_every=args.log_every, out=args.out, device=args.device,
-        compile=args.compile, kernels=args.kernels, dtype=dtype)
+        compile=args.compile, kernels=args.kernels, dtype=dtype, stats_every=args.stats_every,
+        log_to=args.log_to)
     B = micro_batch(args, cfg, params)
     if args.global_batch % (B * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {B} x world size "
@@ -292,6 +297,7 @@ def build_parser():
         "one line naming the fix if not (for the ranks of torchrun, or of WORLD_SIZE if set)")
     add("--gpu-mem", type=positive(float), help="--dry-run: GB per GPU to plan for (default: this GPU's memory; "
         "without one, the host's, in fp32)")
+    telemetry.add_flags(p)
     p.add_kernels()
     return p
 
@@ -362,6 +368,9 @@ def check_run_args(parser, args):
         check_options(args.residual, args.residual_args)
     except ValueError as e:
         parser.error(f"--residual-args: {e}")
+    missing = trackers.missing(args.log_to)  # an optional package (--log-to): one line before training
+    if missing:
+        parser.error(missing)
     try:
         if not parse_count(args.params) > 0:
             raise ValueError(args.params)

@@ -209,15 +209,18 @@ class Watch:
         """After the run is built and resumed (at `step`): run.json's "telemetry" entry (kept from a resumed log),
         the probe on the optimizer, and on rank 0 the tracker (a resumed run continues its TensorBoard folder or
         W&B run after `step`)."""
-        every = cfg.get("stats_every")
+        every = cfg.stats_every
         state = log.get("telemetry") or {"stats_every": every, "definitions": DEFINITIONS, "records": []}
         log["telemetry"] = state
         master = not dist.is_initialized() or dist.get_rank() == 0
-        run_dir = Path(cfg["out"]) / cfg["name"]
-        tracker = trackers.open_tracker(cfg.get("log_to"), run_dir, cfg, step, state) if master else trackers.Tracker()
-        stop = min(cfg["total_steps"], cfg["max_steps"] or cfg["total_steps"])
-        watch = cls(model, loader, log, tracker, None if every == 0 else Probe.of(model), cfg["eval_every"], every,
-                    stop)
+        run_dir = Path(cfg.out) / cfg.name
+        tracker = trackers.open_tracker(cfg.log_to, run_dir, cfg, step, state) if master else trackers.Tracker()
+        stop = min(cfg.total_steps, cfg.max_steps or cfg.total_steps)
+        probe = None
+        if every != 0:
+            probe = Probe.of(model)
+        watch = cls(model=model, loader=loader, log=log, tracker=tracker, probe=probe, eval_every=cfg.eval_every,
+                    every=every, stop=stop)
         if watch.probe is not None:
             watch.hooks = list(attach(watch.probe, optimizer))
             watch.arm(step)

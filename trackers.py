@@ -10,6 +10,7 @@ A resumed run continues the same TensorBoard folder or W&B run (its id is kept i
 writes a step twice: steps up to the one it resumed from are skipped, and TensorBoard purges any events after that
 step that a killed run left behind (purge_step).
 """
+import dataclasses
 import importlib.util
 import netrc
 import os
@@ -85,8 +86,9 @@ class WandB(Tracker):
         import wandb
         state.setdefault("wandb_id", uuid.uuid4().hex[:12])     # os.urandom: no RNG of training's
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "depthbench"), name=cfg["name"],
-                              id=state["wandb_id"], resume="allow", dir=str(run_dir), config=cfg, mode=mode)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "depthbench"), name=cfg.name,
+                              id=state["wandb_id"], resume="allow", dir=str(run_dir),
+                              config=dataclasses.asdict(cfg), mode=mode)
 
     def write(self, step, scalars):
         self.run.log(scalars, step=step)

@@ -37,6 +37,7 @@ import common
 import costs
 import data
 import profile_gpu
+import telemetry
 from common import format_lr, print0, versions, write_json
 from costs import GB, check_memory, memory_plan
 from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
@@ -146,6 +147,7 @@ class Run:
     peak_flops: float           # the device's peak FLOP/s (None: an unknown GPU)
     wall_before: float          # seconds trained in earlier sessions of the run (a resumed one)
     t_start: float              # time.time() when this session's run was built
+    watch: telemetry.Watch      # depth telemetry at each eval (run.json "telemetry") and the --log-to tracker
 
     @property
     def json_path(self):
@@ -246,13 +248,14 @@ def build(cfg, ranks, resume, resume_cmd):
     if ranks.device.startswith("cuda"):
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
         torch.cuda.reset_peak_memory_stats(ranks.device)
+    watch = telemetry.Watch.start(model, optimizer, val_loader, log, cfg, step)
     return Run(cfg=cfg, ranks=ranks, folder=folder, resume_cmd=resume_cmd, task=task, train_loader=train_loader,
                val_loader=val_loader, model_config=model_config, model=model, param_shapes=param_shapes,
                optimizer=optimizer, compiled=compiled, trained=trained, autocast=autocast, log=log, step=step,
                saved_step=step, stop=min(cfg.total_steps, cfg.max_steps or cfg.total_steps),
                preln_params=log["params"]["total"] - log["params"]["residual_extra"],
                flops_per_token=flops["train_flops_per_token"], peak_flops=peak, wall_before=log["wall_s"],
-               t_start=time.time())
+               t_start=time.time(), watch=watch)
 
 
 def read_checkpoint(path, cfg):
@@ -281,6 +284,8 @@ def restore(ckpt, *, model, optimizer, sharded, loader, log):
     saved = ckpt["log"]
     log.update(steps=saved["steps"], evals=saved["evals"], wall_s=saved["wall_s"],
                peak_mem_bytes=saved["peak_mem_bytes"])
+    if saved.get("telemetry"):
+        log["telemetry"] = saved["telemetry"]  # earlier records; the tracker continues after this step
     return ckpt["step"]
 
 
@@ -366,7 +371,16 @@ def describe_device(run):
 
 def loop(run):
     """Evaluate, checkpoint and take optimizer steps until the stop step; False if the run diverged. Asked to stop
-    (SIGINT/SIGTERM), it saves after the step it is in and exits with 128 + the signal's number."""
+    (SIGINT/SIGTERM), it saves after the step it is in and exits with 128 + the signal's number. The telemetry
+    watch (its optimizer hooks, its tracker) is closed however the loop ends."""
+    try:
+        return train_until_stop(run)
+    finally:
+        run.watch.close()
+
+
+def train_until_stop(run):
+    """The loop itself (loop's docstring)."""
     cfg, log = run.cfg, run.log
     step_start = run.step
     while True:
@@ -384,6 +398,7 @@ def loop(run):
         if last:
             break
         loss, grad_norm, lr, dt = optimizer_step(run)
+        run.watch.after_step(log["steps"][-1])
         step = run.step
         if step == 1 or step % cfg.log_every == 0 or step == run.stop or log["diverged"]:
             print_step(run, (loss, grad_norm, lr, dt), step_start)
@@ -455,6 +470,7 @@ def maybe_evaluate(run, last):
         ev = evaluate(run.compiled, run.val_loader, cfg.eval_iters, autocast=run.autocast, device=run.ranks.device,
                       max_gap=cfg.max_gap)
         log["evals"].append({"step": step, "tokens": step * cfg.tokens_per_step, **ev})
+        run.watch.at_eval(step, ev)
         log["final"] = {k: ev[k] for k in FINAL}
         levels = ""
         if ev["per_level"] is not None:
