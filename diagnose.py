@@ -31,6 +31,7 @@ from common import (ArgParser, CheckpointError, check_options, design_options, f
                     json_object, load_checkpoint, pick_device, positive, seed_number, write_json, VAL_SEED)
 import official
 import shapes
+import synthetic
 import windows
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
@@ -108,7 +109,7 @@ def load_model(args, st):
     """-> (model, the run's train config, checkpoint path or None, step or None)."""
     if args.init:  # the vocab follows the text: the tokenizer's, else the synthetic task's
         vocab = args.vocab or {"gpt2": data.padded_vocab_size(50257), "bytes": 257}.get(args.tokenizer)
-        vocab = vocab or data.SyntheticTask(args.max_gap).vocab_size
+        vocab = vocab or synthetic.SyntheticTask(args.max_gap).vocab_size
         torch.manual_seed(st.seed)
         cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
                         d_ff=shapes.ffn_dim(args.width), residual=args.init,
@@ -154,7 +155,7 @@ def calibration(args, st, run, N, T):
         if not src:
             raise DiagError("the checkpoint names no data_dir: give --calib synthetic, a shard folder or text files")
     if src == "synthetic":
-        task = data.SyntheticTask(run.get("max_gap") or args.max_gap, run.get("group") or "s4",
+        task = synthetic.SyntheticTask(run.get("max_gap") or args.max_gap, run.get("group") or "s4",
                                   answers_only=run.get("answers_only", False))
         x, y, _ = data.BatchLoader(task, "val", N, T, seed=st.seed).get_batch(0, 0)
         return x, y, f"synthetic {task.group} max_gap {task.max_gap}, val split, seed {st.seed}"

@@ -14,7 +14,7 @@ from common import (ArgParser, check_options, comma_list, design_options, format
 import telemetry
 import trackers
 from costs import default_micro_batch
-from residuals import RESIDUALS
+from residuals import PAPER_DESIGNS, RESIDUALS
 from shapes import SUITES, count_params, parse_count, solve, suite_row, suite_rows
 
 fail = functools.partial(common.fail, "train.py")  # bad input: one line on stderr (from rank 0) and exit code 2
@@ -208,7 +208,7 @@ def grid_lrs(args, residual, suite_lr):
 
 def print_grid(args):
     """--print-grid: the suite's runs at the paper's LRs (its sweep; 1.6b: one LR), one torchrun line each."""
-    designs = args.residual or list(RESIDUALS)
+    designs = args.residual or PAPER_DESIGNS    # the paper's ten unless named: the release's baselines on request
     rows = list(enumerate(suite_rows(args.suite)))
     try:
         picked = [suite_row(args.suite, key, value) for key, value in shapes_asked(args)]
@@ -218,7 +218,9 @@ def print_grid(args):
     suite_lr = rows[0][1]["lr"]                 # one LR for every design (1.6b), else each design's sweep
     lines = []
     for res in designs:
-        for k, _ in rows:
+        for k, row in rows:
+            if row["designs"] and res not in row["designs"]:
+                continue  # a released-only shape (shapes.SUITES): only the designs the authors trained there
             for lr in grid_lrs(args, res, suite_lr):
                 lines.append(f"torchrun --standalone --nproc_per_node=8 train.py --suite {args.suite} --row {k} "
                              f"--residual {res} --lr {format_lr(lr)}")
@@ -229,6 +231,8 @@ def print_grid(args):
         lrs = f"the suite's LR {format_lr(suite_lr)}"
     print(f"# suite {args.suite}: {len(designs)} design(s) x {len(rows)} row(s) x {lrs} = {len(lines)} runs")
     print("\n".join(lines))
+
+
 # ----------------------------------------------------------------------------- command line
 
 def build_parser():
@@ -263,6 +267,8 @@ def build_parser():
     add("--data", help="synthetic | fineweb-edu | a .txt/.jsonl/.parquet file, folder or quoted glob (preset)")
     add("--data-dir", help="token shards of real data (default data_cache/<source>-<tokenizer>)")
     add("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="tokenizer of real data")
+    add("--val-tokens", type=pint, help="validation tokens of real data: whole documents first; a source with too "
+        "few documents (one .txt file) gives its last N tokens (default: data.py's, printed)")
     add("--max-gap", type=pint, default=4, help="synthetic: the largest gap (compositions per answer)")
     add("--group", choices=["s3", "s4", "s5"], help="synthetic: the permutation group (preset: cpu/mini s3, else s4)")
     add("--answers-only", action=argparse.BooleanOptionalAction, help="synthetic: answers get their own ids and are "

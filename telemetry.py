@@ -214,7 +214,9 @@ class Watch:
         log["telemetry"] = state
         master = not dist.is_initialized() or dist.get_rank() == 0
         run_dir = Path(cfg.out) / cfg.name
-        tracker = trackers.open_tracker(cfg.log_to, run_dir, cfg, step, state) if master else trackers.Tracker()
+        tracker = trackers.Tracker()  # off rank 0: a no-op
+        if master:
+            tracker = trackers.open_tracker(cfg.log_to, run_dir, cfg=cfg, step=step, state=state)
         stop = min(cfg.total_steps, cfg.max_steps or cfg.total_steps)
         probe = None
         if every != 0:

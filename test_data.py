@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import data
-from data import BatchLoader, DataError, SyntheticTask
+from data import BatchLoader, DataError
+from synthetic import SyntheticTask, answer_metrics
 
 HERE = Path(__file__).resolve().parent
 TIKTOKEN_DIR = HERE.parent / "shared" / "data" / "tiktoken"
@@ -381,12 +382,12 @@ def test_answer_metrics_count_answers_per_level():
     x, y, level = BatchLoader(task, "train", 4, 64).get_batch(0, 0)
     V = data.padded_vocab_size(task.vocab_size)
     counts = torch.tensor([(level == g).sum().item() for g in (1, 2, 3)], dtype=torch.float)
-    perfect = data.answer_metrics(20 * torch.nn.functional.one_hot(y, V).float(), y, level, 3)
+    perfect = answer_metrics(20 * torch.nn.functional.one_hot(y, V).float(), y, level, 3)
     assert torch.equal(perfect[:, 2], counts) and torch.equal(perfect[:, 1], counts) and perfect[:, 0].max() < 1e-3
-    uniform = data.answer_metrics(torch.zeros(4, 64, V), y, level, 3)
+    uniform = answer_metrics(torch.zeros(4, 64, V), y, level, 3)
     assert torch.allclose(uniform[:, 0] / uniform[:, 2], torch.full((3,), math.log(V)))
     wrong_elsewhere = 20 * torch.nn.functional.one_hot(torch.where(level > 0, y, (y + 1) % V), V).float()
-    assert torch.equal(data.answer_metrics(wrong_elsewhere, y, level, 3)[:, 1], counts)
+    assert torch.equal(answer_metrics(wrong_elsewhere, y, level, 3)[:, 1], counts)
 
 
 def test_real_data_order(shard_dir):

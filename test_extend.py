@@ -1,5 +1,5 @@
 """
-The README's "Adding a design", literally: a design class defined in this file and one registry
+docs/contributing.md#adding-a-design, literally: a design class defined in this file and one registry
 entry (monkeypatched), and train.py, diagnose.py and profile_gpu.py each run it, no other file touched.
 CPU only, in-process, about half a minute on two cores:
 

@@ -28,7 +28,8 @@ import costs
 import data
 import recipe
 import train
-from data import BatchLoader, SyntheticTask
+from data import BatchLoader
+from synthetic import SyntheticTask, verdict
 from model import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
@@ -102,7 +103,7 @@ def test_readme_quickstart_writes_the_contracts(tmp_path):
         assert word in r.stdout  # every derived number is printed
     run = load_run(tmp_path)
     assert set(run) == {"schema", "config", "params", "steps", "evals", "final", "diverged", "finished", "wall_s",
-                        "peak_mem_bytes", "device", "versions"}
+                        "peak_mem_bytes", "device", "versions", "telemetry"}
     assert run["schema"] == "depthbench.train/1"
     cfg = run["config"]
     for key in ("residual", "n_layer", "d_model", "d_ff", "n_head", "ar", "lr", "seed", "params_budget", "data",
@@ -174,8 +175,8 @@ def test_a_param_groups_lr_scale_multiplies_the_schedule(tmp_path, capsys, monke
     run.json logs the schedule's LR itself."""
     groups = GPT.param_groups
 
-    def frozen(self, weight_decay):
-        return [{**g, "lr_scale": 0.0} for g in groups(self, weight_decay)]
+    def frozen(self, weight_decay, **kw):
+        return [{**g, "lr_scale": 0.0} for g in groups(self, weight_decay, **kw)]
     monkeypatch.setattr(GPT, "param_groups", frozen)
     assert run_main(TINY + ["--steps", "4", "--max-steps", "2", "--out", str(tmp_path)], capsys)[0] == 0
     ckpt = torch.load(next(tmp_path.glob("*/ckpt.pt")), weights_only=True)
@@ -205,9 +206,9 @@ def test_two_ranks_match_one(tmp_path, capsys):
 
 def test_verdict_sorts_gaps_by_accuracy():
     """The closing line names solved (>= 90%), partly learnt (>= 2x chance) and unlearnt gaps apart."""
-    line = data.verdict({"1": {"acc": 0.97}, "2": {"acc": 0.45}, "3": {"acc": 0.05}, "4": {"acc": 0.04}}, 1 / 24, 2)
+    line = verdict({"1": {"acc": 0.97}, "2": {"acc": 0.45}, "3": {"acc": 0.05}, "4": {"acc": 0.04}}, 1 / 24, 2)
     assert "gap of 1 (97%)" in line and "partly 2 (45%)" in line and "not learnt for 3 (5%), 4 (4%)" in line
-    assert "not learnt" in data.verdict({"1": {"acc": 0.05}, "2": {"acc": 0.04}}, 1 / 24, 2)
+    assert "not learnt" in verdict({"1": {"acc": 0.05}, "2": {"acc": 0.04}}, 1 / 24, 2)
 
 
 @pytest.mark.parametrize("ar", [100, 30, 9.1, 4])

@@ -29,22 +29,23 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import common  # first, before torch: its excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import common
 import costs
 import data
 import profile_gpu
 import telemetry
 from common import format_lr, print0, versions, write_json
 from costs import GB, check_memory, memory_plan
-from data import BatchLoader, DataError, SyntheticTask, answer_metrics, padded_vocab_size, verdict
+from data import BatchLoader, DataError, padded_vocab_size
 from distributed import Ranks, full_state, init_distributed, load_full_state, on_rank0, shard
 from model import GPT, GPTConfig
 from recipe import RunConfig, fail, parse_args, print_grid, resolve, shapes_asked
 from shapes import backbone_params, preln_params
+from synthetic import SyntheticTask, answer_metrics, verdict
 
 SCHEMA = "depthbench.train/1"
 FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
@@ -195,8 +196,8 @@ def make_model(cfg, ranks):
     param_shapes = shard(model) if fsdp else None
     cuda = ranks.device.startswith("cuda")
     # each group may carry its own weight_decay, eps and lr_scale (a multiplier of the schedule's LR)
-    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                                  eps=cfg.eps, fused=cuda and not fsdp)
+    groups = model.param_groups(cfg.weight_decay, eps=cfg.eps)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cuda and not fsdp)
     return model_config, model, param_shapes, optimizer
 
 
@@ -248,7 +249,7 @@ def build(cfg, ranks, resume, resume_cmd):
     if ranks.device.startswith("cuda"):
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
         torch.cuda.reset_peak_memory_stats(ranks.device)
-    watch = telemetry.Watch.start(model, optimizer, val_loader, log, cfg, step)
+    watch = telemetry.Watch.start(model, optimizer, loader=val_loader, log=log, cfg=cfg, step=step)
     return Run(cfg=cfg, ranks=ranks, folder=folder, resume_cmd=resume_cmd, task=task, train_loader=train_loader,
                val_loader=val_loader, model_config=model_config, model=model, param_shapes=param_shapes,
                optimizer=optimizer, compiled=compiled, trained=trained, autocast=autocast, log=log, step=step,
@@ -540,25 +541,29 @@ def prepare_data(args, cfg):
     fineweb-edu's shards before a torchrun job: tokenizing 8B tokens takes hours, and the other ranks wait
     for rank 0 in a collective whose timeout (10 min for NCCL) is much shorter."""
     if args.data != "fineweb-edu":
-        return data.prepare(args.data, args.data_dir, args.tokenizer)
+        return data.prepare(args.data, args.data_dir, args.tokenizer, val_tokens=args.val_tokens)
     meta, need = data.load_meta(args.data_dir), cfg.total_tokens + 1
     if meta and (meta["config"]["source"], meta["config"]["tokenizer"]) == ("fineweb-edu", args.tokenizer):
         have = meta["n_tokens"] - sum(s["tokens"] for s in meta["shards"]["val"])
         print(f"using the fineweb-edu shards in {args.data_dir}: {have:,} train tokens, the schedule reads {need:,}"
               + (" (so some data repeats)" if have < need else ""))
-    else:  # what the schedule reads, plus 10M validation tokens (data.py's default for fineweb-edu)
-        data.prepare("fineweb-edu", args.data_dir, args.tokenizer, max_tokens=need + 10_000_000)
+    else:  # what the schedule reads, plus the validation tokens (data.py's default for fineweb-edu: 10M)
+        val = args.val_tokens or 10_000_000
+        data.prepare("fineweb-edu", args.data_dir, args.tokenizer, val_tokens=args.val_tokens, max_tokens=need + val)
 
 
-def claim(path, held):
+def claim(path, held, resume):
     """Rank 0, before a run: lock its folder (into `held`; one writer at a time) and check it can be written, remove
-    temp files of a writer killed mid-save -> run_state. A problem is a ValueError (one line)."""
+    temp files of a writer killed mid-save; with --resume, a damaged run.json beside a whole ckpt.pt is written again
+    from the log the checkpoint carries -> run_state. A problem is a ValueError (one line)."""
     held.append(common.lock_folder(path))
     for p in (path / "run.json", path / "ckpt.pt"):
         if p.exists() and not p.is_file():
             raise ValueError(f"{p} is not a file; move it away to train this run")
     for tmp in [*path.glob("ckpt.pt.*.tmp"), *path.glob("run.json.*.tmp")]:
         tmp.unlink()
+    if resume and common.rebuild_run_log(path):
+        print0(f"{path / 'run.json'} was damaged: written again from {path / 'ckpt.pt'}'s log")
     return common.run_state(path)
 
 
@@ -566,7 +571,7 @@ def grid_run(args, cfg, ranks, resume_cmd):
     """One run of the grid, in its locked folder: skipped when finished, else trained; False if it diverged."""
     path, held = Path(cfg.out) / cfg.name, []
     try:
-        state = on_rank0(lambda: claim(path, held), ranks)
+        state = on_rank0(lambda: claim(path, held, args.resume), ranks)
         if state in ("finished", "diverged"):
             print0(f"{state} already (run.json says so): skipping; move the folder away to train it again")
             return state == "finished"
@@ -657,4 +662,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with common.one_line_faults("train.py"):  # Ctrl-C outside the loop (data preparation), a failed write: one line
+        main()
