@@ -126,6 +126,8 @@ def build_parser():
     add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")
     add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
     add("--dry-run", action="store_true", help="print the train.py commands and stop")
+    add("--report", action="store_true", help="train and diagnose nothing: write summary.md and the figures from "
+        "the runs done so far (e.g. of a suite run in groups of designs, or still running)")
     return p
 
 
@@ -458,15 +460,18 @@ def row(probe_name, key, result, base):
     seeds = str(len(result.loss))
     if result.diverged:
         seeds += f" + {len(result.diverged)} diverged ({diverged_text(result)})"
-    pair = compare.paired(result.by_seed, base.by_seed) if base else None
-    unpaired = versus(result.loss, base.loss if base else None)
-    cols = [res, str(L), str(d), f"{d / L:.1f}", f"{lr:g}", seeds, spread(result.loss), unpaired,
-            pair.text() if pair else "—", pair.verdict() if pair else "—"]
+    cols = [res, str(L), str(d), f"{d / L:.1f}", f"{lr:g}", seeds, spread(result.loss)]
+    if base:
+        pair = compare.paired(result.by_seed, base.by_seed)
+        cols += [versus(result.loss, base.loss), pair.text(), pair.verdict()]
+    else:
+        cols += ["—", "—", "—"]
     if probe_name == "synthetic" and result.gaps:
         cols.append(" / ".join(f"{a:.2f}" for a in np.mean(result.gaps, 0)))
     elif probe_name == "synthetic":
         cols.append("—")
-    cols += [spread(result.rc, ".1%"), spread(result.rp, ".1%"), f"{np.mean(result.wall):.0f} s" if result.wall else "—"]
+    wall = f"{np.mean(result.wall):.0f} s" if result.wall else "—"
+    cols += [spread(result.rc, ".1%"), spread(result.rp, ".1%"), wall]
     return "| " + " | ".join(cols) + " |"
 
 
@@ -575,7 +580,7 @@ def parse_args(argv):
 
 def run_suite(args):
     """The three training phases, each following from the results before it, then diagnose.py on every finished run
-    that lacks a diagnose.json and plot.py per probe -> the labels of the jobs that failed."""
+    that lacks a diagnose.json and the figures -> the labels of the jobs that failed."""
     failed = []
     phases = (("sweep", lambda: sweep_jobs(args)), ("sweep edge", lambda: sweep_jobs(args, extend=True)),
               ("train", lambda: seed_jobs(args)))
@@ -590,17 +595,27 @@ def run_suite(args):
                         "--num-samples", str(args.diag_samples)]
                 diag_jobs.append((f"diagnose {path.name}", argv))
     failed += run_pool(diag_jobs, args.jobs, "diagnose", args.out / "logs")
+    draw_figures(args)
+    return failed
+
+
+def draw_figures(args):
+    """plot.py and plot_suite.py per probe, into figs/<probe>/ (a figure that fails costs itself, not the suite)."""
     for probe_name, script in itertools.product(args.probes, ("plot.py", "plot_suite.py")):
         # plot_suite.py: the figures across designs (Fig. 2 left with Δ vs Pre-LN paired, Fig. 6a/c at the deepest)
         subprocess.run([sys.executable, str(HERE / script), str(args.out / probe_name), "--out",
                         str(args.out / "figs" / probe_name)], check=False)
-    return failed
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:  # the first phase; what follows depends on its results
         print("\n".join(" ".join(argv[1:]) for _, _, argv in sweep_jobs(args) or seed_jobs(args)))
+        return 0
+    if args.report:  # reads the runs done; trains, tokenizes and locks nothing
+        draw_figures(args)
+        write_atomic(args.out / "summary.md", summary(args))
+        print(f"wrote {args.out / 'summary.md'} and the figures in {args.out / 'figs'} from the runs done so far")
         return 0
     try:
         # One suite per folder, held to the end (released when this process ends, even killed). It also keeps each
@@ -618,6 +633,8 @@ def main(argv=None):
     seeds, deep = ",".join(map(str, args.seeds)), ",".join(map(str, args.deep_seeds or args.seeds))
     sweep = ",".join(map(format_lr, args.lr_sweep)) or "the preset"
     lrs = f"LR {args.lr:g}" if args.lr else f"each at its best LR of {sweep}"
+    for name, lr in args.design_lr.items():
+        lrs += f", {name} at {format_lr(lr)}"
     designs = " + ".join(f"{p} x {len(designs_of(args, p))} designs" for p in args.probes)
     print(f"mini suite: {designs} x {len(args.ar)} ARs, seeds {seeds} (deepest: {deep}), {lrs}, {args.jobs} runs at a "
           f"time -> {args.out}")

@@ -74,7 +74,7 @@ def suite_points(runs):
             losses = plot.seed_losses([r])
             if losses:
                 by_seed[r["config"].get("seed")] = losses[0]
-        points[(res, L)] = Point(res, L, ar, lr, by_seed)
+        points[(res, L)] = Point(res=res, L=L, ar=ar, lr=lr, by_seed=by_seed)
     return points
 
 
