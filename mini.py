@@ -5,19 +5,23 @@ that one machine runs in an afternoon.
     python mini.py --text austen                           # the suite on 2 CPU cores -> runs/mini
     python mini.py --gpu --text austen                     # one GPU: a bigger budget, more tokens per param
     python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
+    python mini.py --text austen --probes text --designs all   # the paper's ten designs (the synthetic probe: three)
+    python mini.py --text austen --probes text --designs all --report   # summary.md and figures of what is done
 
 Each cell (probe, design, aspect ratio) trains at its best learning rate: the first seed at every LR of
 --lr-sweep (in <probe>-lr/<cell>/), the other seeds at the winner (in <probe>/), each run `train.py --preset
-mini`, --jobs at a time with one thread each; then diagnose.py, plot.py and summary.md. Whatever is done is
-skipped, so the same command continues a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
+mini`, --jobs at a time with one thread each; then diagnose.py, plot.py, plot_suite.py and summary.md (per cell:
+LR, seeds, mean ± half-range, Δ vs Pre-LN unpaired and paired by seed, R scores; the LR each design chose beside the
+paper's; every sweep run, a diverged one with its step). Whatever is done is skipped, so the same command continues
+a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
 """
 import itertools
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -103,7 +107,7 @@ def build_parser():
         "(default %(default)s)")
     add("--synthetic-designs", type=comma_list(design), help="the synthetic probe's designs (default: --designs; "
         f"with --designs all: {','.join(SYNTHETIC_DESIGNS)}, as the synthetic probe showed nothing at this budget)")
-    add("--design-lr", type=comma_list(design_lr), help="comma list of design=LR: that design trains "
+    add("--design-lr", type=comma_list(design_lr), default={}, help="comma list of design=LR: that design trains "
         "every seed at this LR, no sweep (e.g. deepnorm=1e-3)")
     add("--ar", type=comma_list(positive(float)), default="92,51,32,17,9.1", help="comma list of aspect ratios "
         "(default 92,51,32,17,9.1: L2, 3, 4, 6 and 9, the paper's range 76..9.1)")
@@ -149,8 +153,11 @@ def job(args, folder, cell, seed, lr):
 
 
 def designs_of(args, probe_name):
-    """The designs a probe runs: --synthetic-designs for the synthetic probe, --designs for the text probe."""
-    return args.synthetic_designs if probe_name == "synthetic" else args.designs
+    """The designs a probe runs: --synthetic-designs for the synthetic probe (parse_args resolves its default; left
+    unset, --designs), --designs for the text probe."""
+    if probe_name == "synthetic" and args.synthetic_designs:
+        return args.synthetic_designs
+    return args.designs
 
 
 def cells(args):
@@ -460,7 +467,7 @@ def row(probe_name, key, result, base):
     seeds = str(len(result.loss))
     if result.diverged:
         seeds += f" + {len(result.diverged)} diverged ({diverged_text(result)})"
-    cols = [res, str(L), str(d), f"{d / L:.1f}", f"{lr:g}", seeds, spread(result.loss)]
+    cols = [res, str(L), str(d), f"{d / L:.1f}", format_lr(lr), seeds, spread(result.loss)]
     if base:
         pair = compare.paired(result.by_seed, base.by_seed)
         cols += [versus(result.loss, base.loss), pair.text(), pair.verdict()]
@@ -482,27 +489,31 @@ def probe_table(args, probe_name, table):
     if probe_name == "synthetic":
         head += " answer acc by gap (mean over seeds) |"
     head += " R_causal | R_perm last 3/4 | wall per run |"
-    order = designs_of(args, probe_name)
-
-    def rank(key):
-        return key[1], order.index(key[0]) if key[0] in order else len(order), key[0]
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for key in sorted(table, key=rank):
+    for key in sorted(table, key=lambda k: (k[1], *ranked(designs_of(args, probe_name), k))):
         lines.append(row(probe_name, key, table[key], base_of(table, key)))
     return lines
 
 
-def deep_lines(table):
+def ranked(order, key):
+    """The sort key of a (design, L, d, lr) table key by a list of designs: its place there (others after), name, LR."""
+    return order.index(key[0]) if key[0] in order else len(order), key[0], key[3]
+
+
+def deep_lines(args, probe_name, table):
     """R_causal / R_perm per seed at the deepest shape, one line per design (and its diverged seeds)."""
     deep = max((k[1] for k in table), default=None)
     if not deep:
         return []
     lines = ["", f"R scores at the deepest shape (L{deep}), per seed:", ""]
-    for (res, L, d, lr), result in sorted(table.items()):
-        if L != deep or not (result.rc or result.diverged):
+    for key in sorted(table, key=lambda k: ranked(designs_of(args, probe_name), k)):
+        result = table[key]
+        if key[1] != deep or not (result.rc or result.diverged):
             continue
         rc, rp = (", ".join(f"{v:.1%}" for v in values) for values in (result.rc, result.rp))
-        line = f"- {res}: R_causal {rc or '—'}; R_perm {rp or '—'} (seeds {', '.join(map(str, result.r_seed))})"
+        line = f"- {key[0]}: R_causal {rc or '—'}; R_perm {rp or '—'}"
+        if result.r_seed:
+            line += f" (seeds {', '.join(map(str, result.r_seed))})"
         if result.diverged:
             line += f"; diverged: {diverged_text(result)}"
         lines.append(line)
@@ -551,7 +562,7 @@ def summary(args):
     lines += synthetic_note(args)
     for probe_name in [p for p in args.probes if (args.out / p).is_dir()]:
         table = collect(args.out / probe_name)
-        lines += [f"## {probe_name}", "", *probe_table(args, probe_name, table), *deep_lines(table)]
+        lines += [f"## {probe_name}", "", *probe_table(args, probe_name, table), *deep_lines(args, probe_name, table)]
         lines += ["", f"The LR each design chose per shape ({probe_name} probe; Table 4 of the paper: its optimum at "
                   "400M):", "", *table4(args, probe_name)]
         sweep = sweep_lines(args, probe_name)
@@ -574,7 +585,7 @@ def parse_args(argv):
     args.sweep = [] if args.lr else list(args.lr_sweep)
     synthetic = args.synthetic_designs or (SYNTHETIC_DESIGNS if "all" in args.designs else args.designs)
     args.designs, args.synthetic_designs = with_all(args.designs), with_all(synthetic)
-    args.design_lr = dict(args.design_lr or [])
+    args.design_lr = dict(args.design_lr)
     return args
 
 

@@ -164,7 +164,8 @@ def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
         sweep_run(tmp_path / mini.cell_folder(hc) / name, lr, state="diverged")
     assert mini.sweep_result(args, preln)[0] == {1e-3: 3.1, 3e-3: 3.0, 1e-2: None}
     assert mini.chosen_lr(args, preln) == 3e-3 and mini.extension(args, mini.sweep_result(args, preln)[0]) is None
-    assert mini.sweep_lines(args, "synthetic")[0] == "- preln, AR 9.1: 1e-3: 3.1000 · **3e-3: 3.0000** · 1e-2: diverged"
+    assert mini.sweep_lines(args, "synthetic")[0] == ("- preln, AR 9.1: 1e-3: 3.1000 · **3e-3: 3.0000** · "
+                                                  "1e-2: diverged at step 2")
     assert mini.chosen_lr(args, hc) is None
     jobs = mini.seed_jobs(args)                           # preln's seed 1 at 3e-3 (seed 0 is its sweep run), no hc
     assert [(label.split()[1], a[a.index("--seed") + 1], a[a.index("--lr") + 1]) for _, label, a in jobs] == [
