@@ -111,7 +111,8 @@ def draw_losses(ax, points):
                         label=plot.display(res))
         for p in line:
             if p.lr is None:
-                ax.plot(p.ar, 0.96, "x", color=plot.colour(res), ms=9, mew=2, transform=top, clip_on=False)
+                ax.plot(p.ar, 0.96, "x", color=plot.colour(res), ms=9, mew=2, transform=top, clip_on=False,
+                        label=f"{plot.display(res)} diverged")
                 diverged.append(f"{res}@L{p.L}")
     ax.set(ylabel="final validation loss (nats/token)", title="Final validation loss, each design at its best LR")
     return diverged
