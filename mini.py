@@ -5,23 +5,29 @@ that one machine runs in an afternoon.
     python mini.py --text austen                           # the suite on 2 CPU cores -> runs/mini
     python mini.py --gpu --text austen                     # one GPU: a bigger budget, more tokens per param
     python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
+    python mini.py --text austen --probes text --designs all   # the paper's ten designs (the synthetic probe: three)
+    python mini.py --text austen --probes text --designs all --report   # summary.md and figures of what is done
 
 Each cell (probe, design, aspect ratio) trains at its best learning rate: the first seed at every LR of
 --lr-sweep (in <probe>-lr/<cell>/), the other seeds at the winner (in <probe>/), each run `train.py --preset
-mini`, --jobs at a time with one thread each; then diagnose.py, plot.py and summary.md. Whatever is done is
-skipped, so the same command continues a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
+mini`, --jobs at a time with one thread each; then diagnose.py, plot.py, plot_suite.py and summary.md (per cell:
+LR, seeds, mean ± half-range, Δ vs Pre-LN unpaired and paired by seed, R scores; the LR each design chose beside the
+paper's; every sweep run, a diverged one with its step). Whatever is done is skipped, so the same command continues
+a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
 """
 import itertools
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 import common
+import compare
 import data
 from common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
 
@@ -37,6 +43,10 @@ SCALES = {
 }
 DIAG_METRICS = "causal,perm,pruning"
 PROBES = ("text", "synthetic")
+# --designs all when residuals.py has no PAPER_DESIGNS: the paper's ten, in its order (Pre-LN family, then cross-layer)
+TEN = ("preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda")
+# the synthetic probe's designs with --designs all: it showed nothing at this budget (docs/results.md#synthetic-probe)
+SYNTHETIC_DESIGNS = ("preln", "hc", "attnres")
 
 
 class Cell(NamedTuple):
@@ -47,11 +57,36 @@ class Cell(NamedTuple):
 
 
 def design(name):
-    """argparse type: the name of a design (residuals.RESIDUALS)."""
+    """argparse type: the name of a design (residuals.RESIDUALS), or 'all' (the paper's ten, paper_designs)."""
     from residuals import RESIDUALS
-    if name not in RESIDUALS:
+    if name not in RESIDUALS and name != "all":
         raise ValueError(name)
     return name
+
+
+def paper_designs():
+    """The paper's ten designs in its order: residuals.PAPER_DESIGNS (the release's extra baselines are not in it)."""
+    import residuals
+    return list(getattr(residuals, "PAPER_DESIGNS", TEN))
+
+
+def design_lr(text):
+    """argparse type: 'deepnorm=1e-3' -> ('deepnorm', 0.001), a design trained at its own LR, no sweep."""
+    name, sep, lr = text.partition("=")
+    if not sep or name.strip() == "all":
+        raise ValueError(text)
+    return design(name.strip()), positive(float)(lr.strip())
+
+
+design_lr.__name__ = "design=LR"  # argparse names the type in its one-line error
+
+
+def with_all(names):
+    """A --designs list with 'all' replaced by the paper's ten, repeats dropped."""
+    out = []
+    for name in names:
+        out += paper_designs() if name == "all" else [name]
+    return list(dict.fromkeys(out))
 
 
 def probe(name):
@@ -68,7 +103,12 @@ def build_parser():
     p = ArgParser(prog="mini.py", description="Mini-DepthBench: train, diagnose and plot designs x shapes x seeds.")
     add = p.add_argument
     add("--out", type=Path, default=Path("runs/mini"), help="suite folder (default runs/mini)")
-    add("--designs", type=comma_list(design), default="preln,hc,attnres", help="comma list (default %(default)s)")
+    add("--designs", type=comma_list(design), default="preln,hc,attnres", help="comma list; 'all': the paper's ten "
+        "(default %(default)s)")
+    add("--synthetic-designs", type=comma_list(design), help="the synthetic probe's designs (default: --designs; "
+        f"with --designs all: {','.join(SYNTHETIC_DESIGNS)}, as the synthetic probe showed nothing at this budget)")
+    add("--design-lr", type=comma_list(design_lr), default={}, help="comma list of design=LR: that design trains "
+        "every seed at this LR, no sweep (e.g. deepnorm=1e-3)")
     add("--ar", type=comma_list(positive(float)), default="92,51,32,17,9.1", help="comma list of aspect ratios "
         "(default 92,51,32,17,9.1: L2, 3, 4, 6 and 9, the paper's range 76..9.1)")
     add("--seeds", type=comma_list(seed_number), default="0,1,2", help="comma list of seeds (default 0,1,2)")
@@ -90,6 +130,8 @@ def build_parser():
     add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")
     add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
     add("--dry-run", action="store_true", help="print the train.py commands and stop")
+    add("--report", action="store_true", help="train and diagnose nothing: write summary.md and the figures from "
+        "the runs done so far (e.g. of a suite run in groups of designs, or still running)")
     return p
 
 
@@ -110,9 +152,20 @@ def job(args, folder, cell, seed, lr):
     return folder, label, argv
 
 
+def designs_of(args, probe_name):
+    """The designs a probe runs: --synthetic-designs for the synthetic probe (parse_args resolves its default; left
+    unset, --designs), --designs for the text probe."""
+    if probe_name == "synthetic" and args.synthetic_designs:
+        return args.synthetic_designs
+    return args.designs
+
+
 def cells(args):
     """Every Cell, deepest shapes first (the slowest runs start early, so workers finish together)."""
-    return [Cell(*c) for c in itertools.product(args.probes, sorted(set(args.ar)), args.designs)]
+    out = []
+    for probe_name, ar in itertools.product(args.probes, sorted(set(args.ar))):
+        out += [Cell(probe_name, ar, name) for name in designs_of(args, probe_name)]
+    return out
 
 
 def deepest(args):
@@ -127,7 +180,10 @@ def seeds_at(args, ar):
 
 
 def sweeps(args, cell):
-    """Whether this cell sweeps (else it takes the LR its design chose at the probe's deepest shape)."""
+    """Whether this cell sweeps (else it takes its --design-lr, or the LR its design chose at the probe's deepest
+    shape)."""
+    if cell.design in args.design_lr:
+        return False
     return bool(args.sweep) and (cell.probe == "text" or args.full_sweep or cell.ar == deepest(args))
 
 
@@ -165,8 +221,10 @@ def extension(args, losses):
 
 
 def chosen_lr(args, cell):
-    """A cell's LR: --lr, else the best of its sweep (with the extension), else its design's at the deepest shape;
-    None when its sweep has no finished run yet."""
+    """A cell's LR: its --design-lr, else --lr, else the best of its sweep (with the extension), else its design's at
+    the deepest shape; None when its sweep has no finished run yet."""
+    if cell.design in args.design_lr:
+        return args.design_lr[cell.design]
     if args.lr or not args.sweep:
         return args.lr
     if not sweeps(args, cell):
@@ -210,27 +268,64 @@ def seed_jobs(args):
     return out
 
 
+def outcome(returncode, log_path):
+    """What a finished job came to, from its exit status and log: 'ok', 'done before' (train.py found it finished
+    and skipped it), 'diverged' (a result: train.py exits 1 and says so; also when found diverged before), or
+    'FAILED' (the log says why)."""
+    try:
+        tail = log_path.read_text(errors="replace")[-4000:]
+    except OSError:
+        tail = ""
+    if "diverged already" in tail or (returncode == 1 and " diverged at step " in tail):
+        return "diverged"
+    if returncode != 0:
+        return "FAILED"
+    return "done before" if "finished already" in tail else "ok"
+
+
+class Progress(NamedTuple):
+    """A phase of run_pool, for its progress lines."""
+    what: str       # the phase's name: "sweep", "sweep edge", "train", "diagnose"
+    total: int      # its number of jobs
+    n: int          # jobs at a time
+    t0: float       # when it started (time.time())
+
+
+def progress_line(phase, done, what_came, took):
+    """'[sweep 3/30] <label>: ok in 155 s | elapsed 6.9 min, ETA 62.2 min': the ETA over the phase is the mean time
+    of the runs it trained so far (not the ones found done before) x the runs left / the jobs at a time."""
+    mean = np.mean(took) if took else 0.0
+    eta = mean * (phase.total - done) / phase.n
+    elapsed = time.time() - phase.t0
+    return f"[{phase.what} {done}/{phase.total}] {what_came} | elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min"
+
+
 def run_pool(jobs, n, what, log_dir):
-    """Run (label, argv) jobs, n at a time, one thread each; print a progress line per finished job.
-    Returns the labels that failed (their logs say why)."""
+    """Run (label, argv) jobs, n at a time, one thread each; print the phase's number of runs first, then a progress
+    line per finished job. Returns the labels that failed (their logs say why); a diverged run is a result, not a
+    failure."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    if jobs:
+        print(f"[{what}] {len(jobs)} runs, {n} at a time", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    pending, running, failed, t0, done = list(jobs), {}, [], time.time(), 0
+    phase, pending, running, failed, took = Progress(what, len(jobs), n, time.time()), list(jobs), {}, [], []
     while pending or running:
         while pending and len(running) < n:
             label, argv = pending.pop(0)
-            log = open(log_dir / (label.replace(" ", "_").replace("=", "") + ".log"), "w")
-            running[subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)] = (label, log, time.time())
+            path = log_dir / (label.replace(" ", "_").replace("=", "") + ".log")
+            log = open(path, "w")
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[proc] = (label, log, path, time.time())
         for proc in [p for p in running if p.poll() is not None]:
-            label, log, start = running.pop(proc)
+            label, log, path, start = running.pop(proc)
             log.close()
-            done += 1
-            if proc.returncode != 0:
+            state, seconds = outcome(proc.returncode, path), time.time() - start
+            if state == "FAILED":
                 failed.append(label)
-            elapsed = time.time() - t0
-            eta = elapsed / done * (len(jobs) - done)
-            print(f"[{what} {done}/{len(jobs)}] {label}: {'ok' if proc.returncode == 0 else 'FAILED'} in "
-                  f"{time.time() - start:.0f} s | elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min", flush=True)
+            if state != "done before":
+                took.append(seconds)
+            done = len(jobs) - len(pending) - len(running)
+            print(progress_line(phase, done, f"{label}: {state} in {seconds:.0f} s", took), flush=True)
         time.sleep(0.2)
     return failed
 
@@ -274,40 +369,27 @@ def versus(losses, base):
     return f"{delta:+.4f} ({'beyond' if apart else 'within'} seed spread)"
 
 
-def collect(folder):
-    """{(design, L, d, lr): {"loss", "gaps", "rc", "rp", "wall", "seed"} lists over seeds} of a folder's runs."""
-    cells = {}
-    for path, run in finished_runs(folder).items():
-        c = run["config"]
-        diag = read_json(path / "diagnose.json") or {}  # unreadable: as missing (main diagnoses it again)
-        cell = cells.setdefault((c["residual"], c["n_layer"], c["d_model"], c["lr"]),
-                                {"loss": [], "gaps": [], "rc": [], "rp": [], "wall": [], "seed": []})
-        cell["loss"].append(run["final"]["val_loss"])
-        cell["wall"].append(run["wall_s"])
-        cell["seed"].append(c.get("seed"))
-        per = run["evals"][-1].get("per_level") or {}
-        cell["gaps"].append([per[g]["acc"] for g in sorted(per)])
-        for key, metric, field in (("rc", "causal_score", "R_causal"), ("rp", "permutation_score", "R_perm")):
-            # R_perm: the last three quarters (diagnose/2); None: too shallow to have pairs there
-            if diag.get(metric, {}).get(field) is not None:
-                cell[key].append(diag[metric][field])
-    return cells
+def diverged_step(run):
+    """The step a diverged run stopped at (its last logged step; train.py logs the step that diverged)."""
+    return ((run or {}).get("steps") or [{}])[-1].get("step", "?")
 
 
 def sweep_lines(args, probe):
-    """One line per swept cell: every LR's final val loss (first seed; 'diverged' where it did), the chosen one in
-    bold."""
+    """One line per swept cell: every LR's final val loss (first seed; 'diverged at step N' where it did), the chosen
+    one in bold."""
     lines = []
     for cell in cells(args):
         if cell.probe != probe or not sweeps(args, cell):
             continue
-        losses = sweep_result(args, cell)[0]
+        losses, paths = sweep_result(args, cell)
         if not losses:
             continue
         best, ext = sweep_choice(losses), extension(args, losses)
         runs = []
         for lr, loss in sorted(losses.items()):
-            text = f"{format_lr(lr)}: " + ("diverged" if loss is None else f"{loss:.4f}")
+            text = f"{format_lr(lr)}: {loss:.4f}" if loss is not None else ""
+            if loss is None:
+                text = f"{format_lr(lr)}: diverged at step {diverged_step(read_json(paths[lr] / 'run.json'))}"
             if lr == best:
                 text = f"**{text}**"
             runs.append(text)
@@ -318,33 +400,172 @@ def sweep_lines(args, probe):
     return lines
 
 
+@dataclass
+class Result:
+    """A cell's runs at one LR in a probe folder: one row of summary.md."""
+    loss: list = field(default_factory=list)      # final val loss of each finished seed
+    seed: list = field(default_factory=list)      # the finished seeds, in loss's order
+    wall: list = field(default_factory=list)      # wall seconds of each finished seed
+    gaps: list = field(default_factory=list)      # each finished seed's answer accuracy per gap (synthetic probe)
+    rc: list = field(default_factory=list)        # R_causal of each diagnosed seed (diagnose.json beside ckpt.pt)
+    rp: list = field(default_factory=list)        # R_perm, last three quarters, of each diagnosed seed
+    r_seed: list = field(default_factory=list)    # the diagnosed seeds, in rc's order
+    by_seed: dict = field(default_factory=dict)   # seed -> final val loss, None where it diverged (compare.paired)
+    diverged: list = field(default_factory=list)  # (seed, the step it diverged at) of each diverged seed
+
+
+def add_finished(result, path, run):
+    """Add a finished run (and its diagnose.json, when readable) to its cell's Result."""
+    seed, loss = run["config"].get("seed"), run["final"]["val_loss"]
+    result.loss.append(loss)
+    result.seed.append(seed)
+    result.wall.append(run["wall_s"])
+    result.by_seed[seed] = loss
+    per = run["evals"][-1].get("per_level") or {}
+    result.gaps.append([per[g]["acc"] for g in sorted(per)])
+    diag = read_json(path / "diagnose.json") or {}  # unreadable: as missing (main diagnoses it again)
+    rc = diag.get("causal_score", {}).get("R_causal")
+    rp = diag.get("permutation_score", {}).get("R_perm")  # the last three quarters (diagnose/2)
+    if rc is not None and rp is not None:  # None: too shallow to have pairs there
+        result.rc.append(rc)
+        result.rp.append(rp)
+        result.r_seed.append(seed)
+
+
+def collect(folder):
+    """{(design, L, d, lr): Result} of a folder's done runs: finished ones with their losses and R scores, diverged
+    ones with the step they diverged at."""
+    table = {}
+    for path, (state, run) in done_runs(folder).items():
+        c = run["config"]
+        result = table.setdefault((c["residual"], c["n_layer"], c["d_model"], c["lr"]), Result())
+        if state == "finished":
+            add_finished(result, path, run)
+        else:
+            result.by_seed[c.get("seed")] = None
+            result.diverged.append((c.get("seed"), diverged_step(run)))
+    return table
+
+
+def diverged_text(result):
+    """'seed 1 at step 7, seed 2 at step 9' for a Result's diverged seeds."""
+    return ", ".join(f"seed {seed} at step {step}" for seed, step in sorted(result.diverged, key=str))
+
+
+def base_of(table, key):
+    """Pre-LN's Result at the same shape as `key` (the one with the most seeds), None for Pre-LN itself or none."""
+    res, L, d, _ = key
+    found = [r for k, r in table.items() if k[:3] == ("preln", L, d)]
+    if res == "preln" or not found:
+        return None
+    return max(found, key=lambda r: len(r.by_seed))
+
+
+def row(probe_name, key, result, base):
+    """One row of a probe's table in summary.md."""
+    res, L, d, lr = key
+    seeds = str(len(result.loss))
+    if result.diverged:
+        seeds += f" + {len(result.diverged)} diverged ({diverged_text(result)})"
+    cols = [res, str(L), str(d), f"{d / L:.1f}", format_lr(lr), seeds, spread(result.loss)]
+    if base:
+        pair = compare.paired(result.by_seed, base.by_seed)
+        cols += [versus(result.loss, base.loss), pair.text(), pair.verdict()]
+    else:
+        cols += ["—", "—", "—"]
+    if probe_name == "synthetic" and result.gaps:
+        cols.append(" / ".join(f"{a:.2f}" for a in np.mean(result.gaps, 0)))
+    elif probe_name == "synthetic":
+        cols.append("—")
+    wall = f"{np.mean(result.wall):.0f} s" if result.wall else "—"
+    cols += [spread(result.rc, ".1%"), spread(result.rp, ".1%"), wall]
+    return "| " + " | ".join(cols) + " |"
+
+
+def probe_table(args, probe_name, table):
+    """A probe's table: one row per (shape, design), shallow to deep, designs in --designs order."""
+    head = ("| design | L | d | AR | LR | seeds | final val loss (mean ± half-range) | vs Pre-LN (unpaired) | Δ vs Pre-LN "
+            "paired: mean [range], lower on | paired verdict |")
+    if probe_name == "synthetic":
+        head += " answer acc by gap (mean over seeds) |"
+    head += " R_causal | R_perm last 3/4 | wall per run |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for key in sorted(table, key=lambda k: (k[1], *ranked(designs_of(args, probe_name), k))):
+        lines.append(row(probe_name, key, table[key], base_of(table, key)))
+    return lines
+
+
+def ranked(order, key):
+    """The sort key of a (design, L, d, lr) table key by a list of designs: its place there (others after), name, LR."""
+    return order.index(key[0]) if key[0] in order else len(order), key[0], key[3]
+
+
+def deep_lines(args, probe_name, table):
+    """R_causal / R_perm per seed at the deepest shape, one line per design (and its diverged seeds)."""
+    deep = max((k[1] for k in table), default=None)
+    if not deep:
+        return []
+    lines = ["", f"R scores at the deepest shape (L{deep}), per seed:", ""]
+    for key in sorted(table, key=lambda k: ranked(designs_of(args, probe_name), k)):
+        result = table[key]
+        if key[1] != deep or not (result.rc or result.diverged):
+            continue
+        rc, rp = (", ".join(f"{v:.1%}" for v in values) for values in (result.rc, result.rp))
+        line = f"- {key[0]}: R_causal {rc or '—'}; R_perm {rp or '—'}"
+        if result.r_seed:
+            line += f" (seeds {', '.join(map(str, result.r_seed))})"
+        if result.diverged:
+            line += f"; diverged: {diverged_text(result)}"
+        lines.append(line)
+    return lines
+
+
+def table4(args, probe_name="text"):
+    """Table 4 on one machine, as markdown for docs/results.md: per design, the LR it chose at each shape (shallow
+    to deep) beside the paper's optimum (the design class's paper_lr). '—': not swept yet; 'all diverged': no LR
+    of its sweep finished; 'set': --design-lr."""
+    from residuals import RESIDUALS
+    ars = sorted(set(args.ar), reverse=True)
+    head = "| design | paper's optimum | " + " | ".join(f"AR {ar:g}" for ar in ars) + " |"
+    lines = [head, "|" + "---|" * (len(ars) + 2)]
+    for name in designs_of(args, probe_name):
+        chosen = []
+        for ar in ars:
+            cell = Cell(probe_name, ar, name)
+            lr = chosen_lr(args, cell)
+            text = format_lr(lr) if lr else "—"
+            if lr is None and sweeps(args, cell) and sweep_result(args, cell)[0]:
+                text = "all diverged"
+            if name in args.design_lr:
+                text += " (set)"
+            chosen.append(text)
+        paper = getattr(RESIDUALS.get(name), "paper_lr", None)
+        lines.append(f"| {name} | {format_lr(paper) if paper else '—'} | " + " | ".join(chosen) + " |")
+    return lines
+
+
+def synthetic_note(args):
+    """The one sentence on the synthetic probe where it runs fewer designs than the text probe."""
+    if len(args.synthetic_designs) >= len(args.designs):
+        return []
+    where = "" if "synthetic" in args.probes else " (not run by this command)"
+    return [f"The synthetic probe stays at {', '.join(args.synthetic_designs)}{where}: it showed nothing at this "
+            "budget (docs/results.md#synthetic-probe).", ""]
+
+
 def summary(args):
-    """summary.md: per probe, design and shape, at the cell's LR, the final val loss over seeds and its difference
-    from Pre-LN's; per-gap answer accuracy for the synthetic probe; R_causal / R_perm (last 3/4) from diagnose.py,
-    per seed at the deepest shape; then every sweep run. Returns the markdown."""
+    """summary.md: per probe, design and shape, at the cell's LR, the final val loss over seeds (diverged seeds
+    named), its difference from Pre-LN's, unpaired and paired by seed (compare.paired); per-gap answer accuracy for
+    the synthetic probe; R_causal / R_perm (last 3/4) from diagnose.py, per seed at the deepest shape; the LR each
+    design chose per shape beside the paper's (table4); then every sweep run. Returns the markdown."""
     lines = ["# Mini-DepthBench summary", "", f"Command: `python mini.py {' '.join(sys.argv[1:])}`", ""]
-    for probe in [p for p in args.probes if (args.out / p).is_dir()]:
-        table = collect(args.out / probe)
-        head = "| design | L | d | AR | LR | seeds | final val loss (mean ± half-range) | vs Pre-LN |"
-        head += " answer acc by gap (mean over seeds) |" if probe == "synthetic" else ""
-        head += " R_causal | R_perm last 3/4 | wall per run |"
-        lines += [f"## {probe}", "", head, "|" + "---|" * (head.count("|") - 1)]
-        for (res, L, d, lr), cell in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            base = next((c["loss"] for k, c in table.items() if k[:3] == ("preln", L, d) and res != "preln"), None)
-            row = (f"| {res} | {L} | {d} | {d / L:.1f} | {lr:g} | {len(cell['loss'])} | {spread(cell['loss'])} | "
-                   f"{versus(cell['loss'], base)} |")
-            if probe == "synthetic":
-                row += " " + " / ".join(f"{a:.2f}" for a in np.mean(cell["gaps"], 0)) + " |"
-            row += f" {spread(cell['rc'], '.1%')} | {spread(cell['rp'], '.1%')} | {np.mean(cell['wall']):.0f} s |"
-            lines.append(row)
-        deep = max((k[1] for k in table), default=None)
-        if deep:
-            lines += ["", f"R scores at the deepest shape (L{deep}), per seed:", ""]
-            for (res, L, d, lr), cell in sorted(table.items()):
-                if L == deep and cell["rc"]:
-                    rc, rp = (", ".join(f"{v:.1%}" for v in cell[key]) for key in ("rc", "rp"))
-                    lines.append(f"- {res}: R_causal {rc}; R_perm {rp} (seeds {', '.join(map(str, cell['seed']))})")
-        sweep = sweep_lines(args, probe)
+    lines += synthetic_note(args)
+    for probe_name in [p for p in args.probes if (args.out / p).is_dir()]:
+        table = collect(args.out / probe_name)
+        lines += [f"## {probe_name}", "", *probe_table(args, probe_name, table), *deep_lines(args, probe_name, table)]
+        lines += ["", f"The LR each design chose per shape ({probe_name} probe; Table 4 of the paper: its optimum at "
+                  "400M):", "", *table4(args, probe_name)]
+        sweep = sweep_lines(args, probe_name)
         if sweep:
             lines += ["", "LR sweep (first seed; final val loss at each LR, the chosen one in bold):", "", *sweep]
         lines.append("")
@@ -362,12 +583,15 @@ def parse_args(argv):
     if "text" in args.probes and not args.text:
         parser.error("the text probe needs --text ('austen', or a local corpus: a file, folder or quoted glob)")
     args.sweep = [] if args.lr else list(args.lr_sweep)
+    synthetic = args.synthetic_designs or (SYNTHETIC_DESIGNS if "all" in args.designs else args.designs)
+    args.designs, args.synthetic_designs = with_all(args.designs), with_all(synthetic)
+    args.design_lr = dict(args.design_lr)
     return args
 
 
 def run_suite(args):
     """The three training phases, each following from the results before it, then diagnose.py on every finished run
-    that lacks a diagnose.json and plot.py per probe -> the labels of the jobs that failed."""
+    that lacks a diagnose.json and the figures -> the labels of the jobs that failed."""
     failed = []
     phases = (("sweep", lambda: sweep_jobs(args)), ("sweep edge", lambda: sweep_jobs(args, extend=True)),
               ("train", lambda: seed_jobs(args)))
@@ -382,16 +606,27 @@ def run_suite(args):
                         "--num-samples", str(args.diag_samples)]
                 diag_jobs.append((f"diagnose {path.name}", argv))
     failed += run_pool(diag_jobs, args.jobs, "diagnose", args.out / "logs")
-    for probe_name in args.probes:
-        subprocess.run([sys.executable, str(HERE / "plot.py"), str(args.out / probe_name), "--out",
-                        str(args.out / "figs" / probe_name)], check=False)
+    draw_figures(args)
     return failed
+
+
+def draw_figures(args):
+    """plot.py and plot_suite.py per probe, into figs/<probe>/ (a figure that fails costs itself, not the suite)."""
+    for probe_name, script in itertools.product(args.probes, ("plot.py", "plot_suite.py")):
+        # plot_suite.py: the figures across designs (Fig. 2 left with Δ vs Pre-LN paired, Fig. 6a/c at the deepest)
+        subprocess.run([sys.executable, str(HERE / script), str(args.out / probe_name), "--out",
+                        str(args.out / "figs" / probe_name)], check=False)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:  # the first phase; what follows depends on its results
         print("\n".join(" ".join(argv[1:]) for _, _, argv in sweep_jobs(args) or seed_jobs(args)))
+        return 0
+    if args.report:  # reads the runs done; trains, tokenizes and locks nothing
+        draw_figures(args)
+        write_atomic(args.out / "summary.md", summary(args))
+        print(f"wrote {args.out / 'summary.md'} and the figures in {args.out / 'figs'} from the runs done so far")
         return 0
     try:
         # One suite per folder, held to the end (released when this process ends, even killed). It also keeps each
@@ -409,8 +644,11 @@ def main(argv=None):
     seeds, deep = ",".join(map(str, args.seeds)), ",".join(map(str, args.deep_seeds or args.seeds))
     sweep = ",".join(map(format_lr, args.lr_sweep)) or "the preset"
     lrs = f"LR {args.lr:g}" if args.lr else f"each at its best LR of {sweep}"
-    print(f"mini suite: {len(args.probes)} probes x {len(args.designs)} designs x {len(args.ar)} ARs, seeds {seeds} "
-          f"(deepest: {deep}), {lrs}, {args.jobs} runs at a time -> {args.out}")
+    for name, lr in args.design_lr.items():
+        lrs += f", {name} at {format_lr(lr)}"
+    designs = " + ".join(f"{p} x {len(designs_of(args, p))} designs" for p in args.probes)
+    print(f"mini suite: {designs} x {len(args.ar)} ARs, seeds {seeds} (deepest: {deep}), {lrs}, {args.jobs} runs at a "
+          f"time -> {args.out}")
     failed = run_suite(args)
     text = summary(args)
     write_atomic(args.out / "summary.md", text)

@@ -665,8 +665,8 @@ FIGURES = [  # (file name without extension, function), in paper order
 ]
 
 
-def main(argv=None):
-    parser = ArgParser(prog="plot.py", description="Draw DepthBench figures from a folder of JSON results.")
+def main(argv=None, figures=FIGURES, prog="plot.py"):  # plot_suite.py: its own figures, the same loop
+    parser = ArgParser(prog=prog, description="Draw DepthBench figures from a folder of JSON results.")
     parser.add_argument("runs_dir", type=Path, help="folder searched recursively for *.json (train/diagnose/profile)")
     parser.add_argument("--out", type=Path, default=Path("figs"), help="folder for the figures (created if missing)")
     parser.add_argument("--svg", action="store_true", help="also write an SVG next to each PNG")
@@ -682,7 +682,7 @@ def main(argv=None):
     for path, reason in skipped:
         print(f"  skipped {path}: {reason}")
     failed = 0
-    for name, fn in FIGURES:
+    for name, fn in figures:
         out = args.out / f"{name}.png"
         try:
             info = fn(data, out, svg=args.svg)

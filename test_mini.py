@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import common
@@ -163,9 +164,125 @@ def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
         sweep_run(tmp_path / mini.cell_folder(hc) / name, lr, state="diverged")
     assert mini.sweep_result(args, preln)[0] == {1e-3: 3.1, 3e-3: 3.0, 1e-2: None}
     assert mini.chosen_lr(args, preln) == 3e-3 and mini.extension(args, mini.sweep_result(args, preln)[0]) is None
-    assert mini.sweep_lines(args, "synthetic")[0] == "- preln, AR 9.1: 1e-3: 3.1000 · **3e-3: 3.0000** · 1e-2: diverged"
+    assert mini.sweep_lines(args, "synthetic")[0] == ("- preln, AR 9.1: 1e-3: 3.1000 · **3e-3: 3.0000** · "
+                                                  "1e-2: diverged at step 2")
     assert mini.chosen_lr(args, hc) is None
     jobs = mini.seed_jobs(args)                           # preln's seed 1 at 3e-3 (seed 0 is its sweep run), no hc
     assert [(label.split()[1], a[a.index("--seed") + 1], a[a.index("--lr") + 1]) for _, label, a in jobs] == [
         ("preln", "1", "3e-3")]
     assert (tmp_path / "synthetic" / "b").is_symlink()
+
+
+def test_paired_differences_count_every_seed_both_ran():
+    """compare.paired: the differences of the seeds both finished, their mean and range; lower/higher count every
+    common seed (a diverged seed counts against its design, a seed both diverged on counts neither way); 'better'
+    only where every paired seed agrees."""
+    import compare
+    p = compare.paired({0: 2.9, 1: 3.05, 2: 2.8, 5: 1.0}, {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0})
+    assert p.seeds == [0, 1, 2] and p.deltas == pytest.approx({0: -0.1, 1: 0.05, 2: -0.2})
+    assert (p.lower, p.higher, p.verdict()) == (2, 1, "mixed")
+    assert (p.mean, p.low, p.high) == pytest.approx((-0.25 / 3, -0.2, 0.05))
+    assert p.text() == "-0.0833 [-0.2000, +0.0500], lower on 2/3"
+    assert compare.paired({0: 2.9, 1: 2.95}, {0: 3.0, 1: 3.0}).verdict() == "better"
+    q = compare.paired({0: None, 1: 3.1, 2: None}, {0: 3.0, 1: 3.0, 2: None})
+    assert (q.lower, q.higher, q.diverged, q.verdict()) == (0, 2, [0], "mixed")  # seed 2: both diverged
+    assert q.text() == "+0.1000 [+0.1000, +0.1000], lower on 0/3 (diverged on seed 0)"
+    assert compare.paired({0: None, 1: None}, {0: 3.0, 1: 3.0}).verdict() == "worse"
+    assert compare.paired({0: 2.0}, {0: 3.0}).verdict() == "one seed" and compare.paired({}, {0: 3.0}).text() == "—"
+
+
+def test_designs_all_is_the_papers_ten_and_the_synthetic_probe_stays_at_three():
+    """--designs all: the paper's ten in its order (not the release's extra baselines); the synthetic probe keeps
+    preln,hc,attnres unless --synthetic-designs says otherwise; without 'all' both probes take --designs."""
+    args = mini.parse_args(["--designs", "all", "--text", "corpus.txt"])
+    assert args.designs == list(mini.TEN) and args.synthetic_designs == ["preln", "hc", "attnres"]
+    assert {c.design for c in mini.cells(args) if c.probe == "synthetic"} == {"preln", "hc", "attnres"}
+    assert len(mini.cells(args)) == 5 * 10 + 5 * 3 and len(mini.sweep_jobs(args)) == 5 * 10 * 3 + 3 * 3
+    assert mini.synthetic_note(args)[0].startswith("The synthetic probe stays at preln, hc, attnres: it showed nothing")
+    args = mini.parse_args(["--designs", "hc,all", "--synthetic-designs", "all"])
+    assert args.designs[0] == "hc" and sorted(args.designs) == sorted(mini.TEN) and len(args.synthetic_designs) == 10
+    args = mini.parse_args(["--designs", "preln,lns"])
+    assert args.synthetic_designs == ["preln", "lns"] and mini.synthetic_note(args) == []
+
+
+@pytest.mark.parametrize("value", ["deepnorm", "deepnorm=", "deepnorm=-1", "nodesign=1e-3", "all=1e-3",
+                                   "deepnorm=1e-3,"])
+def test_a_bad_design_lr_is_one_line(capsys, tmp_path, value):
+    with pytest.raises(SystemExit) as e:
+        mini.main(["--design-lr", value, "--out", str(tmp_path / "suite")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("mini.py: error: argument --design-lr")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_design_lr_trains_every_seed_there_and_table4_says_so(tmp_path):
+    """--design-lr: that design neither sweeps nor takes --lr, every seed of its cells trains at its LR; Table 4 lists
+    each design's choice per shape beside the paper's optimum (residuals' paper_lr), 'all diverged' where no sweep
+    LR finished, '—' where nothing ran yet."""
+    args = mini.parse_args(["--designs", "preln,lns,deepnorm", "--ar", "32,9.1", "--seeds", "0,1", "--deep-seeds",
+                            "", "--probes", "synthetic", "--full-sweep", "--design-lr", "deepnorm=1e3",
+                            "--lr-sweep", "1e-3,1e-2", "--out", str(tmp_path)])
+    assert {(a[a.index("--residual") + 1]) for _, _, a in mini.sweep_jobs(args)} == {"preln", "lns"}
+    sweep_run(tmp_path / "synthetic-lr" / "preln_ar9.1" / "a", 1e-3, 3.1)
+    sweep_run(tmp_path / "synthetic-lr" / "preln_ar9.1" / "b", 1e-2, 3.0)
+    sweep_run(tmp_path / "synthetic-lr" / "lns_ar9.1" / "a", 1e-3, state="diverged")
+    jobs = [(label.split()[1], a[a.index("--ar") + 1], a[a.index("--lr") + 1]) for _, label, a in mini.seed_jobs(args)]
+    assert sorted(j for j in jobs if j[0] == "deepnorm") == [("deepnorm", "32", "1e3")] * 2 + [("deepnorm", "9.1",
+                                                                                                  "1e3")] * 2
+    assert mini.table4(args, "synthetic") == [
+        "| design | paper's optimum | AR 32 | AR 9.1 |", "|---|---|---|---|",
+        "| preln | 2e-3 | — | 1e-2 |", "| lns | 1e-2 | — | all diverged |", "| deepnorm | 1e-3 | 1e3 (set) | 1e3 (set) |"]
+
+
+def test_a_diverged_run_is_a_result_in_the_progress_line(tmp_path):
+    """outcome(): train.py's exit 1 with its 'diverged at step' line is 'diverged', not a failure; a run found done
+    before is 'done before' (left out of the ETA); any other non-zero exit is FAILED."""
+    cases = [(0, "done: x at step 4", "ok"), (0, "finished already (run.json says so): skipping", "done before"),
+             (1, "train.py: error: x diverged at step 3 (loss nan", "diverged"),
+             (1, "diverged already (run.json says so): skipping", "diverged"), (1, "Traceback ...", "FAILED"),
+             (2, "train.py: error: bad input", "FAILED")]
+    for rc, text, want in cases:
+        (tmp_path / "log").write_text(text + "\n")
+        assert mini.outcome(rc, tmp_path / "log") == want, text
+    assert mini.outcome(0, tmp_path / "missing.log") == "ok"
+
+
+AUSTEN = HERE.parent / "shared" / "data" / "austen"
+
+
+@pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs the Austen corpus in ../shared/data/austen")
+def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
+    """The text toy grid with four designs, DeepNorm forced to diverge (--design-lr at an absurd LR): the suite does
+    not fail, its two DeepNorm runs are reported diverged (progress lines, summary.md with the step, paired against
+    Pre-LN as higher on every seed), and the other three designs' cells complete: both seeds trained, diagnosed,
+    in summary.md and the suite figures."""
+    argv = [sys.executable, "mini.py", "--designs", "preln,sandwich,lns,deepnorm", "--ar", "32", "--seeds", "0,1",
+            "--deep-seeds", "", "--steps", "4", "--lr", "3e-3", "--design-lr", "deepnorm=1e6", "--probes", "text",
+            "--text", str(AUSTEN), "--diag-samples", "8", "--out", str(tmp_path)]
+    r = subprocess.run(argv, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[train] 8 runs, 2 at a time" in r.stdout and "[diagnose] 6 runs, 2 at a time" in r.stdout
+    assert r.stdout.count(": diverged in ") == 2 and r.stdout.count("text deepnorm ar=32") == 2
+    runs = {(run["config"]["residual"], run["config"]["seed"]): run
+            for run in (json.loads(p.read_text()) for p in (tmp_path / "text").glob("*/run.json"))}
+    assert len(runs) == 8
+    for (res, seed), run in runs.items():
+        assert run["diverged"] == (res == "deepnorm") and run["finished"] == (res != "deepnorm")
+        assert run["config"]["lr"] == (1e6 if res == "deepnorm" else 3e-3)
+        assert (tmp_path / "text" / run["config"]["name"] / "diagnose.json").exists() == (res != "deepnorm")
+    table = (tmp_path / "summary.md").read_text()
+    steps = [runs[("deepnorm", s)]["steps"][-1]["step"] for s in (0, 1)]
+    deep_row = next(line for line in table.splitlines() if line.startswith("| deepnorm |"))
+    assert f"| 0 + 2 diverged (seed 0 at step {steps[0]}, seed 1 at step {steps[1]}) | — |" in deep_row
+    assert "| lower on 0/2 (diverged on seed 0, 1) | worse |" in deep_row
+    for res in ("preln", "sandwich", "lns"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {res} |"))
+        losses = [runs[(res, s)]["final"]["val_loss"] for s in (0, 1)]
+        assert f"| 3e-3 | 2 | {mini.spread(losses)} |" in row
+        if res != "preln":
+            deltas = [losses[s] - runs[("preln", s)]["final"]["val_loss"] for s in (0, 1)]
+            assert f"{np.mean(deltas):+.4f} [{min(deltas):+.4f}, {max(deltas):+.4f}], lower on" in row
+    assert "| deepnorm | 1e-3 | 1e6 (set) |" in table and "| lns | 1e-2 | 3e-3 |" in table
+    for name in ("fig2_final_loss_vs_ar", "suite_fig2_loss_vs_ar", "suite_fig6_depth_use"):
+        assert (tmp_path / "figs" / "text" / f"{name}.png").stat().st_size > 1000, name

@@ -169,9 +169,12 @@ def test_composition_figure_counts_finished_synthetic_runs(full_dir, tmp_path):
 
 
 def test_imports_without_torch():
-    """plot.py must work where torch is absent: it imports with torch blocked, and never pulls torch in."""
+    """plot.py (and plot_suite.py) must work where torch is absent: each imports with torch blocked, and never pulls
+    torch in."""
     for code in ["import sys; sys.modules['torch'] = None; import plot",  # any 'import torch' would raise
-                 "import sys, plot; assert 'torch' not in sys.modules"]:
+                 "import sys, plot; assert 'torch' not in sys.modules",
+                 "import sys; sys.modules['torch'] = None; import plot_suite",
+                 "import sys, plot_suite; assert 'torch' not in sys.modules"]:
         r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
@@ -349,3 +352,76 @@ def test_a_zero_score_is_data_not_missing():
     data = {"diagnose": [doc(0, 1 / 6), doc(1, 0.0), doc(2, None)]}
     assert [g["meta"]["seed"] for g in plot.with_metric(data, "causal_score.R_causal")] == [0, 1]
     assert plot.with_metric(data, "causal_score.matrix") == []
+
+
+# ----------------------------------------------------------------------------- plot_suite.py: the suite across designs
+
+def suite_dir(tmp_path):
+    """A mini suite's probe folder: the ten designs x three shapes x three seeds at 2e-3 (Pre-LN also at 1e-2 at
+    the shallowest, worse, so not its choice); MoDA diverged on every seed at the deepest shape, Sandwich on seed 2
+    there; a diagnose.json beside each run of the deepest shape that finished."""
+    runs = tmp_path / "text"
+    for i, res in enumerate(plot.DESIGNS):
+        for n, d in [(2, 184), (4, 128), (9, 88)]:
+            for seed in range(3):
+                diverged = (res == "moda" and n == 9) or (res == "sandwich" and n == 9 and seed == 2)
+                final = suite_loss(i, n, seed)
+                write(runs, f"{res}_L{n}_s{seed}/run.json", train_json(res, n, d, 2e-3, seed, diverged, final))
+                if n == 9 and not diverged:
+                    write(runs, f"{res}_L{n}_s{seed}/diagnose.json", diagnose_json(res, n, d))
+    for seed in range(3):
+        write(runs, f"preln_L2_lr1e-2_s{seed}/run.json", train_json("preln", 2, 184, 1e-2, seed, final=5.0))
+    return runs
+
+
+def suite_loss(i, n, seed):
+    """The i-th design's final loss at depth n on a seed: seeds differ, and by how much differs between designs."""
+    return 3.0 + 0.01 * (i - 4) - 0.02 * n + 0.004 * seed * (i % 3) + 0.001 * seed
+
+
+def test_suite_figures_draw_ten_designs_and_the_paired_differences(tmp_path):
+    """Both suite figures are written; the relative panel plots, per design and shape, the mean, least and greatest
+    of the per-seed differences from Pre-LN (compare.paired); a shape where a design diverged at every LR is marked,
+    never plotted, and a diverged seed drops out of the pairs."""
+    import plot_suite
+    data, skipped = plot.load_folder(suite_dir(tmp_path))
+    assert skipped == []
+    info = plot_suite.fig_suite_loss(data, tmp_path / "loss.png")
+    assert_png(tmp_path / "loss.png")
+    assert info["diverged"] == ["moda@L9"]
+    names = list(plot.DESIGNS)
+    expected = {}
+    for i, res in enumerate(names[1:], start=1):
+        for n in (2, 4, 9):
+            seeds = [s for s in range(3) if not (res == "sandwich" and n == 9 and s == 2)]
+            if res == "moda" and n == 9:
+                continue
+            deltas = [suite_loss(i, n, s) - suite_loss(0, n, s) for s in seeds]
+            expected[f"{res}@L{n}"] = (np.mean(deltas), min(deltas), max(deltas))
+    assert set(info["relative"]) == set(expected)
+    for key, (mean, low, high) in expected.items():
+        got = info["relative"][key]
+        assert (got["mean"], got["low"], got["high"]) == pytest.approx((mean, low, high), abs=1e-12), key
+    assert len({round(v["high"] - v["low"], 9) for v in info["relative"].values()}) > 1  # seed ranges differ
+    info = plot_suite.fig_suite_depth_use(data, tmp_path / "depth.png")
+    assert_png(tmp_path / "depth.png")
+    assert info["drew"] == "10 designs at L9"
+
+
+def test_suite_ticks_name_the_shapes_and_families_differ():
+    import plot_suite
+    assert [plot_suite.shape_tick(ar, L) for ar, L in [(92.0, 2), (17.33, 6), (9.78, 9)]] == [
+        "92 (L2)", "17 (L6)", "9.8 (L9)"]
+    styles = {res: plot_suite.line_style(res) for res in plot.DESIGNS}
+    assert {res for res, s in styles.items() if s == "-"} == set(plot_suite.PRE_LN_FAMILY)
+    assert len(set(styles.values())) == 2 and len({plot.colour(r) for r in plot.DESIGNS}) == 10
+
+
+def test_plot_suite_main_draws_its_figures(tmp_path, capsys):
+    import plot_suite
+    out = tmp_path / "figs"
+    assert plot_suite.main([str(suite_dir(tmp_path)), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["suite_fig2_loss_vs_ar.png", "suite_fig6_depth_use.png"]
+    with pytest.raises(SystemExit) as e:
+        plot_suite.main([str(tmp_path / "missing")])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("plot_suite.py: error:")

@@ -1,0 +1,222 @@
+"""
+plot_suite.py: the mini suite's figures across designs, drawn from one probe folder of mini.py (it runs this after
+plot.py):
+
+    python plot_suite.py runs/mini/text --out runs/mini/figs/text
+
+- suite_fig2_loss_vs_ar: Figure 2 (left)'s layout, final validation loss vs aspect ratio, one line per design at the
+  LR it chose at that shape, the Pre-LN family solid and the cross-layer designs dashed; beside it, each design's loss
+  minus Pre-LN's at the same shape, paired by seed (compare.paired, what summary.md reports): the mean of the per-seed
+  differences, the seeds' range as error bars. The AR ticks name the shapes, e.g. "92 (L2)".
+- suite_fig6_depth_use: Figure 6a/c's layout at the deepest shape: R_causal and R_perm (last three quarters), a bar
+  per design (the seeds' mean) with each seed a dot; a design that diverged there is named so.
+
+It reads what plot.py reads (plot.load_folder), draws in its look (names, colours) and, like it, imports no torch.
+"""
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import matplotlib.pyplot as plt
+from matplotlib import transforms
+
+import common
+import compare
+import plot
+
+# the Pre-LN family: one stream, the norms placed within a block (solid lines); the rest mix across layers (dashed)
+PRE_LN_FAMILY = ("preln", "sandwich", "lns", "deepnorm", "keel")
+
+
+@dataclass
+class Point:
+    """One (design, shape) of the suite, at the LR it chose there."""
+    res: str         # the design (a key of residuals.RESIDUALS)
+    L: int           # n_layer
+    ar: float        # d_model / n_layer, as plot.shape rounds it
+    lr: float        # the chosen LR (common.best_lr over its runs); None when every run diverged
+    by_seed: dict    # seed -> final val loss at that LR, None where the seed diverged (every LR's, when lr is None)
+
+
+def line_style(res):
+    return "-" if res in PRE_LN_FAMILY else "--"
+
+
+def shape_tick(ar, L):
+    """An AR tick that names the shape: '92 (L2)', '9.8 (L9)'."""
+    text = f"{ar:.0f}" if ar >= 10 else f"{ar:.1f}"
+    return f"{text} (L{L})"
+
+
+def shape_axis(ax, shapes):
+    """plot.ar_axis (log, inverted: deeper to the right), ticks written as the shapes {ar: L}."""
+    plot.ar_axis(ax, list(shapes))
+    ars = sorted(shapes)
+    ax.set_xticks(ars, [shape_tick(ar, shapes[ar]) for ar in ars])
+    ax.set_xlabel("aspect ratio d_model / n_layer (depth); deeper →")
+
+
+def suite_points(runs):
+    """{(design, L): Point} of train JSONs: each (design, shape) at its best LR by common.best_lr, the rule of
+    mini.py's sweep and plot.fig2_final_loss. An unfinished run is left out (plot.seed_losses)."""
+    groups = {}
+    for r in runs:
+        res, L, _, ar = plot.shape(r["config"])
+        groups.setdefault((res, L, ar), {}).setdefault(plot.num(r["config"].get("lr")), []).append(r)
+    points = {}
+    for (res, L, ar), by_lr in groups.items():
+        lr = common.best_lr({lr: plot.seed_losses(rs) for lr, rs in by_lr.items()})
+        chosen = by_lr[lr] if lr is not None else [r for rs in by_lr.values() for r in rs]
+        by_seed = {}
+        for r in chosen:
+            losses = plot.seed_losses([r])
+            if losses:
+                by_seed[r["config"].get("seed")] = losses[0]
+        points[(res, L)] = Point(res=res, L=L, ar=ar, lr=lr, by_seed=by_seed)
+    return points
+
+
+def relative(points):
+    """{(design, L): compare.Paired} of every design but Pre-LN against Pre-LN at the same shape."""
+    out = {}
+    for (res, L), point in points.items():
+        base = points.get(("preln", L))
+        if base and res != "preln":
+            out[(res, L)] = compare.paired(point.by_seed, base.by_seed)
+    return out
+
+
+def by_design(points):
+    """{design: [Point, ...] shallow to deep}, designs in plot's order."""
+    out = {}
+    for key in sorted(points, key=lambda k: (plot.design_order(k[0]), k[0], k[1])):
+        out.setdefault(key[0], []).append(points[key])
+    return out
+
+
+def draw_losses(ax, points):
+    """Left panel: the seeds' mean and range per (design, shape); x at the top for a shape where it diverged at
+    every LR. -> the designs marked diverged."""
+    top = transforms.blended_transform_factory(ax.transData, ax.transAxes)
+    diverged = []
+    for res, line in by_design(points).items():
+        done = [(p.ar, [v for v in p.by_seed.values() if v is not None]) for p in line if p.lr is not None]
+        done = [(ar, ys) for ar, ys in done if ys]
+        if done:
+            xs, mean = [ar for ar, _ in done], [np.mean(ys) for _, ys in done]
+            yerr = [[m - min(ys) for m, (_, ys) in zip(mean, done)], [max(ys) - m for m, (_, ys) in zip(mean, done)]]
+            ax.errorbar(xs, mean, yerr=yerr, color=plot.colour(res), ls=line_style(res), marker="o", capsize=3,
+                        label=plot.display(res))
+        for p in line:
+            if p.lr is None:
+                ax.plot(p.ar, 0.96, "x", color=plot.colour(res), ms=9, mew=2, transform=top, clip_on=False,
+                        label=f"{plot.display(res)} diverged")
+                diverged.append(f"{res}@L{p.L}")
+    ax.set(ylabel="final validation loss (nats/token)", title="Final validation loss, each design at its best LR")
+    return diverged
+
+
+def draw_relative(ax, pairs, points):
+    """Right panel: per design, the mean of its paired differences from Pre-LN at each shape, the seeds' range as
+    error bars. -> {"design@L<n>": {"mean", "low", "high"}}: what it drew."""
+    drew = {}
+    for res in sorted({k[0] for k in pairs}, key=plot.design_order):
+        keys = sorted((k for k in pairs if k[0] == res and pairs[k].deltas), key=lambda k: points[k].ar)
+        if not keys:
+            continue
+        xs = [points[k].ar for k in keys]
+        mean, low, high = ([getattr(pairs[k], f) for k in keys] for f in ("mean", "low", "high"))
+        ax.errorbar(xs, mean, yerr=[np.subtract(mean, low), np.subtract(high, mean)], color=plot.colour(res),
+                    ls=line_style(res), marker="o", capsize=3, label=plot.display(res))
+        for k, m, lo, hi in zip(keys, mean, low, high):
+            drew[f"{res}@L{k[1]}"] = {"mean": m, "low": lo, "high": hi}
+    ax.axhline(0, color=plot.colour("preln"), lw=1)
+    ax.set(ylabel="Δ final val loss vs Pre-LN, same seed (nats/token)",
+           title="Relative to Pre-LN at the same shape: paired mean, seed range")
+    return drew
+
+
+def fig_suite_loss(data, out_path, svg=False):
+    points = suite_points(data.get("train", []))
+    if not points:
+        return {"skipped": "no train JSON"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5))
+    diverged = draw_losses(left, points)
+    drew = draw_relative(right, relative(points), points)
+    shapes = {p.ar: p.L for p in points.values()}
+    for ax in (left, right):
+        shape_axis(ax, shapes)
+    if diverged:
+        left.text(0.01, 0.01, "× at top: diverged at every LR at that shape", transform=left.transAxes)
+    what = f"{len({k[0] for k in points})} designs x {len(shapes)} shapes, {len(drew)} paired points"
+    return plot.save(fig, out_path, svg, what, title="Loss vs aspect ratio across designs (solid: Pre-LN family, "
+                     "dashed: cross-layer)", legend=(right, [left, right]), relative=drew, diverged=diverged)
+
+
+def seeds_and_lrs(data):
+    """{run folder: (seed, lr)} of the train JSONs, to tell which diagnose.json beside them belongs to which."""
+    return {Path(r["_path"]).parent: (r["config"].get("seed"), plot.num(r["config"].get("lr")))
+            for r in data.get("train", [])}
+
+
+def deepest_scores(data, key, field):
+    """({design: [(seed, value in %), ...]} at the deepest diagnosed shape, that depth): one value per diagnose JSON
+    of a run at its design's chosen LR there (or of no known run)."""
+    docs = plot.with_metric(data, f"{key}.{field}")
+    if not docs:
+        return {}, None
+    deep = max(plot.shape(g["meta"])[1] for g in docs)
+    points, runs = suite_points(data.get("train", [])), seeds_and_lrs(data)
+    scores = {}
+    for g in docs:
+        res, L, _, _ = plot.shape(g["meta"])
+        seed, lr = runs.get(Path(g["_path"]).parent, (None, None))
+        chosen = points.get((res, L))
+        if L != deep or (chosen and lr is not None and lr != chosen.lr):
+            continue
+        scores.setdefault(res, []).append((seed, 100 * plot.num(plot.metric(g, key).get(field))))
+    return scores, deep
+
+
+def fig_suite_depth_use(data, out_path, svg=False):
+    panels = [("causal_score", "R_causal", "R_causal (share of pairs s ≥ ⌈L/4⌉ above threshold)"),
+              ("permutation_score", "R_perm", "R_perm (share of pairs i, j ≥ ⌈L/4⌉ above threshold)")]
+    if not plot.with_metric(data, "causal_score.R_causal", "permutation_score.R_perm"):
+        return {"skipped": "no diagnose JSON with causal_score.R_causal or permutation_score.R_perm"}
+    points = suite_points(data.get("train", []))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    for ax, (key, field, title) in zip(axes, panels):
+        scores, deep = deepest_scores(data, key, field)
+        designs = sorted(set(scores) | {r for r, L in points if L == deep}, key=plot.design_order)
+        for i, res in enumerate(designs):
+            values = [v for _, v in scores.get(res, []) if math.isfinite(v)]
+            if values:
+                ax.bar(i, np.mean(values), 0.7, color=plot.colour(res), alpha=0.75, label=plot.display(res),
+                       hatch=None if res in PRE_LN_FAMILY else "//")
+                ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
+            else:  # no score: diverged there, or not diagnosed yet
+                point = points.get((res, deep))
+                why = "diverged" if point and point.lr is None else "no score"
+                ax.text(i, 0, why, rotation=90, ha="center", va="bottom", fontsize=8)
+            paper = plot.PAPER_FIG6[field].get(res)
+            if paper is not None:
+                ax.plot(i, paper, "_", color="black", ms=18, mew=2, label="paper (L32, 8B tokens)")
+        ax.set_xticks(range(len(designs)), [plot.display(r) for r in designs], rotation=40, ha="right")
+        ax.set(title=f"{title}, L{deep}", ylabel="pairs above threshold (%)")
+        ax.grid(axis="y", alpha=0.3)
+    what = f"{len(designs)} designs at L{deep}"
+    return plot.save(fig, out_path, svg, what, title="Depth use at the deepest shape, each seed a dot (hatched: "
+                     "cross-layer)", legend=(axes[1], axes))
+
+
+FIGURES = [("suite_fig2_loss_vs_ar", fig_suite_loss), ("suite_fig6_depth_use", fig_suite_depth_use)]
+
+
+def main(argv=None):
+    return plot.main(argv, figures=FIGURES, prog="plot_suite.py")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
