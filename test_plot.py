@@ -169,14 +169,14 @@ def test_composition_figure_counts_finished_synthetic_runs(full_dir, tmp_path):
 
 
 def test_imports_without_torch():
-    """plot.py (and plot_suite.py) must work where torch is absent: each imports with torch blocked, and never pulls
-    torch in."""
-    for code in ["import sys; sys.modules['torch'] = None; import plot",  # any 'import torch' would raise
-                 "import sys, plot; assert 'torch' not in sys.modules",
-                 "import sys; sys.modules['torch'] = None; import plot_suite",
-                 "import sys, plot_suite; assert 'torch' not in sys.modules"]:
-        r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
+    """plot.py (and plot_suite.py, plot_telemetry.py) must work where torch is absent: each imports with torch
+    blocked, and never pulls torch in."""
+    for module in ("plot", "plot_suite", "plot_telemetry"):
+        blocked = f"import sys; sys.modules['torch'] = None; import {module}"  # any 'import torch' would raise
+        absent = f"import sys, {module}; assert 'torch' not in sys.modules"
+        for code in (blocked, absent):
+            r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
 
 
 def test_diverged_run_is_marked_not_dropped(full_dir, tmp_path):

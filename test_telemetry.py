@@ -2,7 +2,7 @@
 Tests of telemetry.py and trackers.py (docs/training.md#telemetry): training is bit-identical with and without
 telemetry, every design (an eleventh defined here too) gets its records, known answers of the statistics, the
 TensorBoard events read back with tensorboard's own reader across --resume and a kill, W&B offline, a missing
-package, and plot.py's telemetry figures. CPU only, in-process train.py runs at a tiny shape:
+package, and plot_telemetry.py's figures. CPU only, in-process train.py runs at a tiny shape:
 
     python -m pytest -q test_telemetry.py
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 import plot
+import plot_telemetry
 import telemetry
 import train
 import trackers
@@ -258,7 +259,7 @@ def test_trackers_never_write_a_step_twice():
     assert t.seen == [5, 5, 6]          # steps up to the resumed one skipped; one step may carry several calls
 
 
-# ----------------------------------------------------------------------------- plot.py
+# ----------------------------------------------------------------------------- plot_telemetry.py
 
 def test_plot_draws_the_telemetry_figures(tmp_path, capsys):
     for residual in ("preln", "hc"):
@@ -266,13 +267,13 @@ def test_plot_draws_the_telemetry_figures(tmp_path, capsys):
         assert run_main(args, capsys)[0] == 0
     data, skipped = plot.load_folder(tmp_path / "r")
     assert not skipped and len(data["train"]) == 2
-    out = plot.fig_telemetry_state_rms(data, tmp_path / "f" / "rms.png")
+    out = plot_telemetry.fig_telemetry_state_rms(data, tmp_path / "f" / "rms.png")
     assert out == {"drew": "2 run(s)"} and (tmp_path / "f" / "rms.png").stat().st_size > 0
     (hc,) = [r for r in data["train"] if r["config"]["residual"] == "hc"]
-    series = plot.telemetry_series(hc["telemetry"]["records"])
+    series = plot_telemetry.telemetry_series(hc["telemetry"]["records"])
     assert set(series) == {"state growth: head / embedding RMS", "update / weight, mean over blocks", "erank_mean",
                            "res_from_identity (mean)"}
     assert all(len(v) == 4 for v in series.values())
-    assert "statistic" in plot.fig_telemetry_design(data, tmp_path / "f" / "stats.png")["drew"]
-    assert "skipped" in plot.fig_telemetry_state_rms({"train": []}, tmp_path / "f" / "none.png")
-    assert [name for name, _ in plot.FIGURES][-2:] == ["telemetry_state_rms", "telemetry_statistics"]
+    assert "statistic" in plot_telemetry.fig_telemetry_design(data, tmp_path / "f" / "stats.png")["drew"]
+    assert "skipped" in plot_telemetry.fig_telemetry_state_rms({"train": []}, tmp_path / "f" / "none.png")
+    assert [name for name, _ in plot_telemetry.FIGURES] == ["telemetry_state_rms", "telemetry_statistics"]

@@ -337,11 +337,14 @@ def test_suite_rows_set_shape_steps_and_warmup(argv, row, steps):
 
 
 def test_print_grid_lists_the_paper_sweep(capsys):
-    """--print-grid: every design x row x LR of {5e-4, 1e-3, 2e-3, 5e-3}, LNS also 1e-2 and 2e-2; the 1.6B suite
+    """--print-grid: every one of the paper's ten designs x its seven rows x LR of {5e-4, 1e-3, 2e-3, 5e-3}, LNS
+    also 1e-2 and 2e-2, and the released-only row 7 (L36) for the three designs trained there; the 1.6B suite
     one LR, 5e-4, for every design; filters narrow it."""
     assert train.main(["--suite", "400m", "--print-grid"]) is None
     lines = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
-    assert len(lines) == 10 * 7 * 4 + 2 * 7 and len(set(lines)) == len(lines)
+    assert len(lines) == 10 * 7 * 4 + 2 * 7 + 3 * 4 and len(set(lines)) == len(lines)
+    released = {x.split("--residual ")[1].split()[0] for x in lines if "--row 7 " in x}
+    assert released == {"hc", "mhc", "attnres"}
     assert sum("--residual lns " in x and x.endswith(("--lr 1e-2", "--lr 2e-2")) for x in lines) == 14
     train.main(["--suite", "1.6b", "--print-grid"])
     lines = capsys.readouterr().out.splitlines()
