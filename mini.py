@@ -17,6 +17,7 @@ a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
 """
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import common  # first, before numpy and torch: its excepthook makes a Ctrl-C during the imports one line
 import numpy as np
 
-import common
 import compare
 import data
 from common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
@@ -149,6 +150,7 @@ def job(args, folder, cell, seed, lr):
     if lr:
         argv += ["--lr", format_lr(lr)]
         label += f" lr={format_lr(lr)}"
+    argv.append("--resume")  # a run the suite's Ctrl-C stopped continues from its ckpt.pt (bit-exact), not anew
     return folder, label, argv
 
 
@@ -309,25 +311,45 @@ def run_pool(jobs, n, what, log_dir):
         print(f"[{what}] {len(jobs)} runs, {n} at a time", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     phase, pending, running, failed, took = Progress(what, len(jobs), n, time.time()), list(jobs), {}, [], []
-    while pending or running:
-        while pending and len(running) < n:
-            label, argv = pending.pop(0)
-            path = log_dir / (label.replace(" ", "_").replace("=", "") + ".log")
-            log = open(path, "w")
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running[proc] = (label, log, path, time.time())
-        for proc in [p for p in running if p.poll() is not None]:
-            label, log, path, start = running.pop(proc)
-            log.close()
-            state, seconds = outcome(proc.returncode, path), time.time() - start
-            if state == "FAILED":
-                failed.append(label)
-            if state != "done before":
-                took.append(seconds)
-            done = len(jobs) - len(pending) - len(running)
-            print(progress_line(phase, done, f"{label}: {state} in {seconds:.0f} s", took), flush=True)
-        time.sleep(0.2)
+    try:
+        while pending or running:
+            while pending and len(running) < n:
+                label, argv = pending.pop(0)
+                path = log_dir / (label.replace(" ", "_").replace("=", "") + ".log")
+                log = open(path, "w")
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+                running[proc] = (label, log, path, time.time())
+            for proc in [p for p in running if p.poll() is not None]:
+                label, log, path, start = running.pop(proc)
+                log.close()
+                state, seconds = outcome(proc.returncode, path), time.time() - start
+                if state == "FAILED":
+                    failed.append(label)
+                if state != "done before":
+                    took.append(seconds)
+                done = len(jobs) - len(pending) - len(running)
+                print(progress_line(phase, done, f"{label}: {state} in {seconds:.0f} s", took), flush=True)
+            time.sleep(0.2)
+    except BaseException:  # Ctrl-C, SIGTERM (common.one_line_faults) or a bug: no run is left behind
+        stop_runs(running)
+        raise
     return failed
+
+
+def stop_runs(running, grace=300):
+    """Ask each running train.py to stop (SIGTERM: it saves ckpt.pt after its step, so rerunning the suite resumes
+    it), wait for it up to `grace` seconds, then kill it; close the logs."""
+    for proc in running:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace
+    for proc, (_, log, _, _) in running.items():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 def done_runs(folder):
@@ -660,4 +682,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with common.one_line_faults("mini.py"):  # Ctrl-C or SIGTERM: the running trainings save, then one line
+        sys.exit(main())

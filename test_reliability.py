@@ -610,6 +610,50 @@ def test_ctrl_c_at_start_up(tmp_path):
         assert order == "True\n", name
 
 
+def processes_naming(path):
+    """The command lines of the running processes that name `path` (Linux /proc; one may end while we read)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes()
+        except OSError:
+            continue
+        if str(path).encode() in text:
+            found.append(text.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+@fault("SIGTERM to mini.py alone (not its process group) while its pool trains a run",
+       "the run saves ckpt.pt and stops (train.py's own handler), then one line, exit 143; no train.py outlives the "
+       "suite; the same command again resumes that run from its checkpoint and finishes it")
+def test_sigterm_to_the_mini_suite_stops_its_runs_and_a_rerun_resumes(tmp_path):
+    out = tmp_path / "suite"
+    argv = [sys.executable, "-B", "mini.py", "--probes", "synthetic", "--designs", "preln", "--ar", "9.1", "--seeds",
+            "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", "400", "--jobs", "1", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(argv, cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):  # until the run has taken a few steps
+        logs = list((out / "logs").glob("*.log")) if (out / "logs").is_dir() else []
+        if logs and "step " in logs[0].read_text():
+            break
+        time.sleep(0.1)
+    else:
+        p.kill()
+        pytest.fail("the suite's run never started training")
+    p.send_signal(signal.SIGTERM)
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 143 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("mini.py: interrupted (SIGTERM); what was finished is kept")
+    assert not processes_naming(out), "a train.py of the suite outlived it"
+    (run,) = (out / "synthetic").iterdir()
+    stopped_at = torch.load(run / "ckpt.pt", weights_only=True)["step"]
+    assert 0 < stopped_at < 400 and "interrupted at step" in logs[0].read_text()
+    again = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {run / 'ckpt.pt'} at step {stopped_at}" in logs[0].read_text()
+    assert common.run_state(run) == "finished"
+
+
 @fault("a truncated ckpt.pt", "`<path> (<size> bytes): truncated or not a depthbench checkpoint (...)`, one line")
 def test_a_truncated_checkpoint_names_its_size(tmp_path):
     truncated_checkpoint(tmp_path)
@@ -634,8 +678,7 @@ def test_run_json_is_rebuilt_from_the_checkpoint(tmp_path, capsys):
     assert common.rebuild_run_log(run) is None and (run / "run.json").read_text() == "{"
 
 
-@fault("train.py --resume with run.json cut off and an intact ckpt.pt (needs the integrator's call of "
-       "common.rebuild_run_log in train.py)", "run.json is rebuilt from ckpt.pt's log, the run resumes to the losses "
+@fault("train.py --resume with run.json cut off and an intact ckpt.pt", "run.json is rebuilt from ckpt.pt's log, the run resumes to the losses "
        "of an uninterrupted run")
 def test_resume_rebuilds_a_damaged_run_json(tmp_path, capsys):
     args = [*TINY, "--steps", "4", "--eval-every", "2"]
