@@ -102,7 +102,12 @@ def design_options(name, given=None):
     from residuals import RESIDUALS  # here, not at the top: plot.py imports this module without torch
     opts = {k: (given or {}).get(k, v) for k, v in RESIDUALS[name].options.items()}
     for k, v in opts.items():
-        want = type(RESIDUALS[name].options[k])
+        default = RESIDUALS[name].options[k]
+        if default is None:  # an option that is off unless given (Block AttnRes' block_size): a count, or null
+            if not (v is None or (type(v) is int and v >= 1)):
+                raise ValueError(f"{name}: option {k} must be a positive int or null, got {v!r}")
+            continue
+        want = type(default)
         if type(v) is not want or (want is int and v < 1):
             raise ValueError(f"{name}: option {k} must be a{' positive' if want is int else ''} {want.__name__}, "
                              f"got {v!r}")

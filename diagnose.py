@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-from common import (ArgParser, CheckpointError, check_options, design_options, fail, first_line, hub_unreachable,
-                    json_object, load_checkpoint, pick_device, positive, seed_number, write_json, VAL_SEED)
+from common import (ArgParser, CheckpointError, check_options, comma_list, design_options, fail, first_line,
+                    hub_unreachable, json_object, load_checkpoint, pick_device, positive, seed_number, write_json,
+                    VAL_SEED)
 import official
 import shapes
 import synthetic
@@ -548,11 +549,19 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if (args.checkpoint is None) == (args.init is None):
         p.error("give a checkpoint or --init RESIDUAL (one of them)")
-    todo = set(METRICS) if args.metrics == "all" else {m.strip() for m in args.metrics.split(",") if m.strip()}
-    if not todo or todo - set(METRICS):
-        bad = ", ".join(sorted(todo - set(METRICS))) or "(none)"
+    try:
+        todo = set(comma_list(str)(args.metrics))  # the project's one comma-list parser: an empty item is refused
+    except ValueError:
+        p.error(f"--metrics {args.metrics!r}: an empty item; choose from {', '.join(METRICS)}, all")
+    if todo == {"all"}:
+        todo = set(METRICS)
+    if todo - set(METRICS):
+        bad = ", ".join(sorted(todo - set(METRICS)))
         p.error(f"unknown metric(s) {bad}; choose from {', '.join(METRICS)}, all")
-    tasks = [t.strip() for t in args.nll_tasks.split(",") if t.strip()]
+    try:
+        tasks = comma_list(str)(args.nll_tasks)
+    except ValueError:
+        tasks = []
     if not tasks or set(tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
     try:

@@ -391,8 +391,12 @@ def parse_shapes(p, args):
     if args.shapes:
         if args.params or args.ar:
             p.error("give --shapes or --params/--ar, not both")
-        dims = [re.fullmatch(r"\s*([1-9]\d*)x([1-9]\d*)\s*", t) for t in args.shapes.split(",")]
-        for text, m in zip(args.shapes.split(","), dims):
+        try:
+            texts = comma_list(str)(args.shapes)  # the project's one comma-list parser: an empty item is refused
+        except ValueError:
+            p.error(f"--shapes {args.shapes!r}: an empty item; give shapes LxD like 16x1216,70x640")
+        dims = [re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", t) for t in texts]
+        for text, m in zip(texts, dims):
             if not m:
                 p.error(f"--shapes: {text!r} is not a shape LxD like 16x1216")
         return [(int(m[1]), int(m[2])) for m in dims]
@@ -446,7 +450,12 @@ def build_parser():
 
 def checked_args(p, args):
     """The designs, the shapes [(L, d)] and the device the command line asks for; bad input exits 2."""
-    designs = list(RESIDUALS) if args.residual == "all" else args.residual.split(",")
+    try:
+        designs = comma_list(str)(args.residual)
+    except ValueError:
+        p.error(f"--residual {args.residual!r}: an empty item; 'all' or a comma list of {', '.join(RESIDUALS)}")
+    if designs == ["all"]:
+        designs = list(RESIDUALS)
     for name in designs:
         if name not in RESIDUALS:
             p.error(f"unknown residual {name!r}; choose from all, {', '.join(RESIDUALS)}")

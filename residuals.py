@@ -460,7 +460,7 @@ class BlockAttnRes(PreLN):
     Params: q_k, g_k for k >= 1 and the final pair: 4dL, all decayed. Zero queries = uniform
     weights at init. Cost: at most N + 1 sources per sublayer.
     """
-    options = {"n_groups": 8}   # and `block_size` (GPTConfig.residual_args; None: the n_groups reading)
+    options = {"n_groups": 8, "block_size": None}   # block_size None: the n_groups reading
     act_bytes = (6, 10, 9)
 
     @staticmethod

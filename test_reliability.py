@@ -134,6 +134,12 @@ CASES = [
     ("mini.py", "a trailing comma in --designs", ["--designs", "preln,", "--out", "{tmp}/m"], {}, 2,
      "argument --designs: invalid"),
     ("mini.py", "an empty item in --seeds", ["--seeds", "0,,1", "--out", "{tmp}/m"], {}, 2, "argument --seeds: invalid"),
+    ("diagnose.py", "a trailing comma in --metrics", ["--init", "preln", "--metrics", "angular,", "--out",
+     "{tmp}/d.json"], {}, 2, "--metrics 'angular,': an empty item"),
+    ("profile_gpu.py", "an empty item in --shapes", ["--shapes", "2x64,,4x32", "--analytic-only"], {}, 2,
+     "--shapes '2x64,,4x32': an empty item"),
+    ("profile_gpu.py", "an empty item in --residual", ["--residual", "preln,,hc", "--analytic-only", "--shapes", "2x64"],
+     {}, 2, "--residual 'preln,,hc': an empty item"),
 ]
 
 # ----------------------------------------------------------------------------- issue 31's bad input (own block)
