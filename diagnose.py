@@ -498,7 +498,7 @@ def build_parser():
     p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
                    "checkpoint: hub id, folder with stepN/ folders or a step folder (official.py); or use --init")
     p.add_argument("--step", type=int, help="official checkpoint: the stepN folder (default: the highest)")
-    p.add_argument("--metrics", default="all", help=f"comma list of {', '.join(METRICS)}, or all (default)")
+    p.add_argument("--metrics", type=comma_list(str), default="all", help=f"comma list of {', '.join(METRICS)}, or all (default)")
     p.add_argument("--out", help="output JSON (default: diagnose.json in the checkpoint's folder, or here for --init)")
     g = p.add_argument_group("a fresh model instead of a checkpoint")
     g.add_argument("--init", choices=list(RESIDUALS), help="diagnose a freshly initialised model of this design")
@@ -537,7 +537,7 @@ def build_parser():
     g.add_argument("--eps", type=positive(float), default=1e-8, help="floor of |u_l| in causal ratios (default 1e-8)")
     g = p.add_argument_group("downstream NLL")
     g.add_argument("--nll-data", help="folder of local {task}.jsonl in each dataset's own fields (e.g. fixtures/nll)")
-    g.add_argument("--nll-tasks", default=",".join(NLL_TASKS), help=f"comma list of {', '.join(NLL_TASKS)}")
+    g.add_argument("--nll-tasks", type=comma_list(str), default=",".join(NLL_TASKS), help=f"comma list of {', '.join(NLL_TASKS)}")
     g.add_argument("--nll-limit", type=pos, help="at most this many examples per task (default: all)")
     g.add_argument("--nll-max-len", type=pos, help="context length, left-truncated (default: the run's seq_len)")
     return p
@@ -549,20 +549,14 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if (args.checkpoint is None) == (args.init is None):
         p.error("give a checkpoint or --init RESIDUAL (one of them)")
-    try:
-        todo = set(comma_list(str)(args.metrics))  # the project's one comma-list parser: an empty item is refused
-    except ValueError:
-        p.error(f"--metrics {args.metrics!r}: an empty item; choose from {', '.join(METRICS)}, all")
+    todo = set(args.metrics)  # comma_list: an empty item was refused already
     if todo == {"all"}:
         todo = set(METRICS)
     if todo - set(METRICS):
         bad = ", ".join(sorted(todo - set(METRICS)))
         p.error(f"unknown metric(s) {bad}; choose from {', '.join(METRICS)}, all")
-    try:
-        tasks = comma_list(str)(args.nll_tasks)
-    except ValueError:
-        tasks = []
-    if not tasks or set(tasks) - set(NLL_TASKS):
+    tasks = args.nll_tasks
+    if set(tasks) - set(NLL_TASKS):
         p.error(f"--nll-tasks: choose from {', '.join(NLL_TASKS)}")
     try:
         check_options([args.init] if args.init else list(RESIDUALS), args.residual_args)

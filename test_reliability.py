@@ -135,7 +135,7 @@ CASES = [
      "argument --designs: invalid"),
     ("mini.py", "an empty item in --seeds", ["--seeds", "0,,1", "--out", "{tmp}/m"], {}, 2, "argument --seeds: invalid"),
     ("diagnose.py", "a trailing comma in --metrics", ["--init", "preln", "--metrics", "angular,", "--out",
-     "{tmp}/d.json"], {}, 2, "--metrics 'angular,': an empty item"),
+     "{tmp}/d.json"], {}, 2, "argument --metrics: invalid comma-separated str value"),
     ("profile_gpu.py", "an empty item in --shapes", ["--shapes", "2x64,,4x32", "--analytic-only"], {}, 2,
      "--shapes '2x64,,4x32': an empty item"),
     ("profile_gpu.py", "an empty item in --residual", ["--residual", "preln,,hc", "--analytic-only", "--shapes", "2x64"],
