@@ -12,7 +12,6 @@ import importlib.util
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ import train
 import trackers
 from model import GPT, GPTConfig
 from residuals import RESIDUALS, PreLN
+from test_train import load_run, one_thread, run_main  # noqa: F401 (one_thread: one intra-op thread here too)
 
 # 2 blocks, d=64: 8 sequences of 32 tokens per step in 2 micro-batches, an eval every 2 steps
 TINY = ["--layers", "2", "--params", "100k", "--seq-len", "32", "--global-batch", "8", "--batch-size", "4",
@@ -58,22 +58,6 @@ def setup(monkeypatch):
     monkeypatch.setitem(RESIDUALS, "scaled", Scaled)
     monkeypatch.setenv("WANDB_MODE", "offline")          # never the network, even where a key is set
     monkeypatch.setenv("WANDB_SILENT", "true")
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def run_main(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        train.main(argv)
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
-
-
-def load_run(root):
-    (path,) = Path(root).glob("*/run.json")
-    return json.loads(path.read_text())
 
 
 # ----------------------------------------------------------------------------- training does not notice
