@@ -44,8 +44,6 @@ SCALES = {
 }
 DIAG_METRICS = "causal,perm,pruning"
 PROBES = ("text", "synthetic")
-# --designs all when residuals.py has no PAPER_DESIGNS: the paper's ten, in its order (Pre-LN family, then cross-layer)
-TEN = ("preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda")
 # the synthetic probe's designs with --designs all: it showed nothing at this budget (docs/results.md#synthetic-probe)
 SYNTHETIC_DESIGNS = ("preln", "hc", "attnres")
 
@@ -67,8 +65,8 @@ def design(name):
 
 def paper_designs():
     """The paper's ten designs in its order: residuals.PAPER_DESIGNS (the release's extra baselines are not in it)."""
-    import residuals
-    return list(getattr(residuals, "PAPER_DESIGNS", TEN))
+    from residuals import PAPER_DESIGNS
+    return list(PAPER_DESIGNS)
 
 
 def design_lr(text):
