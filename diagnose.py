@@ -35,6 +35,7 @@ import shapes
 import synthetic
 import windows
 from model import GPT, GPTConfig
+from ops import dead_zone, erank  # the metrics the designs' telemetry shares
 from residuals import RESIDUALS
 
 SCHEMA = "depthbench.diagnose/2"  # 2: R_perm is over the last three quarters (1: over all pairs)
@@ -216,30 +217,12 @@ def angle_sums(states, chunk=1024):
     return out.cpu()
 
 
-def erank(M, squared=False):
-    """Effective rank exp(H(p)) of a matrix, p = sigma / sum(sigma) (Roy & Vetterli), or sigma^2-normalised."""
-    sv = torch.linalg.svdvals(M.double())
-    sv = sv ** 2 if squared else sv
-    p = sv / sv.sum()
-    p = p[p > 0]
-    return math.exp(-(p * p.log()).sum().item())
-
-
 def share_above(M, threshold, L, lo=0):
     """Over the pairs lo <= a < b <= L-1 (0-based blocks): (number of pairs, how many have M[a][b] > threshold,
     their share). R_causal and R_perm use lo = ceil(L/4), the last three quarters; R_perm_all uses lo = 0."""
     pairs = [(a, b) for a in range(lo, L) for b in range(a + 1, L)]
     above = sum(M[a][b] is not None and M[a][b] > threshold for a, b in pairs)
     return len(pairs), above, (above / len(pairs) if pairs else None)
-
-
-def dead_zone(weights, L, tau):
-    """weights: the token-averaged depth-softmax weights of consumers 0..2L (index 0 = the embedding).
-    A sublayer is dead when its mix puts < tau on non-embedding sources; a block when both of its are."""
-    schedule = [1.0 - w[0] for w in weights[:2 * L]]
-    dead = [v < tau for v in schedule]
-    return {"tau": tau, "schedule": schedule, "dead": dead, "head": 1.0 - weights[2 * L][0],
-            "count_sublayers": sum(dead), "count_blocks": sum(dead[2 * b] and dead[2 * b + 1] for b in range(L))}
 
 
 def triangle(M, ok):

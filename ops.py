@@ -2,13 +2,15 @@
 ops.py: the maths the designs share, each written the way its equation reads, in plain PyTorch.
 
 The norm, RoPE and attention of the backbone; HC/mHC's map projection, width and depth connections and mHC's
-Sinkhorn; AttnRes' softmax over depth; MoDA's joint sequence + depth softmax. A function with a `fast` argument
+Sinkhorn; AttnRes' softmax over depth; MoDA's joint sequence + depth softmax; and two measures of depth use
+(erank, dead_zone) that diagnose.py and the designs' telemetry share. A function with a `fast` argument
 has a second body in kernels.py: the same maths in the layouts, fused nodes and hand-written backward passes that
 make it fast (GPTConfig.kernels, --kernels). The body here is the definition; test_all.py checks, for every
 design, that both give the same logits, loss and gradients. Precision, one rule for all designs under bf16
 autocast: the sublayers' matmuls in bf16; the residual state, its mixing and every depth-softmax logit in fp32.
 """
 import functools
+import math
 
 import torch
 import torch.nn as nn
@@ -163,3 +165,23 @@ def depth_mix(query, key_gain, sources, eps=1e-5, fast=False):
     keys = rms_norm(V, key_gain, eps)
     p = (keys @ query).softmax(dim=0)                            # (S, B, T)
     return (p[..., None] * V).sum(0), p.movedim(0, -1)
+
+
+# ------------------------------------------------------------------- measures of depth use (diagnose, telemetry)
+
+def erank(M, squared=False):
+    """Effective rank exp(H(p)) of a matrix, p = sigma / sum(sigma) (Roy & Vetterli), or sigma^2-normalised."""
+    sv = torch.linalg.svdvals(M.double())
+    sv = sv ** 2 if squared else sv
+    p = sv / sv.sum()
+    p = p[p > 0]
+    return math.exp(-(p * p.log()).sum().item())
+
+
+def dead_zone(weights, L, tau):
+    """weights: the token-averaged depth-softmax weights of consumers 0..2L (index 0 = the embedding).
+    A sublayer is dead when its mix puts < tau on non-embedding sources; a block when both of its are."""
+    schedule = [1.0 - w[0] for w in weights[:2 * L]]
+    dead = [v < tau for v in schedule]
+    return {"tau": tau, "schedule": schedule, "dead": dead, "head": 1.0 - weights[2 * L][0],
+            "count_sublayers": sum(dead), "count_blocks": sum(dead[2 * b] and dead[2 * b + 1] for b in range(L))}

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ops import (RMSNorm, depth_connection, depth_mix, depth_slot, normed_projection, rms_norm, sinkhorn,
-                 width_connection)
+from ops import (RMSNorm, dead_zone, depth_connection, depth_mix, depth_slot, erank, normed_projection, rms_norm,
+                 sinkhorn, width_connection)
 
 
 @dataclass(frozen=True)
@@ -354,9 +354,8 @@ class HC(PreLN):
 
     def telemetry(self, rec):
         """Per connector, of its token-averaged stream transport (HC: A_r; mHC: H_res) as [out, in]: the effective
-        rank (diagnose.erank: n for the identity or a permutation, 1 when every stream takes the same mix) and the
+        rank (ops.erank: n for the identity or a permutation, 1 when every stream takes the same mix) and the
         Frobenius distance from the identity (0: the transport never left its init, for gap-8 mHC)."""
-        from diagnose import erank                                  # the one definition, diagnose.py's metric
         transports = [M.double().cpu() for M in rec.get("H_res", [])]
         eye = torch.eye(self.n, dtype=torch.float64)
         ranks = [erank(M) for M in transports]
@@ -563,8 +562,7 @@ class BlockAttnRes(PreLN):
         """Per consumer k = 1 .. 2L (2L: the head's readout), of its token-averaged depth-softmax weights: the entropy
         in nats (log of the number of sources when uniform, as at init; 0 when one source takes all) and the weight
         on the embedding; and the near-dead sublayers, whose mix puts < dead_tau on non-embedding sources
-        (diagnose.dead_zone, Fig. 9; sublayer 0 reads only the embedding, so it always counts)."""
-        from diagnose import dead_zone                              # the one definition, diagnose.py's metric
+        (ops.dead_zone, Fig. 9; sublayer 0 reads only the embedding, so it always counts)."""
         weights = [w.double().cpu() for w in rec.get("attnres_weights", [])]
         entropy = [float(-(p[p > 0] * p[p > 0].log()).sum()) for p in weights]
         zone = dead_zone([[1.0]] + [w.tolist() for w in weights], self.n_layer, self.dead_tau)
