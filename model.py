@@ -139,8 +139,7 @@ class GPT(nn.Module):
         - embedding, W_q, W_k, W_v, W_o, W_1, W_2, W_3, LM head: truncated normal(0, 0.02) at +-3 std
         - then the design may rescale a sublayer (`res.scale_sublayer_init`: DeepNorm's beta on
           v/o/FFN, HC/mHC's 1/sqrt(n) on W_o and W_2, depth-muP's width axis m_N^(-1/2) on all seven);
-          scaling a +-3 std truncated normal by c gives
-          exactly the +-3 (c std) truncated normal
+          scaling a +-3 std truncated normal by c gives exactly the +-3 (c std) truncated normal
         - then the design initialises its own parameters (`res.reset_parameters`: norm gains 1,
           mixing weights, pseudo-queries, MoDA's W_kv)
         """
