@@ -103,19 +103,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """The two sublayers; the residual design `res` (GPT.res) wires them: the state s before block b -> after it."""
+    """The two sublayers; the residual design `res` (GPT.res) wires them: the state s before block b -> after it.
+    `sites` are the design's views of the block's two sublayers (res.sites[2b], res.sites[2b + 1]): the block never
+    sees its index b, so that a compiled block is the same graph at every depth (docs/speed.md#compile)."""
 
     def __init__(self, cfg):
         super().__init__()
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, s, b, res, rope):
-        h, ctx = res.read(s, 2 * b)                           # attention input; ctx: what write needs
+    def forward(self, s, sites, res, rope):
+        attn_site, mlp_site = sites
+        h, ctx = res.read(s, attn_site)                       # attention input; ctx: what write needs
         y, aux = self.attn(h, rope, ctx.get("depth_kv"))      # aux: its pre-RoPE k, v (MoDA caches them)
-        s = res.write(s, 2 * b, y, {**ctx, **aux})
-        h, ctx = res.read(s, 2 * b + 1)                       # MLP input
-        return res.write(s, 2 * b + 1, self.mlp(h), ctx)
+        s = res.write(s, attn_site, y, {**ctx, **aux})
+        h, ctx = res.read(s, mlp_site)                        # MLP input
+        return res.write(s, mlp_site, self.mlp(h), ctx)
 
 
 class GPT(nn.Module):
@@ -128,6 +131,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.res = RESIDUALS[cfg.residual](cfg, **cfg.residual_args)   # owns all norms and mixing
+        self.res.sites = self.res.make_sites()                          # what each sublayer reads (residuals.Site)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
@@ -166,16 +170,18 @@ class GPT(nn.Module):
         rope = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, idx.device)
         rec = {"states": [], "readouts": []} if record else None
         s = self.res.init_stream(self.wte(idx))                    # the design's stream state
+        sites = self.res.sites
         for b, block in enumerate(self.blocks):
             self.observe(s, 2 * b, rec)
             if b == skip:
                 s = self.res.skip(self.res.skip(s, 2 * b), 2 * b + 1)
                 continue
+            pair = (sites[2 * b], sites[2 * b + 1])
             ckpt = self.cfg.checkpoint_blocks and torch.is_grad_enabled()  # keep s only; backward recomputes the block
             if ckpt:
-                s = checkpoint(block, s, b, res=self.res, rope=rope, use_reentrant=False)
+                s = checkpoint(block, s, pair, res=self.res, rope=rope, use_reentrant=False)
             else:
-                s = block(s, b, self.res, rope)
+                s = block(s, pair, self.res, rope)
         self.observe(s, 2 * self.cfg.n_layer, rec)
         z = self.res.collapse(s)                                   # (B, T, D), the final norm included
         self.res.recording = None

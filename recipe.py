@@ -86,6 +86,7 @@ class RunConfig:
     compile: bool                   # torch.compile the model
     kernels: str                    # fast | reference (kernels.py)
     dtype: str                      # "bfloat16 autocast" (CUDA) or "float32"
+    compile_scope: str = "blocks"   # blocks: each block on its own (one graph reused); model: one graph
     stats_every: int = None         # telemetry.py: a record every this many steps as well as at each eval; 0: off
     log_to: str = None              # trackers.py: tensorboard | wandb mirror the log; None: run.json only
     grad_accum: int = None          # micro-steps per optimizer step: global_batch / (batch_size * world_size)
@@ -173,7 +174,8 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
         activation_checkpointing=args.activation_checkpointing, tokens_per_step=tokens_per_step,
         total_tokens=steps * tokens_per_step, eval_every=args.eval_every, eval_iters=args.eval_iters,
         ckpt_every=args.ckpt_every, log_every=args.log_every, out=args.out, device=args.device,
-        compile=args.compile, kernels=args.kernels, dtype=dtype, stats_every=args.stats_every,
+        compile=args.compile, compile_scope=args.compile_scope, kernels=args.kernels, dtype=dtype,
+        stats_every=args.stats_every,
         log_to=args.log_to)
     B = micro_batch(args, cfg, params)
     if args.global_batch % (B * world_size):
@@ -295,6 +297,9 @@ def build_parser():
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on with CUDA, "
         "off on CPU, where it pays only after thousands of steps: docs/speed.md)")
+    add("--compile-scope", choices=["blocks", "model"], default="blocks", help="blocks: compile each block on its "
+        "own, every block reusing one graph, so compile time stays flat in depth; model: the whole forward as one "
+        "graph, compile time growing with depth (docs/speed.md#compile)")
     add("--activation-checkpointing", action="store_true", help="keep only each block's input for the backward, "
         "which recomputes the block: about a third more compute for most of the activation memory")
     add("--fsdp", action="store_true", help="under torchrun: shard weights, gradients and AdamW state over the ranks "

@@ -9,9 +9,10 @@ The interface between model.py and a design (GPT.forward's trunk loop is the who
 
     s = res.init_stream(x0)                  # (B, T, D) embedding -> design-specific stream state
     for every sublayer i = 0 .. 2L-1:
-        h, ctx = res.read(s, i)              # (B, T, D) sublayer input, *including any pre-norm*
+        site = res.sites[i]                  # sublayer i as the design sees it (a Site, below)
+        h, ctx = res.read(s, site)           # (B, T, D) sublayer input, *including any pre-norm*
         y = F_i(h)                           # attention also gets ctx.get("depth_kv") (MoDA)
-        s = res.write(s, i, y, ctx)          # fold y back in, *including any post-norm / mixing*
+        s = res.write(s, site, y, ctx)       # fold y back in, *including any post-norm / mixing*
     z = res.collapse(s)                      # (B, T, D) for the LM head, *including the final norm*
 
 ctx, a dict, is all that travels from read to the same sublayer's write (HC: the mixed streams and
@@ -26,9 +27,18 @@ moves), and `recording`, the dict that `log` fills in a recording forward. On th
 paper_lr_sweep and paper_micro_batch (the 400m recipe), options (constructor options -> defaults, --residual-args)
 and cost(L, d, T, **options) (costs.analytic's extra FLOPs per sequence, residual state per token in units of d).
 
-Rules: every parameter a design creates is used on every forward (DDP needs no find_unused_parameters); per-layer
-constants are Python floats set in __init__ from i and L. Pre-LN is the base class; each design overrides only what
-differs. Shared maths (norms, Sinkhorn, the depth mix) is in ops.py; `self.fast` picks its kernels.py bodies.
+Rules: every parameter a design creates is used on every forward (DDP needs no find_unused_parameters). Pre-LN is the
+base class; each design overrides only what differs. Shared maths (norms, Sinkhorn, the depth mix) is in ops.py;
+`self.fast` picks its kernels.py bodies.
+
+What torch.compile needs from a design (train.py compiles each block on its own, and every block should reuse the
+first block's graph; docs/speed.md#compile): read and write reach sublayer i only through its site, built once by
+`site(i)`: its modules (`site.norm`, `site.post_norm`, `site.conn`, `site.kv_proj`), its per-sublayer constants as
+0-dim tensors (`site.constant`: a Python float would be baked into one graph per value), a row of a parameter
+stacked over sublayers by `site.pick` (an int index is baked in the same way), and flags that take few values
+(`site.first`, `site.mlp`, a design's own). `site.index`, the int i, is for eager code (the diagnostics); read/write
+may use it, at the price of one compiled graph per block. A state whose structure changes from block to block (a
+list that grows: Full AttnRes' sources, MoDA's depth K/V) gets one graph per distinct structure.
 """
 import math
 from dataclasses import dataclass
@@ -38,6 +48,35 @@ import torch.nn as nn
 
 from ops import (RMSNorm, dead_zone, depth_connection, depth_mix, depth_slot, erank, normed_projection, rms_norm,
                  sinkhorn, width_connection)
+
+
+class Site(nn.Module):
+    """Sublayer i as its design's read and write see it: what its equations index by i, gathered once.
+
+    `modules` are the design's own modules of sublayer i (its norm, post-norm, connector...), held by reference,
+    not as submodules: the site adds no parameter and no state_dict key. `constant` adds a per-sublayer number as a
+    0-dim buffer (not saved), `pick` takes row `row` (default i) of a parameter stacked over sublayers. The same
+    class serves every sublayer, so a compiled block sees one structure wherever it sits in depth."""
+
+    def __init__(self, i, row=None, **modules):
+        super().__init__()
+        self.index = i                   # the sublayer index, for eager code only (a compiled graph bakes it in)
+        self.first = i == 0              # the first sublayer (block 0's attention)
+        self.mlp = i % 2 == 1            # an MLP sublayer (else attention; i = 2L: AttnRes' head readout)
+        own_row = i if row is None else row
+        self.register_buffer("row", torch.tensor([own_row]), persistent=False)   # (1,) long: pick's index
+        for name, module in modules.items():
+            object.__setattr__(self, name, module)       # a reference: not registered as a submodule
+
+    def constant(self, name, value):
+        """Add a per-sublayer constant as a 0-dim fp32 buffer (e.g. LNS' scale); returns the site."""
+        self.register_buffer(name, torch.tensor(float(value)), persistent=False)
+        return self
+
+    def pick(self, stacked):
+        """Row `row` of a tensor stacked over sublayers, (S, ...) -> (...), by a tensor index: the same graph for
+        every sublayer (stacked[i] with the int i would compile one per i)."""
+        return stacked.index_select(0, self.row).squeeze(0)
 
 
 @dataclass(frozen=True)
@@ -83,13 +122,21 @@ class PreLN(nn.Module):
         self.norm_f = RMSNorm(cfg.d_model, eps)
         self.recording = None
 
+    def site(self, i):
+        """Sublayer i's Site: what read and write index by i (Pre-LN: its norm). A design with more adds it here."""
+        return Site(i, norm=self.norms[i])
+
+    def make_sites(self):
+        """The sites of sublayers 0 .. 2L-1, in order; GPT keeps them as `res.sites` and hands them to read/write."""
+        return nn.ModuleList(self.site(i) for i in range(self.n_sub))
+
     def init_stream(self, x0):
         return x0
 
-    def read(self, s, i):
-        return self.norms[i](s), {}
+    def read(self, s, site):
+        return site.norm(s), {}
 
-    def write(self, s, i, y, ctx=None):
+    def write(self, s, site, y, ctx=None):
         return s + y
 
     def collapse(self, s):
@@ -120,7 +167,7 @@ class PreLN(nn.Module):
         return {"norm": self.norms[i].weight}
 
     def swap_blocks(self, i, j):
-        """Exchange blocks i and j's per-block constants (Python floats; tensors move via sublayer_params)."""
+        """Exchange blocks i and j's per-block constants (their sites' buffers; parameters move via sublayer_params)."""
 
     def skip(self, s, i):
         """The state when sublayer i is left out (docs/diagnostics.md#interventions): its input, unchanged."""
@@ -155,8 +202,11 @@ class SandwichLN(PreLN):
         super().__init__(cfg)
         self.post_norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(self.n_sub))
 
-    def write(self, s, i, y, ctx=None):
-        return s + self.post_norms[i](y)
+    def site(self, i):
+        return Site(i, norm=self.norms[i], post_norm=self.post_norms[i])
+
+    def write(self, s, site, y, ctx=None):
+        return s + site.post_norm(y)
 
     def sublayer_params(self, i):
         return {**super().sublayer_params(i), "post_norm": self.post_norms[i].weight}
@@ -173,18 +223,21 @@ class LNS(PreLN):
     paper_lr = 1e-2
     paper_lr_sweep = PreLN.paper_lr_sweep + (1e-2, 2e-2)
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.scales = [1.0 / math.sqrt(i // 2 + 1) for i in range(self.n_sub)]
+    def site(self, i):
+        block = i // 2
+        return super().site(i).constant("scale", 1.0 / math.sqrt(block + 1))
 
-    def read(self, s, i):
-        return self.norms[i](s) * self.scales[i], {}
+    def read(self, s, site):
+        return site.norm(s) * site.scale, {}
 
+    @torch.no_grad()
     def swap_blocks(self, i, j):
         """The per-block scale travels with its block, as the reference intends."""
-        sc = self.scales
         for k in (0, 1):
-            sc[2 * i + k], sc[2 * j + k] = sc[2 * j + k], sc[2 * i + k]
+            a, b = self.sites[2 * i + k].scale, self.sites[2 * j + k].scale
+            kept = a.clone()
+            a.copy_(b)
+            b.copy_(kept)
 
 
 class DeepNorm(PreLN):
@@ -205,11 +258,11 @@ class DeepNorm(PreLN):
         self.alpha = (2 * cfg.n_layer) ** 0.25
         self.beta = (8 * cfg.n_layer) ** -0.25
 
-    def read(self, s, i):
+    def read(self, s, site):
         return s, {}
 
-    def write(self, s, i, y, ctx=None):
-        return self.norms[i](self.alpha * s + y)
+    def write(self, s, site, y, ctx=None):
+        return site.norm(self.alpha * s + y)
 
     @torch.no_grad()
     def scale_sublayer_init(self, i, module):
@@ -234,12 +287,17 @@ class KEEL(PreLN):
         super().__init__(cfg)
         # post_norms[i - 1] belongs to sublayer i; sublayer 0 has none
         self.post_norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(self.n_sub - 1))
-        self.alphas = [1.0, 1.0] + [float(self.n_sub)] * (self.n_sub - 2)
 
-    def write(self, s, i, y, ctx=None):
+    def site(self, i):
+        alpha = 1.0 if i < 2 else float(self.n_sub)          # block 0's MLP: Post-LN without alpha
         if i == 0:
+            return super().site(i).constant("alpha", alpha)
+        return Site(i, norm=self.norms[i], post_norm=self.post_norms[i - 1]).constant("alpha", alpha)
+
+    def write(self, s, site, y, ctx=None):
+        if site.first:
             return s + y
-        return self.post_norms[i - 1](self.alphas[i] * s + y)
+        return site.post_norm(site.alpha * s + y)
 
     def sublayer_params(self, i):
         own = super().sublayer_params(i)
@@ -315,9 +373,12 @@ class HC(PreLN):
         conn = {f"conn.{name}": p for name, p in self.conn[i].named_parameters()}
         return {**super().sublayer_params(i), **conn}
 
-    def _maps(self, H, i):
-        """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n_out, n_in) of sublayer i."""
-        c, n = self.conn[i], self.n
+    def site(self, i):
+        return Site(i, norm=self.norms[i], conn=self.conn[i])
+
+    def _maps(self, H, site):
+        """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n_out, n_in) of the site's sublayer."""
+        c, n = site.conn, self.n
         W = torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1)                      # (D, n+2)
         dyn = torch.tanh(normed_projection(H, W, 1e-8, fast=self.fast))                   # (B, T, n, n+2)
         A = c.static_alpha + c.alpha_scale * dyn[..., :n + 1]                             # (B, T, n, n+1)
@@ -328,16 +389,16 @@ class HC(PreLN):
     def init_stream(self, x0):
         return x0.unsqueeze(2).repeat(1, 1, self.n, 1)                                    # (B, T, n, D)
 
-    def read(self, s, i):
-        pre, post, res = self._maps(s, i)
+    def read(self, s, site):
+        pre, post, res = self._maps(s, site)
         if self.recording is not None:
             for key, m in (("H_pre", pre), ("H_post", post), ("H_res", res)):
                 self.log(key, m.mean((0, 1)))                                            # token-averaged
         branch, mixed = width_connection(s, pre, res, fast=self.fast)
-        return self.norms[i](branch), {"post": post, "mixed": mixed}
+        return site.norm(branch), {"post": post, "mixed": mixed}
 
-    def write(self, s, i, y, ctx=None):
-        """h'_o = sum_s H_res[o, s] h_s + H_post[o] y, from what read(s, i) passed on in ctx."""
+    def write(self, s, site, y, ctx=None):
+        """h'_o = sum_s H_res[o, s] h_s + H_post[o] y, from what read(s, site) passed on in ctx."""
         return depth_connection(ctx["mixed"], ctx["post"], y, fast=self.fast)
 
     def collapse(self, s):
@@ -425,8 +486,8 @@ class MHC(HC):
     def no_decay_params(self):
         return [p for c in self.conn for p in (c.b, c.alpha_pre, c.alpha_post, c.alpha_res)]
 
-    def _maps(self, H, i):
-        c, n = self.conn[i], self.n
+    def _maps(self, H, site):
+        c, n = site.conn, self.n
         m = normed_projection(H.flatten(2), c.phi, 1e-6, fast=self.fast)                  # (B, T, n^2 + 2n)
         pre = torch.sigmoid(c.alpha_pre * m[..., :n] + c.b[:n])
         post = 2 * torch.sigmoid(c.alpha_post * m[..., n:2 * n] + c.b[n:2 * n])
@@ -498,6 +559,17 @@ class BlockAttnRes(PreLN):
         self.queries.zero_()
         self.key_gains.fill_(1.0)
 
+    def site(self, k):
+        """Consumer k = 0 .. 2L (2L: the head's readout, normalised with the final norm's gain): its query and key
+        gain are row k - 1; opens_group: k starts a new group (or is the head), so the open sum joins the bank."""
+        norm = self.norms[k] if k < self.n_sub else self.norm_f
+        site = Site(k, row=max(k - 1, 0), norm=norm)
+        site.opens_group = k == 0 or k == self.n_sub or self.group[k] != self.group[k - 1]
+        return site
+
+    def make_sites(self):
+        return nn.ModuleList(self.site(k) for k in range(self.n_sub + 1))
+
     def init_stream(self, x0):
         return [x0], None
 
@@ -524,37 +596,39 @@ class BlockAttnRes(PreLN):
             return self.AfterSkip(s)
         return s
 
-    def _source(self, s, k):
-        """What consumer k >= 1 normalises: its depth mix, or after a skipped block (`skip`) the newest source."""
-        return self.newest(s) if isinstance(s, self.AfterSkip) else self._mix(s, k)
+    def _source(self, s, site):
+        """What the site's consumer normalises: its depth mix, or after a skipped block (`skip`) the newest source."""
+        return self.newest(s) if isinstance(s, self.AfterSkip) else self._mix(s, site)
 
     def readout(self, s, i):
         """The mix of consumer i (block i/2's attention-side query; the final query at i = 2L), normalised with
         the final norm's gain as the model's own readout does."""
-        return rms_norm(s[0][0] if i == 0 else self._source(s, i), self.norm_f.weight, self.eps)
+        return rms_norm(s[0][0] if i == 0 else self._source(s, self.sites[i]), self.norm_f.weight, self.eps)
 
-    def _mix(self, s, k):
-        """Raw (pre-norm) depth mix read by consumer k >= 1, and its weights over the sources."""
+    def _mix(self, s, site):
+        """Raw (pre-norm) depth mix read by the site's consumer k >= 1, and its weights over the sources."""
         done, partial = s
         sources = done if partial is None else done + [partial]
-        mix, p = depth_mix(self.queries[k - 1], self.key_gains[k - 1], sources, self.eps, fast=self.fast)
+        query, key_gain = site.pick(self.queries), site.pick(self.key_gains)
+        mix, p = depth_mix(query, key_gain, sources, self.eps, fast=self.fast)
         if self.recording is not None:
             self.log("attnres_weights", p.mean((0, 1)))                                  # (S,) per consumer
         return mix
 
-    def read(self, s, i):
-        if i == 0:
-            return self.norms[0](s[0][0]), {}
-        return rms_norm(self._source(s, i), self.norms[i].weight, self.eps), {}
+    def read(self, s, site):
+        if site.first:
+            return site.norm(s[0][0]), {}
+        return rms_norm(self._source(s, site), site.norm.weight, self.eps), {}
 
-    def write(self, s, i, y, ctx=None):
+    def write(self, s, site, y, ctx=None):
         done, partial, y = *s, y.float()                           # the bank is residual state: fp32 (ops.py)
-        if partial is None or self.group[i] != self.group[i - 1]:  # the first sublayer, or y starts a new group
+        if partial is None or site.opens_group:                    # the first sublayer, or y starts a new group
             return done + ([] if partial is None else [partial]), y
         return done, partial + y                                   # y joins the open group
 
     def collapse(self, s):
-        return rms_norm(self._source(s, self.n_sub), self.norm_f.weight, self.eps)
+        head = self.sites[self.n_sub]
+        return rms_norm(self._source(s, head), head.norm.weight, self.eps)
 
     dead_tau = 0.05   # telemetry: a consumer is near-dead below this non-embedding weight (diagnose.py --dead-tau)
 
@@ -577,8 +651,8 @@ class BlockAttnRes(PreLN):
             return s[0][0]
         if isinstance(s, self.AfterSkip):
             return self.newest(s)
-        if i == self.n_sub or self.group[i] != self.group[i - 1]:
-            return self._mix(s, i)                                 # (the trunk turns logging off for this)
+        if self.sites[i].opens_group:
+            return self._mix(s, self.sites[i])                     # (the trunk turns logging off for this)
         return self.newest(s)
 
 
@@ -637,6 +711,13 @@ class MoDA(PreLN):
         for lin in self.kv_proj:
             nn.init.trunc_normal_(lin.weight, std=self.init_std, a=-3 * self.init_std, b=3 * self.init_std)
 
+    def site(self, i):
+        """Sublayer i's norm, and for an MLP sublayer with a slot its W_kv (None elsewhere: the last block's MLP
+        writes no slot, attention writes its own k, v)."""
+        block = i // 2
+        kv_proj = self.kv_proj[block] if i % 2 == 1 and block < len(self.kv_proj) else None
+        return Site(i, norm=self.norms[i], kv_proj=kv_proj)
+
     def init_stream(self, x0):
         return x0, [], []
 
@@ -646,24 +727,23 @@ class MoDA(PreLN):
             own["kv_proj"] = self.kv_proj[i // 2].weight
         return own
 
-    def read(self, s, i):
+    def read(self, s, site):
         x, ks, vs = s
-        h = x if self.post else self.norms[i](x)
-        if i % 2 == 1:
+        h = x if self.post else site.norm(x)
+        if site.mlp:
             return h, {"h": h}                                        # the MLP's input: W_kv reads it too
         return h, ({"depth_kv": (ks, vs)} if ks else {})
 
-    def write(self, s, i, y, ctx=None):
+    def write(self, s, site, y, ctx=None):
         x, ks, vs = s
-        x_new = self.norms[i](x + y) if self.post else x + y
-        if i % 2 == 0:                                                # attention: cache its own k, v
+        x_new = site.norm(x + y) if self.post else x + y
+        if not site.mlp:                                              # attention: cache its own k, v
             if self.recording is not None and ctx["depth_share"] is not None:
                 self.log("moda_depth_mass", ctx["depth_share"].mean())
             return x_new, ks + [depth_slot(ctx["k"], self.fast)], vs + [depth_slot(ctx["v"], self.fast)]
-        b = i // 2
-        if b == len(self.kv_proj):                                    # last block: no W_kv
+        if site.kv_proj is None:                                      # last block: no W_kv
             return x_new, ks, vs
-        kv = self.kv_proj[b](ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim))   # (B, T, 2, Hkv, hd)
+        kv = site.kv_proj(ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim))      # (B, T, 2, Hkv, hd)
         kv = kv.permute((2, 0, 3, 1, 4))                                                    # (2, B, Hkv, T, hd)
         return x_new, ks + [depth_slot(kv[0], self.fast)], vs + [depth_slot(kv[1], self.fast)]  # (B, Hkv, T, hd)
 
@@ -702,11 +782,11 @@ class PostLN(PreLN):
     LR: Pre-LN's rule. Cost: nothing beyond the backbone.
     """
 
-    def read(self, s, i):
+    def read(self, s, site):
         return s, {}
 
-    def write(self, s, i, y, ctx=None):
-        return self.norms[i](s + y)
+    def write(self, s, site, y, ctx=None):
+        return site.norm(s + y)
 
 
 class PreLNDepthMuP(PreLN):
@@ -738,7 +818,7 @@ class PreLNDepthMuP(PreLN):
         self.branch_scale = self.m_L ** -self.alpha
         self.head_scale = 1.0 / self.m_N if scaling == "depth_width" else 1.0
 
-    def write(self, s, i, y, ctx=None):
+    def write(self, s, site, y, ctx=None):
         return s + self.branch_scale * y
 
     def collapse(self, s):

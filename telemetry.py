@@ -119,15 +119,15 @@ def sublayer_rms(model, x):
     res, states, outs = model.res, [], []
     read, write = res.read, res.write
 
-    def watched_read(s, i):
+    def watched_read(s, site):
         logging, res.recording = res.recording, None   # a depth state may form a mix that is no part of the forward
-        states.append(rms(res.depth_state(s, i)))
+        states.append(rms(res.depth_state(s, site.index)))
         res.recording = logging
-        return read(s, i)
+        return read(s, site)
 
-    def watched_write(s, i, y, ctx=None):
+    def watched_write(s, site, y, ctx=None):
         outs.append(rms(y))
-        return write(s, i, y, ctx)
+        return write(s, site, y, ctx)
 
     res.read, res.write = watched_read, watched_write
     try:

@@ -268,7 +268,7 @@ def test_deepnorm_block_norm_is_mean_centred():
     """DeepNorm's block norm is a LayerNorm (zero mean per token); its final norm an RMSNorm (not)."""
     model = build("deepnorm")
     s = torch.randn(2, 5, 64) + 3.0
-    out = model.res.write(s, 0, torch.zeros_like(s))
+    out = model.res.write(s, model.res.sites[0], torch.zeros_like(s))
     assert out.mean(-1).abs().max() < 1e-5
     assert model.res.collapse(s).mean(-1).abs().min() > 0.1
 
@@ -276,7 +276,9 @@ def test_deepnorm_block_norm_is_mean_centred():
 def test_lns_scales_count_blocks():
     """LNS multiplies the pre-norm output of both sublayers of block b by 1/sqrt(b+1)."""
     res = build("lns").res
-    assert res.scales == [1.0, 1.0, 1 / math.sqrt(2), 1 / math.sqrt(2), 1 / math.sqrt(3), 1 / math.sqrt(3)]
+    scales = [site.scale.item() for site in res.sites]
+    want = [1.0, 1.0, 1 / math.sqrt(2), 1 / math.sqrt(2), 1 / math.sqrt(3), 1 / math.sqrt(3)]
+    assert scales == pytest.approx(want, rel=1e-7)
 
 
 def test_lns_first_block_equals_preln():
@@ -294,14 +296,15 @@ def test_keel_structure():
     """KEEL: no post-norm after block 0's attention (that sublayer equals Pre-LN), alpha = 2L after block 0."""
     keel = build("keel")
     assert len(keel.res.post_norms) == 2 * 3 - 1
-    assert keel.res.alphas == [1.0, 1.0] + [6.0] * 4
+    assert [site.alpha.item() for site in keel.res.sites] == [1.0, 1.0] + [6.0] * 4
     pre = build("preln")
     pre.load_state_dict(keel.state_dict(), strict=False)
     s, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
-    torch.testing.assert_close(keel.res.write(s, 0, y), pre.res.write(s, 0, y))
-    torch.testing.assert_close(keel.res.read(s, 0)[0], pre.res.read(s, 0)[0])
+    first, first_pre = keel.res.sites[0], pre.res.sites[0]
+    torch.testing.assert_close(keel.res.write(s, first, y), pre.res.write(s, first_pre, y))
+    torch.testing.assert_close(keel.res.read(s, first)[0], pre.res.read(s, first_pre)[0])
     # later sublayers: RMSNorm(alpha * s + y) has unit RMS per token (gains are 1)
-    out = keel.res.write(s, 3, y)
+    out = keel.res.write(s, keel.res.sites[3], y)
     torch.testing.assert_close(out.pow(2).mean(-1), torch.ones(2, 5), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, torch.nn.functional.rms_norm(6.0 * s + y, (64,), eps=1e-6), rtol=1e-5, atol=1e-5)
 
@@ -310,7 +313,8 @@ def test_sandwich_normalises_the_branch_output():
     """Sandwich-LN adds RMSNorm(y), so scaling the branch output by 100 changes nothing."""
     res = build("sandwich").res
     s, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
-    torch.testing.assert_close(res.write(s, 2, y), res.write(s, 2, 100 * y), rtol=1e-5, atol=1e-5)
+    site = res.sites[2]
+    torch.testing.assert_close(res.write(s, site, y), res.write(s, site, 100 * y), rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the five cross-layer designs
@@ -603,8 +607,8 @@ def test_hc_older_readings_equal_their_definitions_on_hand_made_streams():
     with torch.no_grad():
         for c in res.conn:                                       # a residual transport far from the identity
             c.static_alpha.add_(torch.randn(c.static_alpha.shape, generator=g))
-        _, ctx = res.read(H, 1)
-        torch.testing.assert_close(res.write(H, 1, y, ctx), H + ctx["post"][..., None] * y[..., None, :])
+        _, ctx = res.read(H, res.sites[1])
+        torch.testing.assert_close(res.write(H, res.sites[1], y, ctx), H + ctx["post"][..., None] * y[..., None, :])
 
 
 def test_moda_depth_path_sends_gradient_to_earlier_layers():
@@ -832,7 +836,7 @@ def test_one_precision_rule_under_bf16_autocast(residual, kernels):
     being attention's own keys and values) and every softmax input stays fp32; the loss stays near fp32's."""
     model, x = build(residual, kernels=kernels, **KERNEL_SHAPES["gqa"]), batch()
     states, write = [], model.res.write
-    model.res.write = lambda s, i, y, ctx=None: states.append(write(s, i, y, ctx)) or states[-1]
+    model.res.write = lambda s, site, y, ctx=None: states.append(write(s, site, y, ctx)) or states[-1]
     with torch.autocast("cpu", dtype=torch.bfloat16), SoftmaxInputs() as soft:
         loss = model(x, x)[1]
     loss.backward()

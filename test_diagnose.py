@@ -112,8 +112,9 @@ def test_block_attnres_skip_keeps_the_open_group_across_a_boundary():
 
     def sublayer(s, i):
         f = model.blocks[i // 2].attn if i % 2 == 0 else model.blocks[i // 2].mlp
-        y = f(res.read(s, i)[0], rope)[0] if i % 2 == 0 else f(res.read(s, i)[0])
-        return res.write(s, i, y)
+        site = res.sites[i]
+        y = f(res.read(s, site)[0], rope)[0] if i % 2 == 0 else f(res.read(s, site)[0])
+        return res.write(s, site, y)
 
     with torch.no_grad():
         s = sublayer(sublayer(res.init_stream(model.wte(x)), 0), 1)
@@ -134,8 +135,9 @@ def test_attnres_next_output_rule():
     with torch.no_grad():
         s = model.res.init_stream(model.wte(x))
         rope = rope_cos_sin(x.size(1), model.cfg.head_dim, model.cfg.rope_theta, x.device)
-        s = model.res.write(s, 0, model.blocks[0].attn(model.res.read(s, 0)[0], rope)[0])
-        mlp0 = model.blocks[0].mlp(model.res.read(s, 1)[0])
+        attn0, mlp0_site = model.res.sites[0], model.res.sites[1]
+        s = model.res.write(s, attn0, model.blocks[0].attn(model.res.read(s, attn0)[0], rope)[0])
+        mlp0 = model.blocks[0].mlp(model.res.read(s, mlp0_site)[0])
         _, states, _ = trunk(model, x, skip=1)
     assert torch.allclose(states[2], mlp0, atol=1e-6)
 
@@ -197,7 +199,7 @@ def test_a_swap_moves_the_residuals_own_tensors_once(residual):
     old = [{k: t.clone() for k, t in dg.block_tensors(model, b).items()} for b in (0, 1)]
     own = [k for k in old[0] if not k.startswith("block.") and k in old[1]]
     assert own, "the design owns tensors per block"
-    scales = list(getattr(model.res, "scales", []))
+    scales = [float(getattr(site, "scale", 0.0)) for site in model.res.sites]
     dg.swap_blocks(model, 0, 1)
     new = [dg.block_tensors(model, b) for b in (0, 1)]
     for k in old[0]:
@@ -206,7 +208,7 @@ def test_a_swap_moves_the_residuals_own_tensors_once(residual):
         else:  # no partner (KEEL block 0 has no attention post-norm): stays
             assert torch.equal(new[0][k], old[0][k]), k
     if residual == "lns":
-        assert model.res.scales[:4] == scales[2:4] + scales[:2]
+        assert [float(site.scale) for site in model.res.sites[:4]] == scales[2:4] + scales[:2]
 
 
 def test_a_tensor_under_two_names_is_swapped_once(monkeypatch):

@@ -40,8 +40,8 @@ class Scaled(PreLN):
         super().reset_parameters()
         self.a.fill_(self.a0)
 
-    def write(self, s, i, y, aux=None):
-        return s + self.a[i] * y
+    def write(self, s, site, y, aux=None):
+        return s + site.pick(self.a) * y
 
     def sublayer_params(self, i):
         return {**super().sublayer_params(i), "a": self.a[i]}

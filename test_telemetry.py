@@ -46,8 +46,8 @@ class Scaled(PreLN):
         super().reset_parameters()
         self.a.fill_(1.0)
 
-    def write(self, s, i, y, ctx=None):
-        return s + self.a[i] * y
+    def write(self, s, site, y, ctx=None):
+        return s + site.pick(self.a) * y
 
     def telemetry(self, rec):
         return {"a": self.a.tolist()}

@@ -136,7 +136,7 @@ class Run:
     model: GPT                  # the plain module: what ckpt.pt saves (no DDP/compile prefixes); FSDP2-sharded if fsdp
     param_shapes: dict          # FSDP2: each parameter's shape before sharding (ckpt.pt keeps those); None without
     optimizer: torch.optim.Optimizer  # AdamW over model.param_groups
-    compiled: torch.nn.Module   # torch.compile(model), or model itself (--no-compile)
+    compiled: torch.nn.Module   # what compile_model returned, or model itself (--no-compile)
     trained: torch.nn.Module    # what the training step calls: DDP(compiled) under torchrun without FSDP, else compiled
     autocast: object            # bf16 autocast on CUDA; a null context on CPU (fp32)
     log: dict                   # run.json: config, params, steps, evals, final, flags, wall time, memory peak
@@ -213,9 +213,31 @@ def new_log(cfg, model, ranks):
             "device": ranks.device_name, "versions": versions()}
 
 
+def compile_model(model, scope, backend="inductor"):
+    """torch.compile by scope (docs/speed.md#compile) -> the module to call.
+
+    "blocks": each block is compiled on its own, in place. A block reaches its design only through its two sites
+    (residuals.Site), so every block reuses the first one's graph and compile time does not grow with depth (a
+    design whose state grows with depth, Full AttnRes and MoDA, gets one graph per block); the embedding, the head
+    and the loss run eager. "model": the whole forward as one graph, inductor fusing across blocks; its compile
+    time grows with depth. backend: torch.compile's ("eager" traces without code generation: the tests count graphs)."""
+    if scope == "model":
+        return torch.compile(model, backend=backend)
+    # every block variant (training, eval under no_grad, a growing state's lengths) compiles; none falls back to
+    # eager because a limit was reached (dynamo's default allows 8 graphs per code object, and all blocks share one)
+    limit = 4 * len(model.blocks) + 8
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):              # the names changed across PyTorch versions
+            setattr(config, name, max(getattr(config, name), limit))
+    for block in model.blocks:
+        block.compile(dynamic=False, backend=backend)
+    return model
+
+
 def wrapped(model, cfg, ranks):
     """(compiled, trained): torch.compile'd or not, then DDP under torchrun (not FSDP2: sharded already)."""
-    compiled = torch.compile(model) if cfg.compile else model
+    compiled = compile_model(model, cfg.compile_scope) if cfg.compile else model
     if not ranks.ddp or cfg.fsdp:
         return compiled, compiled
     cuda = ranks.device.startswith("cuda")
@@ -358,7 +380,8 @@ def describe_device(run):
     if run.peak_flops:
         source = "bf16 table" if cuda else "measured fp32 matmul"
         peak = f"{run.peak_flops / 1e12:.3g} TFLOP/s ({source})"
-    print0(f"device     {run.ranks.device_name}{threads}, {cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
+    compiled = f"on ({cfg.compile_scope or 'blocks'})" if cfg.compile else "off"
+    print0(f"device     {run.ranks.device_name}{threads}, {cfg.dtype}, compile {compiled}"
            f", {cfg.kernels} kernels, world size {run.ranks.world_size}{engine_name(run)}{recompute}"
            f"; MFU from {run.flops_per_token:.3g} FLOPs/token and a peak of {peak}")
     plan = memory_plan(cfg, run.log["params"]["total"], cuda)["total"]
