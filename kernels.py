@@ -39,7 +39,7 @@ def causal_attention(q, k, v):
     return o[..., :hd] if pad > 0 else o
 
 
-def joint_attention(q, k, v, depth_k, depth_v):
+def joint_attention(q, k, v, depth_k, depth_v, valid=None):
     """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
 
     The depth half (S keys per token) is `DepthAttention`, in fp32. The sequence half goes through the fused SDPA
@@ -47,12 +47,13 @@ def joint_attention(q, k, v, depth_k, depth_v):
     holding lse_depth / scale against a sink key with 1s there give the sink exactly the logit log Z_depth, and
     a 1 in an extra value channel reads out its share Z_depth / (Z_seq + Z_depth). Under bf16 the logit rides
     in two coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy first query lets SDPA's top-left
-    causal mask show every query the sink (key 0) and the sequence keys up to itself."""
+    causal mask show every query the sink (key 0) and the sequence keys up to itself. valid (S,) bool or None: the
+    depth slots that take part (at least one)."""
     B, H, T, hd = q.shape
     Hkv, scale = k.size(1), hd ** -0.5
     qg = q.unflatten(1, (Hkv, H // Hkv)).float()  # (B, Hkv, G, T, hd): query heads grouped by their kv head
     with torch.autocast(q.device.type, enabled=False):
-        o_depth, lse = DepthAttention.apply(scale, len(depth_k), qg, *(t[:, :, None] for t in depth_k + depth_v))
+        o_depth, lse = DepthAttention.apply(scale, valid, qg, *(t[:, :, None] for t in depth_k + depth_v))
     o_depth, lse = o_depth.flatten(1, 2), lse.flatten(1, 2) / scale                # (B, H, T, hd), (B, H, T)
     # extra coordinates: two are enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU up to the padded width
     pad = 8 if q.is_cuda else max(2, CPU_SDPA_MIN_HEAD_DIM - hd)
@@ -170,15 +171,16 @@ class Sinkhorn(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- AttnRes
 
-def depth_mix(query, key_gain, sources, eps):
+def depth_mix(query, key_gain, sources, eps, valid=None):
     """The mix as one node (`DepthMix`), each source's 1/rms formed inside it, in fp32 from sources kept as they are
     (fp32 copies saved per consumer would hold O(L^2) of them under bf16 autocast). Without grad (evals, diagnostics)
-    the same loop runs outside the node: torch.compile (2.13) misreads the node's arguments when none needs one."""
+    the same loop runs outside the node: torch.compile (2.13) misreads the node's arguments when none needs one.
+    valid (S,) bool or None: the sources that take part; the others get p_j = 0 (and a zero gradient)."""
     gq = key_gain.float() * query.float()
     if torch.is_grad_enabled():
-        mix, p = DepthMix.apply(gq, eps, *sources)
+        mix, p = DepthMix.apply(gq, eps, valid, *sources)
     else:
-        mix, p = DepthMix.mix(gq, eps, [v.float() for v in sources])[:2]
+        mix, p = DepthMix.mix(gq, eps, valid, [v.float() for v in sources])[:2]
         p = p.movedim(0, -1)
     return mix.to(sources[0].dtype), p
 
@@ -192,18 +194,19 @@ class DepthMix(torch.autograd.Function):
     vectors, source-major so that each is contiguous; the norm's gradient joins dv_j in the same pass."""
 
     @staticmethod
-    def mix(gq, eps, sources):
+    def mix(gq, eps, valid, sources):
         r = torch.stack([inv_rms(v, eps) for v in sources])
         s = torch.stack([v @ gq for v in sources]) * r                                    # (S, B, T)
-        p = s.softmax(dim=0)
+        logits = s if valid is None else s.masked_fill(~valid[:, None, None], float("-inf"))
+        p = logits.softmax(dim=0)                             # s itself, unmasked, is what the norm's gradient reads
         mix = torch.zeros_like(sources[0])
         for pj, v in zip(p, sources):
             mix.addcmul_(pj[..., None], v)
         return mix, p, r, s
 
     @staticmethod
-    def forward(ctx, gq, eps, *kept):
-        mix, p, r, s = DepthMix.mix(gq, eps, [v.float() for v in kept])
+    def forward(ctx, gq, eps, valid, *kept):
+        mix, p, r, s = DepthMix.mix(gq, eps, valid, [v.float() for v in kept])
         ctx.save_for_backward(gq, p, r, s, *kept)
         return mix, p.movedim(0, -1)
 
@@ -218,7 +221,7 @@ class DepthMix(torch.autograd.Function):
         for v, pj, aj, cj in zip(sources, p, a, c):
             grads.append((pj[..., None] * dmix).addcmul_(aj[..., None], gq).addcmul_(cj[..., None], v))
             dgq += aj.flatten() @ v.flatten(0, -2)
-        return dgq, None, *grads
+        return dgq, None, None, *grads
 
 
 # ----------------------------------------------------------------------------- MoDA
@@ -238,10 +241,13 @@ class DepthAttention(torch.autograd.Function):
     It computes in q's dtype (joint_attention gives it fp32): bf16 slots are read as fp32."""
 
     @staticmethod
-    def forward(ctx, scale, S, q, *kv):
+    def forward(ctx, scale, valid, q, *kv):
+        S = len(kv) // 2
         qt = q.transpose(-1, -2).contiguous()                                            # (B, Hkv, G, hd, T)
         kts, vts = [t.transpose(-1, -2).to(q.dtype) for t in kv[:S]], [t.transpose(-1, -2).to(q.dtype) for t in kv[S:]]
         logits = torch.stack([torch.linalg.vecdot(qt, kt, dim=-2) for kt in kts]).float() * scale  # (S, B, Hkv, G, T)
+        if valid is not None:                                                            # padding slots: p_j = 0
+            logits = logits.masked_fill(~valid.view(S, 1, 1, 1, 1), float("-inf"))
         lse = logits.logsumexp(dim=0)
         p = torch.exp(logits - lse)
         ot = torch.zeros_like(qt)

@@ -61,9 +61,9 @@ class Attention(nn.Module):
     map d -> n_kv_head * head_dim and query head h reads kv head h // (n_head / n_kv_head), the same maths as MHA
     whose k/v heads are copies). No norm inside.
 
-    `depth_kv` is the one door into attention, used only by MoDA (residuals.py): lists (keys, values), each
-    (B, n_kv_head, T, hd), of earlier sublayers at the same token, which join the causal keys in one softmax
-    (`ops.joint_attention`). Returns (y, aux): aux holds this layer's *pre-RoPE* k and v, (B, n_kv_head, T, hd)
+    `depth_kv` is the one door into attention, used only by MoDA (residuals.py): (keys, values, valid), lists of
+    S slots (B, n_kv_head, T, hd) that earlier sublayers left at the same token and the (S,) bool mask of the slots
+    in use, which join the causal keys in one softmax (`ops.joint_attention`). Returns (y, aux): aux holds this layer's *pre-RoPE* k and v, (B, n_kv_head, T, hd)
     each, which MoDA caches for later layers, and MoDA's depth-attention share."""
 
     def __init__(self, cfg):
@@ -83,8 +83,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)           # (B, Hkv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         qr, kr = (apply_rope(t, *rope, fast=self.fast) for t in (q, k))
-        o, share = (causal_attention(qr, kr, v, fast=self.fast), None) if depth_kv is None else \
-            joint_attention(qr, kr, v, *depth_kv, fast=self.fast)
+        if depth_kv is None:
+            o, share = causal_attention(qr, kr, v, fast=self.fast), None
+        else:
+            depth_k, depth_v, valid = depth_kv
+            o, share = joint_attention(qr, kr, v, depth_k, depth_v, fast=self.fast, valid=valid)
         y = self.wo(o.transpose(1, 2).reshape(B, T, -1))                                   # (B, T, d)
         return y, {"k": k, "v": v, "depth_share": share}
 

@@ -86,7 +86,7 @@ def depth_slot(t, fast=False):
     return kernels.depth_slot(t) if fast else t
 
 
-def joint_attention(q, k, v, depth_k, depth_v, fast=False):
+def joint_attention(q, k, v, depth_k, depth_v, fast=False, valid=None):
     """MoDA's attention: one softmax per query over its causal sequence logits *and* the logits of the S
     depth keys that earlier sublayers left at the query's own token:
 
@@ -94,16 +94,19 @@ def joint_attention(q, k, v, depth_k, depth_v, fast=False):
         o_t = sum_s a_s v_s + sum_j a_j dv_j,t
 
     q (B, H, T, hd), k, v (B, Hkv, T, hd) the sequence part (GQA as causal_attention); depth_k, depth_v:
-    lists of S tensors (B, Hkv, T, hd). Returns o (B, H, T, hd) and the depth share sum_j a_j (B, H, T),
-    detached, for diagnostics."""
+    lists of S tensors (B, Hkv, T, hd); valid: None, or (S,) bool marking the slots that take part (the others,
+    padding of a fixed-length window, get a_j = 0; at least one must be valid). Returns o (B, H, T, hd) and the
+    depth share sum_j a_j (B, H, T), detached, for diagnostics."""
     if fast:
-        return kernels.joint_attention(q, k, v, depth_k=depth_k, depth_v=depth_v)
+        return kernels.joint_attention(q, k, v, depth_k=depth_k, depth_v=depth_v, valid=valid)
     T, G, scale = q.size(2), q.size(1) // k.size(1), q.size(-1) ** -0.5
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)          # (B, H, T, hd)
     dk, dv = (torch.stack(ts, dim=3).repeat_interleave(G, dim=1) for ts in (depth_k, depth_v))  # (B, H, T, S, hd)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     seq = (q @ k.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))  # (B, H, T, T), as attention's
     depth = (q.float()[..., None, :] * dk.float()).sum(-1) * scale             # (B, H, T, S), in fp32
+    if valid is not None:
+        depth = depth.masked_fill(~valid, float("-inf"))
     a = torch.cat([seq.float(), depth], dim=-1).softmax(dim=-1)
     o = a[..., :T].to(v.dtype) @ v + (a[..., T:, None] * dv.float()).sum(-2)
     return o, a[..., T:].sum(-1).detach()
@@ -152,18 +155,22 @@ def sinkhorn(logits, iters=20, eps=1e-6, fast=False):
 # ----------------------------------------------------------------------------- AttnRes
 
 @fp32
-def depth_mix(query, key_gain, sources, eps=1e-5, fast=False):
+def depth_mix(query, key_gain, sources, eps=1e-5, fast=False, valid=None):
     """AttnRes' softmax over depth for one consumer, Kimi's eq. 2: keys are the RMS-normalised sources with the
     consumer's gain, the query is a learnt vector (scale 1), the values are the raw sources:
 
         p_j = softmax_j <query, key_gain * RMSNorm(v_j)>,   mix = sum_j p_j v_j
 
-    sources: S tensors (B, T, D); logits and softmax in fp32. Returns mix (B, T, D), p (B, T, S)."""
+    sources: S tensors (B, T, D); logits and softmax in fp32. valid: None, or (S,) bool marking the sources that
+    take part (the others, padding of a fixed-length bank, get p_j = 0). Returns mix (B, T, D), p (B, T, S)."""
     if fast:
-        return kernels.depth_mix(query, key_gain, sources, eps)
+        return kernels.depth_mix(query, key_gain, sources, eps, valid)
     V = torch.stack(sources).float()                             # (S, B, T, D)
     keys = rms_norm(V, key_gain, eps)
-    p = (keys @ query).softmax(dim=0)                            # (S, B, T)
+    logits = keys @ query                                        # (S, B, T)
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, None], float("-inf"))
+    p = logits.softmax(dim=0)
     return (p[..., None] * V).sum(0), p.movedim(0, -1)
 
 

@@ -79,6 +79,27 @@ class Site(nn.Module):
         return stacked.index_select(0, self.row).squeeze(0)
 
 
+def padded_window(zero, n, grad, last=None):
+    """A fixed-length window of n entries, oldest first, that a growing state fills one push at a time: n zero tensors
+    like `zero`, the last replaced by `last` if given; and its (n,) bool `valid` mask. The window keeps its length,
+    so every block that reads it sees the same structure (torch.compile: one graph). The zeros require grad where
+    the real entries will (`grad`), so that the pattern of flags does not shift from block to block either (a
+    compiled block would recompile); inside a whole-model graph (torch.compile of the trunk) no flag is needed,
+    nor may one be set."""
+    flag = grad and not torch.compiler.is_compiling()
+    window = [torch.zeros_like(zero).requires_grad_(flag) for _ in range(n)]
+    valid = torch.zeros(n, dtype=torch.bool, device=zero.device)
+    if last is not None:
+        window[-1] = last
+        valid[-1] = True
+    return window, valid
+
+
+def pushed(valid):
+    """A window's valid mask after one push: the oldest entry leaves, a valid one joins at the end."""
+    return torch.cat([valid[1:], valid.new_ones(1)])
+
+
 @dataclass(frozen=True)
 class OptimRule:
     """AdamW multipliers for the parameters of one role (GPT.param_groups; docs/designs.md#recipe)."""
@@ -516,9 +537,12 @@ class BlockAttnRes(PreLN):
         u_k = RMSNorm_k( sum_j p_j v_j )            (the sublayer's pre-norm gain, eps 1e-5)
     Sublayer 0 reads RMSNorm_0(e). The head reads the same mix with a final query over all groups,
     normalised with the final norm's gain (eps 1e-5); it replaces the usual final norm.
-    State: (completed sources [e, G_0, ...], partial sum of the current group or None).
+    State: (bank, valid, partial): the completed sources [e, G_0, ...] in a bank of N slots, oldest first, padded
+    at the front with zero slots that `valid` (N,) marks unused and the mix leaves out (p_j = 0), and the partial
+    sum of the current group (None before sublayer 0 writes). The fixed length keeps every block's structure the
+    same for torch.compile; the price is that every mix runs over N + 1 slots.
     Params: q_k, g_k for k >= 1 and the final pair: 4dL, all decayed. Zero queries = uniform
-    weights at init. Cost: at most N + 1 sources per sublayer.
+    weights at init. Cost: N + 1 sources per sublayer.
     """
     options = {"n_groups": 8, "block_size": None}   # block_size None: the n_groups reading
     act_bytes = (6, 10, 9)
@@ -539,7 +563,8 @@ class BlockAttnRes(PreLN):
     def cost(cls, L, d, T, n_groups=8, block_size=None, **options):
         """4 FLOPs per source and channel of every depth mix (score dot 2, weighted sum 2), over all its sources:
         sublayer k >= 1 reads the embedding and every group touched so far, g(k-1) + 2, and the head the embedding
-        and all N groups (Full AttnRes, N = 2L: 2L^2 + 3L in all); the state: N + 1 sources."""
+        and all N groups (Full AttnRes, N = 2L: 2L^2 + 3L in all); the state: N + 1 sources. The design's work: the
+        bank's unused slots, which the mix also runs over (up to ~2x at Full AttnRes), are not counted."""
         g = cls.groups(2 * L, n_groups, block_size)
         N = g[-1] + 1
         return 4 * d * (sum(g[k - 1] + 2 for k in range(1, 2 * L)) + N + 1) * T, N + 1
@@ -571,7 +596,8 @@ class BlockAttnRes(PreLN):
         return nn.ModuleList(self.site(k) for k in range(self.n_sub + 1))
 
     def init_stream(self, x0):
-        return [x0], None
+        bank, valid = padded_window(x0, self.n_groups, x0.requires_grad, last=x0)   # e, N - 1 slots for groups
+        return bank, valid, None
 
     def sublayer_params(self, i):
         # row i: consumer i + 1, the first mix to read sublayer i's output. Block b owns its MLP-side mixer (row 2b)
@@ -579,13 +605,13 @@ class BlockAttnRes(PreLN):
         return {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
 
     class AfterSkip(tuple):
-        """A state (done, partial) marked by `skip`: its next consumer reads the newest source, not a mix."""
+        """A state (bank, valid, partial) marked by `skip`: its next consumer reads the newest source, not a mix."""
 
     @staticmethod
     def newest(s):
-        """The newest source of the bank: the current group's partial sum, else the last completed one."""
-        done, partial = s
-        return done[-1] if partial is None else partial
+        """The newest source: the current group's partial sum, else the last completed one (at first the embedding)."""
+        bank, valid, partial = s
+        return bank[-1] if partial is None else partial
 
     def skip(self, s, i):
         """A skipped block returns its inputs unchanged, as the reference's skip_block: nothing joins the bank,
@@ -603,28 +629,32 @@ class BlockAttnRes(PreLN):
     def readout(self, s, i):
         """The mix of consumer i (block i/2's attention-side query; the final query at i = 2L), normalised with
         the final norm's gain as the model's own readout does."""
-        return rms_norm(s[0][0] if i == 0 else self._source(s, self.sites[i]), self.norm_f.weight, self.eps)
+        return rms_norm(self.newest(s) if i == 0 else self._source(s, self.sites[i]), self.norm_f.weight, self.eps)
 
     def _mix(self, s, site):
         """Raw (pre-norm) depth mix read by the site's consumer k >= 1, and its weights over the sources."""
-        done, partial = s
-        sources = done if partial is None else done + [partial]
+        sources, valid, partial = s
+        if partial is not None:                                    # (None only where block 0 was skipped)
+            sources, valid = sources + [partial], torch.cat([valid, valid.new_ones(1)])
         query, key_gain = site.pick(self.queries), site.pick(self.key_gains)
-        mix, p = depth_mix(query, key_gain, sources, self.eps, fast=self.fast)
-        if self.recording is not None:
-            self.log("attnres_weights", p.mean((0, 1)))                                  # (S,) per consumer
+        mix, p = depth_mix(query, key_gain, sources, self.eps, fast=self.fast, valid=valid)
+        if self.recording is not None:                             # (S,) per consumer, over the sources in use
+            self.log("attnres_weights", p.mean((0, 1))[valid])
         return mix
 
     def read(self, s, site):
         if site.first:
-            return site.norm(s[0][0]), {}
+            return site.norm(self.newest(s)), {}                   # the embedding
         return rms_norm(self._source(s, site), site.norm.weight, self.eps), {}
 
     def write(self, s, site, y, ctx=None):
-        done, partial, y = *s, y.float()                           # the bank is residual state: fp32 (ops.py)
-        if partial is None or site.opens_group:                    # the first sublayer, or y starts a new group
-            return done + ([] if partial is None else [partial]), y
-        return done, partial + y                                   # y joins the open group
+        bank, valid, partial = s
+        y = y.float()                                              # the bank is residual state: fp32 (ops.py)
+        if partial is None:                                        # the first sublayer: y opens group 0
+            return bank, valid, y
+        if site.opens_group:                                       # the open group is complete: it joins the bank
+            return bank[1:] + [partial], pushed(valid), y
+        return bank, valid, partial + y                            # y joins the open group
 
     def collapse(self, s):
         head = self.sites[self.n_sub]
@@ -648,7 +678,7 @@ class BlockAttnRes(PreLN):
         else the running partial sum, the "block output" inside a group (docs/diagnostics.md#depth-states);
         after a skipped block (`skip`), or where no partial sum began yet, the newest source."""
         if i == 0:
-            return s[0][0]
+            return self.newest(s)                                  # the embedding
         if isinstance(s, self.AfterSkip):
             return self.newest(s)
         if self.sites[i].opens_group:
@@ -680,7 +710,10 @@ class MoDA(PreLN):
         for every block but the last (nothing would read it).
     The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
     the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
-    State: (x (B, T, D), depth keys, depth values): lists of (B, H_kv, T, hd), one per slot.
+    State: (x (B, T, D), depth keys, depth values, valid): the keys and values in a window of 2L - 1 slots
+    (B, H_kv, T, hd), oldest first, padded at the front with zero slots that `valid` (2L - 1,) marks unused and the
+    softmax leaves out. The fixed length keeps every block's structure the same for torch.compile; the price is
+    that every attention but block 0's runs over 2L - 1 depth slots.
     Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed) on blocks 0 .. L-2: 2 d H_kv hd (L - 1), +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
     This is the only design that reaches into attention, through `depth_kv` in its signature.
@@ -719,7 +752,17 @@ class MoDA(PreLN):
         return Site(i, norm=self.norms[i], kv_proj=kv_proj)
 
     def init_stream(self, x0):
-        return x0, [], []
+        B, T = x0.shape[:2]
+        empty = depth_slot(x0.new_zeros(B, self.n_kv_head, T, self.head_dim), self.fast)
+        n_slots = self.n_sub - 1
+        keys, valid = padded_window(empty, n_slots, x0.requires_grad)
+        values, _ = padded_window(empty, n_slots, x0.requires_grad)
+        return x0, keys, values, valid
+
+    def pushed(self, s, x_new, k, v):
+        """The state with the stream x_new and the slot (k, v) pushed onto the depth window (its oldest slot leaves)."""
+        _, ks, vs, valid = s
+        return x_new, ks[1:] + [depth_slot(k, self.fast)], vs[1:] + [depth_slot(v, self.fast)], pushed(valid)
 
     def sublayer_params(self, i):
         own = super().sublayer_params(i)
@@ -728,24 +771,26 @@ class MoDA(PreLN):
         return own
 
     def read(self, s, site):
-        x, ks, vs = s
+        x, ks, vs, valid = s
         h = x if self.post else site.norm(x)
         if site.mlp:
             return h, {"h": h}                                        # the MLP's input: W_kv reads it too
-        return h, ({"depth_kv": (ks, vs)} if ks else {})
+        if site.first:
+            return h, {}                                              # block 0: no depth slot yet
+        return h, {"depth_kv": (ks, vs, valid)}
 
     def write(self, s, site, y, ctx=None):
-        x, ks, vs = s
+        x = s[0]
         x_new = site.norm(x + y) if self.post else x + y
         if not site.mlp:                                              # attention: cache its own k, v
             if self.recording is not None and ctx["depth_share"] is not None:
                 self.log("moda_depth_mass", ctx["depth_share"].mean())
-            return x_new, ks + [depth_slot(ctx["k"], self.fast)], vs + [depth_slot(ctx["v"], self.fast)]
+            return self.pushed(s, x_new, ctx["k"], ctx["v"])
         if site.kv_proj is None:                                      # last block: no W_kv
-            return x_new, ks, vs
+            return x_new, *s[1:]
         kv = site.kv_proj(ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim))      # (B, T, 2, Hkv, hd)
         kv = kv.permute((2, 0, 3, 1, 4))                                                    # (2, B, Hkv, T, hd)
-        return x_new, ks + [depth_slot(kv[0], self.fast)], vs + [depth_slot(kv[1], self.fast)]  # (B, Hkv, T, hd)
+        return self.pushed(s, x_new, kv[0], kv[1])
 
     def collapse(self, s):
         return self.norm_f(s[0])
@@ -753,11 +798,11 @@ class MoDA(PreLN):
     def skip(self, s, i):
         """The reference's depth-KV slots of a skipped sublayer stay zero: later attention still sees the slot
         (a zero key takes softmax mass exp(0) and brings back nothing). The last MLP writes no slot anyway."""
-        x, ks, vs = s
+        x = s[0]
         if i % 2 == 1 and i // 2 == len(self.kv_proj):
             return s
-        zero = depth_slot(x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim), self.fast)
-        return x, ks + [zero], vs + [zero]
+        zero = x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim)
+        return self.pushed(s, x, zero, zero)
 
     def depth_state(self, s, i):
         return s[0]

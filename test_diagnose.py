@@ -21,7 +21,7 @@ import diagnose as dg
 from data import ByteTokenizer
 from model import GPT, GPTConfig
 from ops import rope_cos_sin
-from residuals import RESIDUALS
+from residuals import RESIDUALS, pushed
 
 HERE = Path(__file__).resolve().parent
 ALL = list(RESIDUALS)
@@ -119,13 +119,15 @@ def test_block_attnres_skip_keeps_the_open_group_across_a_boundary():
     with torch.no_grad():
         s = sublayer(sublayer(res.init_stream(model.wte(x)), 0), 1)
         open_group = sublayer(sublayer(s, 4), 5)                       # block 1 left out, its inputs unchanged
-        closed = sublayer(sublayer((s[0] + [s[1]], None), 4), 5)       # the rule this replaces
-        assert len(open_group[0]) == 2 and len(closed[0]) == 3         # [e, f0+f1+f4] vs [e, f0+f1, f4]
+        bank, valid, partial = s
+        closed = sublayer(sublayer((bank[1:] + [partial], pushed(valid), None), 4), 5)   # the rule this replaces
+        # the bank's completed sources in use: [e, f0+f1+f4] vs [e, f0+f1, f4]
+        assert int(open_group[1].sum()) == 2 and int(closed[1].sum()) == 3
         expect, other = (model.lm_head(res.collapse(t)) for t in (open_group, closed))
         logits, states, _ = trunk(model, x, skip=1)
     torch.testing.assert_close(logits, expect, rtol=0, atol=1e-6)
     assert (logits - other).abs().max() > 1e-4
-    assert torch.equal(states[2], s[1])                                # z_2: the running sum f0 + f1
+    assert torch.equal(states[2], s[2])                                # z_2: the running sum f0 + f1
 
 
 def test_attnres_next_output_rule():

@@ -1,0 +1,143 @@
+"""How torch.compile's cost grows with depth, per design: the first training step with a cold inductor cache
+(compile included), the steady step after it, and the number of graphs dynamo made, for each design, depth,
+compile scope (train.py's --compile-scope) and kernels value. docs/speed.md#compile holds the measured table.
+
+Every measurement runs in a fresh process, single-threaded, with its own empty inductor cache; --jobs of them run
+side by side (on a 2-core machine two 1-thread runs beat one 2-thread run). A row that takes longer than --timeout
+is stopped and reported as such. Examples:
+
+    python scripts/compile_depth.py --designs all --layers 8,24,70 --scope blocks --out blocks.json
+    python scripts/compile_depth.py --designs preln,mhc --layers 8 --scope model --out model.json
+    python scripts/compile_depth.py --report blocks.json model.json       # the markdown table of saved rows
+
+The step is forward + loss + backward (no optimizer) on a fixed random batch, the logits-free loss as in training.
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import ArgParser, comma_list, fail, write_json  # noqa: E402
+from residuals import PAPER_DESIGNS, RESIDUALS  # noqa: E402
+
+
+def measure(job):
+    """In this (fresh) process: {first_s, steady_ms, graphs} of one job."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    import profile_gpu
+    import train
+    torch.set_num_threads(1)
+    model = profile_gpu.tiny_gpt(job["design"], job["layers"], job["d"], kernels=job["kernels"])
+    compiled = train.compile_model(model, job["scope"])
+    step = profile_gpu.step_fn(compiled, job["batch"], job["seq"], 512, logits=False)
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    steady = profile_gpu.timed(step, job["repeats"], profile_gpu.CPU)
+    return {"first_s": round(first, 1), "steady_ms": round(statistics.median(steady), 1),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def run_child(job, timeout):
+    """measure(job) in a new Python process with an empty inductor cache of its own -> the job's row."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, __file__, "--child", json.dumps(job)]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {**job, "error": f"stopped after {timeout} s"}
+        wall = round(time.perf_counter() - t0, 1)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["exit code %d" % p.returncode])[-1]
+        return {**job, "error": last[:200], "wall_s": wall}
+    return {**job, **json.loads(p.stdout.strip().splitlines()[-1]), "wall_s": wall}
+
+
+def table(rows):
+    """Markdown: one line per (design, scope, kernels), a column pair per depth (first step s / steady ms)."""
+    depths = sorted({r["layers"] for r in rows})
+    keys = list(dict.fromkeys((r["design"], r["scope"], r["kernels"]) for r in rows))
+    head = " | ".join(f"L{L}: first s / step ms / graphs" for L in depths)
+    out = [f"| design | scope | kernels | {head} | L{depths[-1]} / L{depths[0]} first |",
+           "|---|---|---|" + "---|" * (len(depths) + 1)]
+    for design, scope, kernels in keys:
+        cells, first = [], {}
+        for L in depths:
+            r = next((r for r in rows if (r["design"], r["scope"], r["kernels"], r["layers"]) ==
+                      (design, scope, kernels, L)), None)
+            if r is None:
+                cells.append("")
+            elif "error" in r:
+                cells.append(r["error"])
+            else:
+                first[L] = r["first_s"]
+                cells.append(f"{r['first_s']:.0f} / {r['steady_ms']:.0f} / {r['graphs']}")
+        ratio = ""
+        if depths[0] in first and depths[-1] in first:
+            ratio = f"{first[depths[-1]] / first[depths[0]]:.2f}x"
+        out.append(f"| {design} | {scope} | {kernels} | {' | '.join(cells)} | {ratio} |")
+    return "\n".join(out)
+
+
+def build_parser():
+    p = ArgParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--designs", default="all", help="'all' (the paper's ten) or a comma list")
+    p.add_argument("--layers", type=comma_list(int), default=[8, 24, 70], help="depths (default 8,24,70)")
+    p.add_argument("--scope", choices=["blocks", "model"], default="blocks", help="train.py's --compile-scope")
+    p.add_argument("--kernels", choices=["fast", "reference"], default="fast")
+    p.add_argument("--d", type=int, default=128, help="width (default 128; 16 heads)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--batch", type=int, default=4, help="batch (default 4)")
+    p.add_argument("--repeats", type=int, default=3, help="steady steps timed after one untimed (default 3)")
+    p.add_argument("--jobs", type=int, default=2, help="measurements side by side (default 2)")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds before a row is stopped (default 1200)")
+    p.add_argument("--out", help="JSON file: the rows so far, rewritten after each (rows already there are kept)")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="print the table of saved rows and stop")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(json.loads(args.child))))
+        return
+    if args.report:
+        rows = [r for path in args.report for r in json.loads(Path(path).read_text())["rows"]]
+        print(table(rows))
+        return
+    designs = PAPER_DESIGNS if args.designs == "all" else comma_list(str)(args.designs)
+    unknown = [d for d in designs if d not in RESIDUALS]
+    if unknown:
+        fail("compile_depth.py", f"unknown design(s): {', '.join(unknown)}")
+    rows = json.loads(Path(args.out).read_text())["rows"] if args.out and Path(args.out).exists() else []
+    shape = {"d": args.d, "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "scope": args.scope,
+             "kernels": args.kernels}
+    jobs = [{"design": d, "layers": L, **shape} for L in args.layers for d in designs]
+    done = [{k: r[k] for k in jobs[0]} for r in rows if "error" not in r] if jobs else []
+    jobs = [j for j in jobs if j not in done]
+    print(f"{len(jobs)} measurements, {args.jobs} at a time", file=sys.stderr, flush=True)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for row in pool.map(lambda j: run_child(j, args.timeout), jobs):
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            if args.out:
+                write_json(args.out, {"rows": rows})
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
