@@ -12,6 +12,8 @@ buys, measured, is in docs/speed.md. The tricks, in short:
 - MoDA's depth keys folded into the fused attention kernel as one extra "sink" key per query;
 - CPU attention on heads padded to 16 wide; the loss over token chunks without the full logits.
 """
+from typing import List, Optional, Tuple
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -42,7 +44,7 @@ def causal_attention(q, k, v):
 def joint_attention(q, k, v, depth_k, depth_v, valid=None):
     """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
 
-    The depth half (S keys per token) is `DepthAttention`, in fp32. The sequence half goes through the fused SDPA
+    The depth half (S keys per token) is the custom op `depth_attention_node`, in fp32. The sequence half goes through the fused SDPA
     kernel with one extra "sink" key per query that stands for all its depth keys: extra query coordinates
     holding lse_depth / scale against a sink key with 1s there give the sink exactly the logit log Z_depth, and
     a 1 in an extra value channel reads out its share Z_depth / (Z_seq + Z_depth). Under bf16 the logit rides
@@ -53,8 +55,10 @@ def joint_attention(q, k, v, depth_k, depth_v, valid=None):
     Hkv, scale = k.size(1), hd ** -0.5
     qg = q.unflatten(1, (Hkv, H // Hkv)).float()  # (B, Hkv, G, T, hd): query heads grouped by their kv head
     with torch.autocast(q.device.type, enabled=False):
-        o_depth, lse = DepthAttention.apply(scale, valid, qg, *(t[:, :, None] for t in depth_k + depth_v))
-    o_depth, lse = o_depth.flatten(1, 2), lse.flatten(1, 2) / scale                # (B, H, T, hd), (B, H, T)
+        qt = qg.transpose(-1, -2).contiguous()                                      # (B, Hkv, G, hd, T)
+        keys, values = ([t[:, :, None] for t in slots] for slots in (depth_k, depth_v))
+        ot, lse, _ = depth_attention_node(qt, scale, valid, keys, values)
+    o_depth, lse = ot.transpose(-1, -2).flatten(1, 2), lse.flatten(1, 2) / scale    # (B, H, T, hd), (B, H, T)
     # extra coordinates: two are enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU up to the padded width
     pad = 8 if q.is_cuda else max(2, CPU_SDPA_MIN_HEAD_DIM - hd)
     e0, e1 = F.one_hot(torch.arange(2, device=q.device), pad).to(q.dtype)          # (pad,) each: [1, 0, ..], [0, 1, ..]
@@ -172,104 +176,173 @@ class Sinkhorn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- AttnRes
 
 def depth_mix(query, key_gain, sources, eps, valid=None):
-    """The mix as one node (`DepthMix`), each source's 1/rms formed inside it, in fp32 from sources kept as they are
-    (fp32 copies saved per consumer would hold O(L^2) of them under bf16 autocast). Without grad (evals, diagnostics)
-    the same loop runs outside the node: torch.compile (2.13) misreads the node's arguments when none needs one.
+    """The mix as one node (the custom op `depth_mix_node`), each source's 1/rms formed inside it, in fp32 from
+    sources kept as they are (fp32 copies saved per consumer would hold O(L^2) of them under bf16 autocast).
     valid (S,) bool or None: the sources that take part; the others get p_j = 0 (and a zero gradient)."""
     gq = key_gain.float() * query.float()
-    if torch.is_grad_enabled():
-        mix, p = DepthMix.apply(gq, eps, valid, *sources)
-    else:
-        mix, p = DepthMix.mix(gq, eps, valid, [v.float() for v in sources])[:2]
-        p = p.movedim(0, -1)
-    return mix.to(sources[0].dtype), p
+    mix, p, _, _ = depth_mix_node(gq, eps, valid, list(sources))
+    return mix.to(sources[0].dtype), p.movedim(0, -1)
 
 
-class DepthMix(torch.autograd.Function):
-    """(mix, p) from gq = key_gain * query, with r_j = rsqrt(mean(v_j^2) + eps) and the exact gradient:
+def mix_forward(gq, eps, valid, sources):
+    """(mix, p, r, s) from gq = key_gain * query, with r_j = rsqrt(mean(v_j^2) + eps):
         s_j = (v_j . gq) r_j,  p = softmax(s),  mix = sum_j p_j v_j
-        ds = p (dp - <p, dp>),  dp_j = <dmix, v_j>
+    A loop over the sources, each read a few times and never copied, source-major (S, B, T) vectors."""
+    sources = [v.float() for v in sources]
+    r = torch.stack([inv_rms(v, eps) for v in sources])
+    s = torch.stack([v @ gq for v in sources]) * r                                        # (S, B, T)
+    logits = s if valid is None else s.masked_fill(~valid[:, None, None], float("-inf"))
+    p = logits.softmax(dim=0)                                 # s itself, unmasked, is what the norm's gradient reads
+    mix = torch.zeros_like(sources[0])
+    for pj, v in zip(p, sources):
+        mix.addcmul_(pj[..., None], v)
+    return mix, p, r, s
+
+
+def mix_backward(dmix, dp, gq, p, r, s, sources):
+    """[dgq, dv_0, ...], the exact gradient of mix_forward, the norm's gradient joining dv_j in the same pass:
+        ds = p (dp - <p, dp>),  dp_j = <dmix, v_j> (+ the gradient reaching p itself)
         dv_j = p_j dmix + (ds_j r_j) gq - (ds_j s_j r_j^2 / D) v_j,  dgq = sum_j (ds_j r_j) v_j
-    A loop over the sources, each read a few times and never copied, keeping only the sources and (S, B, T)
-    vectors, source-major so that each is contiguous; the norm's gradient joins dv_j in the same pass."""
+    In fp32; autograd casts each dv_j to its source's dtype."""
+    sources = [v.float() for v in sources]
+    dp = torch.stack([torch.linalg.vecdot(v, dmix) for v in sources]) + dp                 # (S, B, T)
+    ds = p * (dp - (p * dp).sum(0))
+    a, c = ds * r, ds * s * r.square() / -sources[0].size(-1)
+    grads, dgq = [], torch.zeros_like(gq)
+    for v, pj, aj, cj in zip(sources, p, a, c):
+        grads.append((pj[..., None] * dmix).addcmul_(aj[..., None], gq).addcmul_(cj[..., None], v))
+        dgq += aj.flatten() @ v.flatten(0, -2)
+    return [dgq, *grads]
 
-    @staticmethod
-    def mix(gq, eps, valid, sources):
-        r = torch.stack([inv_rms(v, eps) for v in sources])
-        s = torch.stack([v @ gq for v in sources]) * r                                    # (S, B, T)
-        logits = s if valid is None else s.masked_fill(~valid[:, None, None], float("-inf"))
-        p = logits.softmax(dim=0)                             # s itself, unmasked, is what the norm's gradient reads
-        mix = torch.zeros_like(sources[0])
-        for pj, v in zip(p, sources):
-            mix.addcmul_(pj[..., None], v)
-        return mix, p, r, s
 
-    @staticmethod
-    def forward(ctx, gq, eps, valid, *kept):
-        mix, p, r, s = DepthMix.mix(gq, eps, valid, [v.float() for v in kept])
-        ctx.save_for_backward(gq, p, r, s, *kept)
-        return mix, p.movedim(0, -1)
+# The depth mix and MoDA's depth attention are custom ops: one opaque node in a compiled graph however many sources
+# they loop over (traced, the loops would unroll, and a block's graph, with its compile time, would grow with
+# depth), and the autograd node of eager runs. Each has a fake (shapes only, for the compiler) and its backward,
+# itself a custom op.
 
-    @staticmethod
-    def backward(ctx, dmix, dp_out):
-        gq, p, r, s, *sources = ctx.saved_tensors
-        sources = [v.float() for v in sources]  # the gradients go back in fp32; autograd casts them to the inputs'
-        dp = torch.stack([torch.linalg.vecdot(v, dmix) for v in sources]) + dp_out.movedim(-1, 0)  # (S, B, T)
-        ds = p * (dp - (p * dp).sum(0))
-        a, c = ds * r, ds * s * r.square() / -sources[0].size(-1)
-        grads, dgq = [], torch.zeros_like(gq)
-        for v, pj, aj, cj in zip(sources, p, a, c):
-            grads.append((pj[..., None] * dmix).addcmul_(aj[..., None], gq).addcmul_(cj[..., None], v))
-            dgq += aj.flatten() @ v.flatten(0, -2)
-        return dgq, None, None, *grads
+@torch.library.custom_op("depthbench::depth_mix", mutates_args=())
+def depth_mix_node(gq: torch.Tensor, eps: float, valid: Optional[torch.Tensor],
+                   sources: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return mix_forward(gq, eps, valid, sources)
+
+
+@depth_mix_node.register_fake
+def _(gq, eps, valid, sources):
+    v = sources[0]
+    weights = v.new_empty((len(sources), *v.shape[:-1]), dtype=torch.float32)             # (S, B, T)
+    return v.new_empty(v.shape, dtype=torch.float32), weights, torch.empty_like(weights), torch.empty_like(weights)
+
+
+@torch.library.custom_op("depthbench::depth_mix_backward", mutates_args=())
+def depth_mix_backward_node(dmix: torch.Tensor, dp: torch.Tensor, gq: torch.Tensor, p: torch.Tensor, r: torch.Tensor,
+                            s: torch.Tensor, sources: List[torch.Tensor]) -> List[torch.Tensor]:
+    return mix_backward(dmix, dp, gq, p, r, s, sources)
+
+
+@depth_mix_backward_node.register_fake
+def _(dmix, dp, gq, p, r, s, sources):
+    return [torch.empty_like(gq)] + [v.new_empty(v.shape, dtype=torch.float32) for v in sources]
+
+
+def _mix_setup(ctx, inputs, output):
+    gq, eps, valid, sources = inputs
+    _, p, r, s = output
+    ctx.save_for_backward(gq, p, r, s, *sources)
+
+
+def _mix_grad(ctx, dmix, dp, dr, ds):
+    gq, p, r, s, *sources = ctx.saved_tensors
+    dgq, *grads = depth_mix_backward_node(dmix, dp, gq, p, r, s, sources)
+    return dgq, None, None, grads
+
+
+depth_mix_node.register_autograd(_mix_grad, setup_context=_mix_setup)
 
 
 # ----------------------------------------------------------------------------- MoDA
 
 def depth_slot(t):
-    """t (..., T, hd) stored (..., hd, T), tokens last: how DepthAttention reads a slot fastest."""
+    """t (..., T, hd) stored (..., hd, T), tokens last: how the depth attention (attention_forward) reads a slot fastest."""
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-class DepthAttention(torch.autograd.Function):
+def attention_forward(qt, scale, valid, keys, values):
     """The depth half of joint_attention: o = sum_j p_j v_j and lse = log sum_j exp(s_j), s_j = scale <q, k_j>,
-    p = softmax(s) over the S slots; q (B, Hkv, G, T, hd) grouped by kv head, k_j, v_j (B, Hkv, 1, T, hd)
-    broadcast over the G query heads of their kv head. A loop over the slots, each read once, with the exact
-    backward: ds = p (dp - <p, dp>) + dlse p, dp_j = <do, v_j>, dq = scale sum_j ds_j k_j, dk_j = scale ds_j q,
-    dv_j = p_j do. It runs tokens last, (..., hd, T) (a per-token weight broadcast over hd = 8-16 is slow),
-    with slot-major weights (S, B, Hkv, G, T) and in-place sums; with G = 1 nothing is summed over the group.
-    It computes in q's dtype (joint_attention gives it fp32): bf16 slots are read as fp32."""
+    p = softmax(s) over the S slots -> (o, lse, p). qt (B, Hkv, G, hd, T): the queries grouped by kv head, tokens
+    last (a per-token weight broadcast over hd = 8-16 is slow); k_j, v_j (B, Hkv, 1, T, hd) broadcast over the G
+    query heads of their kv head. A loop over the slots, each read once, slot-major weights (S, B, Hkv, G, T) and
+    in-place sums. It computes in qt's dtype (joint_attention gives it fp32): bf16 slots are read as fp32. o is
+    (B, Hkv, G, hd, T), like qt."""
+    S = len(keys)
+    kts = [t.transpose(-1, -2).to(qt.dtype) for t in keys]
+    vts = [t.transpose(-1, -2).to(qt.dtype) for t in values]
+    logits = torch.stack([torch.linalg.vecdot(qt, kt, dim=-2) for kt in kts]).float() * scale  # (S, B, Hkv, G, T)
+    if valid is not None:                                                                # padding slots: p_j = 0
+        logits = logits.masked_fill(~valid.view(S, 1, 1, 1, 1), float("-inf"))
+    lse = logits.logsumexp(dim=0)
+    p = torch.exp(logits - lse)
+    ot = torch.zeros_like(qt)
+    for pj, vt in zip(p.to(qt.dtype), vts):
+        ot.addcmul_(pj[..., None, :], vt)
+    return ot, lse, p
 
-    @staticmethod
-    def forward(ctx, scale, valid, q, *kv):
-        S = len(kv) // 2
-        qt = q.transpose(-1, -2).contiguous()                                            # (B, Hkv, G, hd, T)
-        kts, vts = [t.transpose(-1, -2).to(q.dtype) for t in kv[:S]], [t.transpose(-1, -2).to(q.dtype) for t in kv[S:]]
-        logits = torch.stack([torch.linalg.vecdot(qt, kt, dim=-2) for kt in kts]).float() * scale  # (S, B, Hkv, G, T)
-        if valid is not None:                                                            # padding slots: p_j = 0
-            logits = logits.masked_fill(~valid.view(S, 1, 1, 1, 1), float("-inf"))
-        lse = logits.logsumexp(dim=0)
-        p = torch.exp(logits - lse)
-        ot = torch.zeros_like(qt)
-        for pj, vt in zip(p.to(q.dtype), vts):
-            ot.addcmul_(pj[..., None, :], vt)
-        ctx.save_for_backward(qt, p, *kv)
-        ctx.scale, ctx.S = scale, S
-        return ot.transpose(-1, -2), lse
 
-    @staticmethod
-    def backward(ctx, do, dlse):
-        qt, p, *kv = ctx.saved_tensors
-        kts, vts = ([t.transpose(-1, -2).to(qt.dtype) for t in kv[:ctx.S]],
-                    [t.transpose(-1, -2).to(qt.dtype) for t in kv[ctx.S:]])
-        dot = do.transpose(-1, -2).contiguous()
-        dp = torch.stack([torch.linalg.vecdot(dot, vt, dim=-2) for vt in vts]).float()  # (S, B, Hkv, G, T)
-        ds = (p * (dp - (p * dp).sum(0) + dlse) * ctx.scale).to(qt.dtype)
-        dqt = torch.zeros_like(qt)
-        for dsj, kt in zip(ds, kts):
-            dqt.addcmul_(dsj[..., None, :], kt)
+def attention_backward(dot, dlse, qt, p, scale, keys, values):
+    """[dq, dk_0, .., dv_0, ..], the exact gradient of attention_forward: ds = p (dp - <p, dp>) + dlse p,
+    dp_j = <do, v_j>, dq = scale sum_j ds_j k_j, dk_j = scale ds_j q, dv_j = p_j do; with G = 1 nothing is summed
+    over the group. Every gradient contiguous, dq in qt's layout."""
+    kts = [t.transpose(-1, -2).to(qt.dtype) for t in keys]
+    vts = [t.transpose(-1, -2).to(qt.dtype) for t in values]
+    dot = dot.contiguous()
+    dp = torch.stack([torch.linalg.vecdot(dot, vt, dim=-2) for vt in vts]).float()      # (S, B, Hkv, G, T)
+    ds = (p * (dp - (p * dp).sum(0) + dlse) * scale).to(qt.dtype)
+    dqt = torch.zeros_like(qt)
+    for dsj, kt in zip(ds, kts):
+        dqt.addcmul_(dsj[..., None, :], kt)
 
-        def per_kv_head(gt):  # a kv head's gradient sums over the G query heads that read it; back to (..., T, hd)
-            return (gt if gt.size(2) == 1 else gt.sum(2, keepdim=True)).transpose(-1, -2)
-        return (None, None, dqt.transpose(-1, -2), *(per_kv_head(dsj[..., None, :] * qt) for dsj in ds),
-                *(per_kv_head(pj[..., None, :] * dot) for pj in p.to(qt.dtype)))
+    def per_kv_head(gt):  # a kv head's gradient sums over the G query heads that read it; back to (..., T, hd)
+        return (gt if gt.size(2) == 1 else gt.sum(2, keepdim=True)).transpose(-1, -2).contiguous()
+    dks = [per_kv_head(dsj[..., None, :] * qt) for dsj in ds]
+    dvs = [per_kv_head(pj[..., None, :] * dot) for pj in p.to(qt.dtype)]
+    return [dqt, *dks, *dvs]
+
+
+@torch.library.custom_op("depthbench::depth_attention", mutates_args=())
+def depth_attention_node(qt: torch.Tensor, scale: float, valid: Optional[torch.Tensor], keys: List[torch.Tensor],
+                         values: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_forward(qt, scale, valid, keys, values)
+
+
+@depth_attention_node.register_fake
+def _(qt, scale, valid, keys, values):
+    B, Hkv, G, hd, T = qt.shape
+    lse = qt.new_empty((B, Hkv, G, T), dtype=torch.float32)
+    return torch.empty_like(qt), lse, qt.new_empty((len(keys), B, Hkv, G, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("depthbench::depth_attention_backward", mutates_args=())
+def depth_attention_backward_node(dot: torch.Tensor, dlse: torch.Tensor, qt: torch.Tensor, p: torch.Tensor,
+                                  scale: float, keys: List[torch.Tensor],
+                                  values: List[torch.Tensor]) -> List[torch.Tensor]:
+    return attention_backward(dot, dlse, qt, p, scale, keys, values)
+
+
+@depth_attention_backward_node.register_fake
+def _(dot, dlse, qt, p, scale, keys, values):
+    return [torch.empty_like(qt)] + [t.new_empty(t.shape, dtype=qt.dtype) for t in keys + values]
+
+
+def _attention_setup(ctx, inputs, output):
+    qt, scale, valid, keys, values = inputs
+    ctx.save_for_backward(qt, output[2], *keys, *values)
+    ctx.scale, ctx.n_slots = scale, len(keys)
+
+
+def _attention_grad(ctx, dot, dlse, dp):
+    qt, p, *kv = ctx.saved_tensors
+    S = ctx.n_slots
+    dqt, *dkv = depth_attention_backward_node(dot, dlse, qt, p, ctx.scale, kv[:S], kv[S:])
+    return dqt, None, None, dkv[:S], dkv[S:]
+
+
+depth_attention_node.register_autograd(_attention_grad, setup_context=_attention_setup)

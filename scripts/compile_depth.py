@@ -9,6 +9,10 @@ is stopped and reported as such. Examples:
     python scripts/compile_depth.py --designs all --layers 8,24,70 --scope blocks --out blocks.json
     python scripts/compile_depth.py --designs preln,mhc --layers 8 --scope model --out model.json
     python scripts/compile_depth.py --report blocks.json model.json       # the markdown table of saved rows
+    python scripts/compile_depth.py --ratios --layers 8 --d 256 --out ratios.json   # which kernels compiled
+
+--ratios measures, per design in one process, Pre-LN (fast kernels), the design with fast kernels and with the
+reference ones, all compiled per block, timed in turn (profile_gpu.interleaved): each step over Pre-LN's.
 
 The step is forward + loss + backward (no optimizer) on a fixed random batch, the logits-free loss as in training.
 """
@@ -49,6 +53,27 @@ def measure(job):
             "graphs": counters["stats"]["unique_graphs"]}
 
 
+def measure_ratios(job):
+    """In this (fresh) process: the compiled steady step of the design with each kernels value over Pre-LN's (fast
+    kernels), timed in turn after each was compiled."""
+    import torch
+
+    import profile_gpu
+    import train
+    torch.set_num_threads(1)
+    pairs = [("preln", "fast"), (job["design"], "fast"), (job["design"], "reference")]
+    steps = {}
+    for design, kernels in dict.fromkeys(pairs):
+        model = profile_gpu.tiny_gpt(design, job["layers"], job["d"], kernels=kernels)
+        compiled = train.compile_model(model, "blocks")
+        steps[(design, kernels)] = profile_gpu.step_fn(compiled, job["batch"], job["seq"], 512, logits=False)
+        steps[(design, kernels)]()                                      # compiled here, not inside the timing
+    ms = profile_gpu.interleaved(steps, job["repeats"])
+    base = ms[("preln", "fast")]
+    return {"preln_ms": round(base, 1), "fast_x": round(ms[(job["design"], "fast")] / base, 3),
+            "reference_x": round(ms[(job["design"], "reference")] / base, 3)}
+
+
 def run_child(job, timeout):
     """measure(job) in a new Python process with an empty inductor cache of its own -> the job's row."""
     with tempfile.TemporaryDirectory() as cache:
@@ -64,6 +89,18 @@ def run_child(job, timeout):
         last = (p.stderr.strip().splitlines() or ["exit code %d" % p.returncode])[-1]
         return {**job, "error": last[:200], "wall_s": wall}
     return {**job, **json.loads(p.stdout.strip().splitlines()[-1]), "wall_s": wall}
+
+
+def ratio_table(rows):
+    """Markdown: per design, its compiled step over Pre-LN's with each kernels value, and the faster one."""
+    out = ["| design | fast kernels | reference kernels | faster compiled |", "|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['design']} | {r['error']} | | |")
+            continue
+        faster = "fast" if r["fast_x"] < r["reference_x"] else "reference"
+        out.append(f"| {r['design']} | {r['fast_x']:.2f}x | {r['reference_x']:.2f}x | {faster} |")
+    return "\n".join(out)
 
 
 def table(rows):
@@ -105,6 +142,8 @@ def build_parser():
     p.add_argument("--jobs", type=int, default=2, help="measurements side by side (default 2)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds before a row is stopped (default 1200)")
     p.add_argument("--out", help="JSON file: the rows so far, rewritten after each (rows already there are kept)")
+    p.add_argument("--ratios", action="store_true", help="compiled step over Pre-LN's with each kernels value "
+                   "(one process per design, interleaved), at the first of --layers")
     p.add_argument("--report", nargs="+", metavar="JSON", help="print the table of saved rows and stop")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p
@@ -113,11 +152,12 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.child:
-        print(json.dumps(measure(json.loads(args.child))))
+        job = json.loads(args.child)
+        print(json.dumps(measure_ratios(job) if job.get("ratios") else measure(job)))
         return
     if args.report:
         rows = [r for path in args.report for r in json.loads(Path(path).read_text())["rows"]]
-        print(table(rows))
+        print(ratio_table(rows) if rows and "fast_x" in rows[0] else table(rows))
         return
     designs = PAPER_DESIGNS if args.designs == "all" else comma_list(str)(args.designs)
     unknown = [d for d in designs if d not in RESIDUALS]
@@ -127,6 +167,8 @@ def main(argv=None):
     shape = {"d": args.d, "seq": args.seq, "batch": args.batch, "repeats": args.repeats, "scope": args.scope,
              "kernels": args.kernels}
     jobs = [{"design": d, "layers": L, **shape} for L in args.layers for d in designs]
+    if args.ratios:
+        jobs = [{"design": d, "layers": args.layers[0], **shape, "ratios": True} for d in designs]
     done = [{k: r[k] for k in jobs[0]} for r in rows if "error" not in r] if jobs else []
     jobs = [j for j in jobs if j not in done]
     print(f"{len(jobs)} measurements, {args.jobs} at a time", file=sys.stderr, flush=True)
@@ -136,7 +178,7 @@ def main(argv=None):
             print(json.dumps(row), file=sys.stderr, flush=True)
             if args.out:
                 write_json(args.out, {"rows": rows})
-    print(table(rows))
+    print(ratio_table(rows) if args.ratios else table(rows))
 
 
 if __name__ == "__main__":
