@@ -44,7 +44,7 @@ def causal_attention(q, k, v):
 def joint_attention(q, k, v, depth_k, depth_v, valid=None):
     """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
 
-    The depth half (S keys per token) is the custom op `depth_attention_node`, in fp32. The sequence half goes through the fused SDPA
+    The depth half (S keys per token) is `DepthAttention` or the custom op `depth_attention_node`, in fp32. The sequence half goes through the fused SDPA
     kernel with one extra "sink" key per query that stands for all its depth keys: extra query coordinates
     holding lse_depth / scale against a sink key with 1s there give the sink exactly the logit log Z_depth, and
     a 1 in an extra value channel reads out its share Z_depth / (Z_seq + Z_depth). Under bf16 the logit rides
@@ -57,7 +57,10 @@ def joint_attention(q, k, v, depth_k, depth_v, valid=None):
     with torch.autocast(q.device.type, enabled=False):
         qt = qg.transpose(-1, -2).contiguous()                                      # (B, Hkv, G, hd, T)
         keys, values = ([t[:, :, None] for t in slots] for slots in (depth_k, depth_v))
-        ot, lse, _ = depth_attention_node(qt, scale, valid, keys, values)
+        if len(keys) > UNROLL_SOURCES:
+            ot, lse, _ = depth_attention_node(qt, scale, valid, keys, values)
+        else:
+            ot, lse = DepthAttention.apply(qt, scale, valid, *keys, *values)
     o_depth, lse = ot.transpose(-1, -2).flatten(1, 2), lse.flatten(1, 2) / scale    # (B, H, T, hd), (B, H, T)
     # extra coordinates: two are enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU up to the padded width
     pad = 8 if q.is_cuda else max(2, CPU_SDPA_MIN_HEAD_DIM - hd)
@@ -176,11 +179,18 @@ class Sinkhorn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- AttnRes
 
 def depth_mix(query, key_gain, sources, eps, valid=None):
-    """The mix as one node (the custom op `depth_mix_node`), each source's 1/rms formed inside it, in fp32 from
-    sources kept as they are (fp32 copies saved per consumer would hold O(L^2) of them under bf16 autocast).
+    """The mix as one node, each source's 1/rms formed inside it, in fp32 from sources kept as they are (fp32 copies
+    saved per consumer would hold O(L^2) of them under bf16 autocast): `DepthMix` up to UNROLL_SOURCES sources,
+    the custom op `depth_mix_node` beyond. Without grad (evals, diagnostics) the short loop runs outside any node:
+    torch.compile (2.13) misreads an autograd.Function's arguments when none needs a gradient.
     valid (S,) bool or None: the sources that take part; the others get p_j = 0 (and a zero gradient)."""
     gq = key_gain.float() * query.float()
-    mix, p, _, _ = depth_mix_node(gq, eps, valid, list(sources))
+    if len(sources) > UNROLL_SOURCES:
+        mix, p, _, _ = depth_mix_node(gq, eps, valid, list(sources))
+    elif torch.is_grad_enabled():
+        mix, p = DepthMix.apply(gq, eps, valid, *sources)
+    else:
+        mix, p = mix_forward(gq, eps, valid, sources)[:2]
     return mix.to(sources[0].dtype), p.movedim(0, -1)
 
 
@@ -215,10 +225,31 @@ def mix_backward(dmix, dp, gq, p, r, s, sources):
     return [dgq, *grads]
 
 
-# The depth mix and MoDA's depth attention are custom ops: one opaque node in a compiled graph however many sources
-# they loop over (traced, the loops would unroll, and a block's graph, with its compile time, would grow with
-# depth), and the autograd node of eager runs. Each has a fake (shapes only, for the compiler) and its backward,
+# The depth mix and MoDA's depth attention loop over their sources (slots). Traced by torch.compile, a loop unrolls
+# into the block's graph, where inductor fuses it: fast, but the graph grows with the number of sources. So a loop
+# over at most UNROLL_SOURCES is an autograd.Function (traced: Block AttnRes' N + 1 sources, whatever the depth),
+# and a longer one (Full AttnRes' 2L + 1, MoDA's 2L - 1: they grow with depth) a custom op, one opaque node in the
+# graph whatever its length, so that compile time stays flat in depth; it runs the same loop unfused (slower
+# compiled: docs/speed.md#compile). Each custom op has a fake (shapes only, for the compiler) and its backward,
 # itself a custom op.
+UNROLL_SOURCES = 16
+
+
+class DepthMix(torch.autograd.Function):
+    """mix_forward and mix_backward as an autograd node that torch.compile traces."""
+
+    @staticmethod
+    def forward(ctx, gq, eps, valid, *sources):
+        mix, p, r, s = mix_forward(gq, eps, valid, sources)
+        ctx.save_for_backward(gq, p, r, s, *sources)
+        return mix, p
+
+    @staticmethod
+    def backward(ctx, dmix, dp):
+        gq, p, r, s, *sources = ctx.saved_tensors
+        dgq, *grads = mix_backward(dmix, dp, gq, p, r, s, sources)
+        return dgq, None, None, *grads
+
 
 @torch.library.custom_op("depthbench::depth_mix", mutates_args=())
 def depth_mix_node(gq: torch.Tensor, eps: float, valid: Optional[torch.Tensor],
@@ -305,6 +336,25 @@ def attention_backward(dot, dlse, qt, p, scale, keys, values):
     dks = [per_kv_head(dsj[..., None, :] * qt) for dsj in ds]
     dvs = [per_kv_head(pj[..., None, :] * dot) for pj in p.to(qt.dtype)]
     return [dqt, *dks, *dvs]
+
+
+class DepthAttention(torch.autograd.Function):
+    """attention_forward and attention_backward as an autograd node that torch.compile traces."""
+
+    @staticmethod
+    def forward(ctx, qt, scale, valid, *kv):
+        S = len(kv) // 2
+        ot, lse, p = attention_forward(qt, scale, valid, kv[:S], kv[S:])
+        ctx.save_for_backward(qt, p, *kv)
+        ctx.scale = scale
+        return ot, lse
+
+    @staticmethod
+    def backward(ctx, dot, dlse):
+        qt, p, *kv = ctx.saved_tensors
+        S = len(kv) // 2
+        dqt, *dkv = attention_backward(dot, dlse, qt, p, ctx.scale, kv[:S], kv[S:])
+        return dqt, None, None, *dkv
 
 
 @torch.library.custom_op("depthbench::depth_attention", mutates_args=())

@@ -14,6 +14,7 @@ functions; every norm placement, residual add, stream mixing and the final colla
 behind one small interface (its module docstring). `GPT.forward`'s trunk loop is the whole contract. The maths
 both share is in ops.py; `kernels="fast"` runs its kernels.py bodies (the same maths, faster).
 """
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -243,3 +244,33 @@ class GPT(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
+
+
+def compile_model(model, scope, backend="inductor"):
+    """torch.compile by scope (docs/speed.md#compile) -> the module to call.
+
+    "blocks": each block is compiled on its own, in place. A block reaches its design only through its two sites
+    (residuals.Site) and a growing state is a fixed-length window, so every block reuses the first one's graph
+    (1-3 graphs per design for training, as many again for evals) and compile time does not grow with depth; the
+    embedding, the head and the loss run eager. "model": the whole forward as one graph, inductor fusing across
+    blocks; its compile time grows with depth. backend: torch.compile's ("eager" traces without generating code:
+    the tests count graphs). Compiled code runs as plain code inside `eager()`."""
+    if scope == "model":
+        return torch.compile(model, backend=backend)
+    # every variant compiles, even one graph per block (a design reading site.index): none falls back to eager
+    # because a limit was reached (dynamo's default allows 8 graphs per code object, and all blocks share one)
+    limit = 4 * len(model.blocks) + 8
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):              # the names changed across PyTorch versions
+            setattr(config, name, max(getattr(config, name), limit))
+    for block in model.blocks:
+        block.compile(dynamic=False, backend=backend)
+    return model
+
+
+def eager():
+    """A context in which compiled code runs eagerly (torch.compiler.set_stance, PyTorch 2.6+): a recording forward
+    through blocks that compile_model compiled in place would otherwise compile variants of its own."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance else contextlib.nullcontext()

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
 from costs import analytic, gpu_peak
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, compile_model, eager
 from common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
                     positive, write_json)
 from residuals import RESIDUALS
@@ -154,13 +154,13 @@ def measure(job):
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if job["dtype"] == "bf16" else nullcontext()
     warmup = 2 if dev.type == "cuda" else 1
 
-    def prefill():
-        with torch.inference_mode(), amp:
+    def prefill():  # eager, also where the blocks are compiled below
+        with torch.inference_mode(), amp, eager():
             model(idx)
 
     if dev.type == "cuda":  # as train.py: compiled on CUDA only; the jobs share this process, and without a reset
         torch._dynamo.reset()  # each design and shape would count against dynamo's recompile limit, then run eager
-    trained = torch.compile(model) if dev.type == "cuda" else model
+    trained = compile_model(model, "blocks") if dev.type == "cuda" else model
 
     def train_step():
         with amp:

@@ -15,7 +15,6 @@ TensorBoard or W&B (trackers.py) with the step log and the evals.
 train.py calls three things (`Watch`): `Watch.start(...)` once a run is built and resumed, `watch.after_step(entry)`
 after each optimizer step, `watch.at_eval(step, ev)` after each eval, and `watch.close()` when the run ends.
 """
-import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 import trackers
 from common import positive
+from model import eager
 
 SEQS = 8  # sequences of the eval micro-batch that telemetry reads: enough for RMS and means, cheap at any scale
 DEFINITIONS = {
@@ -114,13 +114,6 @@ def rms(t):
     return t.detach().double().pow(2).mean().sqrt().item()
 
 
-def eager():
-    """A context in which compiled code runs eagerly (torch.compiler.set_stance, PyTorch 2.6+): a recording forward
-    through blocks that train.py compiled in place would otherwise compile variants of its own."""
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
-
-
 def sublayer_rms(model, x):
     """A recording forward of x with read/write watched: (state RMS per sublayer + the head's, output RMS per
     sublayer, the recording dict). `read` and `write` are wrapped on the design instance for this call only."""
@@ -139,7 +132,7 @@ def sublayer_rms(model, x):
 
     res.read, res.write = watched_read, watched_write
     try:
-        with eager():                                   # blocks compiled in place (train.py) run as plain code here
+        with eager():                                   # blocks compiled in place (compile_model) run as plain code
             _, _, rec = model(x, record=True)
     finally:
         del res.read, res.write                         # the class's methods again

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import kernels
 import shapes
 from model import GPT, GPTConfig
 from ops import rope_cos_sin
@@ -662,6 +663,25 @@ def test_moda_post_norm_variant():
         assert (a - b).abs().max() > 1e-3
         x2 = x.clone(); x2[:, 9] = (x2[:, 9] + 1) % 64
         torch.testing.assert_close(post(x2)[0][:, :9], b[:, :9], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("residual", ["attnres", "block_attnres", "moda"])
+def test_depth_loops_as_custom_ops_equal_the_traced_ones(residual, monkeypatch):
+    """kernels.py runs a depth loop (AttnRes' mix, MoDA's depth attention) as an autograd.Function up to
+    UNROLL_SOURCES sources and as a custom op beyond: forced either way, the loss and every gradient are bitwise
+    equal, in training and without grad."""
+    x = batch()
+    results = []
+    for unroll in (10 ** 6, 0):                               # every loop traced, then every loop a custom op
+        monkeypatch.setattr(kernels, "UNROLL_SOURCES", unroll)
+        model = build(residual)
+        loss = model(x, x)[1]
+        loss.backward()
+        with torch.no_grad():
+            logits = model(x)[0]
+        results.append([loss, logits] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("residual", ["hc", "attnres", "moda"])

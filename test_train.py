@@ -30,7 +30,7 @@ import recipe
 import train
 from data import BatchLoader
 from synthetic import SyntheticTask, verdict
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, compile_model
 
 HERE = Path(__file__).resolve().parent
 TIKTOKEN_DIR = HERE.parent / "shared" / "data" / "tiktoken"
@@ -592,7 +592,7 @@ def test_compiled_blocks_reuse_one_graph_at_any_depth(residual):
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        compiled = train.compile_model(model, "blocks", backend="eager")
+        compiled = compile_model(model, "blocks", backend="eager")
         loss_c = compiled(x, x)[1]
         loss_c.backward()
         assert counters["stats"]["unique_graphs"] == BLOCK_GRAPHS[residual], L
@@ -617,7 +617,7 @@ def test_telemetry_runs_compiled_blocks_eagerly():
     model = GPT(GPTConfig(vocab_size=64, n_layer=3, d_model=32, n_head=4, d_ff=48, residual="hc"))
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     plain = telemetry.sublayer_rms(model, x)[:2]
-    train.compile_model(model, "blocks", backend="eager")
+    compile_model(model, "blocks", backend="eager")
     model(x, x)[1].backward()
     graphs = counters["stats"]["unique_graphs"]
     assert telemetry.sublayer_rms(model, x)[:2] == plain

@@ -42,7 +42,7 @@ from common import format_lr, print0, versions, write_json
 from costs import GB, check_memory, memory_plan
 from data import BatchLoader, DataError, padded_vocab_size
 from distributed import Ranks, full_state, init_distributed, load_full_state, on_rank0, shard
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, compile_model
 from recipe import RunConfig, fail, parse_args, print_grid, resolve, shapes_asked
 from shapes import backbone_params, preln_params
 from synthetic import SyntheticTask, answer_metrics, verdict
@@ -211,28 +211,6 @@ def new_log(cfg, model, ranks):
     return {"schema": SCHEMA, "config": dataclasses.asdict(cfg), "params": params, "steps": [], "evals": [],
             "final": dict.fromkeys(FINAL), "diverged": False, "finished": False, "wall_s": 0.0, "peak_mem_bytes": 0,
             "device": ranks.device_name, "versions": versions()}
-
-
-def compile_model(model, scope, backend="inductor"):
-    """torch.compile by scope (docs/speed.md#compile) -> the module to call.
-
-    "blocks": each block is compiled on its own, in place. A block reaches its design only through its two sites
-    (residuals.Site), so every block reuses the first one's graph and compile time does not grow with depth (a
-    design whose state grows with depth, Full AttnRes and MoDA, gets one graph per block); the embedding, the head
-    and the loss run eager. "model": the whole forward as one graph, inductor fusing across blocks; its compile
-    time grows with depth. backend: torch.compile's ("eager" traces without code generation: the tests count graphs)."""
-    if scope == "model":
-        return torch.compile(model, backend=backend)
-    # every block variant (training, eval under no_grad, a growing state's lengths) compiles; none falls back to
-    # eager because a limit was reached (dynamo's default allows 8 graphs per code object, and all blocks share one)
-    limit = 4 * len(model.blocks) + 8
-    config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(config, name):              # the names changed across PyTorch versions
-            setattr(config, name, max(getattr(config, name), limit))
-    for block in model.blocks:
-        block.compile(dynamic=False, backend=backend)
-    return model
 
 
 def wrapped(model, cfg, ranks):

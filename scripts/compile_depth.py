@@ -11,6 +11,8 @@ is stopped and reported as such. Examples:
     python scripts/compile_depth.py --report blocks.json model.json       # the markdown table of saved rows
     python scripts/compile_depth.py --ratios --layers 8 --d 256 --out ratios.json   # which kernels compiled
 
+--scopes compares, per design in one process, the two compile scopes: the first step of each (each compiles its
+own graphs; the whole-model one first) and the steady steps timed in turn: per-block over whole-model.
 --ratios measures, per design in one process, Pre-LN (fast kernels), the design with fast kernels and with the
 reference ones, all compiled per block, timed in turn (profile_gpu.interleaved): each step over Pre-LN's.
 
@@ -40,10 +42,10 @@ def measure(job):
     from torch._dynamo.utils import counters
 
     import profile_gpu
-    import train
+    from model import compile_model
     torch.set_num_threads(1)
     model = profile_gpu.tiny_gpt(job["design"], job["layers"], job["d"], kernels=job["kernels"])
-    compiled = train.compile_model(model, job["scope"])
+    compiled = compile_model(model, job["scope"])
     step = profile_gpu.step_fn(compiled, job["batch"], job["seq"], 512, logits=False)
     t0 = time.perf_counter()
     step()
@@ -59,19 +61,38 @@ def measure_ratios(job):
     import torch
 
     import profile_gpu
-    import train
+    from model import compile_model
     torch.set_num_threads(1)
     pairs = [("preln", "fast"), (job["design"], "fast"), (job["design"], "reference")]
     steps = {}
     for design, kernels in dict.fromkeys(pairs):
         model = profile_gpu.tiny_gpt(design, job["layers"], job["d"], kernels=kernels)
-        compiled = train.compile_model(model, "blocks")
+        compiled = compile_model(model, "blocks")
         steps[(design, kernels)] = profile_gpu.step_fn(compiled, job["batch"], job["seq"], 512, logits=False)
         steps[(design, kernels)]()                                      # compiled here, not inside the timing
     ms = profile_gpu.interleaved(steps, job["repeats"])
     base = ms[("preln", "fast")]
     return {"preln_ms": round(base, 1), "fast_x": round(ms[(job["design"], "fast")] / base, 3),
             "reference_x": round(ms[(job["design"], "reference")] / base, 3)}
+
+
+def measure_scopes(job):
+    """In this (fresh) process: the first step under each compile scope, then both steady steps timed in turn."""
+    import torch
+
+    import profile_gpu
+    from model import compile_model
+    torch.set_num_threads(1)
+    steps, first = {}, {}
+    for scope in ("model", "blocks"):
+        model = profile_gpu.tiny_gpt(job["design"], job["layers"], job["d"], kernels=job["kernels"])
+        steps[scope] = profile_gpu.step_fn(compile_model(model, scope), job["batch"], job["seq"], 512, logits=False)
+        t0 = time.perf_counter()
+        steps[scope]()
+        first[scope] = round(time.perf_counter() - t0, 1)
+    ms = profile_gpu.interleaved(steps, job["repeats"])
+    return {"model_first_s": first["model"], "blocks_first_s": first["blocks"], "model_ms": round(ms["model"], 1),
+            "blocks_ms": round(ms["blocks"], 1), "blocks_over_model": round(ms["blocks"] / ms["model"], 3)}
 
 
 def run_child(job, timeout):
@@ -101,6 +122,28 @@ def ratio_table(rows):
         faster = "fast" if r["fast_x"] < r["reference_x"] else "reference"
         out.append(f"| {r['design']} | {r['fast_x']:.2f}x | {r['reference_x']:.2f}x | {faster} |")
     return "\n".join(out)
+
+
+def scope_table(rows):
+    """Markdown: per design, each scope's first step and steady step, and per-block over whole-model."""
+    out = ["| design | L | whole model: first s / step ms | per block: first s / step ms | per block / whole |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['design']} | {r['layers']} | {r['error']} | | |")
+            continue
+        out.append(f"| {r['design']} | {r['layers']} | {r['model_first_s']:.0f} / {r['model_ms']:.0f} | "
+                   f"{r['blocks_first_s']:.0f} / {r['blocks_ms']:.0f} | {r['blocks_over_model']:.2f}x |")
+    return "\n".join(out)
+
+
+def report(rows):
+    """The table that fits the rows: kernels ratios, scope comparison or compile by depth."""
+    if rows and "fast_x" in rows[0]:
+        return ratio_table(rows)
+    if rows and "blocks_over_model" in rows[0]:
+        return scope_table(rows)
+    return table(rows)
 
 
 def table(rows):
@@ -142,6 +185,8 @@ def build_parser():
     p.add_argument("--jobs", type=int, default=2, help="measurements side by side (default 2)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds before a row is stopped (default 1200)")
     p.add_argument("--out", help="JSON file: the rows so far, rewritten after each (rows already there are kept)")
+    p.add_argument("--scopes", action="store_true", help="per-block against whole-model compile (one process per "
+                   "design and depth, interleaved)")
     p.add_argument("--ratios", action="store_true", help="compiled step over Pre-LN's with each kernels value "
                    "(one process per design, interleaved), at the first of --layers")
     p.add_argument("--report", nargs="+", metavar="JSON", help="print the table of saved rows and stop")
@@ -153,11 +198,12 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.child:
         job = json.loads(args.child)
-        print(json.dumps(measure_ratios(job) if job.get("ratios") else measure(job)))
+        measure_fn = {"ratios": measure_ratios, "scopes": measure_scopes}.get(job.get("mode"), measure)
+        print(json.dumps(measure_fn(job)))
         return
     if args.report:
         rows = [r for path in args.report for r in json.loads(Path(path).read_text())["rows"]]
-        print(ratio_table(rows) if rows and "fast_x" in rows[0] else table(rows))
+        print(report(rows))
         return
     designs = PAPER_DESIGNS if args.designs == "all" else comma_list(str)(args.designs)
     unknown = [d for d in designs if d not in RESIDUALS]
@@ -168,7 +214,9 @@ def main(argv=None):
              "kernels": args.kernels}
     jobs = [{"design": d, "layers": L, **shape} for L in args.layers for d in designs]
     if args.ratios:
-        jobs = [{"design": d, "layers": args.layers[0], **shape, "ratios": True} for d in designs]
+        jobs = [{"design": d, "layers": args.layers[0], **shape, "mode": "ratios"} for d in designs]
+    if args.scopes:
+        jobs = [{**job, "mode": "scopes"} for job in jobs]
     done = [{k: r[k] for k in jobs[0]} for r in rows if "error" not in r] if jobs else []
     jobs = [j for j in jobs if j not in done]
     print(f"{len(jobs)} measurements, {args.jobs} at a time", file=sys.stderr, flush=True)
@@ -178,7 +226,7 @@ def main(argv=None):
             print(json.dumps(row), file=sys.stderr, flush=True)
             if args.out:
                 write_json(args.out, {"rows": rows})
-    print(ratio_table(rows) if args.ratios else table(rows))
+    print(report(rows))
 
 
 if __name__ == "__main__":
