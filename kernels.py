@@ -56,6 +56,7 @@ def joint_attention(q, k, v, depth_k, depth_v, valid=None):
     qg = q.unflatten(1, (Hkv, H // Hkv)).float()  # (B, Hkv, G, T, hd): query heads grouped by their kv head
     with torch.autocast(q.device.type, enabled=False):
         qt = qg.transpose(-1, -2).contiguous()                                      # (B, Hkv, G, hd, T)
+        valid, depth_k, depth_v = in_use(valid, depth_k, depth_v)
         keys, values = ([t[:, :, None] for t in slots] for slots in (depth_k, depth_v))
         if len(keys) > UNROLL_SOURCES:
             ot, lse, _ = depth_attention_node(qt, scale, valid, keys, values)
@@ -185,13 +186,26 @@ def depth_mix(query, key_gain, sources, eps, valid=None):
     torch.compile (2.13) misreads an autograd.Function's arguments when none needs a gradient.
     valid (S,) bool or None: the sources that take part; the others get p_j = 0 (and a zero gradient)."""
     gq = key_gain.float() * query.float()
-    if len(sources) > UNROLL_SOURCES:
-        mix, p, _, _ = depth_mix_node(gq, eps, valid, list(sources))
+    mask, used = in_use(valid, sources)
+    if len(used) > UNROLL_SOURCES:
+        mix, p, _, _ = depth_mix_node(gq, eps, mask, list(used))
     elif torch.is_grad_enabled():
-        mix, p = DepthMix.apply(gq, eps, valid, *sources)
+        mix, p = DepthMix.apply(gq, eps, mask, *used)
     else:
-        mix, p = mix_forward(gq, eps, valid, sources)[:2]
+        mix, p = mix_forward(gq, eps, mask, used)[:2]
+    if len(used) < len(sources):                  # the weights over every source of the window: 0 where unused
+        p = p.new_zeros((len(sources), *p.shape[1:])).index_put((valid,), p)
     return mix.to(sources[0].dtype), p.movedim(0, -1)
+
+
+def in_use(valid, *windows):
+    """(mask, *windows) as the depth loops take them. Eager: only the entries `valid` marks, and no mask (the mask is
+    read on the host), so the loops skip a window's padding and run as if it had none. Compiled: the whole window
+    and its mask, as its fixed length is what keeps every block's graph the same."""
+    if valid is None or torch.compiler.is_compiling():
+        return (valid, *windows)
+    keep = valid.tolist()
+    return (None, *([t for t, k in zip(window, keep) if k] for window in windows))
 
 
 def mix_forward(gq, eps, valid, sources):
