@@ -44,12 +44,13 @@ def causal_attention(q, k, v):
 def joint_attention(q, k, v, depth_k, depth_v, valid=None):
     """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
 
-    The depth half (S keys per token) is `DepthAttention` or the custom op `depth_attention_node`, in fp32. The sequence half goes through the fused SDPA
-    kernel with one extra "sink" key per query that stands for all its depth keys: extra query coordinates
-    holding lse_depth / scale against a sink key with 1s there give the sink exactly the logit log Z_depth, and
-    a 1 in an extra value channel reads out its share Z_depth / (Z_seq + Z_depth). Under bf16 the logit rides
-    in two coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy first query lets SDPA's top-left
-    causal mask show every query the sink (key 0) and the sequence keys up to itself. valid (S,) bool or None: the
+    The depth half (S keys per token) is `DepthAttention` or the custom op `depth_attention_node`, in fp32. The
+    sequence half goes through the fused SDPA kernel with one extra "sink" key per query that stands for all its
+    depth keys: extra query coordinates holding lse_depth / scale against a sink key with 1s there give the sink
+    exactly the logit log Z_depth, and a 1 in an extra value channel reads out its share Z_depth / (Z_seq +
+    Z_depth). Under bf16 the logit rides in two coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy
+    first query lets SDPA's top-left causal mask show every query the sink (key 0) and the sequence keys up to
+    itself. valid (S,) bool or None: the
     depth slots that take part (at least one)."""
     B, H, T, hd = q.shape
     Hkv, scale = k.size(1), hd ** -0.5
@@ -59,7 +60,7 @@ def joint_attention(q, k, v, depth_k, depth_v, valid=None):
         valid, depth_k, depth_v = in_use(valid, depth_k, depth_v)
         keys, values = ([t[:, :, None] for t in slots] for slots in (depth_k, depth_v))
         if len(keys) > UNROLL_SOURCES:
-            ot, lse, _ = depth_attention_node(qt, scale, valid, keys, values)
+            ot, lse, _ = depth_attention_node(qt, scale, valid, keys + values)
         else:
             ot, lse = DepthAttention.apply(qt, scale, valid, *keys, *values)
     o_depth, lse = ot.transpose(-1, -2).flatten(1, 2), lse.flatten(1, 2) / scale    # (B, H, T, hd), (B, H, T)
@@ -223,11 +224,13 @@ def mix_forward(gq, eps, valid, sources):
     return mix, p, r, s
 
 
-def mix_backward(dmix, dp, gq, p, r, s, sources):
-    """[dgq, dv_0, ...], the exact gradient of mix_forward, the norm's gradient joining dv_j in the same pass:
+def mix_backward(dmix, dp, saved):
+    """[dgq, dv_0, ...], the exact gradient of mix_forward from what it saved, [gq, p, r, s, v_0, ...], the norm's
+    gradient joining dv_j in the same pass:
         ds = p (dp - <p, dp>),  dp_j = <dmix, v_j> (+ the gradient reaching p itself)
         dv_j = p_j dmix + (ds_j r_j) gq - (ds_j s_j r_j^2 / D) v_j,  dgq = sum_j (ds_j r_j) v_j
     In fp32; autograd casts each dv_j to its source's dtype."""
+    gq, p, r, s, *sources = saved
     sources = [v.float() for v in sources]
     dp = torch.stack([torch.linalg.vecdot(v, dmix) for v in sources]) + dp                 # (S, B, T)
     ds = p * (dp - (p * dp).sum(0))
@@ -260,8 +263,7 @@ class DepthMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dmix, dp):
-        gq, p, r, s, *sources = ctx.saved_tensors
-        dgq, *grads = mix_backward(dmix, dp, gq, p, r, s, sources)
+        dgq, *grads = mix_backward(dmix, dp, ctx.saved_tensors)
         return dgq, None, None, *grads
 
 
@@ -279,13 +281,13 @@ def _(gq, eps, valid, sources):
 
 
 @torch.library.custom_op("depthbench::depth_mix_backward", mutates_args=())
-def depth_mix_backward_node(dmix: torch.Tensor, dp: torch.Tensor, gq: torch.Tensor, p: torch.Tensor, r: torch.Tensor,
-                            s: torch.Tensor, sources: List[torch.Tensor]) -> List[torch.Tensor]:
-    return mix_backward(dmix, dp, gq, p, r, s, sources)
+def depth_mix_backward_node(dmix: torch.Tensor, dp: torch.Tensor, saved: List[torch.Tensor]) -> List[torch.Tensor]:
+    return mix_backward(dmix, dp, saved)
 
 
 @depth_mix_backward_node.register_fake
-def _(dmix, dp, gq, p, r, s, sources):
+def _(dmix, dp, saved):
+    gq, sources = saved[0], saved[4:]
     return [torch.empty_like(gq)] + [v.new_empty(v.shape, dtype=torch.float32) for v in sources]
 
 
@@ -296,8 +298,7 @@ def _mix_setup(ctx, inputs, output):
 
 
 def _mix_grad(ctx, dmix, dp, dr, ds):
-    gq, p, r, s, *sources = ctx.saved_tensors
-    dgq, *grads = depth_mix_backward_node(dmix, dp, gq, p, r, s, sources)
+    dgq, *grads = depth_mix_backward_node(dmix, dp, list(ctx.saved_tensors))
     return dgq, None, None, grads
 
 
@@ -307,20 +308,21 @@ depth_mix_node.register_autograd(_mix_grad, setup_context=_mix_setup)
 # ----------------------------------------------------------------------------- MoDA
 
 def depth_slot(t):
-    """t (..., T, hd) stored (..., hd, T), tokens last: how the depth attention (attention_forward) reads a slot fastest."""
+    """t (..., T, hd) stored (..., hd, T), tokens last: how the depth attention (attention_forward) reads a slot
+    fastest."""
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-def attention_forward(qt, scale, valid, keys, values):
+def attention_forward(qt, scale, valid, slots):
     """The depth half of joint_attention: o = sum_j p_j v_j and lse = log sum_j exp(s_j), s_j = scale <q, k_j>,
     p = softmax(s) over the S slots -> (o, lse, p). qt (B, Hkv, G, hd, T): the queries grouped by kv head, tokens
-    last (a per-token weight broadcast over hd = 8-16 is slow); k_j, v_j (B, Hkv, 1, T, hd) broadcast over the G
-    query heads of their kv head. A loop over the slots, each read once, slot-major weights (S, B, Hkv, G, T) and
-    in-place sums. It computes in qt's dtype (joint_attention gives it fp32): bf16 slots are read as fp32. o is
-    (B, Hkv, G, hd, T), like qt."""
-    S = len(keys)
-    kts = [t.transpose(-1, -2).to(qt.dtype) for t in keys]
-    vts = [t.transpose(-1, -2).to(qt.dtype) for t in values]
+    last (a per-token weight broadcast over hd = 8-16 is slow); slots = [k_0, .., v_0, ..], each (B, Hkv, 1, T,
+    hd), broadcast over the G query heads of their kv head. A loop over the slots, each read once, slot-major
+    weights (S, B, Hkv, G, T) and in-place sums. It computes in qt's dtype (joint_attention gives it fp32): bf16
+    slots are read as fp32. o is (B, Hkv, G, hd, T), like qt."""
+    S = len(slots) // 2
+    kts = [t.transpose(-1, -2).to(qt.dtype) for t in slots[:S]]
+    vts = [t.transpose(-1, -2).to(qt.dtype) for t in slots[S:]]
     logits = torch.stack([torch.linalg.vecdot(qt, kt, dim=-2) for kt in kts]).float() * scale  # (S, B, Hkv, G, T)
     if valid is not None:                                                                # padding slots: p_j = 0
         logits = logits.masked_fill(~valid.view(S, 1, 1, 1, 1), float("-inf"))
@@ -332,12 +334,15 @@ def attention_forward(qt, scale, valid, keys, values):
     return ot, lse, p
 
 
-def attention_backward(dot, dlse, qt, p, scale, keys, values):
-    """[dq, dk_0, .., dv_0, ..], the exact gradient of attention_forward: ds = p (dp - <p, dp>) + dlse p,
+def attention_backward(dot, dlse, scale, saved):
+    """[dq, dk_0, .., dv_0, ..], the exact gradient of attention_forward from what it saved, [qt, p, k_0, .., v_0,
+    ..]: ds = p (dp - <p, dp>) + dlse p,
     dp_j = <do, v_j>, dq = scale sum_j ds_j k_j, dk_j = scale ds_j q, dv_j = p_j do; with G = 1 nothing is summed
     over the group. Every gradient contiguous, dq in qt's layout."""
-    kts = [t.transpose(-1, -2).to(qt.dtype) for t in keys]
-    vts = [t.transpose(-1, -2).to(qt.dtype) for t in values]
+    qt, p, *slots = saved
+    S = len(slots) // 2
+    kts = [t.transpose(-1, -2).to(qt.dtype) for t in slots[:S]]
+    vts = [t.transpose(-1, -2).to(qt.dtype) for t in slots[S:]]
     dot = dot.contiguous()
     dp = torch.stack([torch.linalg.vecdot(dot, vt, dim=-2) for vt in vts]).float()      # (S, B, Hkv, G, T)
     ds = (p * (dp - (p * dp).sum(0) + dlse) * scale).to(qt.dtype)
@@ -356,57 +361,52 @@ class DepthAttention(torch.autograd.Function):
     """attention_forward and attention_backward as an autograd node that torch.compile traces."""
 
     @staticmethod
-    def forward(ctx, qt, scale, valid, *kv):
-        S = len(kv) // 2
-        ot, lse, p = attention_forward(qt, scale, valid, kv[:S], kv[S:])
-        ctx.save_for_backward(qt, p, *kv)
+    def forward(ctx, qt, scale, valid, *slots):
+        ot, lse, p = attention_forward(qt, scale, valid, slots)
+        ctx.save_for_backward(qt, p, *slots)
         ctx.scale = scale
         return ot, lse
 
     @staticmethod
     def backward(ctx, dot, dlse):
-        qt, p, *kv = ctx.saved_tensors
-        S = len(kv) // 2
-        dqt, *dkv = attention_backward(dot, dlse, qt, p, ctx.scale, kv[:S], kv[S:])
-        return dqt, None, None, *dkv
+        dqt, *dslots = attention_backward(dot, dlse, ctx.scale, ctx.saved_tensors)
+        return dqt, None, None, *dslots
 
 
 @torch.library.custom_op("depthbench::depth_attention", mutates_args=())
-def depth_attention_node(qt: torch.Tensor, scale: float, valid: Optional[torch.Tensor], keys: List[torch.Tensor],
-                         values: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_forward(qt, scale, valid, keys, values)
+def depth_attention_node(qt: torch.Tensor, scale: float, valid: Optional[torch.Tensor],
+                         slots: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_forward(qt, scale, valid, slots)
 
 
 @depth_attention_node.register_fake
-def _(qt, scale, valid, keys, values):
+def _(qt, scale, valid, slots):
     B, Hkv, G, hd, T = qt.shape
     lse = qt.new_empty((B, Hkv, G, T), dtype=torch.float32)
-    return torch.empty_like(qt), lse, qt.new_empty((len(keys), B, Hkv, G, T), dtype=torch.float32)
+    return torch.empty_like(qt), lse, qt.new_empty((len(slots) // 2, B, Hkv, G, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("depthbench::depth_attention_backward", mutates_args=())
-def depth_attention_backward_node(dot: torch.Tensor, dlse: torch.Tensor, qt: torch.Tensor, p: torch.Tensor,
-                                  scale: float, keys: List[torch.Tensor],
-                                  values: List[torch.Tensor]) -> List[torch.Tensor]:
-    return attention_backward(dot, dlse, qt, p, scale, keys, values)
+def depth_attention_backward_node(dot: torch.Tensor, dlse: torch.Tensor, scale: float,
+                                  saved: List[torch.Tensor]) -> List[torch.Tensor]:
+    return attention_backward(dot, dlse, scale, saved)
 
 
 @depth_attention_backward_node.register_fake
-def _(dot, dlse, qt, p, scale, keys, values):
-    return [torch.empty_like(qt)] + [t.new_empty(t.shape, dtype=qt.dtype) for t in keys + values]
+def _(dot, dlse, scale, saved):
+    qt, slots = saved[0], saved[2:]
+    return [torch.empty_like(qt)] + [t.new_empty(t.shape, dtype=qt.dtype) for t in slots]
 
 
 def _attention_setup(ctx, inputs, output):
-    qt, scale, valid, keys, values = inputs
-    ctx.save_for_backward(qt, output[2], *keys, *values)
-    ctx.scale, ctx.n_slots = scale, len(keys)
+    qt, scale, valid, slots = inputs
+    ctx.save_for_backward(qt, output[2], *slots)
+    ctx.scale = scale
 
 
 def _attention_grad(ctx, dot, dlse, dp):
-    qt, p, *kv = ctx.saved_tensors
-    S = ctx.n_slots
-    dqt, *dkv = depth_attention_backward_node(dot, dlse, qt, p, ctx.scale, kv[:S], kv[S:])
-    return dqt, None, None, dkv[:S], dkv[S:]
+    dqt, *dslots = depth_attention_backward_node(dot, dlse, ctx.scale, list(ctx.saved_tensors))
+    return dqt, None, None, dslots
 
 
 depth_attention_node.register_autograd(_attention_grad, setup_context=_attention_setup)

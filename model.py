@@ -64,8 +64,9 @@ class Attention(nn.Module):
 
     `depth_kv` is the one door into attention, used only by MoDA (residuals.py): (keys, values, valid), lists of
     S slots (B, n_kv_head, T, hd) that earlier sublayers left at the same token and the (S,) bool mask of the slots
-    in use, which join the causal keys in one softmax (`ops.joint_attention`). Returns (y, aux): aux holds this layer's *pre-RoPE* k and v, (B, n_kv_head, T, hd)
-    each, which MoDA caches for later layers, and MoDA's depth-attention share."""
+    in use, which join the causal keys in one softmax (`ops.joint_attention`). Returns (y, aux): aux holds this
+    layer's *pre-RoPE* k and v, (B, n_kv_head, T, hd) each, which MoDA caches for later layers, and MoDA's
+    depth-attention share."""
 
     def __init__(self, cfg):
         super().__init__()
