@@ -89,7 +89,7 @@ class Attention(nn.Module):
             o, share = causal_attention(qr, kr, v, fast=self.fast), None
         else:
             depth_k, depth_v, valid = depth_kv
-            o, share = joint_attention(qr, kr, v, depth_k, depth_v, fast=self.fast, valid=valid)
+            o, share = joint_attention(qr, kr, v, depth_k=depth_k, depth_v=depth_v, fast=self.fast, valid=valid)
         y = self.wo(o.transpose(1, 2).reshape(B, T, -1))                                   # (B, T, d)
         return y, {"k": k, "v": v, "depth_share": share}
 

@@ -164,7 +164,7 @@ def depth_mix(query, key_gain, sources, eps=1e-5, fast=False, valid=None):
     sources: S tensors (B, T, D); logits and softmax in fp32. valid: None, or (S,) bool marking the sources that
     take part (the others, padding of a fixed-length bank, get p_j = 0). Returns mix (B, T, D), p (B, T, S)."""
     if fast:
-        return kernels.depth_mix(query, key_gain, sources, eps, valid)
+        return kernels.depth_mix(query, key_gain, sources, eps, valid=valid)
     V = torch.stack(sources).float()                             # (S, B, T, D)
     keys = rms_norm(V, key_gain, eps)
     logits = keys @ query                                        # (S, B, T)
