@@ -545,7 +545,7 @@ class BlockAttnRes(PreLN):
     weights at init. Cost: N + 1 sources per sublayer.
     """
     options = {"n_groups": 8, "block_size": None}   # block_size None: the n_groups reading
-    act_bytes = (6, 10, 9)
+    act_bytes = (6, 10, 11)   # checkpointed: the block inputs keep the bank's zero slots alive too
 
     @staticmethod
     def groups(n_sub, n_groups=8, block_size=None):
@@ -691,6 +691,7 @@ class FullAttnRes(BlockAttnRes):
     group, so sublayer k mixes [e, f_0, ..., f_(k-1)] (k + 1 sources) and the head mixes all 2L + 1.
     Cost grows with depth: ~12 L^2 d FLOPs per token and all 2L + 1 sources kept alive, O(L^2 d) traffic."""
     options = {}
+    act_bytes = (6, 10, 17)   # checkpointed: the block inputs keep the bank's 2L zero slots alive too
 
     @classmethod
     def cost(cls, L, d, T, **options):
@@ -720,7 +721,7 @@ class MoDA(PreLN):
     """
     paper_micro_batch = {1: 4}
     options = {"norm": "pre"}
-    act_bytes = (19, 32, 20)
+    act_bytes = (19, 32, 37)  # checkpointed: the block inputs keep the window's zero slots alive too
 
     @classmethod
     def cost(cls, L, d, T, kv_ratio=1.0, **options):
