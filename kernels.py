@@ -50,8 +50,7 @@ def joint_attention(q, k, v, depth_k, depth_v, valid=None):
     exactly the logit log Z_depth, and a 1 in an extra value channel reads out its share Z_depth / (Z_seq +
     Z_depth). Under bf16 the logit rides in two coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy
     first query lets SDPA's top-left causal mask show every query the sink (key 0) and the sequence keys up to
-    itself. valid (S,) bool or None: the
-    depth slots that take part (at least one)."""
+    itself. valid (S,) bool or None: the depth slots that take part (at least one)."""
     B, H, T, hd = q.shape
     Hkv, scale = k.size(1), hd ** -0.5
     qg = q.unflatten(1, (Hkv, H // Hkv)).float()  # (B, Hkv, G, T, hd): query heads grouped by their kv head

@@ -252,7 +252,7 @@ def compile_model(model, scope, backend="inductor"):
 
     "blocks": each block is compiled on its own, in place. A block reaches its design only through its two sites
     (residuals.Site) and a growing state is a fixed-length window, so every block reuses the first one's graph
-    (1-3 graphs per design for training, as many again for evals) and compile time does not grow with depth; the
+    (1-4 graphs per design for training, as many again for evals) and compile time does not grow with depth; the
     embedding, the head and the loss run eager. "model": the whole forward as one graph, inductor fusing across
     blocks; its compile time grows with depth. backend: torch.compile's ("eager" traces without generating code:
     the tests count graphs). Compiled code runs as plain code inside `eager()`."""

@@ -37,8 +37,9 @@ first block's graph; docs/speed.md#compile): read and write reach sublayer i onl
 0-dim tensors (`site.constant`: a Python float would be baked into one graph per value), a row of a parameter
 stacked over sublayers by `site.pick` (an int index is baked in the same way), and flags that take few values
 (`site.first`, `site.mlp`, a design's own). `site.index`, the int i, is for eager code (the diagnostics); read/write
-may use it, at the price of one compiled graph per block. A state whose structure changes from block to block (a
-list that grows: Full AttnRes' sources, MoDA's depth K/V) gets one graph per distinct structure.
+may use it, at the price of one compiled graph per block. A state that grows with depth keeps its structure from
+block to block as a fixed-length window (`padded_window`: AttnRes' bank, MoDA's depth K/V); a list that grew would
+give one graph per length.
 """
 import math
 from dataclasses import dataclass
@@ -618,7 +619,7 @@ class BlockAttnRes(PreLN):
         and a group boundary inside the block does not close the open group (its sum carries on). When the
         first consumer after the block (i = its MLP) is a group boundary (always for Full AttnRes; the head),
         it reads its newest source instead of mixing, the "next-output" rule, and that is its depth state."""
-        if i % 2 == 1 and (i + 1 == self.n_sub or self.group[i + 1] != self.group[i]):
+        if i % 2 == 1 and self.sites[i + 1].opens_group:
             return self.AfterSkip(s)
         return s
 
@@ -760,15 +761,16 @@ class MoDA(PreLN):
         values, _ = padded_window(empty, n_slots, x0.requires_grad)
         return x0, keys, values, valid
 
-    def pushed(self, s, x_new, k, v):
+    def with_slot(self, s, x_new, k, v):
         """The state with the stream x_new and the slot (k, v) pushed onto the depth window (its oldest slot leaves)."""
         _, ks, vs, valid = s
         return x_new, ks[1:] + [depth_slot(k, self.fast)], vs[1:] + [depth_slot(v, self.fast)], pushed(valid)
 
     def sublayer_params(self, i):
         own = super().sublayer_params(i)
-        if i % 2 == 1 and i // 2 < len(self.kv_proj):                  # the MLP slot's W_kv
-            own["kv_proj"] = self.kv_proj[i // 2].weight
+        kv_proj = self.sites[i].kv_proj                                # the MLP slot's W_kv (none: the last block)
+        if kv_proj is not None:
+            own["kv_proj"] = kv_proj.weight
         return own
 
     def read(self, s, site):
@@ -786,12 +788,12 @@ class MoDA(PreLN):
         if not site.mlp:                                              # attention: cache its own k, v
             if self.recording is not None and ctx["depth_share"] is not None:
                 self.log("moda_depth_mass", ctx["depth_share"].mean())
-            return self.pushed(s, x_new, ctx["k"], ctx["v"])
+            return self.with_slot(s, x_new, ctx["k"], ctx["v"])
         if site.kv_proj is None:                                      # last block: no W_kv
             return x_new, *s[1:]
         kv = site.kv_proj(ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim))      # (B, T, 2, Hkv, hd)
         kv = kv.permute((2, 0, 3, 1, 4))                                                    # (2, B, Hkv, T, hd)
-        return self.pushed(s, x_new, kv[0], kv[1])
+        return self.with_slot(s, x_new, kv[0], kv[1])
 
     def collapse(self, s):
         return self.norm_f(s[0])
@@ -799,11 +801,11 @@ class MoDA(PreLN):
     def skip(self, s, i):
         """The reference's depth-KV slots of a skipped sublayer stay zero: later attention still sees the slot
         (a zero key takes softmax mass exp(0) and brings back nothing). The last MLP writes no slot anyway."""
-        x = s[0]
-        if i % 2 == 1 and i // 2 == len(self.kv_proj):
+        x, site = s[0], self.sites[i]
+        if site.mlp and site.kv_proj is None:
             return s
         zero = x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim)
-        return self.pushed(s, x, zero, zero)
+        return self.with_slot(s, x, zero, zero)
 
     def depth_state(self, s, i):
         return s[0]
