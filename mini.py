@@ -292,23 +292,26 @@ class Progress(NamedTuple):
 
 
 def progress_line(phase, done, what_came, took):
-    """'[sweep 3/30] <label>: ok in 155 s | elapsed 6.9 min, ETA 62.2 min': the ETA over the phase is the mean time
-    of the runs it trained so far (not the ones found done before) x the runs left / the jobs at a time."""
-    mean = np.mean(took) if took else 0.0
-    eta = mean * (phase.total - done) / phase.n
+    """'[sweep 3/30] <label>: ok in 155 s | elapsed 6.9 min, ETA 62.2 min for this phase': the ETA is the mean time
+    of the runs this mini.py trained so far (in any phase; not the ones found done before) x the phase's jobs left /
+    the jobs at a time. Before a run has trained (a resumed suite skipping what is done) there is no ETA to give."""
     elapsed = time.time() - phase.t0
-    return f"[{phase.what} {done}/{phase.total}] {what_came} | elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min"
+    eta = "ETA after the first run it trains"
+    if took:
+        eta = f"ETA {np.mean(took) * (phase.total - done) / phase.n / 60:.1f} min for this phase"
+    return f"[{phase.what} {done}/{phase.total}] {what_came} | elapsed {elapsed / 60:.1f} min, {eta}"
 
 
-def run_pool(jobs, n, what, log_dir):
+def run_pool(jobs, n, what, log_dir, took=None):
     """Run (label, argv) jobs, n at a time, one thread each; print the phase's number of runs first, then a progress
-    line per finished job. Returns the labels that failed (their logs say why); a diverged run is a result, not a
-    failure."""
+    line per finished job. `took`: the seconds of the runs trained so far (this phase adds to it; the ETA reads it).
+    Returns the labels that failed (their logs say why); a diverged run is a result, not a failure."""
     log_dir.mkdir(parents=True, exist_ok=True)
     if jobs:
-        print(f"[{what}] {len(jobs)} runs, {n} at a time", flush=True)
+        print(f"[{what}] {len(jobs)} runs, {n} at a time (a run found done before is skipped in seconds)", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    phase, pending, running, failed, took = Progress(what, len(jobs), n, time.time()), list(jobs), {}, [], []
+    phase, pending, running, failed = Progress(what, len(jobs), n, time.time()), list(jobs), {}, []
+    took = [] if took is None else took
     try:
         while pending or running:
             while pending and len(running) < n:
@@ -609,14 +612,25 @@ def parse_args(argv):
     return args
 
 
+def plan_line(args):
+    """The whole grid up front, as each phase only learns its jobs from the one before: the sweep's runs, at most
+    one edge run per sweeping cell, the seed runs (a sweeping cell's first seed is its sweep run) and the diagnoses."""
+    sweeping = [cell for cell in cells(args) if sweeps(args, cell)]
+    seed_runs = sum(len(seeds_at(args, cell.ar)) for cell in cells(args)) - len(sweeping)
+    sweep_runs = len(sweeping) * len(args.sweep)
+    return (f"plan: {sweep_runs} sweep runs, up to {len(sweeping) if args.sweep else 0} edge runs, {seed_runs} seed "
+            f"runs, then diagnose.py on each finished seed run; what is done already is skipped")
+
+
 def run_suite(args):
     """The three training phases, each following from the results before it, then diagnose.py on every finished run
     that lacks a diagnose.json and the figures -> the labels of the jobs that failed."""
-    failed = []
+    failed, took = [], []  # took: the training runs' seconds, for the ETA of every phase that trains
     phases = (("sweep", lambda: sweep_jobs(args)), ("sweep edge", lambda: sweep_jobs(args, extend=True)),
               ("train", lambda: seed_jobs(args)))
+    print(plan_line(args), flush=True)
     for what, jobs in phases:
-        failed += run_pool([(label, argv) for _, label, argv in jobs()], args.jobs, what, args.out / "logs")
+        failed += run_pool([(label, argv) for _, label, argv in jobs()], args.jobs, what, args.out / "logs", took)
     # diagnose.py writes diagnose.json beside each run's ckpt.pt; a missing or unreadable one is diagnosed again
     diag_jobs = []
     for probe_name in args.probes:

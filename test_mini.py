@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -288,3 +289,16 @@ def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
     assert "| deepnorm | 1e-3 | 1e6 (set) |" in table and "| lns | 1e-2 | 3e-3 |" in table
     for name in ("fig2_final_loss_vs_ar", "suite_fig2_loss_vs_ar", "suite_fig6_depth_use"):
         assert (tmp_path / "figs" / "text" / f"{name}.png").stat().st_size > 1000, name
+
+
+def test_the_eta_counts_trained_runs_only_and_the_plan_counts_the_whole_grid():
+    """progress_line: no ETA before a run has trained (a resumed suite skipping what is done), then the mean of the
+    trained runs x the phase's jobs left / the jobs at a time. plan_line: the ten-design text grid is 10 designs x 5
+    shapes x 3 LRs of sweep, at most one edge run per cell, and 10 x (4 x 3 + 5) seeds less the 50 sweep runs."""
+    phase = mini.Progress("sweep", total=10, n=2, t0=time.time())
+    assert mini.progress_line(phase, 3, "x: done before in 8 s", []).endswith("ETA after the first run it trains")
+    assert mini.progress_line(phase, 4, "x: ok in 60 s", [60.0, 120.0]).endswith("ETA 4.5 min for this phase")
+    args = mini.parse_args(["--text", "austen", "--probes", "text", "--designs", "all"])
+    assert mini.plan_line(args).startswith("plan: 150 sweep runs, up to 50 edge runs, 120 seed runs")
+    args = mini.parse_args(["--designs", "preln,hc", "--design-lr", "hc=1e-3", "--ar", "32,9.1"])  # synthetic
+    assert mini.plan_line(args).startswith("plan: 3 sweep runs, up to 1 edge runs, 15 seed runs")
