@@ -380,7 +380,7 @@ def spread(values, fmt=".4f"):
     return f"{np.mean(values):{fmt}} ± {(max(values) - min(values)) / 2:{fmt}}"
 
 
-def versus(losses, base):
+def versus(losses, base, digits=4):
     """A design's final val loss against Pre-LN's at the same shape: the difference of the means, and
     whether it exceeds the seed spread (the two designs' ranges over seeds do not overlap)."""
     if not losses or not base:
@@ -388,8 +388,8 @@ def versus(losses, base):
     delta = np.mean(losses) - np.mean(base)
     apart = max(losses) < min(base) or min(losses) > max(base)
     if len(losses) == 1 or len(base) == 1:
-        return f"{delta:+.4f} (one seed)"
-    return f"{delta:+.4f} ({'beyond' if apart else 'within'} seed spread)"
+        return f"{delta:+.{digits}f} (one seed)"
+    return f"{delta:+.{digits}f} ({'beyond' if apart else 'within'} seed spread)"
 
 
 def diverged_step(run):
@@ -567,6 +567,40 @@ def table4(args, probe_name="text"):
     return lines
 
 
+def glance(args, table, probe_name="text"):
+    """The README's table: per design, the final val loss at the shallowest and the deepest shape (mean ± half-range
+    over seeds), its difference from Pre-LN's there (unpaired, with beyond/within the seed spread; and on how many
+    paired seeds it is lower), and the LR it chose at each shape, shallow to deep."""
+    shapes = sorted({(k[1], k[2]) for k in table})
+    if not shapes:
+        return []
+    ends = [shapes[0], shapes[-1]] if len(shapes) > 1 else shapes
+    head = "| design |"
+    for L, d in ends:
+        head += f" AR {d / L:.2g} (L{L}) | Δ vs Pre-LN |"
+    lines = [head + " LR chosen, shallow → deep |", "|" + "---|" * (2 * len(ends) + 2)]
+    for name in designs_of(args, probe_name):
+        cols = [name]
+        for L, d in ends:
+            found = [(k, r) for k, r in table.items() if k[:3] == (name, L, d)]
+            if not found:
+                cols += ["—", "—"]
+                continue
+            key, result = max(found, key=lambda kr: len(kr[1].by_seed))
+            base = base_of(table, key)
+            loss = spread(result.loss, ".3f") if result.loss else "all diverged"
+            cols.append(f"{loss} ({len(result.loss)})")
+            delta = "—"
+            if base:
+                pair = compare.paired(result.by_seed, base.by_seed)
+                delta = f"{versus(result.loss, base.loss, 3)}, lower on {pair.lower}/{len(pair.seeds)}"
+            cols.append(delta)
+        lrs = [chosen_lr(args, Cell(probe_name, ar, name)) for ar in sorted(set(args.ar), reverse=True)]
+        cols.append(" → ".join(format_lr(lr) if lr else "—" for lr in lrs))
+        lines.append("| " + " | ".join(cols) + " |")
+    return lines
+
+
 def synthetic_note(args):
     """The one sentence on the synthetic probe where it runs fewer designs than the text probe."""
     if len(args.synthetic_designs) >= len(args.designs):
@@ -588,6 +622,9 @@ def summary(args):
         lines += [f"## {probe_name}", "", *probe_table(args, probe_name, table), *deep_lines(args, probe_name, table)]
         lines += ["", f"The LR each design chose per shape ({probe_name} probe; Table 4 of the paper: its optimum at "
                   "400M):", "", *table4(args, probe_name)]
+        lines += ["", f"At a glance ({probe_name} probe; the README's table): the shallowest and the deepest shape, "
+                  "mean ± half-range (seeds), Δ of the means with beyond/within the seed spread, and on how many "
+                  "paired seeds the design is lower:", "", *glance(args, table, probe_name)]
         sweep = sweep_lines(args, probe_name)
         if sweep:
             lines += ["", "LR sweep (first seed; final val loss at each LR, the chosen one in bold):", "", *sweep]

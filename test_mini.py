@@ -302,3 +302,28 @@ def test_the_eta_counts_trained_runs_only_and_the_plan_counts_the_whole_grid():
     assert mini.plan_line(args).startswith("plan: 150 sweep runs, up to 50 edge runs, 120 seed runs")
     args = mini.parse_args(["--designs", "preln,hc", "--design-lr", "hc=1e-3", "--ar", "32,9.1"])  # synthetic
     assert mini.plan_line(args).startswith("plan: 3 sweep runs, up to 1 edge runs, 15 seed runs")
+
+
+def test_the_glance_table_has_both_ends_paired_counts_and_the_chosen_lrs():
+    """glance(): per design, the shallowest and the deepest shape's loss (mean ± half-range, seeds), Δ of the means
+    against Pre-LN there with beyond/within, and on how many paired seeds the design is lower (a diverged seed counts
+    against it); a design with no finished seed at a shape says so."""
+    args = mini.parse_args(["--designs", "preln,hc", "--ar", "92,9.1", "--lr", "3e-3", "--probes", "text", "--text",
+                            "corpus.txt"])
+
+    def result(losses):
+        r = mini.Result(by_seed=dict(enumerate(losses)))
+        r.loss = [v for v in losses if v is not None]
+        return r
+
+    table = {("preln", 2, 184, 3e-3): result([2.0, 2.1, 1.9]), ("hc", 2, 184, 3e-3): result([1.8, 1.9, 2.05]),
+             ("preln", 9, 88, 3e-3): result([2.0, 2.2]), ("hc", 9, 88, 3e-3): result([1.7, None]),
+             ("hc", 9, 88, 1e-2): result([None, None])}  # fewer seeds: not the one shown
+    assert mini.glance(args, table) == [
+        "| design | AR 92 (L2) | Δ vs Pre-LN | AR 9.8 (L9) | Δ vs Pre-LN | LR chosen, shallow → deep |",
+        "|---|---|---|---|---|---|",
+        "| preln | 2.000 ± 0.100 (3) | — | 2.100 ± 0.100 (2) | — | 3e-3 → 3e-3 |",
+        "| hc | 1.917 ± 0.125 (3) | -0.083 (within seed spread), lower on 2/3 | 1.700 ± 0.000 (1) | -0.400 (one seed), "
+        "lower on 1/2 | 3e-3 → 3e-3 |"]
+    table[("hc", 9, 88, 3e-3)] = result([None, None, None])
+    assert mini.glance(args, table)[3].split(" | ")[3:5] == ["all diverged (0)", "—, lower on 0/2"]
