@@ -17,6 +17,7 @@ a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
 """
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -268,6 +269,24 @@ def seed_jobs(args):
     return out
 
 
+def found_done(log_path):
+    """'done before' or 'diverged' when the job's log from an earlier call names its run folder (train.py's "[1/1]
+    ... (<folder>)" line) and common.run_state says that run is done; None otherwise (no log, no folder named, not
+    done). Such a job is not started again: train.py would find the same and skip it, after seconds of start-up."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    named = re.search(r"^\[1/1\] .*  \((.+)\)$", text, re.MULTILINE)
+    if not named:
+        return None
+    try:
+        state = common.run_state(named.group(1))
+    except ValueError:  # not train.py's run.json: train.py refuses it, in the log, when the job runs
+        return None
+    return {"finished": "done before", "diverged": "diverged"}.get(state)
+
+
 def outcome(returncode, log_path):
     """What a finished job came to, from its exit status and log: 'ok', 'done before' (train.py found it finished
     and skipped it), 'diverged' (a result: train.py exits 1 and says so; also when found diverged before), or
@@ -317,6 +336,11 @@ def run_pool(jobs, n, what, log_dir, took=None):
             while pending and len(running) < n:
                 label, argv = pending.pop(0)
                 path = log_dir / (label.replace(" ", "_").replace("=", "") + ".log")
+                state = found_done(path)
+                if state:  # done in an earlier call: its log stays as it is
+                    done = len(jobs) - len(pending) - len(running)
+                    print(progress_line(phase, done, f"{label}: {state} (found done)", took), flush=True)
+                    continue
                 log = open(path, "w")
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
                 running[proc] = (label, log, path, time.time())

@@ -60,13 +60,14 @@ def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
     assert table.count("extended once") == 4 and "R scores at the deepest shape" in table
     assert "[sweep 8/8]" in r.stdout and "[sweep edge 4/4]" in r.stdout and "[train 4/4]" in r.stdout
 
-    # the same command again: every run is finished and diagnosed, so nothing is trained or diagnosed anew
-    paths = list((tmp_path / "synthetic-lr").glob("*/*/run.json")) + diags
+    # the same command again: every run is finished and diagnosed, so nothing is trained or diagnosed anew; each
+    # job's log names its finished run folder, so not even train.py starts (the logs stay the first call's)
+    paths = list((tmp_path / "synthetic-lr").glob("*/*/run.json")) + diags + list((tmp_path / "logs").iterdir())
     before = {p: p.stat().st_mtime_ns for p in paths}
     r = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "[diagnose" not in r.stdout
+    assert r.stdout.count(": done before (found done) |") == 8 + 4 + 4 and "ETA after the first run" in r.stdout
     assert {p: p.stat().st_mtime_ns for p in paths} == before
-    assert all("finished already" in p.read_text() for p in (tmp_path / "logs").glob("synthetic*.log"))
 
 
 def test_bad_arguments_are_one_line(capsys, tmp_path):
@@ -327,3 +328,20 @@ def test_the_glance_table_has_both_ends_paired_counts_and_the_chosen_lrs():
         "lower on 1/2 | 3e-3 → 3e-3 |"]
     table[("hc", 9, 88, 3e-3)] = result([None, None, None])
     assert mini.glance(args, table)[3].split(" | ")[3:5] == ["all diverged (0)", "—, lower on 0/2"]
+
+
+def test_a_job_whose_earlier_log_names_a_done_run_is_not_started_again(tmp_path):
+    """found_done: the run folder named by train.py's '[1/1] ... (<folder>)' line of the job's earlier log, when
+    common.run_state says it is done ('finished' -> 'done before', 'diverged'); a partial run, a log without that
+    line, a missing log or a folder whose run.json is not train.py's -> None (the job runs, and train.py decides)."""
+    log = tmp_path / "job.log"
+    assert mini.found_done(log) is None
+    for name, state, want in (("a", "finished", "done before"), ("b", "diverged", "diverged"), ("c", "partial", None)):
+        sweep_run(tmp_path / name, 3e-3, 2.0, state=state)
+        log.write_text(f"reusing the shards\n\n[1/1] hc ar=17.33 lr=3e-3 seed=0  ({tmp_path / name})\nstep 1\n")
+        assert mini.found_done(log) == want, name
+    (tmp_path / "c" / "run.json").write_text("not json")  # not a run log of train.py: run_state refuses it
+    log.write_text(f"[1/1] hc ar=17.33 lr=3e-3 seed=0  ({tmp_path / 'c'})\n")
+    assert mini.found_done(log) is None
+    log.write_text("Traceback (most recent call last):\n")
+    assert mini.found_done(log) is None
