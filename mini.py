@@ -591,6 +591,37 @@ def table4(args, probe_name="text"):
     return lines
 
 
+def shown(table, name, L, d):
+    """(key, Result) of a design at a shape in a probe's table: the LR with the most seeds (a cell has one LR unless
+    runs of another were added by hand); (None, None) when it has none."""
+    found = [(k, r) for k, r in table.items() if k[:3] == (name, L, d)]
+    return max(found, key=lambda kr: len(kr[1].by_seed), default=(None, None))
+
+
+def paired_grid(args, table, probe_name="text"):
+    """Δ vs Pre-LN paired by seed, design x shape: the mean of the per-seed differences, their range, and on how
+    many of the seeds both ran the design is lower (compare.paired; a diverged seed counts against its design)."""
+    shapes = sorted({(k[1], k[2]) for k in table})
+    lines = ["| design | " + " | ".join(f"AR {d / L:.2g} (L{L})" for L, d in shapes) + " |",
+             "|" + "---|" * (len(shapes) + 1)]
+    for name in designs_of(args, probe_name):
+        if name == "preln":
+            continue
+        cols = [name]
+        for L, d in shapes:
+            key, result = shown(table, name, L, d)
+            base = base_of(table, key) if result else None
+            pair = compare.paired(result.by_seed, base.by_seed) if base else None
+            parts = []
+            if pair and pair.deltas:
+                parts.append(f"{pair.mean:+.3f} [{pair.low:+.3f}, {pair.high:+.3f}]")
+            if pair and pair.seeds:
+                parts.append(f"{pair.lower}/{len(pair.seeds)} lower")
+            cols.append(", ".join(parts) or "—")
+        lines.append("| " + " | ".join(cols) + " |")
+    return lines
+
+
 def glance(args, table, probe_name="text"):
     """The README's table: per design, the final val loss at the shallowest and the deepest shape (mean ± half-range
     over seeds), its difference from Pre-LN's there (unpaired, with beyond/within the seed spread; and on how many
@@ -606,11 +637,10 @@ def glance(args, table, probe_name="text"):
     for name in designs_of(args, probe_name):
         cols = [name]
         for L, d in ends:
-            found = [(k, r) for k, r in table.items() if k[:3] == (name, L, d)]
-            if not found:
+            key, result = shown(table, name, L, d)
+            if not result:
                 cols += ["—", "—"]
                 continue
-            key, result = max(found, key=lambda kr: len(kr[1].by_seed))
             base = base_of(table, key)
             loss = spread(result.loss, ".3f") if result.loss else "all diverged"
             cols.append(f"{loss} ({len(result.loss)})")
@@ -649,6 +679,9 @@ def summary(args):
         lines += ["", f"At a glance ({probe_name} probe; the README's table): the shallowest and the deepest shape, "
                   "mean ± half-range (seeds), Δ of the means with beyond/within the seed spread, and on how many "
                   "paired seeds the design is lower:", "", *glance(args, table, probe_name)]
+        lines += ["", f"Δ vs Pre-LN paired by seed ({probe_name} probe): the mean of the per-seed differences "
+                  "[their range], and on how many of the seeds both ran the design is lower:", "",
+                  *paired_grid(args, table, probe_name)]
         sweep = sweep_lines(args, probe_name)
         if sweep:
             lines += ["", "LR sweep (first seed; final val loss at each LR, the chosen one in bold):", "", *sweep]

@@ -345,3 +345,17 @@ def test_a_job_whose_earlier_log_names_a_done_run_is_not_started_again(tmp_path)
     assert mini.found_done(log) is None
     log.write_text("Traceback (most recent call last):\n")
     assert mini.found_done(log) is None
+
+
+def test_the_paired_grid_gives_each_design_and_shape_its_paired_differences():
+    """paired_grid(): per design (not Pre-LN) and shape, the mean and range of the per-seed differences from Pre-LN
+    and the count of seeds lower; a seed the design diverged on counts against it; no Pre-LN there: '—'."""
+    args = mini.parse_args(["--designs", "preln,hc", "--ar", "92,9.1", "--lr", "3e-3"])
+    table = {("preln", 2, 184, 3e-3): mini.Result(by_seed={0: 2.0, 1: 2.1, 2: 1.9}),
+             ("hc", 2, 184, 3e-3): mini.Result(by_seed={0: 1.8, 1: 1.9, 2: 2.05}),
+             ("hc", 9, 88, 3e-3): mini.Result(by_seed={0: None, 1: None}),
+             ("hc", 3, 152, 3e-3): mini.Result(by_seed={0: 1.9})}
+    table[("preln", 9, 88, 3e-3)] = mini.Result(by_seed={0: 2.0, 1: 2.2})
+    assert mini.paired_grid(args, table) == [
+        "| design | AR 92 (L2) | AR 51 (L3) | AR 9.8 (L9) |", "|---|---|---|---|",
+        "| hc | -0.083 [-0.200, +0.150], 2/3 lower | — | 0/2 lower |"]
