@@ -16,6 +16,7 @@ import pytest
 
 import common
 import mini
+import suite_tables
 
 HERE = Path(__file__).resolve().parent
 # the paper's ten designs in its order (Figure 2, Table 4): what --designs all must mean
@@ -283,7 +284,7 @@ def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
     for res in ("preln", "sandwich", "lns"):
         row = next(line for line in table.splitlines() if line.startswith(f"| {res} |"))
         losses = [runs[(res, s)]["final"]["val_loss"] for s in (0, 1)]
-        assert f"| 3e-3 | 2 | {mini.spread(losses)} |" in row
+        assert f"| 3e-3 | 2 | {suite_tables.spread(losses)} |" in row
         if res != "preln":
             deltas = [losses[s] - runs[("preln", s)]["final"]["val_loss"] for s in (0, 1)]
             assert f"{np.mean(deltas):+.4f} [{min(deltas):+.4f}, {max(deltas):+.4f}], lower on" in row
@@ -313,21 +314,22 @@ def test_the_glance_table_has_both_ends_paired_counts_and_the_chosen_lrs():
                             "corpus.txt"])
 
     def result(losses):
-        r = mini.Result(by_seed=dict(enumerate(losses)))
+        r = suite_tables.Result(by_seed=dict(enumerate(losses)))
         r.loss = [v for v in losses if v is not None]
         return r
 
     table = {("preln", 2, 184, 3e-3): result([2.0, 2.1, 1.9]), ("hc", 2, 184, 3e-3): result([1.8, 1.9, 2.05]),
              ("preln", 9, 88, 3e-3): result([2.0, 2.2]), ("hc", 9, 88, 3e-3): result([1.7, None]),
              ("hc", 9, 88, 1e-2): result([None, None])}  # fewer seeds: not the one shown
-    assert mini.glance(args, table) == [
+    assert suite_tables.glance(table, args.designs, mini.chosen_lrs(args, "text")) == [
         "| design | AR 92 (L2) | Δ vs Pre-LN | AR 9.8 (L9) | Δ vs Pre-LN | LR chosen, shallow → deep |",
         "|---|---|---|---|---|---|",
         "| preln | 2.000 ± 0.100 (3) | — | 2.100 ± 0.100 (2) | — | 3e-3 → 3e-3 |",
         "| hc | 1.917 ± 0.125 (3) | -0.083 (within seed spread), lower on 2/3 | 1.700 ± 0.000 (1) | -0.400 (one seed), "
         "lower on 1/2 | 3e-3 → 3e-3 |"]
     table[("hc", 9, 88, 3e-3)] = result([None, None, None])
-    assert mini.glance(args, table)[3].split(" | ")[3:5] == ["all diverged (0)", "—, lower on 0/2"]
+    shown = suite_tables.glance(table, args.designs, mini.chosen_lrs(args, "text"))
+    assert shown[3].split(" | ")[3:5] == ["all diverged (0)", "—, lower on 0/2"]
 
 
 def test_a_job_whose_earlier_log_names_a_done_run_is_not_started_again(tmp_path):
@@ -351,11 +353,11 @@ def test_the_paired_grid_gives_each_design_and_shape_its_paired_differences():
     """paired_grid(): per design (not Pre-LN) and shape, the mean and range of the per-seed differences from Pre-LN
     and the count of seeds lower; a seed the design diverged on counts against it; no Pre-LN there: '—'."""
     args = mini.parse_args(["--designs", "preln,hc", "--ar", "92,9.1", "--lr", "3e-3"])
-    table = {("preln", 2, 184, 3e-3): mini.Result(by_seed={0: 2.0, 1: 2.1, 2: 1.9}),
-             ("hc", 2, 184, 3e-3): mini.Result(by_seed={0: 1.8, 1: 1.9, 2: 2.05}),
-             ("hc", 9, 88, 3e-3): mini.Result(by_seed={0: None, 1: None}),
-             ("hc", 3, 152, 3e-3): mini.Result(by_seed={0: 1.9})}
-    table[("preln", 9, 88, 3e-3)] = mini.Result(by_seed={0: 2.0, 1: 2.2})
-    assert mini.paired_grid(args, table) == [
+    table = {("preln", 2, 184, 3e-3): suite_tables.Result(by_seed={0: 2.0, 1: 2.1, 2: 1.9}),
+             ("hc", 2, 184, 3e-3): suite_tables.Result(by_seed={0: 1.8, 1: 1.9, 2: 2.05}),
+             ("hc", 9, 88, 3e-3): suite_tables.Result(by_seed={0: None, 1: None}),
+             ("hc", 3, 152, 3e-3): suite_tables.Result(by_seed={0: 1.9})}
+    table[("preln", 9, 88, 3e-3)] = suite_tables.Result(by_seed={0: 2.0, 1: 2.2})
+    assert suite_tables.paired_grid(table, args.designs) == [
         "| design | AR 92 (L2) | AR 51 (L3) | AR 9.8 (L9) |", "|---|---|---|---|",
         "| hc | -0.083 [-0.200, +0.150], 2/3 lower | — | 0/2 lower |"]
