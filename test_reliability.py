@@ -419,7 +419,7 @@ def test_mini_redoes_a_corrupt_diagnosis(tmp_path, monkeypatch):
                       "evals": [{"per_level": {"1": {"acc": 0.5}}}]})
     (run / "diagnose.json").write_text('{"causal_score": ')
     pools = []
-    monkeypatch.setattr(mini, "run_pool", lambda jobs, n, what, log_dir: pools.append((what, jobs)) or [])
+    monkeypatch.setattr(mini, "run_pool", lambda jobs, n, what, log_dir, took=None: pools.append((what, jobs)) or [])
     monkeypatch.setattr(mini.subprocess, "run", lambda *a, **k: None)
     assert mini.main(["--designs", "preln", "--ar", "32", "--seeds", "0", "--out", str(tmp_path)]) == 0
     assert pools[-1][0] == "diagnose" and [label for label, _ in pools[-1][1]] == ["diagnose preln_ar32"]
