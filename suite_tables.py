@@ -111,12 +111,11 @@ def diverged_text(result):
 
 
 def base_of(table, key):
-    """Pre-LN's Result at the same shape as `key` (the one with the most seeds), None for Pre-LN itself or none."""
+    """Pre-LN's Result at the same shape as `key` (the one `shown`), None for Pre-LN itself or none."""
     res, L, d, _ = key
-    found = [r for k, r in table.items() if k[:3] == ("preln", L, d)]
-    if res == "preln" or not found:
+    if res == "preln":
         return None
-    return max(found, key=lambda r: len(r.by_seed))
+    return shown(table, "preln", L, d)[1]
 
 
 def row(probe_name, key, result, base):
@@ -185,11 +184,21 @@ def shown(table, name, L, d):
     return max(found, key=lambda kr: len(kr[1].by_seed), default=(None, None))
 
 
+def shapes_of(table):
+    """The (L, d) shapes of a probe's table, shallow to deep."""
+    return sorted({(k[1], k[2]) for k in table})
+
+
+def shape_name(L, d):
+    """'AR 92 (L2)': a shape as the tables' column heads name it."""
+    return f"AR {d / L:.2g} (L{L})"
+
+
 def paired_grid(table, order):
     """Δ vs Pre-LN paired by seed, design x shape: the mean of the per-seed differences, their range, and on how
     many of the seeds both ran the design is lower (compare.paired; a diverged seed counts against its design)."""
-    shapes = sorted({(k[1], k[2]) for k in table})
-    lines = ["| design | " + " | ".join(f"AR {d / L:.2g} (L{L})" for L, d in shapes) + " |",
+    shapes = shapes_of(table)
+    lines = ["| design | " + " | ".join(shape_name(L, d) for L, d in shapes) + " |",
              "|" + "---|" * (len(shapes) + 1)]
     for name in order:
         if name == "preln":
@@ -213,13 +222,13 @@ def glance(table, order, lrs):
     """The README's table: per design, the final val loss at the shallowest and the deepest shape (mean ± half-range
     over seeds), its difference from Pre-LN's there (unpaired, with beyond/within the seed spread; and on how many
     paired seeds it is lower), and the LR it chose at each shape, shallow to deep: `lrs` {design: [LR or None]}."""
-    shapes = sorted({(k[1], k[2]) for k in table})
+    shapes = shapes_of(table)
     if not shapes:
         return []
     ends = [shapes[0], shapes[-1]] if len(shapes) > 1 else shapes
     head = "| design |"
     for L, d in ends:
-        head += f" AR {d / L:.2g} (L{L}) | Δ vs Pre-LN |"
+        head += f" {shape_name(L, d)} | Δ vs Pre-LN |"
     lines = [head + " LR chosen, shallow → deep |", "|" + "---|" * (2 * len(ends) + 2)]
     for name in order:
         cols = [name]
