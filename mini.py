@@ -30,7 +30,8 @@ import numpy as np
 
 import data
 from common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
-from suite_tables import collect, deep_lines, diverged_step, done_runs, finished_runs, glance, paired_grid, probe_table
+from suite_tables import (collect, deep_lines, diverged_step, done_runs, finished_runs, glance, paired_grid, probe_table,
+                          shape_name, show_lr)
 
 HERE = Path(__file__).resolve().parent
 TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
@@ -389,17 +390,26 @@ def sweep_lines(args, probe):
         best, ext = sweep_choice(losses), extension(args, losses)
         runs = []
         for lr, loss in sorted(losses.items()):
-            text = f"{format_lr(lr)}: {loss:.4f}" if loss is not None else ""
+            text = f"{show_lr(lr)}: {loss:.4f}" if loss is not None else ""
             if loss is None:
-                text = f"{format_lr(lr)}: diverged at step {diverged_step(read_json(paths[lr] / 'run.json'))}"
+                text = f"{show_lr(lr)}: diverged at step {diverged_step(read_json(paths[lr] / 'run.json'))}"
             if lr == best:
                 text = f"**{text}**"
             runs.append(text)
-        line = f"- {cell.design}, AR {cell.ar:g}: {' · '.join(runs)}"
+        line = f"- {cell.design}, {shape_label(args, cell.probe, cell.ar)}: {' · '.join(runs)}"
         if ext:
-            line += f" (best at the sweep's edge: extended once to {format_lr(ext)})"
+            line += f" (best at the sweep's edge: extended once to {show_lr(ext)})"
         lines.append(line)
     return lines
+
+
+def shape_label(args, probe_name, ar):
+    """A table's name for the shape that --ar `ar` gave: 'AR 9.8 (L9)' (suite_tables.shape_name: the AR of the shape
+    solved at the budget, e.g. 9.1 gives L9 d88) read from a done sweep run of that AR; 'AR 9.1' before there is one."""
+    for name in designs_of(args, probe_name):
+        for state, run in done_runs(args.out / cell_folder(Cell(probe_name, ar, name))).values():
+            return shape_name(run["config"]["n_layer"], run["config"]["d_model"])
+    return f"AR {ar:g}"
 
 
 def table4(args, probe_name="text"):
@@ -408,14 +418,14 @@ def table4(args, probe_name="text"):
     of its sweep finished; 'set': --design-lr."""
     from residuals import RESIDUALS
     ars = sorted(set(args.ar), reverse=True)
-    head = "| design | paper's optimum | " + " | ".join(f"AR {ar:g}" for ar in ars) + " |"
+    head = "| design | paper's optimum | " + " | ".join(shape_label(args, probe_name, ar) for ar in ars) + " |"
     lines = [head, "|" + "---|" * (len(ars) + 2)]
     for name in designs_of(args, probe_name):
         chosen = []
         for ar in ars:
             cell = Cell(probe_name, ar, name)
             lr = chosen_lr(args, cell)
-            text = format_lr(lr) if lr else "—"
+            text = show_lr(lr) if lr else "—"
             if lr is None and sweeps(args, cell) and sweep_result(args, cell)[0]:
                 text = "all diverged"
             if name in args.design_lr:

@@ -34,6 +34,12 @@ def finished_runs(folder):
     return {path: run for path, (state, run) in done_runs(folder).items() if state == "finished"}
 
 
+def show_lr(lr):
+    """An LR as the tables print it, to two significant digits: 3.333333e-4 (1e-3 / 3, a sweep's extension, as its
+    run folder names it) -> '3.3e-4'; 3e-3 -> '3e-3'."""
+    return format_lr(float(f"{lr:.2g}"))
+
+
 def spread(values, fmt=".4f"):
     """'mean ± half-range' over seeds ('—' for none)."""
     if not values:
@@ -124,7 +130,7 @@ def row(probe_name, key, result, base):
     seeds = str(len(result.loss))
     if result.diverged:
         seeds += f" + {len(result.diverged)} diverged ({diverged_text(result)})"
-    cols = [res, str(L), str(d), f"{d / L:.1f}", format_lr(lr), seeds, spread(result.loss)]
+    cols = [res, str(L), str(d), f"{d / L:.1f}", show_lr(lr), seeds, spread(result.loss)]
     if base:
         pair = compare.paired(result.by_seed, base.by_seed)
         cols += [versus(result.loss, base.loss), pair.text(), pair.verdict()]
@@ -245,6 +251,6 @@ def glance(table, order, lrs):
                 pair = compare.paired(result.by_seed, base.by_seed)
                 delta = f"{versus(result.loss, base.loss, 3)}, lower on {pair.lower}/{len(pair.seeds)}"
             cols.append(delta)
-        cols.append(" → ".join(format_lr(lr) if lr else "—" for lr in lrs[name]))
+        cols.append(" → ".join(show_lr(lr) if lr else "—" for lr in lrs[name]))
         lines.append("| " + " | ".join(cols) + " |")
     return lines

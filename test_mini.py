@@ -57,7 +57,7 @@ def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
         assert (figs / f"{name}.png").stat().st_size > 1000, name
     table = (tmp_path / "summary.md").read_text()
     for losses in sweep.values():                                   # every sweep run is listed
-        assert all(f"{mini.format_lr(lr)}: {v:.4f}" in table for lr, v in losses.items())
+        assert all(f"{mini.show_lr(lr)}: {v:.4f}" in table for lr, v in losses.items())
     assert table.count("extended once") == 4 and "R scores at the deepest shape" in table
     assert "[sweep 8/8]" in r.stdout and "[sweep edge 4/4]" in r.stdout and "[train 4/4]" in r.stdout
 
@@ -144,10 +144,12 @@ def test_a_second_suite_on_the_same_folder_is_refused(tmp_path):
 
 
 def sweep_run(folder, lr, loss=None, state="finished"):
-    """A sweep run folder as train.py leaves it: run.json, and for a finished run a ckpt.pt at its last step."""
+    """A sweep run folder as train.py leaves it: run.json (a run at L9 d88, what --ar 9.1 gives at the mini budget),
+    and for a finished run a ckpt.pt at its last step."""
     import torch
     folder.mkdir(parents=True)
-    run = {"schema": "depthbench.train/1", "config": {"lr": lr, "seed": 0}, "steps": [{"step": 2}],
+    config = {"lr": lr, "seed": 0, "n_layer": 9, "d_model": 88}
+    run = {"schema": "depthbench.train/1", "config": config, "steps": [{"step": 2}],
            "final": {"val_loss": loss}, "diverged": state == "diverged", "finished": state == "finished"}
     common.write_json(folder / "run.json", run)
     if state == "finished":
@@ -169,7 +171,7 @@ def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
         sweep_run(tmp_path / mini.cell_folder(hc) / name, lr, state="diverged")
     assert mini.sweep_result(args, preln)[0] == {1e-3: 3.1, 3e-3: 3.0, 1e-2: None}
     assert mini.chosen_lr(args, preln) == 3e-3 and mini.extension(args, mini.sweep_result(args, preln)[0]) is None
-    assert mini.sweep_lines(args, "synthetic")[0] == ("- preln, AR 9.1: 1e-3: 3.1000 · **3e-3: 3.0000** · "
+    assert mini.sweep_lines(args, "synthetic")[0] == ("- preln, AR 9.8 (L9): 1e-3: 3.1000 · **3e-3: 3.0000** · "
                                                   "1e-2: diverged at step 2")
     assert mini.chosen_lr(args, hc) is None
     jobs = mini.seed_jobs(args)                           # preln's seed 1 at 3e-3 (seed 0 is its sweep run), no hc
@@ -235,7 +237,7 @@ def test_a_design_lr_trains_every_seed_there_and_table4_says_so(tmp_path):
     assert sorted(j for j in jobs if j[0] == "deepnorm") == [("deepnorm", "32", "1e3")] * 2 + [("deepnorm", "9.1",
                                                                                                   "1e3")] * 2
     assert mini.table4(args, "synthetic") == [
-        "| design | paper's optimum | AR 32 | AR 9.1 |", "|---|---|---|---|",
+        "| design | paper's optimum | AR 32 | AR 9.8 (L9) |", "|---|---|---|---|",  # AR 32: no run yet
         "| preln | 2e-3 | — | 1e-2 |", "| lns | 1e-2 | — | all diverged |", "| deepnorm | 1e-3 | 1e3 (set) | 1e3 (set) |"]
 
 
