@@ -407,7 +407,7 @@ def shape_label(args, probe_name, ar):
     """A table's name for the shape that --ar `ar` gave: 'AR 9.8 (L9)' (suite_tables.shape_name: the AR of the shape
     solved at the budget, e.g. 9.1 gives L9 d88) read from a done sweep run of that AR; 'AR 9.1' before there is one."""
     for name in designs_of(args, probe_name):
-        for state, run in done_runs(args.out / cell_folder(Cell(probe_name, ar, name))).values():
+        for _, run in done_runs(args.out / cell_folder(Cell(probe_name, ar, name))).values():
             return shape_name(run["config"]["n_layer"], run["config"]["d_model"])
     return f"AR {ar:g}"
 

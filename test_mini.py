@@ -57,7 +57,7 @@ def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
         assert (figs / f"{name}.png").stat().st_size > 1000, name
     table = (tmp_path / "summary.md").read_text()
     for losses in sweep.values():                                   # every sweep run is listed
-        assert all(f"{mini.show_lr(lr)}: {v:.4f}" in table for lr, v in losses.items())
+        assert all(f"{suite_tables.show_lr(lr)}: {v:.4f}" in table for lr, v in losses.items())
     assert table.count("extended once") == 4 and "R scores at the deepest shape" in table
     assert "[sweep 8/8]" in r.stdout and "[sweep edge 4/4]" in r.stdout and "[train 4/4]" in r.stdout
 
