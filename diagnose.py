@@ -21,19 +21,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
+from depthbench import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-from common import (ArgParser, CheckpointError, check_options, comma_list, design_options, fail, first_line,
+from depthbench.common import (ArgParser, CheckpointError, check_options, comma_list, design_options, fail, first_line,
                     hub_unreachable, json_object, load_checkpoint, pick_device, positive, seed_number, write_json,
                     VAL_SEED)
-import official
+from depthbench import official
 import shapes
-import synthetic
-import windows
+from depthbench import synthetic, windows
 from model import GPT, GPTConfig
 from ops import dead_zone, erank  # the metrics the designs' telemetry shares
 from residuals import RESIDUALS
@@ -119,7 +118,7 @@ def load_model(args, st):
         run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
                "max_gap": args.max_gap, "seed": st.seed}
         return GPT(cfg), run, None, None
-    if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (official.py)
+    if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (depthbench/official.py)
         model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
         if st.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
             st.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
@@ -479,7 +478,7 @@ def build_parser():
     p = ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
     pos, share = positive(int), positive(float, zero=True)
     p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
-                   "checkpoint: hub id, folder with stepN/ folders or a step folder (official.py); or use --init")
+                   "checkpoint: hub id, folder with stepN/ folders or a step folder (depthbench/official.py); or use --init")
     p.add_argument("--step", type=int, help="official checkpoint: the stepN folder (default: the highest)")
     p.add_argument("--metrics", type=comma_list(str), default="all", help=f"comma list of {', '.join(METRICS)}, or all (default)")
     p.add_argument("--out", help="output JSON (default: diagnose.json in the checkpoint's folder, or here for --init)")

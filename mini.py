@@ -10,7 +10,7 @@ that one machine runs in an afternoon.
 
 Each cell (probe, design, aspect ratio) trains at its best learning rate: the first seed at every LR of
 --lr-sweep (in <probe>-lr/<cell>/), the other seeds at the winner (in <probe>/), each run `train.py --preset
-mini`, --jobs at a time with one thread each; then diagnose.py, plot.py, plot_suite.py and summary.md (per cell:
+mini`, --jobs at a time with one thread each; then diagnose.py, plot.py, depthbench/plot_suite.py and summary.md (per cell:
 LR, seeds, mean ± half-range, Δ vs Pre-LN unpaired and paired by seed, R scores; the LR each design chose beside the
 paper's; every sweep run, a diverged one with its step). Whatever is done is skipped, so the same command continues
 a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import common  # first, before numpy and torch: its excepthook makes a Ctrl-C during the imports one line
+from depthbench import common  # first, before numpy and torch: its excepthook makes a Ctrl-C during the imports one line
 import numpy as np
 
 import data
-from common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
-from suite_tables import (collect, deep_lines, diverged_step, done_runs, finished_runs, glance, paired_grid, probe_table,
+from depthbench.common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
+from depthbench.suite_tables import (collect, deep_lines, diverged_step, done_runs, finished_runs, glance, paired_grid, probe_table,
                           shape_name, show_lr)
 
 HERE = Path(__file__).resolve().parent
@@ -526,11 +526,13 @@ def run_suite(args):
 
 
 def draw_figures(args):
-    """plot.py and plot_suite.py per probe, into figs/<probe>/ (a figure that fails costs itself, not the suite)."""
-    for probe_name, script in itertools.product(args.probes, ("plot.py", "plot_suite.py")):
-        # plot_suite.py: the figures across designs (Fig. 2 left with Δ vs Pre-LN paired, Fig. 6a/c at the deepest)
-        subprocess.run([sys.executable, str(HERE / script), str(args.out / probe_name), "--out",
-                        str(args.out / "figs" / probe_name)], check=False)
+    """plot.py and depthbench/plot_suite.py per probe, into figs/<probe>/ (a figure that fails costs itself, not the suite)."""
+    scripts = ([str(HERE / "plot.py")], ["-m", "depthbench.plot_suite"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for probe_name, script in itertools.product(args.probes, scripts):
+        # plot_suite: the figures across designs (Fig. 2 left with Δ vs Pre-LN paired, Fig. 6a/c at the deepest)
+        subprocess.run([sys.executable, *script, str(args.out / probe_name), "--out",
+                        str(args.out / "figs" / probe_name)], check=False, env=env)
 
 
 def main(argv=None):

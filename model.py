@@ -12,7 +12,7 @@ The backbone is LLaMA-like (docs/designs.md#backbone):
 What is deliberately *not* here: norms, residual adds, the final norm. Attention and the MLP are pure branch
 functions; every norm placement, residual add, stream mixing and the final collapse live in residuals.py
 behind one small interface (its module docstring). `GPT.forward`'s trunk loop is the whole contract. The maths
-both share is in ops.py; `kernels="fast"` runs its kernels.py bodies (the same maths, faster).
+both share is in ops.py; `kernels="fast"` runs its depthbench/kernels.py bodies (the same maths, faster).
 """
 import contextlib
 from dataclasses import dataclass, field
@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import kernels
+from depthbench import kernels
 from ops import apply_rope, causal_attention, joint_attention, rope_cos_sin
 from residuals import RESIDUALS, OptimRule
 
@@ -42,7 +42,7 @@ class GPTConfig:
     init_std: float = 0.02      # truncated normal, clipped at +-3 std
     residual: str = "preln"     # key of residuals.RESIDUALS
     residual_args: dict = field(default_factory=dict)  # constructor options of the design, e.g. {"n_groups": 8}
-    kernels: str = "fast"       # "fast": ops' functions run their kernels.py bodies; "reference": ops.py's own
+    kernels: str = "fast"       # "fast": ops' functions run their depthbench/kernels.py bodies; "reference": ops.py's own
     checkpoint_blocks: bool = False  # activation checkpointing: backward recomputes each block from its input
 
     def __post_init__(self):

@@ -4,7 +4,7 @@ ops.py: the maths the designs share, each written the way its equation reads, in
 The norm, RoPE and attention of the backbone; HC/mHC's map projection, width and depth connections and mHC's
 Sinkhorn; AttnRes' softmax over depth; MoDA's joint sequence + depth softmax; and two measures of depth use
 (erank, dead_zone) that diagnose.py and the designs' telemetry share. A function with a `fast` argument
-has a second body in kernels.py: the same maths in the layouts, fused nodes and hand-written backward passes that
+has a second body in depthbench/kernels.py: the same maths in the layouts, fused nodes and hand-written backward passes that
 make it fast (GPTConfig.kernels, --kernels). The body here is the definition; test_all.py checks, for every
 design, that both give the same logits, loss and gradients. Precision, one rule for all designs under bf16
 autocast: the sublayers' matmuls in bf16; the residual state, its mixing and every depth-softmax logit in fp32.
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
+from depthbench import kernels
 
 
 # ----------------------------------------------------------------------------- the norm

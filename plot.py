@@ -23,8 +23,8 @@ matplotlib.use("Agg")  # files only, never a window: works headless, in tests an
 import matplotlib.pyplot as plt
 from matplotlib import colors, ticker, transforms
 
-import common
-from common import ArgParser
+from depthbench import common
+from depthbench.common import ArgParser
 
 # ----------------------------------------------------------------------------- the contract and the look
 
@@ -665,7 +665,7 @@ FIGURES = [  # (file name without extension, function), in paper order
 ]
 
 
-def main(argv=None, figures=FIGURES, prog="plot.py"):  # plot_suite.py: its own figures, the same loop
+def main(argv=None, figures=FIGURES, prog="plot.py"):  # depthbench/plot_suite.py: its own figures, the same loop
     parser = ArgParser(prog=prog, description="Draw DepthBench figures from a folder of JSON results.")
     parser.add_argument("runs_dir", type=Path, help="folder searched recursively for *.json (train/diagnose/profile)")
     parser.add_argument("--out", type=Path, default=Path("figs"), help="folder for the figures (created if missing)")

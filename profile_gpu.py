@@ -25,16 +25,16 @@ import tempfile
 import time
 from contextlib import nullcontext
 
-import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
+from depthbench import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
-from costs import analytic, gpu_peak
+from depthbench.costs import analytic, gpu_peak
 from model import GPT, GPTConfig, compile_model, eager
-from common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
+from depthbench.common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
                     positive, write_json)
 from residuals import RESIDUALS
 

@@ -29,7 +29,7 @@ and cost(L, d, T, **options) (costs.analytic's extra FLOPs per sequence, residua
 
 Rules: every parameter a design creates is used on every forward (DDP needs no find_unused_parameters). Pre-LN is the
 base class; each design overrides only what differs. Shared maths (norms, Sinkhorn, the depth mix) is in ops.py;
-`self.fast` picks its kernels.py bodies.
+`self.fast` picks its depthbench/kernels.py bodies.
 
 What torch.compile needs from a design (train.py compiles each block on its own, and every block should reuse the
 first block's graph; docs/speed.md#compile): read and write reach sublayer i only through its site, built once by
@@ -205,7 +205,7 @@ class PreLN(nn.Module):
             self.recording.setdefault(key, []).append(value.detach())
 
     def telemetry(self, rec):
-        """The design's own statistics for telemetry.py (docs/training.md#telemetry), from a recording forward's dict
+        """The design's own statistics for depthbench/telemetry.py (docs/training.md#telemetry), from a recording forward's dict
         `rec` (what `log` filled in): {name: a float, or a list of floats per sublayer or connector}. Pre-LN has none;
         the generic part (state and output RMS per sublayer, gradient and update per block) covers every design."""
         return {}

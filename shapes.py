@@ -18,7 +18,7 @@ import itertools
 import json
 import math
 
-from common import ArgParser, positive
+from depthbench.common import ArgParser, positive
 
 N_HEAD = 16
 VOCAB = 50280

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-import kernels
+from depthbench import kernels
 import shapes
 from model import GPT, GPTConfig
 from ops import rope_cos_sin
@@ -179,9 +179,9 @@ def assert_kernels_agree(residual, shape, options=None):
     ("hc", {"collapse": "norm_each", "forward": "unmixed"}), ("block_attnres", {"block_size": 4}),
     ("preln_mup", {"scaling": "depth_width", "base_width": 256})])
 def test_fast_kernels_equal_the_reference(residual, options, shape):
-    """Every registered design (test_extend.py adds one more) and the other readings of four, whose paths
+    """Every registered design (tests/test_extend.py adds one more) and the other readings of four, whose paths
     differ (mHC's transport away from the identity, MoDA post-norm, groups of several sublayers, the older
-    official HC): kernels.py's bodies == ops.py's (assert_kernels_agree)."""
+    official HC): depthbench/kernels.py's bodies == ops.py's (assert_kernels_agree)."""
     assert_kernels_agree(residual, shape, options)
 
 
@@ -486,7 +486,7 @@ def test_rope_is_rotate_half_and_keeps_relative_positions(fast):
 def test_chunked_loss_equals_plain_loss_and_gradients():
     """The logits-free loss (token chunks, checkpointed) equals the plain fp32 cross-entropy and its
     gradients, with ignored targets spread over the chunks (the model's tiny shapes use one chunk)."""
-    from kernels import chunked_cross_entropy
+    from depthbench.kernels import chunked_cross_entropy
     torch.manual_seed(0)
     z, w = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
     t = torch.randint(0, 50, (37,))
@@ -667,7 +667,7 @@ def test_moda_post_norm_variant():
 
 @pytest.mark.parametrize("residual", ["attnres", "block_attnres", "moda"])
 def test_depth_loops_as_custom_ops_equal_the_traced_ones(residual, monkeypatch):
-    """kernels.py runs a depth loop (AttnRes' mix, MoDA's depth attention) as an autograd.Function up to
+    """depthbench/kernels.py runs a depth loop (AttnRes' mix, MoDA's depth attention) as an autograd.Function up to
     UNROLL_SOURCES sources and as a custom op beyond: forced either way, the loss and every gradient are bitwise
     equal, in training and without grad."""
     x = batch()
@@ -705,7 +705,7 @@ def test_compiles_as_one_graph(residual):
 
 def test_readme_quick_start_matches_ci():
     """The README opens with two commands: install + train, and the tests; .ci/run installs the same
-    requirements and runs the same test command (test_train.py runs the train command itself)."""
+    requirements and runs the same test command (tests/test_train.py runs the train command itself)."""
     readme = open("README.md").read()
     block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]

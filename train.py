@@ -13,8 +13,8 @@ and bad input: docs/reliability.md. Any flag overrides its preset value; every d
 training. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input or an unwritable run folder (one line
 on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
 
-What to run is decided in recipe.py (the command line -> one RunConfig per run), what it costs in costs.py, and
-the torchrun ranks and FSDP2 state live in distributed.py; this file builds a run (Run), trains, evaluates and saves.
+What to run is decided in depthbench/recipe.py (the command line -> one RunConfig per run), what it costs in depthbench/costs.py, and
+the torchrun ranks and FSDP2 state live in depthbench/distributed.py; this file builds a run (Run), trains, evaluates and saves.
 """
 import dataclasses
 import itertools
@@ -29,23 +29,23 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import common  # first, before torch: its excepthook makes a Ctrl-C during the imports one line
+from depthbench import common  # first, before torch: its excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import costs
+from depthbench import costs
 import data
 import profile_gpu
-import telemetry
-from common import format_lr, print0, versions, write_json
-from costs import GB, check_memory, memory_plan
+from depthbench import telemetry
+from depthbench.common import format_lr, print0, versions, write_json
+from depthbench.costs import GB, check_memory, memory_plan
 from data import BatchLoader, DataError, padded_vocab_size
-from distributed import Ranks, full_state, init_distributed, load_full_state, on_rank0, shard
+from depthbench.distributed import Ranks, full_state, init_distributed, load_full_state, on_rank0, shard
 from model import GPT, GPTConfig, compile_model
-from recipe import RunConfig, fail, parse_args, print_grid, resolve, shapes_asked
+from depthbench.recipe import RunConfig, fail, parse_args, print_grid, resolve, shapes_asked
 from shapes import backbone_params, preln_params
-from synthetic import SyntheticTask, answer_metrics, verdict
+from depthbench.synthetic import SyntheticTask, answer_metrics, verdict
 
 SCHEMA = "depthbench.train/1"
 FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import ArgParser, comma_list, fail, write_json  # noqa: E402
+from depthbench.common import ArgParser, comma_list, fail, write_json  # noqa: E402
 from residuals import PAPER_DESIGNS, RESIDUALS  # noqa: E402
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import write_json  # noqa: E402  (the repository root, on the path just above)
+from depthbench.common import write_json  # noqa: E402  (the repository root, on the path just above)
 
 DESIGNS = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda"]
 FIRST_DESIGNS = ["preln", "hc", "mhc", "attnres"]  # measured first (with both kernels) when the budget is short

@@ -1,7 +1,7 @@
 """
 suite_tables.py: what a mini suite folder's runs say, as markdown tables for mini.py's summary.md: one Result per
 cell (design, shape, LR) from the run folders, its row with Δ vs Pre-LN (unpaired, and paired by seed through
-compare.py), R scores at the deepest shape, the paired grid (design x shape) and the README's table at a glance.
+depthbench/compare.py), R scores at the deepest shape, the paired grid (design x shape) and the README's table at a glance.
 It reads run.json and diagnose.json; it trains nothing. mini.py plans and runs the suite; this file reports it.
 """
 from dataclasses import dataclass, field
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-import common
-import compare
-from common import format_lr, read_json
+from depthbench import common, compare
+from depthbench.common import format_lr, read_json
 
 
 def done_runs(folder):

@@ -2,7 +2,7 @@
 Tests of data.py: shards, tokenizers, preparing real text, the synthetic task and the batch loader.
 CPU only, no network, about 10 s:
 
-    python -m pytest -q test_data.py
+    python -m pytest -q tests/test_data.py
 
 Tests that need ../shared/data (the GPT-2 BPE cache and the Austen novels) skip where it is absent.
 """
@@ -21,11 +21,11 @@ import torch
 
 import data
 from data import BatchLoader, DataError
-from synthetic import SyntheticTask, answer_metrics
+from depthbench.synthetic import SyntheticTask, answer_metrics
 
-HERE = Path(__file__).resolve().parent
-TIKTOKEN_DIR = HERE.parent / "shared" / "data" / "tiktoken"
-AUSTEN_DIR = HERE.parent / "shared" / "data" / "austen"
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+TIKTOKEN_DIR = ROOT.parent / "shared" / "data" / "tiktoken"
+AUSTEN_DIR = ROOT.parent / "shared" / "data" / "austen"
 needs_tiktoken = pytest.mark.skipif(not TIKTOKEN_DIR.is_dir(), reason=f"no GPT-2 BPE cache at {TIKTOKEN_DIR}")
 needs_austen = pytest.mark.skipif(not AUSTEN_DIR.is_dir(), reason=f"no Austen texts at {AUSTEN_DIR}")
 
@@ -33,8 +33,8 @@ needs_austen = pytest.mark.skipif(not AUSTEN_DIR.is_dir(), reason=f"no Austen te
 def run_cli(*args, env=None, timeout=60):
     """Run `python data.py ...` in a subprocess; return (returncode, stdout, stderr, seconds)."""
     t0 = time.time()
-    r = subprocess.run([sys.executable, str(HERE / "data.py"), *args], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=timeout, cwd=HERE)
+    r = subprocess.run([sys.executable, str(ROOT / "data.py"), *args], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=timeout, cwd=ROOT)
     return r.returncode, r.stdout, r.stderr, time.time() - t0
 
 

@@ -1,10 +1,11 @@
 """
-The repository describes itself truthfully: the README stays a short read, its file map names every
-source file, test, docs page and CI file (and nothing that does not exist), every docs page is reachable
-from it, the docs sections and files that README, docs and code cite exist, and nothing a clone lacks
-(../shared) is cited outside the tests.
+The repository describes itself truthfully: the root holds what a reader runs or reads first (at most
+MAX_ROOT_FILES .py files), the README stays a short read, its file map names every root file, the library
+package, the tests and scripts folders, every docs page and the CI file (and nothing that does not exist), every
+docs page is reachable from it, the docs sections and files that README, docs and code cite exist, and nothing
+a clone lacks (../shared) is cited outside the tests.
 
-    python -m pytest -q test_repo.py
+    python -m pytest -q tests/test_repo.py
 """
 import ast
 import re
@@ -12,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-README = HERE / "README.md"
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+README = ROOT / "README.md"
 README_MAX_LINES = 250                                      # a newcomer's five-minute read (issue 19)
+MAX_ROOT_FILES = 13                                         # the card's files and what a reader runs first (issue 39)
+FOLDERS = ("depthbench/", "tests/", "scripts/")             # the library, the other tests, the GPU/cluster scripts
 FORBIDDEN = ("../shared", "architectures.md", "spec §", "diagnostics.md §")
 PAGES = ("designs", "diagnostics", "results", "speed", "training", "official", "contributing")
 CITE = re.compile(r"(?:docs/)?(" + "|".join(PAGES) + r")\.md#([A-Za-z0-9_-]+)")
@@ -31,14 +34,21 @@ def file_map(text):
 
 
 def must_be_listed():
-    """Every file a reader should find in the map: the scripts, tests, docs pages, requirements and CI."""
-    names = [p.name for p in HERE.glob("*.py")] + [f"docs/{p.name}" for p in (HERE / "docs").glob("*.md")]
-    return sorted(names + ["README.md", "requirements.txt", ".ci/run"])
+    """Every file a reader should find in the map: the root's scripts and test_all.py, the folders, the docs pages,
+    requirements and CI."""
+    names = [p.name for p in ROOT.glob("*.py")] + [f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")]
+    return sorted(names + list(FOLDERS) + ["README.md", "requirements.txt", ".ci/run"])
+
+
+def code_files():
+    """Every non-test Python file: the root's, the package's and the scripts'."""
+    paths = sorted(ROOT.glob("*.py")) + sorted((ROOT / "depthbench").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+    return [p for p in paths if not p.name.startswith("test_")]
 
 
 def exists(name):
     """A row names a file, a folder (trailing /) or a glob (docs/*.png) that matches something."""
-    return any(HERE.glob(name)) if "*" in name else (HERE / name).exists()
+    return any(ROOT.glob(name)) if "*" in name else (ROOT / name).exists()
 
 
 def slug(heading):
@@ -47,7 +57,7 @@ def slug(heading):
 
 
 def docs_pages():
-    return sorted((HERE / "docs").glob("*.md"))
+    return sorted((ROOT / "docs").glob("*.md"))
 
 
 # ----------------------------------------------------------------------------- tests
@@ -65,6 +75,14 @@ def test_readme_file_map_names_every_file_and_nothing_else():
                                                     f"{gone}, rows that say nothing {bare}, rows twice {twice}")
 
 
+def test_the_root_holds_what_a_reader_runs_first():
+    """At most MAX_ROOT_FILES .py files at the root, test_all.py among them; every other test lives in tests/."""
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= MAX_ROOT_FILES and "test_all.py" in root, root
+    assert not [n for n in root if n.startswith("test_") and n != "test_all.py"], root
+    assert sorted((ROOT / "tests").glob("test_*.py")), "no tests under tests/"
+
+
 def test_readme_is_a_short_read():
     """At most README_MAX_LINES lines (`wc -l`): measurement reports and reference sections live in docs/."""
     n = README.read_bytes().count(b"\n")
@@ -78,8 +96,8 @@ def test_every_docs_page_is_reachable_from_the_readme():
     direct = {t for t in LINK.findall(readme) if t.startswith("docs/") and t.endswith(".md")}
     reachable = set(direct)
     for page in direct:
-        if (HERE / page).is_file():
-            reachable |= {f"docs/{t}" for t in LINK.findall((HERE / page).read_text(encoding="utf-8")) if t.endswith(".md")}
+        if (ROOT / page).is_file():
+            reachable |= {f"docs/{t}" for t in LINK.findall((ROOT / page).read_text(encoding="utf-8")) if t.endswith(".md")}
     unreached = [f"docs/{p.name}" for p in docs_pages() if f"docs/{p.name}" not in reachable]
     assert not unreached, f"docs pages no reader of the README can reach: {unreached}"
     bare = re.findall(r"\]\((docs/[^)#\s]+\.md)\)", readme)
@@ -90,8 +108,7 @@ def test_every_docs_page_is_reachable_from_the_readme():
 def test_nothing_outside_the_tests_points_into_shared():
     """README, docs and the non-test Python files, every line (code, messages, docstrings, comments)."""
     hits = []
-    code = [p for p in sorted(HERE.glob("*.py")) if not p.name.startswith("test_")]
-    for path in [README, *sorted((HERE / "docs").glob("*.md")), *code]:
+    for path in [README, *sorted((ROOT / "docs").glob("*.md")), *code_files()]:
         for k, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
             hits += [f"{path.name}:{k}: {line.strip()}" for bad in FORBIDDEN if bad in line]
     assert not hits, "references a clone does not have (cite docs/designs.md, docs/diagnostics.md or a paper):\n" \
@@ -100,14 +117,14 @@ def test_nothing_outside_the_tests_points_into_shared():
 
 def test_every_cited_docs_section_exists():
     """`docs/designs.md#mhc` and the like, wherever cited (README, docs, all Python files), name a heading."""
-    anchors = {page: {slug(line.lstrip("#")) for line in (HERE / "docs" / f"{page}.md").read_text(
+    anchors = {page: {slug(line.lstrip("#")) for line in (ROOT / "docs" / f"{page}.md").read_text(
         encoding="utf-8").split("\n") if line.startswith("#")} for page in PAGES}
     cited = []
-    for path in [README, *sorted((HERE / "docs").glob("*.md")), *sorted(HERE.glob("*.py"))]:
+    for path in [README, *sorted((ROOT / "docs").glob("*.md")), *code_files(), *sorted((ROOT / "tests").glob("*.py"))]:
         for k, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
             cited += [(f"{path.name}:{k}", page, a) for page, a in CITE.findall(line)]
     for page in anchors:  # and the pages' own links, [text](#anchor)
-        text = (HERE / "docs" / f"{page}.md").read_text(encoding="utf-8")
+        text = (ROOT / "docs" / f"{page}.md").read_text(encoding="utf-8")
         cited += [(f"{page}.md", page, a) for a in re.findall(r"\]\(#([\w-]+)\)", text)]
     assert cited, "no docs section is cited anywhere"
     dangling = [f"{where}: {page}.md#{a}" for where, page, a in cited if a not in anchors[page]]
@@ -120,7 +137,7 @@ def test_readme_and_docs_links_point_at_files_that_exist():
     text = README.read_text(encoding="utf-8")
     targets = re.findall(r"\]\(((?:docs|fixtures)/[^)#\s]+)", text)
     assert targets, "the README links no docs at all"
-    missing = [t for t in targets if not (HERE / t).is_file()]
+    missing = [t for t in targets if not (ROOT / t).is_file()]
     for page in docs_pages():
         local = [t for t in LINK.findall(page.read_text(encoding="utf-8")) if "://" not in t]
         missing += [f"{page.name}: {t}" for t in local if not (page.parent / t).is_file()]
@@ -134,19 +151,15 @@ MAX_REQUIRED_PARAMS = 6
 MAX_POSITIONAL_ARGS = 4
 MAX_FILE_LINES = 700
 FILE_LINES_ASIDE = ("residuals.py",)                        # grows with its registry
-IFEXP_ASIDE = ("kernels.py",)                                # fused kernels pick their branch inline
+IFEXP_ASIDE = ("depthbench/kernels.py",)                               # fused kernels pick their branch inline
 VARIADIC = ("permute", "view", "reshape", "expand", "repeat")  # tensor methods whose positional arguments are
 #                                                                  the dimensions themselves: no keyword names them
 
 
-def source_files():
-    """Every non-test Python file of the repository: the code a reader reads."""
-    return [p for p in sorted(HERE.glob("*.py")) if not p.name.startswith("test_")]
-
-
 def parsed():
-    """(file name, its ast) of every source file."""
-    return [(p.name, ast.parse(p.read_text(encoding="utf-8"), filename=p.name)) for p in source_files()]
+    """(file path from the root, its ast) of every source file (code_files)."""
+    return [(str(p.relative_to(ROOT)), ast.parse(p.read_text(encoding="utf-8"), filename=p.name))
+            for p in code_files()]
 
 
 def functions(tree):
@@ -242,7 +255,7 @@ def shape_offenders(rule, files=None):
         elif rule == "file length" and name not in FILE_LINES_ASIDE:
             lines = tree.body[-1].end_lineno if tree.body else 0  # the last statement's last line
             if files is None:
-                lines = (HERE / name).read_bytes().count(b"\n")
+                lines = (ROOT / name).read_bytes().count(b"\n")
             if lines > MAX_FILE_LINES:
                 found.append(f"{name}:{lines} {name} ({lines} lines)")
     return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1].split()[0]), s))
@@ -251,7 +264,7 @@ def shape_offenders(rule, files=None):
 SHAPE_RULES = {  # rule -> what it says, for the failure message
     "function length": f"functions over {MAX_FUNCTION_LINES} lines (argparse builders, named *parser, aside)",
     "nested conditional expression": "conditional expressions inside a conditional expression",
-    "conditional expressions per statement": "statements with more than one conditional expression (kernels.py "
+    "conditional expressions per statement": "statements with more than one conditional expression (depthbench/kernels.py "
                                              "aside; a compound statement counts its header only)",
     "required parameters": f"functions with more than {MAX_REQUIRED_PARAMS} required parameters (self, cls aside)",
     "positional arguments": f"calls with more than {MAX_POSITIONAL_ARGS} positional arguments (use keywords; "

@@ -3,7 +3,7 @@ docs/contributing.md#adding-a-design, literally: a design class defined in this 
 entry (monkeypatched), and train.py, diagnose.py and profile_gpu.py each run it, no other file touched.
 CPU only, in-process, about half a minute on two cores:
 
-    python -m pytest -q test_extend.py
+    python -m pytest -q tests/test_extend.py
 """
 import json
 from pathlib import Path

@@ -1,7 +1,7 @@
 """
-official.py's tests: the authors' OLMo-core checkpoint layout, loaded into our GPT.
+depthbench/official.py's tests: the authors' OLMo-core checkpoint layout, loaded into our GPT.
 
-    python -m pytest -q test_official.py
+    python -m pytest -q tests/test_official.py
 
 Each test writes a small checkpoint the way the released ones are laid out (a stepN/ folder with an
 OLMo-core config.json and a torch DCP of {"model", "optim"} under the official tensor names), from
@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import official
+from depthbench import official
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 BLOCK = {"preln": "default", "sandwich": "peri_norm", "lns": "default_scaled", "deepnorm": "deepnorm", "keel": "keel",
          "hc": "hc", "mhc": "mhc", "attnres": "attnres", "block_attnres": "attnres", "moda": "moda",
          "postln": "post_norm", "preln_mup": "depth_mup", "preln_completep": "completep"}
@@ -191,8 +191,9 @@ def test_moda_last_block_kv_proj_is_ignored_when_not_skipped(tmp_path):
 
 def run_cli(script, *args, env=None):
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(HERE / script), *map(str, args)], capture_output=True, text=True,
-                          env=e, cwd=HERE, timeout=300)
+    command = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]   # a package module: python -m
+    return subprocess.run([sys.executable, *command, *map(str, args)], capture_output=True, text=True,
+                          env=e, cwd=ROOT, timeout=300)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -205,7 +206,7 @@ def test_missing_or_extra_tensor_is_one_line_naming_it(tmp_path, change, message
     sd = official.to_official(src)
     change(sd)
     write_checkpoint(tmp_path / "repo" / "step7", src, sd)
-    r = run_cli("official.py", "info", tmp_path / "repo")
+    r = run_cli("depthbench.official", "info", tmp_path / "repo")
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -358,7 +359,7 @@ def test_repository_folder_picks_the_step(tmp_path):
 
 def test_offline_hub_id_is_one_line_and_fast():
     t0 = time.time()
-    r = run_cli("official.py", "info", "aspect-ratio-scaling/preln-lr2e-3-llama-400M-L24-pretrain",
+    r = run_cli("depthbench.official", "info", "aspect-ratio-scaling/preln-lr2e-3-llama-400M-L24-pretrain",
                 env={"HF_ENDPOINT": "http://127.0.0.1:9"})
     assert r.returncode == 2 and "cannot be reached" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert time.time() - t0 < 60
@@ -428,7 +429,7 @@ def test_evaluate_is_the_models_own_loss_on_the_windows(tmp_path):
     write_checkpoint(tmp_path / "repo" / "step9", src, config=cfg)
     path = make_tokenizer(tmp_path / "repo" / "tokenizer")
     (tmp_path / "val.txt").write_text("the cat sat on the mat. a dog ate the hat. " * 8)
-    r = run_cli("official.py", "evaluate", tmp_path / "repo", "--text", tmp_path / "val.txt", "--seq-len", 16,
+    r = run_cli("depthbench.official", "evaluate", tmp_path / "repo", "--text", tmp_path / "val.txt", "--seq-len", 16,
                 "--device", "cpu")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])

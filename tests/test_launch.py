@@ -1,7 +1,7 @@
 """Launching beyond one process: the GPU smoke's CPU rehearsal (scripts/gpu_smoke.sh --tiny) and its summary.json,
 its budget, the GPU commands' memory plans, and two torchrun "nodes" of one process each against one process.
 
-    python -m pytest -q test_launch.py
+    python -m pytest -q tests/test_launch.py
 
 Every run is a real subprocess, as a user would start it. Speed is reported, never asserted.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "scripts"))
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_smoke  # noqa: E402  (scripts/ is not a package)
 
 # 2 layers, d=64 (4 heads of 16): 100,608 backbone params; 8 sequences of 32 tokens per step in 2 micro-batches
@@ -25,7 +25,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def smoke(out, budget, timeout):
-    return subprocess.run(["bash", "scripts/gpu_smoke.sh", "--tiny"], cwd=HERE, capture_output=True, text=True,
+    return subprocess.run(["bash", "scripts/gpu_smoke.sh", "--tiny"], cwd=ROOT, capture_output=True, text=True,
                           env={**ENV, "OUT": str(out), "SMOKE_BUDGET_S": str(budget)}, timeout=timeout)
 
 
@@ -70,7 +70,7 @@ def test_gpu_smoke_train_commands_fit_an_80gb_plan():
     argvs = [gpu_smoke.train_args(s, ",".join(gpu_smoke.MEMORY_DESIGNS), 24, 20),  # a grid: one plan per design
              gpu_smoke.train_args(s, "preln,mhc", 70, 5)]
     for argv in argvs:
-        r = subprocess.run([sys.executable, "train.py", *argv, "--dry-run", "--gpu-mem", "80"], cwd=HERE, env=ENV,
+        r = subprocess.run([sys.executable, "train.py", *argv, "--dry-run", "--gpu-mem", "80"], cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (argv, r.stdout[-2000:] + r.stderr[-2000:])
 
@@ -94,7 +94,7 @@ def test_two_nodes_of_one_process_match_one_process(tmp_path):
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "test-launch",
               "train.py", *TINY, "--out", str(tmp_path / "two")]
-    nodes = [subprocess.Popen(launch, cwd=HERE, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    nodes = [subprocess.Popen(launch, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     try:
         outs = [node.communicate(timeout=300)[0] for node in nodes]
@@ -103,7 +103,7 @@ def test_two_nodes_of_one_process_match_one_process(tmp_path):
             if node.poll() is None:
                 node.kill()
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-2000:] for out in outs)
-    r = subprocess.run([sys.executable, "train.py", *TINY, "--out", str(tmp_path / "one")], cwd=HERE, env=ENV,
+    r = subprocess.run([sys.executable, "train.py", *TINY, "--out", str(tmp_path / "one")], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     (one, a), (two, b) = losses(tmp_path / "one"), losses(tmp_path / "two")

@@ -26,7 +26,7 @@ class ArgParser(argparse.ArgumentParser):
     def add_kernels(self):
         """--kernels, the switch of every script that builds a model (GPTConfig.kernels)."""
         self.add_argument("--kernels", default="fast", choices=["fast", "reference"], help="fast: ops.py's functions "
-                          "run their kernels.py bodies (default); reference: ops.py's plain PyTorch, the same maths")
+                          "run their depthbench/kernels.py bodies (default); reference: ops.py's plain PyTorch, the same maths")
 
 
 def positive(kind=int, zero=False, below=math.inf):

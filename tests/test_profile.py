@@ -1,7 +1,7 @@
 """
 profile_gpu.py's tests: the formulas by hand and against torch's FLOP counter, the CLI's errors, the JSON.
 
-    python -m pytest -q test_profile.py
+    python -m pytest -q tests/test_profile.py
 
 CPU only. The measured run spawns one small process per registered design (about half a minute on 2 cores).
 """
@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import costs
+from depthbench import costs
 import profile_gpu
 import residuals
 from model import GPT, GPTConfig
@@ -137,7 +137,7 @@ def test_bad_input_exits_2_with_one_line(argv, capsys):
 
 def test_bad_input_from_the_shell_has_no_traceback():
     p = subprocess.run([sys.executable, "profile_gpu.py", "--shapes", "12y34"], capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "12y34" in p.stderr
 
 
@@ -173,7 +173,7 @@ def test_tiny_measured_run_every_design(tmp_path):
     out = tmp_path / "m.json"
     p = subprocess.run([sys.executable, "profile_gpu.py", "--shapes", "2x64", "--seq", "32", "--batch", "2",
                         "--repeats", "2", "--threads", "1", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)))
+                       capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     assert doc["device"].startswith("cpu") and doc["dtype"] == "float32" and doc["peak_flops"] > 0
@@ -193,7 +193,7 @@ def test_tensor_bytes_counts_live_storage_and_shows_the_chunked_loss_saving():
     """TensorBytes' peak is the most bytes alive at once (views and in-place results add nothing, freed
     storage leaves), and the logits-free loss peaks far below the plain one when the logits dominate."""
     import torch.nn.functional as F
-    from kernels import chunked_cross_entropy
+    from depthbench.kernels import chunked_cross_entropy
     with profile_gpu.TensorBytes() as tb:
         a, b = torch.empty(1000), torch.empty(2000)
         del a
@@ -218,7 +218,7 @@ def test_readme_profile_commands_resolve_their_shapes(capsys):
     failing). The commands live in docs/training.md (analytic, GPU sweep) and docs/speed.md (CPU table, bench)."""
     import re
     from pathlib import Path
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]
     text = "\n".join(p.read_text() for p in [here / "README.md", *sorted((here / "docs").glob("*.md"))])
     cmds = [c.split("#")[0].split() for c in re.findall(r"^(?:OMP_NUM_THREADS=1 )?python profile_gpu\.py(.*)$", text, re.M)]
     assert len(cmds) >= 4

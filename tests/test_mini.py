@@ -2,7 +2,7 @@
 Tests of mini.py, the one-machine suite: the suite command at a toy size (two designs, two shapes, a few
 steps) trains, diagnoses and plots every run, writes the summary, and a second call skips what is done.
 
-    python -m pytest -q test_mini.py
+    python -m pytest -q tests/test_mini.py
 """
 import json
 import os
@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import common
+from depthbench import common
 import mini
-import suite_tables
+from depthbench import suite_tables
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 # the paper's ten designs in its order (Figure 2, Table 4): what --designs all must mean
 PAPER_TEN = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda"]
 
@@ -31,7 +31,7 @@ def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
             "--deep-seeds", "", "--steps", "2", "--lr-sweep", "1e-3,1e-2", "--full-sweep", "--diag-samples", "8",
             "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     sweep = {}  # (design, L) -> {lr: final val loss}
     for p in (tmp_path / "synthetic-lr").glob("*/*/run.json"):
@@ -65,7 +65,7 @@ def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
     # job's log names its finished run folder, so not even train.py starts (the logs stay the first call's)
     paths = list((tmp_path / "synthetic-lr").glob("*/*/run.json")) + diags + list((tmp_path / "logs").iterdir())
     before = {p: p.stat().st_mtime_ns for p in paths}
-    r = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "[diagnose" not in r.stdout
     assert r.stdout.count(": done before (found done) |") == 8 + 4 + 4 and "ETA after the first run" in r.stdout
     assert {p: p.stat().st_mtime_ns for p in paths} == before
@@ -134,7 +134,7 @@ def test_a_second_suite_on_the_same_folder_is_refused(tmp_path):
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     argv = [sys.executable, "mini.py", "--designs", "preln", "--ar", "32", "--seeds", "0", "--deep-seeds", "",
             "--lr-sweep", "", "--steps", "2", "--out", str(out)]
-    r = subprocess.run(argv, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    r = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=300)
     held.close()
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
@@ -184,7 +184,7 @@ def test_paired_differences_count_every_seed_both_ran():
     """compare.paired: the differences of the seeds both finished, their mean and range; lower/higher count every
     common seed (a diverged seed counts against its design, a seed both diverged on counts neither way); 'better'
     only where every paired seed agrees."""
-    import compare
+    from depthbench import compare
     p = compare.paired({0: 2.9, 1: 3.05, 2: 2.8, 5: 1.0}, {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0})
     assert p.seeds == [0, 1, 2] and p.deltas == pytest.approx({0: -0.1, 1: 0.05, 2: -0.2})
     assert (p.lower, p.higher, p.verdict()) == (2, 1, "mixed")
@@ -254,7 +254,7 @@ def test_a_diverged_run_is_a_result_in_the_progress_line(tmp_path):
     assert mini.outcome(0, tmp_path / "missing.log") == "ok"
 
 
-AUSTEN = HERE.parent / "shared" / "data" / "austen"
+AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 
 
 @pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs the Austen corpus in ../shared/data/austen")
@@ -266,7 +266,7 @@ def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
     argv = [sys.executable, "mini.py", "--designs", "preln,sandwich,lns,deepnorm", "--ar", "32", "--seeds", "0,1",
             "--deep-seeds", "", "--steps", "4", "--lr", "3e-3", "--design-lr", "deepnorm=1e6", "--probes", "text",
             "--text", str(AUSTEN), "--diag-samples", "8", "--out", str(tmp_path)]
-    r = subprocess.run(argv, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    r = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[train] 8 runs, 2 at a time" in r.stdout and "[diagnose] 6 runs, 2 at a time" in r.stdout

@@ -3,7 +3,7 @@ Tests of train.py: the LR schedule, gradient accumulation, DDP, resume, divergen
 the GPT-2 path on real text and the README's quick-start command with the run.json / ckpt.pt contracts.
 CPU only, eager, no network, well under a minute on two cores:
 
-    python -m pytest -q test_train.py
+    python -m pytest -q tests/test_train.py
 
 Most runs call train.main() in-process on a tiny model (2 layers, d=64); the README command and the
 2-process DDP run are real subprocesses. The GPT-2 test skips where ../shared/data is absent.
@@ -24,17 +24,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import costs
+from depthbench import costs
 import data
-import recipe
+from depthbench import recipe
 import train
 from data import BatchLoader
-from synthetic import SyntheticTask, verdict
+from depthbench.synthetic import SyntheticTask, verdict
 from model import GPT, GPTConfig, compile_model
 
-HERE = Path(__file__).resolve().parent
-TIKTOKEN_DIR = HERE.parent / "shared" / "data" / "tiktoken"
-AUSTEN_DIR = HERE.parent / "shared" / "data" / "austen"
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+TIKTOKEN_DIR = ROOT.parent / "shared" / "data" / "tiktoken"
+AUSTEN_DIR = ROOT.parent / "shared" / "data" / "austen"
 # 2 layers, d=64 (4 heads of 16): 100,608 backbone params; 8 sequences of 32 tokens per step in 2 micro-batches
 TINY = ["--layers", "2", "--params", "100k", "--seq-len", "32", "--global-batch", "8", "--batch-size", "4",
         "--eval-iters", "1", "--log-every", "1"]
@@ -95,7 +95,7 @@ def test_grad_accumulation_equals_big_batch(residual):
 
 def test_readme_quickstart_writes_the_contracts(tmp_path):
     """The README's command, shortened by --max-steps only: run.json and ckpt.pt as plot.py and diagnose.py read them."""
-    r = subprocess.run([sys.executable, "train.py", "--max-steps", "3", "--out", str(tmp_path)], cwd=HERE,
+    r = subprocess.run([sys.executable, "train.py", "--max-steps", "3", "--out", str(tmp_path)], cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     for word in ("shape", "params", "batch", "schedule", "device", "chance answer accuracy", "grad accum",
@@ -191,7 +191,7 @@ def test_two_ranks_match_one(tmp_path, capsys):
     args = TINY + ["--steps", "3", "--ckpt-every", "100"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "train.py", *args, "--out", str(tmp_path / "two")], cwd=HERE, env=env,
+                        "train.py", *args, "--out", str(tmp_path / "two")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert run_main(args + ["--out", str(tmp_path / "one")], capsys)[0] == 0
@@ -227,7 +227,7 @@ def test_design_card_command_runs_on_cpu_under_torchrun(tmp_path):
     """The design card's `torchrun --nproc_per_node=2 train.py --residual mhc --ar 9.1` works on a CPU (2 steps)."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "train.py", "--residual", "mhc", "--ar", "9.1", "--max-steps", "2", "--out", str(tmp_path)],
-                       cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     run = load_run(tmp_path)
     assert (run["config"]["world_size"], run["config"]["batch_size"], run["config"]["n_layer"]) == (2, 16, 9)
@@ -293,7 +293,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv):
     assert not (tmp_path / "runs").exists() and not (tmp_path / "shards").exists()  # nothing half-written
 
 
-@pytest.mark.skipif(not (TIKTOKEN_DIR.is_dir() and AUSTEN_DIR.is_dir()), reason=f"no GPT-2 BPE cache / Austen texts in {HERE.parent / 'shared' / 'data'}")
+@pytest.mark.skipif(not (TIKTOKEN_DIR.is_dir() and AUSTEN_DIR.is_dir()), reason=f"no GPT-2 BPE cache / Austen texts in {ROOT.parent / 'shared' / 'data'}")
 def test_gpt2_on_austen(tmp_path, capsys, monkeypatch):
     """Real text: Austen -> GPT-2 shards -> 2 steps; the vocab is padded and there are no answer metrics."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_DIR))
@@ -526,7 +526,7 @@ def test_init_weights_alone_sets_every_tensor(residual):
 
 def torchrun(args, timeout=300):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "train.py", *args], cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                        "train.py", *args], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
@@ -554,7 +554,7 @@ def test_fsdp_matches_one_process_and_resumes_across_engines(tmp_path, capsys):
 def test_gpu_smoke_script_parses_and_its_train_commands_resolve(capsys):
     """scripts/gpu_smoke.sh is valid bash, every long option in it is one of the scripts' own, and its heaviest
     training commands fit an 80 GB GPU by the plan."""
-    script = HERE / "scripts" / "gpu_smoke.sh"
+    script = ROOT / "scripts" / "gpu_smoke.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     known = {o for a in recipe.build_parser()._actions for o in a.option_strings}
     known |= {"--shapes", "--seq", "--batch", "--repeats", "--standalone", "--nproc_per_node"}  # profile_gpu, torchrun
@@ -608,7 +608,7 @@ def test_compiled_blocks_reuse_one_graph_at_any_depth(residual):
 def test_telemetry_runs_compiled_blocks_eagerly():
     """A recording forward (telemetry) through blocks compiled in place compiles nothing new, and records what an
     uncompiled model records."""
-    import telemetry
+    from depthbench import telemetry
     from torch._dynamo.utils import counters
     torch.set_num_threads(1)
     torch._dynamo.reset()

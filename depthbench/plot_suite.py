@@ -2,7 +2,7 @@
 plot_suite.py: the mini suite's figures across designs, drawn from one probe folder of mini.py (it runs this after
 plot.py):
 
-    python plot_suite.py runs/mini/text --out runs/mini/figs/text
+    python -m depthbench.plot_suite runs/mini/text --out runs/mini/figs/text
 
 - suite_fig2_loss_vs_ar: Figure 2 (left)'s layout, final validation loss vs aspect ratio, one line per design at the
   LR it chose at that shape, the Pre-LN family solid and the cross-layer designs dashed; beside it, each design's loss
@@ -22,8 +22,7 @@ import numpy as np
 import matplotlib.pyplot as plt
 from matplotlib import transforms
 
-import common
-import compare
+from depthbench import common, compare
 import plot
 
 # the Pre-LN family: one stream, the norms placed within a block (solid lines); the rest mix across layers (dashed)
@@ -215,7 +214,7 @@ FIGURES = [("suite_fig2_loss_vs_ar", fig_suite_loss), ("suite_fig6_depth_use", f
 
 
 def main(argv=None):
-    return plot.main(argv, figures=FIGURES, prog="plot_suite.py")
+    return plot.main(argv, figures=FIGURES, prog="depthbench.plot_suite")
 
 
 if __name__ == "__main__":

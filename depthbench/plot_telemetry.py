@@ -1,7 +1,7 @@
 """
-plot_telemetry.py: what telemetry.py recorded during training (run.json "telemetry"), drawn from a folder of runs:
+plot_telemetry.py: what depthbench/telemetry.py recorded during training (run.json "telemetry"), drawn from a folder of runs:
 
-    python plot_telemetry.py runs/telemetry --out figs/telemetry
+    python -m depthbench.plot_telemetry runs/telemetry --out figs/telemetry
 
 - telemetry_state_rms: the RMS of the state each sublayer reads, over training, one panel per run (steps across,
   depth down): the "curse of depth" is the state growing with depth as training goes on.
@@ -21,7 +21,7 @@ import plot
 
 
 def telemetry_runs(data):
-    """Train JSONs with telemetry records (train.py, telemetry.py), by design then depth then name."""
+    """Train JSONs with telemetry records (train.py, depthbench/telemetry.py), by design then depth then name."""
     runs = [r for r in data.get("train", []) if ((r.get("telemetry") or {}).get("records") or [])]
     return sorted(runs, key=lambda r: (plot.design_order(r["config"]["residual"]), plot.shape(r["config"])[1],
                                        r["config"].get("name", "")))
@@ -106,7 +106,7 @@ FIGURES = [("telemetry_state_rms", fig_telemetry_state_rms), ("telemetry_statist
 
 
 def main(argv=None):
-    return plot.main(argv, figures=FIGURES, prog="plot_telemetry.py")
+    return plot.main(argv, figures=FIGURES, prog="depthbench.plot_telemetry")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from common import design_options, print0
-from kernels import LOSS_CHUNK_BYTES
+from depthbench.common import design_options, print0
+from depthbench.kernels import LOSS_CHUNK_BYTES
 from residuals import RESIDUALS
 from shapes import backbone_params, count_params, ffn_dim
 

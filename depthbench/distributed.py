@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import common
+from depthbench import common
 
 
 @dataclasses.dataclass

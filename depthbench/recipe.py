@@ -9,11 +9,10 @@ import functools
 import re
 from dataclasses import dataclass, field
 
-import common
-from common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
-import telemetry
-import trackers
-from costs import default_micro_batch
+from depthbench import common
+from depthbench.common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
+from depthbench import telemetry, trackers
+from depthbench.costs import default_micro_batch
 from residuals import PAPER_DESIGNS, RESIDUALS
 from shapes import SUITES, count_params, parse_count, solve, suite_row, suite_rows
 
@@ -84,11 +83,11 @@ class RunConfig:
     out: str                        # root folder of the run folders
     device: str                     # cpu | cuda
     compile: bool                   # torch.compile the model
-    kernels: str                    # fast | reference (kernels.py)
+    kernels: str                    # fast | reference (depthbench/kernels.py)
     dtype: str                      # "bfloat16 autocast" (CUDA) or "float32"
     compile_scope: str = "blocks"   # blocks: each block on its own (one graph reused); model: one graph
-    stats_every: int = None         # telemetry.py: a record every this many steps as well as at each eval; 0: off
-    log_to: str = None              # trackers.py: tensorboard | wandb mirror the log; None: run.json only
+    stats_every: int = None         # depthbench/telemetry.py: a record every this many steps as well as at each eval; 0: off
+    log_to: str = None              # depthbench/trackers.py: tensorboard | wandb mirror the log; None: run.json only
     grad_accum: int = None          # micro-steps per optimizer step: global_batch / (batch_size * world_size)
 
     @classmethod

@@ -1,7 +1,7 @@
 """
 diagnose.py's tests: known answers for every metric, the interventions, and the command line.
 
-    python -m pytest -q test_diagnose.py
+    python -m pytest -q tests/test_diagnose.py
 
 CPU only, fp32, tiny models (3-4 blocks, width 32); well under a minute on 2 cores.
 """
@@ -23,7 +23,7 @@ from model import GPT, GPTConfig
 from ops import rope_cos_sin
 from residuals import RESIDUALS, pushed
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 ALL = list(RESIDUALS)
 V = 32
 ARGS = SimpleNamespace(causal_threshold=0.45, dead_tau=0.05, eps=1e-8)
@@ -50,8 +50,8 @@ def layer_metrics(model, todo=("angular", "causal", "pruning", "lens", "attnres"
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, str(HERE / "diagnose.py"), *args], capture_output=True, text=True,
-                          cwd=HERE, env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, str(ROOT / "diagnose.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})})
 
 
 # ----------------------------------------------------------------------------- the trunk loop and the skip rules
@@ -304,11 +304,11 @@ def test_nll_counts_exactly_the_answer_tokens():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=257, n_layer=2, d_model=32, n_head=2, d_ff=96)).eval()
     for task, count in (("gsm8k", 71), ("mbpp", 99)):
-        rows = dg.nll_rows(task, HERE / "fixtures" / "nll", None)
+        rows = dg.nll_rows(task, ROOT / "fixtures" / "nll", None)
         total, n = dg.nll_task(model, tok, rows, task, 4096, 2, "cpu")
         assert n == count and 0 < total / n < 20
     # batching and right-padding change nothing: one example at a time gives the same sum
-    rows = dg.nll_rows("sciq", HERE / "fixtures" / "nll", None)
+    rows = dg.nll_rows("sciq", ROOT / "fixtures" / "nll", None)
     assert dg.nll_task(model, tok, rows, "sciq", 4096, 3, "cpu")[0] == pytest.approx(
         dg.nll_task(model, tok, rows, "sciq", 4096, 1, "cpu")[0], rel=1e-5)
 
@@ -373,7 +373,7 @@ def test_token_shard_windows_follow_the_release_rule(tmp_path):
     """Same seed, same windows as the rule reimplemented here; another seed others; a file too short is never drawn;
     the windows are slices of their file (values encode file and position)."""
     import numpy as np
-    import windows
+    from depthbench import windows
     lengths = [300, 40, 5, 1000]
     paths = []
     for f, n in enumerate(lengths):

@@ -3,7 +3,7 @@ Tests for plot.py: every figure draws a real (non-blank) PNG from small fixture 
 contract is enforced (unknown versions skipped with a message, junk files never crash), diverged runs
 are marked rather than dropped, and plot.py never imports torch.
 
-    /work/venv/bin/python -m pytest -q test_plot.py
+    /work/venv/bin/python -m pytest -q tests/test_plot.py
 """
 import json
 import math
@@ -17,7 +17,7 @@ import pytest
 
 import plot
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
 L = 4  # a tiny model: 4 layers, 8 sublayers, 5 depth states
 
 # -----------------------------------------------------------------------------
@@ -169,13 +169,13 @@ def test_composition_figure_counts_finished_synthetic_runs(full_dir, tmp_path):
 
 
 def test_imports_without_torch():
-    """plot.py (and plot_suite.py, plot_telemetry.py) must work where torch is absent: each imports with torch
+    """plot.py (and depthbench/plot_suite.py, depthbench/plot_telemetry.py) must work where torch is absent: each imports with torch
     blocked, and never pulls torch in."""
-    for module in ("plot", "plot_suite", "plot_telemetry"):
+    for module in ("plot", "depthbench.plot_suite", "depthbench.plot_telemetry"):
         blocked = f"import sys; sys.modules['torch'] = None; import {module}"  # any 'import torch' would raise
         absent = f"import sys, {module}; assert 'torch' not in sys.modules"
         for code in (blocked, absent):
-            r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
+            r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
             assert r.returncode == 0, r.stderr
 
 
@@ -335,10 +335,10 @@ def test_profile_without_gpu_timings_still_draws(tmp_path):
     assert_png(tmp_path / "p.png")
 
 
-@pytest.mark.parametrize("args", [["/no/such/folder"], [str(HERE), "--only", "fig99"], ["--bogus"]])
+@pytest.mark.parametrize("args", [["/no/such/folder"], [str(ROOT), "--only", "fig99"], ["--bogus"]])
 def test_bad_arguments_exit_2_with_one_line(args):
     """Bad arguments: exit status 2 and a single line on stderr (no usage block, no traceback)."""
-    r = subprocess.run([sys.executable, "plot.py", *args], cwd=HERE, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "plot.py", *args], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, r.stderr
 
@@ -354,7 +354,7 @@ def test_a_zero_score_is_data_not_missing():
     assert plot.with_metric(data, "causal_score.matrix") == []
 
 
-# ----------------------------------------------------------------------------- plot_suite.py: the suite across designs
+# ----------------------------------------------------------------------------- depthbench/plot_suite.py: the suite across designs
 
 def suite_dir(tmp_path):
     """A mini suite's probe folder: the ten designs x three shapes x three seeds at 2e-3 (Pre-LN also at 1e-2 at
@@ -383,7 +383,7 @@ def test_suite_figures_draw_ten_designs_and_the_paired_differences(tmp_path):
     """Both suite figures are written; the relative panel plots, per design and shape, the mean, least and greatest
     of the per-seed differences from Pre-LN (compare.paired); a shape where a design diverged at every LR is marked,
     never plotted, and a diverged seed drops out of the pairs."""
-    import plot_suite
+    from depthbench import plot_suite
     data, skipped = plot.load_folder(suite_dir(tmp_path))
     assert skipped == []
     info = plot_suite.fig_suite_loss(data, tmp_path / "loss.png")
@@ -409,7 +409,7 @@ def test_suite_figures_draw_ten_designs_and_the_paired_differences(tmp_path):
 
 
 def test_suite_ticks_name_the_shapes_and_families_differ():
-    import plot_suite
+    from depthbench import plot_suite
     assert [plot_suite.shape_tick(ar, L) for ar, L in [(92.0, 2), (17.33, 6), (9.78, 9)]] == [
         "92 (L2)", "17 (L6)", "9.8 (L9)"]
     styles = {res: plot_suite.line_style(res) for res in plot.DESIGNS}
@@ -418,10 +418,10 @@ def test_suite_ticks_name_the_shapes_and_families_differ():
 
 
 def test_plot_suite_main_draws_its_figures(tmp_path, capsys):
-    import plot_suite
+    from depthbench import plot_suite
     out = tmp_path / "figs"
     assert plot_suite.main([str(suite_dir(tmp_path)), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["suite_fig2_loss_vs_ar.png", "suite_fig6_depth_use.png"]
     with pytest.raises(SystemExit) as e:
         plot_suite.main([str(tmp_path / "missing")])
-    assert e.value.code == 2 and capsys.readouterr().err.startswith("plot_suite.py: error:")
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("depthbench.plot_suite: error:")

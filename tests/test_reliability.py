@@ -4,10 +4,10 @@ CASES (bad input: one line on stderr, its exit code, nothing written) and FAULTS
 full disks, broken files: one test each, registered by @fault). The page is generated from them, and a test
 checks the committed page is what the generator writes:
 
-    python -m pytest -q test_reliability.py
-    python test_reliability.py --write-docs         # after changing a case or a fault: rewrite the page
+    python -m pytest -q tests/test_reliability.py
+    python tests/test_reliability.py --write-docs         # after changing a case or a fault: rewrite the page
 
-Runs are in-process on the tiny model of test_train.py; one real process takes Ctrl-C.
+Runs are in-process on the tiny model of tests/test_train.py; one real process takes Ctrl-C.
 """
 import errno
 import importlib
@@ -22,19 +22,20 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for a direct run (--write-docs)
+import numpy as np  # noqa: E402
 import pytest
 import torch
 
-import common
+from depthbench import common
 import data
 import mini
 import profile_gpu
 import train
 from test_train import TINY, load_run, one_thread, run_main  # noqa: F401 (one_thread: one intra-op thread here too)
 
-HERE = Path(__file__).resolve().parent
-DOCS = HERE / "docs" / "reliability.md"
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+DOCS = ROOT / "docs" / "reliability.md"
 RUN = "runs/preln_ar32_lr3e-3_s42"                   # the run folder of TINY
 TRAIN = TINY + ["--steps", "2", "--out", "{tmp}/runs"]
 INIT = ["--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--vocab", "257"]
@@ -92,8 +93,8 @@ CASES = [
     ("train.py", "--params 1e400", [*TRAIN, "--params", "1e400"], {}, 2, "--params '1e400' is not a count"),
     ("train.py", "--device bogus", [*TRAIN, "--device", "bogus"], {}, 2, "invalid choice: 'bogus'"),
     ("diagnose.py", "--device bogus", [*INIT, "--device", "bogus"], {}, 2, "--device 'bogus' is not a device"),
-    ("official.py", "--device bogus", ["info", "{tmp}/step1", "--device", "bogus"], {}, 2, "is not a device"),
-    ("official.py", "--batch-size 0", ["evaluate", "{tmp}/step1", "--batch-size", "0"], {}, 2,
+    ("depthbench.official", "--device bogus", ["info", "{tmp}/step1", "--device", "bogus"], {}, 2, "is not a device"),
+    ("depthbench.official", "--batch-size 0", ["evaluate", "{tmp}/step1", "--batch-size", "0"], {}, 2,
      "argument --batch-size: invalid"),
     ("diagnose.py", "--init at a width of an odd head_dim", ["--init", "preln", "--width", "36", "--heads", "4"], {},
      2, "with an even head_dim"),
@@ -107,9 +108,9 @@ CASES = [
     ("shapes.py", "--ar inf", ["--ar", "inf"], {}, 2, "argument --ar: invalid"),
     ("train.py", "--max-gap 100000 (no answer fits a sequence)", [*TRAIN, "--max-gap", "100000"], {}, 2,
      "a sequence could hold no answer"),
-    ("official.py", "--max-tokens -5", ["evaluate", "{tmp}/step1", "--max-tokens", "-5"], {}, 2,
+    ("depthbench.official", "--max-tokens -5", ["evaluate", "{tmp}/step1", "--max-tokens", "-5"], {}, 2,
      "argument --max-tokens: invalid"),
-    ("official.py", "--seq-len 0", ["evaluate", "{tmp}/step1", "--seq-len", "0"], {}, 2, "argument --seq-len: invalid"),
+    ("depthbench.official", "--seq-len 0", ["evaluate", "{tmp}/step1", "--seq-len", "0"], {}, 2, "argument --seq-len: invalid"),
     ("diagnose.py", "--residual-args with a checkpoint", ["{tmp}/run", "--residual-args", '{"n_groups": 4}'], {}, 2,
      "--residual-args: for --init or an official checkpoint"),
     ("mini.py", "an unknown design in --designs", ["--designs", "preln,nope", "--out", "{tmp}/m"], {}, 2,
@@ -122,7 +123,7 @@ CASES = [
     ("train.py", "--out that is a file", TRAIN, {"runs": "a file"}, 2, "cannot write to"),
     ("diagnose.py", "a ckpt.pt that would run code when unpickled", ["{tmp}/run"], {"run/ckpt.pt": Pickled()}, 2,
      "not a depthbench checkpoint (UnpicklingError: it holds objects beyond tensors"),
-    ("official.py", "a truncated .distcp file", ["info", "{tmp}/step1"], official_checkpoint, 2, "unreadable DCP data"),
+    ("depthbench.official", "a truncated .distcp file", ["info", "{tmp}/step1"], official_checkpoint, 2, "unreadable DCP data"),
     ("diagnose.py", "--out that is a folder", [*INIT, "--out", "{tmp}/d"], {"d": None}, 2, "--out {tmp}/d is a folder"),
     # absurd sizes
     ("train.py", "--seq-len 100000000", [*TRAIN, "--seq-len", "100000000"], {}, 2, "needs at least"),
@@ -210,7 +211,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, script, what, argv, setup, code
     make(tmp_path, setup)
     before = files(tmp_path)
     with pytest.raises(SystemExit) as e:
-        importlib.import_module(script[:-3]).main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+        importlib.import_module(script.removesuffix(".py")).main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err
     assert (e.value.code, len(err.strip().splitlines())) == (code, 1), err
     assert err.startswith(f"{script}: error: ") and message.replace("{tmp}", str(tmp_path)) in err, err
@@ -356,7 +357,7 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, monkeypatch):
 @fault("Ctrl-C in a terminal (a real process)", "exit 130, one line on stderr and no traceback; ckpt.pt and "
        "run.json both at that step")
 def test_ctrl_c_in_a_real_process(tmp_path):
-    p = subprocess.Popen([sys.executable, "train.py", *TINY, "--steps", "100000", "--out", str(tmp_path)], cwd=HERE,
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, "--steps", "100000", "--out", str(tmp_path)], cwd=ROOT,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     for line in p.stdout:
@@ -449,7 +450,7 @@ def limited(max_bytes):
 
 def script(argv, preexec_fn=None):
     """python argv in this folder, one thread -> the finished process (stdout and stderr as text)."""
-    return subprocess.run([sys.executable, "-B", *argv], cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    return subprocess.run([sys.executable, "-B", *argv], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600, preexec_fn=preexec_fn)
 
 
@@ -578,7 +579,7 @@ def test_a_signal_during_diagnose(tmp_path, capsys, monkeypatch, sig, code):
 def test_ctrl_c_while_profile_measures(tmp_path):
     p = subprocess.Popen([sys.executable, "-B", "profile_gpu.py", "--shapes", "2x64", "--residual", "preln", "--device",
                           "cpu", "--vocab", "64", "--seq", "64", "--batch", "2", "--repeats", "1000000", "--out",
-                          str(tmp_path / "p.json")], cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          str(tmp_path / "p.json")], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = []
     for line in p.stderr:
@@ -605,13 +606,13 @@ def test_ctrl_c_while_profile_measures(tmp_path):
 @fault("Ctrl-C while a script imports torch (simulated: a script that imports common, then is interrupted)",
        "one line, exit 130, no traceback; data.py, diagnose.py and profile_gpu.py import common before torch")
 def test_ctrl_c_at_start_up(tmp_path):
-    (tmp_path / "starting.py").write_text(f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport common\nimport os, "
-                                          "signal\nos.kill(os.getpid(), signal.SIGINT)\nimport torch\n")
+    (tmp_path / "starting.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom depthbench import common\n"
+                                          "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nimport torch\n")
     p = script([str(tmp_path / "starting.py")])
     assert (p.returncode, p.stderr) == (130, "starting.py: interrupted (Ctrl-C); run the same command again to go "
                                              "on\n")
     for name in ("data", "diagnose", "profile_gpu"):
-        order = script(["-c", f"import sys; import {name}; m = list(sys.modules); print(m.index('common') < "
+        order = script(["-c", f"import sys; import {name}; m = list(sys.modules); print(m.index('depthbench.common') < "
                               f"m.index('torch'))"]).stdout
         assert order == "True\n", name
 
@@ -637,7 +638,7 @@ def test_sigterm_to_the_mini_suite_stops_its_runs_and_a_rerun_resumes(tmp_path):
     argv = [sys.executable, "-B", "mini.py", "--probes", "synthetic", "--designs", "preln", "--ar", "9.1", "--seeds",
             "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", "400", "--jobs", "1", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(argv, cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for _ in range(1200):  # until the run has taken a few steps
         logs = list((out / "logs").glob("*.log")) if (out / "logs").is_dir() else []
         if logs and "step " in logs[0].read_text():
@@ -654,7 +655,7 @@ def test_sigterm_to_the_mini_suite_stops_its_runs_and_a_rerun_resumes(tmp_path):
     (run,) = (out / "synthetic").iterdir()
     stopped_at = torch.load(run / "ckpt.pt", weights_only=True)["step"]
     assert 0 < stopped_at < 400 and "interrupted at step" in logs[0].read_text()
-    again = subprocess.run(argv, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {run / 'ckpt.pt'} at step {stopped_at}" in logs[0].read_text()
     assert common.run_state(run) == "finished"
@@ -720,7 +721,7 @@ def render():
     """docs/reliability.md from FAULTS and CASES."""
     lines = ["# Faults and bad input", "",
              "What the scripts do when something goes wrong. Generated from the tests' own lists by `python "
-             "test_reliability.py --write-docs` (test_reliability.py: each fault has its test, each bad input is "
+             "tests/test_reliability.py --write-docs` (tests/test_reliability.py: each fault has its test, each bad input is "
              "run as shown), and a test checks this page is what the generator writes.", "",
              "## Faults", "", "| fault | what it gives | test |", "|---|---|---|"]
     lines += [f"| {what} | {gives} | `{test}` |" for what, gives, test in FAULTS]
@@ -738,7 +739,7 @@ def render():
 
 
 def test_the_docs_page_is_generated_from_these_lists():
-    assert DOCS.read_text(encoding="utf-8") == render(), "run: python test_reliability.py --write-docs"
+    assert DOCS.read_text(encoding="utf-8") == render(), "run: python tests/test_reliability.py --write-docs"
 
 
 if __name__ == "__main__" and "--write-docs" in sys.argv:

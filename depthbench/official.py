@@ -7,8 +7,8 @@ torch's own DCP reader (no OLMo-core), map every official name onto ours (`layou
 line, any setting our model would compute differently. Where the official names and layouts were read:
 docs/official.md#provenance.
 
-    python official.py info  SOURCE [--step N]                 # design, shape and what was mapped
-    python official.py evaluate SOURCE --text FILES [--step N] [--seq-len 2048] [--max-tokens N]
+    python -m depthbench.official info  SOURCE [--step N]                 # design, shape and what was mapped
+    python -m depthbench.official evaluate SOURCE --text FILES [--step N] [--seq-len 2048] [--max-tokens N]
     python diagnose.py SOURCE [--step N] --metrics ...           # every diagnostic (diagnose.py)
 
 SOURCE: a hub id (downloaded with huggingface_hub: the chosen step and tokenizer/ only; a repository that keeps one
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, pick_device, positive
+from depthbench.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, pick_device, positive
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -464,7 +464,7 @@ def evaluate(model, tok, text, seq_len, max_tokens=None, batch_size=4, device="c
 
 
 def main(argv=None):
-    p = ArgParser(prog="official.py",
+    p = ArgParser(prog="depthbench.official",
                   description="Load (info) or evaluate an official DepthBench OLMo-core checkpoint.")
     p.add_argument("command", choices=["info", "evaluate"])
     p.add_argument("source", help="hub id, repository folder with stepN/ folders, or a step folder")
@@ -498,7 +498,7 @@ def main(argv=None):
                            batch_size=args.batch_size, device=args.device)
             print(json.dumps({**res, "step": info["step"], "source": args.source}))
     except (CheckpointError, data.DataError) as e:
-        fail("official.py", first_line(e, None))
+        fail("depthbench.official", first_line(e, None))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """
-Tests of telemetry.py and trackers.py (docs/training.md#telemetry): training is bit-identical with and without
+Tests of depthbench/telemetry.py and depthbench/trackers.py (docs/training.md#telemetry): training is bit-identical with and without
 telemetry, every design (an eleventh defined here too) gets its records, known answers of the statistics, the
 TensorBoard events read back with tensorboard's own reader across --resume and a kill, W&B offline, a missing
-package, and plot_telemetry.py's figures. CPU only, in-process train.py runs at a tiny shape:
+package, and depthbench/plot_telemetry.py's figures. CPU only, in-process train.py runs at a tiny shape:
 
-    python -m pytest -q test_telemetry.py
+    python -m pytest -q tests/test_telemetry.py
 
 The TensorBoard and W&B tests skip, saying why, where the optional package is not installed.
 """
@@ -18,10 +18,9 @@ import torch
 import torch.nn as nn
 
 import plot
-import plot_telemetry
-import telemetry
+from depthbench import plot_telemetry, telemetry
 import train
-import trackers
+from depthbench import trackers
 from model import GPT, GPTConfig
 from residuals import RESIDUALS, PreLN
 from test_train import load_run, one_thread, run_main  # noqa: F401 (one_thread: one intra-op thread here too)
@@ -243,7 +242,7 @@ def test_trackers_never_write_a_step_twice():
     assert t.seen == [5, 5, 6]          # steps up to the resumed one skipped; one step may carry several calls
 
 
-# ----------------------------------------------------------------------------- plot_telemetry.py
+# ----------------------------------------------------------------------------- depthbench/plot_telemetry.py
 
 def test_plot_draws_the_telemetry_figures(tmp_path, capsys):
     for residual in ("preln", "hc"):
