@@ -8,8 +8,8 @@ diagnose.py: the layer-wise diagnostics of DepthBench for one model, as one JSON
 
 Metrics: angular, causal, perm, lens, pruning, attnres, erank, deadzone, nll. DEFINITIONS below says what
 each computes, and the JSON carries it next to the numbers. docs/diagnostics.md has the setup (fp32, eval mode,
-no gradients, fp64 sums), the depth states (the model's own `model(idx, record=True)`, no hooks) and the
-interventions (`model(idx, skip=b)`; a swap moves two blocks' weights with the residual's own tensors).
+no gradients, fp64 sums), the depth states (depthbench/observe.py runs the model's own trunk loop, no hooks) and the
+interventions (`skip=b`; a swap moves two blocks' weights with the residual's own tensors).
 """
 import contextlib
 import glob
@@ -30,7 +30,7 @@ import data
 from depthbench.common import (ArgParser, CheckpointError, check_options, comma_list, design_options, fail, first_line,
                     hub_unreachable, json_object, load_checkpoint, pick_device, positive, seed_number, write_json,
                     VAL_SEED)
-from depthbench import official
+from depthbench import observe, official
 import shapes
 from depthbench import synthetic, windows
 from model import GPT, GPTConfig
@@ -231,6 +231,13 @@ def triangle(M, ok):
 
 # ----------------------------------------------------------------------------- the sweeps
 
+def recording(model, x, skip=None):
+    """The observed forward (depthbench/observe.py), block `skip` left out if given: (logits, {"states": z_0..z_L,
+    "readouts": what the lens decodes, and the design's internals by name})."""
+    rec = observe.record(model, x, skip=skip)
+    return rec.logits, {"states": rec.states, "readouts": rec.readouts, **rec.internals}
+
+
 @torch.no_grad()
 def sweep(model, batches, todo, eps):
     """One pass over the calibration batches: the recording forward (states, design internals), the
@@ -242,7 +249,7 @@ def sweep(model, batches, todo, eps):
     bar = tqdm(total=len(batches) * (1 + L * bool({"causal", "pruning"} & todo)), desc="layers", unit="fwd")
     for x, y in batches:
         n = x.numel()
-        logits, _, rec = model(x, record=True)                              # states, readouts, internals
+        logits, rec = recording(model, x)                                   # states, readouts, internals
         acc["tokens"] += n
         acc["targets"] += int((y >= 0).sum())
         acc["loss"] += ce_sum(logits, y)
@@ -259,7 +266,7 @@ def sweep(model, batches, todo, eps):
         u_norm = u.norm(dim=-1)                                               # (L, N)
         acc["u"] += u_norm.double().sum(-1).cpu()
         for s in range(L) if {"causal", "pruning"} & todo else []:
-            logits_s, _, rec_s = model(x, record=True, skip=s)
+            logits_s, rec_s = recording(model, x, skip=s)
             acc["skip_loss"][s] += ce_sum(logits_s, y)
             if s < L - 1 and "causal" in todo:
                 z = [t.float().flatten(0, 1) for t in rec_s["states"]]

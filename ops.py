@@ -2,21 +2,59 @@
 ops.py: the maths the designs share, each written the way its equation reads, in plain PyTorch.
 
 The norm, RoPE and attention of the backbone; HC/mHC's map projection, width and depth connections and mHC's
-Sinkhorn; AttnRes' softmax over depth; MoDA's joint sequence + depth softmax; and two measures of depth use
-(erank, dead_zone) that diagnose.py and the designs' telemetry share. A function with a `fast` argument
-has a second body in depthbench/kernels.py: the same maths in the layouts, fused nodes and hand-written backward passes that
-make it fast (GPTConfig.kernels, --kernels). The body here is the definition; test_all.py checks, for every
-design, that both give the same logits, loss and gradients. Precision, one rule for all designs under bf16
-autocast: the sublayers' matmuls in bf16; the residual state, its mixing and every depth-softmax logit in fp32.
+Sinkhorn; AttnRes' softmax over depth and the bank of sources it reads; MoDA's depth keys and values and its joint
+sequence + depth softmax; and two measures of depth use (erank, dead_zone) that diagnose.py and the designs'
+telemetry share. This file is the definition. depthbench/kernels.py has a second body for each name here (the same
+maths, faster layouts); a model picks one of the two namespaces once, when it is built (`namespace`,
+GPTConfig.kernels, --kernels), and test_all.py checks for every design that both give the same logits, loss and
+gradients.
+
+Precision, one rule for every design under bf16 autocast: the sublayers' matmuls run in bf16; the residual state,
+its mixing and every softmax logit in fp32. The functions that mix residual state say so where they turn autocast
+off (`fp32_maths`).
 """
-import functools
 import math
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from depthbench import kernels
+
+# the names with two bodies: ops.py's (the definition) and depthbench/kernels.py's (the same maths, faster)
+TWO_BODIES = ("apply_rope", "causal_attention", "joint_attention", "lm_loss", "normed_projection", "width_connection",
+              "depth_connection", "sinkhorn", "DepthBank", "DepthKV")
+
+
+class Kernels:
+    """One namespace's bodies of TWO_BODIES as attributes: what a design calls as `self.ops.sinkhorn(...)`. A plain
+    object (a module could not be copied with the model that holds it)."""
+
+    def __init__(self, name, module):
+        self.name = name
+        for attr in TWO_BODIES:
+            setattr(self, attr, getattr(module, attr))
+
+
+_NAMESPACES = {}
+
+
+def namespace(kernels):
+    """The bodies of this file ("reference") or of depthbench/kernels.py ("fast"), chosen once when a model is
+    built (GPTConfig.kernels, --kernels)."""
+    if kernels not in _NAMESPACES:
+        if kernels == "reference":
+            module = sys.modules[__name__]
+        else:
+            from depthbench import kernels as module  # here, not at the top: depthbench/kernels.py imports this file
+        _NAMESPACES[kernels] = Kernels(kernels, module)
+    return _NAMESPACES[kernels]
+
+
+def fp32_maths(x):
+    """A context with autocast off on x's device: what runs inside computes in the dtype of its arguments, which the
+    residual maths casts to fp32 itself."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 # ----------------------------------------------------------------------------- the norm
@@ -46,16 +84,7 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def fp32(fn):
-    """Run fn with autocast off and its tensor arguments in fp32: residual arithmetic, whatever autocast does."""
-    @functools.wraps(fn)
-    def run(*args, **kw):
-        with torch.autocast(next(a for a in args if torch.is_tensor(a)).device.type, enabled=False):
-            return fn(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args), **kw)
-    return run
-
-
-# ----------------------------------------------------------------------------- RoPE and attention
+# ----------------------------------------------------------------------------- RoPE, attention and the loss
 
 def rope_cos_sin(T, head_dim, theta, device):
     """cos/sin tables (T, head_dim) in fp32, frequencies duplicated over the two halves."""
@@ -64,86 +93,60 @@ def rope_cos_sin(T, head_dim, theta, device):
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x, cos, sin, fast=False):
+def apply_rope(x, cos, sin):
     """Rotate-half RoPE on (B, H, T, hd) in fp32, returned in x's dtype:
     x cos + rotate_half(x) sin, rotate_half([x1, x2]) = [-x2, x1]."""
-    if fast:
-        return kernels.apply_rope(x, cos, sin)
-    x1, x2 = (xf := x.float()).chunk(2, dim=-1)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
-def causal_attention(q, k, v, fast=False):
+def causal_attention(q, k, v):
     """softmax(q k^T / sqrt(hd), causal) v, q (B, H, T, hd), k, v (B, Hkv, T, hd): with Hkv < H (GQA) query
     head h reads kv head h // (H / Hkv). PyTorch's fused kernel (never holds the T x T logits)."""
-    return kernels.causal_attention(q, k, v) if fast else \
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.size(1) < q.size(1))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.size(1) < q.size(1))
 
 
-def depth_slot(t, fast=False):
-    """A key or value (B, Hkv, T, hd) as MoDA keeps it for later layers: itself (fast: the same values, stored in
-    the layout the fast depth attention reads without a copy)."""
-    return kernels.depth_slot(t) if fast else t
+def cross_entropy(logits, targets):
+    """Mean token cross-entropy in fp32, targets -1 ignored: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
 
 
-def joint_attention(q, k, v, depth_k, depth_v, fast=False, valid=None):
-    """MoDA's attention: one softmax per query over its causal sequence logits *and* the logits of the S
-    depth keys that earlier sublayers left at the query's own token:
-
-        a = softmax([ q_t k_s / sqrt(hd) for s <= t ; q_t dk_j,t / sqrt(hd) for j < S ])
-        o_t = sum_s a_s v_s + sum_j a_j dv_j,t
-
-    q (B, H, T, hd), k, v (B, Hkv, T, hd) the sequence part (GQA as causal_attention); depth_k, depth_v:
-    lists of S tensors (B, Hkv, T, hd); valid: None, or (S,) bool marking the slots that take part (the others,
-    padding of a fixed-length window, get a_j = 0; at least one must be valid). Returns o (B, H, T, hd) and the
-    depth share sum_j a_j (B, H, T), detached, for diagnostics."""
-    if fast:
-        return kernels.joint_attention(q, k, v, depth_k=depth_k, depth_v=depth_v, valid=valid)
-    T, G, scale = q.size(2), q.size(1) // k.size(1), q.size(-1) ** -0.5
-    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)          # (B, H, T, hd)
-    dk, dv = (torch.stack(ts, dim=3).repeat_interleave(G, dim=1) for ts in (depth_k, depth_v))  # (B, H, T, S, hd)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    seq = (q @ k.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))  # (B, H, T, T), as attention's
-    depth = (q.float()[..., None, :] * dk.float()).sum(-1) * scale             # (B, H, T, S), in fp32
-    if valid is not None:
-        depth = depth.masked_fill(~valid, float("-inf"))
-    a = torch.cat([seq.float(), depth], dim=-1).softmax(dim=-1)
-    o = a[..., :T].to(v.dtype) @ v + (a[..., T:, None] * dv.float()).sum(-2)
-    return o, a[..., T:].sum(-1).detach()
+def lm_loss(z, weight, targets):
+    """The loss of the head's input z (B, T, D) through the head weight (V, D): cross_entropy(z W^T)."""
+    return cross_entropy(F.linear(z, weight), targets)
 
 
 # ----------------------------------------------------------------------------- HC and mHC
 
-@fp32
-def normed_projection(x, W, eps, fast=False):
+def normed_projection(x, W, eps):
     """(x / rms(x)) @ W, no gain, in fp32: what HC's and mHC's dynamic maps are made from. x (..., K),
     W (K, M) with few columns (n + 2 for HC, n^2 + 2n for mHC)."""
-    return kernels.normed_projection(x, W, eps) if fast else rms_norm(x, eps=eps) @ W
+    with fp32_maths(x):
+        return rms_norm(x.float(), eps=eps) @ W.float()
 
 
-@fp32
-def width_connection(H, pre, res, fast=False):
+def width_connection(H, pre, res):
     """HC's width connection (Zhu et al., eq. 3-4): from the streams H (B, T, n, D), the branch input
     sum_s pre_s h_s (B, T, D) and the mixed residual sum_s res[o, s] h_s (B, T, n, D); pre (B, T, n),
-    res (B, T, n, n) as [out, in]."""
-    if fast:
-        return kernels.width_connection(H, pre, res)
-    return (pre[..., None] * H).sum(-2), res @ H
+    res (B, T, n, n) as [out, in]. In fp32."""
+    with fp32_maths(H):
+        H, pre, res = H.float(), pre.float(), res.float()
+        return (pre[..., None] * H).sum(-2), res @ H
 
 
-@fp32
-def depth_connection(mixed, post, y, fast=False):
+def depth_connection(mixed, post, y):
     """HC's depth connection: the branch output y (B, T, D) joins each mixed stream o with weight post_o:
-    h'_o = mixed_o + post_o y -> (B, T, n, D)."""
-    return kernels.depth_connection(mixed, post, y) if fast else mixed + post[..., None] * y[..., None, :]
+    h'_o = mixed_o + post_o y -> (B, T, n, D). In fp32."""
+    with fp32_maths(mixed):
+        mixed, post, y = mixed.float(), post.float(), y.float()
+        return mixed + post[..., None] * y[..., None, :]
 
 
-def sinkhorn(logits, iters=20, eps=1e-6, fast=False):
+def sinkhorn(logits, iters=20, eps=1e-6):
     """Sinkhorn-Knopp as in Liger's mHC kernel, on (..., n, n) logits: a row softmax (+ eps), a column
     normalisation, then iters - 1 rounds of row and column normalisation. Close to doubly stochastic
     (rows ~1e-3 for peaked logits), columns exactly after the last step. In fp32."""
-    if fast:
-        return kernels.sinkhorn(logits, iters, eps)
     M = logits.float().softmax(dim=-1) + eps
     M = M / (M.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -154,24 +157,94 @@ def sinkhorn(logits, iters=20, eps=1e-6, fast=False):
 
 # ----------------------------------------------------------------------------- AttnRes
 
-@fp32
-def depth_mix(query, key_gain, sources, eps=1e-5, fast=False, valid=None):
+def depth_mix(query, key_gain, sources, eps=1e-5):
     """AttnRes' softmax over depth for one consumer, Kimi's eq. 2: keys are the RMS-normalised sources with the
     consumer's gain, the query is a learnt vector (scale 1), the values are the raw sources:
 
         p_j = softmax_j <query, key_gain * RMSNorm(v_j)>,   mix = sum_j p_j v_j
 
-    sources: S tensors (B, T, D); logits and softmax in fp32. valid: None, or (S,) bool marking the sources that
-    take part (the others, padding of a fixed-length bank, get p_j = 0). Returns mix (B, T, D), p (B, T, S)."""
-    if fast:
-        return kernels.depth_mix(query, key_gain, sources, eps, valid=valid)
-    V = torch.stack(sources).float()                             # (S, B, T, D)
-    keys = rms_norm(V, key_gain, eps)
-    logits = keys @ query                                        # (S, B, T)
-    if valid is not None:
-        logits = logits.masked_fill(~valid[:, None, None], float("-inf"))
-    p = logits.softmax(dim=0)
-    return (p[..., None] * V).sum(0), p.movedim(0, -1)
+    sources: S tensors (B, T, D); logits, softmax and mix in fp32. Returns mix (B, T, D), p (B, T, S)."""
+    with fp32_maths(sources[0]):
+        V = torch.stack(sources).float()                             # (S, B, T, D)
+        keys = rms_norm(V, key_gain.float(), eps)
+        logits = keys @ query.float()                                # (S, B, T)
+        p = logits.softmax(dim=0)
+        return (p[..., None] * V).sum(0), p.movedim(0, -1)
+
+
+class DepthBank:
+    """The sources an AttnRes consumer mixes: the embedding, then one source per push (a sublayer's output, or a
+    completed group's sum). A plain list; `push` returns a new bank, so every state keeps its own. Its two methods
+    run eagerly under torch.compile (`torch.compiler.disable`): the number of sources differs from block to block,
+    and a graph would bake it in (docs/speed.md#compile)."""
+
+    def __init__(self, sources):
+        self.sources = list(sources)
+
+    @classmethod
+    def start(cls, first, n_max, eps=1e-5):
+        """A bank holding `first` (the embedding), for at most n_max sources whose keys are normalised with eps (the
+        fast body allocates its storage from these; the list needs neither)."""
+        return cls([first])
+
+    @torch.compiler.disable
+    def push(self, v):
+        return DepthBank(self.sources + [v])
+
+    @torch.compiler.disable
+    def mix(self, query, key_gain, eps, extra=None):
+        """depth_mix over the sources, and `extra` (a group's open partial sum) after them if given."""
+        sources = self.sources if extra is None else self.sources + [extra]
+        return depth_mix(query, key_gain, sources, eps)
+
+    def newest(self):
+        """The last source pushed."""
+        return self.sources[-1]
+
+    def __len__(self):
+        return len(self.sources)
+
+
+# ----------------------------------------------------------------------------- MoDA
+
+def joint_attention(q, k, v, depth):
+    """MoDA's attention: one softmax per query over its causal sequence logits *and* the logits of the S
+    depth keys that earlier sublayers left at the query's own token (`depth`, a DepthKV):
+
+        a = softmax([ q_t k_s / sqrt(hd) for s <= t ; q_t dk_j,t / sqrt(hd) for j < S ])
+        o_t = sum_s a_s v_s + sum_j a_j dv_j,t
+
+    q (B, H, T, hd), k, v (B, Hkv, T, hd) the sequence part (GQA as causal_attention). Returns o (B, H, T, hd) and
+    the depth share sum_j a_j (B, H, T), detached, for diagnostics."""
+    T, G, scale = q.size(2), q.size(1) // k.size(1), q.size(-1) ** -0.5
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)          # (B, H, T, hd)
+    dk, dv = (torch.stack(slots, dim=3).repeat_interleave(G, dim=1) for slots in (depth.keys, depth.values))
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)        # dk, dv: (B, H, T, S, hd)
+    seq = (q @ k.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))  # (B, H, T, T), as attention's
+    depth_logits = (q.float()[..., None, :] * dk.float()).sum(-1) * scale      # (B, H, T, S), in fp32
+    a = torch.cat([seq.float(), depth_logits], dim=-1).softmax(dim=-1)
+    o = a[..., :T].to(v.dtype) @ v + (a[..., T:, None] * dv.float()).sum(-2)
+    return o, a[..., T:].sum(-1).detach()
+
+
+class DepthKV:
+    """MoDA's depth keys and values: one (key, value) slot (B, Hkv, T, hd) per earlier sublayer, at the same token.
+    Plain lists; `push` returns a new DepthKV. Eager under torch.compile, as DepthBank and for its reason."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = list(keys), list(values)
+
+    @classmethod
+    def start(cls, like, n_max):
+        """An empty cache for at most n_max slots of tensors shaped and placed like `like` (B, Hkv, T, hd)."""
+        return cls([], [])
+
+    @torch.compiler.disable
+    def push(self, key, value):
+        return DepthKV(self.keys + [key], self.values + [value])
+
+    def __len__(self):
+        return len(self.keys)
 
 
 # ------------------------------------------------------------------- measures of depth use (diagnose, telemetry)

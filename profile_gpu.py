@@ -33,7 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
 from depthbench.costs import analytic, gpu_peak
-from model import GPT, GPTConfig, compile_model, eager
+from depthbench.compiled import compile_model, eager
+from model import GPT, GPTConfig
 from depthbench.common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
                     positive, write_json)
 from residuals import RESIDUALS

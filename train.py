@@ -42,7 +42,8 @@ from depthbench.common import format_lr, print0, versions, write_json
 from depthbench.costs import GB, check_memory, memory_plan
 from data import BatchLoader, DataError, padded_vocab_size
 from depthbench.distributed import Ranks, full_state, init_distributed, load_full_state, on_rank0, shard
-from model import GPT, GPTConfig, compile_model
+from depthbench.compiled import compile_model
+from model import GPT, GPTConfig
 from depthbench.recipe import RunConfig, fail, parse_args, print_grid, resolve, shapes_asked
 from shapes import backbone_params, preln_params
 from depthbench.synthetic import SyntheticTask, answer_metrics, verdict

@@ -1,22 +1,24 @@
 """
-kernels.py: the fast bodies of ops.py's functions, and the logits-free loss. Same maths, other layouts.
+kernels.py: the fast namespace. Every name a design calls through `self.ops` (ops.namespace) has a body here with the
+same maths as ops.py's, in other layouts; names with one body are imported from ops.py. Same maths, other layouts.
 
-Nothing here is needed to understand a design: ops.py holds each function's definition, and
-`GPTConfig(kernels="reference")` (`--kernels reference`) runs the model on those alone. test_all.py checks
-for every registered design that both paths give the same logits, loss and gradients. What each trick
-buys, measured, is in docs/speed.md. The tricks, in short:
+Nothing here is needed to understand a design: ops.py holds each definition, and `GPTConfig(kernels="reference")`
+(`--kernels reference`) runs a model on those alone. test_all.py checks for every registered design that both give
+the same logits, loss and gradients. What each trick buys, measured, is in docs/speed.md. The tricks, in short:
+- AttnRes' sources and MoDA's depth keys and values in one preallocated, source-major bank each (`DepthBank`,
+  `DepthKV`), written in place once per source: a consumer reads all it needs with a constant number of kernels,
+  whatever its depth, and touches no slot that holds nothing yet; gradients accumulate into a gradient bank;
 - hand-written autograd nodes where a loop of small ops kept many graph nodes and zero-filled gradients
-  (Sinkhorn, AttnRes' depth mix, MoDA's depth half, the norm factor 1/rms);
-- loops over sources or slots that read each once, instead of stacking them (a copy per consumer);
+  (Sinkhorn, the norm factor 1/rms, the banks);
 - layouts that put the tokens last or as a matmul's wide side, where CPU BLAS and broadcasts are faster;
 - MoDA's depth keys folded into the fused attention kernel as one extra "sink" key per query;
 - CPU attention on heads padded to 16 wide; the loss over token chunks without the full logits.
 """
-from typing import List, Optional, Tuple
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from ops import fp32_maths, rms_norm  # noqa: F401  (one body: the fast namespace has the same names)
 
 CPU_SDPA_MIN_HEAD_DIM = 16  # CPU attention pads narrower heads with zeros to this width
 LOSS_CHUNK_BYTES = 2 ** 27  # fp32 logits per chunk of the logits-free loss: 128 MB, 667 tokens at V 50304
@@ -41,28 +43,19 @@ def causal_attention(q, k, v):
     return o[..., :hd] if pad > 0 else o
 
 
-def joint_attention(q, k, v, depth_k, depth_v, valid=None):
+def joint_attention(q, k, v, depth):
     """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
 
-    The depth half (S keys per token) is `DepthAttention` or the custom op `depth_attention_node`, in fp32. The
-    sequence half goes through the fused SDPA kernel with one extra "sink" key per query that stands for all its
-    depth keys: extra query coordinates holding lse_depth / scale against a sink key with 1s there give the sink
-    exactly the logit log Z_depth, and a 1 in an extra value channel reads out its share Z_depth / (Z_seq +
-    Z_depth). Under bf16 the logit rides in two coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy
-    first query lets SDPA's top-left causal mask show every query the sink (key 0) and the sequence keys up to
-    itself. valid (S,) bool or None: the depth slots that take part (at least one)."""
+    The depth half is `depth.attend` (the DepthKV bank, in fp32). The sequence half goes through the fused SDPA
+    kernel with one extra "sink" key per query that stands for all its depth keys: extra query coordinates holding
+    lse_depth / scale against a sink key with 1s there give the sink exactly the logit log Z_depth, and a 1 in an
+    extra value channel reads out its share Z_depth / (Z_seq + Z_depth). Under bf16 the logit rides in two
+    coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy first query lets SDPA's top-left causal mask
+    show every query the sink (key 0) and the sequence keys up to itself."""
     B, H, T, hd = q.shape
     Hkv, scale = k.size(1), hd ** -0.5
-    qg = q.unflatten(1, (Hkv, H // Hkv)).float()  # (B, Hkv, G, T, hd): query heads grouped by their kv head
-    with torch.autocast(q.device.type, enabled=False):
-        qt = qg.transpose(-1, -2).contiguous()                                      # (B, Hkv, G, hd, T)
-        valid, depth_k, depth_v = in_use(valid, depth_k, depth_v)
-        keys, values = ([t[:, :, None] for t in slots] for slots in (depth_k, depth_v))
-        if len(keys) > UNROLL_SOURCES:
-            ot, lse, _ = depth_attention_node(qt, scale, valid, keys + values)
-        else:
-            ot, lse = DepthAttention.apply(qt, scale, valid, *keys, *values)
-    o_depth, lse = ot.transpose(-1, -2).flatten(1, 2), lse.flatten(1, 2) / scale    # (B, H, T, hd), (B, H, T)
+    o_depth, lse = depth.attend(q, scale)                                         # (B, H, T, hd), (B, H, T)
+    lse = lse / scale
     # extra coordinates: two are enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU up to the padded width
     pad = 8 if q.is_cuda else max(2, CPU_SDPA_MIN_HEAD_DIM - hd)
     e0, e1 = F.one_hot(torch.arange(2, device=q.device), pad).to(q.dtype)          # (pad,) each: [1, 0, ..], [0, 1, ..]
@@ -76,6 +69,11 @@ def joint_attention(q, k, v, depth_k, depth_v, valid=None):
         is_causal=True, scale=scale, enable_gqa=Hkv < H)[:, :, 1:]                 # (B, H, T, hd + pad)
     share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
     return out[..., :hd] + share[..., None] * o_depth, share.detach()
+
+
+def lm_loss(z, weight, targets):
+    """The loss without the (B, T, V) logits at once (`chunked_cross_entropy`)."""
+    return chunked_cross_entropy(z.flatten(0, 1), weight, targets.flatten())
 
 
 def _chunk_ce(z, weight, targets):
@@ -128,23 +126,29 @@ class InvRms(torch.autograd.Function):
 
 
 def normed_projection(x, W, eps):
-    """(x @ W) / rms(x): no normalised copy of x, and the projection with the tokens as BLAS columns."""
-    return skinny_matmul(x, W) * InvRms.apply(x, eps)[..., None]
+    """(x @ W) / rms(x): no normalised copy of x, and the projection with the tokens as BLAS columns. In fp32."""
+    with fp32_maths(x):
+        x, W = x.float(), W.float()
+        return skinny_matmul(x, W) * InvRms.apply(x, eps)[..., None]
 
 
 def width_connection(H, pre, res):
-    """Both mixes as one (n+1 x n) @ (n x D) matmul per token, split (a slice's backward zero-fills the product)."""
-    maps = torch.cat([pre[..., None, :], res], dim=-2)                          # (B, T, n+1, n)
-    branch, mixed = (maps @ H).split([1, H.size(-2)], dim=-2)
-    return branch.squeeze(-2), mixed
+    """Both mixes as one (n+1 x n) @ (n x D) matmul per token, split (a slice's backward zero-fills the product).
+    In fp32."""
+    with fp32_maths(H):
+        maps = torch.cat([pre.float()[..., None, :], res.float()], dim=-2)     # (B, T, n+1, n)
+        branch, mixed = (maps @ H.float()).split([1, H.size(-2)], dim=-2)
+        return branch.squeeze(-2), mixed
 
 
 def depth_connection(mixed, post, y):
-    """mixed + post (x) y as one baddbmm over the tokens."""
-    return torch.baddbmm(mixed.flatten(0, 1), post.flatten(0, 1)[..., None], y.flatten(0, 1)[:, None]).view_as(mixed)
+    """mixed + post (x) y as one baddbmm over the tokens. In fp32."""
+    with fp32_maths(mixed):
+        mixed, post, y = mixed.float(), post.float(), y.float()
+        return torch.baddbmm(mixed.flatten(0, 1), post.flatten(0, 1)[..., None], y.flatten(0, 1)[:, None]).view_as(mixed)
 
 
-def sinkhorn(logits, iters, eps):
+def sinkhorn(logits, iters=20, eps=1e-6):
     """The normalisations as one node (`Sinkhorn`), tokens last: the softmax and sums run over contiguous token
     vectors, not over n = 4."""
     n = logits.size(-1)
@@ -177,235 +181,268 @@ class Sinkhorn(torch.autograd.Function):
         return g, None, None
 
 
-# ----------------------------------------------------------------------------- AttnRes
-
-def depth_mix(query, key_gain, sources, eps, valid=None):
-    """The mix as one node, each source's 1/rms formed inside it, in fp32 from sources kept as they are (fp32 copies
-    saved per consumer would hold O(L^2) of them under bf16 autocast): `DepthMix` up to UNROLL_SOURCES sources,
-    the custom op `depth_mix_node` beyond. Without grad (evals, diagnostics) the short loop runs outside any node:
-    torch.compile (2.13) misreads an autograd.Function's arguments when none needs a gradient.
-    valid (S,) bool or None: the sources that take part; the others get p_j = 0 (and a zero gradient)."""
-    gq = key_gain.float() * query.float()
-    mask, used = in_use(valid, sources)
-    if len(used) > UNROLL_SOURCES:
-        mix, p, _, _ = depth_mix_node(gq, eps, mask, list(used))
-    elif torch.is_grad_enabled():
-        mix, p = DepthMix.apply(gq, eps, mask, *used)
-    else:
-        mix, p = mix_forward(gq, eps, mask, used)[:2]
-    if len(used) < len(sources):                  # the weights over every source of the window: 0 where unused
-        p = p.new_zeros((len(sources), *p.shape[1:])).index_put((valid,), p)
-    return mix.to(sources[0].dtype), p.movedim(0, -1)
+# ----------------------------------------------------------------------------- the depth banks (AttnRes, MoDA)
+#
+# A bank holds every source one forward pass writes, source-major (slot j is a contiguous (B, T, ...) block), and is
+# shared by the states of that pass: a state is a view (the bank, how many slots it holds, its token). `push` writes
+# the next slot in place and returns a view one longer; a consumer reads the slots its view holds, [0, n), with a
+# constant number of kernels, and never a slot beyond them. Autograd does not see the in-place writes: each push is
+# a node whose output, the token (a 0-dim tensor), every later push and read takes as an input, so backward runs a
+# slot's push only after every consumer that read the slot; the consumers add their gradients into the bank's
+# gradient slots, and the push hands its slot's total to the tensor it wrote. Reads and writes depend on how many
+# slots a view holds, so they run eagerly under torch.compile (`torch.compiler.disable`; docs/speed.md#compile).
 
 
-def in_use(valid, *windows):
-    """(mask, *windows) as the depth loops take them. Eager: only the entries `valid` marks, and no mask (the mask is
-    read on the host), so the loops skip a window's padding and run as if it had none. Compiled: the whole window
-    and its mask, as its fixed length is what keeps every block's graph the same."""
-    if valid is None or torch.compiler.is_compiling():
-        return (valid, *windows)
-    keep = valid.tolist()
-    return (None, *([t for t, k in zip(window, keep) if k] for window in windows))
+class Bank:
+    """Storage of one forward pass: one tensor (n_max, *shape) per kind of slot (AttnRes: the sources; MoDA: keys
+    and values), allocated by the first push (its dtype and device), their gradients (fp32) by the first backward that
+    needs them, and per-slot extras (AttnRes: each source's 1/rms, fp32)."""
+
+    def __init__(self, n_max, norm_eps=None):
+        self.n_max, self.norm_eps = n_max, norm_eps      # norm_eps: AttnRes' key-norm eps (r_j); None for MoDA
+        self.written = 0                                 # slots [0, written) hold what the pushes wrote
+        self.slots = self.grads = None
+        self.inv_rms = self.d_inv_rms = None        # AttnRes only: r_j, and the gradient that reached it
+
+    def write(self, j, tensors):
+        if self.slots is None:
+            self.slots = [t.new_empty((self.n_max, *t.shape)) for t in tensors]
+        if j >= self.n_max:
+            raise ValueError(f"a bank of {self.n_max} slots cannot take slot {j}")
+        for slot, t in zip(self.slots, tensors):
+            slot[j].copy_(t)
+        self.written = j + 1
+
+    def fork(self, n):
+        """A bank holding a copy of slots [0, n), for a state that pushes after another state of the same pass pushed
+        past it: a diagnostic that tries two continuations (no gradients) leaves the other's slots as they are."""
+        other = Bank(self.n_max, self.norm_eps)
+        other.slots = [s.clone() for s in self.slots]
+        other.inv_rms = None if self.inv_rms is None else self.inv_rms.clone()
+        other.written = n
+        return other
+
+    def gradients(self):
+        """The fp32 gradient of every slot, zero until the consumers' backward adds to it."""
+        if self.grads is None:
+            self.grads = [torch.zeros(s.shape, dtype=torch.float32, device=s.device) for s in self.slots]
+        return self.grads
 
 
-def mix_forward(gq, eps, valid, sources):
-    """(mix, p, r, s) from gq = key_gain * query, with r_j = rsqrt(mean(v_j^2) + eps):
-        s_j = (v_j . gq) r_j,  p = softmax(s),  mix = sum_j p_j v_j
-    A loop over the sources, each read a few times and never copied, source-major (S, B, T) vectors."""
-    sources = [v.float() for v in sources]
-    r = torch.stack([inv_rms(v, eps) for v in sources])
-    s = torch.stack([v @ gq for v in sources]) * r                                        # (S, B, T)
-    logits = s if valid is None else s.masked_fill(~valid[:, None, None], float("-inf"))
-    p = logits.softmax(dim=0)                                 # s itself, unmasked, is what the norm's gradient reads
-    mix = torch.zeros_like(sources[0])
-    for pj, v in zip(p, sources):
-        mix.addcmul_(pj[..., None], v)
-    return mix, p, r, s
+def linear(bank, n):
+    """Whether a push at slot n continues the bank's one history: the next slot, or (with gradients on) a slot that
+    activation checkpointing's recompute writes again with the values it holds."""
+    return bank.written == n or torch.is_grad_enabled()
 
 
-def mix_backward(dmix, dp, saved):
-    """[dgq, dv_0, ...], the exact gradient of mix_forward from what it saved, [gq, p, r, s, v_0, ...], the norm's
-    gradient joining dv_j in the same pass:
-        ds = p (dp - <p, dp>),  dp_j = <dmix, v_j> (+ the gradient reaching p itself)
-        dv_j = p_j dmix + (ds_j r_j) gq - (ds_j s_j r_j^2 / D) v_j,  dgq = sum_j (ds_j r_j) v_j
-    In fp32; autograd casts each dv_j to its source's dtype."""
-    gq, p, r, s, *sources = saved
-    sources = [v.float() for v in sources]
-    dp = torch.stack([torch.linalg.vecdot(v, dmix) for v in sources]) + dp                 # (S, B, T)
-    ds = p * (dp - (p * dp).sum(0))
-    a, c = ds * r, ds * s * r.square() / -sources[0].size(-1)
-    grads, dgq = [], torch.zeros_like(gq)
-    for v, pj, aj, cj in zip(sources, p, a, c):
-        grads.append((pj[..., None] * dmix).addcmul_(aj[..., None], gq).addcmul_(cj[..., None], v))
-        dgq += aj.flatten() @ v.flatten(0, -2)
-    return [dgq, *grads]
-
-
-# The depth mix and MoDA's depth attention loop over their sources (slots). Traced by torch.compile, a loop unrolls
-# into the block's graph, where inductor fuses it: fast, but the graph grows with the number of sources. So a loop
-# over at most UNROLL_SOURCES is an autograd.Function (traced: Block AttnRes' N + 1 sources, whatever the depth),
-# and a longer one (Full AttnRes' 2L + 1, MoDA's 2L - 1: they grow with depth) a custom op, one opaque node in the
-# graph whatever its length, so that compile time stays flat in depth; it runs the same loop unfused (slower
-# compiled: docs/speed.md#compile). Each custom op has a fake (shapes only, for the compiler) and its backward,
-# itself a custom op.
-UNROLL_SOURCES = 16
-
-
-class DepthMix(torch.autograd.Function):
-    """mix_forward and mix_backward as an autograd node that torch.compile traces."""
+class Push(torch.autograd.Function):
+    """Write `tensors` into slot j of the bank (forward); hand each its slot's accumulated gradient (backward). With
+    the bank's norm_eps (AttnRes), also store r_j = rsqrt(mean(v_j^2) + eps) of the stored source, whose gradient dr_j the
+    consumers accumulate, and add its part, dr_j dr/dv_j = -dr_j r_j^3 v_j / D, to dv_j."""
 
     @staticmethod
-    def forward(ctx, gq, eps, valid, *sources):
-        mix, p, r, s = mix_forward(gq, eps, valid, sources)
-        ctx.save_for_backward(gq, p, r, s, *sources)
+    def forward(ctx, bank, j, token, *tensors):
+        bank.write(j, tensors)
+        if bank.norm_eps is not None:
+            if bank.inv_rms is None:
+                bank.inv_rms = bank.slots[0].new_empty(bank.slots[0].shape[:-1], dtype=torch.float32)
+            bank.inv_rms[j] = inv_rms(bank.slots[0][j].float(), bank.norm_eps)
+        ctx.bank, ctx.j, ctx.norm = bank, j, bank.norm_eps is not None
+        ctx.dtypes, ctx.had_token = [t.dtype for t in tensors], token is not None
+        return tensors[0].new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, dtoken):
+        bank, j = ctx.bank, ctx.j
+        grads = [g[j] for g in bank.gradients()]
+        if ctx.norm and bank.d_inv_rms is not None:
+            v, r = bank.slots[0][j].float(), bank.inv_rms[j]
+            grads[0] = grads[0] + (bank.d_inv_rms[j] * r.pow(3) / -v.size(-1))[..., None] * v
+        dtoken_in = torch.zeros_like(dtoken) if ctx.had_token else None
+        return (None, None, dtoken_in, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
+
+
+def tokens_major(slots, n):
+    """Slots [0, n) of a (n_max, B, T, D) bank as (B * T, n, D): a view (its rows are BT * D apart), which a batched
+    matmul reads in place."""
+    return slots[:n].flatten(1, -2).transpose(0, 1)
+
+
+class Mix(torch.autograd.Function):
+    """AttnRes' depth mix over the bank's first n sources and an optional extra one (a group's open partial sum):
+    s_j = r_j <v_j, gq>, p = softmax_j(s), mix = sum_j p_j v_j, with gq = key_gain * query. -> (mix (B, T, D) fp32,
+    p (n [+ 1], B, T), not differentiable). Backward, per consumer: ds = p (dp - <p, dp>), dp_j = <v_j, dmix>;
+    dv_j += p_j dmix + ds_j r_j gq and dr_j += ds_j <v_j, gq> into the bank; dgq = sum_j ds_j r_j v_j."""
+
+    @staticmethod
+    def forward(ctx, bank, n, gq, token, extra):
+        V = bank.slots[0][:n].float()                                            # (n, B, T, D): a view in fp32
+        D = V.size(-1)
+        u = (V.reshape(-1, D) @ gq).view(V.shape[:-1])                            # (n, B, T)
+        s = u * bank.inv_rms[:n]
+        if extra is not None:
+            r_e = inv_rms(extra.float(), bank.norm_eps)
+            u_e = extra.float() @ gq
+            s = torch.cat([s, (u_e * r_e)[None]])
+        p = s.softmax(dim=0)
+        weights = p[:n].flatten(1).t().contiguous().unsqueeze(1)                   # (BT, 1, n)
+        mix = torch.bmm(weights, tokens_major(V, n)).view(V.shape[1:])            # (B, T, D)
+        if extra is not None:
+            mix = mix.addcmul(p[n, ..., None], extra.float())
+            ctx.save_for_backward(gq, p, u, extra, r_e, u_e)
+        else:
+            ctx.save_for_backward(gq, p, u)
+        ctx.bank, ctx.n, ctx.had_extra = bank, n, extra is not None
+        ctx.mark_non_differentiable(p)
         return mix, p
 
     @staticmethod
-    def backward(ctx, dmix, dp):
-        dgq, *grads = mix_backward(dmix, dp, ctx.saved_tensors)
-        return dgq, None, None, *grads
+    def backward(ctx, dmix, _):
+        bank, n = ctx.bank, ctx.n
+        gq, p, u, *extra = ctx.saved_tensors
+        V = bank.slots[0][:n].float()
+        D = V.size(-1)
+        dp = torch.bmm(tokens_major(V, n), dmix.reshape(-1, D, 1)).squeeze(-1).t().reshape(u.shape)  # (n, B, T)
+        if extra:
+            extra_v, r_e, u_e = extra
+            dp = torch.cat([dp, (extra_v.float() * dmix).sum(-1)[None]])
+        ds = p * (dp - (p * dp).sum(0))
+        dV = bank.gradients()[0][:n]
+        r = bank.inv_rms[:n]
+        dV.addcmul_(p[:n, ..., None], dmix).addcmul_((ds[:n] * r)[..., None], gq)
+        if bank.d_inv_rms is None:
+            bank.d_inv_rms = torch.zeros_like(bank.inv_rms)
+        bank.d_inv_rms[:n] += ds[:n] * u
+        dgq = ((ds[:n] * r).reshape(1, -1) @ V.reshape(-1, D)).view(D)
+        d_extra = None
+        if extra:
+            a = ds[n] * r_e
+            dgq = dgq + (a.reshape(1, -1) @ extra_v.float().reshape(-1, D)).view(D)
+            norm = (ds[n] * u_e) * r_e.pow(3) / -D
+            d_extra = p[n, ..., None] * dmix + a[..., None] * gq + norm[..., None] * extra_v.float()
+            d_extra = d_extra.to(extra_v.dtype)
+        return None, None, dgq, torch.zeros_like(gq[0]), d_extra
 
 
-@torch.library.custom_op("depthbench::depth_mix", mutates_args=())
-def depth_mix_node(gq: torch.Tensor, eps: float, valid: Optional[torch.Tensor],
-                   sources: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return mix_forward(gq, eps, valid, sources)
+class DepthBank:
+    """AttnRes' sources in a bank (see above): the same interface as ops.DepthBank. A view: the bank, the number of
+    sources it holds, and the token of its last push."""
+
+    def __init__(self, bank, n, token):
+        self.bank, self.n, self.token = bank, n, token
+
+    @classmethod
+    def start(cls, first, n_max, eps=1e-5):
+        return cls(Bank(n_max, norm_eps=eps), 0, None).push(first)
+
+    @torch.compiler.disable
+    def push(self, v):
+        bank = self.bank if linear(self.bank, self.n) else self.bank.fork(self.n)
+        token = Push.apply(bank, self.n, self.token, v)
+        return DepthBank(bank, self.n + 1, token)
+
+    @torch.compiler.disable
+    def mix(self, query, key_gain, eps, extra=None):
+        if eps != self.bank.norm_eps:
+            raise ValueError(f"the bank's key norm uses eps {self.bank.norm_eps}, not {eps}")
+        with fp32_maths(query):
+            gq = key_gain.float() * query.float()
+            mix, p = Mix.apply(self.bank, self.n, gq, self.token, extra)
+        return mix, p.movedim(0, -1)
+
+    @torch.compiler.disable
+    def newest(self):
+        """The last source pushed, as a tensor that autograd connects to it (a copy of its slot)."""
+        return Read.apply(self.bank, self.n - 1, self.token)
+
+    def __len__(self):
+        return self.n
 
 
-@depth_mix_node.register_fake
-def _(gq, eps, valid, sources):
-    v = sources[0]
-    weights = v.new_empty((len(sources), *v.shape[:-1]), dtype=torch.float32)             # (S, B, T)
-    return v.new_empty(v.shape, dtype=torch.float32), weights, torch.empty_like(weights), torch.empty_like(weights)
-
-
-@torch.library.custom_op("depthbench::depth_mix_backward", mutates_args=())
-def depth_mix_backward_node(dmix: torch.Tensor, dp: torch.Tensor, saved: List[torch.Tensor]) -> List[torch.Tensor]:
-    return mix_backward(dmix, dp, saved)
-
-
-@depth_mix_backward_node.register_fake
-def _(dmix, dp, saved):
-    gq, sources = saved[0], saved[4:]
-    return [torch.empty_like(gq)] + [v.new_empty(v.shape, dtype=torch.float32) for v in sources]
-
-
-def _mix_setup(ctx, inputs, output):
-    gq, eps, valid, sources = inputs
-    _, p, r, s = output
-    ctx.save_for_backward(gq, p, r, s, *sources)
-
-
-def _mix_grad(ctx, dmix, dp, dr, ds):
-    dgq, *grads = depth_mix_backward_node(dmix, dp, list(ctx.saved_tensors))
-    return dgq, None, None, grads
-
-
-depth_mix_node.register_autograd(_mix_grad, setup_context=_mix_setup)
-
-
-# ----------------------------------------------------------------------------- MoDA
-
-def depth_slot(t):
-    """t (..., T, hd) stored (..., hd, T), tokens last: how the depth attention (attention_forward) reads a slot
-    fastest."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
-def attention_forward(qt, scale, valid, slots):
-    """The depth half of joint_attention: o = sum_j p_j v_j and lse = log sum_j exp(s_j), s_j = scale <q, k_j>,
-    p = softmax(s) over the S slots -> (o, lse, p). qt (B, Hkv, G, hd, T): the queries grouped by kv head, tokens
-    last (a per-token weight broadcast over hd = 8-16 is slow); slots = [k_0, .., v_0, ..], each (B, Hkv, 1, T,
-    hd), broadcast over the G query heads of their kv head. A loop over the slots, each read once, slot-major
-    weights (S, B, Hkv, G, T) and in-place sums. It computes in qt's dtype (joint_attention gives it fp32): bf16
-    slots are read as fp32. o is (B, Hkv, G, hd, T), like qt."""
-    S = len(slots) // 2
-    kts = [t.transpose(-1, -2).to(qt.dtype) for t in slots[:S]]
-    vts = [t.transpose(-1, -2).to(qt.dtype) for t in slots[S:]]
-    logits = torch.stack([torch.linalg.vecdot(qt, kt, dim=-2) for kt in kts]).float() * scale  # (S, B, Hkv, G, T)
-    if valid is not None:                                                                # padding slots: p_j = 0
-        logits = logits.masked_fill(~valid.view(S, 1, 1, 1, 1), float("-inf"))
-    lse = logits.logsumexp(dim=0)
-    p = torch.exp(logits - lse)
-    ot = torch.zeros_like(qt)
-    for pj, vt in zip(p.to(qt.dtype), vts):
-        ot.addcmul_(pj[..., None, :], vt)
-    return ot, lse, p
-
-
-def attention_backward(dot, dlse, scale, saved):
-    """[dq, dk_0, .., dv_0, ..], the exact gradient of attention_forward from what it saved, [qt, p, k_0, .., v_0,
-    ..]: ds = p (dp - <p, dp>) + dlse p,
-    dp_j = <do, v_j>, dq = scale sum_j ds_j k_j, dk_j = scale ds_j q, dv_j = p_j do; with G = 1 nothing is summed
-    over the group. Every gradient contiguous, dq in qt's layout."""
-    qt, p, *slots = saved
-    S = len(slots) // 2
-    kts = [t.transpose(-1, -2).to(qt.dtype) for t in slots[:S]]
-    vts = [t.transpose(-1, -2).to(qt.dtype) for t in slots[S:]]
-    dot = dot.contiguous()
-    dp = torch.stack([torch.linalg.vecdot(dot, vt, dim=-2) for vt in vts]).float()      # (S, B, Hkv, G, T)
-    ds = (p * (dp - (p * dp).sum(0) + dlse) * scale).to(qt.dtype)
-    dqt = torch.zeros_like(qt)
-    for dsj, kt in zip(ds, kts):
-        dqt.addcmul_(dsj[..., None, :], kt)
-
-    def per_kv_head(gt):  # a kv head's gradient sums over the G query heads that read it; back to (..., T, hd)
-        return (gt if gt.size(2) == 1 else gt.sum(2, keepdim=True)).transpose(-1, -2).contiguous()
-    dks = [per_kv_head(dsj[..., None, :] * qt) for dsj in ds]
-    dvs = [per_kv_head(pj[..., None, :] * dot) for pj in p.to(qt.dtype)]
-    return [dqt, *dks, *dvs]
-
-
-class DepthAttention(torch.autograd.Function):
-    """attention_forward and attention_backward as an autograd node that torch.compile traces."""
+class Read(torch.autograd.Function):
+    """A copy of slot j (forward); its gradient joins the slot's (backward)."""
 
     @staticmethod
-    def forward(ctx, qt, scale, valid, *slots):
-        ot, lse, p = attention_forward(qt, scale, valid, slots)
-        ctx.save_for_backward(qt, p, *slots)
-        ctx.scale = scale
-        return ot, lse
+    def forward(ctx, bank, j, token):
+        ctx.bank, ctx.j = bank, j
+        return bank.slots[0][j].clone()
 
     @staticmethod
-    def backward(ctx, dot, dlse):
-        dqt, *dslots = attention_backward(dot, dlse, ctx.scale, ctx.saved_tensors)
-        return dqt, None, None, *dslots
+    def backward(ctx, grad):
+        ctx.bank.gradients()[0][ctx.j].add_(grad)
+        return None, None, torch.zeros((), dtype=torch.float32, device=grad.device)
 
 
-@torch.library.custom_op("depthbench::depth_attention", mutates_args=())
-def depth_attention_node(qt: torch.Tensor, scale: float, valid: Optional[torch.Tensor],
-                         slots: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_forward(qt, scale, valid, slots)
+class Attend(torch.autograd.Function):
+    """MoDA's depth half over the first n slots: per query token t and head, s_j = scale <q_t, k_j,t>, lse = log sum_j
+    exp(s_j), o = sum_j softmax(s)_j v_j,t, in fp32. q (B, H, T, hd) -> (o (B, H, T, hd), lse (B, H, T)). Query head
+    h reads kv head h // G (GQA). Backward: dlogit = p (dp - <p, dp> + dlse), dp_j = <do, v_j>; dq = scale sum_j
+    dlogit_j k_j; dk_j += scale sum_g dlogit_gj q_g and dv_j += sum_g p_gj do_g into the bank."""
+
+    @staticmethod
+    def forward(ctx, bank, n, scale, token, q):
+        B, H, T, hd = q.shape
+        K, V = (s[:n].float() for s in bank.slots)                               # (n, B, Hkv, T, hd)
+        Hkv = K.size(2)
+        qg = grouped(q.float(), Hkv)                                              # (B Hkv T, G, hd)
+        logits = torch.bmm(qg, tokens_major(K, n).transpose(1, 2)) * scale       # (B Hkv T, G, n)
+        lse = logits.logsumexp(-1)
+        p = torch.exp(logits - lse[..., None])
+        o = torch.bmm(p, tokens_major(V, n))                                      # (B Hkv T, G, hd)
+        ctx.save_for_backward(qg, p)
+        ctx.bank, ctx.n, ctx.scale, ctx.shape, ctx.dtype = bank, n, scale, q.shape, q.dtype
+        return ungrouped(o, q.shape), ungrouped(lse[..., None], (B, H, T, 1)).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        bank, n, scale = ctx.bank, ctx.n, ctx.scale
+        qg, p = ctx.saved_tensors
+        K, V = (s[:n].float() for s in bank.slots)
+        Hkv = K.size(2)
+        dog = grouped(do.float(), Hkv)                                           # (B Hkv T, G, hd)
+        dlseg = grouped(dlse.float()[..., None], Hkv).squeeze(-1)                # (B Hkv T, G)
+        dp = torch.bmm(dog, tokens_major(V, n).transpose(1, 2))                  # (B Hkv T, G, n)
+        dlogit = p * (dp - (p * dp).sum(-1, keepdim=True) + dlseg[..., None]) * scale
+        dq = torch.bmm(dlogit, tokens_major(K, n))                                # (B Hkv T, G, hd)
+        dK, dV = (tokens_major(g, n) for g in bank.gradients())                  # (B Hkv T, n, hd) views
+        dK.add_(torch.bmm(dlogit.transpose(1, 2), qg))
+        dV.add_(torch.bmm(p.transpose(1, 2), dog))
+        return None, None, None, None, ungrouped(dq, ctx.shape).to(ctx.dtype)
 
 
-@depth_attention_node.register_fake
-def _(qt, scale, valid, slots):
-    B, Hkv, G, hd, T = qt.shape
-    lse = qt.new_empty((B, Hkv, G, T), dtype=torch.float32)
-    return torch.empty_like(qt), lse, qt.new_empty((len(slots) // 2, B, Hkv, G, T), dtype=torch.float32)
+def grouped(x, Hkv):
+    """(B, H, T, c) -> (B * Hkv * T, G, c): the G query heads of each kv head, per token, as a batched matrix."""
+    B, H, T, c = x.shape
+    return x.view(B, Hkv, H // Hkv, T, c).transpose(2, 3).reshape(B * Hkv * T, H // Hkv, c)
 
 
-@torch.library.custom_op("depthbench::depth_attention_backward", mutates_args=())
-def depth_attention_backward_node(dot: torch.Tensor, dlse: torch.Tensor, scale: float,
-                                  saved: List[torch.Tensor]) -> List[torch.Tensor]:
-    return attention_backward(dot, dlse, scale, saved)
+def ungrouped(x, shape):
+    """The inverse of `grouped`: (B * Hkv * T, G, c) -> (B, H, T, c)."""
+    B, H, T, c = shape
+    G = x.size(1)
+    return x.view(B, H // G, T, G, c).transpose(2, 3).reshape(B, H, T, c)
 
 
-@depth_attention_backward_node.register_fake
-def _(dot, dlse, scale, saved):
-    qt, slots = saved[0], saved[2:]
-    return [torch.empty_like(qt)] + [t.new_empty(t.shape, dtype=qt.dtype) for t in slots]
+class DepthKV:
+    """MoDA's depth keys and values in a bank (see above): the same interface as ops.DepthKV."""
 
+    def __init__(self, bank, n, token):
+        self.bank, self.n, self.token = bank, n, token
 
-def _attention_setup(ctx, inputs, output):
-    qt, scale, valid, slots = inputs
-    ctx.save_for_backward(qt, output[2], *slots)
-    ctx.scale = scale
+    @classmethod
+    def start(cls, like, n_max):
+        return cls(Bank(n_max), 0, None)
 
+    @torch.compiler.disable
+    def push(self, key, value):
+        bank = self.bank if linear(self.bank, self.n) else self.bank.fork(self.n)
+        token = Push.apply(bank, self.n, self.token, key, value)
+        return DepthKV(bank, self.n + 1, token)
 
-def _attention_grad(ctx, dot, dlse, dp):
-    dqt, *dslots = depth_attention_backward_node(dot, dlse, ctx.scale, list(ctx.saved_tensors))
-    return dqt, None, None, dslots
+    @torch.compiler.disable
+    def attend(self, q, scale):
+        with fp32_maths(q):
+            return Attend.apply(self.bank, self.n, scale, self.token, q)
 
-
-depth_attention_node.register_autograd(_attention_grad, setup_context=_attention_setup)
+    def __len__(self):
+        return self.n

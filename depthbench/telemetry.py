@@ -22,9 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from depthbench import trackers
+from depthbench import observe, trackers
 from depthbench.common import positive
-from model import eager
 
 SEQS = 8  # sequences of the eval micro-batch that telemetry reads: enough for RMS and means, cheap at any scale
 DEFINITIONS = {
@@ -110,34 +109,14 @@ def attach(probe, optimizer):
     return optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)
 
 
-def rms(t):
-    return t.detach().double().pow(2).mean().sqrt().item()
+rms = observe.rms
 
 
 def sublayer_rms(model, x):
-    """A recording forward of x with read/write watched: (state RMS per sublayer + the head's, output RMS per
-    sublayer, the recording dict). `read` and `write` are wrapped on the design instance for this call only."""
-    res, states, outs = model.res, [], []
-    read, write = res.read, res.write
-
-    def watched_read(s, site):
-        logging, res.recording = res.recording, None   # a depth state may form a mix that is no part of the forward
-        states.append(rms(res.depth_state(s, site.index)))
-        res.recording = logging
-        return read(s, site)
-
-    def watched_write(s, site, y, ctx=None):
-        outs.append(rms(y))
-        return write(s, site, y, ctx)
-
-    res.read, res.write = watched_read, watched_write
-    try:
-        with eager():                                   # blocks compiled in place (compile_model) run as plain code
-            _, _, rec = model(x, record=True)
-    finally:
-        del res.read, res.write                         # the class's methods again
-    states.append(rms(rec["states"][-1]))
-    return states, outs, rec
+    """An observed forward of x (observe.record): (state RMS per sublayer + the head's, output RMS per sublayer,
+    the observe.Record)."""
+    rec = observe.record(model, x, sublayers=True)
+    return rec.state_rms + [rms(rec.states[-1])], rec.out_rms, rec
 
 
 def finite(v):
@@ -158,7 +137,7 @@ def stats(model, x, probe=None, step=None):
     model.eval()
     with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         states, outs, rec = sublayer_rms(model, x[:SEQS].to(device))
-        design = model.res.telemetry(rec)
+        design = model.res.telemetry(rec.internals)
     model.train(was_training)
     caught = probe is not None and probe.step == step and probe.grad_norm is not None
     out = {"step": step, "state_rms": states, "out_rms": outs, "grad_norm": None, "update_ratio": None,

@@ -21,7 +21,8 @@ import diagnose as dg
 from data import ByteTokenizer
 from model import GPT, GPTConfig
 from ops import rope_cos_sin
-from residuals import RESIDUALS, pushed
+from depthbench import observe
+from residuals import RESIDUALS
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 ALL = list(RESIDUALS)
@@ -57,14 +58,14 @@ def run_cli(*args, env=None):
 # ----------------------------------------------------------------------------- the trunk loop and the skip rules
 
 def trunk(model, x, skip=None):
-    """(logits, depth states, lens readouts) of the recording forward, block `skip` left out."""
-    logits, _, rec = model(x, record=True, skip=skip)
-    return logits, rec["states"], rec["readouts"]
+    """(logits, depth states, lens readouts) of the observed forward (depthbench/observe.py), block `skip` left out."""
+    rec = observe.record(model, x, skip=skip)
+    return rec.logits, rec.states, rec.readouts
 
 
 @pytest.mark.parametrize("residual", ALL)
 def test_recording_forward_equals_the_plain_forward(residual):
-    """The recording forward (diagnose's only trunk loop) gives the plain forward's logits exactly, L + 1 states,
+    """The observed forward (diagnose's only trunk loop) gives the plain forward's logits exactly, L + 1 states,
     and a last lens readout that is what the head reads."""
     model = build(residual)
     x, _ = tokens()
@@ -114,20 +115,20 @@ def test_block_attnres_skip_keeps_the_open_group_across_a_boundary():
         f = model.blocks[i // 2].attn if i % 2 == 0 else model.blocks[i // 2].mlp
         site = res.sites[i]
         y = f(res.read(s, site)[0], rope)[0] if i % 2 == 0 else f(res.read(s, site)[0])
-        return res.write(s, site, y)
+        return res.write(s, site, y, {})
 
     with torch.no_grad():
         s = sublayer(sublayer(res.init_stream(model.wte(x)), 0), 1)
         open_group = sublayer(sublayer(s, 4), 5)                       # block 1 left out, its inputs unchanged
-        bank, valid, partial = s
-        closed = sublayer(sublayer((bank[1:] + [partial], pushed(valid), None), 4), 5)   # the rule this replaces
-        # the bank's completed sources in use: [e, f0+f1+f4] vs [e, f0+f1, f4]
-        assert int(open_group[1].sum()) == 2 and int(closed[1].sum()) == 3
+        bank, partial = s
+        closed = sublayer(sublayer((bank.push(partial), None), 4), 5)                # the rule this replaces
+        # the bank's completed sources: [e, f0+f1+f4] vs [e, f0+f1, f4]
+        assert len(open_group[0]) == 2 and len(closed[0]) == 3
         expect, other = (model.lm_head(res.collapse(t)) for t in (open_group, closed))
         logits, states, _ = trunk(model, x, skip=1)
     torch.testing.assert_close(logits, expect, rtol=0, atol=1e-6)
     assert (logits - other).abs().max() > 1e-4
-    assert torch.equal(states[2], s[2])                                # z_2: the running sum f0 + f1
+    assert torch.equal(states[2], s[1])                                # z_2: the running sum f0 + f1
 
 
 def test_attnres_next_output_rule():
@@ -138,7 +139,7 @@ def test_attnres_next_output_rule():
         s = model.res.init_stream(model.wte(x))
         rope = rope_cos_sin(x.size(1), model.cfg.head_dim, model.cfg.rope_theta, x.device)
         attn0, mlp0_site = model.res.sites[0], model.res.sites[1]
-        s = model.res.write(s, attn0, model.blocks[0].attn(model.res.read(s, attn0)[0], rope)[0])
+        s = model.res.write(s, attn0, model.blocks[0].attn(model.res.read(s, attn0)[0], rope)[0], {})
         mlp0 = model.blocks[0].mlp(model.res.read(s, mlp0_site)[0])
         _, states, _ = trunk(model, x, skip=1)
     assert torch.allclose(states[2], mlp0, atol=1e-6)

@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from depthbench import costs
+from depthbench import costs, observe
 import profile_gpu
 import residuals
 from model import GPT, GPTConfig
@@ -94,9 +94,9 @@ def test_attnres_source_count_matches_the_model(res, visits):
     if res not in RESIDUALS:
         pytest.skip(f"{res} is not registered")
     model = GPT(GPTConfig(vocab_size=32, n_layer=8, d_model=32, n_head=4, d_ff=96, residual=res))
-    _, _, rec = model(torch.zeros(1, 4, dtype=torch.long), record=True)
+    weights = observe.record(model, torch.zeros(1, 4, dtype=torch.long)).internals["attnres_weights"]
     N = 8 if res == "block_attnres" else 16
-    assert sum(w.numel() for w in rec["attnres_weights"]) == visits == attnres_sources(8, N)
+    assert sum(w.numel() for w in weights) == visits == attnres_sources(8, N)
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2])

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from depthbench import costs
 import data
-from depthbench import recipe
+from depthbench import costs, observe, recipe
 import train
 from data import BatchLoader
 from depthbench.synthetic import SyntheticTask, verdict
-from model import GPT, GPTConfig, compile_model
+from depthbench.compiled import compile_model
+from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 TIKTOKEN_DIR = ROOT.parent / "shared" / "data" / "tiktoken"
@@ -490,7 +490,7 @@ def test_the_plan_bounds_measured_activations(ckpt):
 @pytest.mark.parametrize("residual", list(recipe.RESIDUALS))
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(residual):
     """GPTConfig.checkpoint_blocks (train.py --activation-checkpointing) recomputes each block in the backward:
-    the same loss and every gradient, with less kept; a recording forward (no grad) is unchanged."""
+    the same loss and every gradient, with less kept; an observed forward (no grad) is unchanged."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=64, n_layer=3, d_model=64, n_head=4, d_ff=176, residual=residual)
     plain, ckpt = GPT(GPTConfig(**cfg)), GPT(GPTConfig(**cfg, checkpoint_blocks=True))
@@ -503,8 +503,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(residual):
     for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
     with torch.no_grad():
-        a, b = plain(idx, record=True)[2], ckpt(idx, record=True)[2]
-    assert all(torch.equal(x, y) for x, y in zip(a["states"], b["states"]))
+        a, b = observe.record(plain, idx), observe.record(ckpt, idx)
+    assert all(torch.equal(x, y) for x, y in zip(a.states, b.states))
 
 
 @pytest.mark.parametrize("residual", list(recipe.RESIDUALS))
@@ -569,16 +569,18 @@ def test_gpu_smoke_script_parses_and_its_train_commands_resolve(capsys):
 # graphs per design when each block is compiled on its own: (a training step, then an eval under no_grad)
 BLOCK_GRAPHS = {"preln": 1, "sandwich": 1, "lns": 1, "deepnorm": 1, "hc": 1, "mhc": 1,
                 "keel": 2,            # block 0: its attention has no post-norm
-                "attnres": 2,         # block 0: no partial sum yet
-                "block_attnres": 2,
-                "moda": 3}            # block 0: no depth slots yet; the last block: no W_kv
+                # the depth banks are read and written eagerly: each read or push ends a graph and the rest of the
+                # block resumes in another; every block shares the same pieces
+                "attnres": 6,         # block 0 reads the embedding (its own pieces); the others mix and push twice
+                "block_attnres": 8,   # as Full AttnRes, and a block whose sublayer opens a group pushes there
+                "moda": 9}            # two pushes per block, the depth read inside attention; block 0 and the last
 
 
 @pytest.mark.parametrize("residual", list(BLOCK_GRAPHS))
 def test_compiled_blocks_reuse_one_graph_at_any_depth(residual):
     """compile_model's per-block scope: dynamo makes the same few graphs at L4 and L8 (the block never sees its
-    index, a growing state is a fixed-length window), twice that with an eval under no_grad, and the compiled
-    loss and gradients equal eager ones. The "eager" backend counts graphs without generating code."""
+    index, a growing state lives in a bank read and written eagerly), twice that with an eval under no_grad, and the
+    compiled loss and gradients equal eager ones. The "eager" backend counts graphs without generating code."""
     from torch._dynamo.utils import counters
     torch.set_num_threads(1)
     for L in (4, 8):
@@ -606,8 +608,8 @@ def test_compiled_blocks_reuse_one_graph_at_any_depth(residual):
 
 
 def test_telemetry_runs_compiled_blocks_eagerly():
-    """A recording forward (telemetry) through blocks compiled in place compiles nothing new, and records what an
-    uncompiled model records."""
+    """An observed forward (telemetry) of a model whose blocks are compiled in place compiles nothing new, and
+    records what an uncompiled model records."""
     from depthbench import telemetry
     from torch._dynamo.utils import counters
     torch.set_num_threads(1)

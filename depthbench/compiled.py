@@ -1,0 +1,35 @@
+"""
+compiled.py: torch.compile for train.py, profile_gpu.py and scripts/compile_depth.py (docs/speed.md#compile).
+"""
+import contextlib
+
+import torch
+
+
+def compile_model(model, scope, backend="inductor"):
+    """torch.compile by scope -> the module to call.
+
+    "blocks": each block is compiled on its own, in place. A block reaches its design only through its two sites
+    (residuals.Site), and a state that grows with depth (AttnRes' sources, MoDA's depth K/V) is read and written
+    eagerly at a few graph breaks per block, the same in every block; so every block reuses the first one's graphs
+    and compile time does not grow with depth. The embedding, the head and the loss run eager. "model": the whole
+    forward as one graph, inductor fusing across blocks; its compile time grows with depth. backend: torch.compile's
+    ("eager" traces without generating code: the tests count graphs)."""
+    if scope == "model":
+        return torch.compile(model, backend=backend)
+    # every variant compiles, even one graph per block (a design reading site.index): none falls back to eager
+    # because a limit was reached (dynamo's default allows 8 graphs per code object, and all blocks share one)
+    limit = 4 * len(model.blocks) + 8
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):              # the names changed across PyTorch versions
+            setattr(config, name, max(getattr(config, name), limit))
+    for block in model.blocks:
+        block.compile(dynamic=False, backend=backend)
+    return model
+
+
+def eager():
+    """A context in which compiled code runs eagerly (torch.compiler.set_stance, PyTorch 2.6+)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
