@@ -224,12 +224,15 @@ def design_of(sec, name):
 
 def read_config(step_dir, forced=None):
     """config.json -> (GPTConfig computing what the checkpoint's model computes, notes dict). forced: the
-    design options that config.json cannot tell (HC's forward and collapse readings, `--residual-args`)."""
+    design options that config.json cannot tell (HC's forward and collapse readings, `--residual-args`); a
+    config.json that export.py wrote names them itself, in its EXPORT_KEY section (forced wins)."""
     sec, forced = sections(step_dir), forced or {}
     name = block_name(sec)
     check_backbone(sec, name)
     residual, args, unknown = design_of(sec, name)
     refuse(set(forced) - set(unknown), f"--residual-args {sorted(set(forced) - set(unknown))}: config.json says it")
+    exported = (sec.experiment.get(EXPORT_KEY) or {}).get("readings") or {}   # export.py wrote what ours computes
+    forced = {**{k: v for k, v in exported.items() if k in unknown}, **forced}
     if any(forced.get(k) not in v for k, v in unknown.items()):
         choices = ", ".join(f'"{k}": ' + " or ".join(f'"{x}"' for x in v) for k, v in unknown.items())
         raise CheckpointError(f"config.json cannot tell which official code version trained this {name}: choose with "
@@ -297,6 +300,19 @@ def canonical(key):
                   lambda mt: f"{mt[1]}_norm" if mt[2] == "norm" else mt[2], key)
 
 
+def computed_buffers(sd, cfg):
+    """{name: value} of what some release versions save as a buffer and our design computes: LNS's per-block
+    `ln_scale` = 1/sqrt(b + 1) (block.py @fd0cc945 registers it; @6bdf2ad9 keeps a float). The ones sd holds must
+    hold that value (a CheckpointError otherwise); export.py writes them, so either version's loader finds them."""
+    if cfg.residual != "lns":
+        return {}
+    out = {f"blocks.{b}.ln_scale": (b + 1) ** -0.5 for b in range(cfg.n_layer)}
+    for key, value in out.items():
+        if key in sd and abs(float(sd[key]) - value) > 1e-6:
+            raise CheckpointError(f"{key} = {float(sd[key]):.6g}, not LNS's 1/sqrt(b + 1) = {value:.6g}")
+    return out
+
+
 def from_official(sd, model):
     """Copy an official state dict (names without the 'model.' prefix) into model; every tensor must match."""
     merged = {}
@@ -309,7 +325,8 @@ def from_official(sd, model):
     table = layout(cfg)
     want = {k for _, _, k in table}
     ignored = {f"blocks.{cfg.n_layer - 1}.feed_forward.kv_proj.weight"} if cfg.residual == "moda" else set()
-    missing, extra = want - set(merged), set(merged) - want - ignored  # (the last W_kv is never used)
+    ignored |= set(computed_buffers(merged, cfg))   # (MoDA's last W_kv is never used; LNS's scales are computed)
+    missing, extra = want - set(merged), set(merged) - want - ignored
     if missing or extra:
         raise CheckpointError(f"checkpoint does not fit our {cfg.residual}: missing {short(missing) or 'none'}; "
                               f"unexpected {short(extra) or 'none'}")
@@ -338,6 +355,134 @@ def hf_llama(sd, n_layer, reverse=False):
     if set(sd) != set(table):
         raise CheckpointError(f"not a Pre-LN state dict: {short(set(sd) ^ set(table))}")
     return {table[k]: v for k, v in sd.items()}
+
+
+# ----------------------------------------------------------------------------- ours -> the official layout (export.py)
+
+EXPORT_KEY = "depthbench"   # the section of an exported config.json that OLMo-core does not read: source and readings
+OLMO = "olmo_core.nn."      # each config section's _CLASS_, the dotted name OLMo-core's as_config_dict writes
+CLASSES = {"model": "transformer.config.TransformerConfig", "block": "transformer.config.TransformerBlockConfig",
+           "attention": "attention.AttentionConfig", "rope": "rope.RoPEConfig", "norm": "layer_norm.LayerNormConfig",
+           "feed_forward": "feed_forward.FeedForwardConfig", "head": "lm_head.LMHeadConfig",
+           "hc": "transformer.config.HyperConnectionsConfig", "moda": "transformer.config.MoDAConfig"}
+
+
+def section(of, **fields):
+    """A config section with its _CLASS_ (`of`: a key of CLASSES)."""
+    return {**fields, "_CLASS_": OLMO + CLASSES[of]}
+
+
+def official_block(cfg):
+    """The official block type that computes our cfg's design (the inverse of BLOCKS)."""
+    if cfg.residual == "moda":
+        return "post_norm_moda" if cfg.residual_args.get("norm") == "post" else "moda"
+    if cfg.residual == "block_attnres":
+        return "attnres"
+    return next(name for name, ours in BLOCKS.items() if ours == cfg.residual)
+
+
+def attnres_block_size(cfg):
+    """AttnRes' official block size S (boundaries where k % S == 0): 1 for Full AttnRes, `block_size` when given,
+    else the S whose groups are our n_groups' groups; a CheckpointError when no S gives them (uneven groups)."""
+    if cfg.residual == "attnres":
+        return 1
+    groups, n_sub, args = RESIDUALS["block_attnres"].groups, 2 * cfg.n_layer, cfg.residual_args
+    if args.get("block_size"):
+        return args["block_size"]
+    want = groups(n_sub, args.get("n_groups", 8))
+    fits = [S for S in range(1, n_sub + 1) if groups(n_sub, block_size=S) == want]
+    if not fits:
+        raise CheckpointError(f"block_attnres with n_groups {args.get('n_groups', 8)} over {n_sub} sublayers makes "
+                              f"groups of unequal size, which no official attnres_block_size gives")
+    return fits[0]
+
+
+def open_readings(cfg):
+    """What config.json cannot tell about our cfg (read_config's `forced`): HC's forward, and a "sum" collapse
+    (sum, then the norm: the newer code; norm_each: the older)."""
+    r, a = cfg.residual, cfg.residual_args
+    out = {"forward": a.get("forward", "mixed")} if r == "hc" else {}
+    if r in ("hc", "mhc") and a.get("collapse", RESIDUALS[r].options["collapse"]) in ("sum", "norm_each"):
+        out["collapse"] = a.get("collapse", "sum")
+    return out
+
+
+def design_fields(cfg):
+    """The block-config keys of cfg's design beyond the backbone's, in the official schema."""
+    r, a = cfg.residual, cfg.residual_args
+    if r in ("hc", "mhc"):   # HC: "auto" is its sum; mHC: "auto" is its mean, "sum" its (open) sum reading
+        collapse = a.get("collapse", RESIDUALS[r].options["collapse"])
+        fields = {"kind": "hc" if r == "hc" else "liger_mhc", "num_residual_streams": a.get("n_streams", 4)}
+        if r == "hc":
+            fields["collapse"] = "mean" if collapse == "mean" else "auto"
+        else:
+            fields.update(tanh=False, sinkhorn_iters=a.get("sinkhorn_iters", 20),
+                          collapse="auto" if collapse == "mean" else "sum")
+        return {"hyper_connections": section("hc", **fields)}
+    if r in ("attnres", "block_attnres"):
+        return {"attnres_block_size": attnres_block_size(cfg)}
+    if r in ("preln_mup", "preln_completep"):
+        return {"residual_scaling_base_depth": a.get("base_depth", 24)}
+    if r == "moda":
+        return {"moda": section("moda", backend="v17", extra_ffn_kv_proj=True, extra_attn_kv_proj=False)}
+    return {}
+
+
+def model_fields(cfg, block):
+    """The model-level keys a design adds: MoDA's last block without its unused W_kv; depth-muP/CompleteP's
+    width axis, which the release carries in the init (hidden init std x m_N^(-1/2), the embedding's kept)."""
+    a = cfg.residual_args
+    if cfg.residual == "moda":
+        return {"block_overrides": {str(cfg.n_layer - 1): {**block, "moda_skip_ffn_kv": True}}}
+    if cfg.residual in ("preln_mup", "preln_completep") and a.get("scaling") == "depth_width":
+        m_N = cfg.d_model / a["base_width"]
+        return {"init_std": cfg.init_std * m_N ** -0.5, "embedding_init_std": cfg.init_std}
+    return {}
+
+
+def official_config(cfg, tokenizer=None, seq_len=None):
+    """Our GPTConfig as an official experiment config.json (sections model and dataset.tokenizer, the schema
+    read_config reads and OLMo-core's TransformerConfig.from_dict builds). tokenizer: dataset.tokenizer's fields."""
+    norm = section("norm", name="default" if cfg.residual == "deepnorm" else "rms", eps=cfg.norm_eps, bias=False)
+    attention = section("attention", name="default", n_heads=cfg.n_head, n_kv_heads=cfg.n_kv_head, bias=False,
+                        rope=section("rope", name="default", theta=cfg.rope_theta))
+    block = section("block", name=official_block(cfg), layer_norm=norm, sequence_mixer=attention,
+                    feed_forward=section("feed_forward", name="default", hidden_size=cfg.d_ff, bias=False),
+                    **design_fields(cfg))
+    head = section("head", name="default", layer_norm=dict(norm, name="rms"), bias=False)
+    model = section("model", d_model=cfg.d_model, vocab_size=cfg.vocab_size, n_layers=cfg.n_layer, block=block,
+                    lm_head=head, dtype="float32", **model_fields(cfg, block))
+    return {"model": model, "dataset": {"tokenizer": tokenizer or {}, "sequence_length": seq_len}}
+
+
+def official_state(model):
+    """Every tensor under every name the official model's state_dict lists: to_official's, LNS's ln_scale buffers
+    (computed_buffers), and for HC/mHC the block's norm and sublayer a second time under each connector's branch
+    module (PreNorm*Branch), as the release saves them."""
+    sd = to_official(model)
+    sd.update({k: torch.tensor(v) for k, v in computed_buffers({}, model.cfg).items()})
+    if model.cfg.residual not in ("hc", "mhc"):
+        return sd
+    for b in range(model.cfg.n_layer):
+        for side, weights in (("attention", ["w_q", "w_k", "w_v", "w_out"]), ("feed_forward", ["w1", "w2", "w3"])):
+            branch = f"blocks.{b}.{side}_hyper_connection.branch."
+            sd[branch + "norm.weight"] = sd[f"blocks.{b}.{side}_norm.weight"]
+            sd.update({f"{branch}{side}.{w}.weight": sd[f"blocks.{b}.{side}.{w}.weight"] for w in weights})
+    return sd
+
+
+def write_checkpoint(step_dir, tensors, config, optim=None):
+    """A step folder as the release lays it out: config.json and model_and_optim/, a torch DCP of {"model":
+    tensors} (official names), and {"optim": optim} when given. Single process; step_dir must not exist."""
+    import torch.distributed.checkpoint as dcp
+    step_dir = Path(step_dir)
+    step_dir.mkdir(parents=True)
+    (step_dir / "config.json").write_text(json.dumps(config, indent=1))
+    state = {"model": tensors, **({"optim": optim} if optim is not None else {})}
+    with warnings.catch_warnings():      # "torch.distributed is disabled": a single process, as intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(step_dir / "model_and_optim"), no_dist=True)
+    return step_dir
 
 
 # ----------------------------------------------------------------------------- reading and finding checkpoints

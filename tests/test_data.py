@@ -8,6 +8,7 @@ Tests that need ../shared/data (the GPT-2 BPE cache and the Austen novels) skip 
 """
 
 import itertools
+import json
 import math
 import os
 import subprocess
@@ -405,6 +406,94 @@ def test_real_data_order(shard_dir):
     val = BatchLoader(shard_dir, "val", 1, T)
     x, y, level = val.get_batch(1, 0)
     assert level is None and x[0].tolist() == val.stream.read(T, T).tolist()
+
+
+# -----------------------------------------------------------------------------
+# reads at the edges: shard boundaries, the first and the last window (issue 44)
+
+def shard_folder(folder, split_sizes):
+    """A shard folder whose split s holds files of the given sizes; token t of a split (counted across its files)
+    is 100 + t, so every expected read below is written as the range it must be."""
+    folder.mkdir(parents=True)
+    shards = {}
+    for split, sizes in split_sizes.items():
+        shards[split], start = [], 0
+        for k, n in enumerate(sizes):
+            name = f"{split}_{k:06d}.bin"
+            data.write_shard(folder / name, np.arange(100 + start, 100 + start + n), 257, 256)
+            shards[split].append({"file": name, "tokens": n})
+            start += n
+    (folder / "meta.json").write_text(json.dumps({"config": {"vocab_size": 257}, "shards": shards, "n_tokens": 0}))
+    return folder
+
+
+@pytest.mark.parametrize("sizes", [[5, 3, 7], [5, 0, 3, 7]], ids=["three files", "an empty file between"])
+def test_shard_reads_that_start_or_end_on_a_boundary(tmp_path, sizes):
+    """ShardStream.read(start, n) is tokens [start, start + n) of the split, also when start or start + n is exactly
+    where a file begins or ends (0, 5, 8, 15), a read is exactly one file, or crosses two or three."""
+    stream = data.ShardStream(shard_folder(tmp_path / "s", {"train": sizes, "val": [4]}), "train")
+    assert len(stream) == 15
+    assert stream.read(0, 5).tolist() == [100, 101, 102, 103, 104]          # exactly the first file
+    assert stream.read(5, 3).tolist() == [105, 106, 107]                    # exactly the second, from its first token
+    assert stream.read(8, 7).tolist() == [108, 109, 110, 111, 112, 113, 114]  # the last file, to the split's end
+    assert stream.read(4, 2).tolist() == [104, 105]                         # across the first boundary
+    assert stream.read(0, 1).tolist() == [100] and stream.read(14, 1).tolist() == [114]
+    assert stream.read(0, 15).tolist() == list(range(100, 115))             # every file
+    for start in range(15):
+        for n in range(1, 16 - start):
+            assert stream.read(start, n).tolist() == list(range(100 + start, 100 + start + n)), (start, n)
+    assert stream.read(3, 9).dtype == np.int64
+
+
+@pytest.mark.parametrize("sizes, n_windows", [([4, 4, 5], 3), ([4, 4, 4], 2)], ids=["4k+1 tokens", "4k tokens"])
+def test_loader_windows_at_the_first_and_last_token(tmp_path, sizes, n_windows):
+    """Windows of T + 1 = 5 tokens start at multiples of T = 4, so with files of 4 tokens each window begins on a
+    file boundary and ends one token into the next file. 13 tokens hold 3 windows, the last ending on the split's
+    last token; 12 tokens hold only 2 (a third would need token 12). Val reads them in order, then wraps."""
+    folder = shard_folder(tmp_path / "s", {"train": sizes, "val": sizes})
+    val = BatchLoader(folder, "val", batch_size=n_windows, seq_len=4)
+    assert val.n_windows == n_windows
+    x, y, level = val.get_batch(0, 0)
+    windows = [[100, 101, 102, 103, 104], [104, 105, 106, 107, 108], [108, 109, 110, 111, 112]][:n_windows]
+    assert x.tolist() == [w[:4] for w in windows] and y.tolist() == [w[1:] for w in windows] and level is None
+    x2, _, _ = val.get_batch(1, 0)                      # global sequences n .. 2n - 1: the same windows again
+    assert x2.tolist() == x.tolist()
+    train = BatchLoader(folder, "train", batch_size=1, seq_len=4)
+    seen = sorted(tuple(train.get_batch(g, 0)[0][0].tolist()) for g in range(n_windows))
+    assert seen == sorted(tuple(w[:4]) for w in windows)   # an epoch of train visits each window once
+
+
+def test_token_windows_stay_inside_one_file_and_never_reach_its_end(tmp_path):
+    """The release's rule: a file is drawn with probability proportional to len - T (a file of exactly T tokens
+    never), and the start is uniform in [0, len - T): with T = 8, file a (8 tokens) is never read, file b (9) only
+    as b[0:8], file c (11) from starts 0, 1 and 2 but never 3, whose window would end on c's last token."""
+    from depthbench import windows
+    T, paths = 8, []
+    for name, first, n in (("a", 0, 8), ("b", 1000, 9), ("c", 2000, 11)):
+        np.save(tmp_path / f"{name}.npy", np.arange(first, first + n, dtype=np.uint16))
+        paths.append(tmp_path / f"{name}.npy")
+    got = windows.token_windows(paths, 400, T, seed=0)
+    assert got.shape == (400, T) and got.dtype == torch.int64
+    starts = [int(w[0]) for w in got]
+    assert all(w.tolist() == list(range(int(w[0]), int(w[0]) + T)) for w in got)   # contiguous: one file each
+    assert not any(s < 1000 for s in starts)                                         # a: never
+    assert {s for s in starts if s < 2000} == {1000}                                  # b: its only window
+    assert {s for s in starts if s >= 2000} == {2000, 2001, 2002}                     # c: 0, 1, 2, never 3
+    share_b = sum(s < 2000 for s in starts) / len(starts)                             # p(b) = 1 / (1 + 3)
+    assert 0.18 < share_b < 0.32
+
+
+def test_text_windows_reach_the_last_token(tmp_path):
+    """Random windows of text: one document of T bytes is T + 1 tokens with its EOT, so a window starts at 0 or 1,
+    and both are drawn (the second ends on the EOT); a shorter text is repeated until a window fits."""
+    from depthbench import windows
+    T = 6
+    (tmp_path / "a.txt").write_text("abcdef")
+    x, _ = windows.text_windows(str(tmp_path / "a.txt"), data.ByteTokenizer(), N=64, T=T, seed=0)
+    assert {tuple(w) for w in x.tolist()} == {(97, 98, 99, 100, 101, 102), (98, 99, 100, 101, 102, 256)}
+    (tmp_path / "a.txt").write_text("ab")
+    x, _ = windows.text_windows(str(tmp_path / "a.txt"), data.ByteTokenizer(), N=8, T=T, seed=0)
+    assert x.shape == (8, T) and set(x.flatten().tolist()) == {97, 98, 256}
 
 
 # -----------------------------------------------------------------------------

@@ -12,21 +12,16 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from depthbench import official
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
-BLOCK = {"preln": "default", "sandwich": "peri_norm", "lns": "default_scaled", "deepnorm": "deepnorm", "keel": "keel",
-         "hc": "hc", "mhc": "mhc", "attnres": "attnres", "block_attnres": "attnres", "moda": "moda",
-         "postln": "post_norm", "preln_mup": "depth_mup", "preln_completep": "completep"}
 WIDE = {"scaling": "depth_width", "base_depth": 2, "base_width": 128}     # both axes away from 1: m_L 1.5, m_N 1/4
 CASES = [(r, {}) for r in RESIDUALS if r != "block_attnres"] + [
     ("block_attnres", {"block_size": 2}), ("block_attnres", {"block_size": 3}),   # S divides 2L = 6
@@ -49,61 +44,21 @@ def ours(residual, args=None, L=3, V=48, seed=0, n_kv_head=None):
 
 
 def official_config(cfg, tokenizer_vocab=40):
-    """Our GPTConfig in the official experiment-config schema (config.json: model, dataset.tokenizer)."""
-    r, a = cfg.residual, cfg.residual_args
-    norm = {"name": "default" if r == "deepnorm" else "rms", "eps": cfg.norm_eps, "bias": False}
-    block = {"name": "post_norm_moda" if a.get("norm") == "post" else BLOCK[r], "layer_norm": norm,
-             "sequence_mixer": {"name": "default", "n_heads": cfg.n_head, "n_kv_heads": cfg.n_kv_head, "bias": False,
-                                "rope": {"name": "default", "theta": cfg.rope_theta}, "_CLASS_": "AttentionConfig"},
-             "feed_forward": {"name": "default", "hidden_size": cfg.d_ff, "bias": False}}
-    if r == "hc":    # "auto" is the sum, which the official code read two ways (readings below); "mean" is one
-        block["hyper_connections"] = {"kind": "hc", "num_residual_streams": 4,
-                                      "collapse": "mean" if a.get("collapse") == "mean" else "auto"}
-    if r == "mhc":   # "auto" is the mean; "sum" is read two ways, as HC's
-        block["hyper_connections"] = {"kind": "liger_mhc", "num_residual_streams": 4, "tanh": False,
-                                      "sinkhorn_iters": a.get("sinkhorn_iters", 20),
-                                      "collapse": "sum" if a.get("collapse") in ("sum", "norm_each") else "auto"}
-    if r in ("attnres", "block_attnres"):
-        size = a.get("block_size", 2 * cfg.n_layer // a.get("n_groups", 8))
-        block["attnres_block_size"] = 1 if r == "attnres" else size
-    init = {}
-    if r in ("preln_mup", "preln_completep"):   # the release writes the base depth; depth_width changes the init
-        block["residual_scaling_base_depth"] = a.get("base_depth", 24)
-        if a.get("scaling") == "depth_width":
-            m_N = cfg.d_model / a["base_width"]
-            init = {"init_std": cfg.init_std * m_N ** -0.5, "embedding_init_std": cfg.init_std}
-    overrides = {}
-    if r == "moda":
-        block["moda"] = {"backend": "v17", "extra_ffn_kv_proj": True, "extra_attn_kv_proj": False}
-        overrides = {str(cfg.n_layer - 1): {**block, "moda_skip_ffn_kv": True}}
-    model = {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "n_layers": cfg.n_layer, "block": block,
-             "lm_head": {"name": "default", "layer_norm": dict(norm, name="rms"), "bias": False},
-             "block_overrides": overrides or None, "dtype": "bfloat16", "_CLASS_": "TransformerConfig", **init}
+    """Our GPTConfig in the official experiment-config schema (official.official_config), with the release's
+    tokenizer section (GPT-NeoX-OLMo's fields at a small vocab)."""
     tok = {"vocab_size": tokenizer_vocab, "eos_token_id": tokenizer_vocab - 1, "pad_token_id": 1,
            "identifier": "allenai/gpt-neox-olmo-dolma-v1_5"}
-    return {"model": model, "dataset": {"tokenizer": tok, "sequence_length": 16}}
+    return official.official_config(cfg, tok, seq_len=16)
 
 
-def readings(cfg):
-    """official.load's `forced` (--residual-args): what config.json cannot tell about our cfg, HC's forward and
-    a sum collapse (sum, then the norm: the newer code; norm_each: the older)."""
-    r, a = cfg.residual, cfg.residual_args
-    out = {"forward": a.get("forward", "mixed")} if r == "hc" else {}
-    if a.get("collapse", {"hc": "sum"}.get(r)) in ("sum", "norm_each"):
-        out["collapse"] = a.get("collapse", "sum")
-    return out
+readings = official.open_readings   # official.load's `forced` (--residual-args): what config.json cannot tell
+OPTIM = {"state": {"0": {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 1e-3}]}   # as the release saves it
 
 
 def write_checkpoint(step_dir, model, tensors=None, config=None):
     """A step folder: config.json + model_and_optim/ (DCP, single process) with an optimizer entry."""
-    step_dir.mkdir(parents=True)
-    (step_dir / "config.json").write_text(json.dumps(config or official_config(model.cfg)))
-    state = {"model": tensors if tensors is not None else official.to_official(model),
-             "optim": {"state": {"0": {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 1e-3}]}}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(step_dir / "model_and_optim"), no_dist=True)
-    return step_dir
+    tensors = official.to_official(model) if tensors is None else tensors
+    return official.write_checkpoint(step_dir, tensors, config or official_config(model.cfg), optim=OPTIM)
 
 
 def tokens(V=40, B=2, T=10):
@@ -164,6 +119,135 @@ def test_official_names_for_hc_and_attnres():
     assert "blocks.2.feed_forward.kv_proj.weight" not in official.to_official(ours("moda"))
 
 
+# ----------------------------------------------------------------------------- the release's names, written here
+
+SUBLAYER = [("attn.wq", "w_q"), ("attn.wk", "w_k"), ("attn.wv", "w_v"), ("attn.wo", "w_out"), ("mlp.w1", "w1"),
+            ("mlp.w2", "w2"), ("mlp.w3", "w3")]
+HC_NAMES = [("static_alpha", "static_alpha"), ("dynamic_alpha", "dynamic_alpha_proj"),
+            ("alpha_scale", "dynamic_alpha_scale"), ("static_beta", "static_beta"),
+            ("dynamic_beta", "dynamic_beta_proj"), ("beta_scale", "dynamic_beta_scale")]
+
+
+def release_names(residual, L):
+    """{(our state-dict key, row or None): the release's name} for every tensor of our model, written from the
+    release's code (docs/official.md#provenance), not from official.layout:
+    - model.py: `embeddings`, `lm_head.w_out` and the final norm `lm_head.norm`; AttnRes' final `res_proj`/`res_norm`.
+    - block.py: block b is `blocks.{b}`, its `attention` (w_q, w_k, w_v, w_out) and `feed_forward` (w1, w2, w3) with
+      `attention_norm`/`feed_forward_norm` (DeepNorm's and Post-LN's post-norms carry these names too); Peri-LN adds
+      `post_attention_norm`/`post_feed_forward_norm`, KEEL the same but no `post_attention_norm` in block 0; AttnRes
+      `attn_res_proj`/`attn_res_norm` from block 1 and `mlp_res_proj`/`mlp_res_norm` in every block; HC/mHC a
+      `{attention, feed_forward}_hyper_connection` per sublayer; MoDA wraps attention and feed-forward one level
+      down (`attention.attention`, `feed_forward.feed_forward`) and adds `feed_forward.kv_proj` but in the last block.
+    - hyper_connections.py: HC's static_alpha, dynamic_alpha_proj, dynamic_alpha_scale, static_beta,
+      dynamic_beta_proj, dynamic_beta_scale; Liger mHC's phi, b, alpha_pre, alpha_post, alpha_res.
+    Ours: sublayer i = 2b (attention) or 2b + 1 (MLP); norms[i] its pre-norm (DeepNorm, Post-LN: its post-norm);
+    post_norms[i] Sandwich's post-norm, KEEL's is post_norms[i - 1]; conn[i] its connector; AttnRes' row i - 1 of
+    queries/key_gains is consumer i's, row 2L - 1 the head's; kv_proj[b] MoDA's W_kv of block b."""
+    moda = residual == "moda"
+    wrap = {"attn": "attention.attention", "mlp": "feed_forward.feed_forward"} if moda else {
+        "attn": "attention", "mlp": "feed_forward"}
+    names = {("wte.weight", None): "embeddings.weight", ("lm_head.weight", None): "lm_head.w_out.weight",
+             ("res.norm_f.weight", None): "lm_head.norm.weight"}
+    for b in range(L):
+        blk, att, ffn = f"blocks.{b}.", 2 * b, 2 * b + 1
+        for ours, theirs in SUBLAYER:
+            names[(f"{blk}{ours}.weight", None)] = f"{blk}{wrap[ours[:ours.index('.')]]}.{theirs}.weight"
+        names[(f"res.norms.{att}.weight", None)] = f"{blk}attention_norm.weight"
+        names[(f"res.norms.{ffn}.weight", None)] = f"{blk}feed_forward_norm.weight"
+        if residual == "sandwich":
+            names[(f"res.post_norms.{att}.weight", None)] = f"{blk}post_attention_norm.weight"
+            names[(f"res.post_norms.{ffn}.weight", None)] = f"{blk}post_feed_forward_norm.weight"
+        if residual == "keel":
+            if b > 0:
+                names[(f"res.post_norms.{att - 1}.weight", None)] = f"{blk}post_attention_norm.weight"
+            names[(f"res.post_norms.{ffn - 1}.weight", None)] = f"{blk}post_feed_forward_norm.weight"
+        for i, side in ((att, "attention"), (ffn, "feed_forward")):
+            if residual == "hc":
+                names.update({(f"res.conn.{i}.{a}", None): f"{blk}{side}_hyper_connection.{o}" for a, o in HC_NAMES})
+            if residual == "mhc":
+                names.update({(f"res.conn.{i}.{a}", None): f"{blk}{side}_hyper_connection.{a}"
+                              for a in ("phi", "b", "alpha_pre", "alpha_post", "alpha_res")})
+        if residual in ("attnres", "block_attnres"):
+            if b > 0:
+                names[("res.queries", att - 1)] = f"{blk}attn_res_proj.weight"
+                names[("res.key_gains", att - 1)] = f"{blk}attn_res_norm.weight"
+            names[("res.queries", ffn - 1)] = f"{blk}mlp_res_proj.weight"
+            names[("res.key_gains", ffn - 1)] = f"{blk}mlp_res_norm.weight"
+        if moda and b < L - 1:
+            names[(f"res.kv_proj.{b}.weight", None)] = f"{blk}feed_forward.kv_proj.weight"
+    if residual in ("attnres", "block_attnres"):
+        names[("res.queries", 2 * L - 1)] = "res_proj.weight"
+        names[("res.key_gains", 2 * L - 1)] = "res_norm.weight"
+    return names
+
+
+def fill_distinct(model, names):
+    """Our tensor (or row) of each entry of names set to its own constant 1, 2, 3, ... -> {official name: value}."""
+    sd, value = model.state_dict(), {}
+    with torch.no_grad():
+        for k, ((key, row), off) in enumerate(sorted(names.items(), key=str)):
+            (sd[key] if row is None else sd[key][row]).fill_(k + 1.0)
+            value[off] = k + 1.0
+    return value
+
+
+@pytest.mark.parametrize("residual", list(RESIDUALS))
+def test_every_tensor_gets_the_release_name(residual):
+    """Each of our tensors, filled with a constant of its own, is the release-named tensor that holds it; and back:
+    an official state dict of distinct constants loads each into the tensor (or row) of ours it names. A swap of two
+    same-shaped names that official.layout makes consistently (its own round trip hides it) fails here."""
+    L = 3
+    model, names = ours(residual, L=L), release_names(residual, L)
+    covered = {(k, r) for k, r in names}
+    stacked = {k for k, r in names if r is not None}
+    assert {k for k, _ in covered} == set(model.state_dict()) and len(set(names.values())) == len(names)
+    assert all({r for k, r in covered if k == key} == set(range(model.state_dict()[key].shape[0])) for key in stacked)
+    value = fill_distinct(model, names)
+    got = official.to_official(model)
+    assert set(got) == set(names.values())
+    assert {off: torch.unique(t).tolist() for off, t in got.items()} == {off: [v] for off, v in value.items()}
+    back = GPT(model.cfg)
+    official.from_official({off: torch.full_like(t, value[off]) for off, t in got.items()}, back)
+    sd = back.state_dict()
+    for (key, row), off in names.items():
+        assert torch.unique(sd[key] if row is None else sd[key][row]).tolist() == [value[off]], (key, row, off)
+
+
+def test_release_shapes_of_the_design_tensors():
+    """The shapes the release's modules give (n = 4 streams, d = 32, n_kv * head_dim = 32): AttnRes' projections are
+    nn.Linear(d, 1) weights, HC's are (d, n + 1) and (d,), Liger mHC's phi (n d, n^2 + 2n), MoDA's kv_proj
+    nn.Linear(d, 2 n_kv head_dim)."""
+    hc, mhc = official.to_official(ours("hc")), official.to_official(ours("mhc"))
+    assert [tuple(hc[f"blocks.1.feed_forward_hyper_connection.{o}"].shape) for _, o in HC_NAMES] == [
+        (4, 5), (32, 5), (), (4,), (32,), ()]
+    assert [tuple(mhc[f"blocks.0.attention_hyper_connection.{a}"].shape) for a in (
+        "phi", "b", "alpha_pre", "alpha_post", "alpha_res")] == [(128, 24), (24,), (), (), ()]
+    ar = official.to_official(ours("attnres"))
+    assert {tuple(ar[k].shape) for k in ("res_proj.weight", "blocks.1.attn_res_proj.weight",
+                                         "blocks.0.mlp_res_proj.weight")} == {(1, 32)}
+    assert tuple(official.to_official(ours("moda"))["blocks.0.feed_forward.kv_proj.weight"].shape) == (64, 32)
+
+
+def test_hf_llama_names_hold_the_tensors_they_name():
+    """Pre-LN -> HF Llama (the official converter's table), each tensor a distinct constant: input_layernorm is
+    sublayer 2b's norm, post_attention_layernorm sublayer 2b + 1's, q/k/v/o_proj and gate/up/down_proj the
+    attention's w_q/w_k/w_v/w_out and the MLP's w1/w3/w2; model.norm the final norm, lm_head the head."""
+    L = 2
+    model = ours("preln", L=L)
+    hf_of = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+             "attn.wo": "self_attn.o_proj", "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj",
+             "mlp.w2": "mlp.down_proj"}
+    want = {"wte.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
+            "res.norm_f.weight": "model.norm.weight"}
+    for b in range(L):
+        want.update({f"blocks.{b}.{o}.weight": f"model.layers.{b}.{h}.weight" for o, h in hf_of.items()})
+        want[f"res.norms.{2 * b}.weight"] = f"model.layers.{b}.input_layernorm.weight"
+        want[f"res.norms.{2 * b + 1}.weight"] = f"model.layers.{b}.post_attention_layernorm.weight"
+    value = fill_distinct(model, {(k, None): h for k, h in want.items()})
+    hf = official.hf_llama(official.to_official(model), L)
+    assert {h: torch.unique(t).tolist() for h, t in hf.items()} == {h: [v] for h, v in value.items()}
+
+
 def test_hc_branch_aliases_are_accepted_only_when_equal(tmp_path):
     src = ours("hc")
     sd = official.to_official(src)
@@ -178,6 +262,19 @@ def test_hc_branch_aliases_are_accepted_only_when_equal(tmp_path):
     sd["blocks.1.attention_hyper_connection.branch.norm.weight"] = sd["blocks.1.attention_norm.weight"] + 1
     with pytest.raises(official.CheckpointError, match="differs from blocks.1.attention_norm.weight"):
         official.load(str(write_checkpoint(tmp_path / "step2", src, sd)), forced=readings(src.cfg))
+
+
+def test_lns_ln_scale_buffers_load_when_they_hold_the_rule(tmp_path):
+    """A release version saves LNS's 1/sqrt(b + 1) as a buffer per block: such a checkpoint loads to the same
+    logits; a buffer with another value (which our LNS would not compute) is refused naming it."""
+    src = ours("lns")
+    sd = {**official.to_official(src), **{f"blocks.{b}.ln_scale": torch.tensor((b + 1) ** -0.5) for b in range(3)}}
+    loaded, _ = official.load(str(write_checkpoint(tmp_path / "step1", src, sd)))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens())[0], src(tokens())[0])
+    sd["blocks.2.ln_scale"] = torch.tensor(1.0)
+    with pytest.raises(official.CheckpointError, match=r"blocks.2.ln_scale = 1, not LNS's 1/sqrt\(b \+ 1\) = 0.57735"):
+        official.load(str(write_checkpoint(tmp_path / "step2", src, sd)))
 
 
 def test_moda_last_block_kv_proj_is_ignored_when_not_skipped(tmp_path):

@@ -175,6 +175,39 @@ CASES += [
 ]
 
 
+# ----------------------------------------------------------------------------- export.py's bad input (issue 41)
+
+def run_folder(residual, L=3, files=None):
+    """A finished run folder {tmp}/run of a small random `residual` model (as train.py writes it), and `files`."""
+    def make_it(tmp):
+        from test_export import make_run
+        make_run(tmp / "run", residual, L=L)
+        for rel, text in (files or {}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text)
+    return make_it
+
+
+EXPORT = ["--format", "official", "--out", "{tmp}/o"]
+CASES += [
+    ("export.py", "a path that holds no checkpoint", ["{tmp}/nothing.pt", *EXPORT], {}, 2,
+     "{tmp}/nothing.pt: no checkpoint (give a run folder holding ckpt.pt, a .pt file or a suite folder)"),
+    ("export.py", "a .pt file that is not a checkpoint", ["{tmp}/a.pt", *EXPORT], {"a.pt": "text"}, 2,
+     "truncated or not a depthbench checkpoint"),
+    ("export.py", "--format hf of an HC run", ["{tmp}/run", "--format", "hf", "--out", "{tmp}/o"], run_folder("hc"), 2,
+     "a hc run has no LlamaForCausalLM form (only Pre-LN is one); use --format official"),
+    ("export.py", "--format official of Block AttnRes in groups of unequal size", ["{tmp}/run", *EXPORT],
+     run_folder("block_attnres", L=5), 2, "n_groups 8 over 10 sublayers makes groups of unequal size"),
+    ("export.py", "--out that holds a file", ["{tmp}/run", *EXPORT], run_folder("preln", files={"o/notes.txt": "x"}),
+     2, "--out {tmp}/o exists and is not empty; give a new folder (nothing is overwritten)"),
+    ("export.py", "--out under a plain file", ["{tmp}/run", "--format", "official", "--out", "{tmp}/f/o"],
+     run_folder("preln", files={"f": "a file"}), 2, "--out {tmp}/f/o: {tmp}/f is a file, not a folder"),
+    ("export.py", "a suite folder without a run", ["{tmp}/suite", *EXPORT], {"suite": None}, 2,
+     "no finished run to export (no run folder holding ckpt.pt under it)"),
+    ("export.py", "--format onnx", ["{tmp}/run", "--format", "onnx", "--out", "{tmp}/o"], {}, 2,
+     "argument --format: invalid choice: 'onnx'"),
+]
+
 FAULTS = []  # (fault, what it gives, test), in the page's order
 
 
