@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import diagnose as dg
+import ops
 from data import ByteTokenizer
+from depthbench import nll
 from model import GPT, GPTConfig
 from ops import rope_cos_sin
 from residuals import RESIDUALS, pushed
@@ -26,7 +28,7 @@ from residuals import RESIDUALS, pushed
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 ALL = list(RESIDUALS)
 V = 32
-ARGS = SimpleNamespace(causal_threshold=0.45, dead_tau=0.05, eps=1e-8)
+ARGS = SimpleNamespace(causal_threshold=0.45, perm_threshold=0.15, dead_tau=0.05, eps=1e-8)
 
 
 def build(residual, L=3, seed=0, **residual_args):
@@ -43,10 +45,12 @@ def tokens(B=2, T=12, seed=1):
     return w[:, :-1], w[:, 1:]
 
 
-def layer_metrics(model, todo=("angular", "causal", "pruning", "lens", "attnres", "deadzone", "erank")):
-    x, y = tokens()
-    acc = dg.sweep(model, [(x, y)], set(todo), 1e-8)
-    return dg.layer_metrics(model, acc, set(todo), ARGS)
+def layer_metrics(model, todo=("angular", "causal", "pruning", "lens", "attnres", "deadzone", "erank"), batches=None):
+    """{metric name: its JSON object} of the metrics `todo` on the batches (default: one batch of tokens()), as
+    diagnose.py computes a group of them: one recording pass for what they need."""
+    rows = [dg.BY_NAME[m] for m in todo]
+    out = dg.run_group(rows, dg.Inputs(model, ARGS, None, device="cpu", batches=batches or [tokens()]))
+    return {m.name: out[m.key] for m in rows}
 
 
 def run_cli(*args, env=None):
@@ -58,8 +62,8 @@ def run_cli(*args, env=None):
 
 def trunk(model, x, skip=None):
     """(logits, depth states, lens readouts) of the recording forward, block `skip` left out."""
-    logits, _, rec = model(x, record=True, skip=skip)
-    return logits, rec["states"], rec["readouts"]
+    logits, rec = dg.recording(model, x, skip=skip)
+    return logits, rec.states, rec.readouts
 
 
 @pytest.mark.parametrize("residual", ALL)
@@ -234,10 +238,10 @@ def test_angular_distance_of_a_state_with_itself_is_0_and_with_its_opposite_is_1
 
 
 def test_effective_rank():
-    assert dg.erank(torch.eye(4)) == pytest.approx(4.0)
-    assert dg.erank(torch.outer(torch.arange(1.0, 5.0), torch.ones(4))) == pytest.approx(1.0)
-    assert dg.erank(torch.full((4, 4), 0.25)) == pytest.approx(1.0)
-    assert 1.0 < dg.erank(torch.diag(torch.tensor([1.0, 0.1, 0.1, 0.1]))) < 4.0
+    assert ops.erank(torch.eye(4)) == pytest.approx(4.0)
+    assert ops.erank(torch.outer(torch.arange(1.0, 5.0), torch.ones(4))) == pytest.approx(1.0)
+    assert ops.erank(torch.full((4, 4), 0.25)) == pytest.approx(1.0)
+    assert 1.0 < ops.erank(torch.diag(torch.tensor([1.0, 0.1, 0.1, 0.1]))) < 4.0
 
 
 def test_r_causal_counts_only_the_last_three_quarters():
@@ -267,7 +271,7 @@ def test_dead_zone_schedule_and_block_count():
     """Weights of 2L + 1 consumers (index 0 = embedding); a block is dead when both its sublayers are."""
     L = 3
     w = [[1.0], [0.99, 0.01], [0.97, 0.03], [0.5, 0.5], [0.96, 0.04], [0.98, 0.02], [0.2, 0.8]]
-    dz = dg.dead_zone(w, L, 0.05)
+    dz = ops.dead_zone(w, L, 0.05)
     assert dz["dead"] == [True, True, True, False, True, True]
     assert dz["count_blocks"] == 2 and dz["count_sublayers"] == 5 and dz["head"] == pytest.approx(0.8)
 
@@ -304,28 +308,28 @@ def test_nll_counts_exactly_the_answer_tokens():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=257, n_layer=2, d_model=32, n_head=2, d_ff=96)).eval()
     for task, count in (("gsm8k", 71), ("mbpp", 99)):
-        rows = dg.nll_rows(task, ROOT / "fixtures" / "nll", None)
-        total, n = dg.nll_task(model, tok, rows, task, 4096, 2, "cpu")
+        rows = nll.nll_rows(task, ROOT / "fixtures" / "nll", None)
+        total, n = nll.nll_task(model, tok, rows, task, 4096, 2, "cpu")
         assert n == count and 0 < total / n < 20
     # batching and right-padding change nothing: one example at a time gives the same sum
-    rows = dg.nll_rows("sciq", ROOT / "fixtures" / "nll", None)
-    assert dg.nll_task(model, tok, rows, "sciq", 4096, 3, "cpu")[0] == pytest.approx(
-        dg.nll_task(model, tok, rows, "sciq", 4096, 1, "cpu")[0], rel=1e-5)
+    rows = nll.nll_rows("sciq", ROOT / "fixtures" / "nll", None)
+    assert nll.nll_task(model, tok, rows, "sciq", 4096, 3, "cpu")[0] == pytest.approx(
+        nll.nll_task(model, tok, rows, "sciq", 4096, 1, "cpu")[0], rel=1e-5)
 
 
 def test_nll_formats():
-    p, t = dg.nll_pair("gsm8k", {"question": "Q?", "answer": "42"})
+    p, t = nll.nll_pair("gsm8k", {"question": "Q?", "answer": "42"})
     assert (p, t) == ("Question: Q?\nAnswer:", " 42")
     row = {"Record ID": "r", "Question": "Q", "Correct Answer": " a ", "Incorrect Answer 1": "b",
            "Incorrect Answer 2": "c", "Incorrect Answer 3": "d", "Explanation": ""}
-    p, t = dg.nll_pair("gpqa_diamond", row)
+    p, t = nll.nll_pair("gpqa_diamond", row)
     assert t == " a" and p.startswith("Question: Q\nChoices:\nA. ") and p.endswith("\nAnswer:")
     assert sorted(line[3:] for line in p.splitlines()[2:6]) == ["a", "b", "c", "d"]   # stripped, shuffled
-    assert p == dg.nll_pair("gpqa_diamond", row)[0]                  # the shuffle is seeded by the record
-    p2, _ = dg.nll_pair("gpqa_diamond", {**row, "Question": " \n Q \n"})  # the question stripped, as the reference
+    assert p == nll.nll_pair("gpqa_diamond", row)[0]                  # the shuffle is seeded by the record
+    p2, _ = nll.nll_pair("gpqa_diamond", {**row, "Question": " \n Q \n"})  # the question stripped, as the reference
     assert p2 == p
-    assert dg.nll_pair("humaneval", {"prompt": "def f():", "canonical_solution": "x"}) == ("def f():", "x")  # no separator
-    assert dg.encode_pair(ByteTokenizer(), "ab \n", "cd") == (list(b"ab"), list(b" \ncd"))
+    assert nll.nll_pair("humaneval", {"prompt": "def f():", "canonical_solution": "x"}) == ("def f():", "x")  # no separator
+    assert nll.encode_pair(ByteTokenizer(), "ab \n", "cd") == (list(b"ab"), list(b" \ncd"))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -346,9 +350,9 @@ def test_cli_on_a_checkpoint_writes_every_metric(tmp_path):
     assert out["schema"] == "depthbench.diagnose/2"
     assert out["meta"]["step"] == 7 and out["meta"]["seed"] == 3
     assert {m: (v["num_samples"], v["seq_len"]) for m, v in out["meta"]["samples"].items()} == {
-        m: (4, 16) for m in dg.PROTOCOL}                    # --num-samples for every metric, the run's 16 tokens
-    for key in dg.METRICS.values():
-        assert key in out
+        m.name: (4, 16) for m in dg.METRICS if m.protocol}   # --num-samples for every metric, the run's 16 tokens
+    for m in dg.METRICS:
+        assert m.key in out
     assert out["nll"]["skipped"] and out["attnres_weights"]["skipped"] and len(out["transport_erank"]["per_connector"]) == 4
     assert len(out["angular_distance"]["matrix"]) == 3 and out["angular_distance"]["matrix"][1][0] is None
     assert out["permutation_score"]["swap_dedup"] is True and out["causal_score"]["n_pairs"] == 0
@@ -404,7 +408,7 @@ def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
     assert "the release's rule, seed 42" in meta["samples"]["causal"]["calibration"]
     assert set(meta["timings_s"]) == {"128x512", "32x512", "16x256", "12x256"}
     help_text = run_cli("--help").stdout
-    want = "angular 128 x 512, lens 32 x 512, causal 16 x 256, pruning 16 x 256, perm 12 x 256"
+    want = "angular, attnres, erank, deadzone 128 x 512; causal, pruning 16 x 256; perm 12 x 256; lens 32 x 512"
     assert want in " ".join(help_text.split())
     r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--calib", "synthetic",
                 "--dtype", "bf16", "--device", "cpu", "--metrics", "angular")
@@ -418,7 +422,7 @@ def test_cli_init_with_local_nll_fixtures(tmp_path):
                 "--metrics", "nll,pruning", "--nll-data", "fixtures/nll", "--nll-max-len", "512", "--out", str(tmp_path / "d.json"))
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "d.json").read_text())
-    assert set(out["nll"]["tasks"]) == set(dg.NLL_TASKS) and set(out["nll"]["categories"]) == {"coding", "stem", "math"}
+    assert set(out["nll"]["tasks"]) == set(nll.TASKS) and set(out["nll"]["categories"]) == {"coding", "stem", "math"}
     gsm = out["nll"]["tasks"]["gsm8k"]
     assert gsm["num_examples"] == 4 and gsm["num_target_tokens"] == 71 and gsm["category"] == "math"
     math_cat = out["nll"]["categories"]["math"]
