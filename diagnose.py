@@ -5,6 +5,7 @@ diagnose.py: the layer-wise diagnostics of DepthBench for one model, as one JSON
     python diagnose.py runs/hc_L6/ckpt.pt --metrics angular,causal --num-samples 16 --seq-len 128
     python diagnose.py --init attnres --layers 6 --width 128 --heads 4       # a fresh model, synthetic text
     python diagnose.py runs/austen_L6 --metrics nll --nll-data fixtures/nll  # NLL offline, on local JSONL
+    python diagnose.py runs/austen_L6 --metrics zeroshot --zeroshot-data fixtures/zeroshot   # lm-eval, offline
 
 A metric is one row of METRICS (its name, JSON key, definition, the release's windows and what it reads from the
 recording pass) and one function that turns what it reads into its JSON object; the JSON carries the definition
@@ -29,7 +30,7 @@ from depthbench.calibration import DiagError, calibration_groups, load_model, pl
 from depthbench.interventions import block_tensors, swap_blocks  # noqa: F401 (block_tensors: for tests)
 from depthbench.common import (ArgParser, CheckpointError, check_options, comma_list, fail, first_line,
                                hub_unreachable, json_object, positive, seed_number, write_json, VAL_SEED)
-from depthbench import nll as downstream
+from depthbench import nll as downstream, zeroshot as harness
 from model import GPT
 from ops import dead_zone, erank  # the metrics the designs' telemetry shares
 from residuals import RESIDUALS
@@ -184,6 +185,18 @@ def lens_sums(model, readouts, final_logits, y):
     return torch.stack(rows)
 
 
+def token_matrix_metrics(H):
+    """H: (W, T, D) token matrices (no centering) -> (W, 3): per matrix, from its singular values s, the stable rank
+    sum(s^2) / max(s)^2, the effective rank exp(-sum p log p) with p = s^2 / sum(s^2) (p floored at 1e-12, as the
+    release) and the ratio ||s||_1 / ||s||_2; all three 1 for a matrix of (near) zeros, as the release."""
+    s = torch.linalg.svdvals(H.double())                                 # (W, min(T, D)), descending
+    s2 = s ** 2
+    total = s2.sum(-1)
+    p = (s2 / total[:, None]).clamp_min(1e-12)
+    out = torch.stack([total / s2[:, 0], torch.exp(-(p * p.log()).sum(-1)), s.sum(-1) / total.sqrt()], -1)
+    return torch.where((total < 1e-12)[:, None], torch.ones_like(out), out)
+
+
 def share_above(M, threshold, L, lo=0):
     """Over the pairs lo <= a < b <= L-1 (0-based blocks): (number of pairs, how many have M[a][b] > threshold,
     their share). R_causal and R_perm use lo = ceil(L/4), the last three quarters; R_perm_all uses lo = 0."""
@@ -259,6 +272,8 @@ SKIP_UPDATES = Need("how much every later update changes with block s skipped", 
 SKIP_LOSS = Need("the summed CE with block s skipped", per_skip=lambda b, s, skipped: ce_sum(skipped.logits, b.y))
 TRANSPORT = design_internal("H_res")                                    # HC/mHC: each connector's stream transport
 DEPTH_WEIGHTS = design_internal("attnres_weights")                      # AttnRes: each consumer's depth softmax
+SINGULAR = Need("sums over windows of each depth state's token-matrix metrics",
+                per_batch=lambda b: torch.stack([token_matrix_metrics(z).sum(0) for z in b.rec.states]).cpu())
 
 
 # ----------------------------------------------------------------------------- the metrics, one function each
@@ -357,12 +372,29 @@ def transport(inp):
             "matrices": [M.tolist() for M in Ms]}
 
 
+def collapse(inp):
+    means = (inp.sums[SINGULAR] / inp.sums.windows).T.tolist()            # 3 rows of L+1 states
+    return {**dict(zip(("stable_rank", "erank", "l1_l2_ratio"), means)), "num_windows": inp.sums.windows}
+
+
 def nll(inp):
     if inp.st.text_skip:
         return {"skipped": inp.st.text_skip}
     args, tok = inp.args, data.get_tokenizer(inp.st.tok_name)
     return downstream.evaluate(inp.model, tok, inp.st.nll_tasks, nll_data=args.nll_data, limit=args.nll_limit,
                                max_len=inp.st.max_len, batch_size=args.batch_size, device=inp.device)
+
+
+def zeroshot(inp):
+    if inp.st.text_skip:
+        return {"skipped": inp.st.text_skip}
+    args, tok = inp.args, data.get_tokenizer(inp.st.tok_name)
+    if tok.vocab_size > inp.model.cfg.vocab_size:
+        raise DiagError(f"the tokenizer {tok.name} has {tok.vocab_size} ids, the model's vocab {inp.model.cfg.vocab_size}")
+    lm = harness.harness_model(inp.model, tok, inp.st.max_len, batch_size=args.batch_size, device=inp.device)
+    tasks = harness.evaluate(lm, inp.st.zeroshot_tasks, data_dir=args.zeroshot_data, limit=args.zeroshot_limit)
+    return {"tasks": tasks, "source": args.zeroshot_data or "huggingface hub", "max_len": inp.st.max_len,
+            "lm_eval": harness.version()}
 
 
 @dataclass(frozen=True)
@@ -410,10 +442,18 @@ METRICS = [
         "schedule[k] = token-averaged weight of sublayer k's depth softmax on non-embedding sources (sublayer 0 reads "
         "only the embedding: 0); dead when < tau; count_blocks = blocks with both dead; Fig. 9 is Block AttnRes', "
         "Full AttnRes (groups of one sublayer) gets the same numbers")),
+    Metric("collapse", "token_collapse", collapse, protocol=(256, 512), needs=(SINGULAR,), definition=(
+        "per depth state z_l and window, the token matrix H (T x D', no centering) and its singular values s: "
+        "stable_rank = sum(s^2) / max(s)^2, erank = exp(-sum p log p) with p = s^2 / sum(s^2), l1_l2_ratio = "
+        "sum(s) / sqrt(sum(s^2)); each 1 when the tokens share one direction; means over windows")),
     Metric("nll", "nll", nll, definition=(
         "-sum log p(answer tokens | prompt), teacher-forced; the prompt's trailing whitespace moves to the answer, "
         "answer tokens = tokens(prompt + answer) after tokens(prompt), left-truncated to max_len + 1; nll_mean = "
         "nll_sum / num_target_tokens, pooled over tokens per task, per category and over all")),
+    Metric("zeroshot", "zeroshot", zeroshot, definition=(
+        "lm-eval's multiple-choice accuracy, zero-shot, with lm-eval's own task definitions: acc = share of items "
+        "whose right choice has the highest log p(choice | prompt), acc_norm = the same with log p divided by the "
+        "choice's length in characters (WinoGrande: the choice is the context, the rest of the sentence is scored)")),
 ]
 BY_NAME = {m.name: m for m in METRICS}
 
@@ -425,11 +465,12 @@ class Settings:
     """What the command line and the checkpoint resolve to (argparse's namespace keeps what was typed)."""
     todo: set                    # the metrics to compute (names)
     nll_tasks: list              # the NLL tasks
+    zeroshot_tasks: list         # the zero-shot tasks (lm-eval's names)
     seed: int = None             # seeds the windows (and --init's weights)
     samples: dict = field(default_factory=dict)  # metric -> (windows, tokens per window)
-    max_len: int = None          # context length of NLL
-    tok_name: str = None         # tokenizer of text calibration and NLL
-    text_skip: str = None        # why NLL is skipped (a model of synthetic tokens), or None
+    max_len: int = None          # context length of NLL and zero-shot
+    tok_name: str = None         # tokenizer of text calibration, NLL and zero-shot
+    text_skip: str = None        # why NLL and zero-shot are skipped (a model of synthetic tokens), or None
     out: str = None              # the output JSON
 
 
@@ -463,13 +504,15 @@ def build_parser():
     g.add_argument("--calib", default="auto", help="auto (the run's val data), synthetic, a shard folder or text files")
     g.add_argument("--token-data-glob", help="pre-tokenized .npy token shards (a glob), windows drawn by the release's "
                    "rule (files in proportion to their usable length, numpy default_rng(seed)); replaces --calib")
-    g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files and NLL (default: the run's)")
+    g.add_argument("--tokenizer", help="gpt2, bytes or a tokenizer.json, for text files, NLL and zeroshot (default: "
+                   "the run's)")
     g.add_argument("--max-gap", type=pos, default=4, help="synthetic task's max gap if the run says none (default 4)")
     g.add_argument("--num-samples", type=pos, help=f"windows, for every metric (default: the release's per metric: "
                    f"{protocol_help()})")
     g.add_argument("--seq-len", type=pos, help="tokens per window, for every metric (default: the release's per "
                    "metric, as --num-samples; at most the run's own seq_len)")
-    g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL: examples) per forward pass (default 8)")
+    g.add_argument("--batch-size", type=pos, default=8, help="windows (NLL, zeroshot: requests) per forward pass "
+                   "(default 8)")
     g.add_argument("--seed", type=seed_number, help="seeds the windows and --init (default: the run's seed, else %d; "
                    "the release's analysis used 42)" % VAL_SEED)
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
@@ -483,12 +526,19 @@ def build_parser():
     g.add_argument("--perm-threshold", type=share, default=0.15, help="R_perm counts P > this (default 0.15)")
     g.add_argument("--dead-tau", type=share, default=0.05, help="dead when non-embedding weight < this (0.05)")
     g.add_argument("--eps", type=positive(float), default=1e-8, help="floor of |u_l| in causal ratios (default 1e-8)")
-    g = p.add_argument_group("downstream NLL")
+    g = p.add_argument_group("downstream NLL and zero-shot tasks")
     g.add_argument("--nll-data", help="folder of local {task}.jsonl in each dataset's own fields (e.g. fixtures/nll)")
     g.add_argument("--nll-tasks", type=comma_list(str), default=",".join(downstream.TASKS),
                    help=f"comma list of {', '.join(downstream.TASKS)}")
     g.add_argument("--nll-limit", type=pos, help="at most this many examples per task (default: all)")
-    g.add_argument("--nll-max-len", type=pos, help="context length, left-truncated (default: the run's seq_len)")
+    g.add_argument("--nll-max-len", type=pos, help="context length of NLL and zeroshot, left-truncated (default: the "
+                   "run's seq_len)")
+    g.add_argument("--tasks", type=comma_list(str), default=",".join(harness.TASKS),
+                   help=f"zeroshot: comma list of lm-eval tasks, of {', '.join(harness.TASKS)} (default: all seven)")
+    g.add_argument("--zeroshot-data", help="zeroshot offline: folder of local <task>.jsonl, each in its hub dataset's "
+                   "fields (e.g. fixtures/zeroshot); default: the hub")
+    g.add_argument("--zeroshot-limit", type=pos, help="zeroshot: at most this many items per task (lm-eval's limit; "
+                   "default: all)")
     return p
 
 
@@ -504,8 +554,9 @@ def parse_args(argv):
     if todo - set(BY_NAME):
         bad = ", ".join(sorted(todo - set(BY_NAME)))
         p.error(f"unknown metric(s) {bad}; choose from {', '.join(BY_NAME)}, all")
-    if set(args.nll_tasks) - set(downstream.TASKS):
-        p.error(f"--nll-tasks: choose from {', '.join(downstream.TASKS)}")
+    for flag, given, known in (("--nll-tasks", args.nll_tasks, downstream.TASKS), ("--tasks", args.tasks, harness.TASKS)):
+        if set(given) - set(known):
+            p.error(f"{flag}: choose from {', '.join(known)}")
     try:
         check_options([args.init] if args.init else list(RESIDUALS), args.residual_args)
     except ValueError as e:
@@ -518,15 +569,16 @@ def parse_args(argv):
         p.error(f"--out {args.out}: {why}")
     if args.tokenizer not in (None, "gpt2", "bytes") and not Path(args.tokenizer).exists():
         p.error(f"--tokenizer {args.tokenizer}: not gpt2, bytes or a tokenizer.json")
-    if args.nll_data and not Path(args.nll_data).is_dir():
-        p.error(f"--nll-data {args.nll_data}: not a folder")
+    for flag, folder in (("--nll-data", args.nll_data), ("--zeroshot-data", args.zeroshot_data)):
+        if folder and not Path(folder).is_dir():
+            p.error(f"{flag} {folder}: not a folder")
     seed = VAL_SEED if args.init and args.seed is None else args.seed
-    return args, Settings(todo=todo, nll_tasks=args.nll_tasks, seed=seed, out=args.out)
+    return args, Settings(todo=todo, nll_tasks=args.nll_tasks, zeroshot_tasks=args.tasks, seed=seed, out=args.out)
 
 
 def resolve(args, st, run):
-    """Fill in what the checkpoint's run decides: the seed, each metric's windows, NLL's length and tokenizer; what
-    NLL needs and is missing (the hub) fails here, before any compute."""
+    """Fill in what the checkpoint's run decides: the seed, each metric's windows, the tokenizer and context length
+    of NLL and zero-shot; what these need and is missing (lm-eval, the hub) fails here, before any compute."""
     st.seed = run.get("seed", VAL_SEED) if st.seed is None else st.seed
     run_len = run.get("seq_len")
     for m in METRICS:
@@ -537,9 +589,16 @@ def resolve(args, st, run):
     st.tok_name = args.tokenizer or run.get("tokenizer")
     if st.tok_name is None or (run.get("data") == "synthetic" and not args.tokenizer):
         st.text_skip = "the model reads synthetic-task tokens, not text (--tokenizer forces a text tokenizer)"
-    elif "nll" in st.todo and not args.nll_data and (down := hub_unreachable()):  # fail fast, before any compute
+        return
+    if "zeroshot" in st.todo and (why := harness.missing()):
+        raise DiagError(f"{why}; or leave zeroshot out of --metrics")
+    hub = [(m, flag) for m, local, flag in (("nll", args.nll_data, "--nll-data fixtures/nll"),
+                                            ("zeroshot", args.zeroshot_data, "--zeroshot-data fixtures/zeroshot"))
+           if m in st.todo and not local]
+    if hub and (down := hub_unreachable()):  # fail fast, before any compute
+        m, flag = hub[0]
         raise DiagError(f"cannot reach the HuggingFace hub at {down[0]} ({down[1]}); offline, use "
-                        f"--nll-data fixtures/nll (local JSONL) or leave nll out of --metrics")
+                        f"{flag} (local JSONL) or leave {m} out of --metrics")
 
 
 def setup(args, st):

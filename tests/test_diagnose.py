@@ -353,7 +353,7 @@ def test_cli_on_a_checkpoint_writes_every_metric(tmp_path):
         m.name: (4, 16) for m in dg.METRICS if m.protocol}   # --num-samples for every metric, the run's 16 tokens
     for m in dg.METRICS:
         assert m.key in out
-    assert out["nll"]["skipped"] and out["attnres_weights"]["skipped"] and len(out["transport_erank"]["per_connector"]) == 4
+    assert out["nll"]["skipped"] and out["zeroshot"]["skipped"] and out["attnres_weights"]["skipped"] and len(out["transport_erank"]["per_connector"]) == 4
     assert len(out["angular_distance"]["matrix"]) == 3 and out["angular_distance"]["matrix"][1][0] is None
     assert out["permutation_score"]["swap_dedup"] is True and out["causal_score"]["n_pairs"] == 0
 
@@ -408,7 +408,8 @@ def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
     assert "the release's rule, seed 42" in meta["samples"]["causal"]["calibration"]
     assert set(meta["timings_s"]) == {"128x512", "32x512", "16x256", "12x256"}
     help_text = run_cli("--help").stdout
-    want = "angular, attnres, erank, deadzone 128 x 512; causal, pruning 16 x 256; perm 12 x 256; lens 32 x 512"
+    want = ("angular, attnres, erank, deadzone 128 x 512; causal, pruning 16 x 256; perm 12 x 256; lens 32 x 512; "
+            "collapse 256 x 512")
     assert want in " ".join(help_text.split())
     r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--calib", "synthetic",
                 "--dtype", "bf16", "--device", "cpu", "--metrics", "angular")
@@ -446,4 +447,69 @@ def test_unreachable_hub_fails_fast_in_one_line():
     r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--tokenizer", "bytes",
                 "--calib", "synthetic", "--vocab", "257", "--metrics", "nll", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
     assert r.returncode == 2 and "cannot reach the HuggingFace hub" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and time.time() - t0 < 30
+
+
+# ----------------------------------------------------------------------------- zero-shot tasks and token collapse
+
+def zeroshot_argv(tmp_path, *extra):
+    (tmp_path / "calib.txt").write_text("A short calibration text, tokenized as bytes. " * 3)
+    return ["--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--tokenizer", "bytes",
+            "--calib", str(tmp_path / "calib.txt"), "--num-samples", "2", "--seq-len", "16", "--nll-max-len", "512",
+            "--out", str(tmp_path / "d.json"), *extra]
+
+
+def test_cli_zeroshot_offline_gives_seven_accuracies_over_five_items_each(tmp_path, capsys):
+    """--zeroshot-data fixtures/zeroshot: the release's seven tasks in its order, each scored by lm-eval on exactly
+    its file's five items, acc everywhere and acc_norm where lm-eval reports it; token collapse beside it has a
+    value per depth state. --tasks and --zeroshot-limit pick tasks and items."""
+    pytest.importorskip("lm_eval")
+    dg.main(zeroshot_argv(tmp_path, "--metrics", "zeroshot,collapse", "--zeroshot-data", str(ROOT / "fixtures/zeroshot")))
+    out = json.loads((tmp_path / "d.json").read_text())
+    tasks = out["zeroshot"]["tasks"]
+    assert list(tasks) == ["openbookqa", "winogrande", "arc_challenge", "arc_easy", "hellaswag", "social_iqa", "piqa"]
+    for name, got in tasks.items():
+        assert got["num_examples"] == 5 and got["num_fewshot"] == 0, name
+        assert round(5 * got["acc"], 9) in range(6), name                 # a share of five items
+        assert ("acc_norm" in got) == (name not in ("winogrande", "social_iqa")), name
+    assert out["zeroshot"]["max_len"] == 512 and out["zeroshot"]["definition"]
+    collapse = out["token_collapse"]
+    assert collapse["num_windows"] == 2 and out["meta"]["samples"]["collapse"]["num_samples"] == 2
+    assert all(len(collapse[k]) == 3 and all(1 - 1e-6 <= v <= 16 for v in collapse[k])
+               for k in ("stable_rank", "erank", "l1_l2_ratio"))
+    dg.main(zeroshot_argv(tmp_path, "--metrics", "zeroshot", "--zeroshot-data", str(ROOT / "fixtures/zeroshot"),
+                          "--tasks", "piqa,arc_easy", "--zeroshot-limit", "2"))
+    tasks = json.loads((tmp_path / "d.json").read_text())["zeroshot"]["tasks"]
+    assert list(tasks) == ["piqa", "arc_easy"] and [t["num_examples"] for t in tasks.values()] == [2, 2]
+
+
+def test_zeroshot_without_lm_eval_or_its_data_is_one_line(tmp_path, capsys, monkeypatch):
+    """A task file missing from --zeroshot-data: that task is skipped with the reason, the others scored. A tokenizer
+    with more ids than the model's vocab, or lm-eval missing: one line, exit 2."""
+    pytest.importorskip("lm_eval")
+    data_dir = tmp_path / "z"
+    data_dir.mkdir()
+    (data_dir / "piqa.jsonl").write_text((ROOT / "fixtures/zeroshot/piqa.jsonl").read_text())
+    argv = zeroshot_argv(tmp_path, "--metrics", "zeroshot", "--zeroshot-data", str(data_dir), "--tasks", "piqa,hellaswag")
+    dg.main(argv)
+    tasks = json.loads((tmp_path / "d.json").read_text())["zeroshot"]["tasks"]
+    assert tasks["piqa"]["num_examples"] == 5 and tasks["hellaswag"] == {"skipped": f"no hellaswag.jsonl in {data_dir}"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:                                 # a model whose vocab the tokenizer exceeds
+        dg.main(argv + ["--vocab", "64"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.endswith("the tokenizer bytes has 257 ids, the model's vocab 64")
+    monkeypatch.setitem(sys.modules, "lm_eval", None)                    # as if it were not installed
+    with pytest.raises(SystemExit) as e:
+        dg.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "pip install lm-eval" in err
+
+
+def test_zeroshot_from_an_unreachable_hub_fails_fast_naming_the_offline_flag():
+    pytest.importorskip("lm_eval")
+    t0 = time.time()
+    r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--tokenizer", "bytes",
+                "--metrics", "zeroshot", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert r.returncode == 2 and "cannot reach the HuggingFace hub" in r.stderr and "--zeroshot-data" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and time.time() - t0 < 30
