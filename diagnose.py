@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import data
 from depthbench.calibration import DiagError, calibration_groups, load_model, place
-from depthbench.interventions import block_tensors, swap_blocks  # noqa: F401 (block_tensors: for tests)
+from depthbench.interventions import swap_blocks
 from depthbench.common import (ArgParser, CheckpointError, check_options, comma_list, fail, first_line,
                                hub_unreachable, json_object, positive, seed_number, write_json, VAL_SEED)
 from depthbench import nll as downstream, zeroshot as harness
@@ -277,6 +277,8 @@ SINGULAR = Need("sums over windows of each depth state's token-matrix metrics",
 
 
 # ----------------------------------------------------------------------------- the metrics, one function each
+# Each takes Inputs and returns its JSON object, {"skipped": why} where it does not apply; what it computes is its
+# row's definition in METRICS below.
 
 @dataclass
 class Inputs:

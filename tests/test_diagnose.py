@@ -21,6 +21,7 @@ import diagnose as dg
 import ops
 from data import ByteTokenizer
 from depthbench import nll
+from depthbench.interventions import block_tensors
 from model import GPT, GPTConfig
 from ops import rope_cos_sin
 from residuals import RESIDUALS, pushed
@@ -178,8 +179,8 @@ def test_swapping_identical_blocks_changes_nothing(residual):
     neither is the last block, which has no W_kv)."""
     model = build(residual, L=4)
     with torch.no_grad():
-        for name, t in dg.block_tensors(model, 1).items():
-            dg.block_tensors(model, 2)[name].copy_(t)
+        for name, t in block_tensors(model, 1).items():
+            block_tensors(model, 2)[name].copy_(t)
     P = dg.permutation(model, [tokens()], 0.15)["matrix"]
     assert P[1][2] == 0.0 and P[0][1] > 0
 
@@ -202,12 +203,12 @@ def test_a_swap_moves_the_residuals_own_tensors_once(residual):
     with torch.no_grad():  # make every tensor distinct, so a swap is visible
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    old = [{k: t.clone() for k, t in dg.block_tensors(model, b).items()} for b in (0, 1)]
+    old = [{k: t.clone() for k, t in block_tensors(model, b).items()} for b in (0, 1)]
     own = [k for k in old[0] if not k.startswith("block.") and k in old[1]]
     assert own, "the design owns tensors per block"
     scales = [float(getattr(site, "scale", 0.0)) for site in model.res.sites]
     dg.swap_blocks(model, 0, 1)
-    new = [dg.block_tensors(model, b) for b in (0, 1)]
+    new = [block_tensors(model, b) for b in (0, 1)]
     for k in old[0]:
         if k in old[1] and old[0][k].shape == old[1][k].shape:
             assert torch.equal(new[0][k], old[1][k]) and torch.equal(new[1][k], old[0][k]), k
