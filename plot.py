@@ -25,6 +25,7 @@ from matplotlib import colors, ticker, transforms
 
 from depthbench import common
 from depthbench.common import ArgParser
+from depthbench.plot_eval import fig_token_collapse, fig_zeroshot  # diagnose.py's evaluation metrics, drawn there
 
 # ----------------------------------------------------------------------------- the contract and the look
 
@@ -662,6 +663,7 @@ FIGURES = [  # (file name without extension, function), in paper order
     ("fig10_transport_erank", fig10_transport_erank),
     ("fig11_system_cost", fig11_system),
     ("mini_composition_vs_depth", fig_composition),
+    ("zeroshot_vs_ar", fig_zeroshot), ("token_collapse_per_layer", fig_token_collapse),  # depthbench/plot_eval.py
 ]
 
 

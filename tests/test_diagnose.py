@@ -18,7 +18,10 @@ import pytest
 import torch
 
 import diagnose as dg
+import ops
 from data import ByteTokenizer
+from depthbench import nll
+from depthbench.interventions import block_tensors
 from model import GPT, GPTConfig
 from ops import rope_cos_sin
 from depthbench import observe
@@ -27,7 +30,7 @@ from residuals import RESIDUALS
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 ALL = list(RESIDUALS)
 V = 32
-ARGS = SimpleNamespace(causal_threshold=0.45, dead_tau=0.05, eps=1e-8)
+ARGS = SimpleNamespace(causal_threshold=0.45, perm_threshold=0.15, dead_tau=0.05, eps=1e-8)
 
 
 def build(residual, L=3, seed=0, **residual_args):
@@ -44,10 +47,12 @@ def tokens(B=2, T=12, seed=1):
     return w[:, :-1], w[:, 1:]
 
 
-def layer_metrics(model, todo=("angular", "causal", "pruning", "lens", "attnres", "deadzone", "erank")):
-    x, y = tokens()
-    acc = dg.sweep(model, [(x, y)], set(todo), 1e-8)
-    return dg.layer_metrics(model, acc, set(todo), ARGS)
+def layer_metrics(model, todo=("angular", "causal", "pruning", "lens", "attnres", "deadzone", "erank"), batches=None):
+    """{metric name: its JSON object} of the metrics `todo` on the batches (default: one batch of tokens()), as
+    diagnose.py computes a group of them: one recording pass for what they need."""
+    rows = [dg.BY_NAME[m] for m in todo]
+    out = dg.run_group(rows, dg.Inputs(model, ARGS, None, device="cpu", batches=batches or [tokens()]))
+    return {m.name: out[m.key] for m in rows}
 
 
 def run_cli(*args, env=None):
@@ -59,8 +64,8 @@ def run_cli(*args, env=None):
 
 def trunk(model, x, skip=None):
     """(logits, depth states, lens readouts) of the observed forward (depthbench/observe.py), block `skip` left out."""
-    rec = observe.record(model, x, skip=skip)
-    return rec.logits, rec.states, rec.readouts
+    logits, rec = dg.recording(model, x, skip=skip)
+    return logits, rec.states, rec.readouts
 
 
 @pytest.mark.parametrize("residual", ALL)
@@ -175,8 +180,8 @@ def test_swapping_identical_blocks_changes_nothing(residual):
     neither is the last block, which has no W_kv)."""
     model = build(residual, L=4)
     with torch.no_grad():
-        for name, t in dg.block_tensors(model, 1).items():
-            dg.block_tensors(model, 2)[name].copy_(t)
+        for name, t in block_tensors(model, 1).items():
+            block_tensors(model, 2)[name].copy_(t)
     P = dg.permutation(model, [tokens()], 0.15)["matrix"]
     assert P[1][2] == 0.0 and P[0][1] > 0
 
@@ -199,12 +204,12 @@ def test_a_swap_moves_the_residuals_own_tensors_once(residual):
     with torch.no_grad():  # make every tensor distinct, so a swap is visible
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    old = [{k: t.clone() for k, t in dg.block_tensors(model, b).items()} for b in (0, 1)]
+    old = [{k: t.clone() for k, t in block_tensors(model, b).items()} for b in (0, 1)]
     own = [k for k in old[0] if not k.startswith("block.") and k in old[1]]
     assert own, "the design owns tensors per block"
     scales = [float(getattr(site, "scale", 0.0)) for site in model.res.sites]
     dg.swap_blocks(model, 0, 1)
-    new = [dg.block_tensors(model, b) for b in (0, 1)]
+    new = [block_tensors(model, b) for b in (0, 1)]
     for k in old[0]:
         if k in old[1] and old[0][k].shape == old[1][k].shape:
             assert torch.equal(new[0][k], old[1][k]) and torch.equal(new[1][k], old[0][k]), k
@@ -235,10 +240,10 @@ def test_angular_distance_of_a_state_with_itself_is_0_and_with_its_opposite_is_1
 
 
 def test_effective_rank():
-    assert dg.erank(torch.eye(4)) == pytest.approx(4.0)
-    assert dg.erank(torch.outer(torch.arange(1.0, 5.0), torch.ones(4))) == pytest.approx(1.0)
-    assert dg.erank(torch.full((4, 4), 0.25)) == pytest.approx(1.0)
-    assert 1.0 < dg.erank(torch.diag(torch.tensor([1.0, 0.1, 0.1, 0.1]))) < 4.0
+    assert ops.erank(torch.eye(4)) == pytest.approx(4.0)
+    assert ops.erank(torch.outer(torch.arange(1.0, 5.0), torch.ones(4))) == pytest.approx(1.0)
+    assert ops.erank(torch.full((4, 4), 0.25)) == pytest.approx(1.0)
+    assert 1.0 < ops.erank(torch.diag(torch.tensor([1.0, 0.1, 0.1, 0.1]))) < 4.0
 
 
 def test_r_causal_counts_only_the_last_three_quarters():
@@ -268,7 +273,7 @@ def test_dead_zone_schedule_and_block_count():
     """Weights of 2L + 1 consumers (index 0 = embedding); a block is dead when both its sublayers are."""
     L = 3
     w = [[1.0], [0.99, 0.01], [0.97, 0.03], [0.5, 0.5], [0.96, 0.04], [0.98, 0.02], [0.2, 0.8]]
-    dz = dg.dead_zone(w, L, 0.05)
+    dz = ops.dead_zone(w, L, 0.05)
     assert dz["dead"] == [True, True, True, False, True, True]
     assert dz["count_blocks"] == 2 and dz["count_sublayers"] == 5 and dz["head"] == pytest.approx(0.8)
 
@@ -305,28 +310,28 @@ def test_nll_counts_exactly_the_answer_tokens():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=257, n_layer=2, d_model=32, n_head=2, d_ff=96)).eval()
     for task, count in (("gsm8k", 71), ("mbpp", 99)):
-        rows = dg.nll_rows(task, ROOT / "fixtures" / "nll", None)
-        total, n = dg.nll_task(model, tok, rows, task, 4096, 2, "cpu")
+        rows = nll.nll_rows(task, ROOT / "fixtures" / "nll", None)
+        total, n = nll.nll_task(model, tok, rows, task, 4096, 2, "cpu")
         assert n == count and 0 < total / n < 20
     # batching and right-padding change nothing: one example at a time gives the same sum
-    rows = dg.nll_rows("sciq", ROOT / "fixtures" / "nll", None)
-    assert dg.nll_task(model, tok, rows, "sciq", 4096, 3, "cpu")[0] == pytest.approx(
-        dg.nll_task(model, tok, rows, "sciq", 4096, 1, "cpu")[0], rel=1e-5)
+    rows = nll.nll_rows("sciq", ROOT / "fixtures" / "nll", None)
+    assert nll.nll_task(model, tok, rows, "sciq", 4096, 3, "cpu")[0] == pytest.approx(
+        nll.nll_task(model, tok, rows, "sciq", 4096, 1, "cpu")[0], rel=1e-5)
 
 
 def test_nll_formats():
-    p, t = dg.nll_pair("gsm8k", {"question": "Q?", "answer": "42"})
+    p, t = nll.nll_pair("gsm8k", {"question": "Q?", "answer": "42"})
     assert (p, t) == ("Question: Q?\nAnswer:", " 42")
     row = {"Record ID": "r", "Question": "Q", "Correct Answer": " a ", "Incorrect Answer 1": "b",
            "Incorrect Answer 2": "c", "Incorrect Answer 3": "d", "Explanation": ""}
-    p, t = dg.nll_pair("gpqa_diamond", row)
+    p, t = nll.nll_pair("gpqa_diamond", row)
     assert t == " a" and p.startswith("Question: Q\nChoices:\nA. ") and p.endswith("\nAnswer:")
     assert sorted(line[3:] for line in p.splitlines()[2:6]) == ["a", "b", "c", "d"]   # stripped, shuffled
-    assert p == dg.nll_pair("gpqa_diamond", row)[0]                  # the shuffle is seeded by the record
-    p2, _ = dg.nll_pair("gpqa_diamond", {**row, "Question": " \n Q \n"})  # the question stripped, as the reference
+    assert p == nll.nll_pair("gpqa_diamond", row)[0]                  # the shuffle is seeded by the record
+    p2, _ = nll.nll_pair("gpqa_diamond", {**row, "Question": " \n Q \n"})  # the question stripped, as the reference
     assert p2 == p
-    assert dg.nll_pair("humaneval", {"prompt": "def f():", "canonical_solution": "x"}) == ("def f():", "x")  # no separator
-    assert dg.encode_pair(ByteTokenizer(), "ab \n", "cd") == (list(b"ab"), list(b" \ncd"))
+    assert nll.nll_pair("humaneval", {"prompt": "def f():", "canonical_solution": "x"}) == ("def f():", "x")  # no separator
+    assert nll.encode_pair(ByteTokenizer(), "ab \n", "cd") == (list(b"ab"), list(b" \ncd"))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -347,10 +352,10 @@ def test_cli_on_a_checkpoint_writes_every_metric(tmp_path):
     assert out["schema"] == "depthbench.diagnose/2"
     assert out["meta"]["step"] == 7 and out["meta"]["seed"] == 3
     assert {m: (v["num_samples"], v["seq_len"]) for m, v in out["meta"]["samples"].items()} == {
-        m: (4, 16) for m in dg.PROTOCOL}                    # --num-samples for every metric, the run's 16 tokens
-    for key in dg.METRICS.values():
-        assert key in out
-    assert out["nll"]["skipped"] and out["attnres_weights"]["skipped"] and len(out["transport_erank"]["per_connector"]) == 4
+        m.name: (4, 16) for m in dg.METRICS if m.protocol}   # --num-samples for every metric, the run's 16 tokens
+    for m in dg.METRICS:
+        assert m.key in out
+    assert out["nll"]["skipped"] and out["zeroshot"]["skipped"] and out["attnres_weights"]["skipped"] and len(out["transport_erank"]["per_connector"]) == 4
     assert len(out["angular_distance"]["matrix"]) == 3 and out["angular_distance"]["matrix"][1][0] is None
     assert out["permutation_score"]["swap_dedup"] is True and out["causal_score"]["n_pairs"] == 0
 
@@ -405,7 +410,8 @@ def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
     assert "the release's rule, seed 42" in meta["samples"]["causal"]["calibration"]
     assert set(meta["timings_s"]) == {"128x512", "32x512", "16x256", "12x256"}
     help_text = run_cli("--help").stdout
-    want = "angular 128 x 512, lens 32 x 512, causal 16 x 256, pruning 16 x 256, perm 12 x 256"
+    want = ("angular, attnres, erank, deadzone 128 x 512; causal, pruning 16 x 256; perm 12 x 256; lens 32 x 512; "
+            "collapse 256 x 512")
     assert want in " ".join(help_text.split())
     r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--calib", "synthetic",
                 "--dtype", "bf16", "--device", "cpu", "--metrics", "angular")
@@ -419,7 +425,7 @@ def test_cli_init_with_local_nll_fixtures(tmp_path):
                 "--metrics", "nll,pruning", "--nll-data", "fixtures/nll", "--nll-max-len", "512", "--out", str(tmp_path / "d.json"))
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "d.json").read_text())
-    assert set(out["nll"]["tasks"]) == set(dg.NLL_TASKS) and set(out["nll"]["categories"]) == {"coding", "stem", "math"}
+    assert set(out["nll"]["tasks"]) == set(nll.TASKS) and set(out["nll"]["categories"]) == {"coding", "stem", "math"}
     gsm = out["nll"]["tasks"]["gsm8k"]
     assert gsm["num_examples"] == 4 and gsm["num_target_tokens"] == 71 and gsm["category"] == "math"
     math_cat = out["nll"]["categories"]["math"]
@@ -443,4 +449,69 @@ def test_unreachable_hub_fails_fast_in_one_line():
     r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--tokenizer", "bytes",
                 "--calib", "synthetic", "--vocab", "257", "--metrics", "nll", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
     assert r.returncode == 2 and "cannot reach the HuggingFace hub" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and time.time() - t0 < 30
+
+
+# ----------------------------------------------------------------------------- zero-shot tasks and token collapse
+
+def zeroshot_argv(tmp_path, *extra):
+    (tmp_path / "calib.txt").write_text("A short calibration text, tokenized as bytes. " * 3)
+    return ["--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--tokenizer", "bytes",
+            "--calib", str(tmp_path / "calib.txt"), "--num-samples", "2", "--seq-len", "16", "--nll-max-len", "512",
+            "--out", str(tmp_path / "d.json"), *extra]
+
+
+def test_cli_zeroshot_offline_gives_seven_accuracies_over_five_items_each(tmp_path, capsys):
+    """--zeroshot-data fixtures/zeroshot: the release's seven tasks in its order, each scored by lm-eval on exactly
+    its file's five items, acc everywhere and acc_norm where lm-eval reports it; token collapse beside it has a
+    value per depth state. --tasks and --zeroshot-limit pick tasks and items."""
+    pytest.importorskip("lm_eval")
+    dg.main(zeroshot_argv(tmp_path, "--metrics", "zeroshot,collapse", "--zeroshot-data", str(ROOT / "fixtures/zeroshot")))
+    out = json.loads((tmp_path / "d.json").read_text())
+    tasks = out["zeroshot"]["tasks"]
+    assert list(tasks) == ["openbookqa", "winogrande", "arc_challenge", "arc_easy", "hellaswag", "social_iqa", "piqa"]
+    for name, got in tasks.items():
+        assert got["num_examples"] == 5 and got["num_fewshot"] == 0, name
+        assert round(5 * got["acc"], 9) in range(6), name                 # a share of five items
+        assert ("acc_norm" in got) == (name not in ("winogrande", "social_iqa")), name
+    assert out["zeroshot"]["max_len"] == 512 and out["zeroshot"]["definition"]
+    collapse = out["token_collapse"]
+    assert collapse["num_windows"] == 2 and out["meta"]["samples"]["collapse"]["num_samples"] == 2
+    assert all(len(collapse[k]) == 3 and all(1 - 1e-6 <= v <= 16 for v in collapse[k])
+               for k in ("stable_rank", "erank", "l1_l2_ratio"))
+    dg.main(zeroshot_argv(tmp_path, "--metrics", "zeroshot", "--zeroshot-data", str(ROOT / "fixtures/zeroshot"),
+                          "--tasks", "piqa,arc_easy", "--zeroshot-limit", "2"))
+    tasks = json.loads((tmp_path / "d.json").read_text())["zeroshot"]["tasks"]
+    assert list(tasks) == ["piqa", "arc_easy"] and [t["num_examples"] for t in tasks.values()] == [2, 2]
+
+
+def test_zeroshot_without_lm_eval_or_its_data_is_one_line(tmp_path, capsys, monkeypatch):
+    """A task file missing from --zeroshot-data: that task is skipped with the reason, the others scored. A tokenizer
+    with more ids than the model's vocab, or lm-eval missing: one line, exit 2."""
+    pytest.importorskip("lm_eval")
+    data_dir = tmp_path / "z"
+    data_dir.mkdir()
+    (data_dir / "piqa.jsonl").write_text((ROOT / "fixtures/zeroshot/piqa.jsonl").read_text())
+    argv = zeroshot_argv(tmp_path, "--metrics", "zeroshot", "--zeroshot-data", str(data_dir), "--tasks", "piqa,hellaswag")
+    dg.main(argv)
+    tasks = json.loads((tmp_path / "d.json").read_text())["zeroshot"]["tasks"]
+    assert tasks["piqa"]["num_examples"] == 5 and tasks["hellaswag"] == {"skipped": f"no hellaswag.jsonl in {data_dir}"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:                                 # a model whose vocab the tokenizer exceeds
+        dg.main(argv + ["--vocab", "64"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.endswith("the tokenizer bytes has 257 ids, the model's vocab 64")
+    monkeypatch.setitem(sys.modules, "lm_eval", None)                    # as if it were not installed
+    with pytest.raises(SystemExit) as e:
+        dg.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "pip install lm-eval" in err
+
+
+def test_zeroshot_from_an_unreachable_hub_fails_fast_naming_the_offline_flag():
+    pytest.importorskip("lm_eval")
+    t0 = time.time()
+    r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--tokenizer", "bytes",
+                "--metrics", "zeroshot", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert r.returncode == 2 and "cannot reach the HuggingFace hub" in r.stderr and "--zeroshot-data" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and time.time() - t0 < 30

@@ -79,7 +79,14 @@ def diagnose_json(residual="attnres", n_layer=L, d_model=64):
                          "count_blocks": 1},
            "nll": {"tasks": {"mbpp": {"category": "coding", "nll_mean": 2.0, "num_target_tokens": 100}},
                    "categories": {"coding": {"nll_mean": 2.0 + o}, "stem": {"nll_mean": 2.5},
-                                  "math": {"nll_mean": 1.8 + 0.1 * n - o}}}}
+                                  "math": {"nll_mean": 1.8 + 0.1 * n - o}}},
+           "token_collapse": {"stable_rank": [1 + 3 * o + 2 / (i + 1) for i in range(n + 1)],
+                              "erank": [2 + 4 * o + 8 / (i + 1) for i in range(n + 1)],
+                              "l1_l2_ratio": [1.5 + o + 2 / (i + 1) for i in range(n + 1)], "num_windows": 4},
+           "zeroshot": {"tasks": {"arc_easy": {"acc": 0.3 + 0.05 * o + 0.01 * n, "acc_norm": 0.35, "num_examples": 5},
+                                  "winogrande": {"acc": 0.5 + 0.02 * n - o / 10, "num_examples": 5},
+                                  "piqa": {"skipped": "no piqa.jsonl in z"}},
+                        "source": "z", "max_len": 512}}
     if residual not in ("attnres", "block_attnres"):
         doc["attnres_weights"] = {"skipped": "not an AttnRes model"}
     if residual != "block_attnres":
@@ -262,7 +269,7 @@ def test_main_draws_exactly_what_the_folder_supports(tmp_path, capsys):
     diag = diagnose_json("preln")
     diag["attnres_weights"] = {"skipped": "not an AttnRes model"}  # present but not applicable
     for key in ["dead_zone", "transport_erank", "nll", "angular_distance", "causal_score",
-                "permutation_score", "logit_lens", "layer_pruning"]:
+                "permutation_score", "logit_lens", "layer_pruning", "token_collapse", "zeroshot"]:
         del diag[key]
     write(runs, "diag.json", diag)
     out = tmp_path / "figs"
@@ -425,3 +432,34 @@ def test_plot_suite_main_draws_its_figures(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         plot_suite.main([str(tmp_path / "missing")])
     assert e.value.code == 2 and capsys.readouterr().err.startswith("depthbench.plot_suite: error:")
+
+
+def test_zeroshot_figure_has_a_panel_per_scored_task_and_a_line_per_design(full_dir, tmp_path, monkeypatch):
+    """Tasks in the order the JSON gives them, a task every JSON skipped left out; per panel a line per design for
+    acc, and for acc_norm only where the task reports it (WinoGrande does not)."""
+    from matplotlib.axes import Axes
+    from depthbench import plot_eval
+    drawn, plot_line = [], Axes.plot
+
+    def recording_plot(ax, *args, **kw):
+        drawn.append((ax, kw.get("label")))
+        return plot_line(ax, *args, **kw)
+    monkeypatch.setattr(Axes, "plot", recording_plot)
+    data, _ = plot.load_folder(full_dir)
+    info = plot_eval.fig_zeroshot(data, tmp_path / "z.png")
+    assert info["tasks"] == ["arc_easy", "winogrande"] and info["drew"] == "2 task(s) from 8 diagnose JSON"
+    assert_png(tmp_path / "z.png")
+    panels = list(dict.fromkeys(ax for ax, _ in drawn))
+    designs = ["Pre-LN", "HC", "Full AttnRes", "Block AttnRes"]
+    assert [sorted(label for ax, label in drawn if ax is p) for p in panels] == [
+        sorted([f"{d} acc" for d in designs] + [f"{d} acc_norm" for d in designs]), sorted(f"{d} acc" for d in designs)]
+    skipped = {"diagnose": [dict(diagnose_json(), zeroshot={"tasks": {"piqa": {"skipped": "no data"}}})]}
+    assert "every one skipped" in plot_eval.fig_zeroshot(skipped, tmp_path / "z3.png")["skipped"]
+
+
+def test_token_collapse_figure_draws_a_line_per_model_and_metric(full_dir, tmp_path):
+    from depthbench import plot_eval
+    data, _ = plot.load_folder(full_dir)
+    info = plot_eval.fig_token_collapse(data, tmp_path / "t.png")
+    assert info["drew"] == "8 model(s)"
+    assert_png(tmp_path / "t.png")

@@ -104,6 +104,8 @@ CASES = [
     ("train.py", "--grad-clip nan", [*TRAIN, "--grad-clip", "nan"], {}, 2, "argument --grad-clip: invalid"),
     ("train.py", "--weight-decay -1", [*TRAIN, "--weight-decay", "-1"], {}, 2, "argument --weight-decay: invalid"),
     ("diagnose.py", "--causal-threshold nan", [*INIT, "--causal-threshold", "nan"], {}, 2, "--causal-threshold"),
+    ("diagnose.py", "an unknown zero-shot task in --tasks", [*INIT, "--metrics", "zeroshot", "--tasks", "piqa,mmlu"], {},
+     2, "--tasks: choose from openbookqa, winogrande"),
     ("profile_gpu.py", "--ar nan", ["--analytic-only", "--ar", "nan"], {}, 2, "expected a count like 405M"),
     ("shapes.py", "--ar inf", ["--ar", "inf"], {}, 2, "argument --ar: invalid"),
     ("train.py", "--max-gap 100000 (no answer fits a sequence)", [*TRAIN, "--max-gap", "100000"], {}, 2,
@@ -125,6 +127,8 @@ CASES = [
      "not a depthbench checkpoint (UnpicklingError: it holds objects beyond tensors"),
     ("depthbench.official", "a truncated .distcp file", ["info", "{tmp}/step1"], official_checkpoint, 2, "unreadable DCP data"),
     ("diagnose.py", "--out that is a folder", [*INIT, "--out", "{tmp}/d"], {"d": None}, 2, "--out {tmp}/d is a folder"),
+    ("diagnose.py", "--zeroshot-data that is a file", [*INIT, "--metrics", "zeroshot", "--zeroshot-data", "{tmp}/z"],
+     {"z": "a file"}, 2, "--zeroshot-data {tmp}/z: not a folder"),
     # absurd sizes
     ("train.py", "--seq-len 100000000", [*TRAIN, "--seq-len", "100000000"], {}, 2, "needs at least"),
     ("profile_gpu.py", "10^8 layers, --analytic-only", ["--analytic-only", "--shapes", "100000000x64"], {}, 2,

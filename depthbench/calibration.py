@@ -1,0 +1,115 @@
+"""
+What diagnose.py measures on: the model (a run folder's ckpt.pt, a .pt file, an official checkpoint or a fresh
+--init model), placed on its device in its precision, and its calibration windows, per metric setting
+(docs/diagnostics.md#setup): the release's token-shard rule, the run's own validation data, or text files.
+"""
+import contextlib
+import glob
+from pathlib import Path
+
+import torch
+
+import data
+import shapes
+from depthbench import official, synthetic, windows
+from depthbench.common import design_options, first_line, load_checkpoint, pick_device
+from model import GPT, GPTConfig
+
+
+class DiagError(ValueError):
+    """A problem the user can fix; diagnose.py prints it (and a CheckpointError) as one line and exits with 2."""
+
+
+def load_model(args, st):
+    """-> (model, the run's train config, checkpoint path or None, step or None)."""
+    if args.init:  # the vocab follows the text: the tokenizer's, else the synthetic task's
+        vocab = args.vocab or {"gpt2": data.padded_vocab_size(50257), "bytes": 257}.get(args.tokenizer)
+        vocab = vocab or synthetic.SyntheticTask(args.max_gap).vocab_size
+        torch.manual_seed(st.seed)
+        cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
+                        d_ff=shapes.ffn_dim(args.width), residual=args.init,
+                        residual_args=design_options(args.init, args.residual_args), kernels=args.kernels)
+        run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
+               "max_gap": args.max_gap, "seed": st.seed}
+        return GPT(cfg), run, None, None
+    if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (depthbench/official.py)
+        model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
+        if st.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
+            st.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
+        return (model, {"tokenizer": info["tokenizer"], "seq_len": info["seq_len"]},
+                str(Path(info["step_dir"]) / "config.json"), info["step"])
+    if args.residual_args:
+        raise DiagError("--residual-args: for --init or an official checkpoint (a run's ckpt.pt records its own)")
+    path = Path(args.checkpoint)
+    path = path / "ckpt.pt" if path.is_dir() else path
+    if not path.is_file():
+        raise DiagError(f"{args.checkpoint}: no checkpoint (give a run folder holding ckpt.pt, a .pt file, or --init)")
+    ckpt = load_checkpoint(path)
+    try:
+        model = GPT(GPTConfig(**{**ckpt["model_config"], "kernels": args.kernels}))
+        model.load_state_dict(ckpt["model"])
+    except Exception as e:  # a config or state dict of another model: not our checkpoint
+        raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
+    return model, ckpt["config"], str(path), ckpt.get("step")
+
+
+def calibration(args, st, run, N, T):
+    """N calibration windows of T tokens -> (x, y) int64 (N, T), y = x shifted by one (-1: no target), and a
+    description. --token-data-glob: the release's token-shard rule; --calib auto = the run's own validation data;
+    shards give their val windows in order, text N random windows (docs/diagnostics.md#setup)."""
+    src = args.calib
+    if args.token_data_glob:
+        paths = sorted(glob.glob(args.token_data_glob))
+        if not paths:
+            raise DiagError(f"--token-data-glob {args.token_data_glob}: no file matches")
+        x = windows.token_windows(paths, N, T, seed=st.seed)
+        what = f"{len(paths)} token shard(s) {args.token_data_glob}, the release's rule, seed {st.seed}"
+        return x, windows.shifted(x), what
+    if src == "auto":
+        src = "synthetic" if run.get("data") == "synthetic" else run.get("data_dir")
+        if not src:
+            raise DiagError("the checkpoint names no data_dir: give --calib synthetic, a shard folder or text files")
+    if src == "synthetic":
+        task = synthetic.SyntheticTask(run.get("max_gap") or args.max_gap, run.get("group") or "s4",
+                                  answers_only=run.get("answers_only", False))
+        x, y, _ = data.BatchLoader(task, "val", N, T, seed=st.seed).get_batch(0, 0)
+        return x, y, f"synthetic {task.group} max_gap {task.max_gap}, val split, seed {st.seed}"
+    if (Path(src) / "meta.json").exists():
+        x, y, _ = data.BatchLoader(src, "val", N, T, seed=st.seed).get_batch(0, 0)
+        return x, y, f"val split of {src} (windows 0..{N - 1})"
+    x, what = windows.text_windows(src, data.get_tokenizer(st.tok_name or "bytes"), N, T=T, seed=st.seed)
+    return x, windows.shifted(x), what
+
+
+def place(model, args):
+    """The model on its device and in its precision -> (model, device, the forward's autocast context)."""
+    try:
+        device = torch.device(pick_device(args.device))
+    except ValueError as e:
+        raise DiagError(str(e)) from None
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    model = model.float()
+    if args.dtype == "bf16":
+        if device.type != "cuda":
+            raise DiagError(f"--dtype bf16 runs on CUDA (as the release's analysis), not on {device}")
+        model = model.to(torch.bfloat16).float()          # the weights as bf16 holds them
+        return model.to(device).eval(), device, torch.autocast("cuda", dtype=torch.bfloat16)
+    return model.to(device).eval(), device, contextlib.nullcontext()
+
+
+def calibration_groups(args, st, run, model, device):
+    """{(windows, tokens): (metrics, batches, description)}: metrics that share a setting share their windows."""
+    groups = {}
+    for m, setting in sorted(st.samples.items()):
+        groups.setdefault(setting, []).append(m)
+    out = {}
+    for (N, T), metrics in groups.items():
+        x, y, what = calibration(args, st, run, N=N, T=T)
+        vocab = model.cfg.vocab_size
+        if int(x.max()) >= vocab or int(y.max()) >= vocab:
+            top = int(max(x.max(), y.max()))
+            raise DiagError(f"calibration tokens reach id {top} but the model's vocab is {vocab}")
+        batches = [(a.to(device), b.to(device)) for a, b in zip(x.split(args.batch_size), y.split(args.batch_size))]
+        out[(N, T)] = (set(metrics), batches, what)
+    return out

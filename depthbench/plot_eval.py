@@ -1,0 +1,66 @@
+"""
+plot_eval.py: the figures of diagnose.py's evaluation metrics, drawn by plot.py (registered in its FIGURES):
+
+- zeroshot_vs_ar: zero-shot accuracy (lm-eval's acc, solid; acc_norm where a task has it, dashed) against
+  aspect ratio, one panel per task, a line per design, chance dotted (docs/diagnostics.md#zero-shot).
+- token_collapse_per_layer: stable rank, effective rank and L1/L2 ratio of the token matrix per depth state, a line per
+  model, the three side by side (docs/diagnostics.md#token-collapse).
+
+They read what plot.py reads and draw in its look; like it, this file imports no torch. plot.py imports this module
+to register the figures, so plot's helpers are imported when a figure is drawn, not when this module loads.
+"""
+# chance accuracy of each task's choices (four answers, two options, three answers, ...)
+CHANCE = {"openbookqa": 1 / 4, "winogrande": 1 / 2, "arc_challenge": 1 / 4, "arc_easy": 1 / 4, "hellaswag": 1 / 4,
+          "social_iqa": 1 / 3, "piqa": 1 / 2}
+COLLAPSE = [("stable_rank", "stable rank  Σs² / max(s)²"), ("erank", "effective rank  exp(H(s² / Σs²))"),
+            ("l1_l2_ratio", "L1/L2 ratio  Σs / √Σs²")]
+
+
+def fig_zeroshot(data, out_path, svg=False):
+    import plot
+    docs = [g for g in plot.with_metric(data, "zeroshot.tasks") if isinstance(g["zeroshot"]["tasks"], dict)]
+    if not docs:
+        return {"skipped": "no diagnose JSON with zeroshot.tasks"}
+    tasks = list(dict.fromkeys(t for g in docs for t, v in g["zeroshot"]["tasks"].items() if plot.metric(
+        g["zeroshot"]["tasks"], t)))
+    if not tasks:
+        return {"skipped": "no zero-shot task was scored (every one skipped)"}
+    fig, axes = plot.grid(len(tasks), ncols=4, w=3.8, h=3.2)
+    ars = set()
+    for ax, task in zip(axes, tasks):
+        for key, style in (("acc", "o-"), ("acc_norm", "s--")):
+            points = {}  # (design, AR) -> values; seeds of one shape are averaged
+            for g in docs:
+                res, _, _, ar = plot.shape(g["meta"])
+                result = plot.metric(g["zeroshot"]["tasks"], task) or {}
+                points.setdefault((res, ar), []).append(plot.num(result.get(key)))
+                ars.add(ar)
+            for res, (xs, mean, _, _) in plot.by_design(points).items():
+                ax.plot(xs, mean, style, color=plot.colour(res), label=f"{plot.display(res)} {key}")
+        if task in CHANCE:
+            ax.axhline(CHANCE[task], color="grey", ls=":", lw=1)
+        plot.ar_axis(ax, ars)
+        ax.set(title=task, ylabel="accuracy", ylim=(0, 1.02))
+    return plot.save(fig, out_path, svg, f"{len(tasks)} task(s) from {len(docs)} diagnose JSON",
+                     title="Zero-shot accuracy (lm-eval; solid acc, dashed acc_norm, dotted chance)",
+                     legend=(axes[-1], axes), tasks=tasks)
+
+
+def fig_token_collapse(data, out_path, svg=False):
+    import plot
+
+    def draw(docs, style, axes):
+        for g in docs:
+            tc = g["token_collapse"]
+            for ax, (key, ylabel) in zip(axes, COLLAPSE):
+                values = [plot.num(v) for v in tc.get(key) or []] if isinstance(tc.get(key), list) else []
+                ax.plot(range(len(values)), values, style(g), marker=".", color=plot.colour(g["meta"]["residual"]),
+                        label=plot.label(g["meta"]))
+                ax.set(xlabel="depth state ℓ (0 = embedding)", ylabel=ylabel)
+                ax.xaxis.set_major_locator(plot.ticker.MaxNLocator(integer=True))
+                ax.grid(alpha=0.3)
+        axes[0].axhline(1, color="black", ls="--", lw=0.8)   # every token on one line
+        axes[0].set_title("dashed: 1, all tokens on one line")
+    return plot.overlay(data, "token_collapse.erank", out_path, svg,
+                        title="Token collapse: singular values of each depth state's token matrix", draw=draw,
+                        ncols=3, figsize=(16, 4.2))
