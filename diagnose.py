@@ -32,7 +32,7 @@ from depthbench.common import (ArgParser, CheckpointError, check_options, comma_
                     VAL_SEED)
 from depthbench import official
 import shapes
-from depthbench import synthetic, windows
+from depthbench import runlog, synthetic, windows
 from model import GPT, GPTConfig
 from ops import dead_zone, erank  # the metrics the designs' telemetry shares
 from residuals import RESIDUALS
@@ -136,6 +136,10 @@ def load_model(args, st):
         model.load_state_dict(ckpt["model"])
     except Exception as e:  # a config or state dict of another model: not our checkpoint
         raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
+    try:
+        runlog.check_config(ckpt["config"], path)  # the run's settings, read by type
+    except runlog.RunLogError as e:
+        raise DiagError(str(e)) from None
     return model, ckpt["config"], str(path), ckpt.get("step")
 
 
@@ -148,7 +152,10 @@ def calibration(args, st, run, N, T):
         paths = sorted(glob.glob(args.token_data_glob))
         if not paths:
             raise DiagError(f"--token-data-glob {args.token_data_glob}: no file matches")
-        x = windows.token_windows(paths, N, T, seed=st.seed)
+        try:
+            x = windows.token_windows(paths, N, T, seed=st.seed)
+        except (ValueError, OSError) as e:  # a file that is no token shard (an odd size, a folder): one line
+            raise DiagError(f"--token-data-glob {args.token_data_glob}: not token shards ({first_line(e)})") from None
         what = f"{len(paths)} token shard(s) {args.token_data_glob}, the release's rule, seed {st.seed}"
         return x, windows.shifted(x), what
     if src == "auto":
