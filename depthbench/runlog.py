@@ -110,7 +110,8 @@ class RunConfig:
         """A config as run.json or ckpt.pt holds it, from any version, its types checked (check_config): keys it lacks
         are None, or what the older code computed (n_kv_head: n_head, as before GQA; LATE_DEFAULTS; design options
         added since: their defaults); keys this version does not know are dropped."""
-        check_object(d, TableConfig, where, "config")  # what names the run: the design first of all
+        if isinstance(d, dict) and "residual" not in d:  # the design: what its options are read by
+            raise RunLogError(where, "config.residual", "is missing")
         check_config(d, where)
         values = {f.name: d.get(f.name) for f in dataclasses.fields(cls)}
         if "n_kv_head" not in d:
