@@ -13,11 +13,13 @@ Each cell (probe, design, aspect ratio) trains at its best learning rate: the fi
 mini`, --jobs at a time with one thread each; then diagnose.py, plot.py, depthbench/plot_suite.py and summary.md (per cell:
 LR, seeds, mean ± half-range, Δ vs Pre-LN unpaired and paired by seed, R scores; the LR each design chose beside the
 paper's; every sweep run, a diverged one with its step). Whatever is done is skipped, so the same command continues
-a stopped suite. The protocol in full: docs/results.md#what-minipy-does.
+a stopped suite; a run is reused only with the settings that made it, and the runs end with mini.py, kill -9
+included (docs/reliability.md#process-lifetime). The protocol in full: docs/results.md#what-minipy-does.
 """
+import contextlib
+import io
 import itertools
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from depthbench import common  # first, before numpy and torch: its excepthook m
 import numpy as np
 
 import data
+from depthbench import runlog
 from depthbench.common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
 from depthbench.suite_tables import (collect, deep_lines, diverged_step, done_runs, finished_runs, glance, paired_grid, probe_table,
                           shape_name, show_lr)
@@ -47,6 +50,7 @@ DIAG_METRICS = "causal,perm,pruning"
 PROBES = ("text", "synthetic")
 # the synthetic probe's designs with --designs all: it showed nothing at this budget (docs/results.md#synthetic-probe)
 SYNTHETIC_DESIGNS = ("preln", "hc", "attnres")
+LOCK_WAIT_S = 60  # how long a job waits for a live process (a train.py of a killed mini.py, saving) to leave its files
 
 
 class Cell(NamedTuple):
@@ -129,9 +133,10 @@ def build_parser():
     add("--diag-samples", type=positive(), default="32", help="diagnose.py's calibration windows per run (default 32)")
     add("--jobs", type=positive(), help="runs at a time (default 2; 1 with --gpu)")
     add("--gpu", action="store_true", help="one GPU: 10x the budget and more tokens per parameter (SCALES['gpu'])")
-    add("--dry-run", action="store_true", help="print the train.py commands and stop")
-    add("--report", action="store_true", help="train and diagnose nothing: write summary.md and the figures from "
-        "the runs done so far (e.g. of a suite run in groups of designs, or still running)")
+    once = p.add_mutually_exclusive_group()
+    once.add_argument("--dry-run", action="store_true", help="print the train.py commands and stop")
+    once.add_argument("--report", action="store_true", help="train and diagnose nothing: write summary.md and the "
+                      "figures from the runs done so far (e.g. of a suite run in groups of designs, or still running)")
     return p
 
 
@@ -269,22 +274,89 @@ def seed_jobs(args):
     return out
 
 
-def found_done(log_path):
-    """'done before' or 'diverged' when the job's log from an earlier call names its run folder (train.py's "[1/1]
-    ... (<folder>)" line) and common.run_state says that run is done; None otherwise (no log, no folder named, not
-    done). Such a job is not started again: train.py would find the same and skip it, after seconds of start-up."""
+def planned_run(argv):
+    """The RunConfig that train.py resolves for a job's command (python train.py ARGS), in this process through the
+    same code (train.resolve_grid), or None: not a train.py job, or a command that does not resolve here (train.py
+    says why, in the job's log, when it runs)."""
+    if Path(argv[1]).name != "train.py":
+        return None
+    import train
+    from depthbench import recipe
     try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = recipe.parse_args(argv[2:])
+            (cfg,) = train.resolve_grid(args, world_size=1)
+    except SystemExit:
         return None
-    named = re.search(r"^\[1/1\] .*  \((.+)\)$", text, re.MULTILINE)
-    if not named:
+    return cfg
+
+
+def check_jobs(jobs):
+    """{label: the job's run folder (None: not a train.py job)}. A folder that holds a run made with other settings
+    than the job's (runlog.check_same_run: say an earlier suite of other --steps in this --out) is one line naming each
+    setting and exit 2, before the phase starts anything: a run answers only for the settings that made it."""
+    folders = {}
+    for label, argv in jobs:
+        cfg = planned_run(argv)
+        folders[label] = None
+        if cfg is None:
+            continue
+        folders[label] = Path(cfg.out) / cfg.name
+        try:
+            runlog.check_same_run(folders[label], cfg)
+        except ValueError as e:  # a RunLogError too: a run.json of the wrong types
+            fail("mini.py", e)
+    return folders
+
+
+def found_done(folder):
+    """'done before' or 'diverged' when common.run_state says the job's run folder (check_jobs': of the job's
+    settings) holds a done run; None otherwise (not done, or not a train.py job). Such a job is not started again:
+    train.py would find the same and skip it, after seconds of start-up."""
+    if folder is None:
         return None
+    return {"finished": "done before", "diverged": "diverged"}.get(common.run_state(folder))
+
+
+def holder_of(log, folder):
+    """Who holds a job's files: its log `log` (an open file; flock'd here when free, the lock then shared with the
+    child that writes it, so it lasts while either lives) or its run folder (train.py's lock) -> what is held by
+    whom, in words, or None when both are free."""
+    import fcntl
+    holder = folder and common.lock_holder(folder)
+    if holder:
+        return f"{folder} is in use by {holder}"
     try:
-        state = common.run_state(named.group(1))
-    except ValueError:  # not train.py's run.json: train.py refuses it, in the log, when the job runs
-        return None
-    return {"finished": "done before", "diverged": "diverged"}.get(state)
+        fcntl.flock(log, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return f"{log.name} is held by a live process (a run of an earlier mini.py, ending?)"
+    return None
+
+
+def open_log(path, folder):
+    """The job's log, locked for it and emptied. While a live process holds the log or the run folder (a train.py of
+    a killed mini.py still saving, or one started by hand), one line says so and the job waits, up to LOCK_WAIT_S;
+    then one line and exit 2 (run_pool's clean-up stops this phase's runs): a live run's files are never written."""
+    deadline = None
+    while True:
+        log = open(path, "a+")  # appending: nothing is cut before the lock is ours
+        held = holder_of(log, folder)
+        if not held:
+            log.truncate(0)
+            return log
+        log.close()
+        if deadline is None:
+            deadline = time.time() + LOCK_WAIT_S
+            print(f"mini.py: {held}: waiting up to {LOCK_WAIT_S} s for it to end", flush=True)
+        if time.time() > deadline:
+            fail("mini.py", f"{held}, still after {LOCK_WAIT_S} s: its files are not written while it lives; wait for "
+                 "it to end, or stop it, then run the same command again")
+        time.sleep(0.5)
+
+
+def log_path(log_dir, label):
+    """The log of the job `label` in log_dir: logs/text_preln_ar9.1_seed0_lr3e-3.log."""
+    return log_dir / (label.replace(" ", "_").replace("=", "") + ".log")
 
 
 def outcome(returncode, log_path):
@@ -326,6 +398,7 @@ def run_pool(jobs, n, what, log_dir, took=None):
     line per finished job. `took`: the seconds of the runs trained so far (this phase adds to it; the ETA reads it).
     Returns the labels that failed (their logs say why); a diverged run is a result, not a failure."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    folders = check_jobs(jobs)  # each run folder holds nothing, or a run of the job's settings
     if jobs:
         print(f"[{what}] {len(jobs)} runs, {n} at a time (a run found done before is skipped in seconds)", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -335,14 +408,16 @@ def run_pool(jobs, n, what, log_dir, took=None):
         while pending or running:
             while pending and len(running) < n:
                 label, argv = pending.pop(0)
-                path = log_dir / (label.replace(" ", "_").replace("=", "") + ".log")
-                state = found_done(path)
+                path = log_path(log_dir, label)
+                state = found_done(folders[label])
                 if state:  # done in an earlier call: its log stays as it is
                     done = len(jobs) - len(pending) - len(running)
                     print(progress_line(phase, done, f"{label}: {state} (found done)", took), flush=True)
                     continue
-                log = open(path, "w")
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+                log = open_log(path, folders[label])
+                # the child ends with this process, however it dies (on Linux; common.end_with_parent)
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=common.end_with_parent())
                 running[proc] = (label, log, path, time.time())
             for proc in [p for p in running if p.poll() is not None]:
                 label, log, path, start = running.pop(proc)
@@ -477,9 +552,11 @@ def summary(args):
 
 
 def parse_args(argv):
-    """The command line, with what its defaults depend on resolved: jobs, probes, the sweep's LRs."""
+    """The command line, with what its defaults depend on resolved: jobs, probes, the sweep's LRs. Every option given
+    applies, or one line and exit 2 (check_applies)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    given = parser.given(args)
     if args.jobs is None:
         args.jobs = 1 if args.gpu else 2
     if args.probes is None:
@@ -489,8 +566,31 @@ def parse_args(argv):
     args.sweep = [] if args.lr else list(args.lr_sweep)
     synthetic = args.synthetic_designs or (SYNTHETIC_DESIGNS if "all" in args.designs else args.designs)
     args.designs, args.synthetic_designs = with_all(args.designs), with_all(synthetic)
+    check_applies(parser, args, given)
     args.design_lr = dict(args.design_lr)
     return args
+
+
+def check_applies(parser, args, given):
+    """The options that would be silently ignored, refused: a design named twice in --design-lr (which LR?) or one
+    this command does not run; --lr-sweep or --full-sweep beside --lr (no sweep), --full-sweep with no sweep;
+    --synthetic-designs without the synthetic probe, --text without the text probe."""
+    names = [name for name, _ in args.design_lr]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        parser.error(f"--design-lr names {twice[0]} twice: give each design one LR")
+    run = {name for p in args.probes for name in designs_of(args, p)}
+    unused = [name for name in names if name not in run]
+    if unused:
+        parser.error(f"--design-lr {unused[0]}: not a design this command runs ({', '.join(sorted(run))})")
+    if args.lr and ("--lr-sweep" in given or args.full_sweep):
+        parser.error("--lr trains every run at one LR, no sweep: --lr-sweep and --full-sweep do not apply")
+    if args.full_sweep and not args.sweep:
+        parser.error("--full-sweep widens the LR sweep, but --lr-sweep '' asks for none")
+    if "--synthetic-designs" in given and "synthetic" not in args.probes:
+        parser.error("--synthetic-designs applies to the synthetic probe, which --probes leaves out")
+    if args.text and "text" not in args.probes:
+        parser.error("--text is the text probe's corpus, but --probes leaves the text probe out")
 
 
 def plan_line(args):
@@ -532,23 +632,28 @@ def draw_figures(args):
     for probe_name, script in itertools.product(args.probes, scripts):
         # plot_suite: the figures across designs (Fig. 2 left with Δ vs Pre-LN paired, Fig. 6a/c at the deepest)
         subprocess.run([sys.executable, *script, str(args.out / probe_name), "--out",
-                        str(args.out / "figs" / probe_name)], check=False, env=env)
+                        str(args.out / "figs" / probe_name)], check=False, env=env,
+                       preexec_fn=common.end_with_parent())
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.dry_run:  # the first phase; what follows depends on its results
-        print("\n".join(" ".join(argv[1:]) for _, _, argv in sweep_jobs(args) or seed_jobs(args)))
-        return 0
-    if args.report:  # reads the runs done; trains, tokenizes and locks nothing
-        draw_figures(args)
-        write_atomic(args.out / "summary.md", summary(args))
-        print(f"wrote {args.out / 'summary.md'} and the figures in {args.out / 'figs'} from the runs done so far")
-        return 0
+def report(args):
+    """--report: summary.md and the figures of the runs done so far; trains, tokenizes and locks nothing. A folder
+    without a run of the probes (an empty or mistyped --out): one line, exit 2, nothing written."""
+    runs = [path for p in args.probes for sub in (p, f"{p}-lr") for path in (args.out / sub).glob("**/run.json")]
+    if not runs:
+        fail("mini.py", f"--report: {args.out} holds no run of the {' and '.join(args.probes)} probe (is --out the "
+             "suite's folder?); nothing written")
+    draw_figures(args)
+    write_atomic(args.out / "summary.md", summary(args))
+    print(f"wrote {args.out / 'summary.md'} and the figures in {args.out / 'figs'} from the runs done so far")
+    return 0
+
+
+def suite(args):
+    """The suite, with its folder locked: trained, diagnosed, drawn and summarized -> the exit code."""
     try:
-        # One suite per folder, held to the end (released when this process ends, even killed). It also keeps each
-        # cell's log to the process that trains it: run_pool opens logs/<cell>.log with "w" before train.py locks
-        # the run folder, so without this a second mini.py would truncate the log of a run the first is training.
+        # One suite per folder, held to the end (released when this process ends, even killed). Each cell's log is
+        # locked too (run_pool's open_log), with the run that writes it: a run of a killed suite keeps its log.
         lock = common.lock_folder(args.out)
     except ValueError as e:
         fail("mini.py", e)
@@ -574,6 +679,17 @@ def main(argv=None):
           f"table in {args.out / 'summary.md'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     lock.close()
     return 1 if failed else 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:  # the first phase; what follows depends on its results
+        print("\n".join(" ".join(argv[1:]) for _, _, argv in sweep_jobs(args) or seed_jobs(args)))
+        return 0
+    try:
+        return report(args) if args.report else suite(args)
+    except runlog.RunLogError as e:  # a run.json the suite reads, of the wrong types: never a result
+        fail("mini.py", f"{e}; move the run folder away, or fix the field")
 
 
 if __name__ == "__main__":

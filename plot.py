@@ -23,7 +23,7 @@ matplotlib.use("Agg")  # files only, never a window: works headless, in tests an
 import matplotlib.pyplot as plt
 from matplotlib import colors, ticker, transforms
 
-from depthbench import common
+from depthbench import common, runlog
 from depthbench.common import ArgParser
 from depthbench.plot_eval import fig_token_collapse, fig_zeroshot  # diagnose.py's evaluation metrics, drawn there
 
@@ -65,14 +65,12 @@ def design_order(res):
 
 # ----------------------------------------------------------------------------- loading
 
-# The fields the figures read whose JSON type matters, per kind: a file where one holds another type is skipped
-# with one line naming it, so it costs itself, not a figure. A null field counts as missing (each figure handles
-# that); a null item of a list or object does not.
-# "a.b" is field b of object a, "a.[]" each item of list a, "a.*" each value of object a. Numbers are not listed:
-# num() reads junk as nan. Parents come before their fields, so the message names the outermost odd field.
+# The fields the figures read whose JSON type matters, per kind (a train JSON's: depthbench/runlog.py, the reader
+# train.py and mini.py use): a file where one holds another type is skipped with one line naming it, so it costs
+# itself, not a figure. A null field counts as missing (each figure handles that); a null item of a list or object
+# does not. "a.b" is field b of object a, "a.[]" each item of list a, "a.*" each value of object a. Numbers are not
+# listed: num() reads junk as nan. Parents come before their fields: the message names the outermost odd field.
 FIELD_TYPES = {
-    "train": [("config", dict), ("config.group", str), ("config.fixed", str), ("final", dict), ("steps", list),
-              ("evals", list), ("evals.[]", dict), ("evals.[].per_level", dict), ("evals.[].per_level.*", dict)],
     "diagnose": [("meta", dict), ("angular_distance", dict), ("causal_score", dict), ("permutation_score", dict),
                  ("logit_lens", dict), ("logit_lens.states", list), ("layer_pruning", dict),
                  ("layer_pruning.layers", list), ("attnres_weights", dict), ("transport_erank", dict),
@@ -80,8 +78,6 @@ FIELD_TYPES = {
                  ("dead_zone.dead", list), ("nll", dict), ("nll.categories", dict), ("nll.categories.*", dict)],
     "profile": [("rows", list)],
 }
-JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "a number",
-              float: "a number", type(None): "null"}
 
 
 def odd_field(value, parts, want, where=""):
@@ -116,12 +112,14 @@ def check_schema(obj):
     if version not in map(str, SCHEMAS[name]):
         return None, f"schema {obj['schema']}, this plot.py reads version {', '.join(map(str, SCHEMAS[name]))}"
     kind = name.split(".")[1]
-    for field, want in FIELD_TYPES[kind]:
+    if kind == "train" and (why := runlog.problem(obj)):  # the one reader of run.json
+        return None, f"schema {obj['schema']} but {why}"
+    for field, want in FIELD_TYPES.get(kind, []):
         found = odd_field(obj, field.split("."), want)
         if found:
             path, value = found
-            got = JSON_TYPES.get(type(value), type(value).__name__)
-            return None, f"schema {obj['schema']} but field {path!r} is {got}, not {JSON_TYPES[want]}"
+            got, wanted = runlog.json_name(value), runlog.JSON_NAMES[want]
+            return None, f"schema {obj['schema']} but field {path!r} is {got}, not {wanted}"
     # only what every figure of this kind needs; all other fields are optional and checked per figure
     key = {"train": "config", "diagnose": "meta", "profile": "rows"}[kind]
     value = obj.get(key)
@@ -677,6 +675,8 @@ def main(argv=None, figures=FIGURES, prog="plot.py"):  # depthbench/plot_suite.p
         parser.error(f"runs_dir {str(args.runs_dir)!r} is not a folder")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {str(args.out)!r} exists and is not a folder")
+    if why := common.cannot_write(args.out / f"{figures[0][0]}.png"):  # before drawing, not once per figure
+        parser.error(f"--out {str(args.out)!r}: {why}")
 
     data, skipped = load_folder(args.runs_dir)
     print(f"read {args.runs_dir}: " + ", ".join(f"{len(v)} {k}" for k, v in data.items())

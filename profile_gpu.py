@@ -513,9 +513,17 @@ def measure_rows(args, rows, dev, dtype):
     return peak
 
 
+BENCH_OPTIONS = ("--repeats", "--quick", "--kernels")  # what --bench reads: its shapes, device and output are its own
+
+
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
+    given = p.given(args)
+    if args.bench:  # every option applies, or one line and exit 2: not a 30-60 min CPU benchmark that ignores it
+        p.refuse_beside(given, "--bench", BENCH_OPTIONS)
+    elif args.quick:
+        p.error("--quick narrows --bench: give it with --bench")
     if args.out and (why := common.cannot_write(args.out)):  # before the work, not after
         p.error(f"--out {args.out}: {why}")
     if args.bench:

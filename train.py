@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from depthbench import costs
 import data
 import profile_gpu
-from depthbench import telemetry
+from depthbench import runlog, schedules, telemetry
 from depthbench.common import format_lr, print0, versions, write_json
 from depthbench.costs import GB, check_memory, memory_plan
 from data import BatchLoader, DataError, padded_vocab_size
@@ -50,17 +50,6 @@ from depthbench.synthetic import SyntheticTask, answer_metrics, verdict
 
 SCHEMA = "depthbench.train/1"
 FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
-
-
-def get_lr(step, peak, warmup, total, final_frac=0.1):
-    """LR of optimizer step `step` (0-based), docs/designs.md#recipe (OLMo's CosWithWarmup): linear from 0
-    over `warmup` steps, then a cosine from peak down to final_frac * peak at step `total`."""
-    if step < warmup:
-        return peak * step / warmup
-    if step >= total:
-        return final_frac * peak
-    progress = (step - warmup) / (total - warmup)
-    return final_frac * peak + (1 - final_frac) * peak * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ----------------------------------------------------------------------------- one training step, one evaluation
@@ -167,6 +156,13 @@ class Run:
     def fsdp(self):
         return self.param_shapes is not None
 
+    @property
+    def span(self):
+        """What the LR schedule reads (depthbench/schedules.py)."""
+        cfg = self.cfg
+        return schedules.Span(peak=cfg.lr, warmup=cfg.warmup_steps, total=cfg.total_steps,
+                              final_frac=cfg.final_lr_frac)
+
 
 def make_loaders(cfg, ranks):
     """(task or None, train loader, val loader): both cut each global batch the same way, whatever the number of
@@ -261,17 +257,20 @@ def build(cfg, ranks, resume, resume_cmd):
 
 
 def read_checkpoint(path, cfg):
-    """ckpt.pt, if made with the same maths (the RunConfig fields marked resume) as `cfg`; a broken file or
-    another run's checkpoint: one line, exit 2."""
+    """ckpt.pt, if made with the same identity settings as `cfg` (depthbench/runlog.py; the precision may change);
+    a broken file or another run's checkpoint: one line, exit 2."""
     try:
         ckpt = common.load_checkpoint(path, ["model", "config", "step", "optimizer", "rng", "loader", "log"])
-    except common.CheckpointError as e:
+        old = RunConfig.from_dict(ckpt["config"], where=path)  # from any version of train.py, read by type
+    except ValueError as e:  # a CheckpointError or a RunLogError: one line
         fail(f"cannot resume: {e}")
-    old = RunConfig.from_dict(ckpt["config"])  # from any version of train.py
-    changed = old.resume_changes(cfg)
+    changed = old.identity_changes(cfg, done=False)
     if changed:
-        was = ", ".join(f"{k}={getattr(old, k)!r}" for k in changed)
-        fail(f"cannot resume {path}: it was made with other settings ({was}); use another --out")
+        fail(f"cannot resume {path}: it was made with other settings ({old.describe_changes(cfg, changed)}); use "
+             f"another --out")
+    switched = [k for k in old.identity_changes(cfg) if k not in changed]
+    if switched:
+        print0(f"resuming with another precision: {old.describe_changes(cfg, switched)}")
     return ckpt
 
 
@@ -314,7 +313,8 @@ def describe(run):
         stopping = f"; stopping at step {run.stop} (--max-steps)"
     print0(f"schedule   {cfg.total_steps:,} steps = {cfg.total_tokens:,} tokens "
            f"({cfg.total_tokens / params['total']:.1f} per param), warmup {cfg.warmup_steps}, "
-           f"peak lr {cfg.lr:g} -> cosine to {cfg.lr * cfg.final_lr_frac:g}{stopping}")
+           f"peak lr {cfg.lr:g} -> {cfg.lr * cfg.final_lr_frac:g}, {cfg.schedule}: {schedules.summary(cfg.schedule)}"
+           f"{stopping}")
     groups = run.optimizer.param_groups
     n_static = sum(p.numel() for g in groups if g["weight_decay"] == 0.0 for p in g["params"])
     print0(f"optimizer  AdamW betas {tuple(cfg.betas)} eps {cfg.eps:g} wd {cfg.weight_decay:g} "
@@ -439,7 +439,7 @@ def optimizer_step(run):
     a non-finite loss or gradient norm marks the run diverged and skips the update. -> (loss, grad norm, lr,
     seconds)."""
     cfg, t0 = run.cfg, time.time()
-    lr = get_lr(run.step, cfg.lr, warmup=cfg.warmup_steps, total=cfg.total_steps, final_frac=cfg.final_lr_frac)
+    lr = schedules.lr_at(cfg.schedule, run.step, run.span)
     for g in run.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
     loss = forward_backward(run.trained, run.train_loader, run.autocast, run.ranks.device)
@@ -554,10 +554,11 @@ def prepare_data(args, cfg):
         data.prepare("fineweb-edu", args.data_dir, args.tokenizer, val_tokens=args.val_tokens, max_tokens=need + val)
 
 
-def claim(path, held, resume):
+def claim(path, held, resume, cfg):
     """Rank 0, before a run: lock its folder (into `held`; one writer at a time) and check it can be written, remove
     temp files of a writer killed mid-save; with --resume, a damaged run.json beside a whole ckpt.pt is written again
-    from the log the checkpoint carries -> run_state. A problem is a ValueError (one line)."""
+    from the log the checkpoint carries. A run there made with other settings than `cfg` is refused -> run_state. A
+    problem is a ValueError (one line)."""
     held.append(common.lock_folder(path))
     for p in (path / "run.json", path / "ckpt.pt"):
         if p.exists() and not p.is_file():
@@ -566,14 +567,32 @@ def claim(path, held, resume):
         tmp.unlink()
     if resume and common.rebuild_run_log(path):
         print0(f"{path / 'run.json'} was damaged: written again from {path / 'ckpt.pt'}'s log")
-    return common.run_state(path)
+    try:
+        state = common.run_state(path)
+    except runlog.RunLogError as e:
+        rebuild = ""
+        if (path / "ckpt.pt").is_file():
+            rebuild = " (--resume writes it again from ckpt.pt)"
+        raise ValueError(f"{e}; move it away to train this run{rebuild}") from None
+    runlog.check_same_run(path, cfg, done=state in ("finished", "diverged"))
+    return state
+
+
+def check_folders(runs):
+    """Before anything of the grid trains: each run folder that holds a run holds one made with the run's settings
+    (runlog.check_same_run; a ValueError names the first that does not). A damaged run.json is left to claim."""
+    for cfg in runs:
+        try:
+            runlog.check_same_run(Path(cfg.out) / cfg.name, cfg)
+        except runlog.RunLogError:
+            continue
 
 
 def grid_run(args, cfg, ranks, resume_cmd):
     """One run of the grid, in its locked folder: skipped when finished, else trained; False if it diverged."""
     path, held = Path(cfg.out) / cfg.name, []
     try:
-        state = on_rank0(lambda: claim(path, held, args.resume), ranks)
+        state = on_rank0(lambda: claim(path, held, args.resume, cfg), ranks)
         if state in ("finished", "diverged"):
             print0(f"{state} already (run.json says so): skipping; move the folder away to train it again")
             return state == "finished"
@@ -638,6 +657,7 @@ def main(argv=None):
         fail(str(e))
     if args.dry_run:
         sys.exit(0)  # every plan fits
+    on_rank0(lambda: check_folders(runs), ranks)  # a folder's run answers only for its own settings
     if args.data != "synthetic":
         on_rank0(lambda: prepare_data(args, runs[0]), ranks)
 

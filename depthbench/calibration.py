@@ -11,7 +11,7 @@ import torch
 
 import data
 import shapes
-from depthbench import official, synthetic, windows
+from depthbench import official, runlog, synthetic, windows
 from depthbench.common import design_options, first_line, load_checkpoint, pick_device
 from model import GPT, GPTConfig
 
@@ -50,6 +50,10 @@ def load_model(args, st):
         model.load_state_dict(ckpt["model"])
     except Exception as e:  # a config or state dict of another model: not our checkpoint
         raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
+    try:
+        runlog.check_config(ckpt["config"], path)  # the run's settings, read by type
+    except runlog.RunLogError as e:
+        raise DiagError(str(e)) from None
     return model, ckpt["config"], str(path), ckpt.get("step")
 
 
@@ -62,7 +66,10 @@ def calibration(args, st, run, N, T):
         paths = sorted(glob.glob(args.token_data_glob))
         if not paths:
             raise DiagError(f"--token-data-glob {args.token_data_glob}: no file matches")
-        x = windows.token_windows(paths, N, T, seed=st.seed)
+        try:
+            x = windows.token_windows(paths, N, T, seed=st.seed)
+        except (ValueError, OSError) as e:  # a file that is no token shard (an odd size, a folder): one line
+            raise DiagError(f"--token-data-glob {args.token_data_glob}: not token shards ({first_line(e)})") from None
         what = f"{len(paths)} token shard(s) {args.token_data_glob}, the release's rule, seed {st.seed}"
         return x, windows.shifted(x), what
     if src == "auto":

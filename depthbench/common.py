@@ -14,6 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
+from depthbench import runlog
+
 
 # ----------------------------------------------------------------------------- command line
 
@@ -22,6 +24,31 @@ class ArgParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def given(self, args):
+        """The options the command line set (a value other than its default), each by its first name ('--json'), in
+        the parser's order: what a check that an option applies looks at."""
+        out = []
+        for action in self._actions:
+            if not action.option_strings or action.dest == argparse.SUPPRESS:
+                continue
+            default = action.default
+            if isinstance(default, str) and action.type is not None:  # argparse reads a text default by its type
+                try:
+                    default = action.type(default)
+                except ValueError:
+                    pass
+            if getattr(args, action.dest, default) != default:
+                out.append(action.option_strings[0])
+        return out
+
+    def refuse_beside(self, given, mode, applies):
+        """One line and exit 2 naming every option in `given` (self.given's) that `mode` (an option, like
+        '--bench') does not use: the ones outside `applies`."""
+        unused = [o for o in given if o not in applies and o != mode]
+        if unused:
+            verb = "does" if len(unused) == 1 else "do"
+            self.error(f"{', '.join(unused)} {verb} not apply to {mode} (it takes {', '.join(applies)})")
 
     def add_kernels(self):
         """--kernels, the switch of every script that builds a model (GPTConfig.kernels)."""
@@ -304,6 +331,44 @@ def lock_folder(folder):
                          else f"cannot write to {folder}: {e.strerror or e}") from None
 
 
+def lock_holder(folder):
+    """Who holds folder's lock (lock_folder's): the line the holder wrote (its pid, host and command), or None when no
+    live process holds it. Creates nothing: a folder without a .lock is held by none."""
+    import fcntl
+    try:
+        f = open(Path(folder) / ".lock")
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free: ours for a moment, released as the file closes
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+    return None
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends a process when its parent dies (Linux)
+
+
+def end_with_parent():
+    """A preexec_fn for subprocess: the child ends with this process, however this one dies (kill -9 included). On
+    Linux the kernel sends the child SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG), which train.py answers by
+    saving ckpt.pt after its step; a parent that died before the child set it ends the child at once. Elsewhere the
+    child outlives a killed parent (the folder locks still keep a rerun out of its files)."""
+    parent = os.getpid()
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+
+    def in_the_child():
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent is gone already
+            os._exit(128 + signal.SIGTERM)
+    return in_the_child
+
+
 def write_json(path, obj, strict=False):
     """Write JSON atomically. strict: NaN/inf become null (strict JSON)."""
     if strict:
@@ -352,17 +417,20 @@ def run_state(folder):
     'diverged' (run.json says the loss or gradient went non-finite: a result, not redone) or 'finished'. Finished
     means run.json says so *and* ckpt.pt holds its last step: ckpt.pt is saved first, so when it is missing or older
     (a kill between the two saves of an older train.py, which wrote run.json first) the run is only partial, and
-    --resume continues from the ckpt.pt there is. The one definition train.py, mini.py and plot.py use; a run.json
-    that is not train.py's run log is a ValueError."""
+    --resume continues from the ckpt.pt there is. The one definition train.py, mini.py and plot.py use. run.json is
+    read by type (depthbench/runlog.py): one that is not train.py's run log, or has a field of another type or
+    missing, is a RunLogError (a ValueError, one line naming the file and the field), never read by truthiness."""
     folder = Path(folder)
-    log, ckpt = read_json(folder / "run.json"), folder / "ckpt.pt"
-    if log is None and (folder / "run.json").exists():
-        raise ValueError(f"{folder / 'run.json'} is not a run log of train.py; move it away to train this run")
-    if (log or {}).get("diverged"):
+    ckpt = folder / "ckpt.pt"
+    try:
+        log = runlog.read_run_log(folder / "run.json")
+    except FileNotFoundError:
+        return "partial" if ckpt.exists() else "new"
+    if log["diverged"]:
         return "diverged"
-    if not (log or {}).get("finished"):
-        return "partial" if log or ckpt.exists() else "new"
-    last = (log.get("steps") or [{}])[-1].get("step")
+    if not log["finished"]:
+        return "partial"
+    last = log["steps"][-1]["step"] if log["steps"] else None
     try:
         at = load_checkpoint(ckpt, keys=("step",))["step"]
     except Exception:  # missing, unreadable or foreign: not the final checkpoint
@@ -375,15 +443,18 @@ def run_state(folder):
 
 
 def rebuild_run_log(folder):
-    """When folder/run.json is damaged (cut off, not a JSON object) or gone and folder/ckpt.pt is a whole train.py
-    checkpoint, write run.json again from the log the checkpoint carries (train.py saves its run log in ckpt.pt as
-    "log", as of the checkpoint's step), marked not finished: run_state then says 'partial' and --resume trains on
-    from that step (when it was the last one, --resume only marks the run finished). Returns the log written, or
-    None, writing nothing, when run.json is readable or ckpt.pt is missing or not whole. train.py calls it for
-    --resume before run_state, holding the folder's lock."""
+    """When folder/run.json is damaged (cut off, not a JSON object, a field missing or of another type) or gone and
+    folder/ckpt.pt is a whole train.py checkpoint, write run.json again from the log the checkpoint carries (train.py
+    saves its run log in ckpt.pt as "log", as of the checkpoint's step), marked not finished: run_state then says
+    'partial' and --resume trains on from that step (when it was the last one, --resume only marks the run
+    finished). Returns the log written, or None, writing nothing, when run.json is readable or ckpt.pt is missing or
+    not whole. train.py calls it for --resume before run_state, holding the folder's lock."""
     folder = Path(folder)
-    if read_json(folder / "run.json") is not None:
+    try:
+        runlog.read_run_log(folder / "run.json")
         return None
+    except (FileNotFoundError, runlog.RunLogError):
+        pass
     try:
         ckpt = load_checkpoint(folder / "ckpt.pt", keys=("log", "step", "config"))
     except CheckpointError:

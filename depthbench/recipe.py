@@ -1,17 +1,18 @@
 """
 recipe.py: what train.py runs. The command line, the presets and suites it names, and the RunConfig each run of
-the grid resolves to (every number of the run, as run.json and ckpt.pt record it); --print-grid.
+the grid resolves to (every number of the run, as run.json and ckpt.pt record it: depthbench/runlog.py's RunConfig);
+--print-grid.
 docs/training.md describes the presets and suites.
 """
 import argparse
 import dataclasses
 import functools
 import re
-from dataclasses import dataclass, field
 
 from depthbench import common
 from depthbench.common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
-from depthbench import telemetry, trackers
+from depthbench import schedules, telemetry, trackers
+from depthbench.runlog import RunConfig  # what resolve makes, defined beside run.json's reader (no torch there)
 from depthbench.costs import default_micro_batch
 from residuals import PAPER_DESIGNS, RESIDUALS
 from shapes import SUITES, count_params, parse_count, solve, suite_row, suite_rows
@@ -29,83 +30,6 @@ PRESETS = {
                  group="s4", seq_len=2048, global_batch=512, batch_size=None, steps=None, lr=None, eval_every=250,
                  eval_iters=8, ckpt_every=1000, log_every=10),
 }
-
-RESUME = {"resume": True}  # a field that defines the run's maths: a checkpoint made with another value cannot resume
-
-
-@dataclass
-class RunConfig:
-    """One run, resolved: what passes from deciding what to run (resolve) to running it (train.py). Written to
-    run.json ("config") and ckpt.pt ("config") as dataclasses.asdict; from_dict reads one back."""
-    name: str                       # the run folder's name: design, options, shape, LR and seed
-    preset: str                     # cpu | mini | 400m
-    suite: str                      # the paper's suite the shape comes from, or None (solved for --params)
-    residual: str = field(metadata=RESUME)            # the design (residuals.RESIDUALS)
-    residual_args: dict = field(metadata=RESUME)      # its constructor options, every one (defaults filled in)
-    n_layer: int = field(metadata=RESUME)             # blocks L
-    d_model: int = field(metadata=RESUME)             # width d
-    d_ff: int = field(metadata=RESUME)                # the MLP's hidden width
-    n_head: int = field(metadata=RESUME)              # query heads
-    n_kv_head: int = field(metadata=RESUME)           # key/value heads (GQA when fewer than n_head)
-    head_dim: int                   # d_model // n_head
-    ar: float                       # aspect ratio d_model / n_layer
-    vocab_size: int = field(metadata=RESUME)          # padded to a multiple of 64 (data.padded_vocab_size)
-    params_budget: int              # the parameter count the shape was chosen for
-    fixed: str                      # what params_budget counts: total | backbone
-    lr: float = field(metadata=RESUME)                # peak LR
-    final_lr_frac: float            # the cosine ends at this fraction of the peak
-    warmup_steps: int = field(metadata=RESUME)        # linear warmup: 10% of the steps
-    total_steps: int = field(metadata=RESUME)         # length of the LR schedule
-    max_steps: int                  # stop at this step, schedule unchanged (None: at total_steps)
-    weight_decay: float = field(metadata=RESUME)      # AdamW's (a design's static params get 0)
-    betas: list                     # AdamW's (0.9, 0.95), a list as JSON keeps it
-    eps: float                      # AdamW's
-    grad_clip: float = field(metadata=RESUME)         # global grad-norm clip (0: off)
-    seed: int = field(metadata=RESUME)                # of the init and the train data order
-    data: str = field(metadata=RESUME)                # synthetic | fineweb-edu | a text source
-    data_dir: str                   # token shards of real data (None: synthetic)
-    tokenizer: str = field(metadata=RESUME)           # gpt2 | bytes (None: synthetic)
-    max_gap: int = field(metadata=RESUME)             # synthetic: the largest gap
-    group: str = field(metadata=RESUME)               # synthetic: the permutation group
-    answers_only: bool = field(metadata=RESUME)       # synthetic: answers are the only targets
-    seq_len: int = field(metadata=RESUME)             # tokens per sequence
-    batch_size: int                 # micro-batch per rank
-    global_batch: int = field(metadata=RESUME)        # sequences per optimizer step, all ranks together
-    world_size: int                 # ranks (processes) of the job
-    fsdp: bool                      # FSDP2 instead of DDP (under torchrun)
-    activation_checkpointing: bool  # recompute each block in the backward
-    tokens_per_step: int            # global_batch * seq_len
-    total_tokens: int               # total_steps * tokens_per_step
-    eval_every: int                 # evaluate every this many steps and at the end
-    eval_iters: int                 # global batches of validation data per eval
-    ckpt_every: int                 # write ckpt.pt every this many steps and at the end
-    log_every: int                  # print a training line every this many steps
-    out: str                        # root folder of the run folders
-    device: str                     # cpu | cuda
-    compile: bool                   # torch.compile the model
-    kernels: str                    # fast | reference (depthbench/kernels.py)
-    dtype: str                      # "bfloat16 autocast" (CUDA) or "float32"
-    compile_scope: str = "blocks"   # blocks: each block on its own (one graph reused); model: one graph
-    stats_every: int = None         # depthbench/telemetry.py: a record every this many steps as well as at each eval; 0: off
-    log_to: str = None              # depthbench/trackers.py: tensorboard | wandb mirror the log; None: run.json only
-    grad_accum: int = None          # micro-steps per optimizer step: global_batch / (batch_size * world_size)
-
-    @classmethod
-    def from_dict(cls, d):
-        """A config as run.json or ckpt.pt holds it, from any version: keys it lacks are None (n_kv_head: n_head,
-        as before GQA; design options added since: their defaults, which the older code computed), keys this
-        version does not know are dropped."""
-        values = {f.name: d.get(f.name) for f in dataclasses.fields(cls)}
-        if "n_kv_head" not in d:
-            values["n_kv_head"] = d.get("n_head")
-        values["residual_args"] = design_options(values["residual"], d.get("residual_args"))
-        return cls(**values)
-
-    def resume_changes(self, other):
-        """The fields marked resume whose values differ in `other` (a RunConfig): it cannot resume this run."""
-        keys = [f.name for f in dataclasses.fields(self) if f.metadata.get("resume")]
-        return [k for k in keys if getattr(self, k) != getattr(other, k)]
-
 
 # ----------------------------------------------------------------------------- resolving a run
 
@@ -160,14 +84,18 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
     tokens_per_step = args.global_batch * args.seq_len
     tokenizer = None if args.data == "synthetic" else args.tokenizer  # synthetic: none
     dtype = "bfloat16 autocast" if args.device.startswith("cuda") else "float32"
+    schedule_tag = ""
+    if args.schedule != schedules.DEFAULT:  # another schedule: a run folder of its own
+        schedule_tag = f"_{args.schedule}"
     cfg = RunConfig(
-        name=f"{residual}{opts_tag}{shape_tag}_lr{format_lr(lr)}_s{seed}", preset=args.preset, suite=args.suite,
-        residual=residual, residual_args=opts, n_layer=L, d_model=d, d_ff=row["d_ff"], n_head=n_head,
-        n_kv_head=row["n_kv_head"], head_dim=d // n_head, ar=d / L, vocab_size=vocab_size, params_budget=budget,
-        fixed=budget_counts(args), lr=lr, final_lr_frac=0.1, warmup_steps=round(0.1 * steps), total_steps=steps,
-        max_steps=args.max_steps, weight_decay=args.weight_decay, betas=[0.9, 0.95], eps=1e-8,
-        grad_clip=args.grad_clip, seed=seed, data=args.data, data_dir=args.data_dir,
-        tokenizer=tokenizer, max_gap=args.max_gap, group=args.group,
+        name=f"{residual}{opts_tag}{shape_tag}{schedule_tag}_lr{format_lr(lr)}_s{seed}", preset=args.preset,
+        suite=args.suite, residual=residual, residual_args=opts, n_layer=L, d_model=d, d_ff=row["d_ff"],
+        n_head=n_head, n_kv_head=row["n_kv_head"], head_dim=d // n_head, ar=d / L, vocab_size=vocab_size,
+        params_budget=budget, fixed=budget_counts(args), lr=lr, schedule=args.schedule, final_lr_frac=0.1,
+        warmup_steps=round(0.1 * steps), total_steps=steps, max_steps=args.max_steps,
+        weight_decay=args.weight_decay, betas=[0.9, 0.95], eps=1e-8, grad_clip=args.grad_clip, seed=seed,
+        data=args.data, data_dir=args.data_dir, val_tokens=args.val_tokens, tokenizer=tokenizer,
+        max_gap=args.max_gap, group=args.group,
         answers_only=bool(args.answers_only) and args.data == "synthetic", seq_len=args.seq_len,
         batch_size=args.batch_size, global_batch=args.global_batch, world_size=world_size, fsdp=args.fsdp,
         activation_checkpointing=args.activation_checkpointing, tokens_per_step=tokens_per_step,
@@ -236,6 +164,9 @@ def print_grid(args):
 
 # ----------------------------------------------------------------------------- command line
 
+GRID_OPTIONS = ("--suite", "--preset", "--residual", "--row", "--layers", "--ar", "--lr")  # what --print-grid reads
+
+
 def build_parser():
     p = ArgParser(prog="train.py", description="Train DepthBench models: one run, or a grid of comma-separated values.")
     add, pint = p.add_argument, positive(int)
@@ -267,10 +198,10 @@ def build_parser():
     # data
     add("--data", help="synthetic | fineweb-edu | a .txt/.jsonl/.parquet file, folder or quoted glob (preset)")
     add("--data-dir", help="token shards of real data (default data_cache/<source>-<tokenizer>)")
-    add("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="tokenizer of real data")
+    add("--tokenizer", choices=["gpt2", "bytes"], help="tokenizer of real data (default gpt2)")
     add("--val-tokens", type=pint, help="validation tokens of real data: whole documents first; a source with too "
         "few documents (one .txt file) gives its last N tokens (default: data.py's, printed)")
-    add("--max-gap", type=pint, default=4, help="synthetic: the largest gap (compositions per answer)")
+    add("--max-gap", type=pint, help="synthetic: the largest gap (compositions per answer; default 4)")
     add("--group", choices=["s3", "s4", "s5"], help="synthetic: the permutation group (preset: cpu/mini s3, else s4)")
     add("--answers-only", action=argparse.BooleanOptionalAction, help="synthetic: answers get their own ids and are "
         "the only targets (preset: on for cpu/mini); --no-answers-only trains on every token")
@@ -281,6 +212,9 @@ def build_parser():
         "paper_micro_batch whose memory plan fits an 80 GB GPU; cpu/mini: global batch / ranks)")
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
         "tokens per budgeted param; cpu 800, mini 1200)")
+    add("--schedule", default=schedules.DEFAULT, choices=list(schedules.SCHEDULES), help="the LR schedule, "
+        "depthbench/schedules.py: " + "; ".join(f"{k}: {schedules.summary(k)}" for k in schedules.SCHEDULES)
+        + f" (default {schedules.DEFAULT}; another one joins the run name)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
     add("--weight-decay", type=positive(float, zero=True), default=0.1, help="AdamW weight decay (a design's static "
         "params get 0)")
@@ -316,6 +250,7 @@ def parse_args(argv=None):
     """The command line with every preset and suite default filled in -> (args, cuda); bad input exits 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    given = parser.given(args)  # the options the command line set, before presets fill the rest in
     try:
         cuda = common.pick_device(args.device) == "cuda"
     except ValueError as e:
@@ -336,6 +271,7 @@ def parse_args(argv=None):
     if args.print_grid:
         if not args.suite:
             parser.error("--print-grid needs --suite (or --preset 400m)")
+        parser.refuse_beside(given, "--print-grid", GRID_OPTIONS)
         return args, cuda
     args.residual = args.residual or ["preln"]
     fill_shape(parser, args)
@@ -347,6 +283,7 @@ def parse_args(argv=None):
     args.device = "cpu"
     if cuda:
         args.device = "cuda"
+    check_applies(parser, args, given)
     check_run_args(parser, args)
     return args, cuda
 
@@ -362,6 +299,29 @@ def fill_shape(parser, args):
             parser.error(f"--suite {args.suite}: pick rows with --row, --layers or --ar "
                          f"(shapes.py --suite {args.suite})")
         args.ar, args.layers = PRESETS[args.preset].get("ar"), PRESETS[args.preset].get("layers")
+
+
+def check_applies(parser, args, given):
+    """Every option the command line set applies to the run, or one line and exit 2: the synthetic task's options
+    with real data, real data's with the synthetic task, --gpu-mem without --dry-run, --compile-scope without
+    compiling. Then the defaults that depend on the data: --max-gap 4, --tokenizer gpt2."""
+    synthetic = args.data == "synthetic"
+    if synthetic:
+        unused = [o for o in ("--tokenizer", "--data-dir", "--val-tokens") if o in given]
+        why = "the synthetic task"
+    else:
+        unused = [o for o in ("--max-gap", "--group", "--answers-only") if o in given]
+        why = f"real data (--data {args.data})"
+    if unused:
+        parser.error(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to {why}")
+    if "--gpu-mem" in given and not args.dry_run:
+        parser.error("--gpu-mem is what --dry-run plans for: give it with --dry-run")
+    if "--compile-scope" in given and not args.compile:
+        parser.error("--compile-scope applies to a compiled run: give it with --compile (off by default on CPU)")
+    if args.max_gap is None:
+        args.max_gap = 4
+    if args.tokenizer is None:
+        args.tokenizer = "gpt2"
 
 
 def check_run_args(parser, args):

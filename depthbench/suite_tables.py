@@ -9,22 +9,20 @@ from pathlib import Path
 
 import numpy as np
 
-from depthbench import common, compare
+from depthbench import common, compare, runlog
 from depthbench.common import format_lr, read_json
 
 
 def done_runs(folder):
     """{run dir: (state, run.json)} of the runs under a folder that are done, by common.run_state: 'finished' (its
     loss counts) or 'diverged' (a result too: never trained again, never chosen). 'partial' and 'new' runs are not
-    done, nor is a folder whose run.json is not train.py's (train.py refuses it, in the cell's log)."""
+    done. run.json is read by type (depthbench/runlog.py): one that is not train.py's, or has a field missing or of
+    another type, is a RunLogError naming the file and the field, never a result."""
     done = {}
     for path in sorted(Path(folder).glob("*/run.json")):
-        try:
-            state = common.run_state(path.parent)
-        except ValueError:
-            continue
+        state = common.run_state(path.parent)
         if state in ("finished", "diverged"):
-            done[path.parent] = (state, read_json(path))
+            done[path.parent] = (state, runlog.read_run_log(path))
     return done
 
 

@@ -18,7 +18,6 @@ each check ends. summary.json answers, each as a number or as null with a reason
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -34,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from depthbench.common import write_json  # noqa: E402  (the repository root, on the path just above)
+from depthbench.common import ArgParser, cannot_write, write_json  # noqa: E402  (the repository root, on the path above)
 
 DESIGNS = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda"]
 FIRST_DESIGNS = ["preln", "hc", "mhc", "attnres"]  # measured first (with both kernels) when the budget is short
@@ -356,18 +355,38 @@ def empty_summary(s, budget):
             "design_step": {"fast": {}, "reference": {}, "use": None, "reason": pending}, "checks": []}
 
 
+def budget_seconds(text):
+    """argparse type of --budget (and $SMOKE_BUDGET_S): a finite number of seconds > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise ValueError(text)
+    return value
+
+
+budget_seconds.__name__ = "number of seconds > 0"  # argparse names the type in its one-line error
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="gpu_smoke.py", description="The first contact with a GPU machine: "
-                                "summary.json and smoke.log under $OUT (see the module docstring).")
+    p = ArgParser(prog="gpu_smoke.py", description="The first contact with a GPU machine: summary.json and smoke.log "
+                  "under $OUT (see the module docstring).")
     p.add_argument("--tiny", action="store_true", help="CPU, toy shapes, no compile: the same sequence in minutes")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/depthbench-smoke"),
                    help="folder of summary.json and smoke.log (default $OUT, else /tmp/depthbench-smoke)")
-    p.add_argument("--budget", type=float, default=float(os.environ.get("SMOKE_BUDGET_S", 480)),
-                   help="seconds for everything (default $SMOKE_BUDGET_S, else 480); checks past it are skipped")
+    p.add_argument("--budget", type=budget_seconds, help="seconds for everything (default $SMOKE_BUDGET_S, else "
+                   "480); checks past it are skipped")
     args = p.parse_args(argv)
+    if args.budget is None:  # the environment's, checked as the flag is: one line and exit 2, not a traceback
+        env = os.environ.get("SMOKE_BUDGET_S", "480")
+        try:
+            args.budget = budget_seconds(env)
+        except ValueError:
+            p.error(f"SMOKE_BUDGET_S={env!r} is not a number of seconds > 0")
     out = Path(args.out)
+    why = cannot_write(out / "summary.json")
+    if why:
+        p.error(f"--out {out}: {why}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "smoke.log").unlink(missing_ok=True)
+    (out / "smoke.log").write_text(f"gpu_smoke.py: budget {args.budget:g} s, {'tiny' if args.tiny else 'gpu'}\n")
     with tempfile.TemporaryDirectory(prefix="depthbench-smoke-") as work:
         s = Smoke(out=out, work=Path(work), tiny=args.tiny, ngpu=0, deadline=time.monotonic() + args.budget)
         s.summary = empty_summary(s, args.budget)

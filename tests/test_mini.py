@@ -17,6 +17,7 @@ import pytest
 from depthbench import common
 import mini
 from depthbench import suite_tables
+from test_train import run_json
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 # the paper's ten designs in its order (Figure 2, Table 4): what --designs all must mean
@@ -148,9 +149,8 @@ def sweep_run(folder, lr, loss=None, state="finished"):
     and for a finished run a ckpt.pt at its last step."""
     import torch
     folder.mkdir(parents=True)
-    config = {"lr": lr, "seed": 0, "n_layer": 9, "d_model": 88}
-    run = {"schema": "depthbench.train/1", "config": config, "steps": [{"step": 2}],
-           "final": {"val_loss": loss}, "diverged": state == "diverged", "finished": state == "finished"}
+    run = run_json({"lr": lr, "seed": 0, "n_layer": 9, "d_model": 88}, val_loss=loss, finished=state == "finished",
+                   diverged=state == "diverged")
     common.write_json(folder / "run.json", run)
     if state == "finished":
         torch.save({"step": 2}, folder / "ckpt.pt")
@@ -334,21 +334,31 @@ def test_the_glance_table_has_both_ends_paired_counts_and_the_chosen_lrs():
     assert shown[3].split(" | ")[3:5] == ["all diverged (0)", "—, lower on 0/2"]
 
 
-def test_a_job_whose_earlier_log_names_a_done_run_is_not_started_again(tmp_path):
-    """found_done: the run folder named by train.py's '[1/1] ... (<folder>)' line of the job's earlier log, when
-    common.run_state says it is done ('finished' -> 'done before', 'diverged'); a partial run, a log without that
-    line, a missing log or a folder whose run.json is not train.py's -> None (the job runs, and train.py decides)."""
-    log = tmp_path / "job.log"
-    assert mini.found_done(log) is None
-    for name, state, want in (("a", "finished", "done before"), ("b", "diverged", "diverged"), ("c", "partial", None)):
-        sweep_run(tmp_path / name, 3e-3, 2.0, state=state)
-        log.write_text(f"reusing the shards\n\n[1/1] hc ar=17.33 lr=3e-3 seed=0  ({tmp_path / name})\nstep 1\n")
-        assert mini.found_done(log) == want, name
-    (tmp_path / "c" / "run.json").write_text("not json")  # not a run log of train.py: run_state refuses it
-    log.write_text(f"[1/1] hc ar=17.33 lr=3e-3 seed=0  ({tmp_path / 'c'})\n")
-    assert mini.found_done(log) is None
-    log.write_text("Traceback (most recent call last):\n")
-    assert mini.found_done(log) is None
+def test_a_job_whose_run_is_done_is_not_started_again(tmp_path, capsys):
+    """found_done: the job's run folder (the one train.py resolves its command to, in mini.py's process), when
+    common.run_state says it is done ('finished' -> 'done before', 'diverged'); a partial run, no folder, or a job
+    that is not train.py's -> None (the job runs). A run.json of the wrong types is refused in one line naming it."""
+    args = mini.parse_args(["--designs", "preln", "--ar", "32", "--seeds", "0", "--deep-seeds", "", "--lr", "3e-3",
+                            "--steps", "2", "--out", str(tmp_path)])
+    (_, label, argv), = mini.seed_jobs(args)
+    (folder,) = mini.check_jobs([(label, argv)]).values()  # nothing there yet: no state
+    assert folder == tmp_path / "synthetic" / "preln_ar32_lr3e-3_s0" and mini.found_done(folder) is None
+    assert mini.planned_run([sys.executable, "diagnose.py", str(folder)]) is None and mini.found_done(None) is None
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.main(argv[2:])
+    assert e.value.code == 0 and mini.found_done(folder) == "done before"
+    log = json.loads((folder / "run.json").read_text())
+    common.write_json(folder / "run.json", {**log, "finished": False, "diverged": True})
+    assert mini.found_done(folder) == "diverged"
+    common.write_json(folder / "run.json", {**log, "finished": False})
+    assert mini.found_done(folder) is None
+    common.write_json(folder / "run.json", {**log, "finished": "no"})  # not read by truthiness
+    with pytest.raises(SystemExit) as e:
+        mini.check_jobs([(label, argv)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.splitlines() == [
+        f"mini.py: error: {folder / 'run.json'}: field 'finished' is a string, not true or false"]
 
 
 def test_the_paired_grid_gives_each_design_and_shape_its_paired_differences():

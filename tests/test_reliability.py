@@ -13,8 +13,10 @@ import errno
 import importlib
 import os
 import re
+import json
 import resource
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,7 +34,7 @@ import data
 import mini
 import profile_gpu
 import train
-from test_train import TINY, load_run, one_thread, run_main  # noqa: F401 (one_thread: one intra-op thread here too)
+from test_train import TINY, load_run, one_thread, run_json, run_main  # noqa: F401 (one_thread: one thread here too)
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 DOCS = ROOT / "docs" / "reliability.md"
@@ -120,7 +122,8 @@ CASES = [
     ("mini.py", "a seed that is no number in --seeds", ["--seeds", "0,x", "--out", "{tmp}/m"], {}, 2,
      "argument --seeds: invalid"),
     # files
-    ("train.py", "run.json that is a list", TRAIN, {f"{RUN}/run.json": "[]"}, 2, "is not a run log of train.py"),
+    ("train.py", "run.json that is a list", TRAIN, {f"{RUN}/run.json": "[]"}, 2,
+     "run.json: not a run log of train.py: it is a list, not an object; move it away"),
     ("train.py", "run.json that is a folder", TRAIN, {f"{RUN}/run.json": None}, 2, "run.json is not a file"),
     ("train.py", "--out that is a file", TRAIN, {"runs": "a file"}, 2, "cannot write to"),
     ("diagnose.py", "a ckpt.pt that would run code when unpickled", ["{tmp}/run"], {"run/ckpt.pt": Pickled()}, 2,
@@ -212,6 +215,69 @@ CASES += [
      "argument --format: invalid choice: 'onnx'"),
 ]
 
+# ----------------------------------------------------------------------------- issue 42: every option applies or is
+#                                                                                refused
+
+MODULES = {"gpu_smoke.py": "scripts.gpu_smoke"}  # a script outside the root: the module it is imported as
+TEXT = ["--data", "{tmp}/a.txt", "--tokenizer", "bytes"]
+MINI = ["--out", "{tmp}/m"]
+CASES += [
+    ("train.py", "--val-tokens with the synthetic task", [*TRAIN, "--val-tokens", "100"], {}, 2,
+     "--val-tokens does not apply to the synthetic task"),
+    ("train.py", "--tokenizer and --data-dir with the synthetic task", [*TRAIN, "--tokenizer", "bytes", "--data-dir",
+     "{tmp}/d"], {}, 2, "--tokenizer, --data-dir do not apply to the synthetic task"),
+    ("train.py", "--max-gap and --group with real data", [*TRAIN, *TEXT, "--max-gap", "2", "--group", "s4"], ONE_TXT, 2,
+     "--max-gap, --group do not apply to real data (--data {tmp}/a.txt)"),
+    ("train.py", "--gpu-mem without --dry-run", [*TRAIN, "--gpu-mem", "80"], {}, 2,
+     "--gpu-mem is what --dry-run plans for: give it with --dry-run"),
+    ("train.py", "--compile-scope without compiling", [*TRAIN, "--compile-scope", "model"], {}, 2,
+     "--compile-scope applies to a compiled run"),
+    ("train.py", "--print-grid with a run's options", ["--suite", "400m", "--print-grid", "--seed", "1", "--steps", "5"],
+     {}, 2, "--seed, --steps do not apply to --print-grid"),
+    ("train.py", "an unknown --schedule", [*TRAIN, "--schedule", "linear"], {}, 2,
+     "argument --schedule: invalid choice: 'linear'"),
+    ("profile_gpu.py", "--bench --quick with --analytic-only", ["--bench", "--quick", "--analytic-only"], {}, 2,
+     "--analytic-only does not apply to --bench"),
+    ("profile_gpu.py", "--bench --quick with --shapes", ["--bench", "--quick", "--shapes", "2x64"], {}, 2,
+     "--shapes does not apply to --bench"),
+    ("profile_gpu.py", "--bench --quick with --json and --out", ["--bench", "--quick", "--json", "--out",
+     "{tmp}/p.json"], {}, 2, "--out, --json do not apply to --bench"),
+    ("profile_gpu.py", "--bench --quick with --device cuda", ["--bench", "--quick", "--device", "cuda"], {}, 2,
+     "--device does not apply to --bench"),
+    ("profile_gpu.py", "--quick without --bench", ["--quick", "--analytic-only", "--shapes", "2x64"], {}, 2,
+     "--quick narrows --bench: give it with --bench"),
+    ("mini.py", "a design twice in --design-lr", ["--design-lr", "preln=1e-3,preln=1e-2", *MINI], {}, 2,
+     "--design-lr names preln twice"),
+    ("mini.py", "--design-lr for a design the command does not run", ["--designs", "preln", "--design-lr", "hc=1e-3",
+     *MINI], {}, 2, "--design-lr hc: not a design this command runs (preln)"),
+    ("mini.py", "--report on an empty folder", ["--report", *MINI], {"m": None}, 2,
+     "--report: {tmp}/m holds no run of the synthetic probe"),
+    ("mini.py", "--report on a mistyped folder", ["--report", "--out", "{tmp}/typo"], {}, 2,
+     "--report: {tmp}/typo holds no run"),
+    ("mini.py", "--report with --dry-run", ["--report", "--dry-run", *MINI], {}, 2,
+     "argument --dry-run: not allowed with argument --report"),
+    ("mini.py", "--lr with --lr-sweep", ["--lr", "3e-3", "--lr-sweep", "1e-3,1e-2", *MINI], {}, 2,
+     "--lr trains every run at one LR, no sweep"),
+    ("mini.py", "--lr with --full-sweep", ["--lr", "3e-3", "--full-sweep", *MINI], {}, 2,
+     "--lr-sweep and --full-sweep do not apply"),
+    ("mini.py", "--full-sweep with no sweep", ["--full-sweep", "--lr-sweep", "", *MINI], {}, 2,
+     "--full-sweep widens the LR sweep, but --lr-sweep '' asks for none"),
+    ("mini.py", "--synthetic-designs without the synthetic probe", ["--probes", "text", "--text", "{tmp}/a.txt",
+     "--synthetic-designs", "hc", *MINI], ONE_TXT, 2, "--synthetic-designs applies to the synthetic probe"),
+    ("mini.py", "--text without the text probe", ["--probes", "synthetic", "--text", "{tmp}/a.txt", *MINI], ONE_TXT, 2,
+     "--text is the text probe's corpus"),
+    ("diagnose.py", "--token-data-glob on a file that is no token shard (an odd size)", [*INIT, "--metrics", "erank",
+     "--num-samples", "2", "--seq-len", "8", "--token-data-glob", "{tmp}/odd.bin"], {"odd.bin": b"abc"}, 2,
+     "--token-data-glob {tmp}/odd.bin: not token shards"),
+    ("gpu_smoke.py", "--budget -5", ["--tiny", "--budget", "-5", "--out", "{tmp}/s"], {}, 2,
+     "argument --budget: invalid number of seconds > 0 value: '-5'"),
+    ("gpu_smoke.py", "--out that is a file", ["--tiny", "--budget", "10", "--out", "{tmp}/f"], {"f": "a file"}, 2,
+     "--out {tmp}/f: {tmp}/f is a file, not a folder"),
+    ("plot.py", "--out under a plain file (checked before any figure)", ["{tmp}/runs", "--out", "{tmp}/f/figs"],
+     {"runs": None, "f": "a file"}, 2, "--out '{tmp}/f/figs': {tmp}/f is a file, not a folder"),
+]
+
+
 FAULTS = []  # (fault, what it gives, test), in the page's order
 
 
@@ -247,8 +313,9 @@ def test_bad_input_is_one_line(tmp_path, capsys, script, what, argv, setup, code
     """One line on stderr, prefixed by the script, saying what is wrong; the exit code; no file written or changed."""
     make(tmp_path, setup)
     before = files(tmp_path)
+    module = MODULES.get(script, script.removesuffix(".py"))
     with pytest.raises(SystemExit) as e:
-        importlib.import_module(script.removesuffix(".py")).main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+        importlib.import_module(module).main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err
     assert (e.value.code, len(err.strip().splitlines())) == (code, 1), err
     assert err.startswith(f"{script}: error: ") and message.replace("{tmp}", str(tmp_path)) in err, err
@@ -452,9 +519,7 @@ def test_profile_fails_when_every_row_failed(capsys, monkeypatch):
 @fault("mini.py after a diagnose.json was corrupted", "it is treated as missing: diagnosed again, the summary written")
 def test_mini_redoes_a_corrupt_diagnosis(tmp_path, monkeypatch):
     run = tmp_path / "synthetic" / "preln_ar32"
-    common.write_json(run / "run.json", {"finished": True, "config": {"residual": "preln", "n_layer": 2,
-                      "d_model": 64, "lr": 3e-3}, "final": {"val_loss": 1.0}, "wall_s": 1.0,
-                      "evals": [{"per_level": {"1": {"acc": 0.5}}}]})
+    common.write_json(run / "run.json", run_json(steps=0, val_loss=1.0))  # no step: no checkpoint to match
     (run / "diagnose.json").write_text('{"causal_score": ')
     pools = []
     monkeypatch.setattr(mini, "run_pool", lambda jobs, n, what, log_dir, took=None: pools.append((what, jobs)) or [])
@@ -752,14 +817,380 @@ def test_train_on_one_text_file(tmp_path, capsys, val_tokens):
     assert [s["step"] for s in load_run(tmp_path / "runs")["steps"]] == [1, 2]
 
 
+# ----------------------------------------------------------------------------- 9. issue 42: a run folder answers
+#                                                                                only for the settings that made it
+
+def folder_files(folder):
+    """{path: bytes} of a run folder's files (its lock aside): what a refused command must leave as it was."""
+    return {p: p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@fault("a finished run's folder, then the same command with other settings (`--max-gap 2 --weight-decay 0`, "
+       "`--weight-decay 0.5 --seq-len 64`), with and without --resume",
+       "one line naming each differing setting with both values (`max_gap 4 there, 2 here`), exit 2, the folder byte "
+       "for byte as it was: never \"finished already\" for settings it never trained. Settings that only observe or "
+       "carry out a run (--eval-every, --log-every, --ckpt-every, --stats-every, --batch-size, --kernels) skip it as "
+       "finished; another --schedule trains a folder of its own")
+def test_a_finished_run_answers_only_for_its_settings(tmp_path, capsys):
+    args = TINY + ["--steps", "4", "--out", str(tmp_path)]
+    assert run_main(args, capsys)[0] == 0
+    (run,) = tmp_path.iterdir()
+    before = folder_files(run)
+    others = {("--max-gap", "2", "--weight-decay", "0"): "weight_decay 0.1 there, 0.0 here; max_gap 4 there, 2 here",
+              ("--weight-decay", "0.5", "--seq-len", "64"): "weight_decay 0.1 there, 0.5 here; seq_len 32 there, 64 here"}
+    for flags, named in others.items():
+        for resume in ([], ["--resume"]):
+            code, out, err = run_main(args + [*flags, *resume], capsys)
+            assert code == 2 and err.splitlines() == [f"train.py: error: {run} holds a run made with other settings "
+                                                      f"({named}); it answers for its own only: use another --out, or "
+                                                      "move the folder away"], err
+            assert "skipping" not in out and folder_files(run) == before
+    looks = ["--eval-every", "3", "--log-every", "2", "--ckpt-every", "7", "--stats-every", "0", "--batch-size", "8",
+             "--kernels", "reference"]
+    code, out, _ = run_main(args + looks, capsys)
+    assert code == 0 and "finished already (run.json says so): skipping" in out and folder_files(run) == before
+    code, out, _ = run_main(args + ["--schedule", "wsd"], capsys)
+    assert code == 0 and "wsd: linear warmup, the peak held" in out and folder_files(run) == before
+    wsd = load_run(tmp_path, "preln_ar32_wsd_lr3e-3_s42")
+    assert wsd["config"]["schedule"] == "wsd" and wsd["finished"] is True
+    assert [s["lr"] for s in wsd["steps"]] != [s["lr"] for s in load_run(tmp_path, run.name)["steps"]]
+
+
+@fault("a partial run's folder (stopped by --max-steps), then other settings, with and without --resume",
+       "refused in one line naming them (never started over: that would lose the run); --resume with other observation "
+       "settings (--eval-every, --log-every) continues it to the losses of an uninterrupted run, bit for bit")
+def test_a_partial_run_answers_only_for_its_settings(tmp_path, capsys):
+    args = TINY + ["--steps", "6", "--eval-every", "3"]
+    assert run_main(args + ["--out", str(tmp_path / "a")], capsys)[0] == 0
+    b = args + ["--out", str(tmp_path / "b")]
+    assert run_main(b + ["--max-steps", "3"], capsys)[0] == 0
+    (run,) = (tmp_path / "b").iterdir()
+    before = folder_files(run)
+    for resume in ([], ["--resume"]):
+        code, out, err = run_main(b + ["--grad-clip", "0.5", "--eval-iters", "2", *resume], capsys)
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert "(grad_clip 1.0 there, 0.5 here; eval_iters 1 there, 2 here)" in err and folder_files(run) == before
+    code, out, _ = run_main(b + ["--resume", "--eval-every", "2", "--log-every", "5"], capsys)
+    assert code == 0 and "resumed from" in out
+    want, got = load_run(tmp_path / "a"), load_run(tmp_path / "b")
+    assert got["finished"] and [s["loss"] for s in got["steps"]] == [s["loss"] for s in want["steps"]]
+
+
+@fault("a grid whose second run's folder holds a run of other settings",
+       "refused in one line before the first run trains: nothing written anywhere")
+def test_a_grid_is_checked_before_it_trains(tmp_path, capsys):
+    args = TINY + ["--steps", "2", "--out", str(tmp_path)]
+    assert run_main(args + ["--seed", "1"], capsys)[0] == 0
+    before = files(tmp_path)
+    code, _, err = run_main(args + ["--seed", "0,1", "--grad-clip", "0"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "_s1 holds a run made with other settings (grad_clip" in err
+    assert files(tmp_path) == before and not (tmp_path / "preln_ar32_lr3e-3_s0").exists()
+
+
+@fault("a run folder written before the schedule and val_tokens joined the config (run.json and ckpt.pt without them)",
+       "still resumes, and is still skipped once finished, when its settings match (they read as cosine and none)")
+def test_a_folder_of_the_code_before_still_resumes(tmp_path, capsys):
+    args = TINY + ["--steps", "4", "--out", str(tmp_path)]
+    assert run_main(args + ["--max-steps", "2"], capsys)[0] == 0
+    (run,) = tmp_path.iterdir()
+    log = load_run(tmp_path)
+    for key in ("schedule", "val_tokens"):
+        del log["config"][key]
+    common.write_json(run / "run.json", log)
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    ckpt["config"] = log["config"]
+    torch.save(ckpt, run / "ckpt.pt")
+    code, out, err = run_main(args + ["--resume"], capsys)
+    assert code == 0 and "resumed from" in out, err
+    assert run_main(args, capsys)[1].count("skipping") == 1
+
+
+@fault("mini.py over a suite folder of runs made with other settings (a toy at --steps 2, then --steps 3)",
+       "one line naming the run folder and `total_steps 2 there, 3 here`, exit 2, before anything starts; with the "
+       "settings that made them the runs are found done (not started again)")
+def test_mini_reuses_a_run_only_with_its_settings(tmp_path, capsys):
+    toy = ["--designs", "preln", "--ar", "32", "--seeds", "0", "--deep-seeds", "", "--lr", "3e-3", "--out",
+           str(tmp_path)]
+    jobs = [(label, argv) for _, label, argv in mini.seed_jobs(mini.parse_args(toy + ["--steps", "2"]))]
+    assert run_main(jobs[0][1][2:], capsys)[0] == 0          # the job's own train.py command, in this process
+    (folder,) = mini.check_jobs(jobs).values()
+    assert mini.found_done(folder) == "done before"
+    before = files(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        mini.main(toy + ["--steps", "3"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err.splitlines() == [
+        f"mini.py: error: {folder} holds a run made with other settings (total_steps 2 there, 3 here); it answers "
+        "for its own only: use another --out, or move the folder away"], err
+    assert "[train]" not in out and files(tmp_path) == before
+
+
+def set_field(obj, path, value):
+    """Set (value MISSING: delete) the field at path ('evals[0].per_level', 'config.lr') of a run.json's dict."""
+    *parents, last = re.findall(r"[^.\[\]]+", path)
+    for key in parents:
+        obj = obj[int(key)] if isinstance(obj, list) else obj[key]
+    if isinstance(obj, list):
+        last = int(last)
+    if value is MISSING:
+        del obj[last]
+    else:
+        obj[last] = value
+
+
+MISSING = object()
+# each field a reader of run.json uses (depthbench/runlog.py): a value of another type for it, whether null and a
+# missing field are refused too (an optional number may be null: a non-finite loss; may be missing: an older log)
+READ_FIELDS = [("schema", 1, True, True), ("config", "x", True, True), ("config.residual", 5, True, True),
+               ("config.n_layer", "2", True, True), ("config.d_model", 64.5, True, True),
+               ("config.lr", "3e-3", True, True), ("config.seed", "0", True, True), ("steps", "oops", True, True),
+               ("steps[0]", "x", True, False), ("steps[0].step", "1", True, True), ("steps[1].loss", "x", False, False),
+               ("evals", {}, True, True), ("evals[0].step", "2", True, True), ("evals[0].val_loss", "x", False, False),
+               ("evals[0].per_level", [], False, False), ("evals[0].per_level.1", 0.5, True, False),
+               ("final", [], True, True), ("final.val_loss", "low", False, False), ("diverged", "no", True, True),
+               ("finished", "no", True, True), ("wall_s", "1 s", True, True), ("config.weight_decay", "0", True, False),
+               ("config.schedule", 1, True, False), ("config.answers_only", "yes", True, False)]
+BAD_VALUES = [(path, kind, value) for path, other, null, missing in READ_FIELDS
+              for kind, value in (("another type", other), ("null", None), ("missing", MISSING))
+              if kind == "another type" or (kind == "null" and null) or (kind == "missing" and missing)]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished tiny run (2 steps): run.json and ckpt.pt as train.py writes them, for each test to copy."""
+    root = tmp_path_factory.mktemp("finished")
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--steps", "2", "--out", str(root)])
+    (run,) = root.iterdir()
+    return run
+
+
+@fault("run.json with a field of another type, null or missing, for each field a reader uses (`\"finished\": \"no\"`, "
+       "`\"diverged\": \"no\"`, `\"steps\": \"oops\"`, ...)",
+       "the one reader (depthbench/runlog.py) refuses it in one line naming the file and the field, in every script: "
+       "train.py exits 2 (never skips the run, never takes a string for true), mini.py's tables and diagnose.py say "
+       "the same line, plot.py skips the file naming the field")
+@pytest.mark.parametrize("path, kind, value", BAD_VALUES, ids=[f"{p} {k}" for p, k, _ in BAD_VALUES])
+def test_run_json_is_read_by_type(tmp_path, capsys, finished_run, path, kind, value):
+    import plot
+    from depthbench import runlog, suite_tables
+    run = tmp_path / finished_run.name
+    shutil.copytree(finished_run, run)
+    log = json.loads((run / "run.json").read_text())
+    set_field(log, path, value)
+    (run / "run.json").write_text(json.dumps(log))
+    with pytest.raises(runlog.RunLogError) as e:
+        runlog.read_run_log(run / "run.json")
+    assert e.value.field == path and str(e.value).startswith(f"{run / 'run.json'}: field {path!r} ")
+    code, out, err = run_main(TINY + ["--steps", "2", "--out", str(tmp_path)], capsys)
+    assert code == 2 and err.splitlines() == [f"train.py: error: {e.value}; move it away to train this run (--resume "
+                                              "writes it again from ckpt.pt)"] and "skipping" not in out
+    with pytest.raises(runlog.RunLogError, match=re.escape(str(e.value))):
+        suite_tables.done_runs(tmp_path)
+    assert plot.check_schema(log) == (None, f"schema depthbench.train/1 but {e.value.reason}") or path == "schema"
+
+
+@fault("train.py --resume over a run.json with a field of another type beside a whole ckpt.pt",
+       "run.json is written again from ckpt.pt's log (said so), and the run goes on from there")
+def test_resume_rebuilds_a_run_json_of_the_wrong_types(tmp_path, capsys, finished_run):
+    run = tmp_path / finished_run.name
+    shutil.copytree(finished_run, run)
+    log = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**log, "finished": "no"}))
+    code, out, err = run_main(TINY + ["--steps", "2", "--resume", "--out", str(tmp_path)], capsys)
+    assert code == 0 and "rebuilt from ckpt.pt's log (step 2)" in out and "resumed from" in out, err
+    assert load_run(tmp_path)["finished"] is True and load_run(tmp_path)["steps"] == log["steps"]
+
+
+@fault("a ckpt.pt whose config has a field of another type (diagnose.py reads the run's settings from it)",
+       "one line naming the checkpoint and the field, exit 2")
+def test_diagnose_reads_the_run_config_by_type(tmp_path, capsys, finished_run):
+    import diagnose
+    ckpt = torch.load(finished_run / "ckpt.pt", weights_only=True)
+    ckpt["config"]["seq_len"] = "32"
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    with pytest.raises(SystemExit) as e:
+        diagnose.main([str(tmp_path), "--metrics", "erank", "--num-samples", "2"])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        f"diagnose.py: error: {tmp_path / 'ckpt.pt'}: field 'config.seq_len' is a string, not an integer"]
+
+
+# ----------------------------------------------------------------------------- 10. issue 42: process lifetime
+
+def pids_naming(path):
+    """The pids of the running processes whose command line names `path` (Linux /proc; one may end while we read)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(path).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def alive(pid):
+    """Whether process pid runs (a zombie, ended but not reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@fault("kill -9 of mini.py alone while its pool trains a run, then the same command at once",
+       "the run ends with its driver (Linux: the kernel sends it SIGTERM, so it saves ckpt.pt after its step); the "
+       "rerun waits for it in one line while it lives, never writes its log meanwhile (no NUL bytes), then resumes "
+       "it: the losses of an uninterrupted run, bit for bit")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_kill_9_of_mini_ends_its_runs_and_a_rerun_resumes_them(tmp_path, capsys):
+    out = tmp_path / "suite"
+    flags = ["--probes", "synthetic", "--designs", "preln", "--ar", "9.1", "--seeds", "0", "--deep-seeds", "", "--lr",
+             "3e-3", "--steps", "40", "--diag-samples", "2", "--jobs", "1", "--out", str(out)]
+    argv, env = [sys.executable, "-B", "mini.py", *flags], {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(1200):  # until its run has taken a step
+        logs = list((out / "logs").glob("*.log")) if (out / "logs").is_dir() else []
+        if logs and "step     1/" in logs[0].read_text():
+            break
+        time.sleep(0.1)
+    else:
+        p.kill()
+        pytest.fail("the suite's run never started training")
+    runs = [pid for pid in pids_naming(out) if pid != p.pid]
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    again = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):  # the runs of the killed suite end with it
+        if not any(alive(pid) for pid in runs):
+            break
+        time.sleep(0.1)
+    else:
+        again.kill()
+        pytest.fail("a train.py of the killed suite outlived it")
+    stdout, stderr = again.communicate(timeout=900)
+    assert again.returncode == 0 and "Traceback" not in stderr, stdout[-2000:] + stderr
+    text = logs[0].read_text()
+    assert "\0" not in text and "FAILED" not in stdout
+    stopped_at = int(re.search(r"^resumed from .*ckpt.pt at step (\d+)$", text, re.M)[1])
+    assert 0 < stopped_at < 40
+    (job,) = mini.seed_jobs(mini.parse_args(flags))
+    alone = [*job[2][2:job[2].index("--out") + 1], str(tmp_path / "alone"), *job[2][job[2].index("--out") + 2:]]
+    assert run_main(alone, capsys)[0] == 0
+    (run,) = (out / "synthetic").iterdir()
+    assert [s["loss"] for s in load_run(out / "synthetic")["steps"]] == [s["loss"] for s in
+                                                                         load_run(tmp_path / "alone")["steps"]]
+
+
+@fault("a live process holding what mini.py would write for a run: its run folder (a train.py started by hand: the "
+       "test holds the folder's lock) or its log (a run of a killed mini.py, where the OS keeps it alive)",
+       "one line on the terminal naming what is held (and by whom) and that it waits, up to mini.LOCK_WAIT_S (60 s); "
+       "then one line, exit 2; the log is never opened for writing meanwhile")
+@pytest.mark.parametrize("held", ["folder", "log"])
+def test_mini_never_writes_where_a_live_run_does(tmp_path, capsys, monkeypatch, held):
+    import fcntl
+    monkeypatch.setattr(mini, "LOCK_WAIT_S", 1)
+    argv = ["--designs", "preln", "--ar", "32", "--seeds", "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", "2",
+            "--out", str(tmp_path)]
+    ((_, label, job),) = mini.seed_jobs(mini.parse_args(argv))
+    cfg = mini.planned_run(job)
+    folder, log = Path(cfg.out) / cfg.name, mini.log_path(tmp_path / "logs", label)
+    log.parent.mkdir()
+    log.write_text("a live run's log\n")
+    lock = common.lock_folder(folder)
+    if held == "log":
+        lock.close()
+        lock = open(log, "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    before = files(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        mini.main(argv)
+    out, err = capsys.readouterr()
+    lock.close()
+    what = {"folder": f"{folder} is in use by pid {os.getpid()} on {socket.gethostname()}",
+            "log": f"{log} is held by a live process (a run of an earlier mini.py, ending?)"}[held]
+    assert f"\nmini.py: {what}" in out and out.endswith(": waiting up to 1 s for it to end\n")
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"mini.py: error: {what}")
+    assert "still after 1 s: its files are not written while it lives" in err
+    assert files(tmp_path) == before
+
+
+@fault("SMOKE_BUDGET_S that is no number of seconds > 0 (abc, -5, 0, nan) for scripts/gpu_smoke.sh",
+       "one line naming it, exit 2, nothing written (not a ValueError); a budget too short for any check still writes "
+       "the smoke.log its last line names")
+@pytest.mark.parametrize("budget", ["abc", "-5", "0", "nan"])
+def test_a_smoke_budget_is_a_number_of_seconds(tmp_path, capsys, monkeypatch, budget):
+    smoke = importlib.import_module("scripts.gpu_smoke")
+    monkeypatch.setenv("SMOKE_BUDGET_S", budget)
+    with pytest.raises(SystemExit) as e:
+        smoke.main(["--tiny", "--out", str(tmp_path / "s")])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        f"gpu_smoke.py: error: SMOKE_BUDGET_S={budget!r} is not a number of seconds > 0"]
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("SMOKE_BUDGET_S", "1")
+    assert smoke.main(["--tiny", "--out", str(tmp_path / "s")]) == 1  # every check skipped: the budget is spent
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"wrote {tmp_path / 's' / 'summary.json'} and {tmp_path / 's' / 'smoke.log'}")
+    assert (tmp_path / "s" / "smoke.log").read_text().startswith("gpu_smoke.py: budget 1 s, tiny")
+
+
 # ----------------------------------------------------------------------------- the page
 
+def ticked(names):
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def rules():
+    """The page's rules, written here; the lists of settings come from RunConfig's fields (depthbench/runlog.py)."""
+    from depthbench.runlog import SYNTHETIC_ONLY, identity_fields
+    rest = identity_fields(None)
+    return [
+        "## Run identity", "",
+        "A run folder answers only for the settings that made it. Each field of a run's config (run.json's and "
+        "ckpt.pt's `config`, depthbench/runlog.py's `RunConfig`) says what it is to the run's identity:", "",
+        f"- **Identity**: {ticked(identity_fields('always'))}: what the run computes (and `eval_iters`, what its "
+        "result is measured on). A command whose value differs from the folder's run, finished, diverged or partial, "
+        "with or without `--resume`, is refused in one line naming each setting with both values (`weight_decay 0.1 "
+        "there, 0.0 here`), exit 2, and nothing is written: use another `--out`, or move the folder away. A grid "
+        "checks every folder before its first run trains. Non-default design options and a schedule other than the "
+        f"default (`--schedule`) join the run's name: such runs have folders of their own. {ticked(SYNTHETIC_ONLY)} "
+        "count for a synthetic-task run only.",
+        f"- **Precision**: {ticked(identity_fields('done'))}. Part of a finished or diverged run's identity; "
+        "`--resume` may change it (scripts/gpu_smoke.py resumes one checkpoint in fp32 and in bf16 to compare them).",
+        f"- **The rest** may differ, and `--resume` may change them: {ticked(rest)}. They are derived from the "
+        "identity, or say how the run is carried out (ranks, micro-batch, FSDP, activation checkpointing, compile, "
+        "kernels: the same maths, other float rounding; a resume is bit for bit when they are unchanged), how it is "
+        "observed (log, eval and checkpoint cadence, telemetry, trackers) or where it is kept (`out`, `data_dir`). "
+        "`max_steps` sets where a session stops, not the schedule.", "",
+        "mini.py keeps the same rule: before each phase it resolves every job's run as train.py does and refuses, in "
+        "one line, a folder holding a run of other settings (say an earlier toy of another `--steps` in the same "
+        "`--out`); a done run of the same settings is not started again. Folders written before `schedule` and "
+        "`val_tokens` joined the config read them as `cosine` and none: they resume, and are skipped once finished, "
+        "when the rest matches.", "",
+        "run.json is read by type, through one reader (depthbench/runlog.py) in train.py, mini.py, diagnose.py (a "
+        "checkpoint's config) and plot.py: a field missing, null where it may not be, or of another type (`\"finished\""
+        ": \"no\"`) is one line naming the file and the field, never read by truthiness. train.py --resume writes such "
+        "a run.json again from ckpt.pt's log, and says so.", "",
+        "## Process lifetime", "",
+        "- mini.py's children (train.py, diagnose.py, plot.py) end when it ends, however it ends. On Linux each asks "
+        "the kernel for SIGTERM at its parent's death (`prctl(PR_SET_PDEATHSIG)`: common.end_with_parent), kill -9 "
+        "included, and a training run answers it by saving ckpt.pt after its step. They run in mini.py's process "
+        "group: a terminal's Ctrl-C, or `kill -- -PGID`, reaches them all.",
+        "- A live run's files are never written by another process: train.py locks its run folder, and mini.py locks "
+        "each run's log together with the run that writes it (the lock lasts while either lives). A rerun that finds "
+        "one held says so on the terminal in one line and waits, up to 60 s (a killed suite's runs are saving), then "
+        "stops with one line and exit 2. Where the OS has no PR_SET_PDEATHSIG, a killed suite's runs train on to "
+        "their end, and a rerun waits for them or says so.",
+        "- The same command again resumes each stopped run from its ckpt.pt, to the losses of an uninterrupted run.",
+        ""]
+
+
 def render():
-    """docs/reliability.md from FAULTS and CASES."""
+    """docs/reliability.md from rules(), FAULTS and CASES."""
     lines = ["# Faults and bad input", "",
              "What the scripts do when something goes wrong. Generated from the tests' own lists by `python "
-             "tests/test_reliability.py --write-docs` (tests/test_reliability.py: each fault has its test, each bad input is "
-             "run as shown), and a test checks this page is what the generator writes.", "",
+             "tests/test_reliability.py --write-docs` (tests/test_reliability.py: the rules below are written there, "
+             "each fault has its test, each bad input is run as shown), and a test checks this page is what the "
+             "generator writes.", "", *rules(),
              "## Faults", "", "| fault | what it gives | test |", "|---|---|---|"]
     lines += [f"| {what} | {gives} | `{test}` |" for what, gives, test in FAULTS]
     lines += ["", "## Bad input", "",

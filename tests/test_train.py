@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import data
-from depthbench import costs, observe, recipe
+from depthbench import costs, observe, recipe, schedules
 import train
 from data import BatchLoader
 from depthbench.synthetic import SyntheticTask, verdict
@@ -63,16 +63,47 @@ def load_run(root, name=None):
     return json.loads(paths[0].read_text())
 
 
+def run_json(config=None, steps=2, val_loss=3.0, finished=True, diverged=False):
+    """A run.json of train.py's schema with every field a reader needs (depthbench/runlog.py), for tests whose runs
+    are not trained: `steps` steps, one eval at the last with `val_loss`; config: fields over a Pre-LN L2 d64."""
+    config = {"residual": "preln", "n_layer": 2, "d_model": 64, "lr": 3e-3, "seed": 0, **(config or {})}
+    evals = [{"step": steps, "val_loss": val_loss, "per_level": {"1": {"loss": 1.0, "acc": 0.5}}}]
+    return {"schema": "depthbench.train/1", "config": config, "steps": [{"step": s + 1} for s in range(steps)],
+            "evals": evals, "final": {"val_loss": val_loss}, "diverged": diverged, "finished": finished, "wall_s": 1.0}
+
+
 def test_lr_schedule():
-    """Linear warmup from 0 to the peak, then a cosine down to 0.1 x peak at the end; never negative."""
+    """The default schedule (cosine): linear warmup from 0 to the peak, then a cosine down to 0.1 x peak at the end;
+    never negative; every step equal, bit for bit, to train.get_lr before the schedules moved (the same losses)."""
     peak, warmup, total = 2e-3, 10, 100
-    lrs = [train.get_lr(t, peak, warmup, total) for t in range(total + 5)]
+    span = schedules.Span(peak=peak, warmup=warmup, total=total, final_frac=0.1)
+    assert schedules.DEFAULT == "cosine" and schedules.SCHEDULES["cosine"] is schedules.cosine
+    lrs = [schedules.lr_at("cosine", t, span) for t in range(total + 5)]
     assert lrs[0] == 0 and all(a < b for a, b in zip(lrs[:warmup], lrs[1:warmup + 1]))   # strictly rising
     assert max(lrs) == lrs[warmup] == peak                                                # peak at step W
     assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))                    # then only falling
     assert lrs[total] == pytest.approx(0.1 * peak) and lrs[-1] == pytest.approx(0.1 * peak)
     assert min(lrs) >= 0
-    assert train.get_lr(55, peak, warmup, total) == pytest.approx(0.1 * peak + 0.9 * peak * 0.5)  # half-way: the mid value
+    assert lrs[55] == pytest.approx(0.1 * peak + 0.9 * peak * 0.5)  # half-way: the mid value
+
+    def before(t):  # train.get_lr as it was before the schedules moved to depthbench/schedules.py, written out
+        if t < warmup:
+            return peak * t / warmup
+        if t >= total:
+            return 0.1 * peak
+        return 0.1 * peak + (1 - 0.1) * peak * 0.5 * (1 + math.cos(math.pi * ((t - warmup) / (total - warmup))))
+    assert lrs == [before(t) for t in range(total + 5)]
+
+
+def test_wsd_schedule_holds_the_peak_then_decays_linearly():
+    """wsd: the same warmup, the peak held until the last 20% of the steps, then a straight line down to
+    final_frac x peak at the last step, and there after it."""
+    span = schedules.Span(peak=1.0, warmup=10, total=100, final_frac=0.1)
+    lrs = [schedules.lr_at("wsd", t, span) for t in range(106)]
+    assert lrs[:10] == [schedules.cosine(t, span) for t in range(10)]          # the warmup is cosine's
+    assert set(lrs[10:80]) == {1.0} and lrs[100:] == [pytest.approx(0.1)] * 6
+    steps = [a - b for a, b in zip(lrs[80:100], lrs[81:101])]
+    assert steps == pytest.approx([0.9 / 20] * 20)                              # linear: equal steps down
 
 
 @pytest.mark.parametrize("residual", ["preln", "attnres"])
@@ -183,7 +214,8 @@ def test_a_param_groups_lr_scale_multiplies_the_schedule(tmp_path, capsys, monke
     torch.manual_seed(42)
     init = GPT(GPTConfig(**ckpt["model_config"])).state_dict()
     assert all(torch.equal(init[k], ckpt["model"][k]) for k in init)
-    assert [s["lr"] for s in load_run(tmp_path)["steps"]] == [train.get_lr(t, 3e-3, 0, 4) for t in range(2)]
+    span = schedules.Span(peak=3e-3, warmup=0, total=4, final_frac=0.1)
+    assert [s["lr"] for s in load_run(tmp_path)["steps"]] == [schedules.cosine(t, span) for t in range(2)]
 
 
 def test_two_ranks_match_one(tmp_path, capsys):
@@ -406,17 +438,23 @@ def resolved(argv, residual="preln", world_size=1):
 
 def test_a_config_from_any_version_becomes_a_run_config():
     """RunConfig.from_dict reads what run.json/ckpt.pt hold, from older and newer versions: asdict round-trips;
-    a key it lacks is None (n_kv_head: n_head, from before GQA), a key it does not know is dropped; only the
-    fields marked resume can refuse a resume."""
+    a key it lacks is None (n_kv_head: n_head, from before GQA; schedule and val_tokens: what the older code did), a
+    key it does not know is dropped; only the identity fields tell two runs apart, the precision only for a done
+    run (--resume may change it)."""
     cfg = resolved(TINY + ["--residual", "hc"])
     assert recipe.RunConfig.from_dict(dataclasses.asdict(cfg)) == cfg
     old = dataclasses.asdict(cfg)
-    del old["n_kv_head"], old["grad_accum"]
+    del old["n_kv_head"], old["grad_accum"], old["schedule"], old["val_tokens"]  # as today's main writes it, and older
     old["a_key_of_another_version"] = 1
     read = recipe.RunConfig.from_dict(old)
-    assert (read.n_kv_head, read.grad_accum) == (cfg.n_head, None) and read.resume_changes(cfg) == []
-    other = dataclasses.replace(read, lr=2 * cfg.lr, seq_len=16, eval_every=7, out="elsewhere")
-    assert other.resume_changes(cfg) == ["lr", "seq_len"]
+    assert (read.n_kv_head, read.grad_accum, read.schedule, read.val_tokens) == (cfg.n_head, None, "cosine", None)
+    assert read.identity_changes(cfg) == []
+    other = dataclasses.replace(read, lr=2 * cfg.lr, seq_len=16, eval_every=7, out="elsewhere", batch_size=1,
+                                kernels="reference", compile=True, dtype="bfloat16 autocast", log_to="wandb")
+    assert other.identity_changes(cfg) == ["lr", "seq_len", "dtype"]
+    assert other.identity_changes(cfg, done=False) == ["lr", "seq_len"]
+    real = dataclasses.replace(read, data="a.txt", tokenizer="bytes", max_gap=2, group="s5")  # the task's: not read
+    assert real.identity_changes(dataclasses.replace(real, max_gap=4, group="s3")) == []
 
 
 def test_every_suite_row_and_design_fits_80gb_at_its_default(monkeypatch):
