@@ -38,7 +38,7 @@ from residuals import RESIDUALS
 SCHEMA = "depthbench.diagnose/2"  # 2: R_perm is over the last three quarters (1: over all pairs)
 
 
-# ----------------------------------------------------------------------------- the recording forward
+# ----------------------------------------------------------------------------- the observed forward
 
 def recording(model, x, skip=None):
     """The observed forward on ids x (depthbench/observe.py: the model's own trunk loop, run from outside), block
@@ -49,7 +49,7 @@ def recording(model, x, skip=None):
 
 @dataclass
 class Batch:
-    """One calibration batch through the recording forward, as a need (below) reads it."""
+    """One calibration batch through the observed forward, as a need (below) reads it."""
     model: GPT              # the model diagnosed
     args: object            # the command line (the needs' settings: --eps)
     x: torch.Tensor         # (B, T) token ids
@@ -116,7 +116,7 @@ def plus(total, value):
 
 @torch.no_grad()
 def sweep(model, batches, needs, args):
-    """One pass over a group's calibration batches: each batch's recording forward, and when a need reads them one
+    """One pass over a group's calibration batches: each batch's observed forward, and when a need reads them one
     more per skipped block (shared by causal score and pruning); every need's values summed -> Sums."""
     L = model.cfg.n_layer
     skips = [n for n in needs if n.per_skip]

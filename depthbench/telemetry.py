@@ -6,7 +6,7 @@ At every eval (and every --stats-every steps if asked) `stats` measures, on the 
   residual stream, HC/mHC's n streams, AttnRes' depth mix or running sum) and the RMS of its output F_i(h);
 - per block: the gradient norm the last optimizer step applied (after clipping) and its update/weight ratio
   |W_new - W_old| / |W_old|; the same for the embedding, the head and the design's own parameters;
-- what the design declares about itself: `telemetry(rec)` on its class in residuals.py, from the recording forward
+- what the design declares about itself: `telemetry(rec)` on its class in residuals.py, from the observed forward
   that diagnose.py reads too (HC/mHC transport effective rank, AttnRes depth-weight entropy, MoDA's depth share).
 The forward runs under torch.no_grad on the plain model, with the RNG state forked and restored, so training's
 losses are bit-identical with and without it. Records go into run.json under "telemetry" and, with --log-to, to
