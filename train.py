@@ -48,7 +48,7 @@ from depthbench.recipe import RunConfig, fail, parse_args, print_grid, resolve, 
 from shapes import backbone_params, preln_params
 from depthbench.synthetic import SyntheticTask, answer_metrics, verdict
 
-SCHEMA = "depthbench.train/1"
+SCHEMA = runlog.SCHEMA  # run.json's: depthbench/runlog.py reads it back by type
 FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
 
 

@@ -213,6 +213,12 @@ class Bank:
             slot[j].copy_(t)
         self.written = j + 1
 
+    def scratch(self, j, v):
+        """Slot j holds v for one read (a group's open sum), its r_j with it, outside the history: `written` stays, and
+        the next push or scratch overwrites it."""
+        self.slots[0][j].copy_(v)
+        self.inv_rms[j] = inv_rms(self.slots[0][j].float(), self.norm_eps)
+
     def fork(self, n):
         """A bank holding a copy of slots [0, n), for a state that pushes after another state of the same pass pushed
         past it: a diagnostic that tries two continuations (no gradients) leaves the other's slots as they are."""
@@ -271,56 +277,55 @@ def tokens_major(slots, n):
 class Mix(torch.autograd.Function):
     """AttnRes' depth mix over the bank's first n sources and an optional extra one (a group's open partial sum):
     s_j = r_j <v_j, gq>, p = softmax_j(s), mix = sum_j p_j v_j, with gq = key_gain * query. -> (mix (B, T, D) fp32,
-    p (n [+ 1], B, T), not differentiable). Backward, per consumer: ds = p (dp - <p, dp>), dp_j = <v_j, dmix>;
-    dv_j += p_j dmix + ds_j r_j gq and dr_j += ds_j <v_j, gq> into the bank; dgq = sum_j ds_j r_j v_j."""
+    p (n [+ 1], B, T), not differentiable). The extra source is written to the scratch slot n and read with the
+    others (the same kernels as a bank that had pushed it: Block AttnRes in groups of one is Full AttnRes bit for
+    bit); backward reads it from the tensor it was, as the slot is overwritten by then. Backward, per consumer:
+    ds = p (dp - <p, dp>), dp_j = <v_j, dmix>; dv_j += p_j dmix + ds_j r_j gq and dr_j += ds_j <v_j, gq> into the
+    bank (the extra's straight to it); dgq = sum_j ds_j r_j v_j."""
 
     @staticmethod
     def forward(ctx, bank, n, gq, token, extra):
-        V = bank.slots[0][:n].float()                                            # (n, B, T, D): a view in fp32
+        if extra is not None:
+            bank.scratch(n, extra)
+        m = n if extra is None else n + 1                                        # the sources read
+        V = bank.slots[0][:m].float()                                            # (m, B, T, D): a view in fp32
         D = V.size(-1)
-        u = (V.reshape(-1, D) @ gq).view(V.shape[:-1])                            # (n, B, T)
-        s = u * bank.inv_rms[:n]
+        u = (V.reshape(-1, D) @ gq).view(V.shape[:-1])                            # (m, B, T)
+        r = bank.inv_rms[:m].clone()                                             # the scratch slot's r is kept
+        p = (u * r).softmax(dim=0)
+        weights = p.flatten(1).t().contiguous().unsqueeze(1)                     # (BT, 1, m)
+        mix = torch.bmm(weights, tokens_major(V, m)).view(V.shape[1:])            # (B, T, D)
         if extra is not None:
-            r_e = inv_rms(extra.float(), bank.norm_eps)
-            u_e = extra.float() @ gq
-            s = torch.cat([s, (u_e * r_e)[None]])
-        p = s.softmax(dim=0)
-        weights = p[:n].flatten(1).t().contiguous().unsqueeze(1)                   # (BT, 1, n)
-        mix = torch.bmm(weights, tokens_major(V, n)).view(V.shape[1:])            # (B, T, D)
-        if extra is not None:
-            mix = mix.addcmul(p[n, ..., None], extra.float())
-            ctx.save_for_backward(gq, p, u, extra, r_e, u_e)
+            ctx.save_for_backward(gq, p, u, r, extra)
         else:
-            ctx.save_for_backward(gq, p, u)
-        ctx.bank, ctx.n, ctx.had_extra = bank, n, extra is not None
+            ctx.save_for_backward(gq, p, u, r)
+        ctx.bank, ctx.n = bank, n
         ctx.mark_non_differentiable(p)
         return mix, p
 
     @staticmethod
     def backward(ctx, dmix, _):
         bank, n = ctx.bank, ctx.n
-        gq, p, u, *extra = ctx.saved_tensors
+        gq, p, u, r, *extra = ctx.saved_tensors
         V = bank.slots[0][:n].float()
         D = V.size(-1)
-        dp = torch.bmm(tokens_major(V, n), dmix.reshape(-1, D, 1)).squeeze(-1).t().reshape(u.shape)  # (n, B, T)
+        dp = torch.bmm(tokens_major(V, n), dmix.reshape(-1, D, 1)).squeeze(-1).t().reshape(V.shape[:-1])  # (n, B, T)
         if extra:
-            extra_v, r_e, u_e = extra
-            dp = torch.cat([dp, (extra_v.float() * dmix).sum(-1)[None]])
+            dp = torch.cat([dp, (extra[0].float() * dmix).sum(-1)[None]])
         ds = p * (dp - (p * dp).sum(0))
+        a = ds * r                                                               # ds_j r_j
         dV = bank.gradients()[0][:n]
-        r = bank.inv_rms[:n]
-        dV.addcmul_(p[:n, ..., None], dmix).addcmul_((ds[:n] * r)[..., None], gq)
+        dV.addcmul_(p[:n, ..., None], dmix).addcmul_(a[:n, ..., None], gq)
         if bank.d_inv_rms is None:
             bank.d_inv_rms = torch.zeros_like(bank.inv_rms)
-        bank.d_inv_rms[:n] += ds[:n] * u
-        dgq = ((ds[:n] * r).reshape(1, -1) @ V.reshape(-1, D)).view(D)
+        bank.d_inv_rms[:n] += ds[:n] * u[:n]
+        dgq = (a[:n].reshape(1, -1) @ V.reshape(-1, D)).view(D)
         d_extra = None
         if extra:
-            a = ds[n] * r_e
-            dgq = dgq + (a.reshape(1, -1) @ extra_v.float().reshape(-1, D)).view(D)
-            norm = (ds[n] * u_e) * r_e.pow(3) / -D
-            d_extra = p[n, ..., None] * dmix + a[..., None] * gq + norm[..., None] * extra_v.float()
-            d_extra = d_extra.to(extra_v.dtype)
+            v = extra[0].float()
+            dgq = dgq + (a[n].reshape(1, -1) @ v.reshape(-1, D)).view(D)
+            norm = (ds[n] * u[n]) * r[n].pow(3) / -D                             # through r of the extra source
+            d_extra = (p[n, ..., None] * dmix + a[n, ..., None] * gq + norm[..., None] * v).to(extra[0].dtype)
         return None, None, dgq, torch.zeros_like(gq[0]), d_extra
 
 

@@ -39,12 +39,14 @@ def record(model, idx, skip=None, sublayers=False):
     out if given."""
     res, L = model.res, model.cfg.n_layer
     rope = ops.rope_cos_sin(idx.size(1), model.cfg.head_dim, model.cfg.rope_theta, idx.device)
-    rec = Record(state_rms=[] if sublayers else None, out_rms=[] if sublayers else None)
+    rec = Record()
+    if sublayers:
+        rec.state_rms, rec.out_rms = [], []
     with gathered(model):
         s = res.init_stream(model.wte(idx))
         after_skip = False             # the next consumer follows a skipped block under the next-output rule
         for b, block in enumerate(model.blocks):
-            boundary(rec, res, s, 2 * b, after_skip)
+            boundary(rec, res, s, i=2 * b, after_skip=after_skip)
             if b == skip:
                 s = res.skip(res.skip(s, 2 * b), 2 * b + 1)
                 after_skip = res.skips_to_newest(2 * b + 2)
@@ -53,7 +55,7 @@ def record(model, idx, skip=None, sublayers=False):
                 for i in (2 * b, 2 * b + 1):
                     s = sublayer(rec, model, s, i, rope=rope, after_skip=after_skip)
                     after_skip = False
-        boundary(rec, res, s, 2 * L, after_skip)
+        boundary(rec, res, s, i=2 * L, after_skip=after_skip)
         if after_skip:
             z = res.input_after_skip(s, 2 * L)
         else:

@@ -13,6 +13,8 @@ each check ends. summary.json answers, each as a number or as null with a reason
   compile_s       first step minus a steady step, Pre-LN and mHC at L24 and L70
   design_step     every design's compiled training step over Pre-LN's at the 400M shape with the fewest blocks
                   (L16 d1216: the cheapest to compile), with each --kernels value, and which value is faster
+  depth_step      the card's shape, L70 d640 (--ar 9.1): HC's, mHC's, Full AttnRes' and MoDA's compiled training
+                  step over Pre-LN's, and the kernels each launches per eager step (scripts/kernel_count.py, L70)
 
 --tiny runs the same sequence on CPU at toy shapes (no compile), for the tests and as a rehearsal.
 """
@@ -39,6 +41,7 @@ DESIGNS = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres
 FIRST_DESIGNS = ["preln", "hc", "mhc", "attnres"]  # measured first (with both kernels) when the budget is short
 TINY_DESIGNS = ["preln", "mhc"]  # --tiny: a process per design and kernels value on the CPU; two designs show it
 MEMORY_DESIGNS = ["preln", "mhc", "attnres"]
+DEPTH_DESIGNS = ["preln", "hc", "mhc", "attnres", "moda"]  # the designs whose cost grows with depth, and the base
 OLDEST_TORCH = (2, 6)  # the README's supported versions start here
 GB = 1e9
 
@@ -303,6 +306,37 @@ def design_summary(s, ms, reason=None):
     s.summary["design_step"] = out
 
 
+def depth_step(s):
+    """The card's L70 d640: each depth-heavy design's training step (compiled on CUDA) over Pre-LN's, and its kernels
+    per step over Pre-LN's (docs/speed.md#kernels); --tiny: L4 d64 on the CPU."""
+    if s.tiny:
+        shape = ["--shapes", "4x64", "--seq", "32", "--batch", "2", "--vocab", "256", "--device", "cpu", "--threads", "1"]
+    else:
+        shape = ["--shapes", "70x640", "--seq", "2048", "--batch", "2"]
+    res = run(s, [sys.executable, "profile_gpu.py", *shape, "--residual", ",".join(DEPTH_DESIGNS), "--repeats", "3",
+                  "--out", str(s.work / "depth.json")])
+    if res.rc != 0:
+        s.summary["depth_step"] = {"reason": why(res)}
+        return why(res)
+    rows = {r["residual"]: r.get("fwdbwd_ms") for r in json.loads((s.work / "depth.json").read_text())["rows"]}
+    base = rows.get("preln")
+    ratios = {d: round(v / base, 3) if v and base else None for d, v in rows.items()}
+    if s.tiny:
+        out, depth, device = {"shape": "L4 d64 T32 B2, CPU eager (tiny)"}, "4", "cpu"
+    else:
+        out, depth, device = {"shape": "L70 d640 T2048 B2, bf16, compiled per block"}, "70", "cuda"
+    out["step_over_preln"] = ratios
+    res = run(s, [sys.executable, "scripts/kernel_count.py", "--designs", ",".join(DEPTH_DESIGNS), "--depths", depth,
+                  "--device", device, "--json", str(s.work / "kernels.json")])
+    if res.rc == 0:
+        counts = json.loads((s.work / "kernels.json").read_text())["counts"]
+        out["kernels_per_step"] = {d: c[depth] for d, c in counts.items()}
+        out["kernels_over_preln"] = {d: round(c[depth] / counts["preln"][depth], 2) for d, c in counts.items()}
+    else:
+        out["reason"] = f"kernel count: {why(res)}"
+    s.summary["depth_step"] = out
+
+
 # ----------------------------------------------------------------------------- the sequence
 
 
@@ -337,6 +371,7 @@ def sequence(tiny):
         checks.append((f"{design}_L24", lambda s, d=design: design_run(s, d, 24)))
     for design in [] if tiny else ["preln", "mhc"]:
         checks.append((f"{design}_L70", lambda s, d=design: design_run(s, d, 70)))
+    checks.append(("depth_step", depth_step))
     checks.append(("design_step", design_step))
     return checks
 
@@ -352,6 +387,7 @@ def empty_summary(s, budget):
             "ddp_vs_fsdp2": {"max_abs_loss_diff": None, "reason": pending},
             "memory": {d: {"planned_gb": None, "peak_gb": None, "reason": pending} for d in MEMORY_DESIGNS},
             "compile_s": {**dict.fromkeys(["preln_L24", "mhc_L24", "preln_L70", "mhc_L70"]), **compiled},
+            "depth_step": {"step_over_preln": {}, "kernels_over_preln": {}, "reason": pending},
             "design_step": {"fast": {}, "reference": {}, "use": None, "reason": pending}, "checks": []}
 
 

@@ -6,7 +6,8 @@ Kernels per training step, by design and depth: the CPU proxy for a GPU's kernel
 
 One eager training step (forward, loss, backward) of a small model (d64, 4 heads, T32, batch 2, vocab 256, the
 design's default options) under torch.profiler; a kernel is a leaf aten op (one that calls no other aten op), views
-and metadata aside (they launch nothing on a GPU). Prints the counts, each over Pre-LN's at the same depth, and how
+and metadata aside (they launch nothing on a GPU; --views counts them too), or with --device cuda a kernel the GPU
+ran. Prints the counts, each over Pre-LN's at the same depth, and how
 each grows from the shallowest depth to the deepest.
 """
 import argparse
@@ -31,17 +32,23 @@ NO_KERNEL = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_st
              "aten::expand_as", "aten::view_as", "aten::numpy_T", "aten::swapaxes", "aten::contiguous"}
 
 
-def count(residual, n_layer, views=False):
+def count(residual, n_layer, views=False, device="cpu"):
     """Leaf aten ops that launch a kernel in one eager training step of `residual` at n_layer blocks (views=True:
-    every leaf aten op, views and metadata reads too)."""
+    every leaf aten op, views and metadata reads too); on CUDA, the kernels the GPU ran."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, n_layer=n_layer, d_model=64, n_head=4, d_ff=176, residual=residual)
-    model = GPT(cfg)
-    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    model = GPT(cfg).to(device)
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
     model(idx, idx, logits=False)[1].backward()                   # warm: lazy allocations happen once
     model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         model(idx, idx, logits=False)[1].backward()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
     leaves = [e for e in prof.events() if e.name.startswith("aten::") and not any(
         c.name.startswith("aten::") for c in e.cpu_children)]
     return sum(views or e.name not in NO_KERNEL for e in leaves)
@@ -53,6 +60,7 @@ def build_parser():
                    "paper's ten); Pre-LN is always counted, as the base of the ratios")
     p.add_argument("--depths", default="8,32,70", help="comma list of block counts (default 8,32,70)")
     p.add_argument("--views", action="store_true", help="count every leaf aten op, views and metadata reads too")
+    p.add_argument("--device", default="cpu", help="cpu (default: leaf aten ops) or cuda (the kernels the GPU ran)")
     p.add_argument("--json", help="also write the counts here")
     return p
 
@@ -71,7 +79,9 @@ def main(argv=None):
     if not depths or min(depths) < 1:
         p.error("--depths: block counts >= 1")
     torch.set_num_threads(1)
-    counts = {d: {L: count(d, L, args.views) for L in depths} for d in designs}
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here")
+    counts = {d: {L: count(d, L, args.views, args.device) for L in depths} for d in designs}
     head = " | ".join(f"L{L}: kernels / Pre-LN" for L in depths)
     print(f"| design | {head} | L{depths[-1]} / L{depths[0]} |")
     print("|---" * (len(depths) + 2) + "|")
@@ -79,7 +89,8 @@ def main(argv=None):
         cells = " | ".join(f"{counts[d][L]:,} / {counts[d][L] / counts['preln'][L]:.2f}x" for L in depths)
         print(f"| {d} | {cells} | {counts[d][depths[-1]] / counts[d][depths[0]]:.1f}x |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"counts": counts, "shape": "d64 H4 T32 B2 V256"}, indent=1))
+        doc = {"counts": counts, "shape": "d64 H4 T32 B2 V256", "device": args.device, "views": args.views}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import export
-from depthbench import common, official
+from depthbench import common, official, runlog
 from model import GPT, GPTConfig
 from test_official import WIDE, release_names
 
@@ -42,8 +42,15 @@ def make_run(folder, residual="preln", args=None, tokenizer="bytes", V=320, L=3,
     folder = Path(folder)
     common.save_checkpoint(folder / "ckpt.pt", {"model": model.state_dict(), "model_config": dataclasses.asdict(cfg),
                                                 "config": {"tokenizer": tokenizer, "seq_len": 16}, "step": STEP})
-    common.write_json(folder / "run.json", {"finished": True, "steps": [{"step": STEP}]})
+    common.write_json(folder / "run.json", run_log(cfg, seed, finished=True))
     return model.eval()
+
+
+def run_log(cfg, seed, finished):
+    """The fields of a run.json that every reader checks (depthbench/runlog.py), for a run that reached STEP."""
+    config = {"residual": cfg.residual, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "lr": 3e-3, "seed": seed}
+    return {"schema": runlog.SCHEMA, "config": config, "steps": [{"step": STEP}], "evals": [],
+            "final": {"val_loss": None}, "diverged": False, "finished": finished, "wall_s": 1.0}
 
 
 def tokens(V=300, seed=1):
@@ -257,7 +264,8 @@ def test_a_suite_exports_every_finished_run_once(tmp_path, capsys):
     a = make_run(suite / "text" / "preln_ar32_s0")
     make_run(suite / "text-lr" / "hc_ar32" / "hc_ar32_s0", "hc")
     make_run(suite / "text" / "preln_ar16_s0", L=2)
-    common.write_json(suite / "text" / "preln_ar16_s0" / "run.json", {"finished": False, "steps": [{"step": 3}]})
+    partial = run_log(GPTConfig(vocab_size=320, n_layer=2, d_model=32, n_head=2, d_ff=64), 0, finished=False)
+    common.write_json(suite / "text" / "preln_ar16_s0" / "run.json", partial)
     code, out, err = run_export(capsys, suite, "--format", "hf", "--out", tmp_path / "hf")
     assert code == 0 and "1 run(s)" in out and "2 left out" in out
     assert "hc run has no LlamaForCausalLM form" in out and "preln_ar16_s0: left out (partial)" in out

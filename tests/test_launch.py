@@ -49,6 +49,10 @@ def test_tiny_smoke_answers_every_question(tmp_path):
     step = s["design_step"]
     assert step["fast"]["preln"] == step["reference"]["preln"] == 1.0 and step["fast"]["mhc"] > 0
     assert step["use"] in ("fast", "reference") and set(step["fast_over_reference"]) == set(gpu_smoke.TINY_DESIGNS)
+    depth = s["depth_step"]                                    # the new checks of issue 40, at L4 on the CPU
+    assert depth["step_over_preln"]["preln"] == depth["kernels_over_preln"]["preln"] == 1.0
+    assert set(depth["kernels_per_step"]) == set(gpu_smoke.DEPTH_DESIGNS) and "reason" not in depth
+    assert all(depth["kernels_over_preln"][d] > 1 for d in ("hc", "mhc", "attnres", "moda"))  # they add kernels
     print(f"tiny smoke: {s['elapsed_s']:.0f} s", file=sys.stderr)  # reported (pytest -s), never asserted
 
 

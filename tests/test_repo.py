@@ -152,8 +152,9 @@ MAX_POSITIONAL_ARGS = 4
 MAX_FILE_LINES = 700
 FILE_LINES_ASIDE = ("residuals.py",)                        # grows with its registry
 IFEXP_ASIDE = ("depthbench/kernels.py",)                               # fused kernels pick their branch inline
-VARIADIC = ("permute", "view", "reshape", "expand", "repeat")  # tensor methods whose positional arguments are
-#                                                                  the dimensions themselves: no keyword names them
+VARIADIC = ("permute", "view", "reshape", "expand", "repeat",  # tensor methods whose positional arguments are
+            "apply", "save_for_backward")                      # the dimensions themselves, and autograd's calls
+#                                                                  that take positional arguments only
 
 
 def parsed():
