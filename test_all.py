@@ -197,6 +197,30 @@ def test_fast_kernels_equal_the_reference(residual, options, shape):
     assert_kernels_agree(residual, shape, options)
 
 
+@pytest.mark.parametrize("n_layer", [9, 20])
+@pytest.mark.parametrize("residual", ALL)
+def test_fast_kernels_equal_the_reference_deep(residual, n_layer):
+    """Deeper, where the depth banks hold many sources (Full AttnRes' 41 at L20, MoDA's 39 slots): the loss and every
+    gradient, fast == reference, at a narrow shape (GQA, 8-wide heads)."""
+    x = batch(T=8)
+    out = {}
+    for kernels in ("fast", "reference"):
+        model = build(residual, kernels=kernels, n_layer=n_layer, **KERNEL_SHAPES["gqa"])
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        loss = model(x, x, logits=False)[1]
+        loss.backward()
+        out[kernels] = loss, {n: p.grad for n, p in model.named_parameters()}
+    (fast_loss, fast), (ref_loss, ref) = out["fast"], out["reference"]
+    torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-6, atol=1e-6)
+    top = max(g.abs().max().item() for g in ref.values())
+    for name, g in ref.items():
+        torch.testing.assert_close(fast[name], g, rtol=1e-4, atol=max(1e-5 * g.abs().max().item(), 1e-6 * top),
+                                   msg=name)
+
+
 # ----------------------------------------------------------------------------- parameter counts
 
 @pytest.mark.parametrize("L,d,d_ff,backbone,total", [
