@@ -825,13 +825,15 @@ class MoDA(PreLN):
     def write(self, s, site, y, ctx):
         x, depth = s
         x_new = site.norm(x + y) if self.post else x + y
+        # what a bank takes is a tensor of its own, not a view of one made in this block: under torch.compile the
+        # block's graph ends at the push, and PyTorch 2.13 can mis-replay such views (a crash with two models)
         if not site.mlp:                                              # attention: its own k, v join the slots
-            return x_new, depth.push(ctx["k"], ctx["v"])
+            return x_new, depth.push(ctx["k"].contiguous(), ctx["v"].contiguous())
         if site.kv_proj is None:                                      # last block: no W_kv
             return x_new, depth
         kv = site.kv_proj(ctx["h"]).unflatten(-1, (2, self.n_kv_head, self.head_dim))      # (B, T, 2, Hkv, hd)
         kv = kv.permute((2, 0, 3, 1, 4))                                                    # (2, B, Hkv, T, hd)
-        return x_new, depth.push(kv[0], kv[1])
+        return x_new, depth.push(kv[0].contiguous(), kv[1].contiguous())
 
     def collapse(self, s):
         return self.norm_f(s[0])

@@ -294,7 +294,8 @@ class Mix(torch.autograd.Function):
         r = bank.inv_rms[:m].clone()                                             # the scratch slot's r is kept
         p = (u * r).softmax(dim=0)
         weights = p.flatten(1).t().contiguous().unsqueeze(1)                     # (BT, 1, m)
-        mix = torch.bmm(weights, tokens_major(V, m)).view(V.shape[1:])            # (B, T, D)
+        mix = V.new_empty(V.shape[1:])                                           # (B, T, D): no view of another
+        torch.bmm(weights, tokens_major(V, m), out=mix.view(-1, 1, D))
         if extra is not None:
             ctx.save_for_backward(gq, p, u, r, extra)
         else:
@@ -396,7 +397,8 @@ class Attend(torch.autograd.Function):
         o = torch.bmm(p, tokens_major(V, n))                                      # (B Hkv T, G, hd)
         ctx.save_for_backward(qg, p)
         ctx.bank, ctx.n, ctx.scale, ctx.shape, ctx.dtype = bank, n, scale, q.shape, q.dtype
-        return ungrouped(o, q.shape), ungrouped(lse[..., None], (B, H, T, 1)).squeeze(-1)
+        # outputs that are no view of a tensor made here (autograd and torch.compile's graph inputs need that)
+        return ungrouped(o, q.shape), ungrouped(lse[..., None], (B, H, T, 1)).squeeze(-1).clone()
 
     @staticmethod
     def backward(ctx, do, dlse):
