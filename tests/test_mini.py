@@ -181,19 +181,20 @@ def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
 
 
 def test_paired_differences_count_every_seed_both_ran():
-    """compare.paired: the differences of the seeds both finished, their mean and range; lower/higher count every
-    common seed (a diverged seed counts against its design, a seed both diverged on counts neither way); 'better'
-    only where every paired seed agrees."""
+    """compare.paired: the differences of the seeds both finished, their mean, range and 95% t interval; lower/higher
+    count every common seed (a diverged seed counts against its design, a seed both diverged on counts neither way);
+    'better' only where the interval excludes 0 (tests/test_suite_stats.py has the interval's own tests)."""
     from depthbench import compare
     p = compare.paired({0: 2.9, 1: 3.05, 2: 2.8, 5: 1.0}, {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0})
     assert p.seeds == [0, 1, 2] and p.deltas == pytest.approx({0: -0.1, 1: 0.05, 2: -0.2})
-    assert (p.lower, p.higher, p.verdict()) == (2, 1, "mixed")
+    assert (p.lower, p.higher, p.verdict()) == (2, 1, "unresolved")
     assert (p.mean, p.low, p.high) == pytest.approx((-0.25 / 3, -0.2, 0.05))
-    assert p.text() == "-0.0833 [-0.2000, +0.0500], lower on 2/3"
-    assert compare.paired({0: 2.9, 1: 2.95}, {0: 3.0, 1: 3.0}).verdict() == "better"
+    half = 4.3026527 * np.std([-0.1, 0.05, -0.2], ddof=1) / np.sqrt(3)  # t(0.975, 2) · sd / √3
+    assert p.interval == pytest.approx((-0.25 / 3 - half, -0.25 / 3 + half), abs=1e-6)
+    assert p.text() == f"-0.0833 [{-0.25 / 3 - half:+.4f}, {-0.25 / 3 + half:+.4f}], lower on 2/3"
     q = compare.paired({0: None, 1: 3.1, 2: None}, {0: 3.0, 1: 3.0, 2: None})
-    assert (q.lower, q.higher, q.diverged, q.verdict()) == (0, 2, [0], "mixed")  # seed 2: both diverged
-    assert q.text() == "+0.1000 [+0.1000, +0.1000], lower on 0/3 (diverged on seed 0)"
+    assert (q.lower, q.higher, q.diverged, q.verdict()) == (0, 2, [0], "unresolved")  # seed 2: both diverged
+    assert q.text() == "+0.1000 [one pair], lower on 0/3 (diverged on seed 0)"
     assert compare.paired({0: None, 1: None}, {0: 3.0, 1: 3.0}).verdict() == "worse"
     assert compare.paired({0: 2.0}, {0: 3.0}).verdict() == "one seed" and compare.paired({}, {0: 3.0}).text() == "—"
 
