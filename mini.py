@@ -11,8 +11,8 @@ that one machine runs in an afternoon.
 Each cell (probe, design, aspect ratio) trains at its best learning rate: the first seed at every LR of
 --lr-sweep (in <probe>-lr/<cell>/), the other seeds at the winner (in <probe>/), each run `train.py --preset
 mini`, --jobs at a time with one thread each; then diagnose.py, plot.py, depthbench/plot_suite.py and summary.md (per cell:
-LR, seeds, mean ± half-range, Δ vs Pre-LN unpaired and paired by seed, R scores; the LR each design chose beside the
-paper's; every sweep run, a diverged one with its step). Whatever is done is skipped, so the same command continues
+LR, seeds, mean ± half-range, Δ vs Pre-LN paired by seed with its 95% interval, R scores; every seed's loss; the LR each
+design chose beside the paper's; each design's best aspect ratio; every sweep run, a diverged one with its step). Whatever is done is skipped, so the same command continues
 a stopped suite; a run is reused only with the settings that made it, and the runs end with mini.py, kill -9
 included (docs/reliability.md#process-lifetime). The protocol in full: docs/results.md#what-minipy-does.
 """
@@ -33,8 +33,8 @@ import numpy as np
 import data
 from depthbench import runlog
 from depthbench.common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
-from depthbench.suite_tables import (collect, deep_lines, diverged_step, done_runs, finished_runs, glance, paired_grid, probe_table,
-                          shape_name, show_lr)
+from depthbench.suite_tables import (Sections, collect, diverged_step, done_runs, finished_runs, probe_report, shape_name,
+                                     show_lr)
 
 HERE = Path(__file__).resolve().parent
 TEXT_TOKENIZER = "bytes"  # the text probe's: main() tokenizes the corpus with it once, every run reads those shards
@@ -527,27 +527,17 @@ def synthetic_note(args):
 
 
 def summary(args):
-    """summary.md: per probe, design and shape, at the cell's LR, the final val loss over seeds (diverged seeds
-    named), its difference from Pre-LN's, unpaired and paired by seed (compare.paired); per-gap answer accuracy for
-    the synthetic probe; R_causal / R_perm (last 3/4) from diagnose.py, per seed at the deepest shape; the LR each
-    design chose per shape beside the paper's (table4); then every sweep run. Returns the markdown."""
+    """summary.md: per probe, suite_tables.probe_report of its runs (each cell's final val loss over seeds, Δ vs Pre-LN
+    paired by seed with its 95% interval, R scores, the paired grid, every seed's loss, each design's best aspect
+    ratio) with what mini.py knows: Table 4 (table4), the LRs chosen (chosen_lrs), the sweep runs (sweep_lines).
+    Returns the markdown."""
     lines = ["# Mini-DepthBench summary", "", f"Command: `python mini.py {' '.join(sys.argv[1:])}`", ""]
     lines += synthetic_note(args)
     for probe_name in [p for p in args.probes if (args.out / p).is_dir()]:
         table, order = collect(args.out / probe_name), designs_of(args, probe_name)
-        lines += [f"## {probe_name}", "", *probe_table(probe_name, table, order), *deep_lines(table, order)]
-        lines += ["", f"The LR each design chose per shape ({probe_name} probe; Table 4 of the paper: its optimum at "
-                  "400M):", "", *table4(args, probe_name)]
-        lines += ["", f"At a glance ({probe_name} probe; the README's table): the shallowest and the deepest shape, "
-                  "mean ± half-range (seeds), Δ of the means with beyond/within the seed spread, and on how many "
-                  "paired seeds the design is lower:", "", *glance(table, order, chosen_lrs(args, probe_name))]
-        lines += ["", f"Δ vs Pre-LN paired by seed ({probe_name} probe): the mean of the per-seed differences "
-                  "[their range], and on how many of the seeds both ran the design is lower:", "",
-                  *paired_grid(table, order)]
-        sweep = sweep_lines(args, probe_name)
-        if sweep:
-            lines += ["", "LR sweep (first seed; final val loss at each LR, the chosen one in bold):", "", *sweep]
-        lines.append("")
+        known = Sections(table4=table4(args, probe_name), lrs=chosen_lrs(args, probe_name),
+                         sweep=sweep_lines(args, probe_name))
+        lines += probe_report(probe_name, table, order, known)
     return "\n".join(lines)
 
 

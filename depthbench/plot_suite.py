@@ -7,7 +7,11 @@ plot.py):
 - suite_fig2_loss_vs_ar: Figure 2 (left)'s layout, final validation loss vs aspect ratio, one line per design at the
   LR it chose at that shape, the Pre-LN family solid and the cross-layer designs dashed; beside it, each design's loss
   minus Pre-LN's at the same shape, paired by seed (compare.paired, what summary.md reports): the mean of the per-seed
-  differences, the seeds' range as error bars. The AR ticks name the shapes, e.g. "92 (L2)".
+  differences with its 95% t interval as error bars, each seed's difference a dot. The AR ticks name the shapes,
+  e.g. "92 (L2)".
+- suite_shape_fit: a panel per design, its seeds' losses and their means at each shape, the quadratic in log AR fitted
+  to the means (depthbench/shape_fit.py, what summary.md's best-AR table reports), the best AR marked with its seed
+  bootstrap interval.
 - suite_fig6_depth_use: Figure 6a/c's layout at the deepest shape: R_causal and R_perm (last three quarters), a bar
   per design (the seeds' mean) with each seed a dot; a design that diverged there is named so.
 
@@ -22,7 +26,7 @@ import numpy as np
 import matplotlib.pyplot as plt
 from matplotlib import transforms
 
-from depthbench import common, compare
+from depthbench import common, compare, shape_fit
 import plot
 
 # the Pre-LN family: one stream, the norms placed within a block (solid lines); the rest mix across layers (dashed)
@@ -118,22 +122,28 @@ def draw_losses(ax, points):
 
 
 def draw_relative(ax, pairs, points):
-    """Right panel: per design, the mean of its paired differences from Pre-LN at each shape, the seeds' range as
-    error bars. -> {"design@L<n>": {"mean", "low", "high"}}: what it drew."""
+    """Right panel: per design, the mean of its paired differences from Pre-LN at each shape with its 95% t interval
+    as error bars (none where one pair finished), each seed's difference a dot. -> {"design@L<n>": {"mean", "low",
+    "high" (the seeds' range), "ci_low", "ci_high" (the interval; None with one pair), "verdict"}}: what it drew."""
     drew = {}
     for res in sorted({k[0] for k in pairs}, key=plot.design_order):
         keys = sorted((k for k in pairs if k[0] == res and pairs[k].deltas), key=lambda k: points[k].ar)
         if not keys:
             continue
-        xs = [points[k].ar for k in keys]
-        mean, low, high = ([getattr(pairs[k], f) for k in keys] for f in ("mean", "low", "high"))
-        ax.errorbar(xs, mean, yerr=[np.subtract(mean, low), np.subtract(high, mean)], color=plot.colour(res),
-                    ls=line_style(res), marker="o", capsize=3, label=plot.display(res))
-        for k, m, lo, hi in zip(keys, mean, low, high):
-            drew[f"{res}@L{k[1]}"] = {"mean": m, "low": lo, "high": hi}
+        xs, mean = [points[k].ar for k in keys], [pairs[k].mean for k in keys]
+        intervals = [pairs[k].interval or (m, m) for k, m in zip(keys, mean)]
+        yerr = [[m - lo for m, (lo, _) in zip(mean, intervals)], [hi - m for m, (_, hi) in zip(mean, intervals)]]
+        ax.errorbar(xs, mean, yerr=yerr, color=plot.colour(res), ls=line_style(res), marker="o", capsize=3,
+                    label=plot.display(res))
+        for k, x in zip(keys, xs):
+            seeds = list(pairs[k].deltas.values())
+            ax.scatter([x] * len(seeds), seeds, color=plot.colour(res), s=8, alpha=0.5, zorder=3)
+            interval = pairs[k].interval or (None, None)
+            drew[f"{res}@L{k[1]}"] = {"mean": pairs[k].mean, "low": pairs[k].low, "high": pairs[k].high,
+                                      "ci_low": interval[0], "ci_high": interval[1], "verdict": pairs[k].verdict()}
     ax.axhline(0, color=plot.colour("preln"), lw=1)
     ax.set(ylabel="Δ final val loss vs Pre-LN, same seed (nats/token)",
-           title="Relative to Pre-LN at the same shape: paired mean, seed range")
+           title="Relative to Pre-LN at the same shape: paired mean, 95% t interval (dots: seeds)")
     return drew
 
 
@@ -210,7 +220,58 @@ def fig_suite_depth_use(data, out_path, svg=False):
                      "cross-layer)", legend=(axes[1], axes))
 
 
-FIGURES = [("suite_fig2_loss_vs_ar", fig_suite_loss), ("suite_fig6_depth_use", fig_suite_depth_use)]
+def design_losses(points):
+    """{design: {AR: its finished seeds' final val losses in seed order}} at each shape's chosen LR, designs in
+    plot's order: what shape_fit.fit_design takes (summary.md's best-AR table reads the same runs)."""
+    out = {}
+    for res, line in by_design(points).items():
+        for p in line:
+            if p.lr is not None:
+                out.setdefault(res, {})[p.ar] = [p.by_seed[s] for s in sorted(p.by_seed) if compare.finite(p.by_seed[s])]
+    return out
+
+
+def draw_fit(ax, res, fit, losses):
+    """One design's panel: each seed a dot, the seeds' mean a marker, the fitted quadratic over the measured ARs, the
+    best AR a dotted line in its shaded 95% interval."""
+    colour = plot.colour(res)
+    for ar, values in losses.items():
+        ax.scatter([ar] * len(values), values, color=colour, s=10, alpha=0.5)
+    ax.plot(fit.ars, fit.means, "o", color=colour, ms=6)
+    xs = np.geomspace(fit.ars[0], fit.ars[-1], 100)
+    ax.plot(xs, np.polyval(fit.coef, np.log(xs)), color=colour, ls=line_style(res))
+    ax.axvspan(fit.low, fit.high, color=colour, alpha=0.15)
+    ax.axvline(fit.best_ar, color="black", ls=":", lw=1)
+    ax.set_title(f"{plot.display(res)}: best AR {fit.best_text()}", fontsize=9)
+
+
+def fig_suite_shape_fit(data, out_path, svg=False):
+    points = suite_points(data.get("train", []))
+    fits = {}
+    for res, losses in design_losses(points).items():
+        fit = shape_fit.fit_design(losses)
+        if fit:
+            fits[res] = (fit, losses)
+    if not fits:
+        return {"skipped": "no design with three shapes of finished runs"}
+    fig, axes = plot.grid(len(fits), ncols=5, w=3.4, h=3.0)
+    shapes = {p.ar: p.L for p in points.values()}
+    for k, (ax, (res, (fit, losses))) in enumerate(zip(axes, fits.items())):
+        draw_fit(ax, res, fit, losses)
+        shape_axis(ax, {ar: shapes[ar] for ar in fit.ars})
+        ax.tick_params(axis="x", labelsize=6)
+        ax.set_xlabel("aspect ratio; deeper →", fontsize=8)
+        if k % 5 == 0:
+            ax.set_ylabel("final val loss", fontsize=8)
+    drew = {res: {"best_ar": fit.best_ar, "where": fit.where, "low": fit.low, "high": fit.high,
+                  "curvature": fit.curvature} for res, (fit, _) in fits.items()}
+    return plot.save(fig, out_path, svg, f"{len(fits)} designs fitted", fits=drew,
+                     title="Loss vs log aspect ratio, a quadratic per design: the best AR (dotted) and its seed "
+                     "bootstrap 95% interval (shaded)")
+
+
+FIGURES = [("suite_fig2_loss_vs_ar", fig_suite_loss), ("suite_fig6_depth_use", fig_suite_depth_use),
+           ("suite_shape_fit", fig_suite_shape_fit)]
 
 
 def main(argv=None):

@@ -1,15 +1,17 @@
 """
 suite_tables.py: what a mini suite folder's runs say, as markdown tables for mini.py's summary.md: one Result per
-cell (design, shape, LR) from the run folders, its row with Δ vs Pre-LN (unpaired, and paired by seed through
-depthbench/compare.py), R scores at the deepest shape, the paired grid (design x shape) and the README's table at a glance.
-It reads run.json and diagnose.json; it trains nothing. mini.py plans and runs the suite; this file reports it.
+cell (design, shape, LR) from the run folders, its row with Δ vs Pre-LN paired by seed and its 95% interval
+(depthbench/compare.py: a difference is claimed only where the interval excludes 0), every seed's final loss, R scores
+at the deepest shape, the paired grid (design x shape), the README's table at a glance and each design's best aspect
+ratio (depthbench/shape_fit.py). It reads run.json and diagnose.json; it trains nothing. mini.py plans and runs the
+suite; this file reports it.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from depthbench import common, compare, runlog
+from depthbench import common, compare, runlog, shape_fit
 from depthbench.common import format_lr, read_json
 
 
@@ -42,18 +44,6 @@ def spread(values, fmt=".4f"):
     if not values:
         return "—"
     return f"{np.mean(values):{fmt}} ± {(max(values) - min(values)) / 2:{fmt}}"
-
-
-def versus(losses, base, digits=4):
-    """A design's final val loss against Pre-LN's at the same shape: the difference of the means, and
-    whether it exceeds the seed spread (the two designs' ranges over seeds do not overlap)."""
-    if not losses or not base:
-        return "—"
-    delta = np.mean(losses) - np.mean(base)
-    apart = max(losses) < min(base) or min(losses) > max(base)
-    if len(losses) == 1 or len(base) == 1:
-        return f"{delta:+.{digits}f} (one seed)"
-    return f"{delta:+.{digits}f} ({'beyond' if apart else 'within'} seed spread)"
 
 
 def diverged_step(run):
@@ -130,9 +120,9 @@ def row(probe_name, key, result, base):
     cols = [res, str(L), str(d), f"{d / L:.1f}", show_lr(lr), seeds, spread(result.loss)]
     if base:
         pair = compare.paired(result.by_seed, base.by_seed)
-        cols += [versus(result.loss, base.loss), pair.text(), pair.verdict()]
+        cols += [pair.text(), pair.verdict()]
     else:
-        cols += ["—", "—", "—"]
+        cols += ["—", "—"]
     if probe_name == "synthetic" and result.gaps:
         cols.append(" / ".join(f"{a:.2f}" for a in np.mean(result.gaps, 0)))
     elif probe_name == "synthetic":
@@ -144,8 +134,8 @@ def row(probe_name, key, result, base):
 
 def probe_table(probe_name, table, order):
     """A probe's table: one row per (shape, design), shallow to deep, designs in `order` (--designs)."""
-    head = ("| design | L | d | AR | LR | seeds | final val loss (mean ± half-range) | vs Pre-LN (unpaired) | Δ vs Pre-LN "
-            "paired: mean [range], lower on | paired verdict |")
+    head = ("| design | L | d | AR | LR | seeds | final val loss (mean ± half-range) | Δ vs Pre-LN paired: mean [95% "
+            "t interval], lower on | verdict (95% interval) |")
     if probe_name == "synthetic":
         head += " answer acc by gap (mean over seeds) |"
     head += " R_causal | R_perm last 3/4 | wall per run |"
@@ -197,9 +187,17 @@ def shape_name(L, d):
     return f"AR {d / L:.2g} (L{L})"
 
 
+def claim(pair, digits=3):
+    """A paired difference as the grid and the table at a glance give it: '-0.063 [-0.112, -0.014], better, lower on
+    3/3' (compare.Paired: the mean, its 95% t interval, the verdict by that interval, the count of seeds lower)."""
+    parts = [pair.interval_text(digits), pair.verdict(), f"lower on {pair.lower}/{len(pair.seeds)}"]
+    return ", ".join(part for part in parts if part)
+
+
 def paired_grid(table, order):
-    """Δ vs Pre-LN paired by seed, design x shape: the mean of the per-seed differences, their range, and on how
-    many of the seeds both ran the design is lower (compare.paired; a diverged seed counts against its design)."""
+    """Δ vs Pre-LN paired by seed, design x shape: the mean of the per-seed differences, its 95% interval, the verdict
+    by that interval and on how many of the seeds both ran the design is lower (compare.paired; a diverged seed
+    counts against its design)."""
     shapes = shapes_of(table)
     lines = ["| design | " + " | ".join(shape_name(L, d) for L, d in shapes) + " |",
              "|" + "---|" * (len(shapes) + 1)]
@@ -211,20 +209,16 @@ def paired_grid(table, order):
             key, result = shown(table, name, L, d)
             base = base_of(table, key) if result else None
             pair = compare.paired(result.by_seed, base.by_seed) if base else None
-            parts = []
-            if pair and pair.deltas:
-                parts.append(f"{pair.mean:+.3f} [{pair.low:+.3f}, {pair.high:+.3f}]")
-            if pair and pair.seeds:
-                parts.append(f"{pair.lower}/{len(pair.seeds)} lower")
-            cols.append(", ".join(parts) or "—")
+            cols.append(claim(pair) if pair and pair.seeds else "—")
         lines.append("| " + " | ".join(cols) + " |")
     return lines
 
 
 def glance(table, order, lrs):
     """The README's table: per design, the final val loss at the shallowest and the deepest shape (mean ± half-range
-    over seeds), its difference from Pre-LN's there (unpaired, with beyond/within the seed spread; and on how many
-    paired seeds it is lower), and the LR it chose at each shape, shallow to deep: `lrs` {design: [LR or None]}."""
+    over seeds), its difference from Pre-LN's there paired by seed (claim: the mean, its 95% interval, the verdict, on
+    how many paired seeds it is lower), and the LR it chose at each shape, shallow to deep: `lrs` {design: [LR or
+    None]}."""
     shapes = shapes_of(table)
     if not shapes:
         return []
@@ -243,11 +237,95 @@ def glance(table, order, lrs):
             base = base_of(table, key)
             loss = spread(result.loss, ".3f") if result.loss else "all diverged"
             cols.append(f"{loss} ({len(result.loss)})")
-            delta = "—"
-            if base:
-                pair = compare.paired(result.by_seed, base.by_seed)
-                delta = f"{versus(result.loss, base.loss, 3)}, lower on {pair.lower}/{len(pair.seeds)}"
-            cols.append(delta)
+            cols.append(claim(compare.paired(result.by_seed, base.by_seed)) if base else "—")
         cols.append(" → ".join(show_lr(lr) if lr else "—" for lr in lrs[name]))
         lines.append("| " + " | ".join(cols) + " |")
+    return lines
+
+
+def seed_cell(result, seed):
+    """One seed's final val loss as the per-seed table gives it: '1.8861', 'diverged (step 7)' or '—' (not run)."""
+    if seed not in result.by_seed:
+        return "—"
+    loss = result.by_seed[seed]
+    if loss is None:
+        step = dict(result.diverged).get(seed, "?")
+        return f"diverged (step {step})"
+    return f"{loss:.4f}"
+
+
+def seed_table(table, order):
+    """Every cell's final val loss per seed, shallow to deep, designs in `order`: what the intervals are computed
+    from, so that a reader can recompute any of them."""
+    seeds = sorted({seed for result in table.values() for seed in result.by_seed})
+    lines = ["| design | L | d | LR | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
+             "|" + "---|" * (len(seeds) + 4)]
+    for key in sorted(table, key=lambda k: (k[1], *ranked(order, k))):
+        res, L, d, lr = key
+        cells = [seed_cell(table[key], seed) for seed in seeds]
+        lines.append(f"| {res} | {L} | {d} | {show_lr(lr)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def design_fit(table, name):
+    """shape_fit.fit_design of one design over the shapes of a probe's table, each at its shown LR: {AR: its finished
+    seeds' losses in seed order}."""
+    losses = {}
+    for L, d in shapes_of(table):
+        _, result = shown(table, name, L, d)
+        if result:
+            by_seed = result.by_seed
+            losses[d / L] = [by_seed[seed] for seed in sorted(by_seed) if compare.finite(by_seed[seed])]
+    return shape_fit.fit_design(losses)
+
+
+def fit_table(table, order):
+    """Per design, its best aspect ratio at this budget (shape_fit: the vertex of a quadratic in ln AR fitted to the
+    shapes' seed means, or the measured edge), the seed bootstrap's 95% interval, the curvature, the share of
+    resamples with an interior minimum and the fit's rms residual."""
+    lines = ["| design | best AR | 95% interval (seed bootstrap) | curvature d²loss/d(ln AR)² | interior minimum in "
+             "| fit rms |", "|---|---|---|---|---|---|"]
+    for name in order:
+        fit = design_fit(table, name)
+        if fit is None:
+            lines.append(f"| {name} | — (needs three shapes with a finished seed) | — | — | — | — |")
+            continue
+        lines.append(f"| {name} | {fit.best_text()} | [{fit.low:.2g}, {fit.high:.2g}] | {fit.curvature:+.4f} | "
+                     f"{fit.vertex_share:.0%} of resamples | {fit.rms:.4f} |")
+    return lines
+
+
+@dataclass
+class Sections:
+    """What mini.py knows of a probe beyond its runs' folder, for probe_report: its plan and its sweeps."""
+    table4: list   # the LR each design chose per shape beside the paper's (mini.table4), markdown lines
+    lrs: dict      # {design: the LR it chose at each shape, shallow to deep} (mini.chosen_lrs), for the glance
+    sweep: list    # one line per swept cell (mini.sweep_lines); empty without a sweep
+
+
+def probe_report(probe_name, table, order, known):
+    """A probe's part of summary.md, from its table (collect) and `known` (Sections): the per-cell table, R scores at
+    the deepest shape, Table 4, the table at a glance, the paired grid, every seed's loss, the best aspect ratio per
+    design, every sweep run. Markdown lines."""
+    rule = ("95% t interval of the mean over the seeds both finished; 'better'/'worse' only where it excludes 0, "
+            "else 'unresolved' (depthbench/compare.py)")
+    lines = [f"## {probe_name}", "", *probe_table(probe_name, table, order), *deep_lines(table, order)]
+    lines += ["", f"The LR each design chose per shape ({probe_name} probe; Table 4 of the paper: its optimum at "
+              "400M):", "", *known.table4]
+    lines += ["", f"At a glance ({probe_name} probe; the README's table): the shallowest and the deepest shape, mean "
+              f"± half-range (seeds), and Δ vs Pre-LN paired by seed: its mean [{rule}], and on how many paired seeds "
+              "the design is lower:", "", *glance(table, order, known.lrs)]
+    lines += ["", f"Δ vs Pre-LN paired by seed ({probe_name} probe): the mean of the per-seed differences [{rule}], "
+              "and on how many of the seeds both ran the design is lower:", "", *paired_grid(table, order)]
+    lines += ["", f"Final val loss per seed ({probe_name} probe; each cell at its LR): what every interval above is "
+              "computed from.", "", *seed_table(table, order)]
+    lines += ["", f"Best aspect ratio per design ({probe_name} probe; depthbench/shape_fit.py): the vertex of a "
+              "quadratic in ln AR fitted to the shapes' seed means, or the measured edge where the fit has no "
+              "minimum inside them (monotone, or concave); its 95% interval from "
+              f"{shape_fit.BOOTSTRAP} resamples of each shape's seeds (RNG seed {shape_fit.RNG_SEED}), seed noise "
+              "only; a best AR at the smallest measured AR: the design wants the deepest shape at this budget.", "",
+              *fit_table(table, order)]
+    if known.sweep:
+        lines += ["", "LR sweep (first seed; final val loss at each LR, the chosen one in bold):", "", *known.sweep]
+    lines.append("")
     return lines

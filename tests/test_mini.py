@@ -6,6 +6,7 @@ steps) trains, diagnoses and plots every run, writes the summary, and a second c
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -54,12 +55,22 @@ def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
     diags = sorted((tmp_path / "synthetic").glob("*/diagnose.json"))
     assert len(diags) == 8
     figs = tmp_path / "figs" / "synthetic"
-    for name in ("fig2_final_loss_vs_ar", "fig6_depth_use", "fig8_layer_pruning", "mini_composition_vs_depth"):
+    for name in ("fig2_final_loss_vs_ar", "fig6_depth_use", "fig8_layer_pruning", "mini_composition_vs_depth",
+                 "suite_fig2_loss_vs_ar"):
         assert (figs / f"{name}.png").stat().st_size > 1000, name
     table = (tmp_path / "summary.md").read_text()
     for losses in sweep.values():                                   # every sweep run is listed
         assert all(f"{suite_tables.show_lr(lr)}: {v:.4f}" in table for lr, v in losses.items())
     assert table.count("extended once") == 4 and "R scores at the deepest shape" in table
+    seeds = table.split("Final val loss per seed")[1].split("Best aspect ratio per design")[0]
+    for run in grid:                                                # every seed's loss, for a reader's own interval
+        c = run["config"]
+        assert f"| {c['residual']} | {c['n_layer']} | {c['d_model']} | {suite_tables.show_lr(c['lr'])} | " in seeds
+        assert f" {run['final']['val_loss']:.4f} |" in seeds
+    glance = table.split("At a glance")[1].split("\n\nΔ vs Pre-LN paired by seed (")[0]
+    (row,) = [line for line in glance.splitlines() if line.startswith("| attnres |")]
+    assert len(re.findall(r"\[[+-]\d+\.\d{3}, [+-]\d+\.\d{3}\], (better|worse|unresolved), lower on \d/2 \|", row)) == 2
+    assert "| attnres | — (needs three shapes with a finished seed) |" in table  # two shapes: no best AR to fit
     assert "[sweep 8/8]" in r.stdout and "[sweep edge 4/4]" in r.stdout and "[train 4/4]" in r.stdout
 
     # the same command again: every run is finished and diagnosed, so nothing is trained or diagnosed anew; each
@@ -181,19 +192,20 @@ def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
 
 
 def test_paired_differences_count_every_seed_both_ran():
-    """compare.paired: the differences of the seeds both finished, their mean and range; lower/higher count every
-    common seed (a diverged seed counts against its design, a seed both diverged on counts neither way); 'better'
-    only where every paired seed agrees."""
+    """compare.paired: the differences of the seeds both finished, their mean, range and 95% t interval; lower/higher
+    count every common seed (a diverged seed counts against its design, a seed both diverged on counts neither way);
+    'better' only where the interval excludes 0 (tests/test_suite_stats.py has the interval's own tests)."""
     from depthbench import compare
     p = compare.paired({0: 2.9, 1: 3.05, 2: 2.8, 5: 1.0}, {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0})
     assert p.seeds == [0, 1, 2] and p.deltas == pytest.approx({0: -0.1, 1: 0.05, 2: -0.2})
-    assert (p.lower, p.higher, p.verdict()) == (2, 1, "mixed")
+    assert (p.lower, p.higher, p.verdict()) == (2, 1, "unresolved")
     assert (p.mean, p.low, p.high) == pytest.approx((-0.25 / 3, -0.2, 0.05))
-    assert p.text() == "-0.0833 [-0.2000, +0.0500], lower on 2/3"
-    assert compare.paired({0: 2.9, 1: 2.95}, {0: 3.0, 1: 3.0}).verdict() == "better"
+    half = 4.3026527 * np.std([-0.1, 0.05, -0.2], ddof=1) / np.sqrt(3)  # t(0.975, 2) · sd / √3
+    assert p.interval == pytest.approx((-0.25 / 3 - half, -0.25 / 3 + half), abs=1e-6)
+    assert p.text() == f"-0.0833 [{-0.25 / 3 - half:+.4f}, {-0.25 / 3 + half:+.4f}], lower on 2/3"
     q = compare.paired({0: None, 1: 3.1, 2: None}, {0: 3.0, 1: 3.0, 2: None})
-    assert (q.lower, q.higher, q.diverged, q.verdict()) == (0, 2, [0], "mixed")  # seed 2: both diverged
-    assert q.text() == "+0.1000 [+0.1000, +0.1000], lower on 0/3 (diverged on seed 0)"
+    assert (q.lower, q.higher, q.diverged, q.verdict()) == (0, 2, [0], "unresolved")  # seed 2: both diverged
+    assert q.text() == "+0.1000 [one pair], lower on 0/3 (diverged on seed 0)"
     assert compare.paired({0: None, 1: None}, {0: 3.0, 1: 3.0}).verdict() == "worse"
     assert compare.paired({0: 2.0}, {0: 3.0}).verdict() == "one seed" and compare.paired({}, {0: 3.0}).text() == "—"
 
@@ -289,7 +301,8 @@ def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
         assert f"| 3e-3 | 2 | {suite_tables.spread(losses)} |" in row
         if res != "preln":
             deltas = [losses[s] - runs[("preln", s)]["final"]["val_loss"] for s in (0, 1)]
-            assert f"{np.mean(deltas):+.4f} [{min(deltas):+.4f}, {max(deltas):+.4f}], lower on" in row
+            half = 12.7062047 * np.std(deltas, ddof=1) / np.sqrt(2)  # the 95% t interval of two: t(0.975, 1)
+            assert f"{np.mean(deltas):+.4f} [{np.mean(deltas) - half:+.4f}, {np.mean(deltas) + half:+.4f}], lower on" in row
     assert "| deepnorm | 1e-3 | 1e6 (set) |" in table and "| lns | 1e-2 | 3e-3 |" in table
     for name in ("fig2_final_loss_vs_ar", "suite_fig2_loss_vs_ar", "suite_fig6_depth_use"):
         assert (tmp_path / "figs" / "text" / f"{name}.png").stat().st_size > 1000, name
@@ -309,9 +322,9 @@ def test_the_eta_counts_trained_runs_only_and_the_plan_counts_the_whole_grid():
 
 
 def test_the_glance_table_has_both_ends_paired_counts_and_the_chosen_lrs():
-    """glance(): per design, the shallowest and the deepest shape's loss (mean ± half-range, seeds), Δ of the means
-    against Pre-LN there with beyond/within, and on how many paired seeds the design is lower (a diverged seed counts
-    against it); a design with no finished seed at a shape says so."""
+    """glance(): per design, the shallowest and the deepest shape's loss (mean ± half-range, seeds), Δ vs Pre-LN
+    there paired by seed (mean, 95% t interval, the verdict by it) and on how many paired seeds the design is lower (a
+    diverged seed counts against it); a design with no finished seed at a shape says so."""
     args = mini.parse_args(["--designs", "preln,hc", "--ar", "92,9.1", "--lr", "3e-3", "--probes", "text", "--text",
                             "corpus.txt"])
 
@@ -323,15 +336,16 @@ def test_the_glance_table_has_both_ends_paired_counts_and_the_chosen_lrs():
     table = {("preln", 2, 184, 3e-3): result([2.0, 2.1, 1.9]), ("hc", 2, 184, 3e-3): result([1.8, 1.9, 2.05]),
              ("preln", 9, 88, 3e-3): result([2.0, 2.2]), ("hc", 9, 88, 3e-3): result([1.7, None]),
              ("hc", 9, 88, 1e-2): result([None, None])}  # fewer seeds: not the one shown
+    # L2: differences -0.2, -0.2, +0.15: mean -0.083, sd 0.2021, ± 4.3027 · 0.2021 / √3 = 0.502
     assert suite_tables.glance(table, args.designs, mini.chosen_lrs(args, "text")) == [
         "| design | AR 92 (L2) | Δ vs Pre-LN | AR 9.8 (L9) | Δ vs Pre-LN | LR chosen, shallow → deep |",
         "|---|---|---|---|---|---|",
         "| preln | 2.000 ± 0.100 (3) | — | 2.100 ± 0.100 (2) | — | 3e-3 → 3e-3 |",
-        "| hc | 1.917 ± 0.125 (3) | -0.083 (within seed spread), lower on 2/3 | 1.700 ± 0.000 (1) | -0.400 (one seed), "
-        "lower on 1/2 | 3e-3 → 3e-3 |"]
+        "| hc | 1.917 ± 0.125 (3) | -0.083 [-0.585, +0.419], unresolved, lower on 2/3 | 1.700 ± 0.000 (1) | "
+        "-0.300 [one pair], unresolved, lower on 1/2 | 3e-3 → 3e-3 |"]
     table[("hc", 9, 88, 3e-3)] = result([None, None, None])
     shown = suite_tables.glance(table, args.designs, mini.chosen_lrs(args, "text"))
-    assert shown[3].split(" | ")[3:5] == ["all diverged (0)", "—, lower on 0/2"]
+    assert shown[3].split(" | ")[3:5] == ["all diverged (0)", "worse, lower on 0/2"]
 
 
 def test_a_job_whose_run_is_done_is_not_started_again(tmp_path, capsys):
@@ -362,8 +376,9 @@ def test_a_job_whose_run_is_done_is_not_started_again(tmp_path, capsys):
 
 
 def test_the_paired_grid_gives_each_design_and_shape_its_paired_differences():
-    """paired_grid(): per design (not Pre-LN) and shape, the mean and range of the per-seed differences from Pre-LN
-    and the count of seeds lower; a seed the design diverged on counts against it; no Pre-LN there: '—'."""
+    """paired_grid(): per design (not Pre-LN) and shape, the mean of the per-seed differences from Pre-LN, its 95% t
+    interval, the verdict by it, and the count of seeds lower; a seed the design diverged on counts against it (on
+    every seed: worse); no Pre-LN there: '—'."""
     args = mini.parse_args(["--designs", "preln,hc", "--ar", "92,9.1", "--lr", "3e-3"])
     table = {("preln", 2, 184, 3e-3): suite_tables.Result(by_seed={0: 2.0, 1: 2.1, 2: 1.9}),
              ("hc", 2, 184, 3e-3): suite_tables.Result(by_seed={0: 1.8, 1: 1.9, 2: 2.05}),
@@ -372,4 +387,4 @@ def test_the_paired_grid_gives_each_design_and_shape_its_paired_differences():
     table[("preln", 9, 88, 3e-3)] = suite_tables.Result(by_seed={0: 2.0, 1: 2.2})
     assert suite_tables.paired_grid(table, args.designs) == [
         "| design | AR 92 (L2) | AR 51 (L3) | AR 9.8 (L9) |", "|---|---|---|---|",
-        "| hc | -0.083 [-0.200, +0.150], 2/3 lower | — | 0/2 lower |"]
+        "| hc | -0.083 [-0.585, +0.419], unresolved, lower on 2/3 | — | worse, lower on 0/2 |"]

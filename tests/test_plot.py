@@ -388,8 +388,9 @@ def suite_loss(i, n, seed):
 
 def test_suite_figures_draw_ten_designs_and_the_paired_differences(tmp_path):
     """Both suite figures are written; the relative panel plots, per design and shape, the mean, least and greatest
-    of the per-seed differences from Pre-LN (compare.paired); a shape where a design diverged at every LR is marked,
-    never plotted, and a diverged seed drops out of the pairs."""
+    of the per-seed differences from Pre-LN and their 95% t interval (compare.paired, by hand here: mean ±
+    t(0.975, n-1) · sd / √n); a shape where a design diverged at every LR is marked, never plotted, and a diverged
+    seed drops out of the pairs."""
     from depthbench import plot_suite
     data, skipped = plot.load_folder(suite_dir(tmp_path))
     assert skipped == []
@@ -397,6 +398,7 @@ def test_suite_figures_draw_ten_designs_and_the_paired_differences(tmp_path):
     assert_png(tmp_path / "loss.png")
     assert info["diverged"] == ["moda@L9"]
     names = list(plot.DESIGNS)
+    t975 = {1: 12.7062047, 2: 4.3026527}  # Student's t, 97.5th percentile, by degrees of freedom
     expected = {}
     for i, res in enumerate(names[1:], start=1):
         for n in (2, 4, 9):
@@ -404,15 +406,44 @@ def test_suite_figures_draw_ten_designs_and_the_paired_differences(tmp_path):
             if res == "moda" and n == 9:
                 continue
             deltas = [suite_loss(i, n, s) - suite_loss(0, n, s) for s in seeds]
-            expected[f"{res}@L{n}"] = (np.mean(deltas), min(deltas), max(deltas))
+            half = t975[len(deltas) - 1] * np.std(deltas, ddof=1) / np.sqrt(len(deltas))
+            expected[f"{res}@L{n}"] = (np.mean(deltas), min(deltas), max(deltas), np.mean(deltas) - half,
+                                       np.mean(deltas) + half)
     assert set(info["relative"]) == set(expected)
-    for key, (mean, low, high) in expected.items():
+    for key, want in expected.items():
         got = info["relative"][key]
-        assert (got["mean"], got["low"], got["high"]) == pytest.approx((mean, low, high), abs=1e-12), key
+        assert tuple(got[f] for f in ("mean", "low", "high", "ci_low", "ci_high")) == pytest.approx(want, abs=1e-6), key
     assert len({round(v["high"] - v["low"], 9) for v in info["relative"].values()}) > 1  # seed ranges differ
+    for key, (_, _, _, ci_low, ci_high) in expected.items():  # the verdict: the interval's side of 0
+        want = "worse" if ci_low > 0 else "unresolved"
+        assert info["relative"][key]["verdict"] == ("better" if ci_high < 0 else want), key
+    assert {v["verdict"] for v in info["relative"].values()} == {"worse", "unresolved"}  # the fixture: Pre-LN lowest
     info = plot_suite.fig_suite_depth_use(data, tmp_path / "depth.png")
     assert_png(tmp_path / "depth.png")
     assert info["drew"] == "10 designs at L9"
+
+
+def test_the_shape_fit_figure_draws_each_designs_fit(tmp_path):
+    """suite_shape_fit: a panel per design with three shapes of finished runs (not MoDA, diverged at L9), each with
+    shape_fit.fit_design of its finished seeds in seed order (what summary.md's table computes); the fixture's loss
+    falls with depth at every shape, ever less steeply in log AR, so every best AR is the deepest measured, 'monotone'."""
+    from depthbench import plot_suite, shape_fit
+    data, _ = plot.load_folder(suite_dir(tmp_path))
+    info = plot_suite.fig_suite_shape_fit(data, tmp_path / "fit.png")
+    assert_png(tmp_path / "fit.png")
+    assert sorted(info["fits"]) == sorted(r for r in plot.DESIGNS if r != "moda")
+    for i, res in enumerate(plot.DESIGNS):
+        if res == "moda":
+            continue
+        losses = {round(d / n, 3): [suite_loss(i, n, s) for s in range(3) if not (res == "sandwich" and n == 9 and
+                                                                                 s == 2)]
+                  for n, d in [(2, 184), (4, 128), (9, 88)]}
+        fit = shape_fit.fit_design(losses)
+        got = info["fits"][res]
+        assert (got["best_ar"], got["low"], got["high"], got["curvature"]) == pytest.approx(
+            (fit.best_ar, fit.low, fit.high, fit.curvature)), res
+        assert (got["best_ar"], got["where"]) == (pytest.approx(88 / 9, abs=1e-3), "monotone"), res
+    assert "skipped" in plot_suite.fig_suite_shape_fit({"train": data["train"][:3]}, tmp_path / "none.png")
 
 
 def test_suite_ticks_name_the_shapes_and_families_differ():
@@ -428,7 +459,8 @@ def test_plot_suite_main_draws_its_figures(tmp_path, capsys):
     from depthbench import plot_suite
     out = tmp_path / "figs"
     assert plot_suite.main([str(suite_dir(tmp_path)), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["suite_fig2_loss_vs_ar.png", "suite_fig6_depth_use.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["suite_fig2_loss_vs_ar.png", "suite_fig6_depth_use.png",
+                                                     "suite_shape_fit.png"]
     with pytest.raises(SystemExit) as e:
         plot_suite.main([str(tmp_path / "missing")])
     assert e.value.code == 2 and capsys.readouterr().err.startswith("depthbench.plot_suite: error:")

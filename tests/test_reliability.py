@@ -218,7 +218,8 @@ CASES += [
 # ----------------------------------------------------------------------------- issue 42: every option applies or is
 #                                                                                refused
 
-MODULES = {"gpu_smoke.py": "scripts.gpu_smoke"}  # a script outside the root: the module it is imported as
+MODULES = {"gpu_smoke.py": "scripts.gpu_smoke",  # a script outside the root: the module it is imported as
+           "paired_intervals.py": "scripts.paired_intervals"}
 TEXT = ["--data", "{tmp}/a.txt", "--tokenizer", "bytes"]
 MINI = ["--out", "{tmp}/m"]
 CASES += [
@@ -275,6 +276,11 @@ CASES += [
      "--out {tmp}/f: {tmp}/f is a file, not a folder"),
     ("plot.py", "--out under a plain file (checked before any figure)", ["{tmp}/runs", "--out", "{tmp}/f/figs"],
      {"runs": None, "f": "a file"}, 2, "--out '{tmp}/f/figs': {tmp}/f is a file, not a folder"),
+    ("paired_intervals.py", "a summary.md that does not exist", ["{tmp}/none.md"], {}, 2,
+     "{tmp}/none.md: cannot read it (FileNotFoundError)"),
+    ("paired_intervals.py", "a summary.md without the older per-cell table (one written since issue 43)",
+     ["{tmp}/s.md"], {"s.md": "# Mini-DepthBench summary\n\n| design | L |\n|---|---|\n| hc | 2 |\n"}, 2,
+     "{tmp}/s.md: no per-cell table with a column 'Δ vs Pre-LN paired: mean [range], lower on'"),
 ]
 
 
