@@ -1111,7 +1111,7 @@ class ResFormer(PreLN):
         return s[0]
 
     def skip(self, s, i):
-        """A skipped first attention leaves zero values (as MoDA's skipped slots): later blocks mix in nothing from it."""
+        """A skipped first attention leaves zero values (as MoDA's skipped slots): later blocks mix nothing in."""
         x, v1 = s
         if i != 0:
             return s
@@ -1298,7 +1298,8 @@ class MUDD(PreLN):
             return DepthWeightsSite(i, norm=self.norms[i], dense=self.dense[b])
         if b == 0:
             return DepthWeightsSite(i, norm=self.norms[i])
-        return DepthWeightsSite(i, norm=self.norms[i], key_norm=self.key_norms[b - 1], value_norm=self.value_norms[b - 1])
+        key_norm, value_norm = self.key_norms[b - 1], self.value_norms[b - 1]     # block b >= 1's own stream norms
+        return DepthWeightsSite(i, norm=self.norms[i], key_norm=key_norm, value_norm=value_norm)
 
     def init_stream(self, x0):
         return (x0, x0, x0, x0), self.ops.DepthBank.start(x0, n_max=self.n_layer + 1, eps=None)
