@@ -262,6 +262,7 @@ SKIP_UPDATES = Need("how much every later update changes with block s skipped", 
 SKIP_LOSS = Need("the summed CE with block s skipped", per_skip=lambda b, s, skipped: ce_sum(skipped.logits, b.y))
 TRANSPORT = design_internal("H_res")                                    # HC/mHC: each connector's stream transport
 DEPTH_WEIGHTS = design_internal("attnres_weights")                      # AttnRes: each consumer's depth softmax
+DENSE_WEIGHTS = design_internal("dense_weights")                        # DenseFormer, MUDD: their weights over depth
 SINGULAR = Need("sums over windows of each depth state's token-matrix metrics",
                 per_batch=lambda b: torch.stack([token_matrix_metrics(z).sum(0) for z in b.rec.states]).cpu())
 
@@ -326,29 +327,50 @@ NO_DEPTH_SOFTMAX = "AttnRes only: this design has no depth softmax"
 
 
 def depth_weights(sums):
-    """Token-averaged depth-softmax weights of consumers 0..2L (consumer 0 reads the embedding only), or None."""
+    """Token-averaged depth-softmax weights of consumers 0..2L (consumer 0 reads the embedding only), or None. L is
+    the number of blocks the softmax covers: the model's, or a hybrid's deep blocks ((len - 1) / 2)."""
     total = sums[DEPTH_WEIGHTS]
     return None if total is None else [[1.0]] + [(v / sums.tokens).tolist() for v in total]
 
 
 def attnres(inp):
-    w, L = depth_weights(inp.sums), inp.model.cfg.n_layer
+    w = depth_weights(inp.sums)
     if w is None:
         return {"skipped": NO_DEPTH_SOFTMAX}
+    L = (len(w) - 1) // 2                                                 # the blocks that mix (a hybrid's deep ones)
     n_groups = len(w[-1]) - 1                                             # the head reads every group
     rows = [r + [None] * (n_groups + 1 - len(r)) for r in w]
     block = [rows[2 * b] for b in range(L)] + [rows[2 * L]]
     if n_groups == 2 * L:                                                 # Full AttnRes: sum per block
         block = [[r[0]] + [None if r[1 + 2 * k] is None else r[1 + 2 * k] + (r[2 + 2 * k] or 0.0)
                            for k in range(L)] for r in block]
-    return {"sublayer": rows, "block": block, "n_groups": n_groups}
+    return {"sublayer": rows, "block": block, "n_groups": n_groups, "first_block": inp.model.cfg.n_layer - L}
 
 
 def deadzone(inp):
     w = depth_weights(inp.sums)
     if w is None:
         return {"skipped": NO_DEPTH_SOFTMAX}
-    return {**dead_zone(w, inp.model.cfg.n_layer, inp.args.dead_tau), "n_groups": len(w[-1]) - 1}
+    L = (len(w) - 1) // 2
+    return {**dead_zone(w, L, inp.args.dead_tau), "n_groups": len(w[-1]) - 1, "first_block": inp.model.cfg.n_layer - L}
+
+
+STREAMS = {4: ["Q", "K", "V", "R"], 1: ["mix"]}   # MUDD's four streams; DenseFormer's one
+
+
+def dense(inp):
+    total = inp.sums[DENSE_WEIGHTS]
+    if total is None:
+        return {"skipped": "DenseFormer and MUDD only: this design has no weights over depth"}
+    rows = [v / inp.sums.tokens for v in total]                           # blocks 1 .. L' - 1, then the head: (C, n)
+    names, n = STREAMS[len(rows[0]) if len(rows) > 1 else 1], len(rows[-1][0])
+    first = inp.model.cfg.n_layer - (n - 1)                               # a hybrid's Pre-LN blocks come first
+    weights = {}
+    for c, name in enumerate(names):
+        matrix = [[1.0]] + [r[c].tolist() for r in rows[:-1]]             # block 0 reads the embedding alone
+        matrix.append(rows[-1][0].tolist() if c == len(names) - 1 else None)   # the head: the residual stream alone
+        weights[name] = [None if r is None else r + [None] * (n - len(r)) for r in matrix]
+    return {"streams": names, "weights": weights, "n_sources": n, "first_block": first}
 
 
 def transport(inp):
@@ -426,6 +448,11 @@ METRICS = [
         "the head's readout), sources 0 = embedding, 1 + g = group g (Full AttnRes: sublayer g, so 2k+1 = attn k, "
         "2k+2 = MLP k); null = not visible; block: rows = each block's attention-side consumer and the readout, Full "
         "AttnRes sums each block's two sources, Block AttnRes keeps groups")),
+    Metric("dense", "dense_weights", dense, protocol=(128, 512), needs=(DENSE_WEIGHTS,), definition=(
+        "w[s][c][j] = weight of consumer c on source j in stream s, mean over tokens (DenseFormer: its static DWA "
+        "weights, stream mix; MUDD: its per-token weights, streams Q, K, V, R); consumers 0..L (block c's input, L = "
+        "the head's, only the residual stream), sources 0 = embedding, 1 + k = block k's output; null = not visible; "
+        "not a softmax: rows need not sum to 1")),
     Metric("erank", "transport_erank", transport, protocol=(128, 512), needs=(TRANSPORT,), definition=(
         "erank(M) = exp(H(p)), p = sigma / sum(sigma); M = a connector's token-averaged stream transport (mHC: H_res; "
         "HC: A_r = alpha[:, 1:]) as [out, in]; product[k] = erank(M_k ... M_0); per_connector_sq uses p = sigma^2 / "

@@ -2,7 +2,7 @@
 export.py: write trained runs in the formats other programs load (docs/official.md#export).
 
     python export.py runs/NAME --format hf --out hf/NAME               # a Pre-LN run as a Hugging Face Llama folder
-    python export.py runs/NAME/ckpt.pt --format official --out off/NAME   # any design, in the authors' release layout
+    python export.py runs/NAME/ckpt.pt --format official --out off/NAME   # any design the release has, in its layout
     python export.py runs/mini --format official --out exported         # a suite: every finished run, one folder each
 
 --format hf (Pre-LN only: the one design that is a LlamaForCausalLM) writes config.json (LlamaConfig), model.safetensors
@@ -206,11 +206,14 @@ def refusal(run, fmt):
     cfg = run.model.cfg
     if fmt == "hf" and cfg.residual != "preln":
         return f"a {cfg.residual} run has no LlamaForCausalLM form (only Pre-LN is one); use --format official"
-    if fmt == "official" and cfg.residual == "block_attnres":
-        try:
+    if fmt != "official":
+        return None
+    try:                                       # a design beyond the paper has no release block; uneven AttnRes groups
+        official.official_block(cfg)
+        if cfg.residual in ("attnres", "block_attnres"):
             official.attnres_block_size(cfg)
-        except CheckpointError as e:
-            return str(e)
+    except CheckpointError as e:
+        return str(e)
     return None
 
 
@@ -278,10 +281,10 @@ def export_suite(folder, fmt, out):
 
 def build_parser():
     p = ArgParser(prog=PROG, description="Write trained runs as a Hugging Face Llama folder (Pre-LN) or in the "
-                  "authors' OLMo-core release layout (any design).")
+                  "authors' OLMo-core release layout (any design the release has a block for).")
     p.add_argument("source", help="a run folder holding ckpt.pt, a .pt file, or a suite folder (every finished run)")
     p.add_argument("--format", required=True, choices=["hf", "official"], help="hf: LlamaForCausalLM (Pre-LN); "
-                   "official: the release's config.json + DCP checkpoint (any design)")
+                   "official: the release's config.json + DCP checkpoint (the release's designs)")
     p.add_argument("--out", required=True, type=Path, help="the new folder (a suite: one sub-folder per run)")
     return p
 

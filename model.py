@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ops
-from residuals import RESIDUALS, OptimRule
+from residuals import RESIDUALS, AttentionInputs, OptimRule
 
 KERNELS = ("fast", "reference")
 
@@ -61,10 +61,11 @@ class Attention(nn.Module):
     map d -> n_kv_head * head_dim and query head h reads kv head h // (n_head / n_kv_head), the same maths as MHA
     whose k/v heads are copies). No norm inside.
 
-    `depth` is the one door into attention, used only by MoDA (residuals.py): the depth keys and values that earlier
-    sublayers left at the same token (a DepthKV), which join the causal keys in one softmax (`ops.joint_attention`).
-    Returns (y, aux): aux holds this layer's *pre-RoPE* k and v, (B, n_kv_head, T, hd) each, which MoDA keeps for
-    later layers, and MoDA's depth-attention share."""
+    `inputs` (AttentionInputs) is the one door into attention, for the designs that reach into it (residuals.py):
+    MUDD's separate key and value streams, ResFormer's first-layer values, MoDA's depth keys and values (which join
+    the causal keys in one softmax, `ops.joint_attention`). Returns (y, aux): aux holds this layer's *pre-RoPE* k
+    and its own v before any value residual, (B, n_kv_head, T, hd) each, which MoDA and ResFormer keep for later
+    layers, and MoDA's depth-attention share."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -77,16 +78,23 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, cfg.n_kv_head * hd, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
 
-    def forward(self, x, rope, depth=None):
+    def forward(self, x, rope, inputs=None):
+        inputs = inputs or AttentionInputs()
         B, T, _ = x.shape
+        x_k = x if inputs.key is None else inputs.key
+        x_v = x if inputs.value is None else inputs.value
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)              # (B, H, T, hd)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)           # (B, Hkv, T, hd)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x_k).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)         # (B, Hkv, T, hd)
+        v = self.wv(x_v).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v_mixed = v
+        if inputs.first_value is not None:                                                  # ResFormer's value residual
+            w = inputs.value_weights
+            v_mixed = (w[0] * inputs.first_value + w[1] * v).to(v.dtype)
         qr, kr = (self.ops.apply_rope(t, *rope) for t in (q, k))
-        if depth is None:
-            o, share = self.ops.causal_attention(qr, kr, v), None
+        if inputs.depth is None:
+            o, share = self.ops.causal_attention(qr, kr, v_mixed), None
         else:
-            o, share = self.ops.joint_attention(qr, kr, v, depth)
+            o, share = self.ops.joint_attention(qr, kr, v_mixed, inputs.depth)
         y = self.wo(o.transpose(1, 2).reshape(B, T, -1))                                   # (B, T, d)
         return y, {"k": k, "v": v, "depth_share": share}
 
@@ -117,7 +125,7 @@ class Block(nn.Module):
     def forward(self, s, sites, res, rope):
         attn_site, mlp_site = sites
         h, ctx = res.read(s, attn_site)                       # attention input; ctx: what write needs
-        y, aux = self.attn(h, rope, ctx.get("depth"))         # aux: its pre-RoPE k, v (MoDA keeps them)
+        y, aux = self.attn(h, rope, ctx.get("attention"))     # the design's AttentionInputs; aux: its pre-RoPE k, v
         s = res.write(s, attn_site, y, {**ctx, **aux})
         h, ctx = res.read(s, mlp_site)                        # MLP input
         return res.write(s, mlp_site, self.mlp(h), ctx)

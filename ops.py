@@ -2,7 +2,8 @@
 ops.py: the maths the designs share, each written the way its equation reads, in plain PyTorch.
 
 The norm, RoPE and attention of the backbone; HC/mHC's map projection, width and depth connections and mHC's
-Sinkhorn; AttnRes' softmax over depth and the bank of sources it reads; MoDA's depth keys and values and its joint
+Sinkhorn; AttnRes' softmax over depth (and the release's top-k of it), DenseFormer's and MUDD's weighted sums over
+depth, and the bank of sources they read; MoDA's depth keys and values and its joint
 sequence + depth softmax; and two measures of depth use (erank, dead_zone) that diagnose.py and the designs'
 telemetry share. This file is the definition. depthbench/kernels.py has a second body for each name here (the same
 maths, faster layouts); a model picks one of the two namespaces once, when it is built (`namespace`,
@@ -157,26 +158,51 @@ def sinkhorn(logits, iters=20, eps=1e-6):
 
 # ----------------------------------------------------------------------------- AttnRes
 
-def depth_mix(query, key_gain, sources, eps=1e-5):
+def depth_mix(query, key_gain, sources, eps=1e-5, keep=None):
     """AttnRes' softmax over depth for one consumer, Kimi's eq. 2: keys are the RMS-normalised sources with the
     consumer's gain, the query is a learnt vector (scale 1), the values are the raw sources:
 
         p_j = softmax_j <query, key_gain * RMSNorm(v_j)>,   mix = sum_j p_j v_j
 
-    sources: S tensors (B, T, D); logits, softmax and mix in fp32. Returns mix (B, T, D), p (B, T, S)."""
+    keep: the release's top-k variant (`topk_sources`): only the `keep` largest logits of each token enter the
+    softmax, the others get p_j = 0 (None or every source: all). sources: S tensors (B, T, D); logits, softmax and mix
+    in fp32. Returns mix (B, T, D), p (B, T, S)."""
     with fp32_maths(sources[0]):
         V = torch.stack(sources).float()                             # (S, B, T, D)
         keys = rms_norm(V, key_gain.float(), eps)
         logits = keys @ query.float()                                # (S, B, T)
+        if keep is not None and keep < len(sources):
+            logits = logits.masked_fill(~topk_sources(logits, keep), float("-inf"))
         p = logits.softmax(dim=0)
         return (p[..., None] * V).sum(0), p.movedim(0, -1)
 
 
+def topk_count(n, fraction):
+    """How many of n sources the release's AttnRes top-k keeps: ceil(fraction n), at least 1 (fraction 1: all)."""
+    return min(n, max(1, math.ceil(n * fraction)))
+
+
+def topk_sources(logits, keep):
+    """(S, ...) logits -> a bool mask of the `keep` largest along dim 0, per position; equal logits go to the lower
+    source index first (the release's kernel takes the maximum, then the lowest index holding it, `keep` times)."""
+    order = torch.sort(logits, dim=0, descending=True, stable=True).indices
+    return torch.zeros_like(logits, dtype=torch.bool).scatter_(0, order[:keep], True)
+
+
+def depth_sum(weights, sources):
+    """DenseFormer's and MUDD's weighted sum over depth, sum_j w[..., j] v_j, in fp32: sources S tensors (B, T, D);
+    weights (S,) static (DenseFormer: -> (B, T, D)) or (C, B, T, S) per token and stream (MUDD: -> (C, B, T, D))."""
+    with fp32_maths(sources[0]):
+        w = weights.float()
+        return sum(w[..., j, None] * v.float() for j, v in enumerate(sources))
+
+
 class DepthBank:
     """The sources an AttnRes consumer mixes: the embedding, then one source per push (a sublayer's output, or a
-    completed group's sum). A plain list; `push` returns a new bank, so every state keeps its own. Its two methods
-    run eagerly under torch.compile (`torch.compiler.disable`): the number of sources differs from block to block,
-    and a graph would bake it in (docs/speed.md#compile)."""
+    completed group's sum); DenseFormer's and MUDD's block outputs, which their weighted sums read. A plain list;
+    `push` returns a new bank, so every state keeps its own. Its methods run eagerly under torch.compile
+    (`torch.compiler.disable`): the number of sources differs from block to block, and a graph would bake it in
+    (docs/speed.md#compile)."""
 
     def __init__(self, sources):
         self.sources = list(sources)
@@ -192,10 +218,16 @@ class DepthBank:
         return DepthBank(self.sources + [v])
 
     @torch.compiler.disable
-    def mix(self, query, key_gain, eps, extra=None):
-        """depth_mix over the sources, and `extra` (a group's open partial sum) after them if given."""
+    def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0):
+        """depth_mix over the sources, and `extra` (a group's open partial sum) after them if given; topk_fraction < 1
+        keeps the topk_count of them per token (the release's AttnRes top-k)."""
         sources = self.sources if extra is None else self.sources + [extra]
-        return depth_mix(query, key_gain, sources, eps)
+        return depth_mix(query, key_gain, sources, eps, keep=topk_count(len(sources), topk_fraction))
+
+    @torch.compiler.disable
+    def weighted_sum(self, weights):
+        """depth_sum over the sources (DenseFormer's static weights, MUDD's per-token ones)."""
+        return depth_sum(weights, self.sources)
 
     def newest(self):
         """The last source pushed."""

@@ -25,7 +25,7 @@ from matplotlib import colors, ticker, transforms
 
 from depthbench import common, runlog
 from depthbench.common import ArgParser
-from depthbench.plot_eval import fig_token_collapse, fig_zeroshot  # diagnose.py's evaluation metrics, drawn there
+from depthbench.plot_eval import fig_dense_weights, fig_token_collapse, fig_zeroshot  # drawn in depthbench/plot_eval
 
 # ----------------------------------------------------------------------------- the contract and the look
 
@@ -654,7 +654,7 @@ FIGURES = [  # (file name without extension, function), in paper order
     ("fig5_angular_distance", fig5_angular),
     ("fig6_depth_use", fig6_depth_use),
     ("fig6_score_maps", fig6_score_maps),
-    ("fig7_attnres_weights", fig7_attnres_weights),
+    ("fig7_attnres_weights", fig7_attnres_weights), ("fig7_dense_weights", fig_dense_weights),  # plot_eval's
     ("fig8_layer_pruning", fig8_pruning),
     ("fig8_logit_lens", fig8_logit_lens),
     ("fig9_dead_zone", fig9_dead_zone),

@@ -1,6 +1,7 @@
 """
-The ten residual / normalization designs of DepthBench, one class each, and the release's three extra baselines
-(Post-LN, Pre-LN under depth-muP and CompleteP), in one registry, RESIDUALS.
+The ten residual / normalization designs of DepthBench, one class each, the release's three extra baselines
+(Post-LN, Pre-LN under depth-muP and CompleteP) and five designs beyond the paper (MUDD, ResFormer, DenseFormer,
+Mix-LN, a Pre-LN / cross-layer hybrid), in one registry, RESIDUALS.
 
 Legend (shape comments): B batch, T time, D width (d_model), n streams (HC/mHC), L blocks, 2L sublayers,
 i sublayer index (block b's attention is i = 2b, its MLP i = 2b + 1), N groups (Block AttnRes).
@@ -10,16 +11,18 @@ A design is the residual path around the sublayers F_i. GPT's trunk loop (model.
     s = res.init_stream(x0)                  # (B, T, D) embedding -> the design's state
     for every sublayer i = 0 .. 2L-1:        # site = res.sites[i]: sublayer i as the design sees it (Site)
         h, ctx = res.read(s, site)           # (B, T, D) input of F_i, *including any pre-norm*
-        y = F_i(h)                           # MoDA's attention also reads ctx["depth"]
+        y = F_i(h)                           # attention also reads ctx["attention"] (AttentionInputs), if given
         s = res.write(s, site, y, ctx)       # fold y back in, *including any post-norm or mixing*
     z = res.collapse(s)                      # (B, T, D) for the LM head, *including the final norm*
 
 ctx carries what write needs from read (and what the sublayer reports: attention adds its pre-RoPE "k", "v"); the
-diagnostics read what they need from it (HC's maps) or from the state (AttnRes' depth weights), never from the module. Pre-LN is the base class; each design overrides
-only what differs, its forward contract first, then a marked section of what serves the scripts (init, optimizer,
-cost, diagnostics). Shared maths is in ops.py, reached through `self.ops` (ops.py's bodies or depthbench/kernels.py's,
+diagnostics read what they need from it (HC's maps) or from the state (AttnRes' depth weights), never from the module.
+A design reaches into attention only through ctx["attention"], an AttentionInputs. Pre-LN is the base class; each
+design overrides only what differs, its forward contract first, then a marked section of what serves the scripts
+(init, optimizer, cost, diagnostics). Shared maths is in ops.py, reached through `self.ops` (ops.py's bodies or depthbench/kernels.py's,
 chosen once by --kernels). Every parameter a design creates is used on every forward.
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -39,7 +42,7 @@ class Site(nn.Module):
         first, mlp    i == 0; i is an MLP sublayer (else attention, or AttnRes' head readout at i = 2L)
         norm          sublayer i's norm
         post_norm     a norm on its output (Sandwich-LN, KEEL), or None
-        conn          HC/mHC's connector of sublayer i, or None
+        conn          HC/mHC's connector of sublayer i, or None (DenseFormer, MUDD: `DepthWeightsSite.dense`)
         kv_proj       MoDA's W_kv on an MLP sublayer that writes a depth slot, or None
         scale, alpha  per-sublayer numbers (LNS' 1/sqrt(b + 1), KEEL's skip weight), 0-dim buffers, if given
         row           (1,) index of sublayer i's row in a parameter stacked over sublayers (`pick`)
@@ -63,6 +66,19 @@ class Site(nn.Module):
         """Row `row` of a tensor stacked over sublayers, (S, ...) -> (...), by a tensor index (stacked[i] with the
         int i would compile one graph per i)."""
         return stacked.index_select(0, self.row).squeeze(0)
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """The one door into attention (model.Attention): what a design hands attention besides its input x, every field
+    optional (None: attention's own). A design's read puts it in ctx["attention"]; Block.forward and
+    depthbench/observe.py pass it through unchanged, so a design that needs another input adds a field here, never
+    an argument to Attention.forward (docs/contributing.md#adding-a-design)."""
+    key: torch.Tensor = None            # (B, T, D) input of W_k instead of x (MUDD's key stream, its own norm applied)
+    value: torch.Tensor = None          # (B, T, D) input of W_v instead of x (MUDD's value stream)
+    first_value: torch.Tensor = None    # (B, H_kv, T, hd) the first layer's values (ResFormer's value residual),
+    value_weights: torch.Tensor = None  # (2,) mixed in before the softmax: v' = w[0] first_value + w[1] v
+    depth: object = None                # MoDA's depth keys and values (a DepthKV), which join the softmax
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,11 @@ class PreLN(nn.Module):
         d, for costs.analytic (profile_gpu.py's rows, train.py's MFU). Norms, scalings and adds are not counted (nor
         are they for Pre-LN's formula)."""
         return 0, 1
+
+    @classmethod
+    def activation_bytes(cls, **options):
+        """act_bytes of the design with these options (costs.memory_plan; Hybrid's follow its deep design)."""
+        return cls.act_bytes
 
     @classmethod
     def build(cls, cfg, **options):
@@ -234,11 +255,18 @@ class LNS(PreLN):
 
     Both sublayers of block b share the factor (it counts blocks, not sublayers, as the reference
     does); the final norm is not scaled. No extra params. Peak LR 1e-2 in the paper, its sweep up to 2e-2.
+    `scale="depth"`: the release's `default_depth_scaled` block, one constant 1/sqrt(L) in every block instead.
     """
 
+    def __init__(self, cfg, scale="block"):
+        super().__init__(cfg)
+        if scale not in ("block", "depth"):
+            raise ValueError(f"LNS scale must be 'block' (1/sqrt(b + 1)) or 'depth' (1/sqrt(L)), got {scale!r}")
+        self.by_depth = scale == "depth"
+
     def site(self, i):
-        block = i // 2
-        return Site(i, norm=self.norms[i], scale=1.0 / math.sqrt(block + 1))
+        count = self.n_layer if self.by_depth else i // 2 + 1      # 1/sqrt(L) everywhere, or 1/sqrt(b + 1)
+        return Site(i, norm=self.norms[i], scale=1.0 / math.sqrt(count))
 
     def read(self, s, site):
         return site.norm(s) * site.scale, {}
@@ -246,6 +274,7 @@ class LNS(PreLN):
     # ------------------------------------------------------------------------- for the scripts
     paper_lr = 1e-2
     paper_lr_sweep = PreLN.paper_lr_sweep + (1e-2, 2e-2)
+    options = {"scale": "block"}
 
     @torch.no_grad()
     def swap_blocks(self, i, j):
@@ -553,13 +582,24 @@ class FullAttnRes(PreLN):
     State: the sources, a DepthBank (ops.py: a list; depthbench/kernels.py: one preallocated buffer). Params: q_k,
     g_k for consumers k = 1 .. 2L (row k - 1; 2L: the head's), 4dL, all decayed; zero queries = uniform weights.
     Cost: ~12 L^2 d FLOPs per token, all 2L + 1 sources kept alive, O(L^2 d) traffic.
+
+    The release's two variants (its block.py and kernels/attnres.py at b2141085), both off by default:
+    - `topk_fraction` f < 1: each consumer keeps, per token, only the k = min(n, max(1, ceil(f n))) largest of its n
+      logits (the open partial sum counts as a source, the embedding gets no exemption; equal logits: the lower
+      source first) and the others get weight 0 (ops.topk_sources); f = 1 keeps all.
+    - `learn_logit_scale`: a learnt scalar s_k per consumer multiplies the query, q_k exp(s_k), init 0 (exp 0 = 1):
+      +2L params, decayed.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, topk_fraction=1.0, learn_logit_scale=False):
         super().__init__(cfg)
+        if not 0.0 < topk_fraction <= 1.0:
+            raise ValueError(f"AttnRes topk_fraction must be in (0, 1], got {topk_fraction}")
         # row k - 1 belongs to consumer k = 1 .. 2L, where consumer 2L is the head's final readout
         self.queries = nn.Parameter(torch.zeros(self.n_sub, cfg.d_model))
         self.key_gains = nn.Parameter(torch.ones(self.n_sub, cfg.d_model))
+        self.logit_scales = nn.Parameter(torch.zeros(self.n_sub)) if learn_logit_scale else None   # s_k, row k - 1
+        self.topk_fraction = topk_fraction
         self.eps = 1e-5  # the reference's AttnRes norms (key and fused output norm) use 1e-5
         self.n_groups = self.n_sub                        # every sublayer is its own group (Block AttnRes: N)
 
@@ -574,7 +614,10 @@ class FullAttnRes(PreLN):
 
     def mix(self, sources, site, extra=None):
         """The raw depth mix (B, T, D) that the site's consumer normalises, and its weights (B, T, sources)."""
-        return sources.mix(site.pick(self.queries), site.pick(self.key_gains), self.eps, extra)
+        query = site.pick(self.queries)
+        if self.logit_scales is not None:                 # the release's learnt logit scale: q_k exp(s_k)
+            query = query * site.pick(self.logit_scales).exp()
+        return sources.mix(query, site.pick(self.key_gains), self.eps, extra=extra, topk_fraction=self.topk_fraction)
 
     def read(self, s, site):
         if site.first:
@@ -589,21 +632,22 @@ class FullAttnRes(PreLN):
         return rms_norm(self.mix(s, head)[0], head.norm.weight, self.eps)
 
     # ------------------------------------------------------------------------- for the scripts
-    options = {}
+    options = {"topk_fraction": 1.0, "learn_logit_scale": False}   # the release's variants, off
     act_bytes = (10, 10, 9)   # measured (docs/training.md#memory); checkpointed, the bank is all a block input adds
     dead_tau = 0.05   # telemetry: a consumer is near-dead below this non-embedding weight (diagnose.py --dead-tau)
 
     @staticmethod
-    def groups(n_sub, n_groups=None, block_size=None):
+    def groups(n_sub, n_groups=None, block_size=None, grouping="even"):
         """The group of each sublayer: every sublayer is its own (Block AttnRes groups several)."""
         return list(range(n_sub))
 
     @classmethod
-    def cost(cls, L, d, T, n_groups=None, block_size=None, **options):
+    def cost(cls, L, d, T, n_groups=None, block_size=None, grouping="even", **options):
         """4 FLOPs per source and channel of every depth mix (score dot 2, weighted sum 2), over all its sources:
         sublayer k >= 1 reads the embedding and every group touched so far, g(k-1) + 2, and the head the embedding
-        and all N groups (Full AttnRes, N = 2L: 2L^2 + 3L in all); the state: N + 1 sources."""
-        g = cls.groups(2 * L, n_groups, block_size)
+        and all N groups (Full AttnRes, N = 2L: 2L^2 + 3L in all); the state: N + 1 sources. The top-k variant
+        scores every source too: the same count."""
+        g = cls.groups(2 * L, n_groups, block_size, grouping)
         N = g[-1] + 1
         return 4 * d * (sum(g[k - 1] + 2 for k in range(1, 2 * L)) + N + 1) * T, N + 1
 
@@ -616,11 +660,16 @@ class FullAttnRes(PreLN):
         super().reset_parameters()
         self.queries.zero_()
         self.key_gains.fill_(1.0)
+        if self.logit_scales is not None:
+            self.logit_scales.zero_()
 
     def sublayer_params(self, i):
         # row i: consumer i + 1, the first mix to read sublayer i's output. Block b owns its MLP-side mixer (row 2b)
         # and the one reading its output (2b + 1; the head's for the last block): docs/diagnostics.md#interventions
-        return {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
+        own = {**super().sublayer_params(i), "query": self.queries[i], "key_gain": self.key_gains[i]}
+        if self.logit_scales is not None:
+            own["logit_scale"] = self.logit_scales[i]
+        return own
 
     def newest(self, s):
         """The newest source: the last output pushed (at first the embedding)."""
@@ -680,20 +729,23 @@ class BlockAttnRes(FullAttnRes):
     """Block Attention Residuals, Kimi (arXiv 2603.15031; docs/designs.md#block-attnres): Full AttnRes over N groups of
     consecutive sublayers instead of single outputs.
 
-    Groups, read one of two ways: `n_groups` N (group of j = floor(j N / 2L), sizes differ by at most one when 2L/N
-    is not an integer), or the official `block_size` S (group of j = j // S, N = ceil(2L/S), the last group short
-    when S does not divide 2L; official checkpoints carry S). Consumer k >= 1 mixes, as Full AttnRes, over the
-    embedding, the sums of the completed groups and its own group's partial sum so far (if non-empty); the head over
-    the embedding and all N group sums.
+    Groups, read one of three ways: `n_groups` N (group of j = floor(j N / 2L), sizes differ by at most one when
+    2L/N is not an integer), or the official `block_size` S (group of j = j // S, N = ceil(2L/S), the last group
+    short when S does not divide 2L; official checkpoints carry S), or `grouping="doubling"`, boundaries that grow
+    with depth: group g starts at sublayer 2^(g-1), sizes 1, 1, 2, 4, 8, ... (the last one cut at 2L), so
+    N = bitlength(2L - 1) + 1 follows the depth (7 at L24, 9 at L70) and n_groups is not used. Consumer k >= 1
+    mixes, as Full AttnRes, over the embedding, the sums of the completed groups and its own group's partial sum so
+    far (if non-empty); the head over the embedding and all N group sums.
     State: (the completed sources [e, G_0, ...] as a DepthBank, the open group's partial sum; None before sublayer 0
     writes). As in the reference, a group closes when the next one opens: the consumer that opens it reads the
     completed group as its last source, and its write moves it to the bank. Params: Full AttnRes' (4dL). Cost: N + 1
     sources per consumer.
     """
 
-    def __init__(self, cfg, n_groups=8, block_size=None):
-        super().__init__(cfg)
-        self.group = self.groups(self.n_sub, n_groups, block_size)                    # group of sublayer k
+    def __init__(self, cfg, n_groups=8, block_size=None, grouping="even", topk_fraction=1.0,
+                 learn_logit_scale=False):
+        super().__init__(cfg, topk_fraction, learn_logit_scale)
+        self.group = self.groups(self.n_sub, n_groups, block_size, grouping)          # group of sublayer k
         self.n_groups = self.group[-1] + 1
 
     def site(self, k):
@@ -728,24 +780,30 @@ class BlockAttnRes(FullAttnRes):
         return rms_norm(self.mix(bank, head, extra=partial)[0], head.norm.weight, self.eps)
 
     # ------------------------------------------------------------------------- for the scripts
-    options = {"n_groups": 8, "block_size": None}   # block_size None: the n_groups reading
+    # block_size None: the n_groups reading; grouping "doubling": boundaries that grow with depth
+    options = {"n_groups": 8, "block_size": None, "grouping": "even", **FullAttnRes.options}
     act_bytes = (13, 13, 9)   # Full AttnRes' and the open groups' sums, which the mixes keep besides the bank
 
     @staticmethod
-    def groups(n_sub, n_groups=8, block_size=None):
-        """The group of each sublayer 0 .. n_sub-1, by block size S (j // S) or, without one, by the count N."""
+    def groups(n_sub, n_groups=8, block_size=None, grouping="even"):
+        """The group of each sublayer 0 .. n_sub-1: by block size S (j // S); by doubling sizes (the bit length of j:
+        1, 1, 2, 4, ...); or by the count N, spread evenly."""
+        if grouping not in ("even", "doubling"):
+            raise ValueError(f"Block AttnRes grouping must be 'even' or 'doubling', got {grouping!r}")
         if block_size is not None:
-            if block_size < 1:
-                raise ValueError(f"block_size must be >= 1, got {block_size}")
+            if block_size < 1 or grouping != "even":
+                raise ValueError(f"block_size must be >= 1 and takes the even grouping, got {block_size}, {grouping}")
             return [k // block_size for k in range(n_sub)]
+        if grouping == "doubling":
+            return [k.bit_length() for k in range(n_sub)]   # group g >= 1 starts at sublayer 2^(g-1)
         if n_groups < 1:
             raise ValueError(f"n_groups must be >= 1, got {n_groups}")
         n_groups = min(n_groups, n_sub)              # more groups than sublayers is Full AttnRes
         return [k * n_groups // n_sub for k in range(n_sub)]
 
     @classmethod
-    def cost(cls, L, d, T, n_groups=8, block_size=None, **options):
-        return super().cost(L, d, T, n_groups=n_groups, block_size=block_size)
+    def cost(cls, L, d, T, n_groups=8, block_size=None, grouping="even", **options):
+        return super().cost(L, d, T, n_groups=n_groups, block_size=block_size, grouping=grouping)
 
     def newest(self, s):
         """The open group's partial sum, else the last completed source (at first the embedding)."""
@@ -788,7 +846,7 @@ class MoDA(PreLN):
     State: (x (B, T, D), the depth slots so far: a DepthKV of (B, H_kv, T, hd) keys and values).
     Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed) on blocks 0 .. L-2: 2 d H_kv hd (L - 1), +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
-    This is the only design that reaches into attention, through ctx["depth"].
+    It reaches into attention through ctx["attention"] (AttentionInputs.depth).
     """
 
     def __init__(self, cfg, norm="pre"):
@@ -820,7 +878,7 @@ class MoDA(PreLN):
             return h, {"h": h}                                        # the MLP's input: W_kv reads it too
         if site.first:
             return h, {}                                              # block 0: no depth slot yet
-        return h, {"depth": depth}
+        return h, {"attention": AttentionInputs(depth=depth)}
 
     def write(self, s, site, y, ctx):
         x, depth = s
@@ -968,6 +1026,527 @@ class PreLNCompleteP(PreLNDepthMuP):
     alpha = 1.0
 
 
+# ----------------------------------------------------------------------------- beyond the paper (issue 43)
+
+class DepthWeightsSite(Site):
+    """A Site of DenseFormer and MUDD: besides Site's parts, `dense`, the depth weights that the site's write applies
+    when it closes its block (DenseFormer: the static vector a_b; MUDD: the module that makes the per-token weights),
+    and MUDD's `key_norm` and `value_norm` on an attention sublayer; held by reference, as Site holds its modules.
+    Their shapes grow with the block, so they are read only inside an eager weighted sum (docs/speed.md#compile)."""
+
+    def __init__(self, i, norm, *, dense=None, key_norm=None, value_norm=None, **parts):
+        super().__init__(i, norm, **parts)
+        for name, part in (("dense", dense), ("key_norm", key_norm), ("value_norm", value_norm)):
+            object.__setattr__(self, name, part)
+
+
+class ResFormer(PreLN):
+    """Value residual learning, ResFormer (Zhou et al., arXiv 2410.17897, official code Zcchill/Value-Residual-Learning;
+    docs/designs.md#resformer): Pre-LN, and every attention after the first mixes its values with the first one's,
+    before the softmax:
+
+        v_1  = W_v,0 RMSNorm_0(x)                          block 0's values (B, H_kv, T, hd); its attention is plain
+        v'_b = lambda_1,b v_1 + lambda_2,b v_b             block b >= 1 attends with its own q, k and the values v'_b
+        h = x + F_i(RMSNorm_i(x))                          the residual adds are Pre-LN's
+
+    lambda: a learnt pair per block b >= 1, init 0.5 and 0.5, the official code's fixed mix (`learn=False` keeps it
+    fixed, as that code does). v_1 keeps its gradient (the official code does not detach it).
+    State: (x, v_1; None before block 0's attention writes). Params: 2(L - 1) scalars, not decayed (static routing,
+    as HC's static maps). Cost: 3 d_kv FLOPs per token and block b >= 1; v_1 stays alive (d_kv per token).
+    """
+
+    def __init__(self, cfg, learn=True):
+        super().__init__(cfg)
+        self.n_kv_head, self.head_dim = cfg.n_kv_head, cfg.head_dim
+        pairs = torch.full((max(self.n_layer - 1, 0), 2), 0.5)          # row b - 1: block b's (lambda_1, lambda_2)
+        if learn and self.n_layer > 1:
+            self.lambdas = nn.Parameter(pairs)
+        else:
+            self.register_buffer("lambdas", pairs, persistent=False)
+
+    def site(self, i):
+        return Site(i, norm=self.norms[i], row=max(i // 2 - 1, 0))
+
+    def init_stream(self, x0):
+        return x0, None
+
+    def read(self, s, site):
+        x, v1 = s
+        h = site.norm(x)
+        if site.mlp or site.first:
+            return h, {}
+        return h, {"attention": AttentionInputs(first_value=v1, value_weights=site.pick(self.lambdas))}
+
+    def write(self, s, site, y, ctx):
+        x, v1 = s
+        if site.first:
+            v1 = ctx["v"]                                  # block 0's own values (attention's aux): v_1
+        return x + y, v1
+
+    def collapse(self, s):
+        return self.norm_f(s[0])
+
+    # ------------------------------------------------------------------------- for the scripts
+    options = {"learn": True}
+    act_bytes = (3, 5, 4)     # measured (docs/training.md#memory): the mixed values; v_1 is kept once per model
+
+    @classmethod
+    def cost(cls, L, d, T, kv_ratio=1.0, **options):
+        """v'_b = l1 v_1 + l2 v_b: 3 FLOPs per value channel, blocks 1 .. L-1; the state: the stream and v_1."""
+        return round(3 * kv_ratio * d) * (L - 1) * T, 1 + kv_ratio
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.lambdas.fill_(0.5)
+
+    def no_decay_params(self):
+        return [self.lambdas] if isinstance(self.lambdas, nn.Parameter) else []
+
+    def sublayer_params(self, i):
+        own = super().sublayer_params(i)
+        if i % 2 == 0 and i > 0:
+            own["lambdas"] = self.lambdas[i // 2 - 1]
+        return own
+
+    def depth_state(self, s, i, after_skip=False):
+        return s[0]
+
+    def skip(self, s, i):
+        """A skipped first attention leaves zero values (as MoDA's skipped slots): later blocks mix nothing in."""
+        x, v1 = s
+        if i != 0:
+            return s
+        return x, x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim)
+
+    def internals(self, s, site, ctx):
+        """Block b >= 1's (lambda_1, lambda_2)."""
+        if site.mlp or site.first:
+            return {}
+        return {"value_lambdas": site.pick(self.lambdas)}
+
+    def telemetry(self, rec):
+        """Per block b >= 1: lambda_1 (the first layer's values) and lambda_2 (its own)."""
+        pairs = [v.double().cpu().tolist() for v in rec.get("value_lambdas", [])]
+        return {"lambda_first": [p[0] for p in pairs], "lambda_own": [p[1] for p in pairs]}
+
+
+class MixLN(PreLN):
+    """Mix-LN (Li et al., arXiv 2412.13795; docs/designs.md#mix-ln): Post-LN in the first floor(alpha L) blocks, Pre-LN
+    after them.
+
+        b < floor(alpha L):   h = RMSNorm_i(x + F_i(x))       Post-LN: F_i sees the raw stream
+        b >= floor(alpha L):  h = x + F_i(RMSNorm_i(x))       Pre-LN
+        logits = W_out RMSNorm_f(x_2L)
+
+    alpha = `post_fraction`, 0.25 by default (the paper's). Each sublayer has one norm either way: the params and
+    init are Pre-LN's (no extra), and so is the cost. The Post-LN sites carry their norm as `post_norm`.
+    """
+
+    def __init__(self, cfg, post_fraction=0.25):
+        super().__init__(cfg)
+        if not 0.0 <= post_fraction <= 1.0:
+            raise ValueError(f"Mix-LN post_fraction must be in [0, 1], got {post_fraction}")
+        self.n_post = int(post_fraction * self.n_layer)                   # floor(alpha L) Post-LN blocks
+
+    def site(self, i):
+        if i // 2 < self.n_post:
+            return Site(i, norm=None, post_norm=self.norms[i])
+        return Site(i, norm=self.norms[i])
+
+    def read(self, s, site):
+        if site.post_norm is not None:                                    # Post-LN: the raw stream
+            return s, {}
+        return site.norm(s), {}
+
+    def write(self, s, site, y, ctx):
+        if site.post_norm is not None:
+            return site.post_norm(s + y)
+        return s + y
+
+    # ------------------------------------------------------------------------- for the scripts
+    options = {"post_fraction": 0.25}
+
+
+class DenseFormer(PreLN):
+    """DenseFormer, Pagliardini et al. (arXiv 2402.02622; epfml/DenseFormer, DWAModules; docs/designs.md#denseformer):
+    Pre-LN blocks, and after each block b a depth-weighted average (DWA) of the embedding and every block output so
+    far, with learnt *static* weights, feeds the next block:
+
+        X_0 = e,  X_(b+1) = block b's output (Pre-LN's two sublayers, run on x_b)
+        x_(b+1) = sum_(j = 0 .. b+1) a_(b, j) X_j           a_b: b + 2 weights per block, the same for every token
+        logits = W_out RMSNorm_f(x_L)
+
+    Init a_(b, b+1) = 1, the others 0 (the release's `_init_weights`): at init the model is Pre-LN. This is the
+    paper's 1x1 DenseFormer (dilation 1, a DWA after every block). State: (x, the block outputs X_0 .. X_b in a
+    DepthBank, read by the bank's weighted sum). Params: sum_b (b + 2) = L(L + 3)/2 (324 at L24), not decayed
+    (the release decays them, at its weight decay 1e-3; static routing here, as HC's). Cost: 2(b + 2) d FLOPs per
+    token after block b; all L + 1 outputs stay alive.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.dwa = nn.ParameterList(nn.Parameter(torch.zeros(b + 2)) for b in range(self.n_layer))   # a_b
+
+    def site(self, i):
+        return DepthWeightsSite(i, norm=self.norms[i], dense=self.dwa[i // 2] if i % 2 else None)
+
+    def init_stream(self, x0):
+        return x0, self.ops.DepthBank.start(x0, n_max=self.n_layer + 1, eps=None)
+
+    def read(self, s, site):
+        return site.norm(s[0]), {}
+
+    def write(self, s, site, y, ctx):
+        x, bank = s
+        if not site.mlp:
+            return x + y, bank
+        bank = bank.push((x + y).float())                # X_(b+1): residual state, fp32 (ops.py's precision rule)
+        return bank.weighted_sum(site.dense), bank       # x_(b+1) = sum_j a_(b, j) X_j
+
+    def collapse(self, s):
+        return self.norm_f(s[0])
+
+    # ------------------------------------------------------------------------- for the scripts
+    options = {}
+    act_bytes = (5, 5, 8)     # measured: each block output in the bank (fp32), which a checkpointed block keeps too
+
+    @classmethod
+    def cost(cls, L, d, T, **options):
+        """The DWA after block b: 2(b + 2) d FLOPs per token, d(L^2 + 3L) in all; the state: x and L + 1 outputs."""
+        return d * (L * L + 3 * L) * T, L + 2
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        for a in self.dwa:
+            a.zero_()
+            a[-1] = 1.0
+
+    def no_decay_params(self):
+        return list(self.dwa)
+
+    def depth_state(self, s, i, after_skip=False):
+        return s[0]
+
+    def skip(self, s, i):
+        """A skipped block outputs its input, X_(b+1) = x_b, and its DWA is skipped with it: the state is unchanged but
+        for the output the bank receives, so that later weights find their sources where they expect them."""
+        x, bank = s
+        return (x, bank.push(x.float())) if i % 2 else s
+
+    def internals(self, s, site, ctx):
+        """The weights that made block b >= 1's input, a_(b-1) (one stream); diagnose.py's dense metric."""
+        if site.mlp or site.first:
+            return {}
+        return {"dense_weights": self.dwa[site.index // 2 - 1].detach()[None]}
+
+    def head_internals(self, s):
+        return {"dense_weights": self.dwa[-1].detach()[None]}
+
+    def telemetry(self, rec):
+        """Per consumer (blocks 1 .. L-1, then the head): the weight on the embedding and on the newest output."""
+        return dense_telemetry(rec)
+
+
+def dense_telemetry(rec):
+    """DenseFormer's and MUDD's telemetry: per consumer, the residual stream's weight on the embedding (source 0) and
+    on the newest block output (its last source, 1 at init)."""
+    rows = [w.double().cpu()[-1] for w in rec.get("dense_weights", [])]
+    return {"embedding_weight": [float(r[0]) for r in rows], "newest_weight": [float(r[-1]) for r in rows]}
+
+
+class MUDD(PreLN):
+    """Multiway dynamic dense connections, MUDDFormer (Xiao et al., arXiv 2502.12170; Caiyun-AI/MUDDFormer;
+    docs/designs.md#mudd). After each block b, four streams, query, key, value and residual (C = 4), are each a sum
+    over the embedding and every block output so far, with per-token weights from a small MLP of the newest output:
+
+        X_0 = e,  X_(b+1) = block b's output
+        A_b = W_2,b GELU(W_1,b RMSNorm(X_(b+1))) + a_b         (C, b + 2) per token; RMSNorm without a gain
+        X^c_(b+1) = sum_(j = 0 .. b+1) A_b[c, j] X_j             c = Q, K, V, R
+        block b + 1:  h = X^R + Attn(q from N^Q(X^Q), k from N^K(X^K), v from N^V(X^V));  out = h + FFN(N(h))
+        logits = W_out RMSNorm_f(X^R_L)                          the last block makes the residual stream alone
+
+    Block 0 is Pre-LN (its attention reads the embedding through one norm); blocks b >= 1 have separate pre-norms for
+    the query, key and value streams (the release's `sepln`). W_1,b: d -> H_b, H_b = 64 (floor(C (b + 2) e / 64) +
+    1) (its `round64`), e = 1, or 4 for the last block (`expand_last`); W_2,b: H_b -> C (b + 2).
+    Init (the release's JAX trainer): W_1 ~ N(0, 1/d), W_2 = 0, a_b = 1 on the newest output and 0 elsewhere, so at
+    init every stream is X_(b+1) and the model is Pre-LN. State: (the streams (Q, K, V, R), the block outputs in a
+    DepthBank); the weights are made and applied eagerly (their shapes grow with b). Params: 2d(L - 1) key and value
+    gains, and per block d H_b + H_b C (b + 2) + C (b + 2); W_1, W_2 decayed, a_b not. Cost: the MLP and 2 C (b + 2)
+    d FLOPs per token after block b; all L + 1 outputs and the four streams stay alive.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        L, d = self.n_layer, cfg.d_model
+        self.eps = cfg.norm_eps
+        self.key_norms = nn.ModuleList(RMSNorm(d, cfg.norm_eps) for _ in range(L - 1))     # block b >= 1: b - 1
+        self.value_norms = nn.ModuleList(RMSNorm(d, cfg.norm_eps) for _ in range(L - 1))
+        self.dense = nn.ModuleList(self.dense_module(d, b) for b in range(L))
+
+    def dense_module(self, d, b):
+        """Block b's weight MLP: W_1 (H_b, d), W_2 (C (b + 2), H_b) and the static a_b (C, b + 2)."""
+        hidden, C, n = self.hidden(self.n_layer, b)
+        m = nn.Module()
+        m.w1 = nn.Parameter(torch.zeros(hidden, d))
+        m.w2 = nn.Parameter(torch.zeros(C * n, hidden))
+        m.bias = nn.Parameter(torch.zeros(C, n))
+        return m
+
+    def site(self, i):
+        b = i // 2
+        if i % 2:
+            return DepthWeightsSite(i, norm=self.norms[i], dense=self.dense[b])
+        if b == 0:
+            return DepthWeightsSite(i, norm=self.norms[i])
+        key_norm, value_norm = self.key_norms[b - 1], self.value_norms[b - 1]     # block b >= 1's own stream norms
+        return DepthWeightsSite(i, norm=self.norms[i], key_norm=key_norm, value_norm=value_norm)
+
+    def init_stream(self, x0):
+        return (x0, x0, x0, x0), self.ops.DepthBank.start(x0, n_max=self.n_layer + 1, eps=None)
+
+    def read(self, s, site):
+        (q, k, v, r), bank = s
+        if site.mlp or site.key_norm is None:             # the MLP, or block 0's attention: one stream, one norm
+            return site.norm(r), {}
+        inputs = AttentionInputs(key=site.key_norm(k), value=site.value_norm(v))
+        return site.norm(q), {"attention": inputs}
+
+    def write(self, s, site, y, ctx):
+        (q, k, v, r), bank = s
+        if not site.mlp:
+            return (q, k, v, r + y), bank
+        out = r + y                                       # X_(b+1)
+        bank = bank.push(out)
+        return self.dense_streams(bank, out, site.dense), bank
+
+    @torch.compiler.disable    # the weights' shapes grow with the block: eager, so compiled blocks share one graph
+    def dense_streams(self, bank, x, dense):
+        """(X^Q, X^K, X^V, X^R) from the bank's sources, weighted per token by `dense` on the newest output x (the
+        last block makes X^R alone; it stands in for all four)."""
+        streams = bank.weighted_sum(self.dense_weights(x, dense)).unbind(0)             # C of (B, T, D)
+        return tuple(streams) if len(streams) == 4 else streams * 4
+
+    def dense_weights(self, x, dense):
+        """A (C, B, T, n) = W_2 GELU(W_1 RMSNorm(x)) + a, in fp32 (the weights mix residual state)."""
+        with ops.fp32_maths(x):
+            hidden = torch.nn.functional.gelu(rms_norm(x.float(), eps=self.eps) @ dense.w1.float().t())
+            A = hidden @ dense.w2.float().t() + dense.bias.float().flatten()
+            return A.unflatten(-1, dense.bias.shape).movedim(-2, 0)
+
+    def collapse(self, s):
+        return self.norm_f(s[0][3])
+
+    # ------------------------------------------------------------------------- for the scripts
+    paper_micro_batch = {1: 8}
+    options = {}
+    act_bytes = (37, 45, 20)  # measured: the four streams, the bank, the weights' MLP
+
+    @staticmethod
+    def hidden(L, b):
+        """(H_b, C, n) of block b's weight MLP: n = b + 2 sources, C = 4 streams (the last block: 1), and the
+        release's round64 of C n e (e = 4 for the last block, else 1)."""
+        n = b + 2
+        if b == L - 1:
+            return 64 * (4 * n // 64 + 1), 1, n
+        return 64 * (4 * n // 64 + 1), 4, n
+
+    @classmethod
+    def cost(cls, L, d, T, **options):
+        """Per block b: the weight MLP 2 d H_b + 2 H_b C n and the weighted sums 2 C n d FLOPs per token (n = b + 2);
+        the state: the four streams and the L + 1 outputs."""
+        total = 0
+        for b in range(L):
+            H, C, n = cls.hidden(L, b)
+            total += 2 * d * H + 2 * H * C * n + 2 * C * n * d
+        return total * T, L + 5
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        for m in self.dense:
+            m.w1.normal_(0.0, m.w1.size(1) ** -0.5)       # fan-in normal, std 1/sqrt(d)
+            m.w2.zero_()
+            m.bias.zero_()
+            m.bias[:, -1] = 1.0
+
+    def no_decay_params(self):
+        return [m.bias for m in self.dense]
+
+    def sublayer_params(self, i):
+        """The norms of sublayer i (block b >= 1's attention: the query, key and value norms). The weight MLPs stay at
+        their place in a swap: their shapes follow the number of sources (docs/diagnostics.md#interventions)."""
+        own = super().sublayer_params(i)
+        b = i // 2
+        if i % 2 == 0 and b > 0:
+            own.update(key_norm=self.key_norms[b - 1].weight, value_norm=self.value_norms[b - 1].weight)
+        return own
+
+    def depth_state(self, s, i, after_skip=False):
+        return s[0][3]                                    # X^R: the residual stream block i/2 reads
+
+    def skip(self, s, i):
+        """A skipped block outputs its residual input, X_(b+1) = X^R_b, and its dense connection is skipped with it:
+        the streams stay (and the bank receives that output, so later weights find their sources)."""
+        streams, bank = s
+        return (streams, bank.push(streams[3])) if i % 2 else s
+
+    def internals(self, s, site, ctx):
+        """The weights that made block b >= 1's four streams, token-averaged (C, b + 1); diagnose.py's dense metric."""
+        b = site.index // 2
+        if site.mlp or b == 0:
+            return {}
+        bank = s[1]
+        return {"dense_weights": self.dense_weights(bank.newest(), self.dense[b - 1]).mean((1, 2))}
+
+    def head_internals(self, s):
+        return {"dense_weights": self.dense_weights(s[1].newest(), self.dense[-1]).mean((1, 2))}
+
+    def telemetry(self, rec):
+        """Per consumer (blocks 1 .. L-1, then the head), of the residual stream's weights: on the embedding and on the
+        newest block output."""
+        return dense_telemetry(rec)
+
+
+class HybridSite(Site):
+    """A Site of Hybrid's Pre-LN part: `hands_over`, the last of its sublayers, whose write turns the stream into the
+    deep design's state."""
+
+    def __init__(self, i, norm, *, hands_over=False):
+        super().__init__(i, norm)
+        self.hands_over = hands_over
+
+
+class Hybrid(PreLN):
+    """A hybrid, the paper's future direction (docs/designs.md#hybrid): plain Pre-LN in the first S blocks, a
+    cross-layer design (`deep`) in the L - S blocks after them, which sees the Pre-LN stream as its embedding:
+
+        b < S:   h = x + F_i(RMSNorm_i(x))                   Pre-LN
+        b >= S:  the deep design's read and write, its block b - S, started from init_stream(x_S)
+        logits:  the deep design's collapse (its final norm or readout)
+
+    S = min(floor(split L), L - 1): `split` 0.25 by default, the share of Block AttnRes blocks the paper finds dead at
+    L32 (8 of 32), and Mix-LN's alpha; `deep` "block_attnres" by default, the design the paper measured the dead zone
+    on. The deep design runs with its default options and is built at depth L - S. Params: the deep design's at
+    L - S, beyond Pre-LN's. Any of CROSS_LAYER may be the deep design.
+    """
+    CROSS_LAYER = ("hc", "mhc", "attnres", "block_attnres", "moda", "mudd", "denseformer", "resformer")
+
+    def __init__(self, cfg, deep="block_attnres", split=0.25):
+        super().__init__(cfg)
+        if deep not in self.CROSS_LAYER or not 0.0 <= split <= 1.0:
+            raise ValueError(f"hybrid deep must be one of {', '.join(self.CROSS_LAYER)} and split in [0, 1]; "
+                             f"got {deep!r}, {split}")
+        self.n_shallow = self.shallow_blocks(self.n_layer, split)
+        del self.norm_f                                   # the head is the deep design's
+        self.norms = nn.ModuleList(RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(2 * self.n_shallow))
+        deep_cfg = dataclasses.replace(cfg, n_layer=self.n_layer - self.n_shallow, residual=deep, residual_args={})
+        self.deep = RESIDUALS[deep].build(deep_cfg)
+        self.offset = 2 * self.n_shallow                  # sublayer i >= offset is the deep design's i - offset
+
+    @staticmethod
+    def shallow_blocks(L, split):
+        return min(int(split * L), L - 1)
+
+    def site(self, i):
+        if i < self.offset:
+            return HybridSite(i, norm=self.norms[i], hands_over=i == self.offset - 1)
+        return self.deep.sites[i - self.offset]
+
+    def init_stream(self, x0):
+        return x0 if self.n_shallow else self.deep.init_stream(x0)
+
+    def read(self, s, site):
+        if isinstance(site, HybridSite):
+            return site.norm(s), {}
+        return self.deep.read(s, site)
+
+    def write(self, s, site, y, ctx):
+        if not isinstance(site, HybridSite):
+            return self.deep.write(s, site, y, ctx)
+        if site.hands_over:
+            return self.deep.init_stream(s + y)
+        return s + y
+
+    def collapse(self, s):
+        return self.deep.collapse(s)
+
+    # ------------------------------------------------------------------------- for the scripts
+    options = {"deep": "block_attnres", "split": 0.25}
+    act_bytes = BlockAttnRes.act_bytes                    # the default's; activation_bytes gives another deep's
+
+    @classmethod
+    def activation_bytes(cls, deep="block_attnres", **options):
+        return RESIDUALS[deep].act_bytes
+
+    @classmethod
+    def cost(cls, L, d, T, deep="block_attnres", split=0.25, kv_ratio=1.0, **options):
+        """The deep design's at its L - S blocks (Pre-LN's blocks add nothing)."""
+        return RESIDUALS[deep].cost(L - cls.shallow_blocks(L, split), d, T, kv_ratio=kv_ratio)
+
+    @property
+    def n_sites(self):
+        return self.offset + self.deep.n_sites
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.deep.reset_parameters()
+
+    def scale_sublayer_init(self, i, module):
+        if i >= self.offset:
+            self.deep.scale_sublayer_init(i - self.offset, module)
+
+    def no_decay_params(self):
+        return self.deep.no_decay_params()
+
+    def deep_view(self, s, i):
+        """(the deep design's state, its sublayer index) for sublayer i (2L: the head); the Pre-LN stream before the
+        deep part is the deep design's start (so every depth state has the deep design's form)."""
+        if i < self.offset:
+            return self.deep.init_stream(s), 0
+        return s, i - self.offset
+
+    def depth_state(self, s, i, after_skip=False):
+        state, k = self.deep_view(s, i)
+        return self.deep.depth_state(state, k, after_skip)
+
+    def readout(self, s, i, after_skip=False):
+        state, k = self.deep_view(s, i)
+        return self.deep.readout(state, k, after_skip)
+
+    def skip(self, s, i):
+        if i >= self.offset:
+            return self.deep.skip(s, i - self.offset)
+        return self.deep.init_stream(s) if i == self.offset - 1 else s
+
+    def skips_to_newest(self, i):
+        return i >= self.offset and self.deep.skips_to_newest(i - self.offset)
+
+    def input_after_skip(self, s, i):
+        return self.deep.input_after_skip(s, i - self.offset)
+
+    def sublayer_params(self, i):
+        if i < self.offset:
+            return super().sublayer_params(i)
+        return self.deep.sublayer_params(i - self.offset)
+
+    def swap_blocks(self, i, j):
+        S = self.n_shallow
+        if i >= S and j >= S:
+            self.deep.swap_blocks(i - S, j - S)
+
+    def internals(self, s, site, ctx):
+        return {} if isinstance(site, HybridSite) else self.deep.internals(s, site, ctx)
+
+    def head_internals(self, s):
+        return self.deep.head_internals(s)
+
+    def telemetry(self, rec):
+        return self.deep.telemetry(rec)
+
+
 # ----------------------------------------------------------------------------- registry
 
 RESIDUALS = {
@@ -985,6 +1564,13 @@ RESIDUALS = {
     "postln": PostLN,
     "preln_mup": PreLNDepthMuP,
     "preln_completep": PreLNCompleteP,
+    # beyond the paper (issue 43): the designs the field asks about and the paper's own next steps
+    "mudd": MUDD,
+    "resformer": ResFormer,
+    "denseformer": DenseFormer,
+    "mixln": MixLN,
+    "hybrid": Hybrid,
 }
 PAPER_DESIGNS = list(RESIDUALS)[:10]   # the paper's ten, in its order (the mini suite, the README's design table)
+NEW_DESIGNS = list(RESIDUALS)[13:]     # the five beyond the paper (the README's third table, the mini suite's new rows)
 

@@ -189,11 +189,15 @@ def assert_kernels_agree(residual, shape, options=None):
 @pytest.mark.parametrize("residual,options", [(r, None) for r in ALL] + [
     ("mhc", {"init": "uniform"}), ("moda", {"norm": "post"}), ("block_attnres", {"n_groups": 4}),
     ("hc", {"collapse": "norm_each", "forward": "unmixed"}), ("block_attnres", {"block_size": 4}),
-    ("preln_mup", {"scaling": "depth_width", "base_width": 256})])
+    ("preln_mup", {"scaling": "depth_width", "base_width": 256}),
+    ("attnres", {"topk_fraction": 0.5, "learn_logit_scale": True}),
+    ("block_attnres", {"grouping": "doubling", "topk_fraction": 0.3}), ("block_attnres", {"topk_fraction": 0.6}),
+    ("hybrid", {"deep": "mudd", "split": 0.5}), ("hybrid", {"deep": "hc"}), ("resformer", {"learn": False})])
 def test_fast_kernels_equal_the_reference(residual, options, shape):
-    """Every registered design (tests/test_extend.py adds one more) and the other readings of four, whose paths
+    """Every registered design (tests/test_extend.py adds one more) and the other readings of several, whose paths
     differ (mHC's transport away from the identity, MoDA post-norm, groups of several sublayers, the older
-    official HC): depthbench/kernels.py's bodies == ops.py's (assert_kernels_agree)."""
+    official HC, the release's AttnRes top-k and logit scale, groups that grow with depth, a hybrid's other deep
+    designs): depthbench/kernels.py's bodies == ops.py's (assert_kernels_agree)."""
     assert_kernels_agree(residual, shape, options)
 
 
@@ -201,7 +205,9 @@ def test_fast_kernels_equal_the_reference(residual, options, shape):
 @pytest.mark.parametrize("residual", ALL)
 def test_fast_kernels_equal_the_reference_deep(residual, n_layer):
     """Deeper, where the depth banks hold many sources (Full AttnRes' 41 at L20, MoDA's 39 slots): the loss and every
-    gradient, fast == reference, at a narrow shape (GQA, 8-wide heads)."""
+    gradient, fast == reference, at a narrow shape (GQA, 8-wide heads). The weights move less off their init than at
+    L3 (0.02, not 0.05): 20 blocks of MUDD's per-token weights perturbed by 0.05 make a chaotic model whose gradients
+    (up to 9 on the embedding) amplify rounding to 6e-4."""
     x = batch(T=8)
     out = {}
     for kernels in ("fast", "reference"):
@@ -209,7 +215,7 @@ def test_fast_kernels_equal_the_reference_deep(residual, n_layer):
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
         loss = model(x, x, logits=False)[1]
         loss.backward()
         out[kernels] = loss, {n: p.grad for n, p in model.named_parameters()}
@@ -364,6 +370,35 @@ def test_cross_layer_extra_params_match_spec(residual, extra_l24, extra_l70):
     """docs/designs.md#overhead: HC 2L(6d+26), mHC 2L(96d+27), AttnRes 4dL, MoDA 2d^2(L-1)."""
     for (L, d, d_ff), extra in [((24, 1024, 2736), extra_l24), ((70, 640, 1712), extra_l70)]:
         assert shapes.count_params(L, d, d_ff, residual) - shapes.preln_params(L, d, d_ff) == extra
+
+
+def mudd_extra(L, d):
+    """MUDD's own parameters, from docs/designs.md#mudd: key and value gains 2d(L - 1); per block b, W_1 (H_b x d), W_2
+    (C n x H_b) and a_b (C n), n = b + 2, C = 4 (1 in the last block), H_b = 64 (floor(C n e / 64) + 1), e = 4 in the
+    last block, else 1."""
+    total = 2 * d * (L - 1)
+    for b in range(L):
+        C, e = (1, 4) if b == L - 1 else (4, 1)
+        n = b + 2
+        H = 64 * (C * n * e // 64 + 1)
+        total += H * d + C * n * H + C * n
+    return total
+
+
+@pytest.mark.parametrize("residual,options,extra_l24,extra_l70", [
+    ("mudd", {}, 2_402_373, 10_449_111), ("resformer", {}, 46, 138), ("denseformer", {}, 324, 2_555),
+    ("mixln", {}, 0, 0), ("hybrid", {}, 73_728, 135_680), ("hybrid", {"deep": "mudd"}, 1_536_315, 6_101_902),
+    ("attnres", {"learn_logit_scale": True}, 98_352, 179_340), ("block_attnres", {"topk_fraction": 0.25}, 98_304, 179_200)])
+def test_beyond_the_paper_extra_params_match_spec(residual, options, extra_l24, extra_l70):
+    """docs/designs.md#overhead, the designs beyond the paper and the release's AttnRes variants: MUDD mudd_extra(L,
+    d); ResFormer 2(L - 1); DenseFormer L(L + 3)/2; Mix-LN 0; Hybrid the deep design's at L - floor(L/4) (Block
+    AttnRes 4d(L - S): 18 and 53 blocks; MUDD at 18 and 53); the logit scale 2L, top-k nothing."""
+    for (L, d, d_ff), extra in [((24, 1024, 2736), extra_l24), ((70, 640, 1712), extra_l70)]:
+        assert shapes.count_params(L, d, d_ff, residual, **options) - shapes.preln_params(L, d, d_ff) == extra
+    assert (mudd_extra(24, 1024), mudd_extra(70, 640), mudd_extra(18, 1024), mudd_extra(53, 640)) == (
+        2_402_373, 10_449_111, 1_536_315, 6_101_902)
+    assert [2 * (L - 1) for L in (24, 70)] == [46, 138] and [L * (L + 3) // 2 for L in (24, 70)] == [324, 2_555]
+    assert [4 * 1024 * 18, 4 * 640 * 53, 98_304 + 48, 179_200 + 140] == [73_728, 135_680, 98_352, 179_340]
 
 
 def test_hc_with_one_stream_equals_preln():
@@ -879,8 +914,9 @@ class SoftmaxInputs(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("residual", ALL)
 def test_one_precision_rule_under_bf16_autocast(residual, kernels):
     """Under bf16 autocast (CPU's here; CUDA's in training) the sublayers compute in bf16, while every design's
-    residual state after every write (HC's streams, AttnRes' bank and group sums; MoDA's stream, its depth K/V
-    being attention's own keys and values) and every softmax input stays fp32; the loss stays near fp32's."""
+    residual state after every write (HC's streams, AttnRes' bank and group sums; MoDA's and ResFormer's stream, their
+    depth K/V and first-layer values being attention's own) and every softmax input stays fp32; the loss stays near
+    fp32's."""
     model, x = build(residual, kernels=kernels, **KERNEL_SHAPES["gqa"]), batch()
     states, write = [], model.res.write
     model.res.write = lambda s, site, y, ctx=None: states.append(write(s, site, y, ctx)) or states[-1]
@@ -889,7 +925,8 @@ def test_one_precision_rule_under_bf16_autocast(residual, kernels):
     loss.backward()
     assert len(states) == 2 * model.cfg.n_layer
     for s in states:
-        values = [t for t in tensors_of(s[:1] if residual == "moda" else s) if t.is_floating_point()]  # not masks
+        stream = s[:1] if residual in ("moda", "resformer") else s             # not attention's own K/V
+        values = [t for t in tensors_of(stream) if t.is_floating_point()]  # not masks
         assert {t.dtype for t in values} == {torch.float32}
     assert soft.dtypes == {torch.float32}
     del model.res.write

@@ -31,7 +31,10 @@ def load_model(args, st):
                         residual_args=design_options(args.init, args.residual_args), kernels=args.kernels)
         run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
                "max_gap": args.max_gap, "seed": st.seed}
-        return GPT(cfg), run, None, None
+        try:
+            return GPT(cfg), run, None, None
+        except ValueError as e:        # an option value the design refuses (Block AttnRes' grouping, ...): one line
+            raise DiagError(f"--residual-args: {first_line(e)}") from None
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (depthbench/official.py)
         model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
         if st.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache

@@ -41,7 +41,12 @@ def block_bytes(cfg, bf16):
     d_kv = d * cfg.n_kv_head // cfg.n_head
     backbone = sum(c * x for c, x in zip(BLOCK_BYTES[bf16], (d, cfg.d_ff, d_kv)))
     design_index = 0 if bf16 else 1
-    return backbone + RESIDUALS[cfg.residual].act_bytes[design_index] * d
+    return backbone + design_bytes(cfg)[design_index] * d
+
+
+def design_bytes(cfg):
+    """The design's act_bytes under the run's options (a hybrid's follow its deep design)."""
+    return RESIDUALS[cfg.residual].activation_bytes(**cfg.residual_args)
 
 
 def fixed_bytes(cfg, params, blocks):
@@ -60,15 +65,14 @@ def memory_plan(cfg, params, bf16=True):
     derives it. The floor is what no step of this shape does without: a run over it clearly cannot fit, whatever
     the estimate's errors."""
     L, d = cfg.n_layer, cfg.d_model
-    design = RESIDUALS[cfg.residual]
     tokens = cfg.batch_size * cfg.seq_len
     block = block_bytes(cfg, bf16)
     blocks = backbone_params(L, d, cfg.d_ff, n_kv_head=cfg.n_kv_head, n_head=cfg.n_head)
     casts = 2 * params if bf16 else 0  # the bf16 copies of the weights autocast makes
     if cfg.activation_checkpointing:  # each block's input; one block's set (and bf16 weights) at a time
-        act = L * design.act_bytes[2] * d + block
+        act = L * design_bytes(cfg)[2] * d + block
         casts = casts * (1 - blocks / params * (L - 1) / L)
-        kept_per_block = design.act_bytes[2]
+        kept_per_block = design_bytes(cfg)[2]
     else:
         act = L * block
         kept_per_block = 16

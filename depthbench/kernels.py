@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ops import fp32_maths, rms_norm  # noqa: F401  (one body: the fast namespace has the same names)
+from ops import fp32_maths, rms_norm, topk_count, topk_sources  # noqa: F401  (one body: the same names here)
 
 CPU_SDPA_MIN_HEAD_DIM = 16  # CPU attention pads narrower heads with zeros to this width
 LOSS_CHUNK_BYTES = 2 ** 27  # fp32 logits per chunk of the logits-free loss: 128 MB, 667 tokens at V 50304
@@ -279,12 +279,14 @@ class Mix(torch.autograd.Function):
     s_j = r_j <v_j, gq>, p = softmax_j(s), mix = sum_j p_j v_j, with gq = key_gain * query. -> (mix (B, T, D) fp32,
     p (n [+ 1], B, T), not differentiable). The extra source is written to the scratch slot n and read with the
     others (the same kernels as a bank that had pushed it: Block AttnRes in groups of one is Full AttnRes bit for
-    bit); backward reads it from the tensor it was, as the slot is overwritten by then. Backward, per consumer:
-    ds = p (dp - <p, dp>), dp_j = <v_j, dmix>; dv_j += p_j dmix + ds_j r_j gq and dr_j += ds_j <v_j, gq> into the
-    bank (the extra's straight to it); dgq = sum_j ds_j r_j v_j."""
+    bit); backward reads it from the tensor it was, as the slot is overwritten by then. keep < all: only the keep
+    largest s_j of each token enter the softmax (ops.topk_sources), the others get p_j = 0, which the backward
+    carries through unchanged. Backward, per consumer: ds = p (dp - <p, dp>), dp_j = <v_j, dmix>; dv_j += p_j dmix +
+    ds_j r_j gq and dr_j += ds_j <v_j, gq> into the bank (the extra's straight to it); dgq = sum_j ds_j r_j v_j."""
 
     @staticmethod
-    def forward(ctx, bank, n, gq, token, extra):
+    def forward(ctx, bank, sizes, gq, token, extra):
+        n, keep = sizes                                                          # sources in the bank, to keep
         if extra is not None:
             bank.scratch(n, extra)
         m = n if extra is None else n + 1                                        # the sources read
@@ -292,7 +294,10 @@ class Mix(torch.autograd.Function):
         D = V.size(-1)
         u = (V.reshape(-1, D) @ gq).view(V.shape[:-1])                            # (m, B, T)
         r = bank.inv_rms[:m].clone()                                             # the scratch slot's r is kept
-        p = (u * r).softmax(dim=0)
+        s = u * r
+        if keep < m:
+            s = s.masked_fill(~topk_sources(s, keep), float("-inf"))
+        p = s.softmax(dim=0)
         weights = p.flatten(1).t().contiguous().unsqueeze(1)                     # (BT, 1, m)
         mix = V.new_empty(V.shape[1:])                                           # (B, T, D): no view of another
         torch.bmm(weights, tokens_major(V, m), out=mix.view(-1, 1, D))
@@ -348,13 +353,19 @@ class DepthBank:
         return DepthBank(bank, self.n + 1, token)
 
     @torch.compiler.disable
-    def mix(self, query, key_gain, eps, extra=None):
+    def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0):
         if eps != self.bank.norm_eps:
             raise ValueError(f"the bank's key norm uses eps {self.bank.norm_eps}, not {eps}")
+        keep = topk_count(self.n + (extra is not None), topk_fraction)
         with fp32_maths(query):
             gq = key_gain.float() * query.float()
-            mix, p = Mix.apply(self.bank, self.n, gq, self.token, extra)
+            mix, p = Mix.apply(self.bank, (self.n, keep), gq, self.token, extra)
         return mix, p.movedim(0, -1)
+
+    @torch.compiler.disable
+    def weighted_sum(self, weights):
+        with fp32_maths(weights):
+            return WeightedSum.apply(self.bank, self.n, self.token, weights)
 
     @torch.compiler.disable
     def newest(self):
@@ -363,6 +374,35 @@ class DepthBank:
 
     def __len__(self):
         return self.n
+
+
+class WeightedSum(torch.autograd.Function):
+    """DenseFormer's and MUDD's weighted sum over the bank's first n sources, out = sum_j w[..., j] v_j in fp32, as
+    one batched matmul per token: w (n,) static -> (B, T, D), or (C, B, T, n) per token and stream -> (C, B, T, D).
+    Backward: dv_j += sum_c w[c, j] dout_c into the bank; dw[c, j] = <v_j, dout_c> (summed over the tokens for a
+    static w)."""
+
+    @staticmethod
+    def forward(ctx, bank, n, token, w):
+        V = bank.slots[0][:n].float()                                            # (n, B, T, D): a view in fp32
+        B, T, D = V.shape[1:]
+        per_token = w.float() if w.dim() > 1 else w.float().expand(1, B, T, n)   # (C, B, T, n)
+        wt = per_token.reshape(per_token.size(0), B * T, n).transpose(0, 1)      # (BT, C, n)
+        out = torch.bmm(wt, tokens_major(V, n)).transpose(0, 1).reshape(-1, B, T, D)   # (C, B, T, D)
+        ctx.save_for_backward(wt)
+        ctx.bank, ctx.n, ctx.static, ctx.w_dtype = bank, n, w.dim() == 1, w.dtype
+        return out[0] if ctx.static else out
+
+    @staticmethod
+    def backward(ctx, dout):
+        bank, n, (wt,) = ctx.bank, ctx.n, ctx.saved_tensors
+        V = bank.slots[0][:n].float()
+        B, T, D = V.shape[1:]
+        dout_t = dout.float().reshape(-1, B * T, D).transpose(0, 1)              # (BT, C, D)
+        tokens_major(bank.gradients()[0], n).add_(torch.bmm(wt.transpose(1, 2), dout_t))
+        dw = torch.bmm(dout_t, tokens_major(V, n).transpose(1, 2))               # (BT, C, n)
+        dw = dw.sum((0, 1)) if ctx.static else dw.transpose(0, 1).reshape(-1, B, T, n)
+        return None, None, torch.zeros((), dtype=torch.float32, device=dout.device), dw.to(ctx.w_dtype)
 
 
 class Read(torch.autograd.Function):

@@ -98,7 +98,7 @@ def sublayer(rec, model, s, i, rope, after_skip):
     if site.mlp:
         y = block.mlp(h)
     else:
-        y, aux = block.attn(h, rope, ctx.get("depth"))
+        y, aux = block.attn(h, rope, ctx.get("attention"))
         ctx = {**ctx, **aux}
     keep(rec, res.internals(s, site, ctx))
     if rec.out_rms is not None:

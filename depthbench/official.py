@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +32,13 @@ from depthbench.common import ArgParser, CheckpointError, fail, first_line, hub_
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
-# official block type -> our design (Block AttnRes is "attnres" with a block size > 1); the last three are the
-# release's extra baselines (docs/official.md#release)
+# official block type -> our design (Block AttnRes is "attnres" with a block size > 1; `default_depth_scaled` is LNS
+# with one 1/sqrt(L) in every block); the last three are the release's extra baselines (docs/official.md#release)
 BLOCKS = {"default": "preln", "peri_norm": "sandwich", "default_scaled": "lns", "deepnorm": "deepnorm",
           "keel": "keel", "hc": "hc", "mhc": "mhc", "attnres": "attnres", "moda": "moda", "post_norm_moda": "moda",
-          "post_norm": "postln", "depth_mup": "preln_mup", "completep": "preln_completep"}
+          "post_norm": "postln", "depth_mup": "preln_mup", "completep": "preln_completep",
+          "default_depth_scaled": "lns"}
+RELEASED = sorted(set(BLOCKS.values()) | {"block_attnres"})   # our designs the release has a block for
 DEPTH_ALPHA = {"depth_mup": 0.5, "completep": 1.0}   # the release's residual-branch exponent per depth block
 HF_LLAMA = [("embeddings.weight", "model.embed_tokens.weight"), ("lm_head.norm.weight", "model.norm.weight"),
             ("lm_head.w_out.weight", "lm_head.weight")] + [
@@ -96,10 +99,14 @@ ALLOWED = [
     ("model", "block_pattern", (None,), "block_pattern"),
     ("block", "attention_residual_alpha", (None, 1.0), "attention_residual_alpha"),
     ("block", "feed_forward_residual_alpha", (None, 1.0), "feed_forward_residual_alpha"),
-    ("block", "attnres_topk_fraction", (None, False), "AttnRes variant (only the plain AttnRes)"),
-    ("block", "attnres_use_bias", (None, False), "AttnRes variant (only the plain AttnRes)"),
-    ("block", "attnres_learn_logit_scale", (None, False), "AttnRes variant (only the plain AttnRes)"),
+    ("block", "attnres_use_bias", (None, False), "AttnRes variant (only the plain AttnRes, its top-k and logit scale)"),
 ]
+# the last name part of every tensor the release saves as a parameter (the others are buffers, which its loader
+# ignores when the model it builds has none of that name): an unexpected one of these is refused, never ignored
+PARAMETER_LEAVES = {"weight", "bias", "static_alpha", "dynamic_alpha_proj", "dynamic_alpha_scale", "static_beta",
+                    "dynamic_beta_proj", "dynamic_beta_scale", "phi", "b", "alpha_pre", "alpha_post", "alpha_res",
+                    "attnres_logit_scale", "mlp_attnres_logit_scale", "final_attnres_logit_scale", "attn_res_bias",
+                    "mlp_res_bias", "res_bias"}
 MHC_DEFAULTS = {"liger_rms_eps": 1e-6, "liger_pre_eps": 0.0, "liger_sinkhorn_eps": 1e-6, "liger_post_mult": 2.0}
 
 
@@ -131,6 +138,8 @@ def block_name(sec):
     refuse(name not in BLOCKS, f"block type {name!r} (known: {', '.join(BLOCKS)})")
     refuse(sec.block.get("hyper_connections") is not None and name not in ("hc", "mhc"),
            f"hyper_connections on a {name} block")
+    for key in ("attnres_topk_fraction", "attnres_learn_logit_scale"):
+        refuse(sec.block.get(key) not in (None, False) and name != "attnres", f"{key} on a {name} block")
     return name
 
 
@@ -178,12 +187,23 @@ def streams_args(sec, name):
 
 def attnres_design(sec):
     """AttnRes: (design, options). Block size S = 1 is Full AttnRes; S > 1 is Block AttnRes with boundaries every S
-    sublayers (the official block's rule: any S, the last group short when S does not divide 2L)."""
+    sublayers (the official block's rule: any S, the last group short when S does not divide 2L). The release's
+    top-k fraction and learnt logit scale are options of both."""
     S = int(sec.block.get("attnres_block_size") or 1)
     refuse(S < 1, f"AttnRes block size {S}")
+    args = attnres_variants(sec)
     if S == 1:
-        return "attnres", {}
-    return "block_attnres", {"block_size": S}
+        return "attnres", args
+    return "block_attnres", {"block_size": S, **args}
+
+
+def attnres_variants(sec):
+    """The release's AttnRes variants as our options: attnres_topk_fraction (None: all), attnres_learn_logit_scale."""
+    frac, learn = sec.block.get("attnres_topk_fraction"), sec.block.get("attnres_learn_logit_scale")
+    refuse(frac not in (None, False) and not 0.0 < float(frac) <= 1.0, f"attnres_topk_fraction = {frac!r}")
+    refuse(learn not in (None, False, True), f"attnres_learn_logit_scale = {learn!r}")
+    args = {"topk_fraction": float(frac)} if frac not in (None, False) else {}
+    return {**args, "learn_logit_scale": True} if learn else args
 
 
 def moda_args(sec, name):
@@ -219,6 +239,8 @@ def design_of(sec, name):
         return "moda", moda_args(sec, name), {}
     if name in DEPTH_ALPHA:
         return BLOCKS[name], depth_args(sec, name), {}
+    if name == "default_depth_scaled":
+        return "lns", {"scale": "depth"}, {}
     return BLOCKS[name], {}, {}
 
 
@@ -288,8 +310,12 @@ def layout(cfg):
                 pre = "attn" if side == "attention" else "mlp"
                 out += [("res.queries", i - 1, f"{p}{pre}_res_proj.weight"),
                         ("res.key_gains", i - 1, f"{p}{pre}_res_norm.weight")]
+                if cfg.residual_args.get("learn_logit_scale"):
+                    out += [("res.logit_scales", i - 1, f"{p}{'' if pre == 'attn' else 'mlp_'}attnres_logit_scale")]
     if r in ("attnres", "block_attnres"):                 # the head's readout is consumer 2L
         out += [("res.queries", 2 * L - 1, "res_proj.weight"), ("res.key_gains", 2 * L - 1, "res_norm.weight")]
+        if cfg.residual_args.get("learn_logit_scale"):
+            out += [("res.logit_scales", 2 * L - 1, "final_attnres_logit_scale")]
     return out
 
 
@@ -302,15 +328,28 @@ def canonical(key):
 
 def computed_buffers(sd, cfg):
     """{name: value} of what some release versions save as a buffer and our design computes: LNS's per-block
-    `ln_scale` = 1/sqrt(b + 1) (block.py @fd0cc945 registers it; @6bdf2ad9 keeps a float). The ones sd holds must
-    hold that value (a CheckpointError otherwise); export.py writes them, so either version's loader finds them."""
+    `ln_scale` = 1/sqrt(b + 1) (block.py @fd0cc945 registers it; @6bdf2ad9 keeps a float), or 1/sqrt(L) in every
+    block for `default_depth_scaled`. The ones sd holds must hold that value (a CheckpointError otherwise);
+    export.py writes them, so either version's loader finds them."""
     if cfg.residual != "lns":
         return {}
-    out = {f"blocks.{b}.ln_scale": (b + 1) ** -0.5 for b in range(cfg.n_layer)}
+    by_depth = cfg.residual_args.get("scale") == "depth"
+    rule = "1/sqrt(L)" if by_depth else "1/sqrt(b + 1)"
+    out = {f"blocks.{b}.ln_scale": (cfg.n_layer if by_depth else b + 1) ** -0.5 for b in range(cfg.n_layer)}
     for key, value in out.items():
         if key in sd and abs(float(sd[key]) - value) > 1e-6:
-            raise CheckpointError(f"{key} = {float(sd[key]):.6g}, not LNS's 1/sqrt(b + 1) = {value:.6g}")
+            raise CheckpointError(f"{key} = {float(sd[key]):.6g}, not LNS's {rule} = {value:.6g}")
     return out
+
+
+def unused_buffers(names):
+    """Of the tensors beyond the model's, the buffers (no PARAMETER_LEAVES name), which the official loader ignores
+    too: named on stderr in one line, never silently. The rest (a parameter our model lacks) stays an error."""
+    buffers = sorted(n for n in names if n.rsplit(".", 1)[-1] not in PARAMETER_LEAVES)
+    if buffers:
+        print(f"depthbench.official: warning: ignored {len(buffers)} non-parameter tensor(s) the model does not use: "
+              f"{short(buffers)}", file=sys.stderr)
+    return set(buffers)
 
 
 def from_official(sd, model):
@@ -327,6 +366,7 @@ def from_official(sd, model):
     ignored = {f"blocks.{cfg.n_layer - 1}.feed_forward.kv_proj.weight"} if cfg.residual == "moda" else set()
     ignored |= set(computed_buffers(merged, cfg))   # (MoDA's last W_kv is never used; LNS's scales are computed)
     missing, extra = want - set(merged), set(merged) - want - ignored
+    extra -= unused_buffers(extra) if not missing else set()
     if missing or extra:
         raise CheckpointError(f"checkpoint does not fit our {cfg.residual}: missing {short(missing) or 'none'}; "
                               f"unexpected {short(extra) or 'none'}")
@@ -373,11 +413,16 @@ def section(of, **fields):
 
 
 def official_block(cfg):
-    """The official block type that computes our cfg's design (the inverse of BLOCKS)."""
+    """The official block type that computes our cfg's design (the inverse of BLOCKS); a CheckpointError for a
+    design the release has no block for (the designs beyond the paper)."""
+    if cfg.residual not in RELEASED:
+        raise CheckpointError(f"a {cfg.residual} model has no block in the authors' release ({', '.join(RELEASED)})")
     if cfg.residual == "moda":
         return "post_norm_moda" if cfg.residual_args.get("norm") == "post" else "moda"
     if cfg.residual == "block_attnres":
         return "attnres"
+    if cfg.residual == "lns" and cfg.residual_args.get("scale") == "depth":
+        return "default_depth_scaled"
     return next(name for name, ours in BLOCKS.items() if ours == cfg.residual)
 
 
@@ -389,11 +434,13 @@ def attnres_block_size(cfg):
     groups, n_sub, args = RESIDUALS["block_attnres"].groups, 2 * cfg.n_layer, cfg.residual_args
     if args.get("block_size"):
         return args["block_size"]
-    want = groups(n_sub, args.get("n_groups", 8))
+    grouping = args.get("grouping", "even")
+    want = groups(n_sub, args.get("n_groups", 8), grouping=grouping)
     fits = [S for S in range(1, n_sub + 1) if groups(n_sub, block_size=S) == want]
     if not fits:
-        raise CheckpointError(f"block_attnres with n_groups {args.get('n_groups', 8)} over {n_sub} sublayers makes "
-                              f"groups of unequal size, which no official attnres_block_size gives")
+        what = "groups that grow with depth" if grouping == "doubling" else f"n_groups {args.get('n_groups', 8)}"
+        raise CheckpointError(f"block_attnres with {what} over {n_sub} sublayers makes groups of unequal size, "
+                              f"which no official attnres_block_size gives")
     return fits[0]
 
 
@@ -420,7 +467,9 @@ def design_fields(cfg):
                           collapse="auto" if collapse == "mean" else "sum")
         return {"hyper_connections": section("hc", **fields)}
     if r in ("attnres", "block_attnres"):
-        return {"attnres_block_size": attnres_block_size(cfg)}
+        frac = a.get("topk_fraction", 1.0)
+        return {"attnres_block_size": attnres_block_size(cfg), "attnres_topk_fraction": None if frac == 1.0 else frac,
+                "attnres_learn_logit_scale": bool(a.get("learn_logit_scale"))}
     if r in ("preln_mup", "preln_completep"):
         return {"residual_scaling_base_depth": a.get("base_depth", 24)}
     if r == "moda":

@@ -1,10 +1,13 @@
 """
-plot_eval.py: the figures of diagnose.py's evaluation metrics, drawn by plot.py (registered in its FIGURES):
+plot_eval.py: the figures of diagnose.py's evaluation metrics and of the depth weights of the designs beyond the
+paper, drawn by plot.py (registered in its FIGURES):
 
 - zeroshot_vs_ar: zero-shot accuracy (lm-eval's acc, solid; acc_norm where a task has it, dashed) against
   aspect ratio, one panel per task, a line per design, chance dotted (docs/diagnostics.md#zero-shot).
 - token_collapse_per_layer: stable rank, effective rank and L1/L2 ratio of the token matrix per depth state, a line per
   model, the three side by side (docs/diagnostics.md#token-collapse).
+- fig7_dense_weights: the paper's Fig. 7 for DenseFormer's and MUDD's weights over depth, a heatmap per stream
+  (docs/diagnostics.md#dense-weights).
 
 They read what plot.py reads and draw in its look; like it, this file imports no torch. plot.py imports this module
 to register the figures, so plot's helpers are imported when a figure is drawn, not when this module loads.
@@ -64,3 +67,26 @@ def fig_token_collapse(data, out_path, svg=False):
     return plot.overlay(data, "token_collapse.erank", out_path, svg,
                         title="Token collapse: singular values of each depth state's token matrix", draw=draw,
                         ncols=3, figsize=(16, 4.2))
+
+
+def fig_dense_weights(data, out_path, svg=False):
+    """One row of heatmaps per model, one per stream (DenseFormer: mix; MUDD: Q, K, V, R): consumers down (block c's
+    input, the last row the head's), sources across (0 the embedding, 1 + k block k's output), token-averaged; a
+    diverging map centred on 0, since these weights, unlike a softmax's, may be negative."""
+    import plot
+    docs = plot.with_metric(data, "dense_weights.weights")
+    if not docs:
+        return {"skipped": "no diagnose JSON with dense_weights.weights"}
+    panels = max(len(g["dense_weights"]["streams"]) for g in docs)
+    fig, axes = plot.grid(panels * len(docs), ncols=panels, w=3.6, h=3.2)
+    for k, g in enumerate(docs):
+        dense, row = g["dense_weights"], axes[panels * k:panels * (k + 1)]
+        for ax in row[len(dense["streams"]):]:                              # DenseFormer's one stream beside MUDD's 4
+            ax.axis("off")
+        for ax, name in zip(row, dense["streams"]):
+            m = plot.matrix(dense["weights"].get(name))
+            top = max(abs(plot.finite(m)), default=1.0)
+            plot.heatmap(ax, m, "RdBu_r", title=f"{plot.label(g['meta'])}: {name}", xlabel="source (0 = emb, 1 + k = "
+                         "block k)", ylabel="consumer block (last = head)", vmin=-top)
+    return plot.save(fig, out_path, svg, f"{len(docs)} model(s)",
+                     title="Weights over depth w(source -> consumer), averaged over tokens (DenseFormer, MUDD)")

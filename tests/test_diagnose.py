@@ -82,10 +82,14 @@ def test_recording_forward_equals_the_plain_forward(residual):
     assert torch.equal(model.lm_head(readouts[-1]), logits)  # the lens' last readout is the model's own
 
 
-@pytest.mark.parametrize("residual", [r for r in ALL if r not in ("attnres", "block_attnres")])
-def test_skipped_block_returns_its_input(residual):
-    """Residual family, HC/mHC and MoDA: with block s skipped, z_(s+1) equals z_s exactly."""
-    model = build(residual)
+NEXT_OUTPUT = ("attnres", "block_attnres", "hybrid")   # AttnRes' next-output rule (the hybrid's default deep part)
+
+
+@pytest.mark.parametrize("residual, args", [(r, {}) for r in ALL if r not in NEXT_OUTPUT] + [("hybrid", {"deep": "hc"})])
+def test_skipped_block_returns_its_input(residual, args):
+    """Residual family, HC/mHC, MoDA and the designs beyond the paper (a hybrid's Pre-LN blocks, its hand-over block
+    and its deep blocks): with block s skipped, z_(s+1) equals z_s exactly."""
+    model = build(residual, **args)
     x, _ = tokens()
     for s in range(3):
         with torch.no_grad():
@@ -410,7 +414,7 @@ def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
     assert "the release's rule, seed 42" in meta["samples"]["causal"]["calibration"]
     assert set(meta["timings_s"]) == {"128x512", "32x512", "16x256", "12x256"}
     help_text = run_cli("--help").stdout
-    want = ("angular, attnres, erank, deadzone 128 x 512; causal, pruning 16 x 256; perm 12 x 256; lens 32 x 512; "
+    want = ("angular, attnres, dense, erank, deadzone 128 x 512; causal, pruning 16 x 256; perm 12 x 256; lens 32 x 512; "
             "collapse 256 x 512")
     assert want in " ".join(help_text.split())
     r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--calib", "synthetic",

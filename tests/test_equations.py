@@ -10,6 +10,7 @@ change the answer. The model runs with both kernels (`GPTConfig.kernels`), every
 init, so that zero-initialised weights hide nothing. The init tests pin the exact starting value of every design's
 own tensor (one-hot positions, gains, scales, Sinkhorn's fixed point), not just shapes.
 """
+import dataclasses
 import math
 
 import pytest
@@ -71,14 +72,17 @@ def heads(x, n, hd):
     return x.view(B, T, n, hd).transpose(1, 2)                                 # (B, n, T, hd)
 
 
-def attention(P, b, h, cfg, depth=None):
+def attention(P, b, h, cfg, depth=None, key_in=None, value_in=None, value_mix=None):
     """Causal attention of block b on h (B, T, d). depth: None, or (keys, values), lists of (B, Hkv, T, hd) that join
-    each query's softmax at its own token (MoDA). -> (output (B, T, d), pre-RoPE k, v (B, Hkv, T, hd))."""
+    each query's softmax at its own token (MoDA). key_in, value_in: the inputs of W_k, W_v instead of h (MUDD).
+    value_mix: (v_1, (l1, l2)): the softmax averages l1 v_1 + l2 v instead of v (ResFormer).
+    -> (output (B, T, d), pre-RoPE k, the layer's own v (B, Hkv, T, hd))."""
     pre = f"blocks.{b}.attn."
     H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.d_model // cfg.n_head
     q = heads(h @ P[pre + "wq.weight"].T, H, hd)
-    k = heads(h @ P[pre + "wk.weight"].T, Hkv, hd)
-    v = heads(h @ P[pre + "wv.weight"].T, Hkv, hd)
+    k = heads((h if key_in is None else key_in) @ P[pre + "wk.weight"].T, Hkv, hd)
+    v_own = heads((h if value_in is None else value_in) @ P[pre + "wv.weight"].T, Hkv, hd)
+    v = v_own if value_mix is None else value_mix[1][0] * value_mix[0] + value_mix[1][1] * v_own
     qr, kr = rope(q), rope(k)
     B, _, T, _ = q.shape
     out = torch.zeros(B, H, T, hd)
@@ -94,7 +98,7 @@ def attention(P, b, h, cfg, depth=None):
             a = torch.softmax(torch.stack(logits, -1), -1)                     # (B, sources)
             out[:, head, t] = torch.einsum("bs,bsc->bc", a, torch.stack(values, 1))
     y = out.transpose(1, 2).reshape(B, T, -1) @ P[pre + "wo.weight"].T
-    return y, k, v
+    return y, k, v_own
 
 
 def mlp(P, b, h):
@@ -135,11 +139,13 @@ def sandwich(P, idx, cfg):
     return head(P, rmsnorm(x, gain(P, "norm_f")))
 
 
-def lns(P, idx, cfg):
-    """h = x + F_i(RMSNorm_i(x) / sqrt(b + 1)), b = the 0-based block."""
+def lns(P, idx, cfg, by_depth=False):
+    """h = x + F_i(RMSNorm_i(x) / sqrt(b + 1)), b = the 0-based block; by_depth (the release's default_depth_scaled):
+    / sqrt(L) in every block."""
     x = P["wte.weight"][idx]
     for i in range(2 * cfg.n_layer):
-        x = x + sublayer(P, i, rmsnorm(x, gain(P, f"norms.{i}")) / math.sqrt(i // 2 + 1), cfg)
+        divisor = math.sqrt(cfg.n_layer) if by_depth else math.sqrt(i // 2 + 1)
+        x = x + sublayer(P, i, rmsnorm(x, gain(P, f"norms.{i}")) / divisor, cfg)
     return head(P, rmsnorm(x, gain(P, "norm_f")))
 
 
@@ -191,8 +197,9 @@ def hc_maps(P, i, H, n):
 
 def hc(collapse="sum", forward="mixed", n=4):
     """y = F_i(RMSNorm_i(sum_s A[s, 0] h_s)); h'_t = sum_s A[s, 1 + t] h_s + beta_t y (unmixed: h_t + beta_t y)."""
-    def run(P, idx, cfg):
-        H = P["wte.weight"][idx].unsqueeze(2).expand(-1, -1, n, -1)
+    def run(P, idx, cfg, x0=None):
+        e = P["wte.weight"][idx] if x0 is None else x0
+        H = e.unsqueeze(2).expand(-1, -1, n, -1)
         for i in range(2 * cfg.n_layer):
             A, beta = hc_maps(P, i, H, n)
             branch = torch.einsum("bts,btsd->btd", A[..., 0], H)
@@ -247,30 +254,51 @@ def mhc(n=4):
     return run
 
 
-def depth_softmax(P, row, sources, out_gain, eps=1e-5):
-    """AttnRes' consumer with query row `row`: p_j = softmax_j <q, g * v_j / rms(v_j)>, RMSNorm(sum_j p_j v_j)."""
+def depth_softmax(P, row, sources, out_gain, eps=1e-5, topk=None):
+    """AttnRes' consumer with query row `row`: p_j = softmax_j <q, g * v_j / rms(v_j)>, RMSNorm(sum_j p_j v_j). With
+    learnt logit scales (the release's), q is q exp(s_row); topk (a fraction): per token only the ceil(topk S)
+    largest logits enter the softmax, equal ones taken from the lower source first."""
     q, g = P["res.queries"][row], P["res.key_gains"][row]
+    if "res.logit_scales" in P:
+        q = q * torch.exp(P["res.logit_scales"][row])
     logits = torch.stack([(g * rmsnorm(v, eps=eps) * q).sum(-1) for v in sources], -1)
+    if topk is not None:
+        logits = largest_only(logits, min(len(sources), max(1, math.ceil(topk * len(sources)))))
     p = torch.softmax(logits, -1)
     mix = sum(p[..., j, None] * v for j, v in enumerate(sources))
     return rmsnorm(mix, out_gain, eps)
 
 
-def groups_of(n_sub, n_groups=None, block_size=None):
+def largest_only(logits, k):
+    """(B, T, S) logits with all but each token's k largest set to -inf; equal logits: the lower source first."""
+    out = torch.full_like(logits, float("-inf"))
+    for b in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            row = logits[b, t].tolist()
+            for j in sorted(range(len(row)), key=lambda j: (-row[j], j))[:k]:
+                out[b, t, j] = logits[b, t, j]
+    return out
+
+
+def groups_of(n_sub, n_groups=None, block_size=None, grouping="even"):
+    if grouping == "doubling":                                                  # sizes 1, 1, 2, 4, ...
+        starts = [0] + [2 ** g for g in range(n_sub.bit_length()) if 2 ** g < n_sub]
+        return [sum(k >= start for start in starts) - 1 for k in range(n_sub)]
     if block_size is not None:
         return [k // block_size for k in range(n_sub)]
     n_groups = min(n_groups, n_sub)
     return [k * n_groups // n_sub for k in range(n_sub)]
 
 
-def attnres(n_groups=None, block_size=None):
+def attnres(n_groups=None, block_size=None, grouping="even", topk=None):
     """Sublayer 0 reads RMSNorm_0(e). Consumer k >= 1 (query row k - 1) mixes [e, the completed groups, and its own
     group's partial sum if any]; Full AttnRes: every sublayer is a group, so k mixes [e, f_0, ..., f_(k-1)]. The head
-    (row 2L - 1) mixes [e, every group], normed with the final norm's gain."""
-    def run(P, idx, cfg):
+    (row 2L - 1) mixes [e, every group], normed with the final norm's gain. x0: another start than the embedding (a
+    hybrid's deep part)."""
+    def run(P, idx, cfg, x0=None):
         n_sub = 2 * cfg.n_layer
-        group = groups_of(n_sub, n_groups or n_sub, block_size)
-        e = P["wte.weight"][idx]
+        group = groups_of(n_sub, n_groups or n_sub, block_size, grouping)
+        e = P["wte.weight"][idx] if x0 is None else x0
         outputs = []
         for k in range(n_sub):
             if k == 0:
@@ -279,10 +307,10 @@ def attnres(n_groups=None, block_size=None):
                 sources = [e] + group_sums(outputs, group, upto=group[k])
                 if group[k] == group[k - 1]:                                    # its own group is open: its partial
                     sources.append(sum(f for j, f in enumerate(outputs) if group[j] == group[k]))
-                h = depth_softmax(P, k - 1, sources, gain(P, f"norms.{k}"))
+                h = depth_softmax(P, k - 1, sources, gain(P, f"norms.{k}"), topk=topk)
             outputs.append(sublayer(P, k, h, cfg))
-        z = depth_softmax(P, n_sub - 1, [e] + group_sums(outputs, group, upto=group[-1] + 1), gain(P, "norm_f"))
-        return head(P, z)
+        sources = [e] + group_sums(outputs, group, upto=group[-1] + 1)
+        return head(P, depth_softmax(P, n_sub - 1, sources, gain(P, "norm_f"), topk=topk))
     return run
 
 
@@ -317,6 +345,101 @@ def moda(norm="pre"):
     return run
 
 
+# ----------------------------------------------------------------------------- beyond the paper (issue 43)
+
+def resformer(P, idx, cfg, learn=True):
+    """Pre-LN; block b >= 1's attention averages l1 v_1 + l2 v_b, v_1 = block 0's values, (l1, l2) = lambdas[b - 1]
+    (fixed 0.5, 0.5 when not learnt)."""
+    x, v1 = P["wte.weight"][idx], None
+    for b in range(cfg.n_layer):
+        pair = P["res.lambdas"][b - 1] if learn and b > 0 else (0.5, 0.5)
+        mix = None if b == 0 else (v1, pair)
+        y, _, v = attention(P, b, rmsnorm(x, gain(P, f"norms.{2 * b}")), cfg, value_mix=mix)
+        v1 = v if b == 0 else v1
+        x = x + y
+        x = x + mlp(P, b, rmsnorm(x, gain(P, f"norms.{2 * b + 1}")))
+    return head(P, rmsnorm(x, gain(P, "norm_f")))
+
+
+def mixln(post_fraction):
+    """Post-LN, h = RMSNorm_i(x + F_i(x)), in blocks b < floor(post_fraction L); Pre-LN after them."""
+    def run(P, idx, cfg):
+        x = P["wte.weight"][idx]
+        for i in range(2 * cfg.n_layer):
+            if i // 2 < int(post_fraction * cfg.n_layer):
+                x = rmsnorm(x + sublayer(P, i, x, cfg), gain(P, f"norms.{i}"))
+            else:
+                x = x + sublayer(P, i, rmsnorm(x, gain(P, f"norms.{i}")), cfg)
+        return head(P, rmsnorm(x, gain(P, "norm_f")))
+    return run
+
+
+def pre_ln_block(P, b, x, cfg):
+    x = x + sublayer(P, 2 * b, rmsnorm(x, gain(P, f"norms.{2 * b}")), cfg)
+    return x + sublayer(P, 2 * b + 1, rmsnorm(x, gain(P, f"norms.{2 * b + 1}")), cfg)
+
+
+def denseformer(P, idx, cfg):
+    """X_0 = e; X_(b+1) = Pre-LN block b on x_b; x_(b+1) = sum_j a_b[j] X_j over j = 0 .. b + 1 (a_b = res.dwa.b)."""
+    outputs = [P["wte.weight"][idx]]
+    x = outputs[0]
+    for b in range(cfg.n_layer):
+        outputs.append(pre_ln_block(P, b, x, cfg))
+        a = P[f"res.dwa.{b}"]
+        x = sum(a[j] * X for j, X in enumerate(outputs))
+    return head(P, rmsnorm(x, gain(P, "norm_f")))
+
+
+def mudd_weights(P, b, x):
+    """(C, B, T, b + 2) = W_2 GELU(W_1 RMSNorm(x)) + a, RMSNorm without a gain (eps 1e-6), exact (erf) GELU."""
+    d = f"res.dense.{b}."
+    hidden = rmsnorm(x) @ P[d + "w1"].T
+    hidden = 0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2)))
+    A = hidden @ P[d + "w2"].T
+    C, n = P[d + "bias"].shape
+    return torch.stack([A[..., c * n:(c + 1) * n] + P[d + "bias"][c] for c in range(C)])
+
+
+def mudd(P, idx, cfg):
+    """Block 0: Pre-LN. After block b, streams X^c = sum_j A_b[c, j] X_j (c = Q, K, V, R; the last block: R alone);
+    block b >= 1: h = X^R + Attn(q <- N_q(X^Q), k <- N_k(X^K), v <- N_v(X^V)), out = h + FFN(N(h))."""
+    outputs = [P["wte.weight"][idx]]
+    q = k = v = r = outputs[0]
+    for b in range(cfg.n_layer):
+        if b == 0:
+            y = attention(P, b, rmsnorm(r, gain(P, "norms.0")), cfg)[0]
+        else:
+            y = attention(P, b, rmsnorm(q, gain(P, f"norms.{2 * b}")), cfg,
+                          key_in=rmsnorm(k, gain(P, f"key_norms.{b - 1}")),
+                          value_in=rmsnorm(v, gain(P, f"value_norms.{b - 1}")))[0]
+        h = r + y
+        outputs.append(h + mlp(P, b, rmsnorm(h, gain(P, f"norms.{2 * b + 1}"))))
+        A = mudd_weights(P, b, outputs[-1])
+        streams = [sum(A[c, ..., j, None] * X for j, X in enumerate(outputs)) for c in range(A.shape[0])]
+        q, k, v, r = streams if len(streams) == 4 else streams * 4
+    return head(P, rmsnorm(r, gain(P, "norm_f")))
+
+
+def hybrid(deep, split):
+    """Pre-LN blocks 0 .. S - 1 (S = min(floor(split L), L - 1)), then the deep design's equations on blocks S .. L - 1
+    from the stream x_S, its tensors under res.deep."""
+    def run(P, idx, cfg):
+        L = cfg.n_layer
+        S = min(int(split * L), L - 1)
+        x = P["wte.weight"][idx]
+        for b in range(S):
+            x = pre_ln_block(P, b, x, cfg)
+        Q = {"lm_head.weight": P["lm_head.weight"]}
+        Q.update({"res." + k[len("res.deep."):]: t for k, t in P.items() if k.startswith("res.deep.")})
+        for k, t in P.items():
+            if k.startswith("blocks."):
+                b, rest = k.split(".", 2)[1:]
+                if int(b) >= S:
+                    Q[f"blocks.{int(b) - S}.{rest}"] = t
+        return deep(Q, idx, dataclasses.replace(cfg, n_layer=L - S), x0=x)
+    return run
+
+
 REFERENCE = {  # (registry key, options) -> the design's forward from its equations
     ("preln", None): preln, ("sandwich", None): sandwich, ("lns", None): lns, ("deepnorm", None): deepnorm,
     ("keel", None): keel, ("hc", None): hc(), ("mhc", None): mhc(), ("attnres", None): attnres(),
@@ -326,6 +449,18 @@ REFERENCE = {  # (registry key, options) -> the design's forward from its equati
     ("hc", '{"collapse": "norm_each", "forward": "unmixed"}'): hc(collapse="norm_each", forward="unmixed"),
     ("mhc", '{"init": "uniform"}'): mhc(), ("block_attnres", '{"n_groups": 4}'): attnres(n_groups=4),
     ("block_attnres", '{"block_size": 4}'): attnres(block_size=4), ("moda", '{"norm": "post"}'): moda("post"),
+    # beyond the paper, and the release's variants (issue 43)
+    ("mudd", None): mudd, ("resformer", None): resformer, ("denseformer", None): denseformer,
+    ("mixln", None): mixln(0.25), ("hybrid", None): hybrid(attnres(n_groups=8), 0.25),
+    ("resformer", '{"learn": false}'): lambda P, idx, cfg: resformer(P, idx, cfg, learn=False),
+    ("mixln", '{"post_fraction": 0.67}'): mixln(0.67),           # L3: 2 Post-LN blocks (the default: none at L3)
+    ("hybrid", '{"split": 0.5}'): hybrid(attnres(n_groups=8), 0.5),
+    ("hybrid", '{"deep": "hc", "split": 0.67}'): hybrid(hc(), 0.67),
+    ("lns", '{"scale": "depth"}'): lambda P, idx, cfg: lns(P, idx, cfg, by_depth=True),
+    ("attnres", '{"topk_fraction": 0.25}'): attnres(topk=0.25),
+    ("attnres", '{"learn_logit_scale": true, "topk_fraction": 0.6}'): attnres(topk=0.6),
+    ("block_attnres", '{"grouping": "doubling"}'): attnres(grouping="doubling"),
+    ("block_attnres", '{"n_groups": 4, "topk_fraction": 0.5, "learn_logit_scale": true}'): attnres(n_groups=4, topk=0.5),
 }
 
 
@@ -661,3 +796,109 @@ def test_depth_scaled_preln_branch_multipliers():
         model = fresh(residual, n_layer=6)
         s, y = torch.zeros(1, 1, 16), torch.ones(1, 1, 16)
         torch.testing.assert_close(write(model, s, 3, y, {}), want * y)
+
+
+# ----------------------------------------------------------------------------- beyond the paper: init and hand cases
+
+@pytest.mark.parametrize("residual", ["denseformer", "mudd"])
+def test_dense_designs_start_as_pre_ln(residual):
+    """DenseFormer (a_b one-hot on the newest output) and MUDD (W_2 = 0, a_b one-hot on the newest, every stream
+    normed with gains 1) compute Pre-LN's logits exactly at init, on Pre-LN's weights."""
+    pre, model = fresh("preln"), fresh(residual)
+    model.load_state_dict(pre.state_dict(), strict=False)
+    idx = tokens()
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], pre(idx)[0])
+
+
+def test_denseformer_init():
+    """a_b has b + 2 entries, 1 on the newest output X_(b+1) and 0 elsewhere (the release's _init_weights)."""
+    res = fresh("denseformer", n_layer=4).res
+    for b, a in enumerate(res.dwa):
+        assert a.tolist() == [0.0] * (b + 1) + [1.0]
+
+
+def test_mudd_init_and_shapes():
+    """Block b: W_1 (H_b, d) ~ N(0, 1/d), not truncated; W_2 (C (b + 2), H_b) = 0; a_b (C, b + 2) one-hot on the
+    newest output for every stream; C = 4 but the last block's 1; H_b = 64 (floor(C (b + 2) e / 64) + 1), e = 4 for
+    the last block (L20: 64 up to b = 13, then 128; the last block 128)."""
+    L, d = 20, 64
+    res = fresh("mudd", n_layer=L, d_model=d).res
+    hidden = [m.w1.shape[0] for m in res.dense]
+    assert hidden == [64] * 14 + [128] * 5 + [128]
+    for b, m in enumerate(res.dense):
+        C = 1 if b == L - 1 else 4
+        assert m.w1.shape == (hidden[b], d) and m.w2.shape == (C * (b + 2), hidden[b]) and not m.w2.any()
+        assert torch.equal(m.bias, torch.nn.functional.one_hot(torch.full((C,), b + 1), b + 2).float())
+    w1 = torch.cat([m.w1.flatten() for m in res.dense])
+    assert w1.std().item() == pytest.approx(d ** -0.5, rel=0.02) and w1.abs().max() > 3.5 * d ** -0.5
+    assert len(res.key_norms) == len(res.value_norms) == L - 1
+
+
+def test_resformer_init():
+    """One (lambda_1, lambda_2) per block b >= 1, both 0.5 (the official code's fixed mix); learn=False keeps them as
+    constants, no parameter."""
+    res = fresh("resformer").res
+    assert torch.equal(res.lambdas, torch.full((2, 2), 0.5)) and isinstance(res.lambdas, torch.nn.Parameter)
+    fixed = fresh("resformer", residual_args={"learn": False})
+    assert "res.lambdas" not in dict(fixed.named_parameters()) and "res.lambdas" not in fixed.state_dict()
+
+
+@pytest.mark.parametrize("fraction, L, n_post", [(0.25, 3, 0), (0.25, 4, 1), (0.25, 9, 2), (0.5, 5, 2), (1.0, 3, 3)])
+def test_mixln_post_ln_blocks(fraction, L, n_post):
+    """floor(alpha L) Post-LN blocks first: their sites carry the norm after the add, the others before F."""
+    res = fresh("mixln", n_layer=L, residual_args={"post_fraction": fraction}).res
+    posts = [site.post_norm is not None for site in res.sites]
+    assert res.n_post == n_post and posts == [True] * 2 * n_post + [False] * 2 * (L - n_post)
+
+
+@pytest.mark.parametrize("deep, split, L, S", [("block_attnres", 0.25, 8, 2), ("hc", 0.5, 5, 2), ("mudd", 1.0, 3, 2),
+                                               ("attnres", 0.0, 3, 0)])
+def test_hybrid_parts(deep, split, L, S):
+    """S = min(floor(split L), L - 1) Pre-LN blocks (their norms), then the deep design built at L - S blocks: the
+    hybrid's own tensors are exactly those, and its count is Pre-LN's plus the deep design's extra at L - S."""
+    model = fresh("hybrid", n_layer=L, residual_args={"deep": deep, "split": split})
+    alone = fresh(deep, n_layer=L - S)
+    assert model.res.n_shallow == S and len(model.res.norms) == 2 * S
+    assert {k[len("res.deep."):] for k in model.state_dict() if k.startswith("res.deep.")} == \
+        {k[len("res."):] for k in alone.state_dict() if k.startswith("res.")}
+    extra = alone.num_params() - fresh("preln", n_layer=L - S).num_params()
+    assert model.num_params() == fresh("preln", n_layer=L).num_params() + extra
+
+
+def test_attnres_logit_scales_start_at_zero():
+    """The release's learnt logit scale: one s_k per consumer (2L), init 0, so exp(s_k) = 1 and the model is AttnRes'."""
+    plain, scaled = fresh("attnres"), fresh("attnres", residual_args={"learn_logit_scale": True})
+    assert torch.equal(scaled.res.logit_scales, torch.zeros(6))
+    scaled.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        plain.res.queries.normal_(0, 1.0)
+        scaled.res.queries.copy_(plain.res.queries)
+        assert torch.equal(scaled(tokens())[0], plain(tokens())[0])
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_attnres_topk_keeps_the_lower_source_on_ties(kernels):
+    """Zero queries give every source the same logit: top-k (fraction 0.5 of four sources: two) then keeps the
+    embedding and f_0, each with weight 1/2, as the release's kernel takes the lowest index among equal maxima."""
+    model = hand_model("attnres", kernels, residual_args={"topk_fraction": 0.5})
+    e = torch.tensor([[[1.0, 2.0, 0.0, -1.0]]])
+    f = [torch.tensor([[[0.0, 1.0, 3.0, 1.0]]]), torch.tensor([[[2.0, -2.0, 1.0, 0.0]]]),
+         torch.tensor([[[1.0, 1.0, 1.0, -3.0]]])]
+    with torch.no_grad():
+        res = model.res
+        res.queries.zero_()
+        s = res.init_stream(e)
+        for i in range(3):
+            s = write(model, s, i, f[i], {})
+        h, _ = read(model, s, 3)
+        weights = res.weights(s, 3)[0, 0]
+    assert weights.tolist() == [0.5, 0.5, 0.0, 0.0]
+    torch.testing.assert_close(h, rmsnorm((e + f[0]) / 2, res.norms[3].weight.detach(), 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_block_attnres_doubling_groups():
+    """grouping "doubling": group g >= 1 starts at sublayer 2^(g-1), sizes 1, 1, 2, 4, ...; N follows the depth."""
+    for L, want in [(3, [0, 1, 2, 2, 3, 3]), (5, [0, 1, 2, 2, 3, 3, 3, 3, 4, 4])]:
+        res = fresh("block_attnres", n_layer=L, residual_args={"grouping": "doubling"}).res
+        assert res.group == want and res.n_groups == want[-1] + 1

@@ -78,11 +78,13 @@ READ_AS = {  # what the official layout cannot tell apart, read back as the desi
     ("block_attnres", "{}"): ("attnres", {}),   # n_groups 8 at 2L = 6: every sublayer its own group, block size 1
     ("block_attnres", "{'n_groups': 3}"): ("block_attnres", {"block_size": 2}),   # three groups of 2: block size 2
 }
-CASES = [(r, {}) for r in official.RESIDUALS] + [
+CASES = [(r, {}) for r in official.RESIDUALS if r in official.RELEASED] + [
     ("hc", {"collapse": "norm_each", "forward": "unmixed"}), ("hc", {"collapse": "mean"}),   # the other readings
     ("mhc", {"collapse": "sum"}), ("mhc", {"sinkhorn_iters": 7, "n_streams": 3}), ("moda", {"norm": "post"}),
     ("block_attnres", {"block_size": 4}), ("block_attnres", {"n_groups": 3}),
-    ("preln_mup", WIDE), ("preln_completep", {"base_depth": 5})]
+    ("preln_mup", WIDE), ("preln_completep", {"base_depth": 5}),
+    ("lns", {"scale": "depth"}), ("attnres", {"topk_fraction": 0.25, "learn_logit_scale": True}),   # the release's
+    ("block_attnres", {"block_size": 2, "topk_fraction": 0.5})]                                     # variants
 
 
 @pytest.mark.parametrize("residual, args", CASES, ids=[f"{r}{a or ''}" for r, a in CASES])
@@ -152,6 +154,19 @@ def test_block_attnres_with_uneven_groups_is_refused_in_one_line(tmp_path, capsy
     make_run(tmp_path / "run", "block_attnres", L=5)
     code, out, err = run_export(capsys, tmp_path / "run", "--format", "official", "--out", tmp_path / "off")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "groups of unequal size" in err
+    assert not (tmp_path / "off").exists()
+
+
+@pytest.mark.parametrize("residual, args, message", [
+    ("mudd", {}, "a mudd model has no block in the authors' release"),
+    ("hybrid", {}, "a hybrid model has no block in the authors' release"),
+    ("block_attnres", {"grouping": "doubling"}, "groups that grow with depth over 6 sublayers")])
+def test_what_the_release_cannot_hold_is_refused_in_one_line(tmp_path, capsys, residual, args, message):
+    """A design beyond the paper has no release block, and groups that grow with depth no block size: exit 2, one
+    line, nothing written."""
+    make_run(tmp_path / "run", residual, args)
+    code, out, err = run_export(capsys, tmp_path / "run", "--format", "official", "--out", tmp_path / "off")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     assert not (tmp_path / "off").exists()
 
 

@@ -23,13 +23,15 @@ from residuals import RESIDUALS
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 WIDE = {"scaling": "depth_width", "base_depth": 2, "base_width": 128}     # both axes away from 1: m_L 1.5, m_N 1/4
-CASES = [(r, {}) for r in RESIDUALS if r != "block_attnres"] + [
+CASES = [(r, {}) for r in RESIDUALS if r in official.RELEASED and r != "block_attnres"] + [
     ("block_attnres", {"block_size": 2}), ("block_attnres", {"block_size": 3}),   # S divides 2L = 6
     ("block_attnres", {"block_size": 4}), ("block_attnres", {"block_size": 5}),   # S does not: the last group short
     ("preln_mup", {"base_depth": 2}), ("preln_completep", {"base_depth": 5}), ("preln_mup", WIDE),
     ("preln_completep", WIDE), ("moda", {"norm": "post"}),
     ("mhc", {"sinkhorn_iters": 7}), ("hc", {"collapse": "norm_each", "forward": "unmixed"}),  # the older HC code
-    ("hc", {"collapse": "mean"}), ("mhc", {"collapse": "norm_each"})]
+    ("hc", {"collapse": "mean"}), ("mhc", {"collapse": "norm_each"}),
+    ("lns", {"scale": "depth"}), ("attnres", {"topk_fraction": 0.25}), ("attnres", {"learn_logit_scale": True}),
+    ("block_attnres", {"block_size": 2, "topk_fraction": 0.5, "learn_logit_scale": True})]   # the release's variants
 
 
 def ours(residual, args=None, L=3, V=48, seed=0, n_kv_head=None):
@@ -191,7 +193,7 @@ def fill_distinct(model, names):
     return value
 
 
-@pytest.mark.parametrize("residual", list(RESIDUALS))
+@pytest.mark.parametrize("residual", [r for r in RESIDUALS if r in official.RELEASED])
 def test_every_tensor_gets_the_release_name(residual):
     """Each of our tensors, filled with a constant of its own, is the release-named tensor that holds it; and back:
     an official state dict of distinct constants loads each into the tensor (or row) of ours it names. A swap of two
@@ -282,6 +284,81 @@ def test_moda_last_block_kv_proj_is_ignored_when_not_skipped(tmp_path):
     sd = official.to_official(src)
     sd["blocks.2.feed_forward.kv_proj.weight"] = torch.randn(64, 32)   # built, never used (slot 2L - 1)
     loaded, _ = official.load(str(write_checkpoint(tmp_path / "step1", src, sd)))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens())[0], src(tokens())[0])
+
+
+# ----------------------------------------------------------------------------- the release's variants (issue 43)
+
+def test_default_depth_scaled_is_lns_with_one_scale(tmp_path):
+    """The release's `default_depth_scaled` block (block.py @b2141085: LNS's subclass whose ln_scale is 1/sqrt(L) in
+    every block) loads as LNS with scale "depth", its ln_scale buffers accepted when they hold 1/sqrt(L): the same
+    logits, every site's factor 1/sqrt(3); per-block buffers (LNS' own rule) are refused naming one."""
+    src = ours("lns", {"scale": "depth"})
+    cfg = official_config(src.cfg)
+    assert cfg["model"]["block"]["name"] == "default_depth_scaled"
+    sd = {**official.to_official(src), **{f"blocks.{b}.ln_scale": torch.tensor(3 ** -0.5) for b in range(3)}}
+    loaded, info = official.load(str(write_checkpoint(tmp_path / "step1", src, sd)))
+    assert (loaded.cfg.residual, loaded.cfg.residual_args, info["block"]) == ("lns", {"scale": "depth"},
+                                                                             "default_depth_scaled")
+    assert [float(site.scale) for site in loaded.res.sites] == pytest.approx([3 ** -0.5] * 6)
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens())[0], src(tokens())[0])
+        assert not torch.allclose(ours("lns")(tokens())[0], src(tokens())[0])       # 1/sqrt(b + 1) differs
+    sd.update({f"blocks.{b}.ln_scale": torch.tensor((b + 1) ** -0.5) for b in range(3)})
+    with pytest.raises(official.CheckpointError, match=r"blocks.0.ln_scale = 1, not LNS's 1/sqrt\(L\) = 0.57735"):
+        official.load(str(write_checkpoint(tmp_path / "step2", src, sd)))
+
+
+@pytest.mark.parametrize("fields, args", [({"attnres_topk_fraction": 0.25}, {"topk_fraction": 0.25}),
+                                          ({"attnres_learn_logit_scale": True}, {"learn_logit_scale": True})])
+def test_the_release_attnres_variant_configs_load(tmp_path, fields, args):
+    """The fields of the release's configs/llama_400m_L24_attnres_topk025.json and ..._attnres_logit_scale.json, set on
+    a plain attnres block (block size 1), build Full AttnRes with that option: the same logits as our model with it,
+    which differ from the plain model's on the same weights (the variant is not ignored)."""
+    src = ours("attnres", args)
+    cfg = official_config(ours("attnres").cfg)
+    cfg["model"]["block"].update(fields)
+    sd = official.to_official(src)
+    loaded, _ = official.load(str(write_checkpoint(tmp_path / "step1", src, sd, config=cfg)))
+    assert (loaded.cfg.residual, loaded.cfg.residual_args) == ("attnres", args)
+    plain = GPT(ours("attnres").cfg).eval()
+    plain.load_state_dict({k: v for k, v in src.state_dict().items() if k in plain.state_dict()})
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens())[0], src(tokens())[0])
+        assert not torch.allclose(plain(tokens())[0], src(tokens())[0], atol=1e-3)
+
+
+def test_logit_scales_get_the_release_names():
+    """Written from block.py and model.py @b2141085: a 0-dim `attnres_logit_scale` on block b > 0 (its attention-side
+    consumer 2b, our row 2b - 1), `mlp_attnres_logit_scale` on every block (consumer 2b + 1, row 2b), and the model's
+    `final_attnres_logit_scale` (the head, row 2L - 1); each distinct value lands back in its own row."""
+    L = 3
+    model = ours("attnres", {"learn_logit_scale": True}, L=L)
+    names = {("res.logit_scales", 2 * L - 1): "final_attnres_logit_scale"}
+    for b in range(L):
+        names[("res.logit_scales", 2 * b)] = f"blocks.{b}.mlp_attnres_logit_scale"
+        if b > 0:
+            names[("res.logit_scales", 2 * b - 1)] = f"blocks.{b}.attnres_logit_scale"
+    value = fill_distinct(model, names)
+    got = official.to_official(model)
+    assert {off: (tuple(got[off].shape), got[off].item()) for off in value} == {off: ((), v) for off, v in value.items()}
+    back = official.from_official(got, GPT(model.cfg))
+    assert back.res.logit_scales.tolist() == [value[names[("res.logit_scales", k)]] for k in range(2 * L)]
+
+
+def test_an_extra_buffer_loads_with_one_line_naming_it(tmp_path):
+    """Tensors that are no parameter (a buffer some release version saves, which the official loader ignores when its
+    model has none) load with one warning line naming them, and the same logits; a parameter's name stays an error
+    (test_missing_or_extra_tensor_is_one_line_naming_it)."""
+    src = ours("preln")
+    sd = {**official.to_official(src), "blocks.1.attention.rope.inv_freq": torch.arange(8.0), "step_count": torch.tensor(3)}
+    write_checkpoint(tmp_path / "step1", src, sd)
+    r = run_cli("depthbench.official", "info", tmp_path / "step1")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("\n") == 1 and "warning: ignored 2 non-parameter tensor(s)" in r.stderr
+    assert "blocks.1.attention.rope.inv_freq" in r.stderr and "step_count" in r.stderr
+    loaded, _ = official.load(str(tmp_path / "step1"))
     with torch.no_grad():
         assert torch.equal(loaded(tokens())[0], src(tokens())[0])
 
@@ -402,9 +479,9 @@ def test_an_hc_checkpoint_loads_with_the_readings_the_user_names(tmp_path):
 
 
 CANNOT = [  # what we would compute differently, or cannot know, in the CLI's one line and exit code 2
-    ("attnres", set_key(B + ("attnres_topk_fraction",), 0.25), "attnres_topk_fraction = 0.25"),
+    ("attnres", set_key(B + ("attnres_topk_fraction",), 1.5), "attnres_topk_fraction = 1.5"),
     ("attnres", set_key(B + ("attnres_use_bias",), True), "attnres_use_bias = True"),
-    ("attnres", set_key(B + ("attnres_learn_logit_scale",), True), "attnres_learn_logit_scale = True"),
+    ("preln", set_key(B + ("attnres_learn_logit_scale",), True), "attnres_learn_logit_scale on a default block"),
     ("hc", lambda cfg: None, '\'{"collapse": "sum" or "norm_each", "forward": "mixed" or "unmixed"}\''),
     ("mhc", set_key(HCK + ("collapse",), "sum"), '\'{"collapse": "sum" or "norm_each"}\''),
 ]

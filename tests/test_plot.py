@@ -93,7 +93,19 @@ def diagnose_json(residual="attnres", n_layer=L, d_model=64):
         doc["dead_zone"] = {"skipped": "not Block AttnRes"}
     if residual not in ("hc", "mhc"):
         doc["transport_erank"] = {"skipped": "not HC/mHC"}
+    doc["dense_weights"] = dense_json(n, 4 if residual == "mudd" else 1, o)
+    if residual not in ("mudd", "denseformer"):
+        doc["dense_weights"] = {"skipped": "not DenseFormer or MUDD"}
     return doc
+
+
+def dense_json(n, streams, o):
+    """diagnose.py's dense metric: per stream, rows of consumers 0 .. n (the head only in the last stream), sources
+    0 .. n, some weights negative."""
+    names = ["Q", "K", "V", "R"][:streams] if streams == 4 else ["mix"]
+    rows = [[(0.9 - o if s == c else 0.1 - 0.05 * s) if s <= c else None for s in range(n + 1)] for c in range(n + 1)]
+    weights = {name: rows[:n] + [rows[n] if k == len(names) - 1 else None] for k, name in enumerate(names)}
+    return {"streams": names, "weights": weights, "n_sources": n + 1, "first_block": 0}
 
 
 def profile_json(gpu=True):
@@ -128,7 +140,7 @@ def full_dir(tmp_path):
                     write(runs, f"{res}_L{n}_lr{lr}_s{seed}/run.json",
                           train_json(res, n, d, lr, seed, final=3.0 + 0.1 * n - 100 * lr + 0.01 * seed))
     write(runs, "hc_L4_s0/run.json", train_json("hc", 4, 128, 2e-3, 0, diverged=True))
-    for res in ["preln", "hc", "attnres", "block_attnres"]:
+    for res in ["preln", "hc", "attnres", "block_attnres", "mudd", "denseformer"]:
         for n in [4, 8]:
             write(runs, f"diag/{res}_L{n}.json", diagnose_json(res, n, 256 // n))
     write(runs, "profile/h200.json", profile_json())
@@ -479,19 +491,36 @@ def test_zeroshot_figure_has_a_panel_per_scored_task_and_a_line_per_design(full_
     monkeypatch.setattr(Axes, "plot", recording_plot)
     data, _ = plot.load_folder(full_dir)
     info = plot_eval.fig_zeroshot(data, tmp_path / "z.png")
-    assert info["tasks"] == ["arc_easy", "winogrande"] and info["drew"] == "2 task(s) from 8 diagnose JSON"
+    assert info["tasks"] == ["arc_easy", "winogrande"] and info["drew"] == "2 task(s) from 12 diagnose JSON"
     assert_png(tmp_path / "z.png")
     panels = list(dict.fromkeys(ax for ax, _ in drawn))
-    designs = ["Pre-LN", "HC", "Full AttnRes", "Block AttnRes"]
+    designs = ["Pre-LN", "HC", "Full AttnRes", "Block AttnRes", "mudd", "denseformer"]   # (no colour or name yet)
     assert [sorted(label for ax, label in drawn if ax is p) for p in panels] == [
         sorted([f"{d} acc" for d in designs] + [f"{d} acc_norm" for d in designs]), sorted(f"{d} acc" for d in designs)]
     skipped = {"diagnose": [dict(diagnose_json(), zeroshot={"tasks": {"piqa": {"skipped": "no data"}}})]}
     assert "every one skipped" in plot_eval.fig_zeroshot(skipped, tmp_path / "z3.png")["skipped"]
 
 
+def test_dense_weights_figure_has_a_panel_per_stream(full_dir, tmp_path, monkeypatch):
+    """diagnose.py's dense metric as the paper's Fig. 7: per model a row of heatmaps, one per stream (MUDD's Q, K, V,
+    R; DenseFormer's mix, the rest of its row blank), each the stream's consumer x source matrix; the other designs'
+    JSON (skipped) draw nothing."""
+    from depthbench import plot_eval
+    drawn, heatmap = [], plot.heatmap
+    monkeypatch.setattr(plot, "heatmap", lambda ax, m, *a, **kw: drawn.append((kw["title"], m.shape)) or heatmap(
+        ax, m, *a, **kw))
+    data, _ = plot.load_folder(full_dir)
+    info = plot_eval.fig_dense_weights(data, tmp_path / "w.png")
+    assert info["drew"] == "4 model(s)"
+    assert_png(tmp_path / "w.png")
+    titles = sorted(t.split(": ")[1] for t, _ in drawn)
+    assert titles == sorted(["Q", "K", "V", "R", "mix"] * 2)
+    assert {shape for _, shape in drawn} == {(5, 5), (9, 9)}
+
+
 def test_token_collapse_figure_draws_a_line_per_model_and_metric(full_dir, tmp_path):
     from depthbench import plot_eval
     data, _ = plot.load_folder(full_dir)
     info = plot_eval.fig_token_collapse(data, tmp_path / "t.png")
-    assert info["drew"] == "8 model(s)"
+    assert info["drew"] == "12 model(s)"
     assert_png(tmp_path / "t.png")

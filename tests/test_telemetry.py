@@ -144,7 +144,10 @@ DESIGN_KEYS = {"hc": {"erank", "erank_mean", "res_from_identity"},
                "mhc": {"erank", "erank_mean", "res_from_identity", "ds_error"},
                "attnres": {"depth_entropy", "depth_entropy_mean", "embedding_weight", "dead_sublayers"},
                "block_attnres": {"depth_entropy", "depth_entropy_mean", "embedding_weight", "dead_sublayers"},
-               "moda": {"depth_share", "depth_share_mean"}, "scaled": {"a"}}
+               "moda": {"depth_share", "depth_share_mean"}, "scaled": {"a"},
+               "mudd": {"embedding_weight", "newest_weight"}, "denseformer": {"embedding_weight", "newest_weight"},
+               "resformer": {"lambda_first", "lambda_own"},
+               "hybrid": {"depth_entropy", "depth_entropy_mean", "embedding_weight", "dead_sublayers"}}  # L2: all deep
 
 
 @pytest.mark.parametrize("residual", list(RESIDUALS) + ["scaled"])
@@ -174,6 +177,12 @@ def test_every_design_writes_telemetry(tmp_path, capsys, residual):
             assert 1 <= design["dead_sublayers"] <= 4                        # sublayer 0 reads only the embedding
         if residual == "moda":
             assert len(design["depth_share"]) == 1 and 0 < design["depth_share"][0] < 1
+        if residual in ("mudd", "denseformer"):       # block 1's input and the head's, near their init (0 and 1)
+            assert len(design["embedding_weight"]) == len(design["newest_weight"]) == 2
+            assert all(abs(w) < 0.1 for w in design["embedding_weight"])
+            assert all(abs(w - 1) < 0.1 for w in design["newest_weight"])
+        if residual == "resformer":                   # block 1's pair, near its init 0.5
+            assert len(design["lambda_first"]) == 1 and abs(design["lambda_first"][0] - 0.5) < 0.1
 
 
 # ----------------------------------------------------------------------------- trackers

@@ -611,7 +611,16 @@ BLOCK_GRAPHS = {"preln": 1, "sandwich": 1, "lns": 1, "deepnorm": 1, "hc": 1, "mh
                 # block resumes in another; every block shares the same pieces
                 "attnres": 6,         # block 0 reads the embedding (its own pieces); the others mix and push twice
                 "block_attnres": 8,   # as Full AttnRes, and a block whose sublayer opens a group pushes there
-                "moda": 9}            # two pushes per block, the depth read inside attention; block 0 and the last
+                "moda": 9,            # two pushes per block, the depth read inside attention; block 0 and the last
+                # beyond the paper: the weighted sums over depth run eagerly (their weights' shapes grow with depth)
+                "mudd": 3,            # block 0 (one attention input), the others (separate q, k, v streams), resumed
+                "resformer": 2,       # block 0 (keeps its values), the others (mix them in)
+                "denseformer": 2,     # a block, and its rest after the eager weighted sum
+                "mixln": 2,           # a Post-LN block, a Pre-LN block
+                "hybrid": 9}          # (deep Full AttnRes) its Pre-LN blocks, the hand-over block, Full AttnRes' 6 + 1
+# (options, the two depths) where the default (L4 and L8) does not show the count: a hybrid needs two Pre-LN blocks
+# for each of its graphs, and Block AttnRes (its default deep design) changes its graphs with its group sizes
+GRAPH_CASES = {"hybrid": ({"deep": "attnres"}, (8, 16))}
 
 
 @pytest.mark.parametrize("residual", list(BLOCK_GRAPHS))
@@ -621,11 +630,13 @@ def test_compiled_blocks_reuse_one_graph_at_any_depth(residual):
     compiled loss and gradients equal eager ones. The "eager" backend counts graphs without generating code."""
     from torch._dynamo.utils import counters
     torch.set_num_threads(1)
-    for L in (4, 8):
+    options, depths = GRAPH_CASES.get(residual, ({}, (4, 8)))
+    for L in depths:
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=64, n_layer=L, d_model=32, n_head=4, d_ff=48, residual=residual)
+        cfg = GPTConfig(vocab_size=64, n_layer=L, d_model=32, n_head=4, d_ff=48, residual=residual,
+                        residual_args=options)
         model = GPT(cfg)
         x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         loss = model(x, x)[1]
