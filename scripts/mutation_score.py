@@ -1,0 +1,171 @@
+"""
+Mutation testing of the maths: put one small, plausible bug at a time into the functions below and count how many the
+fast tests catch (docs/contributing.md#mutation-testing). Not in CI; run it before and after touching the maths.
+
+    pip install mutmut                               # 3.x, not a dependency of the project
+    python scripts/mutation_score.py run             # mutmut over the functions below (resumes where it stopped)
+    python scripts/mutation_score.py                 # the score, and the survivors grouped by function
+    python scripts/mutation_score.py --diffs         # ... with each survivor's diff (mutmut show)
+
+mutmut (configured in setup.cfg) copies the repository into mutants/, mutates every function of the files it names
+and records each mutant's result in mutants/**/*.py.meta; this script runs and scores only the mutants of the
+functions that hold maths (MATHS below: each design's forward contract and init, ops.py, kernels.py, model.py's
+forward passes, diagnose.py's metric functions, shapes.py's solver, costs.py's formulas, official.py's name table),
+not messages, argparse or I/O. A survivor that cannot change any result (an equivalent mutant) is listed in
+scripts/mutation_equivalent.txt with its reason and counts as caught; every other survivor counts against the score.
+
+    score = (killed + timed out + crashed + equivalent) / mutants of MATHS
+"""
+import argparse
+import fnmatch
+import json
+import re
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EQUIVALENT_FILE = ROOT / "scripts" / "mutation_equivalent.txt"
+
+# what a design reads like its paper: the forward contract, the parameters' init, the sites it builds
+DESIGN_METHODS = ("init_stream", "read", "write", "collapse", "__init__", "reset_parameters", "site", "maps",
+                  "make_connector", "mix", "weights", "dense_weights", "hidden", "readout", "depth_state",
+                  "input_after_skip", "skip", "skips_to_newest", "source", "groups", "newest", "deep_view",
+                  "shallow_blocks", "scale_sublayer_init", "dense_module")
+DIAGNOSE_METRICS = ("causal", "lens_sums", "lens", "angle_sums", "angular", "token_matrix_metrics", "perm_shares",
+                    "perm", "transport", "skip_updates", "pruning", "deadzone", "share_above", "ce_sum", "collapse",
+                    "dense", "attnres", "depth_weights", "triangle", "nll")
+
+# mutmut's names: module.x_function__mutmut_N, module.xǁClassǁmethod__mutmut_N
+MATHS = (
+    *(f"residuals.xǁ*ǁ{method}__mutmut_*" for method in DESIGN_METHODS),
+    "ops.x_*", "ops.xǁRMSNormǁforward__mutmut_*", "ops.xǁDepthBankǁ*", "ops.xǁDepthKVǁ*",
+    "depthbench.kernels.*",
+    "model.xǁAttentionǁforward__mutmut_*", "model.xǁMLPǁforward__mutmut_*", "model.xǁBlockǁforward__mutmut_*",
+    "model.xǁGPTǁforward__mutmut_*",
+    *(f"diagnose.x_{name}__mutmut_*" for name in DIAGNOSE_METRICS),
+    "diagnose.xǁSumsǁ*",
+    *(f"shapes.x_{name}__mutmut_*" for name in ("solve", "count_params", "backbone_params", "ffn_dim", "preln_params")),
+    *(f"depthbench.costs.x_{name}__mutmut_*" for name in ("analytic", "block_bytes", "fixed_bytes", "run_params")),
+    "depthbench.official.x_layout__mutmut_*", "depthbench.official.x_block_name__mutmut_*",
+    "depthbench.official.x_official_block__mutmut_*",
+)
+# inside MATHS' patterns but not maths: the kernels switch, the fp32 wrapper, the depth-µP control's optimiser rules
+NOT_MATHS = ("ops.x_namespace__*", "ops.x_fp32_maths__*", "residuals.xǁSiteǁ*", "residuals.xǁPreLNDepthMuPǁ*")
+
+CAUGHT = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+          -11: "crashed", -9: "crashed"}
+
+
+def is_maths(name):
+    """Whether a mutant belongs to the functions this score covers."""
+    inside = any(fnmatch.fnmatch(name, pattern) for pattern in MATHS)
+    return inside and not any(fnmatch.fnmatch(name, pattern) for pattern in NOT_MATHS)
+
+
+def function_of(name):
+    """The function a mutant changed: 'residuals.xǁHCǁread__mutmut_3' -> 'residuals.HC.read'."""
+    stem = re.sub(r"__mutmut_\d+$", "", name)
+    return stem.replace(".xǁ", ".").replace("ǁ", ".").replace(".x_", ".")
+
+
+def results(folder):
+    """{mutant name: mutmut's exit code, None when not run yet} over the mutants of MATHS."""
+    metas = sorted(Path(folder).glob("**/*.py.meta"))
+    if not metas:
+        sys.exit(f"error: no mutants in {folder}/ yet: run `python scripts/mutation_score.py run` first")
+    found = {}
+    for meta in metas:
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        found.update({name: code for name, code in codes.items() if is_maths(name)})
+    return found
+
+
+def read_equivalent(path=EQUIVALENT_FILE):
+    """{mutant name: reason} from lines 'NAME  reason' (# comments and blank lines skipped)."""
+    equivalent = {}
+    if not path.exists():
+        return equivalent
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, reason = line.partition(" ")
+            equivalent[name] = reason.strip()
+    return equivalent
+
+
+def tally(found, equivalent):
+    """Counts by outcome, and the survivors that are not known equivalent."""
+    outcome = Counter()
+    survivors = []
+    for name, code in sorted(found.items()):
+        if code is None:
+            outcome["not run yet"] += 1
+        elif code in CAUGHT:
+            outcome[CAUGHT[code]] += 1
+        elif code == 0 and name in equivalent:
+            outcome["equivalent"] += 1
+        elif code == 0:
+            outcome["survived"] += 1
+            survivors.append(name)
+        else:
+            outcome[f"other (exit {code})"] += 1
+    return outcome, survivors
+
+
+def report(folder, diffs):
+    found = results(folder)
+    equivalent = read_equivalent()
+    outcome, survivors = tally(found, equivalent)
+    done = len(found) - outcome["not run yet"]
+    caught = sum(outcome[k] for k in ("killed", "timeout", "crashed", "equivalent"))
+    print(f"{len(found)} mutants in the maths' functions, {done} run: " +
+          ", ".join(f"{n} {kind}" for kind, n in sorted(outcome.items())))
+    if done:
+        print(f"mutation score {100 * caught / done:.1f}% ({caught} of {done} caught or equivalent)")
+    by_function = defaultdict(list)
+    for name in survivors:
+        by_function[function_of(name)].append(name)
+    for function, names in sorted(by_function.items(), key=lambda item: -len(item[1])):
+        print(f"  {len(names):3d} survive in {function}")
+        for name in names if diffs else ():
+            print(subprocess.run(["mutmut", "show", name], cwd=ROOT, capture_output=True, text=True).stdout)
+    stale = sorted(set(equivalent) - set(found))
+    if stale:
+        print(f"warning: {len(stale)} names in {EQUIVALENT_FILE.name} are no mutant of today's code (e.g. {stale[0]})")
+
+
+def run(max_children):
+    """mutmut over MATHS only. mutmut reruns every mutant it is named, so once its mutants exist (mutants/ holds
+    their results) a second call names only the ones not run yet: the run resumes."""
+    if has_mutants():
+        pending = [name for name, code in results(ROOT / "mutants").items() if code is None]
+        print(f"mutmut run: {len(pending)} mutants to go", flush=True)
+    else:
+        pending = list(MATHS)
+        print(f"mutmut run: the mutants of {len(MATHS)} patterns", flush=True)
+    if not pending:
+        return 0
+    return subprocess.run(["mutmut", "run", "--max-children", str(max_children), *pending], cwd=ROOT).returncode
+
+
+def has_mutants():
+    return any((ROOT / "mutants").glob("**/*.py.meta"))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("action", nargs="?", choices=("run", "report"), default="report")
+    p.add_argument("--max-children", type=int, default=2, help="mutants tested at a time (default 2)")
+    p.add_argument("--diffs", action="store_true", help="print each survivor's diff")
+    args = p.parse_args()
+    if args.action == "run":
+        code = run(args.max_children)
+        if code:
+            sys.exit(code)
+    report(ROOT / "mutants", args.diffs)
+
+
+if __name__ == "__main__":
+    main()
