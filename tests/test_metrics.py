@@ -272,6 +272,41 @@ def test_attnres_weights_and_dead_zone_of_set_weights(monkeypatch):
     assert dz["head"] == pytest.approx(0.9)
 
 
+def test_dense_weights_of_denseformer_are_its_set_weights():
+    """DenseFormer L3 with its static weights set by hand: Figure 7's matrix is those weights whatever the tokens
+    (consumer c = block c's input reads a_(c-1) over the embedding and blocks 0..c-1, the head a_2), consumer 0 reads
+    the embedding alone, the unseen sources are empty, and a row is not renormalised (a_1 sums to 0.9)."""
+    set_weights = [[0.3, 0.7], [0.1, 0.2, 0.6], [0.4, -0.2, 0.5, 0.3]]
+    model = build("denseformer", L=3)
+    with torch.no_grad():
+        for a, w in zip(model.res.dwa, set_weights):
+            a.copy_(torch.tensor(w))
+    batches = [tokens(1, 4), (torch.arange(6).view(2, 3), torch.zeros(2, 3, dtype=torch.long))]
+    got = run(model, ["dense"], batches)["dense"]
+    assert got["streams"] == ["mix"] and got["n_sources"] == 4 and got["first_block"] == 0
+    rows = [[1.0, None, None, None]] + [w + [None] * (4 - len(w)) for w in set_weights]
+    assert flat(got["weights"]["mix"]) == grid(rows, abs=1e-6)
+
+
+def test_dense_weights_of_mudd_are_the_token_mean_of_its_weights():
+    """MUDD L3 with w2 = 0, so that every token's weights are the bias: Figure 7's matrices are the biases, one per
+    stream (Q, K, V, R) for blocks 1 and 2, and the head's row, the residual stream's alone, is the last block's."""
+    model = build("mudd", L=3)
+    biases = []
+    with torch.no_grad():
+        for b, m in enumerate(model.res.dense):
+            m.w2.zero_()
+            m.bias.copy_(torch.arange(m.bias.numel(), dtype=torch.float32).view(m.bias.shape) / 10 + b)
+            biases.append(m.bias.tolist())
+    got = run(model, ["dense"], [tokens(2, 3)])["dense"]
+    assert got["streams"] == ["Q", "K", "V", "R"] and got["n_sources"] == 4
+    for c, name in enumerate(got["streams"]):
+        head = biases[2][0] if name == "R" else None
+        rows = [[1.0], biases[0][c], biases[1][c], head]
+        rows = [None if r is None else r + [None] * (4 - len(r)) for r in rows]
+        assert flat(got["weights"][name]) == grid(rows, abs=1e-6), name
+
+
 def test_attnres_weights_of_zero_queries_are_uniform():
     """Full AttnRes with its pseudo-queries at zero (their init): every consumer weighs its visible sources equally,
     consumer c (1..2L) on c + 1 sources; the block view's row b sums pairs: 1/(2b+1) for the embedding, 2/(2b+1) per
