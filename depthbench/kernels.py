@@ -274,6 +274,16 @@ def tokens_major(slots, n):
     return slots[:n].flatten(1, -2).transpose(0, 1)
 
 
+def source_dots(V, x):
+    """<v_j, x> per token for every source j: (n, B, T). On the CPU a broadcast multiply and a sum over the contiguous
+    last axis (5.6x faster than the batched matmul over a source-major bank, which copies it tokens-major first: 1.2
+    against 6.6 ms at 17 sources, BT 512, D 256); on CUDA the batched matmul."""
+    if not V.is_cuda:
+        return (V * x).sum(-1)
+    D = V.size(-1)
+    return torch.bmm(tokens_major(V, V.size(0)), x.reshape(-1, D, 1)).squeeze(-1).t().reshape(V.shape[:-1])
+
+
 class Mix(torch.autograd.Function):
     """AttnRes' depth mix over the bank's first n sources and an optional extra one (a group's open partial sum):
     s_j = r_j <v_j, gq>, p = softmax_j(s), mix = sum_j p_j v_j, with gq = key_gain * query. -> (mix (B, T, D) fp32,
@@ -315,7 +325,7 @@ class Mix(torch.autograd.Function):
         gq, p, u, r, *extra = ctx.saved_tensors
         V = bank.slots[0][:n].float()
         D = V.size(-1)
-        dp = torch.bmm(tokens_major(V, n), dmix.reshape(-1, D, 1)).squeeze(-1).t().reshape(V.shape[:-1])  # (n, B, T)
+        dp = source_dots(V, dmix)                                                # (n, B, T)
         if extra:
             dp = torch.cat([dp, (extra[0].float() * dmix).sum(-1)[None]])
         ds = p * (dp - (p * dp).sum(0))
