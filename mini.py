@@ -619,11 +619,15 @@ def draw_figures(args):
     """plot.py and depthbench/plot_suite.py per probe, into figs/<probe>/ (a figure that fails costs itself, not the suite)."""
     scripts = ([str(HERE / "plot.py")], ["-m", "depthbench.plot_suite"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    for probe_name, script in itertools.product(args.probes, scripts):
-        # plot_suite: the figures across designs (Fig. 2 left with Δ vs Pre-LN paired, Fig. 6a/c at the deepest)
-        subprocess.run([sys.executable, *script, str(args.out / probe_name), "--out",
-                        str(args.out / "figs" / probe_name)], check=False, env=env,
-                       preexec_fn=common.end_with_parent())
+    for probe_name in args.probes:
+        if not (args.out / probe_name).is_dir():      # a report while the sweep runs
+            print(f"figures of the {probe_name} probe: none yet (no seed run has started)")
+            continue
+        for script in scripts:
+            # plot_suite: the figures across designs (Fig. 2 left with Δ vs Pre-LN paired, Fig. 6a/c at the deepest)
+            subprocess.run([sys.executable, *script, str(args.out / probe_name), "--out",
+                            str(args.out / "figs" / probe_name)], check=False, env=env,
+                           preexec_fn=common.end_with_parent())
 
 
 def report(args):
