@@ -104,10 +104,13 @@ def tally(found, equivalent):
             outcome["not run yet"] += 1
         elif code in CAUGHT:
             outcome[CAUGHT[code]] += 1
-        elif code == 0 and name in equivalent:
+        elif code in (0, 5, 33) and name in equivalent:
             outcome["equivalent"] += 1
         elif code == 0:
             outcome["survived"] += 1
+            survivors.append(name)
+        elif code in (5, 33):                          # no selected test reaches the function: a survivor too
+            outcome["no test reaches it"] += 1
             survivors.append(name)
         else:
             outcome[f"other (exit {code})"] += 1

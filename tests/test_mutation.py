@@ -26,18 +26,20 @@ def test_only_the_maths_functions_are_scored():
 
 def test_the_tally_counts_equivalent_survivors_as_caught_and_nothing_else(tmp_path):
     """mutmut's exit codes: 1 killed, 36 timeout, -11 crashed, 0 survived, None not run; a survivor named in the
-    equivalent list is caught, one that is not is a survivor, and a killed mutant named there stays killed."""
+    equivalent list is caught, one that is not is a survivor, a mutant no test reaches (33) is one too, and a killed
+    mutant named there stays killed."""
     codes = {"ops.x_rms_norm__mutmut_1": 1, "ops.x_rms_norm__mutmut_2": 0, "ops.x_rms_norm__mutmut_3": 0,
              "ops.x_erank__mutmut_1": 36, "ops.x_erank__mutmut_2": -11, "ops.x_erank__mutmut_3": None,
-             "ops.x_sinkhorn__mutmut_1": 1, "diagnose.x_main__mutmut_1": 0}
+             "ops.x_sinkhorn__mutmut_1": 1, "ops.x_sinkhorn__mutmut_2": 33, "diagnose.x_main__mutmut_1": 0}
     (tmp_path / "ops.py.meta").write_text(json.dumps({"exit_code_by_key": codes}))
     found = mutation_score.results(tmp_path)
-    assert "diagnose.x_main__mutmut_1" not in found and len(found) == 7
+    assert "diagnose.x_main__mutmut_1" not in found and len(found) == 8
     listed = tmp_path / "equivalent.txt"
     listed.write_text("# name  reason\n\nops.x_rms_norm__mutmut_2  eps inside a clamp that never binds\n"
                       "ops.x_sinkhorn__mutmut_1  killed anyway\n")
     equivalent = mutation_score.read_equivalent(listed)
     assert equivalent["ops.x_rms_norm__mutmut_2"] == "eps inside a clamp that never binds"
     outcome, survivors = mutation_score.tally(found, equivalent)
-    assert survivors == ["ops.x_rms_norm__mutmut_3"]
-    assert dict(outcome) == {"killed": 2, "equivalent": 1, "survived": 1, "timeout": 1, "crashed": 1, "not run yet": 1}
+    assert survivors == ["ops.x_rms_norm__mutmut_3", "ops.x_sinkhorn__mutmut_2"]
+    assert dict(outcome) == {"killed": 2, "equivalent": 1, "survived": 1, "timeout": 1, "crashed": 1, "not run yet": 1,
+                             "no test reaches it": 1}
