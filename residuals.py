@@ -180,12 +180,12 @@ class PreLN(nn.Module):
 
     # what diagnose.py reads and does (docs/diagnostics.md#depth-states, #interventions) and telemetry.py records
 
-    def depth_state(self, s, i, after_skip=False):
+    def depth_state(self, s, i, after_skip):
         """z before sublayer i (i = 2L: what the head reads, before its norm). after_skip: sublayer i follows a skipped
         block under the next-output rule (`skips_to_newest`)."""
         return s
 
-    def readout(self, s, i, after_skip=False):
+    def readout(self, s, i, after_skip):
         """What the logit lens decodes before sublayer i: the head's own input."""
         return self.collapse(s)
 
@@ -466,7 +466,7 @@ class HC(PreLN):
         conn = {f"conn.{name}": p for name, p in self.conn[i].named_parameters()}
         return {**super().sublayer_params(i), **conn}
 
-    def depth_state(self, s, i, after_skip=False):
+    def depth_state(self, s, i, after_skip):
         return s.flatten(2)                                                               # (B, T, n*D), stream-major
 
     def internals(self, s, site, ctx):
@@ -675,18 +675,18 @@ class FullAttnRes(PreLN):
         """The newest source: the last output pushed (at first the embedding)."""
         return s.newest()
 
-    def source(self, s, i, after_skip=False):
+    def source(self, s, i, after_skip):
         """What consumer i (i = 2L: the head) normalises: its raw depth mix; the embedding for i = 0, and under the
         next-output rule (after_skip) its newest source."""
         if i == 0 or after_skip:
             return self.newest(s)
         return self.mix(s, self.sites[i])[0]
 
-    def depth_state(self, s, i, after_skip=False):
+    def depth_state(self, s, i, after_skip):
         """z for diagnostics: what consumer i normalises (docs/diagnostics.md#depth-states)."""
         return self.source(s, i, after_skip)
 
-    def readout(self, s, i, after_skip=False):
+    def readout(self, s, i, after_skip):
         """What consumer i normalises, with the final norm's gain, as the model's own readout does."""
         return rms_norm(self.source(s, i, after_skip), self.norm_f.weight, self.eps)
 
@@ -810,14 +810,14 @@ class BlockAttnRes(FullAttnRes):
         bank, partial = s
         return bank.newest() if partial is None else partial
 
-    def source(self, s, i, after_skip=False):
+    def source(self, s, i, after_skip):
         """The raw mix at a group boundary and for the head; inside a group, the running partial sum (the "block
         output"); the newest source for i = 0, under the next-output rule, and where no partial sum began yet."""
         if i == 0 or after_skip or not self.sites[i].opens_group:
             return self.newest(s)
         return self.mix(s[0], self.sites[i], extra=s[1])[0]
 
-    def readout(self, s, i, after_skip=False):
+    def readout(self, s, i, after_skip):
         """The mix of consumer i (block i/2's attention-side query; the final query at i = 2L), normalised with the
         final norm's gain as the model's own readout does."""
         if i == 0 or after_skip:
@@ -929,7 +929,7 @@ class MoDA(PreLN):
         zero = x.new_zeros(x.shape[0], self.n_kv_head, x.shape[1], self.head_dim)
         return x, depth.push(zero, zero)
 
-    def depth_state(self, s, i, after_skip=False):
+    def depth_state(self, s, i, after_skip):
         return s[0]
 
     def internals(self, s, site, ctx):
@@ -1109,7 +1109,7 @@ class ResFormer(PreLN):
             own["lambdas"] = self.lambdas[i // 2 - 1]
         return own
 
-    def depth_state(self, s, i, after_skip=False):
+    def depth_state(self, s, i, after_skip):
         return s[0]
 
     def skip(self, s, i):
@@ -1226,7 +1226,7 @@ class DenseFormer(PreLN):
     def no_decay_params(self):
         return list(self.dwa)
 
-    def depth_state(self, s, i, after_skip=False):
+    def depth_state(self, s, i, after_skip):
         return s[0]
 
     def skip(self, s, i):
@@ -1383,7 +1383,7 @@ class MUDD(PreLN):
             own.update(key_norm=self.key_norms[b - 1].weight, value_norm=self.value_norms[b - 1].weight)
         return own
 
-    def depth_state(self, s, i, after_skip=False):
+    def depth_state(self, s, i, after_skip):
         return s[0][3]                                    # X^R: the residual stream block i/2 reads
 
     def skip(self, s, i):
@@ -1508,11 +1508,11 @@ class Hybrid(PreLN):
             return self.deep.init_stream(s), 0
         return s, i - self.offset
 
-    def depth_state(self, s, i, after_skip=False):
+    def depth_state(self, s, i, after_skip):
         state, k = self.deep_view(s, i)
         return self.deep.depth_state(state, k, after_skip)
 
-    def readout(self, s, i, after_skip=False):
+    def readout(self, s, i, after_skip):
         state, k = self.deep_view(s, i)
         return self.deep.readout(state, k, after_skip)
 

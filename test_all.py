@@ -201,6 +201,62 @@ def test_fast_kernels_equal_the_reference(residual, options, shape):
     assert_kernels_agree(residual, shape, options)
 
 
+@pytest.mark.parametrize("residual", ALL)
+def test_fast_kernels_equal_the_reference_under_bf16_autocast(residual):
+    """The GPU's precision (bf16 autocast, fp32 banks and depth maths) run on the CPU: the fast bodies take bf16
+    inputs and hand back gradients of their inputs' dtypes (autograd refuses any other), and their loss and gradients
+    are the reference's to bf16's rounding."""
+    x = batch(T=8)
+    out = {}
+    for kernels in ("fast", "reference"):
+        torch.manual_seed(0)
+        model = GPT(tiny(residual, kernels=kernels, n_kv_head=2))
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, loss = model(x, x)
+        loss.backward()
+        out[kernels] = loss.float(), {n: p.grad for n, p in model.named_parameters()}
+    (l1, g1), (l2, g2) = out["fast"], out["reference"]
+    torch.testing.assert_close(l1, l2, rtol=2e-2, atol=2e-2)
+    for name, g in g2.items():
+        assert g1[name].dtype == g.dtype == torch.float32, name
+        assert (g1[name] - g).norm() <= 0.1 * g.norm() + 1e-3, name
+
+
+@pytest.mark.parametrize("hd, n_kv", [(8, 2), (16, 4)])
+def test_moda_joint_attention_in_bf16(hd, n_kv):
+    """kernels.joint_attention on bf16 q, k, v and bf16 depth slots, outside autocast (where nothing recasts a wrong
+    dtype): its output and share are bf16, q's, k's and v's gradients bf16, and all equal ops.joint_attention in fp32
+    on the same values to bf16's rounding. Large depth logits (lse ~ 10 over the scale) need the sink's two
+    coordinates (hi + lo): its logit in one bf16 coordinate would be off by up to 0.03."""
+    from depthbench import kernels
+    g = torch.Generator().manual_seed(3)
+    B, H, T, S = 2, 4, 6, 3
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).bfloat16()
+    q, k, v = rand(B, H, T, hd, scale=2.0), rand(B, n_kv, T, hd), rand(B, n_kv, T, hd)
+    slots = [(rand(B, n_kv, T, hd, scale=3.0), rand(B, n_kv, T, hd)) for _ in range(S)]
+    out = {}
+    for name, body, dtype in (("fast", kernels, torch.bfloat16), ("reference", ops, torch.float32)):
+        leaves = [t.detach().clone().to(dtype).requires_grad_() for t in (q, k, v)]
+        depth = body.DepthKV.start(leaves[1], n_max=S)
+        for dk, dv in slots:
+            depth = depth.push(dk.to(dtype), dv.to(dtype))
+        o, share = body.joint_attention(*leaves, depth)
+        o.float().pow(2).sum().backward()
+        out[name] = o, share, [t.grad for t in leaves]
+    (o1, s1, g1), (o2, s2, g2) = out["fast"], out["reference"]
+    assert o1.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in g1)
+    torch.testing.assert_close(o1.float(), o2, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(s1.float(), s2, rtol=0, atol=4e-3)       # the share: bf16's own rounding, 2^-8
+    for a, b in zip(g1, g2):
+        assert (a.float() - b).norm() <= 0.03 * b.norm()
+
+
 @pytest.mark.parametrize("n_layer", [9, 20])
 @pytest.mark.parametrize("residual", ALL)
 def test_fast_kernels_equal_the_reference_deep(residual, n_layer):

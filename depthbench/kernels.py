@@ -68,7 +68,8 @@ def joint_attention(q, k, v, depth):
         torch.cat([sink_v.to(v.dtype), F.pad(v, (0, pad))], dim=2),
         is_causal=True, scale=scale, enable_gqa=Hkv < H)[:, :, 1:]                 # (B, H, T, hd + pad)
     share = out[..., hd]                                                          # Z_depth / (Z_seq + Z_depth)
-    return out[..., :hd] + share[..., None] * o_depth, share.detach()
+    o = out[..., :hd] + share[..., None] * o_depth                                 # fp32: o_depth is
+    return o.to(q.dtype), share.detach()
 
 
 def lm_loss(z, weight, targets):

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+import ops
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -708,6 +709,16 @@ def fresh(residual, **kw):
 def test_every_norm_gain_starts_at_one(residual):
     norms = [m for n, m in fresh(residual).res.named_modules() if hasattr(m, "weight") and "norm" in n]
     assert norms and all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in norms)
+
+
+@pytest.mark.parametrize("residual", list(RESIDUALS))
+def test_every_norm_takes_the_configs_eps(residual):
+    """Every RMSNorm of the model, the design's own included (post-norms, MUDD's key and value norms), uses
+    GPTConfig.norm_eps: built with 1e-3, none keeps ops.RMSNorm's default 1e-6."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, n_layer=4, d_model=16, n_head=2, d_ff=32, residual=residual, norm_eps=1e-3)
+    norms = [(n, m.eps) for n, m in GPT(cfg).named_modules() if isinstance(m, ops.RMSNorm)]
+    assert norms and all(eps == 1e-3 for _, eps in norms), [n for n, eps in norms if eps != 1e-3]
 
 
 def test_hc_init():
