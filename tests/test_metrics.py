@@ -122,10 +122,10 @@ def test_causal_score_by_hand(monkeypatch):
     C(s, l) = mean over tokens of |du_l| / |u_l|: C(0,1) = (0.5 + 0) / 2, C(0,2) = 0, C(1,2) = (sqrt(18)/3 + 0) / 2.
     The ratio of means is mean |du| / mean |u|: C(0,1) -> (1/2) / (3/2). R_causal counts pairs s >= ceil(3/4) = 1: only
     (1, 2), which is above 0.45."""
-    def walk(z0, us):
+    def walk(z0, us):                  # the updates at a tenth: the scores are ratios, mean |u| per token < 1
         out = [z0]
         for u in us:
-            out.append([a + b for a, b in zip(out[-1], u)])
+            out.append([a + 0.1 * b for a, b in zip(out[-1], u)])
         return out
     a_base, b_base = walk([0, 0], [(1, 0), (0, 2), (3, 0)]), walk([5, 5], [(1, 0), (0, 1), (1, 0)])
     a_skip = {0: walk([0, 0], [(0, 0), (0, 1), (3, 0)]), 1: walk([0, 0], [(1, 0), (0, 0), (0, 3)]),
@@ -139,8 +139,19 @@ def test_causal_score_by_hand(monkeypatch):
     c12 = math.sqrt(18) / 3
     assert flat(got["matrix"]) == grid([[None, 0.25, 0.0], [None, None, c12 / 2], [None, None, None]])
     rom = [[None, (1 / 2) / (3 / 2), 0.0], [None, None, (math.sqrt(18) / 2) / (4 / 2)], [None, None, None]]
-    assert flat(got["matrix_ratio_of_means"]) == grid(rom)
+    assert flat(got["matrix_ratio_of_means"]) == grid(rom, rel=1e-6)
     assert (got["s_min"], got["n_pairs"], got["n_above"], got["R_causal"]) == (1, 1, 1, 1.0)
+
+
+@pytest.mark.parametrize("L, s_min, n_pairs", [(2, 1, 0), (5, 2, 3), (8, 2, 15)])
+def test_causal_and_permutation_count_the_last_three_quarters(L, s_min, n_pairs):
+    """R_causal and R_perm count the pairs s_min <= a < b <= L-1 with s_min = ceil(L/4) (L5: 2, not ceil(5/5) = 1);
+    two blocks are enough for the causal matrix (its one pair (0, 1) lies outside the last three quarters)."""
+    got = run(build(L=L), ["causal"], [tokens(1, 4)])["causal"]
+    assert (got["s_min"], got["n_pairs"]) == (s_min, n_pairs) and len(got["matrix"]) == L
+    P = [[None] * L for _ in range(L)]
+    shares = dg.perm_shares(P, 0.15, L)
+    assert (shares["s_min"], shares["n_pairs"]) == (s_min, n_pairs)
 
 
 def test_a_block_that_writes_nothing_has_no_causal_effect_and_prunes_for_free():
@@ -348,10 +359,11 @@ def test_token_matrix_metrics_known_answers():
     u, v = torch.arange(1.0, 5.0), torch.linspace(-1, 2, 8)
     eye = torch.eye(8)[:4]
     unequal = eye * torch.tensor([2.0, 1, 1, 1])[:, None]
-    got = dg.token_matrix_metrics(torch.stack([torch.outer(u, v), eye, unequal, torch.zeros(4, 8)]))
     h = -(4 / 7 * math.log(4 / 7) + 3 / 7 * math.log(1 / 7))
     want = [[1, 1, 1], [4, 4, 2], [7 / 4, math.exp(h), 5 / math.sqrt(7)], [1, 1, 1]]
-    assert flat(got.tolist()) == grid(want, rel=1e-6)
+    for scale in (1.0, 1e-3):          # scale-free: only a matrix of (near) zeros, sum s^2 < 1e-12, is special
+        got = dg.token_matrix_metrics(scale * torch.stack([torch.outer(u, v), eye, unequal, torch.zeros(4, 8)]))
+        assert flat(got.tolist()) == grid(want, rel=1e-6), scale
 
 
 def test_token_collapse_per_state_and_mean_over_windows(monkeypatch):
