@@ -128,6 +128,9 @@ def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=2
     (embeddings included, the paper's fixed-total family) or "backbone" (blocks only, the iso-backbone
     control). Returns a dict of the shape; a ValueError (one line) when its AR, or the count that `fixed`
     names, is off by more than `tolerance` (a share; None: return the nearest anyway)."""
+    if fixed not in ("total", "backbone"):
+        raise ValueError(f"fixed must be 'total' or 'backbone', not {fixed!r}")
+
     def count(L, d):
         return backbone_params(L, d, ffn_dim(d)) if fixed == "backbone" else preln_params(L, d, ffn_dim(d), vocab)
 

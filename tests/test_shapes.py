@@ -61,3 +61,45 @@ def test_suite_rows_are_the_rows_above():
         (L, d, f, total) for L, d, f, _, total in TABLE_3 + [RELEASE_400M[2]]]
     assert [(r["n_layer"], r["d_model"], r["d_ff"], r["backbone_params"]) for r in shapes.suite_rows(
         "302m-backbone")] == [BACKBONE[i] for i in (0, 1, 2, 3, 5, 6, 4)]
+
+
+def brute_force(budget, ar, vocab, n_head, max_layers):
+    """The solver's rule written as two plain searches: per depth the width (a multiple of 2 n_head, up to 4096)
+    whose Pre-LN count is closest to the budget (the narrower of two equally close), then the depth whose d/L is
+    nearest the AR (ties: the count nearest the budget, then the shallower)."""
+    best = None
+    for L in range(1, max_layers + 1):
+        widths = [(abs(shapes.preln_params(L, d, shapes.ffn_dim(d), vocab) - budget), d)
+                  for d in range(2 * n_head, 4097, 2 * n_head)]
+        d = min(widths)[1]
+        size = shapes.preln_params(L, d, shapes.ffn_dim(d), vocab)
+        key = (abs(d / L - ar), abs(size - budget), L)
+        if best is None or key < best[0]:
+            best = (key, L, d)
+    return best[1], best[2]
+
+
+@pytest.mark.parametrize("budget, ar, vocab, max_layers", [
+    (40_000, 30, 64, 256), (40_000, 3, 64, 256), (40_000, 3, 64, 3), (40_000, 80, 500, 256), (40_000, 30, 64, 1),
+    (250_000, 9, 256, 256), (20_000, 24, 64, 256)])
+def test_solver_is_the_nearest_aspect_ratio_of_the_closest_widths(budget, ar, vocab, max_layers):
+    """Small budgets, where every rule shows: the vocab enters the count (500 ids make a narrower model than 64),
+    max_layers bounds the depth (L1 and L3 when the AR asks for deeper), a tie in AR goes to the count nearer the
+    budget (20k at AR 24: L1 d36, AR 36, 20,268 params, before L2 d24, AR 12, 17,016), and the shape is the brute
+    force's."""
+    got = shapes.solve(budget, ar=ar, vocab=vocab, n_head=2, max_layers=max_layers, tolerance=None)
+    assert (got["n_layer"], got["d_model"]) == brute_force(budget, ar, vocab, 2, max_layers)
+    assert got["params"] == shapes.preln_params(got["n_layer"], got["d_model"], got["d_ff"], vocab)
+
+
+def test_solver_refuses_what_it_cannot_reach_within_its_tolerance():
+    """The default tolerance is 10%: AR 60 at 40k params (nearest: L1 d52, AR 52, 13% off) and 10k params at depth 2
+    (closest 8,784, 12% off) are refused in one line; tolerance None returns the nearest; `fixed` is checked."""
+    with pytest.raises(ValueError, match="comes near AR 60"):
+        shapes.solve(40_000, ar=60, vocab=64, n_head=2)
+    assert shapes.solve(40_000, ar=60, vocab=64, n_head=2, tolerance=0.2)["n_layer"] == 1
+    with pytest.raises(ValueError, match="within 10% of 10,000 total params"):
+        shapes.solve(10_000, layers=2, vocab=64, n_head=2)
+    assert shapes.solve(10_000, layers=2, vocab=64, n_head=2, tolerance=None)["params"] == 8_784
+    with pytest.raises(ValueError, match="fixed must be"):
+        shapes.solve(40_000, ar=30, fixed="embeddings")
