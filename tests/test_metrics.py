@@ -440,6 +440,22 @@ def test_nll_of_a_bigram_model_by_hand():
     assert out["categories"]["math"]["nll_sum"] == pytest.approx(math_sum)
 
 
+def test_the_nll_metric_passes_its_options_through():
+    """diagnose.py's nll row: the run's tokenizer, tasks and max_len, the command line's data folder, item limit and
+    batch size reach nll.evaluate (two items a task, three tasks, a context of 48 bytes); a run without text skips."""
+    model, tok = bigram_model(), ByteTokenizer()
+    tasks = list(nll.TASKS)[:3]
+    st = SimpleNamespace(text_skip=None, tok_name="bytes", nll_tasks=tasks, max_len=48)
+    args = SimpleNamespace(nll_data=ROOT / "fixtures" / "nll", nll_limit=2, batch_size=3)
+    got = dg.nll(dg.Inputs(model, args, st, device="cpu", batches=[]))
+    want = nll.evaluate(model, tok, tasks, nll_data=ROOT / "fixtures" / "nll", limit=2, max_len=48, batch_size=3)
+    assert got == want and set(got["tasks"]) == set(tasks)
+    full = nll.evaluate(model, tok, tasks, nll_data=ROOT / "fixtures" / "nll", max_len=4096, batch_size=3)
+    assert got["tasks"][tasks[0]]["num_target_tokens"] < full["tasks"][tasks[0]]["num_target_tokens"]
+    skipped = dg.nll(dg.Inputs(model, args, SimpleNamespace(text_skip="no text"), device="cpu", batches=[]))
+    assert skipped == {"skipped": "no text"}
+
+
 def hellaswag_text(text):
     """lm-eval's HellaSwag clean-up, as its task's utils describe it: strip, ' [title]' -> '. ', drop [bracketed]
     markup, then double spaces -> one."""

@@ -251,3 +251,35 @@ def test_a_failing_training_step_keeps_the_prefill_numbers(monkeypatch):
     got = profile_gpu.measure(job)
     assert got["fwd_ms"] > 0 and got["peak_mem_bytes"] > 0 and "fwdbwd_ms" not in got
     assert got["error"].startswith("train: OutOfMemoryError")
+
+
+def test_memory_formulas_by_hand():
+    """docs/training.md#memory written out: a block keeps 31 d + 8 d_ff + 4 d_kv bytes a token in bf16 (33, 16, 8 in
+    fp32) plus the design's act_bytes (bf16, fp32) times d, a hybrid its deep design's; the fixed part is 20 bytes a
+    parameter, or under FSDP2 over W ranks 16 p / W + 8 (p - blocks) + 16 blocks / L."""
+    from types import SimpleNamespace as Run
+    run = Run(d_model=64, d_ff=176, n_head=4, n_kv_head=2, residual="moda", residual_args={}, world_size=1, fsdp=False,
+              n_layer=8)
+    moda = RESIDUALS["moda"].act_bytes
+    assert costs.block_bytes(run, True) == 31 * 64 + 8 * 176 + 4 * 32 + moda[0] * 64
+    assert costs.block_bytes(run, False) == 33 * 64 + 16 * 176 + 8 * 32 + moda[1] * 64
+    run.residual, run.residual_args = "hybrid", {"deep": "attnres"}
+    assert costs.block_bytes(run, True) == 31 * 64 + 8 * 176 + 4 * 32 + RESIDUALS["attnres"].act_bytes[0] * 64
+    assert costs.fixed_bytes(run, 1000, 800) == 20 * 1000
+    run.world_size = 4
+    assert costs.fixed_bytes(run, 1000, 800) == 20 * 1000                      # DDP: every rank holds it all
+    run.fsdp = True
+    assert costs.fixed_bytes(run, 1000, 800) == 16 * 1000 / 4 + 8 * 200 + 16 * 800 / 8
+
+
+@pytest.mark.parametrize("residual, args", [("preln", {}), ("mhc", {"n_streams": 3}), ("moda", {}),
+                                            ("block_attnres", {"n_groups": 2}), ("mudd", {})])
+def test_run_params_is_the_built_models_count(residual, args):
+    """costs.run_params (on the meta device) counts what the model built from the run has: GQA, a vocab not a
+    multiple of anything, the design's options."""
+    from types import SimpleNamespace as Run
+    run = Run(n_layer=3, d_model=32, d_ff=96, n_head=4, n_kv_head=2, vocab_size=77, residual=residual,
+              residual_args=args)
+    model = GPT(GPTConfig(vocab_size=77, n_layer=3, d_model=32, n_head=4, n_kv_head=2, d_ff=96, residual=residual,
+                          residual_args=args))
+    assert costs.run_params(run) == model.num_params()
