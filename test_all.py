@@ -226,6 +226,21 @@ def test_fast_kernels_equal_the_reference_under_bf16_autocast(residual):
         assert (g1[name] - g).norm() <= 0.1 * g.norm() + 1e-3, name
 
 
+def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus():
+    """kernels.py's batched-matmul bodies (what CUDA runs) compute the CPU's broadcasts, on the CPU: MoDA's slot dots
+    and slot sums (GQA groups of 2) and AttnRes' source dots, on shapes where a transposed or swapped axis shows."""
+    from depthbench import kernels
+    g = torch.Generator().manual_seed(5)
+    n, B, Hkv, G, T, c = 3, 2, 2, 2, 5, 4
+    x, S = torch.randn(B, Hkv, G, T, c, generator=g), torch.randn(n, B, Hkv, T, c, generator=g)
+    w = torch.randn(n, B, Hkv, G, T, generator=g)
+    torch.testing.assert_close(kernels.slot_dots_batched(x, S), kernels.slot_dots(x, S))
+    torch.testing.assert_close(kernels.slot_sum_batched(w, S), kernels.slot_sum(w, S))
+    V, y = torch.randn(n, B, T, 6, generator=g), torch.randn(B, T, 6, generator=g)
+    torch.testing.assert_close(kernels.source_dots_batched(V, y), kernels.source_dots(V, y))
+    assert kernels.slot_dots(x, S).shape == (n, B, Hkv, G, T) and kernels.source_dots(V, y).shape == (n, B, T)
+
+
 @pytest.mark.parametrize("hd, n_kv", [(8, 2), (16, 4)])
 def test_moda_joint_attention_in_bf16(hd, n_kv):
     """kernels.joint_attention on bf16 q, k, v and bf16 depth slots, outside autocast (where nothing recasts a wrong

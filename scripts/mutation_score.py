@@ -6,6 +6,7 @@ fast tests catch (docs/contributing.md#mutation-testing). Not in CI; run it befo
     python scripts/mutation_score.py run             # mutmut over the functions below (resumes where it stopped)
     python scripts/mutation_score.py                 # the score, and the survivors grouped by function
     python scripts/mutation_score.py --diffs         # ... with each survivor's diff (mutmut show)
+    python scripts/mutation_score.py run --again     # after new tests: the survivors again, and what changed
 
 mutmut (configured in setup.cfg) copies the repository into mutants/, mutates every function of the files it names
 and records each mutant's result in mutants/**/*.py.meta; this script runs and scores only the mutants of the
@@ -15,8 +16,13 @@ not messages, argparse or I/O. A survivor that cannot change any result (an equi
 scripts/mutation_equivalent.txt with its reason and counts as caught; every other survivor counts against the score.
 
     score = (killed + timed out + crashed + equivalent) / mutants of MATHS
+
+A mutant that changes only a string literal (outside official.py's name table) is no bug in the maths: a message, a
+key of diagnose.py's JSON, an option's name. Those are left out of the score, killed or not, and counted.
 """
 import argparse
+import ast
+import copy
 import fnmatch
 import json
 import re
@@ -54,6 +60,9 @@ MATHS = (
 # inside MATHS' patterns but not maths: the kernels switch, the fp32 wrapper, the depth-µP control's optimiser rules
 NOT_MATHS = ("ops.x_namespace__*", "ops.x_fp32_maths__*", "residuals.xǁSiteǁ*", "residuals.xǁPreLNDepthMuPǁ*")
 
+# official.py's strings are the release's tensor names: maths for a checkpoint, so they stay in the score
+NAME_TABLE = "depthbench.official."
+
 CAUGHT = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
           -11: "crashed", -9: "crashed"}
 
@@ -68,6 +77,32 @@ def function_of(name):
     """The function a mutant changed: 'residuals.xǁHCǁread__mutmut_3' -> 'residuals.HC.read'."""
     stem = re.sub(r"__mutmut_\d+$", "", name)
     return stem.replace(".xǁ", ".").replace("ǁ", ".").replace(".x_", ".")
+
+
+def string_only(folder):
+    """The mutants whose only change is inside a string literal (a message, a JSON key, an option's name): not
+    maths, so the score leaves them out, killed or not. Read from mutmut's mutated files, where every mutant is a
+    function `<name>__mutmut_<n>` beside the original `<name>__mutmut_orig`: equal once every string is blanked."""
+    def blanked(fn):
+        fn = copy.deepcopy(fn)
+        fn.name = ""
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                node.value = ""
+        return ast.dump(fn)
+
+    found = set()
+    for source in sorted(Path(folder).glob("**/*.py")):
+        if not Path(str(source) + ".meta").exists():
+            continue
+        module = ".".join(source.relative_to(folder).with_suffix("").parts)
+        defs = {n.name: n for n in ast.walk(ast.parse(source.read_text())) if isinstance(n, ast.FunctionDef)}
+        for name, fn in defs.items():
+            stem, _, number = name.rpartition("__mutmut_")
+            orig = defs.get(f"{stem}__mutmut_orig")
+            if stem and number.isdigit() and orig is not None and blanked(fn) == blanked(orig):
+                found.add(f"{module}.{name}")
+    return found
 
 
 def results(folder):
@@ -119,6 +154,9 @@ def tally(found, equivalent):
 
 def report(folder, diffs):
     found = results(folder)
+    strings = {name for name in string_only(folder) & set(found) if not name.startswith(NAME_TABLE)}
+    found = {name: code for name, code in found.items() if name not in strings}
+    print(f"left out: {len(strings)} mutants that change only a string (a message, a JSON key, an option's name)")
     equivalent = read_equivalent()
     outcome, survivors = tally(found, equivalent)
     done = len(found) - outcome["not run yet"]
@@ -139,11 +177,13 @@ def report(folder, diffs):
         print(f"warning: {len(stale)} names in {EQUIVALENT_FILE.name} are no mutant of today's code (e.g. {stale[0]})")
 
 
-def run(max_children):
+def run(max_children, again=False):
     """mutmut over MATHS only. mutmut reruns every mutant it is named, so once its mutants exist (mutants/ holds
-    their results) a second call names only the ones not run yet: the run resumes."""
+    their results) a second call names only the ones not run yet: the run resumes. again: the survivors too (after
+    new tests)."""
+    rerun = {None, 0, 5, 33} if again else {None}
     if has_mutants():
-        pending = [name for name, code in results(ROOT / "mutants").items() if code is None]
+        pending = [name for name, code in results(ROOT / "mutants").items() if code in rerun]
         print(f"mutmut run: {len(pending)} mutants to go", flush=True)
     else:
         pending = list(MATHS)
@@ -162,9 +202,10 @@ def main():
     p.add_argument("action", nargs="?", choices=("run", "report"), default="report")
     p.add_argument("--max-children", type=int, default=2, help="mutants tested at a time (default 2)")
     p.add_argument("--diffs", action="store_true", help="print each survivor's diff")
+    p.add_argument("--again", action="store_true", help="run: the survivors again too (after adding tests)")
     args = p.parse_args()
     if args.action == "run":
-        code = run(args.max_children)
+        code = run(args.max_children, args.again)
         if code:
             sys.exit(code)
     report(ROOT / "mutants", args.diffs)
