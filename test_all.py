@@ -241,6 +241,26 @@ def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus():
     assert kernels.slot_dots(x, S).shape == (n, B, Hkv, G, T) and kernels.source_dots(V, y).shape == (n, B, T)
 
 
+def test_a_bank_forked_by_a_second_continuation_keeps_both():
+    """Without gradients (a diagnostic trying two continuations of one pass), a state that pushes after another state
+    of its bank pushed past it forks the bank: its mix reads its own history, [e, a, c], with every source's 1/rms,
+    and the other state still reads [e, a, b]; both equal ops.py's list."""
+    from depthbench import kernels
+    g = torch.Generator().manual_seed(9)
+    e, a, b, c = (3.0 * torch.randn(2, 3, 8, generator=g) for _ in range(4))
+    query, gain = torch.randn(8, generator=g), 1.0 + torch.rand(8, generator=g)
+    with torch.no_grad():
+        s1 = kernels.DepthBank.start(e, n_max=4).push(a)
+        s2 = s1.push(b)
+        s3 = s1.push(c)
+        for state, sources in ((s3, [e, a, c]), (s2, [e, a, b])):
+            mix, p = state.mix(query, gain, 1e-5)
+            want, p_want = ops.DepthBank(sources).mix(query, gain, 1e-5)
+            torch.testing.assert_close(mix, want)
+            torch.testing.assert_close(p, p_want)
+        assert s3.bank is not s2.bank and s3.push(b).bank is s3.bank     # forked once, then its own history
+
+
 @pytest.mark.parametrize("hd, n_kv", [(8, 2), (16, 4)])
 def test_moda_joint_attention_in_bf16(hd, n_kv):
     """kernels.joint_attention on bf16 q, k, v and bf16 depth slots, outside autocast (where nothing recasts a wrong
