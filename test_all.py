@@ -261,6 +261,31 @@ def test_a_bank_forked_by_a_second_continuation_keeps_both():
         assert s3.bank is not s2.bank and s3.push(b).bank is s3.bank     # forked once, then its own history
 
 
+@pytest.mark.parametrize("deep", ["attnres", "block_attnres", "hc", "mudd", "moda"])
+@pytest.mark.parametrize("b", [0, 1, 2])
+def test_a_skipped_pre_ln_block_of_a_hybrid_is_that_block_writing_zero(deep, b):
+    """A hybrid's Pre-LN blocks (L6, split 0.5: blocks 0-2, block 2 hands over to the deep design): the diagnostics'
+    pass with block b skipped gives the logits of the plain model whose block b writes nothing (W_o = W_2 = 0),
+    the hand-over block included (its skip hands the unchanged stream over). Up to 1e-4 apart there for AttnRes: its
+    next-output rule normalises the handed-over stream with AttnRes' eps 1e-5, the first deep consumer's own read with
+    the backbone's 1e-6."""
+    from depthbench import observe
+    torch.manual_seed(0)
+    cfg = tiny("hybrid", n_layer=6, residual_args={"deep": deep, "split": 0.5})
+    model = GPT(cfg).eval()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    x = batch(T=8)
+    with torch.no_grad():
+        skipped = observe.record(model, x, skip=b).logits
+        model.blocks[b].attn.wo.weight.zero_()
+        model.blocks[b].mlp.w2.weight.zero_()
+        zeroed = model(x)[0]
+    torch.testing.assert_close(skipped, zeroed, rtol=0, atol=3e-4)
+
+
 @pytest.mark.parametrize("hd, n_kv", [(8, 2), (16, 4)])
 def test_moda_joint_attention_in_bf16(hd, n_kv):
     """kernels.joint_attention on bf16 q, k, v and bf16 depth slots, outside autocast (where nothing recasts a wrong
