@@ -65,12 +65,16 @@ def test_suite_rows_are_the_rows_above():
 
 def brute_force(budget, ar, vocab, n_head, max_layers):
     """The solver's rule written as two plain searches: per depth the width (a multiple of 2 n_head, up to 4096)
-    whose Pre-LN count is closest to the budget (the narrower of two equally close), then the depth whose d/L is
+    whose Pre-LN count is closest to the budget (the narrower of two equally close; up to twice the budget), then the depth whose d/L is
     nearest the AR (ties: the count nearest the budget, then the shallower)."""
     best = None
     for L in range(1, max_layers + 1):
-        widths = [(abs(shapes.preln_params(L, d, shapes.ffn_dim(d), vocab) - budget), d)
-                  for d in range(2 * n_head, 4097, 2 * n_head)]
+        widths = []
+        for d in range(2 * n_head, 4097, 2 * n_head):
+            size = shapes.preln_params(L, d, shapes.ffn_dim(d), vocab)
+            widths.append((abs(size - budget), d))
+            if size > 2 * budget:              # the count grows with d: nothing wider comes closer
+                break
         d = min(widths)[1]
         size = shapes.preln_params(L, d, shapes.ffn_dim(d), vocab)
         key = (abs(d / L - ar), abs(size - budget), L)
