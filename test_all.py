@@ -142,6 +142,25 @@ def test_recording_forward_returns_depth_states(residual):
     assert len(rec.states) == model.cfg.n_layer + 1
 
 
+@pytest.mark.parametrize("residual", ALL)
+def test_the_last_readout_is_what_the_head_reads(residual):
+    """With and without a skipped block (the last one, a middle one): the observed pass's logits are the LM head on
+    its last readout (the lens' state 2L). The gains are perturbed, so a readout that drops one shows."""
+    model = build(residual)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    x = batch()
+    L = model.cfg.n_layer
+    with torch.no_grad():
+        for skip in (None, 1, L - 1):
+            rec = observe.record(model, x, skip=skip)
+            torch.testing.assert_close(model.lm_head(rec.readouts[-1]), rec.logits, rtol=1e-5, atol=1e-5,
+                                       msg=f"skip {skip}")
+            assert len(rec.readouts) == L + 1
+
+
 # two shapes: MHA with 16-wide heads, and GQA with 8-wide heads (CPU attention pads those in the fast path)
 KERNEL_SHAPES = {"mha": dict(d_model=64, n_head=4, d_ff=176), "gqa": dict(d_model=32, n_head=4, n_kv_head=2, d_ff=96)}
 
