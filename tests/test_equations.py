@@ -853,6 +853,35 @@ def test_resformer_init():
     assert torch.equal(res.lambdas, torch.full((2, 2), 0.5)) and isinstance(res.lambdas, torch.nn.Parameter)
     fixed = fresh("resformer", residual_args={"learn": False})
     assert "res.lambdas" not in dict(fixed.named_parameters()) and "res.lambdas" not in fixed.state_dict()
+    assert torch.equal(fixed.res.lambdas, torch.full((2, 2), 0.5))
+    two, one = fresh("resformer", n_layer=2).res, fresh("resformer", n_layer=1).res
+    assert isinstance(two.lambdas, torch.nn.Parameter) and two.lambdas.shape == (1, 2)
+    assert not isinstance(one.lambdas, torch.nn.Parameter) and one.lambdas.shape == (0, 2)   # no block b >= 1
+
+
+def test_resformer_without_its_first_block_mixes_in_zero_values():
+    """Skipping block 0 in the diagnostics' pass is the model whose block 0 has zero values and writes nothing
+    (W_v = W_2 = 0): later attentions mix lambda_1 * 0 into their own values."""
+    from depthbench import observe
+    model = fresh("resformer", n_layer=3, n_kv_head=2).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+        x = torch.randint(0, 32, (2, 6), generator=g)
+        skipped = observe.record(model, x, skip=0).logits
+        model.blocks[0].attn.wv.weight.zero_()
+        model.blocks[0].mlp.w2.weight.zero_()
+        torch.testing.assert_close(skipped, model(x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_mixln_post_fraction_bounds():
+    """post_fraction 0 is Pre-LN throughout and 1 Post-LN throughout; outside [0, 1] is refused."""
+    assert fresh("mixln", residual_args={"post_fraction": 0.0}).res.n_post == 0
+    assert fresh("mixln", residual_args={"post_fraction": 1.0}).res.n_post == 3
+    for bad in (-0.1, 1.01):
+        with pytest.raises(ValueError, match="post_fraction"):
+            fresh("mixln", residual_args={"post_fraction": bad})
 
 
 @pytest.mark.parametrize("fraction, L, n_post", [(0.25, 3, 0), (0.25, 4, 1), (0.25, 9, 2), (0.5, 5, 2), (1.0, 3, 3)])
