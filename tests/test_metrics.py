@@ -319,14 +319,15 @@ def test_dense_weights_of_mudd_are_the_token_mean_of_its_weights():
 
 
 def test_dead_zone_counts_blocks_whose_two_sublayers_are_dead():
-    """L3, tau 1/8: sublayers 1, 2, 3 and 5 put less than tau beyond the embedding (sublayer 4 exactly tau: not
-    below, so alive), so block 1 (sublayers 2, 3) is the one dead block; blocks 0 and 2 have one dead sublayer each.
+    """L3, tau 1/8: sublayers 2, 3 and 5 put less than tau beyond the embedding (sublayer 4 exactly tau: not below,
+    so alive), so block 1 (sublayers 2, 3) is the one dead block; block 2 has one dead sublayer, and sublayers 1
+    and 2 (two blocks) make no block.
     The weights are binary fractions, exact in floating point."""
-    beyond = [0.5, 0.0625, 0.0, 0.09375, 0.125, 0.03125]
+    beyond = [0.5, 0.25, 0.0, 0.09375, 0.125, 0.03125]
     weights = [[1.0 - b, b] for b in beyond] + [[0.25, 0.75]]               # consumers 0..5, then the head
     got = ops.dead_zone(weights, 3, 0.125)
-    assert got["dead"] == [False, True, True, True, False, True]
-    assert (got["count_sublayers"], got["count_blocks"]) == (4, 1) and got["head"] == pytest.approx(0.75)
+    assert got["dead"] == [False, False, True, True, False, True]
+    assert (got["count_sublayers"], got["count_blocks"]) == (3, 1) and got["head"] == pytest.approx(0.75)
 
 
 def test_attnres_weights_of_zero_queries_are_uniform():
