@@ -320,8 +320,8 @@ def test_dense_weights_of_mudd_are_the_token_mean_of_its_weights():
 
 def test_dead_zone_counts_blocks_whose_two_sublayers_are_dead():
     """L3, tau 1/8: sublayers 2, 3 and 5 put less than tau beyond the embedding (sublayer 4 exactly tau: not below,
-    so alive), so block 1 (sublayers 2, 3) is the one dead block; block 2 has one dead sublayer, and sublayers 1
-    and 2 (two blocks) make no block.
+    so alive), so block 1 (sublayers 2, 3) is the one dead block; block 2 has one dead sublayer, and dead sublayers of two
+    neighbouring blocks (3 and 5 around 4) make no block.
     The weights are binary fractions, exact in floating point."""
     beyond = [0.5, 0.25, 0.0, 0.09375, 0.125, 0.03125]
     weights = [[1.0 - b, b] for b in beyond] + [[0.25, 0.75]]               # consumers 0..5, then the head
