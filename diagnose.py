@@ -341,8 +341,8 @@ def attnres(inp):
     n_groups = len(w[-1]) - 1                                             # the head reads every group
     rows = [r + [None] * (n_groups + 1 - len(r)) for r in w]
     block = [rows[2 * b] for b in range(L)] + [rows[2 * L]]
-    if n_groups == 2 * L:                                                 # Full AttnRes: sum per block
-        block = [[r[0]] + [None if r[1 + 2 * k] is None else r[1 + 2 * k] + (r[2 + 2 * k] or 0.0)
+    if n_groups == 2 * L:             # Full AttnRes: sum per block (a block-level consumer sees both or neither)
+        block = [[r[0]] + [None if r[1 + 2 * k] is None else r[1 + 2 * k] + r[2 + 2 * k]
                            for k in range(L)] for r in block]
     return {"sublayer": rows, "block": block, "n_groups": n_groups, "first_block": inp.model.cfg.n_layer - L}
 
