@@ -267,8 +267,8 @@ class DepthKV:
         self.keys, self.values = list(keys), list(values)
 
     @classmethod
-    def start(cls, like, n_max):
-        """An empty cache for at most n_max slots of tensors shaped and placed like `like` (B, Hkv, T, hd)."""
+    def start(cls, n_max):
+        """An empty cache for at most n_max slots (the fast body preallocates its storage from the first push)."""
         return cls([], [])
 
     @torch.compiler.disable

@@ -867,9 +867,7 @@ class MoDA(PreLN):
         return Site(i, norm=self.norms[i], kv_proj=self.kv_proj[block] if has_slot else None)
 
     def init_stream(self, x0):
-        B, T = x0.shape[:2]
-        like = x0.new_empty(B, self.n_kv_head, T, self.head_dim)
-        return x0, self.ops.DepthKV.start(like, n_max=self.n_sub - 1)
+        return x0, self.ops.DepthKV.start(n_max=self.n_sub - 1)
 
     def read(self, s, site):
         x, depth = s

@@ -322,7 +322,7 @@ def test_moda_joint_attention_in_bf16(hd, n_kv):
     out = {}
     for name, body, dtype in (("fast", kernels, torch.bfloat16), ("reference", ops, torch.float32)):
         leaves = [t.detach().clone().to(dtype).requires_grad_() for t in (q, k, v)]
-        depth = body.DepthKV.start(leaves[1], n_max=S)
+        depth = body.DepthKV.start(n_max=S)
         for dk, dv in slots:
             depth = depth.push(dk.to(dtype), dv.to(dtype))
         o, share = body.joint_attention(*leaves, depth)
@@ -688,6 +688,41 @@ def test_rope_is_rotate_half_and_keeps_relative_positions(fast):
     assert abs(qr[5] @ kr[2] - qr[5] @ kr[4]) > 1e-3
 
 
+@pytest.mark.parametrize("residual", ["preln", "hc", "attnres", "block_attnres", "moda", "mudd", "resformer"])
+def test_checkpointed_blocks_equal_the_plain_forward(residual):
+    """checkpoint_blocks: backward recomputes each block from its input (the depth banks write their slots again);
+    loss and every gradient equal the plain run's, fast kernels."""
+    x = batch(T=8)
+    out = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = GPT(tiny(residual, n_kv_head=2, checkpoint_blocks=ckpt))
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        loss = model(x, x, logits=False)[1]
+        loss.backward()
+        out.append((loss, [p.grad for p in model.parameters()]))
+    (l1, g1), (l2, g2) = out
+    torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g2, g1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_causal_attention_with_gqa_at_any_length(T):
+    """GQA (4 query heads on 2 kv heads, 8-wide: the CPU pads them) at sequences shorter than the head count: both
+    bodies equal attention over kv heads copied to every query head."""
+    from depthbench import kernels
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(2, 4, T, 8, generator=g), torch.randn(2, 2, T, 8, generator=g), torch.randn(2, 2, T, 8, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            is_causal=True)
+    for body in (ops, kernels):
+        torch.testing.assert_close(body.causal_attention(q, k, v), want, rtol=1e-5, atol=1e-6)
+
+
 def test_chunked_loss_equals_plain_loss_and_gradients():
     """The logits-free loss (token chunks, checkpointed) equals the plain fp32 cross-entropy and its
     gradients, with ignored targets spread over the chunks (the model's tiny shapes use one chunk)."""
@@ -695,7 +730,7 @@ def test_chunked_loss_equals_plain_loss_and_gradients():
     torch.manual_seed(0)
     z, w = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
     t = torch.randint(0, 50, (37,))
-    t[[0, 5, 20, 36]] = -1
+    t[[1, 5, 20, 36]] = -1
     plain = torch.nn.functional.cross_entropy(z @ w.T, t, ignore_index=-1)
     plain_grads = torch.autograd.grad(plain, [z, w])
     for chunk in [None, 7, 36]:                   # one chunk, many with a short last one, a last of one token
@@ -849,7 +884,7 @@ def test_joint_attention_gqa_equals_copied_kv_heads(fast):
     rep = lambda t: t.repeat_interleave(H // Hkv, dim=1)  # noqa: E731
 
     def depth(keys, values):                                   # a DepthKV holding the S slots
-        slots = ops.DepthKV.start(keys[0], S)
+        slots = ops.DepthKV.start(S)
         for key, value in zip(keys, values):
             slots = slots.push(key, value)
         return slots

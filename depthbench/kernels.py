@@ -520,7 +520,7 @@ class DepthKV:
         self.bank, self.n, self.token = bank, n, token
 
     @classmethod
-    def start(cls, like, n_max):
+    def start(cls, n_max):
         return cls(Bank(n_max), 0, None)
 
     @torch.compiler.disable
