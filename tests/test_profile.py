@@ -283,3 +283,22 @@ def test_run_params_is_the_built_models_count(residual, args):
     model = GPT(GPTConfig(vocab_size=77, n_layer=3, d_model=32, n_head=4, n_kv_head=2, d_ff=96, residual=residual,
                           residual_args=args))
     assert costs.run_params(run) == model.num_params()
+
+
+def test_analytic_row_composes_the_designs_cost():
+    """costs.analytic with the design's options and GQA: the overhead is the design's own cost with the same options
+    and kv ratio; training is 3 x (formula A + head + overhead) per token; the defaults are one sequence of bf16
+    weights; d_ff defaults to the backbone's rule."""
+    row = costs.analytic("moda", n_layer=4, d_model=64, seq=32, vocab=100, params=1000, kv_ratio=0.5)
+    over, _ = RESIDUALS["moda"].cost(4, 64, 32, kv_ratio=0.5)
+    assert row["residual_overhead_flops"] == over != RESIDUALS["moda"].cost(4, 64, 32)[0]
+    assert row["train_flops_per_token"] == 3 * (row["prefill_flops_head"] + over) / 32
+    assert row["weight_bytes"] == 2000 and row["kv_cache_bytes_batch"] == row["kv_cache_bytes"]
+    grouped = costs.analytic("block_attnres", n_layer=4, d_model=64, seq=32, vocab=100, params=1000,
+                             options={"n_groups": 2})
+    assert grouped["residual_overhead_flops"] == RESIDUALS["block_attnres"].cost(4, 64, 32, n_groups=2)[0]
+    assert grouped["residual_overhead_flops"] != costs.analytic("block_attnres", n_layer=4, d_model=64, seq=32,
+                                                                vocab=100, params=1000)["residual_overhead_flops"]
+    import shapes
+    wide = costs.analytic("preln", n_layer=4, d_model=64, seq=32, vocab=100, params=1000, d_ff=shapes.ffn_dim(64))
+    assert wide == costs.analytic("preln", n_layer=4, d_model=64, seq=32, vocab=100, params=1000)
