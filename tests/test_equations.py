@@ -875,6 +875,14 @@ def test_resformer_without_its_first_block_mixes_in_zero_values():
         torch.testing.assert_close(skipped, model(x)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_hybrid_refuses_a_split_outside_the_unit_interval_or_a_deep_design_it_lacks():
+    """split in [0, 1] (1: one deep block, S = L - 1), deep one of the cross-layer designs; anything else, one line."""
+    assert fresh("hybrid", residual_args={"split": 1.0}).res.n_shallow == 2
+    for args in ({"split": 1.5}, {"split": -0.25}, {"deep": "preln"}, {"deep": "preln", "split": 0.5}):
+        with pytest.raises(ValueError, match="hybrid deep must be one of"):
+            fresh("hybrid", residual_args=args)
+
+
 def test_mixln_post_fraction_bounds():
     """post_fraction 0 is Pre-LN throughout and 1 Post-LN throughout; outside [0, 1] is refused."""
     assert fresh("mixln", residual_args={"post_fraction": 0.0}).res.n_post == 0
