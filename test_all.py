@@ -40,6 +40,15 @@ def batch(B=2, T=16, V=64, seed=1):
     return torch.randint(0, V, (B, T), generator=g)
 
 
+def perturb(model, scale, seed):
+    """Move every parameter off its init by scale * N(0, 1) from its own generator, in parameter order, so that
+    zero-initialised mixing weights (AttnRes' queries, HC's dynamic maps) do not hide a difference."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+
+
 def kernels_of(fast):
     """The fast namespace (depthbench/kernels.py) or ops.py's (the reference)."""
     return ops.namespace("fast" if fast else "reference")
@@ -147,10 +156,7 @@ def test_the_last_readout_is_what_the_head_reads(residual):
     """With and without a skipped block (the last one, a middle one): the observed pass's logits are the LM head on
     its last readout (the lens' state 2L). The gains are perturbed, so a readout that drops one shows."""
     model = build(residual)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    perturb(model, 0.05, seed=3)
     x = batch()
     L = model.cfg.n_layer
     with torch.no_grad():
@@ -175,10 +181,7 @@ def assert_kernels_agree(residual, shape, options=None):
     out = {}
     for kernels in ("fast", "reference"):
         model = build(residual, kernels=kernels, residual_args=options or {}, **KERNEL_SHAPES[shape])
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        perturb(model, 0.05, seed=7)
         logits, loss = model(x, x)
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
@@ -230,10 +233,7 @@ def test_fast_kernels_equal_the_reference_under_bf16_autocast(residual):
     for kernels in ("fast", "reference"):
         torch.manual_seed(0)
         model = GPT(tiny(residual, kernels=kernels, n_kv_head=2))
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=g))
+        perturb(model, 0.02, seed=7)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, loss = model(x, x)
         loss.backward()
@@ -292,10 +292,7 @@ def test_a_skipped_pre_ln_block_of_a_hybrid_is_that_block_writing_zero(deep, b):
     torch.manual_seed(0)
     cfg = tiny("hybrid", n_layer=6, residual_args={"deep": deep, "split": 0.5})
     model = GPT(cfg).eval()
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    perturb(model, 0.05, seed=4)
     x = batch(T=8)
     with torch.no_grad():
         skipped = observe.record(model, x, skip=b).logits
@@ -347,10 +344,7 @@ def test_fast_kernels_equal_the_reference_deep(residual, n_layer):
     out = {}
     for kernels in ("fast", "reference"):
         model = build(residual, kernels=kernels, n_layer=n_layer, **KERNEL_SHAPES["gqa"])
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=g))
+        perturb(model, 0.02, seed=7)
         loss = model(x, x, logits=False)[1]
         loss.backward()
         out[kernels] = loss, {n: p.grad for n, p in model.named_parameters()}
@@ -697,10 +691,7 @@ def test_checkpointed_blocks_equal_the_plain_forward(residual):
     for ckpt in (False, True):
         torch.manual_seed(0)
         model = GPT(tiny(residual, n_kv_head=2, checkpoint_blocks=ckpt))
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        perturb(model, 0.05, seed=5)
         loss = model(x, x, logits=False)[1]
         loss.backward()
         out.append((loss, [p.grad for p in model.parameters()]))

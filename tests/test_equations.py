@@ -614,15 +614,22 @@ def test_mhc_transport_by_hand(kernels):
     torch.testing.assert_close(out[1], H[0, 0, 0] + 2 * torch.sigmoid(b_post[1]) * y[0, 0], rtol=1e-3, atol=1e-3)
 
 
+def hand_sources():
+    """The embedding e and the sublayer outputs f_0 .. f_3 (one token, width 4) that the AttnRes tests mix: no two
+    alike, so a swapped, dropped or shifted source changes every mix."""
+    e = torch.tensor([[[1.0, 2.0, 0.0, -1.0]]])
+    f = [torch.tensor([[[0.0, 1.0, 3.0, 1.0]]]), torch.tensor([[[2.0, -2.0, 1.0, 0.0]]]),
+         torch.tensor([[[1.0, 1.0, 1.0, -3.0]]]), torch.tensor([[[0.5, 0.0, -1.0, 2.0]]])]
+    return e, f
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_full_attnres_reads_by_hand(kernels):
     """Full AttnRes at consumer k = 2 of three sources [e, f_0, f_1] (width 4): with query q and key gain g set,
     p = softmax_j <q, g * v_j / rms(v_j)> (eps 1e-5), the input RMSNorm_2(sum_j p_j v_j) with its gain; the head
     mixes all five sources with the last query row and the final norm's gain."""
     model = hand_model("attnres", kernels)
-    e = torch.tensor([[[1.0, 2.0, 0.0, -1.0]]])
-    f = [torch.tensor([[[0.0, 1.0, 3.0, 1.0]]]), torch.tensor([[[2.0, -2.0, 1.0, 0.0]]]),
-         torch.tensor([[[1.0, 1.0, 1.0, -3.0]]]), torch.tensor([[[0.5, 0.0, -1.0, 2.0]]])]
+    e, f = hand_sources()
     q = torch.tensor([0.5, -1.0, 2.0, 0.0])
     g = torch.tensor([1.0, 2.0, 0.5, 1.5])
     out_gain = torch.tensor([1.0, 0.5, 2.0, 1.0])
@@ -659,9 +666,7 @@ def test_block_attnres_partial_sums_by_hand(kernels):
     consumer 2 opens group 1, so it mixes [e, f_0 + f_1]; consumer 3 mixes [e, f_0 + f_1, f_2]. With zero queries the
     mix is the plain mean of those sources."""
     model = hand_model("block_attnres", kernels, residual_args={"n_groups": 2})
-    e = torch.tensor([[[1.0, 2.0, 0.0, -1.0]]])
-    f = [torch.tensor([[[0.0, 1.0, 3.0, 1.0]]]), torch.tensor([[[2.0, -2.0, 1.0, 0.0]]]),
-         torch.tensor([[[1.0, 1.0, 1.0, -3.0]]])]
+    e, f = hand_sources()
     with torch.no_grad():
         res = model.res
         res.queries.zero_()
@@ -930,9 +935,7 @@ def test_attnres_topk_keeps_the_lower_source_on_ties(kernels):
     """Zero queries give every source the same logit: top-k (fraction 0.5 of four sources: two) then keeps the
     embedding and f_0, each with weight 1/2, as the release's kernel takes the lowest index among equal maxima."""
     model = hand_model("attnres", kernels, residual_args={"topk_fraction": 0.5})
-    e = torch.tensor([[[1.0, 2.0, 0.0, -1.0]]])
-    f = [torch.tensor([[[0.0, 1.0, 3.0, 1.0]]]), torch.tensor([[[2.0, -2.0, 1.0, 0.0]]]),
-         torch.tensor([[[1.0, 1.0, 1.0, -3.0]]])]
+    e, f = hand_sources()
     with torch.no_grad():
         res = model.res
         res.queries.zero_()
