@@ -246,18 +246,25 @@ def test_fast_kernels_equal_the_reference_under_bf16_autocast(residual):
 
 
 def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus():
-    """kernels.py's batched-matmul bodies (what CUDA runs) compute the CPU's broadcasts, on the CPU: MoDA's slot dots
-    and slot sums (GQA groups of 2) and AttnRes' source dots, on shapes where a transposed or swapped axis shows."""
+    """kernels.py's batched-matmul bodies (what CUDA runs) compute the CPU's loops, on the CPU: MoDA's slot dots, slot
+    sums and slot gradients (GQA groups of 2; the CPU's slots tokens-last) and AttnRes' source dots, on shapes where a
+    transposed or swapped axis shows."""
     from depthbench import kernels
     g = torch.Generator().manual_seed(5)
     n, B, Hkv, G, T, c = 3, 2, 2, 2, 5, 4
     x, S = torch.randn(B, Hkv, G, T, c, generator=g), torch.randn(n, B, Hkv, T, c, generator=g)
     w = torch.randn(n, B, Hkv, G, T, generator=g)
-    torch.testing.assert_close(kernels.slot_dots_batched(x, S), kernels.slot_dots(x, S))
-    torch.testing.assert_close(kernels.slot_sum_batched(w, S), kernels.slot_sum(w, S))
+    St = S.transpose(-1, -2).contiguous()                                         # the CPU's tokens-last slots
+    torch.testing.assert_close(kernels.slot_dots_batched(x, S), kernels.slot_dots(x, St))
+    torch.testing.assert_close(kernels.slot_sum_batched(w, S), kernels.slot_sum(w, St))
+    dS = torch.randn(n, B, Hkv, T, c, generator=g)
+    dSt = dS.transpose(-1, -2).contiguous()
+    kernels.add_outer_batched(dS, w, x)
+    kernels.add_outer(dSt, w, x)
+    torch.testing.assert_close(dSt, dS.transpose(-1, -2))
     V, y = torch.randn(n, B, T, 6, generator=g), torch.randn(B, T, 6, generator=g)
     torch.testing.assert_close(kernels.source_dots_batched(V, y), kernels.source_dots(V, y))
-    assert kernels.slot_dots(x, S).shape == (n, B, Hkv, G, T) and kernels.source_dots(V, y).shape == (n, B, T)
+    assert kernels.slot_dots(x, St).shape == (n, B, Hkv, G, T) and kernels.source_dots(V, y).shape == (n, B, T)
 
 
 def test_a_bank_forked_by_a_second_continuation_keeps_both():

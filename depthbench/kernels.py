@@ -197,22 +197,30 @@ class Sinkhorn(torch.autograd.Function):
 class Bank:
     """Storage of one forward pass: one tensor (n_max, *shape) per kind of slot (AttnRes: the sources; MoDA: keys
     and values), allocated by the first push (its dtype and device), their gradients (fp32) by the first backward that
-    needs them, and per-slot extras (AttnRes: each source's 1/rms, fp32)."""
+    needs them, and per-slot extras (AttnRes: each source's 1/rms, fp32). With tokens_last_on_cpu (MoDA), a bank on
+    the CPU stores each slot with its last two axes swapped, (..., hd, T): the tokens contiguous, for the depth
+    contractions below."""
 
-    def __init__(self, n_max, norm_eps=None):
+    def __init__(self, n_max, norm_eps=None, tokens_last_on_cpu=False):
         self.n_max, self.norm_eps = n_max, norm_eps      # norm_eps: AttnRes' key-norm eps (r_j); None for MoDA
         self.written = 0                                 # slots [0, written) hold what the pushes wrote
         self.slots = self.grads = None
         self.inv_rms = self.d_inv_rms = None        # AttnRes only: r_j, and the gradient that reached it
+        self.tokens_last_on_cpu, self.tokens_last = tokens_last_on_cpu, False
 
     def write(self, j, tensors):
         if self.slots is None:
-            self.slots = [t.new_empty((self.n_max, *t.shape)) for t in tensors]
+            self.tokens_last = self.tokens_last_on_cpu and tensors[0].device.type == "cpu"
+            self.slots = [self.stored(t).new_empty((self.n_max, *self.stored(t).shape)) for t in tensors]
         if j >= self.n_max:
             raise ValueError(f"a bank of {self.n_max} slots cannot take slot {j}")
         for slot, t in zip(self.slots, tensors):
-            slot[j].copy_(t)
+            slot[j].copy_(self.stored(t))
         self.written = j + 1
+
+    def stored(self, t):
+        """t (or a slot's gradient) as the bank stores it: a view, its last two axes swapped when tokens_last."""
+        return t.transpose(-1, -2) if self.tokens_last else t
 
     def scratch(self, j, v):
         """Slot j holds v for one read (a group's open sum), its r_j with it, outside the history: `written` stays, and
@@ -223,8 +231,8 @@ class Bank:
     def fork(self, n):
         """A bank holding a copy of slots [0, n), for a state that pushes after another state of the same pass pushed
         past it: a diagnostic that tries two continuations (no gradients) leaves the other's slots as they are."""
-        other = Bank(self.n_max, self.norm_eps)
-        other.slots = [s.clone() for s in self.slots]
+        other = Bank(self.n_max, self.norm_eps, self.tokens_last_on_cpu)
+        other.slots, other.tokens_last = [s.clone() for s in self.slots], self.tokens_last
         other.inv_rms = None if self.inv_rms is None else self.inv_rms.clone()
         other.written = n
         return other
@@ -261,7 +269,7 @@ class Push(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dtoken):
         bank, j = ctx.bank, ctx.j
-        grads = [g[j] for g in bank.gradients()]
+        grads = [bank.stored(g[j]) for g in bank.gradients()]              # stored() undoes its own swap
         if ctx.norm and bank.d_inv_rms is not None:
             v, r = bank.slots[0][j].float(), bank.inv_rms[j]
             grads[0] = grads[0] + (bank.d_inv_rms[j] * r.pow(3) / -v.size(-1))[..., None] * v
@@ -445,7 +453,7 @@ class Attend(torch.autograd.Function):
     @staticmethod
     def forward(ctx, bank, n, scale, token, q):
         B, H, T, hd = q.shape
-        K, V = (s[:n].float() for s in bank.slots)                               # (n, B, Hkv, T, hd)
+        K, V = (s[:n].float() for s in bank.slots)                    # (n, B, Hkv, T, hd); CPU: (n, B, Hkv, hd, T)
         qg = q.float().reshape(B, K.size(2), H // K.size(2), T, hd)               # (B, Hkv, G, T, hd)
         logits = slot_dots(qg, K) * scale                                        # (n, B, Hkv, G, T)
         lse = logits.logsumexp(0)
@@ -464,29 +472,47 @@ class Attend(torch.autograd.Function):
         dp = slot_dots(dog, V)                                                   # (n, B, Hkv, G, T)
         dlogit = p * (dp - (p * dp).sum(0) + dlse.float().reshape(p.shape[1:])) * scale
         dq = slot_sum(dlogit, K)
-        dK, dV = (g[:n] for g in bank.gradients())                               # (n, B, Hkv, T, hd)
+        dK, dV = (g[:n] for g in bank.gradients())                               # as K and V
         add_outer(dK, dlogit, qg)
         add_outer(dV, p, dog)
         return None, None, None, None, dq.reshape(do.shape).to(ctx.dtype)
 
 
-# The three contractions of the depth half between per-token vectors x (B, Hkv, G, T, c) and slots S (n, B, Hkv,
-# T, c), with weights w (n, B, Hkv, G, T). On the CPU as broadcasts (a vectorised multiply and a sum: 2.5x faster than
-# the batched matmul of many tiny (G x c) matrices, measured at L8 d256); on CUDA as batched matmuls (no n x |x|
-# temporary).
+# The three contractions of the depth half between per-token vectors x (B, Hkv, G, T, c) and the bank's slots S,
+# with weights w (n, B, Hkv, G, T). On CUDA the slots are (n, B, Hkv, T, c) and each contraction is one batched
+# matmul over the tokens. On the CPU the slots are stored tokens-last, (n, B, Hkv, c, T), and each contraction is a
+# short loop over the head's c channels (or the G query heads of a kv head) of in-place broadcasts along the
+# contiguous tokens: a number of kernels set by the head width, not by the depth, and no temporary larger than the
+# weights (n, B, Hkv, G, T). A single broadcast and sum made an (n, B, Hkv, G, T, c) temporary per contraction:
+# above glibc's mmap threshold it is fresh pages every time (at L32 d128 the eager MoDA step was 2.4x Pre-LN's with
+# it, 1.9x with the threshold raised).
 
 def slot_dots(x, S):
     """w_j = <x, S_j> per token and head: (n, B, Hkv, G, T)."""
     if x.is_cuda:
         return slot_dots_batched(x, S)
-    return (x.unsqueeze(0) * S.unsqueeze(3)).sum(-1)
+    xt = x.transpose(-1, -2).contiguous()                                        # (B, Hkv, G, c, T)
+    S = S.unsqueeze(3)                                                           # (n, B, Hkv, 1, c, T)
+    w = S[..., 0, :] * xt[..., 0, :]
+    for c in range(1, xt.size(-2)):
+        w.addcmul_(S[..., c, :], xt[..., c, :])
+    return w
 
 
 def slot_sum(w, S):
     """sum_j w_j S_j: (B, Hkv, G, T, c)."""
     if w.is_cuda:
         return slot_sum_batched(w, S)
-    return (w.unsqueeze(-1) * S.unsqueeze(3)).sum(0)
+    return torch.stack([(w * S[:, :, :, None, c]).sum(0) for c in range(S.size(-2))], dim=-1)
+
+
+def add_outer(dS, w, x):
+    """dS_j += sum_g w_gj x_g: the slots' gradient from per-token vectors x (B, Hkv, G, T, c), in place."""
+    if x.is_cuda:
+        return add_outer_batched(dS, w, x)
+    xt = x.transpose(-1, -2).contiguous()                                        # (B, Hkv, G, c, T)
+    for g in range(x.size(2)):
+        dS.addcmul_(w[:, :, :, g, None, :], xt[:, :, g])
 
 
 def slot_dots_batched(x, S):
@@ -505,8 +531,8 @@ def slot_sum_batched(w, S):
     return out.view(B, Hkv, T, G, -1).transpose(2, 3)
 
 
-def add_outer(dS, w, x):
-    """dS_j += sum_g w_gj x_g: the slots' gradient from per-token vectors x (B, Hkv, G, T, c), in place."""
+def add_outer_batched(dS, w, x):
+    """add_outer on (n, B, Hkv, T, c) slots (CUDA's body)."""
     if x.size(2) == 1:
         dS.addcmul_(w.squeeze(3).unsqueeze(-1), x.squeeze(2))
     else:
@@ -521,7 +547,7 @@ class DepthKV:
 
     @classmethod
     def start(cls, n_max):
-        return cls(Bank(n_max), 0, None)
+        return cls(Bank(n_max, tokens_last_on_cpu=True), 0, None)
 
     @torch.compiler.disable
     def push(self, key, value):
