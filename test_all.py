@@ -247,8 +247,8 @@ def test_fast_kernels_equal_the_reference_under_bf16_autocast(residual):
 
 def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus():
     """kernels.py's batched-matmul bodies (what CUDA runs) compute the CPU's loops, on the CPU: MoDA's slot dots, slot
-    sums and slot gradients (GQA groups of 2; the CPU's slots tokens-last) and AttnRes' source dots, on shapes where a
-    transposed or swapped axis shows."""
+    sums and slot gradients (GQA groups of 2; the CPU's slots tokens-last), and AttnRes' source dots (one body) equal
+    a broadcast, on shapes where a transposed or swapped axis shows."""
     from depthbench import kernels
     g = torch.Generator().manual_seed(5)
     n, B, Hkv, G, T, c = 3, 2, 2, 2, 5, 4
@@ -263,7 +263,7 @@ def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus():
     kernels.add_outer(dSt, w, x)
     torch.testing.assert_close(dSt, dS.transpose(-1, -2))
     V, y = torch.randn(n, B, T, 6, generator=g), torch.randn(B, T, 6, generator=g)
-    torch.testing.assert_close(kernels.source_dots_batched(V, y), kernels.source_dots(V, y))
+    torch.testing.assert_close(kernels.source_dots(V, y), (V * y).sum(-1))                  # one body for both
     assert kernels.slot_dots(x, St).shape == (n, B, Hkv, G, T) and kernels.source_dots(V, y).shape == (n, B, T)
 
 

@@ -284,18 +284,12 @@ def tokens_major(slots, n):
 
 
 def source_dots(V, x):
-    """<v_j, x> per token for every source j: (n, B, T). On the CPU a broadcast multiply and a sum over the contiguous
-    last axis (5.6x faster than the batched matmul over a source-major bank, which copies it tokens-major first: 1.2
-    against 6.6 ms at 17 sources, BT 512, D 256); on CUDA the batched matmul."""
-    if V.is_cuda:
-        return source_dots_batched(V, x)
-    return (V * x).sum(-1)
-
-
-def source_dots_batched(V, x):
-    """source_dots as one batched matmul over the tokens (CUDA's body)."""
-    D = V.size(-1)
-    return torch.bmm(tokens_major(V, V.size(0)), x.reshape(-1, D, 1)).squeeze(-1).t().reshape(V.shape[:-1])
+    """<v_j, x> per token for every source j: (n, B, T), as one batched matmul over the tokens, x_t^T [v_1 .. v_n]:
+    the source-major bank read in place as each token's D x n matrix. At 64 sources, BT 2048, D 128 (one thread)
+    6.4 ms, against 34 ms for a broadcast multiply and sum (its full-size temporary) and 18 ms for [v_j]^T x_t (which
+    copies the bank tokens-major first)."""
+    n, B, T, D = V.shape
+    return torch.bmm(x.reshape(B * T, 1, D), tokens_major(V, n).transpose(1, 2)).view(B, T, n).permute(2, 0, 1)
 
 
 class Mix(torch.autograd.Function):
