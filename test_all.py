@@ -8,6 +8,7 @@ CPU only, fp32, tiny shapes; the whole suite runs in a few minutes on 2 cores.
 import math
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -307,6 +308,36 @@ def test_a_skipped_pre_ln_block_of_a_hybrid_is_that_block_writing_zero(deep, b):
         model.blocks[b].mlp.w2.weight.zero_()
         zeroed = model(x)[0]
     torch.testing.assert_close(skipped, zeroed, rtol=0, atol=3e-4)
+
+
+def test_moda_merge_by_log_sum_exp_equals_the_sink():
+    """kernels.joint_attention on the CPU in fp32 with heads 16 wide merges the halves by the fused kernel's
+    log-sum-exp (`MergeDepth`); the sink body on the same values gives the same output, share and gradients of q, k,
+    v and of every depth key and value (a wrong gradient through either log-sum-exp would show in all of them)."""
+    from depthbench import kernels
+    g = torch.Generator().manual_seed(8)
+    B, H, T, hd, S = 2, 4, 7, 16, 3
+    leaves = [2.0 * torch.randn(B, H, T, hd, generator=g) for _ in range(3 + 2 * S)]
+    weights = torch.randn(B, H, T, hd, generator=g)
+    out = {}
+    for name in ("merge", "sink"):
+        ts = [t.clone().requires_grad_() for t in leaves]
+        depth = kernels.DepthKV.start(n_max=S)
+        for j in range(S):
+            depth = depth.push(ts[3 + 2 * j], ts[4 + 2 * j])
+        if name == "merge":
+            with mock.patch.object(kernels, "sink_attention", side_effect=AssertionError("not merged")):
+                o, share = kernels.joint_attention(*ts[:3], depth)
+        else:
+            o, share = kernels.sink_attention(*ts[:3], *depth.attend(ts[0], hd ** -0.5))
+        (o * weights).sum().backward()
+        out[name] = o, share, [t.grad for t in ts]
+    (o1, s1, g1), (o2, s2, g2) = out["merge"], out["sink"]
+    torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert 0.05 < s1.mean() < 0.95                                        # both halves carry weight
 
 
 @pytest.mark.parametrize("hd, n_kv", [(8, 2), (16, 4)])

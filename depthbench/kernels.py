@@ -11,7 +11,8 @@ the same logits, loss and gradients. What each trick buys, measured, is in docs/
 - hand-written autograd nodes where a loop of small ops kept many graph nodes and zero-filled gradients
   (Sinkhorn, the norm factor 1/rms, the banks);
 - layouts that put the tokens last or as a matmul's wide side, where CPU BLAS and broadcasts are faster;
-- MoDA's depth keys folded into the fused attention kernel as one extra "sink" key per query;
+- MoDA's two halves merged by the fused CPU kernel's own log-sum-exp (no copy of q, k, v), or elsewhere its depth
+  keys folded into the fused attention kernel as one extra "sink" key per query;
 - CPU attention on heads padded to 16 wide; the loss over token chunks without the full logits.
 """
 import torch
@@ -46,15 +47,55 @@ def causal_attention(q, k, v):
 def joint_attention(q, k, v, depth):
     """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
 
-    The depth half is `depth.attend` (the DepthKV bank, in fp32). The sequence half goes through the fused SDPA
-    kernel with one extra "sink" key per query that stands for all its depth keys: extra query coordinates holding
-    lse_depth / scale against a sink key with 1s there give the sink exactly the logit log Z_depth, and a 1 in an
-    extra value channel reads out its share Z_depth / (Z_seq + Z_depth). Under bf16 the logit rides in two
-    coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy first query lets SDPA's top-left causal mask
-    show every query the sink (key 0) and the sequence keys up to itself."""
+    The depth half is `depth.attend` (the DepthKV bank, in fp32). On the CPU in fp32, with as many kv heads as query
+    heads and heads at least CPU_SDPA_MIN_HEAD_DIM wide, the fused kernel's own log-sum-exp merges the halves
+    (`MergeDepth`); otherwise the depth half enters the fused kernel as a sink key (`sink_attention`)."""
+    scale = q.size(-1) ** -0.5
+    o_depth, lse = depth.attend(q, scale)                                         # (B, H, T, hd), (B, H, T)
+    merges = (q.device.type == "cpu" and q.dtype == torch.float32 and k.size(1) == q.size(1)
+              and q.size(-1) >= CPU_SDPA_MIN_HEAD_DIM)
+    if merges:
+        o, share = MergeDepth.apply(q, k, v, o_depth, lse, scale)
+        return o, share.detach()
+    return sink_attention(q, k, v, o_depth, lse)
+
+
+class MergeDepth(torch.autograd.Function):
+    """The sequence half by the CPU's fused kernel, which returns its log-sum-exp lse_seq, merged with the depth half
+    (o_depth, lse_depth): lse = logaddexp(lse_seq, lse_depth), share = exp(lse_depth - lse),
+    o = o_seq + share (o_depth - o_seq). No copy of q, k or v. Backward, as ring attention merges blocks: the fused
+    backward given the joint o and lse is the sequence keys' part of the joint softmax's gradient (dq, dk, dv);
+    the depth half gets do_depth = share do and dlse_depth = share <do, o_depth - o>, which its own backward turns
+    into the depth keys' part. -> (o (B, H, T, hd), share (B, H, T))."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, o_depth, lse_depth, scale):
+        o_seq, lse_seq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_seq, lse_depth)
+        share = torch.exp(lse_depth - lse)
+        o = o_seq + share[..., None] * (o_depth - o_seq)
+        ctx.save_for_backward(q, k, v, o, lse, o_depth, share)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(share)
+        return o, share
+
+    @staticmethod
+    def backward(ctx, do, _):
+        q, k, v, o, lse, o_depth, share = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, o, lse, 0.0, True, scale=ctx.scale)
+        d_lse_depth = share * (do * (o_depth - o)).sum(-1)
+        return dq, dk, dv, share[..., None] * do, d_lse_depth, None
+
+
+def sink_attention(q, k, v, o_depth, lse):
+    """The sequence half through the fused SDPA kernel with one extra "sink" key per query that stands for all its
+    depth keys: extra query coordinates holding lse_depth / scale against a sink key with 1s there give the sink
+    exactly the logit log Z_depth, and a 1 in an extra value channel reads out its share Z_depth / (Z_seq + Z_depth).
+    Under bf16 the logit rides in two coordinates, hi + lo (~16 mantissa bits; exact in fp32). A dummy first query
+    lets SDPA's top-left causal mask show every query the sink (key 0) and the sequence keys up to itself."""
     B, H, T, hd = q.shape
     Hkv, scale = k.size(1), hd ** -0.5
-    o_depth, lse = depth.attend(q, scale)                                         # (B, H, T, hd), (B, H, T)
     lse = lse / scale
     # extra coordinates: two are enough; 8 keeps CUDA's fused kernels (head_dim % 8); on CPU up to the padded width
     pad = 8 if q.is_cuda else max(2, CPU_SDPA_MIN_HEAD_DIM - hd)
