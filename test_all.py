@@ -310,13 +310,15 @@ def test_a_skipped_pre_ln_block_of_a_hybrid_is_that_block_writing_zero(deep, b):
     torch.testing.assert_close(skipped, zeroed, rtol=0, atol=3e-4)
 
 
-def test_moda_merge_by_log_sum_exp_equals_the_sink():
-    """kernels.joint_attention on the CPU in fp32 with heads 16 wide merges the halves by the fused kernel's
-    log-sum-exp (`MergeDepth`); the sink body on the same values gives the same output, share and gradients of q, k,
-    v and of every depth key and value (a wrong gradient through either log-sum-exp would show in all of them)."""
+@pytest.mark.parametrize("hd", [8, 16])
+def test_moda_merge_by_log_sum_exp_equals_the_sink(hd):
+    """kernels.joint_attention on the CPU in fp32 (heads 8 wide, padded to 16, and 16 wide) merges the halves by the
+    fused kernel's log-sum-exp (`MergeDepth`); the sink body on the same values gives the same output, share and
+    gradients of q, k, v and of every depth key and value (a wrong gradient through either log-sum-exp would show in
+    all of them)."""
     from depthbench import kernels
     g = torch.Generator().manual_seed(8)
-    B, H, T, hd, S = 2, 4, 7, 16, 3
+    B, H, T, S = 2, 4, 7, 3
     leaves = [2.0 * torch.randn(B, H, T, hd, generator=g) for _ in range(3 + 2 * S)]
     weights = torch.randn(B, H, T, hd, generator=g)
     out = {}

@@ -48,13 +48,11 @@ def joint_attention(q, k, v, depth):
     """One softmax over the sequence and depth logits, o_t = (Z_seq o_seq + Z_depth o_depth) / (Z_seq + Z_depth).
 
     The depth half is `depth.attend` (the DepthKV bank, in fp32). On the CPU in fp32, with as many kv heads as query
-    heads and heads at least CPU_SDPA_MIN_HEAD_DIM wide, the fused kernel's own log-sum-exp merges the halves
-    (`MergeDepth`); otherwise the depth half enters the fused kernel as a sink key (`sink_attention`)."""
+    heads, the fused kernel's own log-sum-exp merges the halves (`MergeDepth`); otherwise the depth half enters the
+    fused kernel as a sink key (`sink_attention`)."""
     scale = q.size(-1) ** -0.5
     o_depth, lse = depth.attend(q, scale)                                         # (B, H, T, hd), (B, H, T)
-    merges = (q.device.type == "cpu" and q.dtype == torch.float32 and k.size(1) == q.size(1)
-              and q.size(-1) >= CPU_SDPA_MIN_HEAD_DIM)
-    if merges:
+    if q.device.type == "cpu" and q.dtype == torch.float32 and k.size(1) == q.size(1):
         o, share = MergeDepth.apply(q, k, v, o_depth, lse, scale)
         return o, share.detach()
     return sink_attention(q, k, v, o_depth, lse)
@@ -63,29 +61,35 @@ def joint_attention(q, k, v, depth):
 class MergeDepth(torch.autograd.Function):
     """The sequence half by the CPU's fused kernel, which returns its log-sum-exp lse_seq, merged with the depth half
     (o_depth, lse_depth): lse = logaddexp(lse_seq, lse_depth), share = exp(lse_depth - lse),
-    o = o_seq + share (o_depth - o_seq). No copy of q, k or v. Backward, as ring attention merges blocks: the fused
-    backward given the joint o and lse is the sequence keys' part of the joint softmax's gradient (dq, dk, dv);
-    the depth half gets do_depth = share do and dlse_depth = share <do, o_depth - o>, which its own backward turns
-    into the depth keys' part. -> (o (B, H, T, hd), share (B, H, T))."""
+    o = o_seq + share (o_depth - o_seq). No copy of q, k or v (heads narrower than CPU_SDPA_MIN_HEAD_DIM are
+    zero-padded to it, as causal_attention does). Backward, as ring attention merges blocks: the fused backward given
+    the joint o and lse is the sequence keys' part of the joint softmax's gradient (dq, dk, dv); the depth half gets
+    do_depth = share do and dlse_depth = share <do, o_depth - o>, which its own backward turns into the depth keys'
+    part. -> (o (B, H, T, hd), share (B, H, T))."""
 
     @staticmethod
     def forward(ctx, q, k, v, o_depth, lse_depth, scale):
+        pad = max(0, CPU_SDPA_MIN_HEAD_DIM - q.size(-1))
+        q, k, v, o_depth = (F.pad(t, (0, pad)) if pad else t for t in (q, k, v, o_depth))
         o_seq, lse_seq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         lse = torch.logaddexp(lse_seq, lse_depth)
         share = torch.exp(lse_depth - lse)
-        o = o_seq + share[..., None] * (o_depth - o_seq)
+        o = o_seq + share[..., None] * (o_depth - o_seq)                   # the padded channels stay 0
         ctx.save_for_backward(q, k, v, o, lse, o_depth, share)
-        ctx.scale = scale
+        ctx.scale, ctx.pad = scale, pad
         ctx.mark_non_differentiable(share)
-        return o, share
+        return o[..., :o.size(-1) - pad], share
 
     @staticmethod
     def backward(ctx, do, _):
         q, k, v, o, lse, o_depth, share = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do = F.pad(do, (0, ctx.pad)) if ctx.pad else do
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, o, lse, 0.0, True, scale=ctx.scale)
+        dq, dk, dv = (g[..., :g.size(-1) - ctx.pad] for g in grads)
         d_lse_depth = share * (do * (o_depth - o)).sum(-1)
-        return dq, dk, dv, share[..., None] * do, d_lse_depth, None
+        d_o_depth = (share[..., None] * do)[..., :do.size(-1) - ctx.pad]
+        return dq, dk, dv, d_o_depth, d_lse_depth, None
 
 
 def sink_attention(q, k, v, o_depth, lse):
