@@ -331,7 +331,8 @@ def test_moda_merge_by_log_sum_exp_equals_the_sink(hd):
             with mock.patch.object(kernels, "sink_attention", side_effect=AssertionError("not merged")):
                 o, share = kernels.joint_attention(*ts[:3], depth)
         else:
-            o, share = kernels.sink_attention(*ts[:3], *depth.attend(ts[0], hd ** -0.5))
+            o_depth, lse = depth.attend(ts[0], hd ** -0.5)
+            o, share = kernels.sink_attention(*ts[:3], o_depth=o_depth, lse=lse)
         (o * weights).sum().backward()
         out[name] = o, share, [t.grad for t in ts]
     (o1, s1, g1), (o2, s2, g2) = out["merge"], out["sink"]

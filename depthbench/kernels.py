@@ -53,9 +53,9 @@ def joint_attention(q, k, v, depth):
     scale = q.size(-1) ** -0.5
     o_depth, lse = depth.attend(q, scale)                                         # (B, H, T, hd), (B, H, T)
     if q.device.type == "cpu" and q.dtype == torch.float32 and k.size(1) == q.size(1):
-        o, share = MergeDepth.apply(q, k, v, o_depth, lse, scale)
+        o, share = MergeDepth.apply(q, k, v, o_depth, lse)
         return o, share.detach()
-    return sink_attention(q, k, v, o_depth, lse)
+    return sink_attention(q, k, v, o_depth=o_depth, lse=lse)
 
 
 class MergeDepth(torch.autograd.Function):
@@ -68,10 +68,10 @@ class MergeDepth(torch.autograd.Function):
     part. -> (o (B, H, T, hd), share (B, H, T))."""
 
     @staticmethod
-    def forward(ctx, q, k, v, o_depth, lse_depth, scale):
-        pad = max(0, CPU_SDPA_MIN_HEAD_DIM - q.size(-1))
+    def forward(ctx, q, k, v, o_depth, lse_depth):
+        scale, pad = q.size(-1) ** -0.5, max(0, CPU_SDPA_MIN_HEAD_DIM - q.size(-1))
         q, k, v, o_depth = (F.pad(t, (0, pad)) if pad else t for t in (q, k, v, o_depth))
-        o_seq, lse_seq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        o_seq, lse_seq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=scale)
         lse = torch.logaddexp(lse_seq, lse_depth)
         share = torch.exp(lse_depth - lse)
         o = o_seq + share[..., None] * (o_depth - o_seq)                   # the padded channels stay 0
@@ -85,11 +85,11 @@ class MergeDepth(torch.autograd.Function):
         q, k, v, o, lse, o_depth, share = ctx.saved_tensors
         do = F.pad(do, (0, ctx.pad)) if ctx.pad else do
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, o, lse, 0.0, True, scale=ctx.scale)
+            do, q, k, v, out=o, logsumexp=lse, dropout_p=0.0, is_causal=True, scale=ctx.scale)
         dq, dk, dv = (g[..., :g.size(-1) - ctx.pad] for g in grads)
         d_lse_depth = share * (do * (o_depth - o)).sum(-1)
         d_o_depth = (share[..., None] * do)[..., :do.size(-1) - ctx.pad]
-        return dq, dk, dv, d_o_depth, d_lse_depth, None
+        return dq, dk, dv, d_o_depth, d_lse_depth
 
 
 def sink_attention(q, k, v, o_depth, lse):
