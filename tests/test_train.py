@@ -607,17 +607,18 @@ def test_gpu_smoke_script_parses_and_its_train_commands_resolve(capsys):
 # graphs per design when each block is compiled on its own: (a training step, then an eval under no_grad)
 BLOCK_GRAPHS = {"preln": 1, "sandwich": 1, "lns": 1, "deepnorm": 1, "hc": 1, "mhc": 1,
                 "keel": 2,            # block 0: its attention has no post-norm
-                # the depth banks are read and written eagerly: each read or push ends a graph and the rest of the
-                # block resumes in another; every block shares the same pieces
-                "attnres": 6,         # block 0 reads the embedding (its own pieces); the others mix and push twice
-                "block_attnres": 8,   # as Full AttnRes, and a block whose sublayer opens a group pushes there
-                "moda": 9,            # two pushes per block, the depth read inside attention; block 0 and the last
+                # the depth banks are read and written eagerly: each read or push ends a graph and the block resumes
+                # after it (once per break, with dynamo's nested graph breaks, not once per frame on the way down);
+                # every block shares the same pieces
+                "attnres": 5,         # block 0 reads the embedding (its own pieces); the others mix and push twice
+                "block_attnres": 5,   # as Full AttnRes; a sublayer that opens a group pushes there
+                "moda": 5,            # two pushes per block, the depth read inside attention; block 0 and the last
                 # beyond the paper: the weighted sums over depth run eagerly (their weights' shapes grow with depth)
-                "mudd": 3,            # block 0 (one attention input), the others (separate q, k, v streams), resumed
+                "mudd": 2,            # block 0 (one attention input), the others (separate q, k, v streams)
                 "resformer": 2,       # block 0 (keeps its values), the others (mix them in)
-                "denseformer": 2,     # a block, and its rest after the eager weighted sum
+                "denseformer": 1,     # a block up to its push: the push and the eager weighted sum end it
                 "mixln": 2,           # a Post-LN block, a Pre-LN block
-                "hybrid": 9}          # (deep Full AttnRes) its Pre-LN blocks, the hand-over block, Full AttnRes' 6 + 1
+                "hybrid": 7}          # (deep Full AttnRes) its Pre-LN blocks, the hand-over block, Full AttnRes' 5
 # (options, the two depths) where the default (L4 and L8) does not show the count: a hybrid needs two Pre-LN blocks
 # for each of its graphs, and Block AttnRes (its default deep design) changes its graphs with its group sizes
 GRAPH_CASES = {"hybrid": ({"deep": "attnres"}, (8, 16))}
