@@ -255,17 +255,17 @@ def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus():
     n, B, Hkv, G, T, c = 3, 2, 2, 2, 5, 4
     x, S = torch.randn(B, Hkv, G, T, c, generator=g), torch.randn(n, B, Hkv, T, c, generator=g)
     w = torch.randn(n, B, Hkv, G, T, generator=g)
-    St = S.transpose(-1, -2).contiguous()                                         # the CPU's tokens-last slots
-    torch.testing.assert_close(kernels.slot_dots_batched(x, S), kernels.slot_dots(x, St))
+    St, xt = (t.transpose(-1, -2).contiguous() for t in (S, x))                  # the CPU's tokens-last layout
+    torch.testing.assert_close(kernels.slot_dots_batched(x, S), kernels.slot_dots(xt, St))
     torch.testing.assert_close(kernels.slot_sum_batched(w, S), kernels.slot_sum(w, St))
     dS = torch.randn(n, B, Hkv, T, c, generator=g)
     dSt = dS.transpose(-1, -2).contiguous()
     kernels.add_outer_batched(dS, w, x)
-    kernels.add_outer(dSt, w, x)
+    kernels.add_outer(dSt, w, xt)
     torch.testing.assert_close(dSt, dS.transpose(-1, -2))
     V, y = torch.randn(n, B, T, 6, generator=g), torch.randn(B, T, 6, generator=g)
     torch.testing.assert_close(kernels.source_dots(V, y), (V * y).sum(-1))                  # one body for both
-    assert kernels.slot_dots(x, St).shape == (n, B, Hkv, G, T) and kernels.source_dots(V, y).shape == (n, B, T)
+    assert kernels.slot_dots(xt, St).shape == (n, B, Hkv, G, T) and kernels.source_dots(V, y).shape == (n, B, T)
 
 
 def test_a_bank_forked_by_a_second_continuation_keeps_both():

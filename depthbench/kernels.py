@@ -33,15 +33,23 @@ def apply_rope(x, cos, sin):
     return (xf * cos + xf.roll(half, -1) * torch.cat([-sin[..., :half], sin[..., half:]], -1)).to(x.dtype)
 
 
+def head_pad(q):
+    """How many zero channels CPU attention adds to q's heads: up to CPU_SDPA_MIN_HEAD_DIM wide (0 on other devices).
+    The zeros add nothing to q.k; the padded value channels are cut from the output; the scale stays the unpadded one."""
+    return max(0, CPU_SDPA_MIN_HEAD_DIM - q.size(-1)) if q.device.type == "cpu" else 0
+
+
+def padded(pad, *tensors):
+    """The tensors with `pad` zero channels appended to their last dim (as they are for 0)."""
+    return tuple(F.pad(t, (0, pad)) if pad else t for t in tensors)
+
+
 def causal_attention(q, k, v):
-    """On CPU a head narrower than CPU_SDPA_MIN_HEAD_DIM is zero-padded to it and the output cut back: the zeros
-    add nothing to q.k, the padded value channels are dropped, the scale is the unpadded one."""
-    hd = q.size(-1)
-    pad = CPU_SDPA_MIN_HEAD_DIM - hd if q.device.type == "cpu" else 0
-    if pad > 0:
-        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    """On CPU a head narrower than CPU_SDPA_MIN_HEAD_DIM is zero-padded to it and the output cut back (`head_pad`)."""
+    hd, pad = q.size(-1), head_pad(q)
+    q, k, v = padded(pad, q, k, v)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5, enable_gqa=k.size(1) < q.size(1))
-    return o[..., :hd] if pad > 0 else o
+    return o[..., :hd]
 
 
 def joint_attention(q, k, v, depth):
@@ -62,15 +70,15 @@ class MergeDepth(torch.autograd.Function):
     """The sequence half by the CPU's fused kernel, which returns its log-sum-exp lse_seq, merged with the depth half
     (o_depth, lse_depth): lse = logaddexp(lse_seq, lse_depth), share = exp(lse_depth - lse),
     o = o_seq + share (o_depth - o_seq). No copy of q, k or v (heads narrower than CPU_SDPA_MIN_HEAD_DIM are
-    zero-padded to it, as causal_attention does). Backward, as ring attention merges blocks: the fused backward given
+    zero-padded to it, `head_pad`). Backward, as ring attention merges blocks: the fused backward given
     the joint o and lse is the sequence keys' part of the joint softmax's gradient (dq, dk, dv); the depth half gets
     do_depth = share do and dlse_depth = share <do, o_depth - o>, which its own backward turns into the depth keys'
     part. -> (o (B, H, T, hd), share (B, H, T))."""
 
     @staticmethod
     def forward(ctx, q, k, v, o_depth, lse_depth):
-        scale, pad = q.size(-1) ** -0.5, max(0, CPU_SDPA_MIN_HEAD_DIM - q.size(-1))
-        q, k, v, o_depth = (F.pad(t, (0, pad)) if pad else t for t in (q, k, v, o_depth))
+        scale, pad = q.size(-1) ** -0.5, head_pad(q)
+        q, k, v, o_depth = padded(pad, q, k, v, o_depth)
         o_seq, lse_seq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=scale)
         lse = torch.logaddexp(lse_seq, lse_depth)
         share = torch.exp(lse_depth - lse)
@@ -83,7 +91,7 @@ class MergeDepth(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _):
         q, k, v, o, lse, o_depth, share = ctx.saved_tensors
-        do = F.pad(do, (0, ctx.pad)) if ctx.pad else do
+        (do,) = padded(ctx.pad, do)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out=o, logsumexp=lse, dropout_p=0.0, is_causal=True, scale=ctx.scale)
         dq, dk, dv = (g[..., :g.size(-1) - ctx.pad] for g in grads)
@@ -494,32 +502,35 @@ class Attend(torch.autograd.Function):
         B, H, T, hd = q.shape
         K, V = (s[:n].float() for s in bank.slots)                    # (n, B, Hkv, T, hd); CPU: (n, B, Hkv, hd, T)
         qg = q.float().reshape(B, K.size(2), H // K.size(2), T, hd)               # (B, Hkv, G, T, hd)
-        logits = slot_dots(qg, K) * scale                                        # (n, B, Hkv, G, T)
+        qs = bank.stored(qg).contiguous()                                        # as the slots: once, for both passes
+        logits = slot_dots(qs, K) * scale                                        # (n, B, Hkv, G, T)
         lse = logits.logsumexp(0)
         p = torch.exp(logits - lse)
         o = slot_sum(p, V)                                                       # (B, Hkv, G, T, hd)
-        ctx.save_for_backward(qg, p)
+        ctx.save_for_backward(qs, p)
         ctx.bank, ctx.n, ctx.scale, ctx.dtype = bank, n, scale, q.dtype
         return o.reshape(B, H, T, hd), lse.reshape(B, H, T)
 
     @staticmethod
     def backward(ctx, do, dlse):
         bank, n, scale = ctx.bank, ctx.n, ctx.scale
-        qg, p = ctx.saved_tensors
+        qs, p = ctx.saved_tensors
         K, V = (s[:n].float() for s in bank.slots)
-        dog = do.float().reshape(qg.shape)                                       # (B, Hkv, G, T, hd)
-        dp = slot_dots(dog, V)                                                   # (n, B, Hkv, G, T)
+        dog = do.float().reshape(*p.shape[1:-1], *do.shape[-2:])                 # (B, Hkv, G, T, hd)
+        dos = bank.stored(dog).contiguous()                                      # as the slots, as qs
+        dp = slot_dots(dos, V)                                                   # (n, B, Hkv, G, T)
         dlogit = p * (dp - (p * dp).sum(0) + dlse.float().reshape(p.shape[1:])) * scale
         dq = slot_sum(dlogit, K)
         dK, dV = (g[:n] for g in bank.gradients())                               # as K and V
-        add_outer(dK, dlogit, qg)
-        add_outer(dV, p, dog)
+        add_outer(dK, dlogit, qs)
+        add_outer(dV, p, dos)
         return None, None, None, None, dq.reshape(do.shape).to(ctx.dtype)
 
 
-# The three contractions of the depth half between per-token vectors x (B, Hkv, G, T, c) and the bank's slots S,
-# with weights w (n, B, Hkv, G, T). On CUDA the slots are (n, B, Hkv, T, c) and each contraction is one batched
-# matmul over the tokens. On the CPU the slots are stored tokens-last, (n, B, Hkv, c, T), and each contraction is a
+# The three contractions of the depth half between per-token vectors x and the bank's slots S, both in the bank's
+# layout (Bank.stored), with weights w (n, B, Hkv, G, T). On CUDA the slots are (n, B, Hkv, T, c), x (B, Hkv, G, T, c),
+# and each contraction is one batched matmul over the tokens. On the CPU the slots are stored tokens-last,
+# (n, B, Hkv, c, T), x (B, Hkv, G, c, T): a caller that reads x twice (forward and backward) turns it once. Each is a
 # short loop over the head's c channels (or the G query heads of a kv head) of in-place broadcasts along the
 # contiguous tokens: a number of kernels set by the head width, not by the depth, and no temporary larger than the
 # weights (n, B, Hkv, G, T). A single broadcast and sum made an (n, B, Hkv, G, T, c) temporary per contraction:
@@ -530,11 +541,10 @@ def slot_dots(x, S):
     """w_j = <x, S_j> per token and head: (n, B, Hkv, G, T)."""
     if x.is_cuda:
         return slot_dots_batched(x, S)
-    xt = x.transpose(-1, -2).contiguous()                                        # (B, Hkv, G, c, T)
     S = S.unsqueeze(3)                                                           # (n, B, Hkv, 1, c, T)
-    w = S[..., 0, :] * xt[..., 0, :]
-    for c in range(1, xt.size(-2)):
-        w.addcmul_(S[..., c, :], xt[..., c, :])
+    w = S[..., 0, :] * x[..., 0, :]
+    for c in range(1, x.size(-2)):
+        w.addcmul_(S[..., c, :], x[..., c, :])
     return w
 
 
@@ -546,12 +556,11 @@ def slot_sum(w, S):
 
 
 def add_outer(dS, w, x):
-    """dS_j += sum_g w_gj x_g: the slots' gradient from per-token vectors x (B, Hkv, G, T, c), in place."""
+    """dS_j += sum_g w_gj x_g: the slots' gradient from per-token vectors x, in place."""
     if x.is_cuda:
         return add_outer_batched(dS, w, x)
-    xt = x.transpose(-1, -2).contiguous()                                        # (B, Hkv, G, c, T)
     for g in range(x.size(2)):
-        dS.addcmul_(w[:, :, :, g, None, :], xt[:, :, g])
+        dS.addcmul_(w[:, :, :, g, None, :], x[:, :, g])
 
 
 def slot_dots_batched(x, S):
