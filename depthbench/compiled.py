@@ -6,6 +6,15 @@ import contextlib
 import torch
 
 
+NESTED_GRAPH_BREAKS_FROM = (2, 13)     # the first PyTorch whose nested graph breaks the tests ran on
+
+
+def torch_version():
+    """(major, minor) of the PyTorch in use."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def compile_model(model, scope, backend="inductor"):
     """torch.compile by scope -> the module to call.
 
@@ -25,8 +34,9 @@ def compile_model(model, scope, backend="inductor"):
         if hasattr(config, name):              # the names changed across PyTorch versions
             setattr(config, name, max(getattr(config, name), limit))
     # a graph break inside a call the block makes (a bank's read in res.read, in attention) resumes the block's
-    # frame once, not once per frame on the way down: ~3x fewer compiled pieces per block (docs/speed.md#compile)
-    if hasattr(config, "nested_graph_breaks"):
+    # frame once, not once per frame on the way down: ~3x fewer compiled pieces per block (docs/speed.md#compile).
+    # Experimental in dynamo (off by default through 2026); on where it was tested, PyTorch 2.13
+    if hasattr(config, "nested_graph_breaks") and torch_version() >= NESTED_GRAPH_BREAKS_FROM:
         config.nested_graph_breaks = True
     for block in model.blocks:
         block.compile(dynamic=False, backend=backend)
