@@ -364,7 +364,7 @@ class Mix(torch.autograd.Function):
         V = bank.slots[0][:m].float()                                            # (m, B, T, D): a view in fp32
         D = V.size(-1)
         u = (V.reshape(-1, D) @ gq).view(V.shape[:-1])                            # (m, B, T)
-        r = bank.inv_rms[:m].clone()                                             # the scratch slot's r is kept
+        r = bank.inv_rms[:m]                       # the bank's r_j, read again in backward (the scratch slot's is kept)
         s = u * r
         if keep < m:
             s = s.masked_fill(~topk_sources(s, keep), float("-inf"))
@@ -373,9 +373,9 @@ class Mix(torch.autograd.Function):
         mix = V.new_empty(V.shape[1:])                                           # (B, T, D): no view of another
         torch.bmm(weights, tokens_major(V, m), out=mix.view(-1, 1, D))
         if extra is not None:
-            ctx.save_for_backward(gq, p, u, r, extra)
+            ctx.save_for_backward(gq, p, u, extra, r[n:].clone())
         else:
-            ctx.save_for_backward(gq, p, u, r)
+            ctx.save_for_backward(gq, p, u)
         ctx.bank, ctx.n = bank, n
         ctx.mark_non_differentiable(p)
         return mix, p
@@ -383,12 +383,14 @@ class Mix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dmix, _):
         bank, n = ctx.bank, ctx.n
-        gq, p, u, r, *extra = ctx.saved_tensors
+        gq, p, u, *extra = ctx.saved_tensors
         V = bank.slots[0][:n].float()
         D = V.size(-1)
         dp = source_dots(V, dmix)                                                # (n, B, T)
+        r = bank.inv_rms[:n]
         if extra:
             dp = torch.cat([dp, (extra[0].float() * dmix).sum(-1)[None]])
+            r = torch.cat([r, extra[1]])
         ds = p * (dp - (p * dp).sum(0))
         a = ds * r                                                               # ds_j r_j
         dV = bank.gradients()[0][:n]
