@@ -39,15 +39,15 @@ def head_pad(q):
     return max(0, CPU_SDPA_MIN_HEAD_DIM - q.size(-1)) if q.device.type == "cpu" else 0
 
 
-def padded(pad, *tensors):
-    """The tensors with `pad` zero channels appended to their last dim (as they are for 0)."""
+def padded(tensors, pad):
+    """The tensors, each with `pad` zero channels appended to its last dim (as they are for 0)."""
     return tuple(F.pad(t, (0, pad)) if pad else t for t in tensors)
 
 
 def causal_attention(q, k, v):
     """On CPU a head narrower than CPU_SDPA_MIN_HEAD_DIM is zero-padded to it and the output cut back (`head_pad`)."""
     hd, pad = q.size(-1), head_pad(q)
-    q, k, v = padded(pad, q, k, v)
+    q, k, v = padded((q, k, v), pad)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5, enable_gqa=k.size(1) < q.size(1))
     return o[..., :hd]
 
@@ -78,7 +78,7 @@ class MergeDepth(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, o_depth, lse_depth):
         scale, pad = q.size(-1) ** -0.5, head_pad(q)
-        q, k, v, o_depth = padded(pad, q, k, v, o_depth)
+        q, k, v, o_depth = padded((q, k, v, o_depth), pad)
         o_seq, lse_seq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=scale)
         lse = torch.logaddexp(lse_seq, lse_depth)
         share = torch.exp(lse_depth - lse)
@@ -91,7 +91,7 @@ class MergeDepth(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _):
         q, k, v, o, lse, o_depth, share = ctx.saved_tensors
-        (do,) = padded(ctx.pad, do)
+        (do,) = padded((do,), ctx.pad)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out=o, logsumexp=lse, dropout_p=0.0, is_causal=True, scale=ctx.scale)
         dq, dk, dv = (g[..., :g.size(-1) - ctx.pad] for g in grads)
