@@ -246,13 +246,14 @@ def test_fast_kernels_equal_the_reference_under_bf16_autocast(residual):
         assert (g1[name] - g).norm() <= 0.1 * g.norm() + 1e-3, name
 
 
-def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus():
+@pytest.mark.parametrize("G", [1, 2])
+def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus(G):
     """kernels.py's batched-matmul bodies (what CUDA runs) compute the CPU's loops, on the CPU: MoDA's slot dots, slot
-    sums and slot gradients (GQA groups of 2; the CPU's slots tokens-last), and AttnRes' source dots (one body) equal
-    a broadcast, on shapes where a transposed or swapped axis shows."""
+    sums and slot gradients (one query head per kv head, and GQA groups of 2; the CPU's slots tokens-last), and
+    AttnRes' source dots (one body) equal a broadcast, on shapes where a transposed or swapped axis shows."""
     from depthbench import kernels
     g = torch.Generator().manual_seed(5)
-    n, B, Hkv, G, T, c = 3, 2, 2, 2, 5, 4
+    n, B, Hkv, T, c = 3, 2, 2, 5, 4
     x, S = torch.randn(B, Hkv, G, T, c, generator=g), torch.randn(n, B, Hkv, T, c, generator=g)
     w = torch.randn(n, B, Hkv, G, T, generator=g)
     St, xt = (t.transpose(-1, -2).contiguous() for t in (S, x))                  # the CPU's tokens-last layout
@@ -286,6 +287,31 @@ def test_a_bank_forked_by_a_second_continuation_keeps_both():
             torch.testing.assert_close(mix, want)
             torch.testing.assert_close(p, p_want)
         assert s3.bank is not s2.bank and s3.push(b).bank is s3.bank     # forked once, then its own history
+
+
+def test_moda_depth_slots_forked_by_a_second_continuation_keep_both():
+    """MoDA's bank forks as AttnRes' does (a bank without key norms): a state that pushes after another state of its
+    bank pushed past it reads its own slots, and the other its own; both equal ops.py's lists. A bank refuses a slot
+    past the n_max it was made for."""
+    from depthbench import kernels
+    g = torch.Generator().manual_seed(10)
+    B, H, T, hd = 2, 2, 5, 4
+    q = torch.randn(B, H, T, hd, generator=g)
+    a, b, c = ((torch.randn(B, H, T, hd, generator=g), torch.randn(B, H, T, hd, generator=g)) for _ in range(3))
+    with torch.no_grad():
+        s1 = kernels.DepthKV.start(n_max=2).push(*a)
+        s2 = s1.push(*b)
+        s3 = s1.push(*c)
+        for state, slots in ((s3, [a, c]), (s2, [a, b])):
+            want = ops.DepthKV([k for k, _ in slots], [v for _, v in slots])
+            seq = torch.full((B, H, T, hd), 0.0)              # sequence half: zero keys and values
+            o, share = kernels.joint_attention(q, seq, seq, state)
+            o_want, share_want = ops.joint_attention(q, seq, seq, want)
+            torch.testing.assert_close(o, o_want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(share, share_want, rtol=1e-5, atol=1e-6)
+        assert s3.bank is not s2.bank
+        with pytest.raises(ValueError, match="cannot take slot 2"):
+            s3.push(*b)
 
 
 @pytest.mark.parametrize("deep", ["attnres", "block_attnres", "hc", "mudd", "moda"])
