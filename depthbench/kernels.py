@@ -77,16 +77,17 @@ class MergeDepth(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, o_depth, lse_depth):
-        scale, pad = q.size(-1) ** -0.5, head_pad(q)
+        hd, pad = q.size(-1), head_pad(q)
+        scale = hd ** -0.5
         q, k, v, o_depth = padded((q, k, v, o_depth), pad)
         o_seq, lse_seq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=scale)
         lse = torch.logaddexp(lse_seq, lse_depth)
         share = torch.exp(lse_depth - lse)
         o = o_seq + share[..., None] * (o_depth - o_seq)                   # the padded channels stay 0
         ctx.save_for_backward(q, k, v, o, lse, o_depth, share)
-        ctx.scale, ctx.pad = scale, pad
+        ctx.scale, ctx.hd, ctx.pad = scale, hd, pad
         ctx.mark_non_differentiable(share)
-        return o[..., :o.size(-1) - pad], share
+        return o[..., :hd], share
 
     @staticmethod
     def backward(ctx, do, _):
@@ -94,9 +95,9 @@ class MergeDepth(torch.autograd.Function):
         (do,) = padded((do,), ctx.pad)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out=o, logsumexp=lse, dropout_p=0.0, is_causal=True, scale=ctx.scale)
-        dq, dk, dv = (g[..., :g.size(-1) - ctx.pad] for g in grads)
+        dq, dk, dv = (g[..., :ctx.hd] for g in grads)
         d_lse_depth = share * (do * (o_depth - o)).sum(-1)
-        d_o_depth = (share[..., None] * do)[..., :do.size(-1) - ctx.pad]
+        d_o_depth = share[..., None] * do[..., :ctx.hd]
         return dq, dk, dv, d_o_depth, d_lse_depth
 
 
