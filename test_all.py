@@ -298,13 +298,13 @@ def test_moda_depth_slots_forked_by_a_second_continuation_keep_both():
     B, H, T, hd = 2, 2, 5, 4
     q = torch.randn(B, H, T, hd, generator=g)
     a, b, c = ((torch.randn(B, H, T, hd, generator=g), torch.randn(B, H, T, hd, generator=g)) for _ in range(3))
+    seq = torch.zeros(B, H, T, hd)                                        # sequence half: zero keys and values
     with torch.no_grad():
         s1 = kernels.DepthKV.start(n_max=2).push(*a)
         s2 = s1.push(*b)
         s3 = s1.push(*c)
         for state, slots in ((s3, [a, c]), (s2, [a, b])):
             want = ops.DepthKV([k for k, _ in slots], [v for _, v in slots])
-            seq = torch.full((B, H, T, hd), 0.0)              # sequence half: zero keys and values
             o, share = kernels.joint_attention(q, seq, seq, state)
             o_want, share_want = ops.joint_attention(q, seq, seq, want)
             torch.testing.assert_close(o, o_want, rtol=1e-5, atol=1e-6)
