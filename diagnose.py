@@ -554,10 +554,10 @@ def build_parser():
                    "run's seq_len)")
     g.add_argument("--tasks", type=comma_list(str), default=",".join(harness.TASKS),
                    help=f"zeroshot: comma list of lm-eval tasks, of {', '.join(harness.TASKS)} (default: all seven)")
-    g.add_argument("--zeroshot-data", help="zeroshot offline: folder of local <task>.jsonl, each in its hub dataset's "
-                   "fields (e.g. fixtures/zeroshot); default: the hub")
+    g.add_argument("--zeroshot-data", help="zeroshot offline: folder of <task>.jsonl in the hub's fields (fixtures/zeroshot)")
     g.add_argument("--zeroshot-limit", type=pos, help="zeroshot: at most this many items per task (lm-eval's limit; "
                    "default: all)")
+    g.add_argument("--skip-missing-tasks", action="store_true", help="--zeroshot-data: skip a task with no file (say so)")
     return p
 
 
@@ -591,6 +591,7 @@ def parse_args(argv):
     for flag, folder in (("--nll-data", args.nll_data), ("--zeroshot-data", args.zeroshot_data)):
         if folder and not Path(folder).is_dir():
             p.error(f"{flag} {folder}: not a folder")
+    harness.check_args(p, args, asked="zeroshot" in todo)  # its data, before lm-eval reads it
     seed = VAL_SEED if args.init and args.seed is None else args.seed
     return args, Settings(todo=todo, nll_tasks=args.nll_tasks, zeroshot_tasks=args.tasks, seed=seed, out=args.out)
 

@@ -7,6 +7,7 @@ answer choices, its acc and acc_norm. Offline, one `<task>.jsonl` per task in th
 
 lm-eval is optional: this module imports it inside the functions that need it (`missing()` says when it is absent).
 """
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +21,23 @@ class Task:
     yaml: str    # lm-eval's task definition, under lm_eval/tasks/
     hub: str     # the hub dataset it reads (and its config), whose field layout a local <task>.jsonl keeps
     split: str   # the split lm-eval scores (its test split where the task has one, else validation)
+    fields: tuple  # the hub's fields that lm-eval's prompt, choices and target read (each item must have them)
 
 
 # lm-eval's task name -> its definition; the release's order (eval/run_zero_shot.py's commonsense set)
+ARC = ("question", "choices", "answerKey")
 TASKS = {
-    "openbookqa": Task("openbookqa/openbookqa.yaml", "allenai/openbookqa (main)", "test"),
-    "winogrande": Task("winogrande/default.yaml", "allenai/winogrande (winogrande_xl)", "validation"),
-    "arc_challenge": Task("arc/arc_challenge.yaml", "allenai/ai2_arc (ARC-Challenge)", "test"),
-    "arc_easy": Task("arc/arc_easy.yaml", "allenai/ai2_arc (ARC-Easy)", "test"),
-    "hellaswag": Task("hellaswag/hellaswag.yaml", "Rowan/hellaswag", "validation"),
-    "social_iqa": Task("siqa/siqa.yaml", "lighteval/siqa", "validation"),
-    "piqa": Task("piqa/piqa.yaml", "baber/piqa", "validation"),
+    "openbookqa": Task("openbookqa/openbookqa.yaml", "allenai/openbookqa (main)", "test",
+                       ("question_stem", "choices", "answerKey")),
+    "winogrande": Task("winogrande/default.yaml", "allenai/winogrande (winogrande_xl)", "validation",
+                       ("sentence", "option1", "option2", "answer")),
+    "arc_challenge": Task("arc/arc_challenge.yaml", "allenai/ai2_arc (ARC-Challenge)", "test", ARC),
+    "arc_easy": Task("arc/arc_easy.yaml", "allenai/ai2_arc (ARC-Easy)", "test", ARC),
+    "hellaswag": Task("hellaswag/hellaswag.yaml", "Rowan/hellaswag", "validation",
+                      ("activity_label", "ctx_a", "ctx_b", "endings", "label")),
+    "social_iqa": Task("siqa/siqa.yaml", "lighteval/siqa", "validation",
+                       ("context", "question", "answerA", "answerB", "answerC", "label")),
+    "piqa": Task("piqa/piqa.yaml", "baber/piqa", "validation", ("goal", "sol1", "sol2", "label")),
 }
 METRICS = ("acc", "acc_norm")  # what lm-eval reports for these tasks (WinoGrande and SIQA: acc only)
 
@@ -42,6 +49,58 @@ def missing():
     except ImportError:
         return "zeroshot needs the optional lm-eval package (pip install lm-eval)"
     return None
+
+
+def check_args(parser, args, asked):
+    """diagnose.py's zero-shot options, before any work (asked: zeroshot is among the metrics): --zeroshot-data's
+    files (check_data) and --skip-missing-tasks, which applies to them; else one line and exit 2 (parser.error)."""
+    if args.skip_missing_tasks and not (asked and args.zeroshot_data):
+        parser.error("--skip-missing-tasks applies to --metrics zeroshot with --zeroshot-data")
+    if not (asked and args.zeroshot_data):
+        return
+    try:
+        check_data(args.zeroshot_data, args.tasks, skip_missing=args.skip_missing_tasks)
+    except ValueError as e:
+        parser.error(f"--zeroshot-data: {e}")
+
+
+def check_data(data_dir, tasks, skip_missing=False):
+    """Local zero-shot data, checked before lm-eval reads it: each asked task's data_dir/<task>.jsonl holds at least
+    one item, every line a JSON object with the task's fields (its hub layout, as in fixtures/zeroshot). A ValueError
+    (one line naming the file, the line and what is wrong) otherwise; a task without a file too, unless skip_missing
+    (then evaluate reports it skipped) -> the tasks without a file."""
+    absent = [name for name in tasks if not (Path(data_dir) / f"{name}.jsonl").is_file()]
+    if absent and not skip_missing:
+        raise ValueError(f"no {absent[0]}.jsonl in {data_dir} (for {', '.join(absent)}): add it, leave the task out "
+                         f"of --tasks, or give --skip-missing-tasks")
+    for name in tasks:
+        if name not in absent:
+            check_task_file(Path(data_dir) / f"{name}.jsonl", TASKS[name].fields)
+    return absent
+
+
+def check_task_file(path, fields):
+    """A ValueError (one line) unless path's every non-blank line is a JSON object holding `fields`, and there is
+    at least one."""
+    items = 0
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it ({type(e).__name__})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({type(e).__name__}: {e})") from None
+        lacks = [f for f in fields if f not in item] if isinstance(item, dict) else list(fields)
+        if lacks:
+            raise ValueError(f"{path}:{n}: no field {lacks[0]!r} (each item needs {', '.join(fields)}: the hub "
+                             f"dataset's layout, as in fixtures/zeroshot)")
+        items += 1
+    if not items:
+        raise ValueError(f"{path}: no items (one JSON object per line)")
 
 
 # ----------------------------------------------------------------------------- our GPT, scored
@@ -168,8 +227,9 @@ def evaluate(lm, tasks, data_dir=None, limit=None, samples=False):
     specs, results, source = [], {}, {}
     for name in tasks:
         path = Path(data_dir) / f"{name}.jsonl" if data_dir else None
-        if path is not None and not path.is_file():
+        if path is not None and not path.is_file():  # --skip-missing-tasks (check_data refuses it otherwise)
             results[name] = {"skipped": f"no {name}.jsonl in {data_dir}"}
+            print(f"zeroshot: {name} skipped (no {name}.jsonl in {data_dir}; --skip-missing-tasks)", flush=True)
             continue
         specs.append(local_config(name, path) if path else hub_config(name))
         source[name] = str(path) if path else TASKS[name].hub

@@ -490,16 +490,19 @@ def test_cli_zeroshot_offline_gives_seven_accuracies_over_five_items_each(tmp_pa
 
 
 def test_zeroshot_without_lm_eval_or_its_data_is_one_line(tmp_path, capsys, monkeypatch):
-    """A task file missing from --zeroshot-data: that task is skipped with the reason, the others scored. A tokenizer
-    with more ids than the model's vocab, or lm-eval missing: one line, exit 2."""
+    """A task file missing from --zeroshot-data, with --skip-missing-tasks: that task is skipped with the reason (said
+    on the terminal), the others scored (without the flag: refused, tests/test_reliability.py). A tokenizer with
+    more ids than the model's vocab, or lm-eval missing: one line, exit 2."""
     pytest.importorskip("lm_eval")
     data_dir = tmp_path / "z"
     data_dir.mkdir()
     (data_dir / "piqa.jsonl").write_text((ROOT / "fixtures/zeroshot/piqa.jsonl").read_text())
-    argv = zeroshot_argv(tmp_path, "--metrics", "zeroshot", "--zeroshot-data", str(data_dir), "--tasks", "piqa,hellaswag")
+    argv = zeroshot_argv(tmp_path, "--metrics", "zeroshot", "--zeroshot-data", str(data_dir), "--tasks", "piqa,hellaswag",
+                         "--skip-missing-tasks")
     dg.main(argv)
     tasks = json.loads((tmp_path / "d.json").read_text())["zeroshot"]["tasks"]
     assert tasks["piqa"]["num_examples"] == 5 and tasks["hellaswag"] == {"skipped": f"no hellaswag.jsonl in {data_dir}"}
+    assert f"zeroshot: hellaswag skipped (no hellaswag.jsonl in {data_dir}; --skip-missing-tasks)" in capsys.readouterr().out
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:                                 # a model whose vocab the tokenizer exceeds
         dg.main(argv + ["--vocab", "64"])
