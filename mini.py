@@ -631,14 +631,21 @@ def draw_figures(args):
 
 
 def report(args):
-    """--report: summary.md and the figures of the runs done so far; trains, tokenizes and locks nothing. A folder
-    without a run of the probes (an empty or mistyped --out): one line, exit 2, nothing written."""
+    """--report: summary.md and the figures of the runs done so far; trains, tokenizes and locks nothing. All or
+    nothing: the table is made first, reading every run.json by type, and the figures are drawn only when it could
+    be, so both come from the same runs. A folder without a run of the probes (an empty or mistyped --out), or a
+    run.json the table cannot read: one line, exit 2, nothing written."""
     runs = [path for p in args.probes for sub in (p, f"{p}-lr") for path in (args.out / sub).glob("**/run.json")]
     if not runs:
         fail("mini.py", f"--report: {args.out} holds no run of the {' and '.join(args.probes)} probe (is --out the "
              "suite's folder?); nothing written")
+    try:
+        text = summary(args)
+    except runlog.RunLogError as e:
+        fail("mini.py", f"--report: {e}; nothing written (no figure, summary.md as it was): move the run folder "
+             "away, or fix the field")
     draw_figures(args)
-    write_atomic(args.out / "summary.md", summary(args))
+    write_atomic(args.out / "summary.md", text)
     print(f"wrote {args.out / 'summary.md'} and the figures in {args.out / 'figs'} from the runs done so far")
     return 0
 
