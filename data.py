@@ -77,19 +77,21 @@ class GPT2Tokenizer:
         return self.enc.decode([int(i) for i in ids])
 
 
-def check_tiktoken_files(timeout=5.0):
+def check_tiktoken_files(timeout=5.0, instead="use --tokenizer bytes"):
     """tiktoken downloads with requests.get and no timeout, which hangs offline. So: if the files are
     not in its cache (named by the sha1 of the URL, in the folder tiktoken itself would use), first
-    check in a few seconds that the server answers, and otherwise stop with the way out."""
+    check in a few seconds that the server answers, and otherwise stop with the way out (`instead`: the
+    caller's other way, or None where it has none: export.py must write the tokenizer the run trained with)."""
     cache = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get(
         "DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
     names = [hashlib.sha1(url.encode()).hexdigest() for url in GPT2_URLS]
     if cache and all(os.path.exists(os.path.join(cache, n)) for n in names):
         return
     if why := unreachable(GPT2_URLS[0], timeout):
+        other = f", or {instead}" if instead else ""
         raise DataError(f"the GPT-2 BPE files are not in the tiktoken cache ({cache or 'disabled'}) and cannot "
                         f"be downloaded ({why}); offline, run with "
-                        f"TIKTOKEN_CACHE_DIR=a folder holding the two GPT-2 BPE files, or use --tokenizer bytes")
+                        f"TIKTOKEN_CACHE_DIR=a folder holding the two GPT-2 BPE files{other}")
 
 
 class JSONTokenizer:
@@ -103,7 +105,7 @@ class JSONTokenizer:
         try:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:
-            raise DataError(f"{path}: not a tokenizer.json ({type(e).__name__}: {str(e)[:120]})") from None
+            raise DataError(f"{path}: not a tokenizer.json ({type(e).__name__}: {first_line(e, 120)})") from None
         self.name, self.vocab_size = str(path), self.tok.get_vocab_size()
         self.eot = self.tok.token_to_id("<|endoftext|>") if eot is None else eot
         if self.eot is None:

@@ -26,9 +26,9 @@ import torch
 
 import data
 from depthbench import official
-from depthbench.common import ArgParser, CheckpointError, cannot_write, fail, first_line, load_checkpoint, \
-    one_line_faults, run_state, write_atomic
-from model import GPT, GPTConfig
+from depthbench.common import ArgParser, CheckpointError, cannot_write, checkpoint_model, fail, first_line, \
+    one_line_faults, read_checkpoint, run_state, write_atomic
+from model import GPT
 
 PROG = "export.py"
 EOT = "<|endoftext|>"
@@ -55,13 +55,9 @@ def load_run(source):
     path = path / "ckpt.pt" if path.is_dir() else path
     if not path.is_file():
         raise CheckpointError(f"{source}: no checkpoint (give a run folder holding ckpt.pt, a .pt file or a suite folder)")
-    ckpt = load_checkpoint(path)
-    try:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-    except Exception as e:  # a config or state dict of another model
-        raise CheckpointError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
-    return Run(path=path, model=model.float().eval(), config=ckpt["config"] or {}, step=ckpt.get("step") or 0)
+    ckpt = read_checkpoint(path)  # read by type: the run's settings, its step, its design, its weights' names
+    model = checkpoint_model(ckpt, path)
+    return Run(path=path, model=model.float().eval(), config=ckpt["config"], step=ckpt.get("step", 0))
 
 
 # ----------------------------------------------------------------------------- tokenizers in the HF form
@@ -84,6 +80,7 @@ def gpt2_files():
     """(encoder.json, vocab.bpe) of the GPT-2 BPE as bytes, from tiktoken's cache (fetched there first if missing,
     or a one-line DataError offline): the files HF's GPT-2 tokenizer calls vocab.json and merges.txt."""
     import tiktoken.load
+    data.check_tiktoken_files(instead=None)  # the run trained on GPT-2's ids: no other tokenizer will do
     data.GPT2Tokenizer()
     return tuple(tiktoken.load.read_file_cached(url) for url in (data.GPT2_URLS[1], data.GPT2_URLS[0]))
 

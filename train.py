@@ -232,7 +232,7 @@ def build(cfg, ranks, resume, resume_cmd):
                            options=cfg.residual_args, kv_ratio=cfg.n_kv_head / cfg.n_head)
     step = 0
     if resume and (folder / "ckpt.pt").exists():
-        ckpt = read_checkpoint(folder / "ckpt.pt", cfg)
+        ckpt = read_checkpoint(folder / "ckpt.pt", cfg, model, param_shapes)
         step = restore(ckpt, model=model, optimizer=optimizer, sharded=param_shapes is not None, loader=train_loader,
                        log=log)
         print0(f"resumed from {folder / 'ckpt.pt'} at step {step}")
@@ -256,11 +256,13 @@ def build(cfg, ranks, resume, resume_cmd):
                t_start=time.time(), watch=watch)
 
 
-def read_checkpoint(path, cfg):
-    """ckpt.pt, if made with the same identity settings as `cfg` (depthbench/runlog.py; the precision may change);
-    a broken file or another run's checkpoint: one line, exit 2."""
+def read_checkpoint(path, cfg, model, param_shapes=None):
+    """ckpt.pt, if made with the same identity settings as `cfg` (depthbench/runlog.py; the precision may change),
+    read by type (common.read_checkpoint), holding `model`'s weights (param_shapes: their shapes before FSDP2), at a
+    step --max-steps has not passed; a broken file, another run's checkpoint or another design's weights: one line,
+    exit 2."""
     try:
-        ckpt = common.load_checkpoint(path, ["model", "config", "step", "optimizer", "rng", "loader", "log"])
+        ckpt = common.read_checkpoint(path, ["model", "config", "step", "optimizer", "rng", "loader", "log"])
         old = RunConfig.from_dict(ckpt["config"], where=path)  # from any version of train.py, read by type
     except ValueError as e:  # a CheckpointError or a RunLogError: one line
         fail(f"cannot resume: {e}")
@@ -268,6 +270,13 @@ def read_checkpoint(path, cfg):
     if changed:
         fail(f"cannot resume {path}: it was made with other settings ({old.describe_changes(cfg, changed)}); use "
              f"another --out")
+    try:
+        common.check_state_dict(ckpt["model"], model, path, shapes=param_shapes)  # the weights of its config's design
+    except ValueError as e:
+        fail(f"cannot resume: {e}")
+    if cfg.max_steps is not None and cfg.max_steps < ckpt["step"]:
+        fail(f"cannot resume {path} with --max-steps {cfg.max_steps}: the run is at step {ckpt['step']} already "
+             f"(give --max-steps {ckpt['step']} or more, or leave it out)")
     switched = [k for k in old.identity_changes(cfg) if k not in changed]
     if switched:
         print0(f"resuming with another precision: {old.describe_changes(cfg, switched)}")
@@ -565,8 +574,8 @@ def claim(path, held, resume, cfg):
             raise ValueError(f"{p} is not a file; move it away to train this run")
     for tmp in [*path.glob("ckpt.pt.*.tmp"), *path.glob("run.json.*.tmp")]:
         tmp.unlink()
-    if resume and common.rebuild_run_log(path):
-        print0(f"{path / 'run.json'} was damaged: written again from {path / 'ckpt.pt'}'s log")
+    if resume:
+        common.rebuild_run_log(path)  # says so when it does
     try:
         state = common.run_state(path)
     except runlog.RunLogError as e:

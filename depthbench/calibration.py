@@ -11,8 +11,8 @@ import torch
 
 import data
 import shapes
-from depthbench import official, runlog, synthetic, windows
-from depthbench.common import design_options, first_line, load_checkpoint, pick_device
+from depthbench import official, synthetic, windows
+from depthbench.common import checkpoint_model, design_options, first_line, pick_device, read_checkpoint
 from model import GPT, GPTConfig
 
 
@@ -47,16 +47,8 @@ def load_model(args, st):
     path = path / "ckpt.pt" if path.is_dir() else path
     if not path.is_file():
         raise DiagError(f"{args.checkpoint}: no checkpoint (give a run folder holding ckpt.pt, a .pt file, or --init)")
-    ckpt = load_checkpoint(path)
-    try:
-        model = GPT(GPTConfig(**{**ckpt["model_config"], "kernels": args.kernels}))
-        model.load_state_dict(ckpt["model"])
-    except Exception as e:  # a config or state dict of another model: not our checkpoint
-        raise DiagError(f"{path}: not a depthbench checkpoint ({type(e).__name__}: {first_line(e)})") from None
-    try:
-        runlog.check_config(ckpt["config"], path)  # the run's settings, read by type
-    except runlog.RunLogError as e:
-        raise DiagError(str(e)) from None
+    ckpt = read_checkpoint(path)  # read by type: the run's settings, its step, its design, its weights' names
+    model = checkpoint_model(ckpt, path, kernels=args.kernels)
     return model, ckpt["config"], str(path), ckpt.get("step")
 
 

@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -19,8 +20,24 @@ from depthbench import runlog
 
 # ----------------------------------------------------------------------------- command line
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, where a help text may hold a plain % (text built from data: "the last 20% of the steps"):
+    argparse expands each help with `%`, so a lone % would end --help in a TypeError. Only `%(name)s` and `%%` are
+    argparse's; any other % is escaped here, in the one place every help text passes through."""
+
+    def _get_help_string(self, action):
+        return re.sub(r"%(\(\w+\)[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]|%)?",
+                      lambda m: m.group(0) if m.group(1) else "%%", action.help or "")
+
+
 class ArgParser(argparse.ArgumentParser):
-    """argparse whose errors are one line on stderr and exit code 2 (no usage dump); every script uses it."""
+    """argparse whose errors are one line on stderr and exit code 2 (no usage dump); every script uses it. Its help
+    may hold a plain % (HelpFormatter)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        if not issubclass(formatter_class, HelpFormatter):  # argparse's RawDescriptionHelpFormatter: and ours
+            formatter_class = type(formatter_class.__name__, (HelpFormatter, formatter_class), {})
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -118,8 +135,15 @@ def fail(prog, message):
 
 
 def first_line(e, width=200):
-    """The first line of an exception's message, at most `width` characters."""
-    return (str(e).splitlines() or [""])[0][:width]
+    """The first line of an exception's message, at most `width` characters (None: all of it). A longer one is cut
+    at the end of a word and marked with ' ...', never in the middle of a word or a name."""
+    line = (str(e).splitlines() or [""])[0]
+    if width is None or len(line) <= width:
+        return line
+    cut = line[:width - 4]
+    if line[width - 4] != " " and " " in cut:
+        cut = cut.rsplit(" ", 1)[0]
+    return cut.rstrip() + " ..."
 
 
 def design_options(name, given=None):
@@ -302,6 +326,17 @@ def read_json(path):
     return obj if isinstance(obj, dict) else None
 
 
+def part_of(section, key, where):
+    """A checkpoint's JSON config's sub-section section[key] (where: its file, for the message): an object, {} when
+    absent or null; a value of another type is a CheckpointError naming it (read by type, never by truthiness)."""
+    value = section.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: section {key!r} is {runlog.json_name(value)}, not an object")
+    return value
+
+
 def lock_folder(folder):
     """Lock a run folder for this process: flock on folder/.lock (made with the folder) -> the open lock file. The
     lock ends when that file is closed or the process ends, even by kill -9, so a stale lock blocks nothing; the
@@ -408,6 +443,91 @@ def load_checkpoint(path, keys=("model", "model_config", "config")):
     if missing:
         raise CheckpointError(f"{path}: not a depthbench checkpoint (no {missing[0]!r} in it)")
     return ckpt
+
+
+def read_checkpoint(path, keys=("model", "model_config", "config")):
+    """A train.py ckpt.pt read by type: load_checkpoint's (a whole checkpoint holding `keys`), then check_checkpoint
+    -> its dict, or a one-line CheckpointError naming the file and the field. Every reader of a run's checkpoint
+    (train.py --resume, diagnose.py, export.py) comes through here; checkpoint_model builds its model."""
+    ckpt = load_checkpoint(path, keys)
+    check_checkpoint(ckpt, path)
+    return ckpt
+
+
+def check_checkpoint(ckpt, path):
+    """What the readers use of a checkpoint, each of its type, where present: "config" a mapping of RunConfig's
+    types (depthbench/runlog.py) whose residual is a design of the registry; "step" a step count (an int >= 0);
+    "model_config" a mapping whose residual is a design of the registry; "model" a mapping of names to tensors.
+    A CheckpointError (one line) otherwise, never trusted by truthiness."""
+    import torch
+    try:
+        if "config" in ckpt:
+            runlog.check_config(ckpt["config"], path)
+    except runlog.RunLogError as e:
+        raise CheckpointError(str(e)) from None
+    step = ckpt.get("step", 0)
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{path}: field 'step' is {step!r}, not a step count (an integer >= 0)")
+    for field in ("config", "model_config"):
+        value = ckpt.get(field, {})
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{path}: field {field!r} is {runlog.json_name(value)}, not an object")
+        if field == "model_config" or "residual" in value:
+            check_design(value.get("residual"), path, f"{field}.residual")
+    weights = ckpt.get("model", {})
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise CheckpointError(f"{path}: field 'model' is not a state dict (names to tensors)")
+
+
+def check_design(name, path, field):
+    """A CheckpointError unless `name` is a design of the registry (residuals.RESIDUALS)."""
+    from residuals import RESIDUALS
+    if not isinstance(name, str) or name not in RESIDUALS:
+        raise CheckpointError(f"{path}: field {field!r} is {name!r}, not a design of residuals.py")
+
+
+def check_state_dict(weights, model, path, shapes=None):
+    """A CheckpointError (one line) unless the state dict `weights` holds exactly `model`'s tensors, by name and
+    shape: another design's weights, or another shape's, are refused before load_state_dict sees them. shapes:
+    {name: shape} of the parameters as the model had them before FSDP2 (depthbench/distributed.py's shard, which
+    makes a 0-dim parameter a vector of one; checkpoints keep the shape before)."""
+    want = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    want.update({k: tuple(shape) for k, shape in (shapes or {}).items() if k in want})
+    missing = [k for k in want if k not in weights]
+    unexpected = [k for k in weights if k not in want]
+    if missing or unexpected:
+        design = model.cfg.residual
+        raise CheckpointError(f"{path}: its weights are not those of its config's {design} model (missing: "
+                              f"{few(missing)}; unexpected: {few(unexpected)})")
+    for k, shape in want.items():
+        if tuple(weights[k].shape) != shape:
+            raise CheckpointError(f"{path}: weight {k} has shape {tuple(weights[k].shape)}, its config's model "
+                                  f"needs {shape}")
+
+
+def few(names, n=3):
+    """'a, b, c and 4 more' ('none' for no names)."""
+    if not names:
+        return "none"
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def checkpoint_model(ckpt, path, kernels=None):
+    """The GPT a checkpoint's model_config builds (kernels: another --kernels), its weights checked (check_state_dict)
+    and loaded -> the model, or a one-line CheckpointError."""
+    from model import GPT, GPTConfig
+    settings = dict(ckpt["model_config"])
+    if kernels is not None:
+        settings["kernels"] = kernels
+    try:
+        model = GPT(GPTConfig(**settings))
+    except Exception as e:  # a model_config of another program: not ours
+        raise CheckpointError(f"{path}: field 'model_config' builds no model ({type(e).__name__}: "
+                              f"{first_line(e, 120)})") from None
+    check_state_dict(ckpt["model"], model, path)
+    model.load_state_dict(ckpt["model"])
+    return model
 
 
 # ----------------------------------------------------------------------------- runs

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from depthbench.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, pick_device, positive
+from depthbench.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, part_of, pick_device, positive
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -119,12 +119,12 @@ def sections(step_dir):
         blk = m["block"]
         att = blk.get("sequence_mixer") or blk.get("attention")
         int(m["d_model"]), int(m["n_layers"]), int(att["n_heads"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a block no object
         raise CheckpointError(f"{path}: not an OLMo-core experiment config ({type(e).__name__}: {e})") from None
-    head = m.get("lm_head") or {}
-    return Sections(experiment=exp, model=m, block=blk, attention=att, feed_forward=blk.get("feed_forward") or {},
-                    rope=att.get("rope") or {}, norm=blk.get("layer_norm") or {}, head=head,
-                    head_norm=head.get("layer_norm") or {}, hc=blk.get("hyper_connections") or {})
+    head, part = part_of(m, "lm_head", path), lambda section, key: part_of(section, key, path)  # objects, or {}
+    return Sections(experiment=exp, model=m, block=blk, attention=att, feed_forward=part(blk, "feed_forward"),
+                    rope=part(att, "rope"), norm=part(blk, "layer_norm"), head=head,
+                    head_norm=part(head, "layer_norm"), hc=part(blk, "hyper_connections"))
 
 
 def block_name(sec):
@@ -253,7 +253,8 @@ def read_config(step_dir, forced=None):
     check_backbone(sec, name)
     residual, args, unknown = design_of(sec, name)
     refuse(set(forced) - set(unknown), f"--residual-args {sorted(set(forced) - set(unknown))}: config.json says it")
-    exported = (sec.experiment.get(EXPORT_KEY) or {}).get("readings") or {}   # export.py wrote what ours computes
+    where = Path(step_dir) / "config.json"
+    exported = part_of(part_of(sec.experiment, EXPORT_KEY, where), "readings", where)  # what export.py wrote
     forced = {**{k: v for k, v in exported.items() if k in unknown}, **forced}
     if any(forced.get(k) not in v for k, v in unknown.items()):
         choices = ", ".join(f'"{k}": ' + " or ".join(f'"{x}"' for x in v) for k, v in unknown.items())
@@ -267,8 +268,8 @@ def read_config(step_dir, forced=None):
     cfg = GPTConfig(vocab_size=int(m["vocab_size"]), n_layer=int(m["n_layers"]), d_model=int(m["d_model"]),
                     n_head=H, d_ff=int(sec.feed_forward["hidden_size"]), rope_theta=float(sec.rope.get("theta", 10000)),
                     norm_eps=float(sec.norm.get("eps", 1e-5)), residual=residual, residual_args=args, **gqa)
-    dataset = sec.experiment.get("dataset") or {}
-    tok = dataset.get("tokenizer") or {}
+    dataset = part_of(sec.experiment, "dataset", where)
+    tok = part_of(dataset, "tokenizer", where)
     refuse(int(tok.get("vocab_size") or 0) > cfg.vocab_size, f"tokenizer vocab {tok.get('vocab_size')} > model's")
     notes = {"block": name, "tokenizer_vocab": tok.get("vocab_size"), "eos_token_id": tok.get("eos_token_id"),
              "tokenizer_id": tok.get("identifier"), "seq_len": dataset.get("sequence_length")}

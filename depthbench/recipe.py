@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import functools
 import re
+from pathlib import Path
 
 from depthbench import common
 from depthbench.common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
@@ -224,7 +225,7 @@ def build_parser():
     add("--eval-iters", type=pint, help="global batches of validation data per eval, the same ones each time (preset)")
     add("--ckpt-every", type=pint, help="write ckpt.pt every this many steps and at the end (preset)")
     add("--log-every", type=pint, help="print a training line every this many steps; run.json keeps all (preset)")
-    add("--out", default="runs", help="root folder of the run folders")
+    add("--out", default="runs", help="root folder of the run folders (not a run folder itself: refused)")
     add("--resume", action="store_true", help="continue each run from its ckpt.pt (if it has one)")
     # system
     add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
@@ -346,3 +347,7 @@ def check_run_args(parser, args):
             raise ValueError(args.params)
     except ValueError:  # not an assert: python -O would skip it
         parser.error(f"--params {args.params!r} is not a count like 405M")
+    held = [name for name in ("run.json", "ckpt.pt") if (Path(args.out) / name).exists()]
+    if held:  # the runs would nest inside another run's folder
+        parser.error(f"--out {args.out} is a run folder (it holds {held[0]}); --out is the folder the run folders go "
+                     f"in: give its parent, {Path(args.out).parent}")

@@ -313,7 +313,7 @@ def read_run_log(path):
     try:
         obj = json.loads(text)  # Python's json also takes the NaN that train.py writes for a non-finite eval
     except ValueError as e:
-        raise RunLogError(path, None, f"is not JSON ({type(e).__name__}: {str(e)[:60]})") from None
+        raise RunLogError(path, None, f"is not JSON ({type(e).__name__}: {e})") from None  # json: a short message
     return check_run_log(obj, path)
 
 

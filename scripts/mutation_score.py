@@ -197,13 +197,13 @@ def has_mutants():
     return any((ROOT / "mutants").glob("**/*.py.meta"))
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("action", nargs="?", choices=("run", "report"), default="report")
     p.add_argument("--max-children", type=int, default=2, help="mutants tested at a time (default 2)")
     p.add_argument("--diffs", action="store_true", help="print each survivor's diff")
     p.add_argument("--again", action="store_true", help="run: the survivors again too (after adding tests)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.action == "run":
         code = run(args.max_children, args.again)
         if code:

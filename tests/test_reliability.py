@@ -290,6 +290,62 @@ CASES += [
      "{tmp}/s.md: no per-cell table with a column 'Δ vs Pre-LN paired: mean [range], lower on'"),
 ]
 
+# ----------------------------------------------------------------------------- issue 51: every file read by type
+#                                                                                (tests/test_first_day.py: the rest)
+
+def edited_run(residual, change):
+    """A finished run folder {tmp}/run (tests/test_export.py's) whose ckpt.pt is changed by change(ckpt)."""
+    def make_it(tmp):
+        from test_export import make_run
+        make_run(tmp / "run", residual)
+        ckpt = torch.load(tmp / "run" / "ckpt.pt", weights_only=True)
+        change(ckpt)
+        torch.save(ckpt, tmp / "run" / "ckpt.pt")
+    return make_it
+
+
+def hc_weights(ckpt):
+    """HC's weights under the run's Pre-LN model_config."""
+    from model import GPT, GPTConfig
+    ckpt["model"] = GPT(GPTConfig(**{**ckpt["model_config"], "residual": "hc"})).state_dict()
+
+
+ZEROSHOT = [*INIT, "--tokenizer", "bytes", "--metrics", "zeroshot", "--zeroshot-data", "{tmp}/z", "--tasks", "piqa"]
+PIQA = '{"goal": "g", "sol1": "a", "sol2": "b", "label": 0}\n'
+CASES += [
+    ("diagnose.py", "--zeroshot-data with a malformed JSONL line", ZEROSHOT, {"z/piqa.jsonl": PIQA + '{"goal": \n'},
+     2, "--zeroshot-data: {tmp}/z/piqa.jsonl:2: not JSON (JSONDecodeError"),
+    ("diagnose.py", "--zeroshot-data with a task file of no items", ZEROSHOT, {"z/piqa.jsonl": "\n"}, 2,
+     "--zeroshot-data: {tmp}/z/piqa.jsonl: no items (one JSON object per line)"),
+    ("diagnose.py", "--zeroshot-data with a task file in another field layout", ZEROSHOT,
+     {"z/piqa.jsonl": '{"question": "q", "answer": "a"}\n'}, 2,
+     "--zeroshot-data: {tmp}/z/piqa.jsonl:1: no field 'goal' (each item needs goal, sol1, sol2, label"),
+    ("diagnose.py", "--zeroshot-data without the asked task's file", [*ZEROSHOT[:-1], "piqa,winogrande"],
+     {"z/piqa.jsonl": PIQA}, 2, "--zeroshot-data: no winogrande.jsonl in {tmp}/z (for winogrande): add it, leave "
+     "the task out of --tasks, or give --skip-missing-tasks"),
+    ("diagnose.py", "--skip-missing-tasks without --zeroshot-data", [*INIT, "--skip-missing-tasks"], {}, 2,
+     "--skip-missing-tasks applies to --metrics zeroshot with --zeroshot-data"),
+    ("diagnose.py", "a ckpt.pt holding another design's weights", ["{tmp}/run"], edited_run("preln", hc_weights), 2,
+     "run/ckpt.pt: its weights are not those of its config's preln model (missing: "),
+    ("export.py", "a ckpt.pt whose config is a string", ["{tmp}/run", *EXPORT],
+     edited_run("preln", lambda c: c.update(config="preln")), 2,
+     "run/ckpt.pt: field 'config' is a string, not an object"),
+    ("export.py", 'a ckpt.pt whose step is "2" and config.residual 5', ["{tmp}/run", *EXPORT],
+     edited_run("preln", lambda c: c.update(step="2", config={"residual": 5})), 2,
+     "run/ckpt.pt: field 'config.residual' is a number, not a string"),
+    ("export.py", 'a ckpt.pt whose step is "2"', ["{tmp}/run", *EXPORT], edited_run("preln", lambda c: c.update(
+     step="2")), 2, "run/ckpt.pt: field 'step' is '2', not a step count (an integer >= 0)"),
+    ("train.py", "--out that is a run folder (it would nest a run inside it)", TRAIN,
+     {"runs/run.json": json.dumps(run_json())}, 2, "--out {tmp}/runs is a run folder (it holds run.json); --out is "
+     "the folder the run folders go in: give its parent, {tmp}"),
+    ("mini.py", "--report on a suite with one damaged run.json (the figures would be drawn without it)",
+     ["--report", *MINI], {"m/synthetic/a/run.json": json.dumps(run_json()), "m/synthetic/b/run.json": "{",
+                           "m/summary.md": "an older summary"}, 2,
+     "--report: {tmp}/m/synthetic/b/run.json: not a run log of train.py: it is not JSON (JSONDecodeError: Expecting "
+     "property name enclosed in double quotes: line 1 column 2 (char 1)); nothing written (no figure, summary.md as "
+     "it was)"),
+]
+
 
 FAULTS = []  # (fault, what it gives, test), in the page's order
 
