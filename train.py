@@ -77,9 +77,10 @@ def forward_backward(model, loader, autocast=nullcontext(), device="cpu", after_
 
 
 @torch.no_grad()
-def evaluate(model, loader, iters, *, autocast, device, max_gap):
+def evaluate(model, loader, iters, *, autocast, device, max_gap, stop=None):
     """Mean token CE over `iters` fixed global batches of validation data, and for the synthetic task the
-    answer-only loss/accuracy overall and per level. Sums are all-reduced, so every rank gets the same."""
+    answer-only loss/accuracy overall and per level. Sums are all-reduced, so every rank gets the same. stop(),
+    asked after each micro-batch, cuts the evaluation short when true (every rank alike): None then."""
     model.eval()
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # summed CE, tokens (fp64: exact counts past 2^24)
     answers = torch.zeros(max_gap, 3, device=device)      # per level: summed CE, correct, count
@@ -94,6 +95,9 @@ def evaluate(model, loader, iters, *, autocast, device, max_gap):
             sums[1] += n
             if level is not None:
                 answers += answer_metrics(logits, y, level, max_gap)
+            if stop is not None and stop():
+                model.train()
+                return None
     if dist.is_initialized():
         dist.all_reduce(sums)
         dist.all_reduce(answers)
@@ -398,9 +402,10 @@ def train_until_stop(run):
     cfg, log = run.cfg, run.log
     step_start = run.step
     while True:
-        last, stop = run.step >= run.stop, STOP.agreed(run.ranks)
-        maybe_evaluate(run, last)
-        maybe_save(run, last, stop)
+        last = run.step >= run.stop
+        evaluated = maybe_evaluate(run, last)  # False: a signal cut it short, so the run is not finished
+        stop = STOP.agreed(run.ranks)
+        maybe_save(run, last and evaluated, stop)
         if stop:
             run.log["stopped"] = STOP.record(stop, run.step)  # why and where (depthbench/stopping.py)
             save_json(run)
@@ -469,12 +474,16 @@ def optimizer_step(run):
 
 
 def maybe_evaluate(run, last):
-    """Evaluate at every eval_every-th step and the last one (once: a resumed run's last step may have been)."""
+    """Evaluate at every eval_every-th step and the last one (once: a resumed run's last step may have been). False
+    when a signal cut the evaluation short (at a micro-batch, like a step): the step's eval is left to --resume."""
     cfg, log, step = run.cfg, run.log, run.step
     evaluated = log["evals"] and log["evals"][-1]["step"] == step
     if step > 0 and (step % cfg.eval_every == 0 or last) and not evaluated:
         ev = evaluate(run.compiled, run.val_loader, cfg.eval_iters, autocast=run.autocast, device=run.ranks.device,
-                      max_gap=cfg.max_gap)
+                      max_gap=cfg.max_gap, stop=lambda: STOP.agreed(run.ranks) != 0)
+        if ev is None:
+            print0(f"eval step {step} cut short by a signal: --resume evaluates it")
+            return False
         log["evals"].append({"step": step, "tokens": step * cfg.tokens_per_step, **ev})
         run.watch.at_eval(step, ev)
         log["final"] = {k: ev[k] for k in FINAL}
@@ -484,6 +493,7 @@ def maybe_evaluate(run, last):
             levels = f" | answers loss {ev['answer_loss']:.4f} acc {ev['answer_acc']:.1%} | by gap {by_gap}"
         print0(f"eval step {step} | val loss {ev['val_loss']:.4f}" + levels)
         save_json(run)
+    return True
 
 
 def maybe_save(run, last, force=False):

@@ -2,8 +2,9 @@
 Tests of train.py's stop that keeps the work (depthbench/stopping.py) and of what a user sees while a step runs
 (depthbench/progress.py): a SIGTERM or SIGINT during gradient accumulation stops at the next micro-batch boundary,
 the step in progress dropped, the last completed step's ckpt.pt on disk, run.json saying stopped and why, and
---resume giving the losses of an uninterrupted run bit for bit; in this process, in a real process and under
-torch.distributed.run (2 gloo ranks). The time from the signal to the exit is printed (pytest -s), not asserted.
+--resume giving the losses of an uninterrupted run bit for bit (an evaluation is cut short alike); in this process,
+in a real process and under torch.distributed.run (2 gloo ranks). The time from the signal to the exit is printed
+(pytest -s), not asserted.
 
     python -m pytest -q -p no:cacheprovider tests/test_stop.py
 """
@@ -89,6 +90,37 @@ def test_a_signal_in_the_first_step_leaves_nothing_to_resume(tmp_path, capsys, m
     assert load_run(tmp_path)["stopped"] == {"signal": "SIGINT", "step": 0, "dropped_step": 1,
                                              "micro_batches_done": 2, "micro_batches": 8, "after_signal": 1}
     assert not list(tmp_path.glob("*/ckpt.pt"))
+
+
+def test_a_signal_mid_eval_cuts_it_short_and_resume_evaluates_it(tmp_path, capsys, monkeypatch):
+    """SIGTERM in micro-batch 2 of step 2's eval (8 micro-batches): no third one runs; ckpt.pt holds step 2, run.json
+    says stopped at step 2 and has no eval of it; --resume evaluates step 2 and trains on: an uninterrupted run."""
+    argv = ACCUM8 + ["--eval-every", "2"]
+    assert run_main(argv + ["--out", str(tmp_path / "a")], capsys)[0] == 0
+    trained, evals, get_batch, next_batch = [], [], data.BatchLoader.get_batch, data.BatchLoader.next_batch
+
+    def counted_next(loader):
+        trained.append(1)
+        return next_batch(loader)
+
+    def counted_get(loader, step, micro):
+        if loader.split == "val" and len(trained) == 2 * 8:
+            evals.append(micro)
+            if len(evals) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return get_batch(loader, step, micro)
+    monkeypatch.setattr(data.BatchLoader, "next_batch", counted_next)
+    monkeypatch.setattr(data.BatchLoader, "get_batch", counted_get)
+    argv += ["--out", str(tmp_path / "b")]
+    code, out, _ = run_main(argv, capsys)
+    assert code == 143 and evals == [0, 1] and "eval step 2 cut short by a signal" in out
+    run = load_run(tmp_path / "b")
+    assert run["stopped"] == {"signal": "SIGTERM", "step": 2} and run["evals"] == [] and run["finished"] is False
+    assert torch.load(next((tmp_path / "b").glob("*/ckpt.pt")), weights_only=True)["step"] == 2
+    monkeypatch.undo()
+    assert run_main(argv + ["--resume"], capsys)[0] == 0
+    assert [e["step"] for e in load_run(tmp_path / "b")["evals"]] == [2, 3]
+    same_run(tmp_path / "a", tmp_path / "b")
 
 
 def test_progress_lines_before_and_during_a_step(tmp_path, capsys, monkeypatch):
