@@ -437,8 +437,8 @@ def run_pool(jobs, n, what, log_dir, took=None):
 
 
 def stop_runs(running, grace=300):
-    """Ask each running train.py to stop (SIGTERM: it saves ckpt.pt after its step, so rerunning the suite resumes
-    it), wait for it up to `grace` seconds, then kill it; close the logs."""
+    """Ask each running train.py to stop (SIGTERM: it stops at its next micro-batch and keeps its last step's ckpt.pt,
+    so rerunning the suite resumes it), wait for it up to `grace` seconds, then kill it; close the logs."""
     for proc in running:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from depthbench import costs
 import data
 import profile_gpu
-from depthbench import runlog, schedules, telemetry
+from depthbench import progress, runlog, schedules, stopping, telemetry
 from depthbench.common import format_lr, print0, versions, write_json
 from depthbench.costs import GB, check_memory, memory_plan
 from data import BatchLoader, DataError, padded_vocab_size
@@ -54,10 +54,12 @@ FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the las
 
 # ----------------------------------------------------------------------------- one training step, one evaluation
 
-def forward_backward(model, loader, autocast=nullcontext(), device="cpu"):
+def forward_backward(model, loader, autocast=nullcontext(), device="cpu", after_micro=None):
     """Gradients of one optimizer step: loader.accum_steps micro-batches of equal size, each loss the mean over
     its tokens, divided by their number, so the summed gradient is the mean over the whole batch (DDP then
-    averages the ranks' equal shares). Under DDP only the last micro-step all-reduces (no_sync on the others)."""
+    averages the ranks' equal shares). Under DDP only the last micro-step all-reduces (no_sync on the others).
+    after_micro(done), called after each micro-batch, says whether to stop there: the step is then cut short and
+    None returned (its gradients partial: the caller drops them)."""
     accum = loader.accum_steps
     ddp = isinstance(model, DDP)
     total = torch.zeros((), device=device)
@@ -69,13 +71,16 @@ def forward_backward(model, loader, autocast=nullcontext(), device="cpu"):
                 _, loss = model(x, y, logits=False)      # the loss without the full (B, T, V) logits
             (loss / accum).backward()
         total += loss.detach()
+        if after_micro is not None and after_micro(micro + 1):
+            return None
     return total / accum
 
 
 @torch.no_grad()
-def evaluate(model, loader, iters, *, autocast, device, max_gap):
+def evaluate(model, loader, iters, *, autocast, device, max_gap, stop=None):
     """Mean token CE over `iters` fixed global batches of validation data, and for the synthetic task the
-    answer-only loss/accuracy overall and per level. Sums are all-reduced, so every rank gets the same."""
+    answer-only loss/accuracy overall and per level. Sums are all-reduced, so every rank gets the same. stop(),
+    asked after each micro-batch, cuts the evaluation short when true (every rank alike): None then."""
     model.eval()
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # summed CE, tokens (fp64: exact counts past 2^24)
     answers = torch.zeros(max_gap, 3, device=device)      # per level: summed CE, correct, count
@@ -90,6 +95,9 @@ def evaluate(model, loader, iters, *, autocast, device, max_gap):
             sums[1] += n
             if level is not None:
                 answers += answer_metrics(logits, y, level, max_gap)
+            if stop is not None and stop():
+                model.train()
+                return None
     if dist.is_initialized():
         dist.all_reduce(sums)
         dist.all_reduce(answers)
@@ -139,6 +147,7 @@ class Run:
     wall_before: float          # seconds trained in earlier sessions of the run (a resumed one)
     t_start: float              # time.time() when this session's run was built
     watch: telemetry.Watch      # depth telemetry at each eval (run.json "telemetry") and the --log-to tracker
+    meter: progress.StepMeter = None  # the micro-batches of the step in progress, counted and shown (loop sets it)
 
     @property
     def json_path(self):
@@ -222,6 +231,7 @@ def wrapped(model, cfg, ranks):
 def build(cfg, ranks, resume, resume_cmd):
     """Loaders, model, optimizer, log and clocks of one run, from its ckpt.pt with --resume -> Run."""
     folder = Path(cfg.out) / cfg.name
+    print0(f"building   the data loaders, the model and its optimizer on {ranks.device}")
     task, train_loader, val_loader = make_loaders(cfg, ranks)
     model_config, model, param_shapes, optimizer = make_model(cfg, ranks)
     log = new_log(cfg, model, ranks)
@@ -383,11 +393,16 @@ def describe_device(run):
 
 def loop(run):
     """Evaluate, checkpoint and take optimizer steps until the stop step; False if the run diverged. Asked to stop
-    (SIGINT/SIGTERM), it saves after the step it is in and exits with 128 + the signal's number. The telemetry
-    watch (its optimizer hooks, its tracker) is closed however the loop ends."""
+    (SIGINT/SIGTERM), it stops at the next micro-batch boundary (depthbench/stopping.py): a step cut short is dropped,
+    the last completed step's ckpt.pt is on disk (saved then if it was not), run.json says stopped and why, and it
+    exits with 128 + the signal's number. The telemetry watch (its optimizer hooks, its tracker) and the progress
+    line are closed however the loop ends."""
+    run.meter = progress.StepMeter(accum=run.train_loader.accum_steps, master=run.ranks.master,
+                                   compile_scope=run.cfg.compile and run.cfg.compile_scope)
     try:
         return train_until_stop(run)
     finally:
+        run.meter.end()
         run.watch.close()
 
 
@@ -396,24 +411,24 @@ def train_until_stop(run):
     cfg, log = run.cfg, run.log
     step_start = run.step
     while True:
-        last, stop = run.step >= run.stop, interrupted(run)
-        maybe_evaluate(run, last)
-        maybe_save(run, last, stop)
+        last = run.step >= run.stop
+        evaluated = maybe_evaluate(run, last)  # False: a signal cut it short, so the run is not finished
+        stop = STOP.agreed(run.ranks)
+        maybe_save(run, last and evaluated, stop)
         if stop:
-            if run.ranks.ddp:
-                dist.barrier()  # no rank leaves (and makes torchrun stop the rest) before rank 0 has saved
-            saved = "nothing trained yet"
-            if run.step:
-                saved = f"saved {run.ckpt_path.name}; resume with: {run.resume_cmd}"
-            print0(f"interrupted at step {run.step}: {saved}", file=sys.stderr)
-            sys.exit(128 + stop)
+            run.log["stopped"] = STOP.record(stop, run.step)  # why and where (depthbench/stopping.py)
+            save_json(run)
+            stopping.exit_after_save(run, stop)
         if last:
             break
-        loss, grad_norm, lr, dt = optimizer_step(run)
+        stats = optimizer_step(run)
+        if stats is None:  # a signal cut the step short: dropped; the loop's next turn saves and stops
+            continue
+        loss, grad_norm, lr, dt = stats
         run.watch.after_step(log["steps"][-1])
         step = run.step
-        if step == 1 or step % cfg.log_every == 0 or step == run.stop or log["diverged"]:
-            print_step(run, (loss, grad_norm, lr, dt), step_start)
+        if step in (1, step_start + 1) or step % cfg.log_every == 0 or step == run.stop or log["diverged"]:
+            progress.print_step(run, (loss, grad_norm, lr, dt), step_start)
         if log["diverged"]:
             log["final"] = dict.fromkeys(FINAL)
             save_json(run)
@@ -430,28 +445,21 @@ def train_until_stop(run):
     return True
 
 
-def print_step(run, stats, step_start):
-    """The training line of a step: stats = (loss, grad norm, lr, seconds), MFU and the ETA."""
-    loss, grad_norm, lr, dt = stats
-    cfg, step = run.cfg, run.step
-    mfu = ""
-    if run.peak_flops:
-        flops_per_s = run.flops_per_token * cfg.tokens_per_step / dt / run.ranks.world_size
-        mfu = f" | MFU {100 * flops_per_s / run.peak_flops:.1f}%"
-    eta = (time.time() - run.t_start) / (step - step_start) * (run.stop - step)  # evals included
-    print0(f"step {step:>5}/{cfg.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
-           f"| {dt * 1000:.0f} ms | {cfg.tokens_per_step / dt:,.0f} tok/s{mfu} | ETA {eta / 60:.1f} min")
-
-
 def optimizer_step(run):
     """One optimizer step at the schedule's LR (times each param group's lr_scale, 1 when it has none), logged;
     a non-finite loss or gradient norm marks the run diverged and skips the update. -> (loss, grad norm, lr,
-    seconds)."""
+    seconds), or None when a signal cut the step short (dropped: stopping.drop_step)."""
     cfg, t0 = run.cfg, time.time()
     lr = schedules.lr_at(cfg.schedule, run.step, run.span)
     for g in run.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
-    loss = forward_backward(run.trained, run.train_loader, run.autocast, run.ranks.device)
+    begun = {"loader": run.train_loader.state_dict(), "rng": rng_state(run)}  # where a dropped step goes back to
+    run.meter.begin(run.step + 1)
+    loss = forward_backward(run.trained, run.train_loader, run.autocast, run.ranks.device,
+                            after_micro=lambda done: stopping.after_micro_batch(run, done))
+    run.meter.end()
+    if loss is None:
+        return stopping.drop_step(run, begun)
     if run.ranks.ddp:
         dist.all_reduce(loss)  # for the log only (the gradients are already averaged); gloo has no AVG
         loss /= run.ranks.world_size
@@ -475,12 +483,16 @@ def optimizer_step(run):
 
 
 def maybe_evaluate(run, last):
-    """Evaluate at every eval_every-th step and the last one (once: a resumed run's last step may have been)."""
+    """Evaluate at every eval_every-th step and the last one (once: a resumed run's last step may have been). False
+    when a signal cut the evaluation short (at a micro-batch, like a step): the step's eval is left to --resume."""
     cfg, log, step = run.cfg, run.log, run.step
     evaluated = log["evals"] and log["evals"][-1]["step"] == step
     if step > 0 and (step % cfg.eval_every == 0 or last) and not evaluated:
         ev = evaluate(run.compiled, run.val_loader, cfg.eval_iters, autocast=run.autocast, device=run.ranks.device,
-                      max_gap=cfg.max_gap)
+                      max_gap=cfg.max_gap, stop=lambda: STOP.agreed(run.ranks) != 0)
+        if ev is None:
+            print0(f"eval step {step} cut short by a signal: --resume evaluates it")
+            return False
         log["evals"].append({"step": step, "tokens": step * cfg.tokens_per_step, **ev})
         run.watch.at_eval(step, ev)
         log["final"] = {k: ev[k] for k in FINAL}
@@ -490,6 +502,7 @@ def maybe_evaluate(run, last):
             levels = f" | answers loss {ev['answer_loss']:.4f} acc {ev['answer_acc']:.1%} | by gap {by_gap}"
         print0(f"eval step {step} | val loss {ev['val_loss']:.4f}" + levels)
         save_json(run)
+    return True
 
 
 def maybe_save(run, last, force=False):
@@ -502,12 +515,9 @@ def maybe_save(run, last, force=False):
         save_json(run, write=False)  # this step's wall time into the log the checkpoint carries
         model, optimizer = full_state(run.model, run.optimizer, run.param_shapes)  # FSDP: every rank calls it
         if run.ranks.master:
-            rng = {"cpu": torch.get_rng_state()}
-            if run.cuda:
-                rng["cuda"] = torch.cuda.get_rng_state(run.ranks.device)
             common.save_checkpoint(run.ckpt_path, {
                 "model": model, "model_config": dataclasses.asdict(run.model_config),
-                "config": dataclasses.asdict(run.cfg), "step": step, "optimizer": optimizer, "rng": rng,
+                "config": dataclasses.asdict(run.cfg), "step": step, "optimizer": optimizer, "rng": rng_state(run),
                 "loader": run.train_loader.state_dict(), "log": run.log})
         run.saved_step = step
     if due or last:
@@ -528,20 +538,15 @@ def save_json(run, write=True):
         write_json(run.json_path, log)
 
 
-STOP = []  # the signals received (SIGINT/SIGTERM): the loop saves and exits after the step it is in
+STOP = stopping.STOP  # SIGINT/SIGTERM: the loop stops at the next micro-batch boundary (depthbench/stopping.py)
 
 
-def on_signal(signum, frame):
-    STOP.append(signum)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: KeyboardInterrupt at once
-
-def interrupted(run):
-    """The signal that asks this run to stop, else 0; under torchrun all ranks agree: none waits in a collective."""
-    if not run.ranks.ddp:
-        return STOP[0] if STOP else 0
-    flag = torch.tensor(STOP[:1] or [0], device=run.ranks.device)
-    dist.all_reduce(flag, dist.ReduceOp.MAX)
-    return int(flag)
+def rng_state(run):
+    """The RNG states a checkpoint keeps (restore sets them back)."""
+    rng = {"cpu": torch.get_rng_state()}
+    if run.cuda:
+        rng["cuda"] = torch.cuda.get_rng_state(run.ranks.device)
+    return rng
 
 
 # ----------------------------------------------------------------------------- setup and the grid
@@ -671,8 +676,7 @@ def main(argv=None):
         on_rank0(lambda: prepare_data(args, runs[0]), ranks)
 
     resume_cmd = resume_command(argv, ranks, args.resume)
-    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    STOP.clear()
+    handlers = STOP.install()
     diverged = []
     try:
         for k, cfg in enumerate(runs):

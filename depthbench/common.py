@@ -114,6 +114,17 @@ def format_lr(lr):
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
+def duration(seconds):
+    """A time span to read at a glance: '4.2 s', '42 s', '12.5 min', '3.2 h'."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def json_object(text):
     """argparse type: a JSON object, e.g. --residual-args '{"n_groups": 4}' (a design's `options`)."""
     value = json.loads(text)
@@ -387,8 +398,8 @@ PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends a process when its
 
 def end_with_parent():
     """A preexec_fn for subprocess: the child ends with this process, however this one dies (kill -9 included). On
-    Linux the kernel sends the child SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG), which train.py answers by
-    saving ckpt.pt after its step; a parent that died before the child set it ends the child at once. Elsewhere the
+    Linux the kernel sends the child SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG), which train.py answers at
+    its next micro-batch, keeping its last step's ckpt.pt; a parent that died before the child set it ends the child at once. Elsewhere the
     child outlives a killed parent (the folder locks still keep a rerun out of its files)."""
     parent = os.getpid()
     prctl = None

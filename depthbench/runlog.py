@@ -183,6 +183,17 @@ class Final:
 
 
 @dataclass
+class Stopped:
+    """ "stopped": the signal that ended the run's last session before its last step (absent otherwise)."""
+    signal: str                                 # "SIGTERM" or "SIGINT"
+    step: int                                   # the last completed step: ckpt.pt's (0: nothing trained)
+    dropped_step: Optional[int] = None          # the step the signal cut short (gradients discarded), if one was
+    micro_batches_done: Optional[int] = None    # how many of its micro-batches had run
+    micro_batches: Optional[int] = None         # of how many
+    after_signal: Optional[int] = None          # of those, how many ran after rank 0's signal (null: none came)
+
+
+@dataclass
 class TableConfig:
     """The fields of "config" every reader needs (the rest are RunConfig's, checked where present): what names a
     run in every table and figure."""
@@ -210,6 +221,7 @@ class RunLog:
     device: Optional[str] = None   # the device's name
     versions: Optional[dict] = None    # python, torch, cuda, git commit
     telemetry: Optional[dict] = None   # depthbench/telemetry.py's records and the tracker's state
+    stopped: Optional[Stopped] = None  # SIGINT/SIGTERM ended the last session: why and where (train.py)
 
 
 # ----------------------------------------------------------------------------- checking a value against a type

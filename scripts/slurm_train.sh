@@ -7,8 +7,8 @@
 #   sbatch --nodes 2 scripts/slurm_train.sh --suite 400m --layers 70 --residual mhc --out /shared/runs --resume
 #
 # GPUS_PER_NODE (default 8) and PORT (default 29500) can be set in the environment. At the time limit SLURM sends
-# SIGTERM two minutes early (--signal); torchrun passes it on and train.py saves after its step: resubmit with
-# --resume.
+# SIGTERM two minutes early (--signal); torchrun passes it on and every rank stops at its next micro-batch, the step
+# in progress dropped and the last completed step's ckpt.pt kept (docs/training.md#stopping): resubmit with --resume.
 #SBATCH --job-name=depthbench
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

@@ -489,9 +489,11 @@ def test_mini_drops_repeats():
 
 # ----------------------------------------------------------------------------- 3. Ctrl-C and SIGTERM
 
-@fault("Ctrl-C (SIGINT) or SIGTERM during training", "the step ends, ckpt.pt is saved, one line `interrupted at "
-       "step N: saved ckpt.pt; resume with: python train.py ... --resume`, exit 130 / 143; resuming gives the "
-       "uninterrupted losses")
+@fault("Ctrl-C (SIGINT) or SIGTERM during training (here between steps; during gradient accumulation: "
+       "tests/test_stop.py, plain and under torchrun)", "the run stops at the next micro-batch boundary, a step in "
+       "progress dropped; the last completed step's ckpt.pt is on disk, run.json says `stopped` (the signal, the "
+       "step), one line `interrupted at step N: saved ckpt.pt; resume with: python train.py ... --resume`, exit 130 / "
+       "143; resuming gives the uninterrupted losses")
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_saves_and_exits(tmp_path, capsys, monkeypatch, sig, code):
     args = TINY + ["--steps", "4", "--ckpt-every", "100"]
@@ -510,6 +512,7 @@ def test_a_signal_saves_and_exits(tmp_path, capsys, monkeypatch, sig, code):
         f"interrupted at step 2: saved ckpt.pt; resume with: python {shlex.join(['train.py', *argv, '--resume'])}"]
     assert signal.getsignal(sig) is before  # the handlers are put back
     assert torch.load(next((tmp_path / "b").glob("*/ckpt.pt")), weights_only=True)["step"] == 2
+    assert load_run(tmp_path / "b")["stopped"] == {"signal": signal.Signals(sig).name, "step": 2}
     monkeypatch.undo()
     assert run_main(argv + ["--resume"], capsys)[0] == 0
     assert [s["loss"] for s in load_run(tmp_path / "b")["steps"]] == [s["loss"] for s in load_run(tmp_path / "a")["steps"]]
@@ -1107,7 +1110,7 @@ def alive(pid):
 
 
 @fault("kill -9 of mini.py alone while its pool trains a run, then the same command at once",
-       "the run ends with its driver (Linux: the kernel sends it SIGTERM, so it saves ckpt.pt after its step); the "
+       "the run ends with its driver (Linux: the kernel sends it SIGTERM: it keeps its last step's ckpt.pt); the "
        "rerun waits for it in one line while it lives, never writes its log meanwhile (no NUL bytes), then resumes "
        "it: the losses of an uninterrupted run, bit for bit")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -1242,7 +1245,8 @@ def rules():
         "## Process lifetime", "",
         "- mini.py's children (train.py, diagnose.py, plot.py) end when it ends, however it ends. On Linux each asks "
         "the kernel for SIGTERM at its parent's death (`prctl(PR_SET_PDEATHSIG)`: common.end_with_parent), kill -9 "
-        "included, and a training run answers it by saving ckpt.pt after its step. They run in mini.py's process "
+        "included, and a training run answers it at its next micro-batch, keeping its last completed step's ckpt.pt "
+        "(docs/training.md#stopping). They run in mini.py's process "
         "group: a terminal's Ctrl-C, or `kill -- -PGID`, reaches them all.",
         "- A live run's files are never written by another process: train.py locks its run folder, and mini.py locks "
         "each run's log together with the run that writes it (the lock lasts while either lives). A rerun that finds "
