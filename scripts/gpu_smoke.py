@@ -343,8 +343,8 @@ def depth_step(s):
 def memory_plan(s):
     """The memory plan against the GPU, every design: costs.step_peak (fp32 weights, the activations the plan
     counts, a chunk of the loss's logits) against max_memory_allocated of profile_gpu.py's compiled bf16 training
-    step, at the 400m rows L70 d640 and L24 d1024, micro-batch 8 x 2048 (--tiny: L3 and L2 at d64, fp32 on the
-    CPU, where the peak is the model plus TensorBytes' peak)."""
+    step, at the 400m rows L70 d640 and L24 d1024, micro-batch 8 x 2048 (--tiny: Pre-LN and mHC at L3 and L2,
+    d64, fp32 on the CPU, where the peak is the model plus TensorBytes' peak)."""
     out = s.summary["memory_plan"]
     for L, shape in MEMORY_SHAPES[s.tiny]:
         if s.tiny:
@@ -352,7 +352,8 @@ def memory_plan(s):
                     "--threads", "1"]
         else:
             argv = ["--shapes", shape, "--seq", "2048", "--batch", "8"]
-        res = run(s, [sys.executable, "profile_gpu.py", *argv, "--residual", ",".join(DESIGNS), "--repeats", "1",
+        designs = TINY_DESIGNS if s.tiny else DESIGNS
+        res = run(s, [sys.executable, "profile_gpu.py", *argv, "--residual", ",".join(designs), "--repeats", "1",
                       "--out", str(s.work / "memory.json")])
         if res.rc not in (0, 1):  # 1: every row failed, each with its reason
             out[f"L{L}"] = {"reason": why(res)}
