@@ -32,8 +32,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
-from depthbench.costs import analytic, gpu_peak
+from depthbench.costs import analytic, gpu_peak, step_peak
 from depthbench.compiled import compile_model, eager
+from depthbench.recipe import RunConfig
 from model import GPT, GPTConfig
 from depthbench.common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
                     positive, write_json)
@@ -480,8 +481,9 @@ def checked_args(p, args):
     return designs, dims, dev
 
 
-def analytic_rows(args, designs, dims, dtype):
-    """One row per shape and design: its shape, parameters and analytic fields, the measured ones None."""
+def analytic_rows(args, designs, dims, dtype, mode):
+    """One row per shape and design: its shape, parameters and analytic fields, the measured ones None, and the
+    memory plan's peak of the training step in `mode` (costs.step_peak: "compiled" on CUDA, else the dtype)."""
     rows = []
     for L, d in dims:
         for res in designs:
@@ -491,8 +493,13 @@ def analytic_rows(args, designs, dims, dtype):
             fields = analytic(res, n_layer=L, d_model=d, d_ff=d_ff, seq=args.seq, batch=args.batch, vocab=args.vocab,
                               params=params, elem_bytes=DTYPES[dtype].itemsize, options=opts,
                               kv_ratio=args.kv_heads / args.heads)
+            run = RunConfig.from_dict({"n_layer": L, "d_model": d, "d_ff": d_ff, "n_head": args.heads,
+                                       "n_kv_head": args.kv_heads, "vocab_size": args.vocab, "residual": res,
+                                       "residual_args": opts, "batch_size": args.batch, "seq_len": args.seq,
+                                       "activation_checkpointing": False, "world_size": 1, "fsdp": False})
             rows.append({"residual": res, "n_layer": L, "d_model": d, "d_ff": d_ff, "ar": d / L, "seq": args.seq,
-                         "batch": args.batch, "params": params, **fields, **dict.fromkeys(MEASURED)})
+                         "batch": args.batch, "params": params, **fields, **dict.fromkeys(MEASURED),
+                         "planned_train_bytes": step_peak(run, params, mode)})
     return rows
 
 
@@ -537,7 +544,7 @@ def main(argv=None):
         device = torch.cuda.get_device_name(dev)
     print(f"device {device}, dtype {dtype}, {len(dims)} shapes x {len(designs)} designs", file=sys.stderr)
 
-    rows = analytic_rows(args, designs, dims, dtype)
+    rows = analytic_rows(args, designs, dims, dtype, mode="compiled" if dev.type == "cuda" else dtype)
     peak = None
     if not args.analytic_only:
         peak = measure_rows(args, rows, dev, dtype)

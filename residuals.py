@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import ops
 from ops import RMSNorm, dead_zone, erank, rms_norm
@@ -132,10 +133,11 @@ class PreLN(nn.Module):
     paper_micro_batch = {1: 16}
     options = {}             # constructor options -> defaults (GPTConfig.residual_args, --residual-args)
 
-    # activation bytes autograd keeps per token and block, in units of d, for costs.memory_plan
-    # (docs/training.md#memory): (beyond Pre-LN's under bf16 autocast, beyond Pre-LN's in fp32, the block's input
-    # kept when the block is checkpointed); measured on CPU like Pre-LN's own costs.BLOCK_BYTES
-    act_bytes = (0, 0, 4)
+    # activation bytes autograd keeps per token beyond Pre-LN's, for costs.memory_plan (docs/training.md#memory): per
+    # mode (costs.BLOCK_BYTES), (a, b, e, f) for L (a d + b) + e d + f bytes at L blocks of width d; measured on CPU by
+    # scripts/calibrate_memory.py. input_bytes: the block input (per unit of d) a checkpointed block keeps
+    act_bytes = {"compiled": (0, 0, 0, 0), "bf16": (0, 0, 0, 0), "fp32": (0, 0, 0, 0)}
+    input_bytes = 4
 
     @classmethod
     def cost(cls, L, d, T, **options):
@@ -143,6 +145,11 @@ class PreLN(nn.Module):
         d, for costs.analytic (profile_gpu.py's rows, train.py's MFU). Norms, scalings and adds are not counted (nor
         are they for Pre-LN's formula)."""
         return 0, 1
+
+    @classmethod
+    def most_micro_batch(cls, L, **options):
+        """The micro-batch per GPU the 400m preset goes up to at L blocks (costs.default_micro_batch): the paper's."""
+        return cls.paper_micro_batch[max(k for k in cls.paper_micro_batch if k <= L)]
 
     @classmethod
     def activation_bytes(cls, **options):
@@ -242,7 +249,7 @@ class SandwichLN(PreLN):
         return s + site.post_norm(y)
 
     # ------------------------------------------------------------------------- for the scripts
-    act_bytes = (17, 17, 4)
+    act_bytes = {"compiled": (2, 8, 0, 0), "bf16": (16, 8, 0, 0), "fp32": (16, 8, 0, 0)}
 
     def sublayer_params(self, i):
         return {**super().sublayer_params(i), "post_norm": self.post_norms[i].weight}
@@ -310,6 +317,7 @@ class DeepNorm(PreLN):
         return site.norm(self.alpha * s + y)
 
     # ------------------------------------------------------------------------- for the scripts
+    act_bytes = {"compiled": (4, 4, 0, 0), "bf16": (-8, 8, 0, 0), "fp32": (-8, 8, 0, 0)}
     paper_lr = 1e-3
 
     @torch.no_grad()
@@ -346,7 +354,7 @@ class KEEL(PreLN):
         return site.post_norm(site.alpha * s + y)
 
     # ------------------------------------------------------------------------- for the scripts
-    act_bytes = (17, 17, 4)
+    act_bytes = {"compiled": (4, 8, 0, -4), "bf16": (16, 8, -8, -4), "fp32": (16, 8, -8, -4)}
 
     def sublayer_params(self, i):
         own = super().sublayer_params(i)
@@ -371,7 +379,10 @@ class HC(PreLN):
         H_pre = A[:, 0],  H_res = A[:, 1:] transposed,  H_post = beta      (the tensors keep the release's names)
     Collapse: "sum" of the streams, then the final RMSNorm; "mean", then the norm (mHC's); "norm_each": the final
     norm on each stream, then the sum. `forward="unmixed"`: h'_o = h_o + H_post[o] y (H_res = I). The older official
-    code ran norm_each and unmixed (docs/designs.md#hc).
+    code ran norm_each and unmixed (docs/designs.md#hc). `recompute` (default on): read's maths (the maps, both
+    mixes, the norm) runs under torch.utils.checkpoint, so that autograd keeps the streams alone and the backward
+    recomputes the rest, as the mHC paper does: the same losses and gradients, at most a third of the memory
+    (docs/training.md#memory).
     Init: static_alpha column 0 = one-hot at i mod n, columns 1..n = I; static_beta = 1; dynamic_alpha, dynamic_beta
     = 0; alpha_scale = beta_scale = 0.01; W_o and W_2 of every block divided by sqrt(n). At init the model equals
     Pre-LN with an n-times residual, which the final norm cancels.
@@ -379,12 +390,13 @@ class HC(PreLN):
     Cost: n x wider residual activations; ~100 d extra FLOPs per token per sublayer.
     """
 
-    def __init__(self, cfg, n_streams=4, collapse="sum", forward="mixed"):
+    def __init__(self, cfg, n_streams=4, collapse="sum", forward="mixed", recompute=True):
         super().__init__(cfg)
         if collapse not in ("sum", "mean", "norm_each") or forward not in ("mixed", "unmixed"):
             raise ValueError(f"HC collapse: sum, mean or norm_each; forward: mixed or unmixed; "
                              f"got {collapse}, {forward}")
         self.n, self.collapse_mode, self.mixed = n_streams, collapse, forward == "mixed"
+        self.recompute = recompute
         self.conn = nn.ModuleList(self.make_connector(cfg.d_model) for _ in range(self.n_sub))
 
     def make_connector(self, d):
@@ -417,9 +429,17 @@ class HC(PreLN):
         return x0.unsqueeze(2).repeat(1, 1, self.n, 1)                                    # (B, T, n, D)
 
     def read(self, s, site):
+        if self.recompute and torch.is_grad_enabled():   # autograd keeps s alone; the backward recomputes the rest
+            h, *maps, mixed = checkpoint(self.connect, s, site, use_reentrant=False, preserve_rng_state=False)
+        else:
+            h, *maps, mixed = self.connect(s, site)
+        return h, {**dict(zip(("H_pre", "H_post", "H_res"), maps)), "mixed": mixed}
+
+    def connect(self, s, site):
+        """read's maths -> (h, H_pre, H_post, H_res, mixed): the branch input and what write needs."""
         H_pre, H_post, H_res = self.maps(s, site)
         branch, mixed = self.ops.width_connection(s, H_pre, H_res)   # sum_s H_pre[s] h_s; sum_s H_res[o, s] h_s
-        return site.norm(branch), {"H_pre": H_pre, "H_post": H_post, "H_res": H_res, "mixed": mixed}
+        return site.norm(branch), H_pre, H_post, H_res, mixed
 
     def write(self, s, site, y, ctx):
         """h'_o = sum_s H_res[o, s] h_s + H_post[o] y, from what read(s, site) passed on in ctx."""
@@ -434,8 +454,24 @@ class HC(PreLN):
 
     # ------------------------------------------------------------------------- for the scripts
     paper_micro_batch = {1: 8, 26: 4}             # the official shape script: 8 at L16-24, 4 from L26
-    options = {"n_streams": 4, "collapse": "sum", "forward": "mixed"}
-    act_bytes = (66, 77, 16)
+    options = {"n_streams": 4, "collapse": "sum", "forward": "mixed", "recompute": True}
+    act_bytes = {"compiled": (30, -8, 0, 0), "bf16": (24, 24, 0, 0), "fp32": (24, 24, 0, 0)}  # the streams alone
+    kept_act_bytes = {"compiled": (70, 304, 0, 0), "bf16": (72, 608, 0, 0), "fp32": (72, 608, 0, 0)}  # recompute off
+    input_bytes = 16
+
+    @classmethod
+    def activation_bytes(cls, recompute=True, **options):
+        """With recompute, autograd keeps the streams (and the sublayer's output) alone; without, also the maps, the
+        (n + 1) x D mix and the normed branch input of every sublayer (mHC: Sinkhorn's iterates too)."""
+        return cls.act_bytes if recompute else cls.kept_act_bytes
+
+    @classmethod
+    def most_micro_batch(cls, L, recompute=True, **options):
+        """The paper's micro-batch: 8, and 4 from L26, what its GPUs held keeping the connections' intermediates;
+        with recompute, 8 at every depth (where the memory plan allows it)."""
+        if recompute:
+            return cls.paper_micro_batch[1]
+        return super().most_micro_batch(L)
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -506,11 +542,11 @@ class MHC(HC):
       the transport starts at the uniform matrix (the Liger kernel's init; effective rank ~1).
     """
 
-    def __init__(self, cfg, n_streams=4, collapse="mean", init="gap8", sinkhorn_iters=20):
+    def __init__(self, cfg, n_streams=4, collapse="mean", init="gap8", sinkhorn_iters=20, recompute=True):
         if init not in ("uniform", "gap8"):
             raise ValueError(f"mHC init must be 'uniform' or 'gap8', got {init!r}")
         self.init, self.sinkhorn_iters = init, sinkhorn_iters
-        super().__init__(cfg, n_streams, collapse)
+        super().__init__(cfg, n_streams, collapse, recompute=recompute)
 
     def make_connector(self, d):
         n, c = self.n, nn.Module()
@@ -529,8 +565,9 @@ class MHC(HC):
         return H_pre, H_post, H_res
 
     # ------------------------------------------------------------------------- for the scripts
-    options = {"n_streams": 4, "collapse": "mean", "init": "gap8", "sinkhorn_iters": 20}
-    act_bytes = (116, 127, 16)
+    options = {"n_streams": 4, "collapse": "mean", "init": "gap8", "sinkhorn_iters": 20, "recompute": True}
+    act_bytes = {"compiled": (30, -8, 0, 0), "bf16": (24, 24, 0, 0), "fp32": (24, 24, 0, 0)}  # the streams alone
+    kept_act_bytes = {"compiled": (70, 280, 0, 0), "bf16": (72, 7016, 0, 0), "fp32": (72, 7016, 0, 0)}  # recompute off
 
     @classmethod
     def cost(cls, L, d, T, n_streams=4, **options):
@@ -633,7 +670,8 @@ class FullAttnRes(PreLN):
 
     # ------------------------------------------------------------------------- for the scripts
     options = {"topk_fraction": 1.0, "learn_logit_scale": False}   # the release's variants, off
-    act_bytes = (10, 10, 9)   # measured (docs/training.md#memory); checkpointed, the bank is all a block input adds
+    act_bytes = {"compiled": (10, 128, 4, -124), "bf16": (8, 128, 4, -124), "fp32": (8, 128, 4, -124)}
+    input_bytes = 9   # checkpointed: the bank is all a block input adds
     dead_tau = 0.05   # telemetry: a consumer is near-dead below this non-embedding weight (diagnose.py --dead-tau)
 
     @staticmethod
@@ -782,7 +820,7 @@ class BlockAttnRes(FullAttnRes):
     # ------------------------------------------------------------------------- for the scripts
     # block_size None: the n_groups reading; grouping "doubling": boundaries that grow with depth
     options = {"n_groups": 8, "block_size": None, "grouping": "even", **FullAttnRes.options}
-    act_bytes = (13, 13, 9)   # Full AttnRes' and the open groups' sums, which the mixes keep besides the bank
+    act_bytes = {"compiled": (18, 136, 4, -124), "bf16": (16, 136, 4, -124), "fp32": (16, 136, 4, -124)}
 
     @staticmethod
     def groups(n_sub, n_groups=8, block_size=None, grouping="even"):
@@ -897,7 +935,8 @@ class MoDA(PreLN):
     # ------------------------------------------------------------------------- for the scripts
     paper_micro_batch = {1: 4}
     options = {"norm": "pre"}
-    act_bytes = (24, 33, 20)
+    act_bytes = {"compiled": (22.54, 0, -17.29, 0), "bf16": (22.54, 0, -19.29, 0), "fp32": (25.5, 0, -18.25, 0)}
+    input_bytes = 20
 
     @classmethod
     def cost(cls, L, d, T, kv_ratio=1.0, **options):
@@ -954,6 +993,8 @@ class PostLN(PreLN):
     Params: one RMSNorm gain per sublayer + the final norm, as Pre-LN (2dL + d), init 1. Init otherwise Pre-LN's.
     LR: Pre-LN's rule. Cost: nothing beyond the backbone.
     """
+
+    act_bytes = {"compiled": (4, 0, 0, 0), "bf16": (0, 0, 0, 0), "fp32": (0, 0, 0, 0)}
 
     def read(self, s, site):
         return s, {}
@@ -1086,7 +1127,7 @@ class ResFormer(PreLN):
 
     # ------------------------------------------------------------------------- for the scripts
     options = {"learn": True}
-    act_bytes = (3, 5, 4)     # measured (docs/training.md#memory): the mixed values; v_1 is kept once per model
+    act_bytes = {"compiled": (2, 0, -2, 0), "bf16": (2, 0, -2, 0), "fp32": (4, 0, -4, 0)}
 
     @classmethod
     def cost(cls, L, d, T, kv_ratio=1.0, **options):
@@ -1163,6 +1204,7 @@ class MixLN(PreLN):
         return s + y
 
     # ------------------------------------------------------------------------- for the scripts
+    act_bytes = {"compiled": (2, 0, -4, 0), "bf16": (0, 0, 0, 0), "fp32": (0, 0, 0, 0)}
     options = {"post_fraction": 0.25}
 
 
@@ -1207,7 +1249,8 @@ class DenseFormer(PreLN):
 
     # ------------------------------------------------------------------------- for the scripts
     options = {}
-    act_bytes = (5, 5, 8)     # measured: each block output in the bank (fp32), which a checkpointed block keeps too
+    act_bytes = {"compiled": (4, 0, 4, 0), "bf16": (4, 0, 4, 0), "fp32": (4, 0, 4, 0)}
+    input_bytes = 8   # each block output in the bank (fp32), which a checkpointed block keeps too
 
     @classmethod
     def cost(cls, L, d, T, **options):
@@ -1339,7 +1382,8 @@ class MUDD(PreLN):
     # ------------------------------------------------------------------------- for the scripts
     paper_micro_batch = {1: 8}
     options = {}
-    act_bytes = (37, 45, 20)  # measured: the four streams, the bank, the weights' MLP
+    act_bytes = {"compiled": (28, 584, -12, -84), "bf16": (32, 584, -16, -84), "fp32": (40, 584, -24, -84)}
+    input_bytes = 20
 
     @staticmethod
     def hidden(L, b):
@@ -1472,11 +1516,12 @@ class Hybrid(PreLN):
 
     # ------------------------------------------------------------------------- for the scripts
     options = {"deep": "block_attnres", "split": 0.25}
-    act_bytes = BlockAttnRes.act_bytes                    # the default's; activation_bytes gives another deep's
+    act_bytes = {"compiled": (9, 60, 22, 28), "bf16": (8, 60, 20, 28), "fp32": (8, 60, 20, 28)}
+    input_bytes = BlockAttnRes.input_bytes
 
     @classmethod
     def activation_bytes(cls, deep="block_attnres", **options):
-        return RESIDUALS[deep].act_bytes
+        return cls.act_bytes if deep == "block_attnres" else RESIDUALS[deep].act_bytes   # another deep's: its own
 
     @classmethod
     def cost(cls, L, d, T, deep="block_attnres", split=0.25, kv_ratio=1.0, **options):

@@ -21,10 +21,13 @@ from shapes import backbone_params, count_params, ffn_dim
 GB = 1e9
 PLAN_BYTES = 80 * GB  # the 400m defaults fit an 80 GB GPU (--gpu-mem plans for another)
 
-# Activations autograd keeps per token and block, bytes per unit of d, d_ff and the K/V width d_kv, with bf16 autocast
-# (key True) and in fp32 (key False): Pre-LN's, measured on CPU (eager; docs/training.md#memory). A design's own on
-# top: its act_bytes.
-BLOCK_BYTES = {True: (31, 8, 4), False: (33, 16, 8)}
+# Activation bytes autograd keeps per token (docs/training.md#memory), by mode: "compiled" (bf16 autocast, each block
+# compiled: train.py on a GPU), "bf16" (eager, bf16 autocast), "fp32" (eager). Pre-LN's block: per unit of d, d_ff,
+# d_kv and attention head, and bytes; the rest of the model (embedding, final norm, a one-chunk loss's logits): per
+# unit of d and V, and bytes. A design adds its own (residuals.py, `act_bytes`). Measured on CPU at L2-4 d64-128,
+# fast kernels, by scripts/calibrate_memory.py ("compiled": inductor's choice of what the forward saves).
+BLOCK_BYTES = {"compiled": (14, 6, 4, 4, 8), "bf16": (30, 8, 4, 4, 8), "fp32": (32, 16, 8, 4, 8)}
+EDGE_BYTES = {"compiled": (10, 4, 4), "bf16": (10, 4, 4), "fp32": (12, 4, 4)}
 MARGIN = 1.1      # slack on activations and loss
 RESERVE = 4 * GB  # CUDA context, NCCL buffers, allocator
 
@@ -35,18 +38,46 @@ GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100"
 
 # ----------------------------------------------------------------------------- the memory plan
 
-def block_bytes(cfg, bf16):
-    """Activation bytes autograd keeps per token for one block of the run `cfg` (a RunConfig)."""
+def plan_mode(cfg, bf16):
+    """The mode (BLOCK_BYTES) a plan assumes: fp32; bf16 eager (--no-compile on a GPU); or bf16 compiled (a GPU's
+    default, also for a plan made off the GPU: the 400m preset's micro-batch, --dry-run --gpu-mem)."""
+    if not bf16:
+        return "fp32"
+    if cfg.device.startswith("cuda") and not cfg.compile:
+        return "bf16"
+    return "compiled"
+
+
+def one_chunk(cfg):
+    """Whether the training loss runs as one chunk of logits (kept for the backward) or checkpointed chunks."""
+    return cfg.batch_size * cfg.seq_len * 4 * cfg.vocab_size <= LOSS_CHUNK_BYTES
+
+
+def token_bytes(cfg, mode):
+    """(per block, the rest of the model): the activation bytes autograd keeps per token of the run `cfg` (a
+    RunConfig) in `mode`, Pre-LN's (BLOCK_BYTES, EDGE_BYTES) and the design's (act_bytes)."""
     d = cfg.d_model
-    d_kv = d * cfg.n_kv_head // cfg.n_head
-    backbone = sum(c * x for c, x in zip(BLOCK_BYTES[bf16], (d, cfg.d_ff, d_kv)))
-    design_index = 0 if bf16 else 1
-    return backbone + design_bytes(cfg)[design_index] * d
+    a, b, e, f = design_bytes(cfg)[mode]
+    block = dot(BLOCK_BYTES[mode], (d, cfg.d_ff, d * cfg.n_kv_head // cfg.n_head, cfg.n_head, 1)) + a * d + b
+    edge = dot(EDGE_BYTES[mode], (d, cfg.vocab_size * one_chunk(cfg), 1)) + e * d + f
+    return block, edge
+
+
+def dot(coefficients, features):
+    return sum(c * x for c, x in zip(coefficients, features))
 
 
 def design_bytes(cfg):
     """The design's act_bytes under the run's options (a hybrid's follow its deep design)."""
     return RESIDUALS[cfg.residual].activation_bytes(**cfg.residual_args)
+
+
+def cast_bytes(cfg):
+    """The bf16 copies of the weights autocast makes and the backward keeps: the blocks' matmuls, and the head's
+    when the loss is one chunk."""
+    d, blocks = cfg.d_model, backbone_params(cfg.n_layer, cfg.d_model, cfg.d_ff, n_kv_head=cfg.n_kv_head,
+                                             n_head=cfg.n_head)
+    return 2 * (blocks - 2 * d * cfg.n_layer) + 2 * d * cfg.vocab_size * one_chunk(cfg)
 
 
 def fixed_bytes(cfg, params, blocks):
@@ -59,41 +90,48 @@ def fixed_bytes(cfg, params, blocks):
     return 20 * params
 
 
-def memory_plan(cfg, params, bf16=True):
+def memory_plan(cfg, params, bf16=True, mode=None):
     """An estimate of the bytes per GPU of a training step of the resolved run `cfg` (a RunConfig) with `params`
-    parameters -> {fixed, activations, loss, eval, reserve, total, floor}, each part as docs/training.md#memory
-    derives it. The floor is what no step of this shape does without: a run over it clearly cannot fit, whatever
-    the estimate's errors."""
-    L, d = cfg.n_layer, cfg.d_model
+    parameters -> {fixed, activations, loss, eval, reserve, total, floor, mode}, each part as
+    docs/training.md#memory derives it; mode (BLOCK_BYTES) by default plan_mode's. The floor is what no step of this
+    shape does without: a run over it clearly cannot fit, whatever the estimate's errors."""
+    L, d, mode = cfg.n_layer, cfg.d_model, mode or plan_mode(cfg, bf16)
     tokens = cfg.batch_size * cfg.seq_len
-    block = block_bytes(cfg, bf16)
-    blocks = backbone_params(L, d, cfg.d_ff, n_kv_head=cfg.n_kv_head, n_head=cfg.n_head)
-    casts = 2 * params if bf16 else 0  # the bf16 copies of the weights autocast makes
-    if cfg.activation_checkpointing:  # each block's input; one block's set (and bf16 weights) at a time
-        act = L * design_bytes(cfg)[2] * d + block
-        casts = casts * (1 - blocks / params * (L - 1) / L)
-        kept_per_block = design_bytes(cfg)[2]
+    block, edge = token_bytes(cfg, mode)
+    casts = cast_bytes(cfg) if bf16 else 0
+    if cfg.activation_checkpointing:  # each block's input; one block's set (and its bf16 weights) at a time
+        kept_per_block = RESIDUALS[cfg.residual].input_bytes
+        act = L * kept_per_block * d + block + edge
+        casts = casts / L
     else:
-        act = L * block
+        act = L * block + edge
         kept_per_block = 16
-    plan = {"fixed": fixed_bytes(cfg, params, blocks),
+    plan = {"fixed": fixed_bytes(cfg, params, backbone_params(L, d, cfg.d_ff, n_kv_head=cfg.n_kv_head,
+                                                             n_head=cfg.n_head)),
             "activations": tokens * act + casts,
             "eval": tokens * cfg.vocab_size * 10,
-            "loss": tokens * 4 * d + 4 * LOSS_CHUNK_BYTES,
-            "reserve": RESERVE}
+            "loss": 4 * min(LOSS_CHUNK_BYTES, 4 * tokens * cfg.vocab_size),  # a chunk's logits in the backward
+            "reserve": RESERVE, "mode": mode}
     plan["total"] = plan["fixed"] + max(MARGIN * (plan["activations"] + plan["loss"]), plan["eval"]) + RESERVE
     plan["floor"] = 8 * params + tokens * L * d * kept_per_block
     return plan
 
 
+def step_peak(cfg, params, mode):
+    """The plan's peak of one forward and backward alone (profile_gpu.py's step, no optimizer, gradients freed):
+    fp32 weights, the activations, the loss's chunk and the head's gradient, without margin or reserve: what
+    torch.cuda.max_memory_allocated measures (scripts/gpu_smoke.py's memory check)."""
+    plan = memory_plan(cfg, params, mode != "fp32", mode)
+    return 4 * params + plan["activations"] + plan["loss"] + 4 * cfg.vocab_size * cfg.d_model
+
+
 def default_micro_batch(cfg, params, limit=PLAN_BYTES, most=None, bf16=True):
-    """The largest power of two up to `most` (default: the design's paper_micro_batch, what fit the paper's GPUs at
-    400M, {from depth: micro-batch}) that divides the global batch over the ranks and whose memory plan fits
+    """The largest power of two up to `most` (default: the design's most_micro_batch, what fit the paper's GPUs at
+    400M; HC/mHC with recompute 8 at every depth) that divides the global batch over the ranks and whose memory plan fits
     `limit` bytes (an 80 GB GPU); None if none does."""
-    paper = RESIDUALS[cfg.residual].paper_micro_batch
     share = cfg.global_batch // cfg.world_size
     if not most:
-        most = paper[max(k for k in paper if k <= cfg.n_layer)]
+        most = RESIDUALS[cfg.residual].most_micro_batch(cfg.n_layer, **cfg.residual_args)
     most = min(share, most)
     for k in range(int(math.log2(max(most, 1))), -1, -1):
         B = 2 ** k
@@ -124,17 +162,18 @@ def print_plan(cfg, params, plan, limit, bf16):
     engine = "1 process"
     if cfg.world_size > 1:
         engine = f"{'FSDP2' if cfg.fsdp else 'DDP'} over {cfg.world_size} ranks"
-    precision = ", fp32"
-    if bf16:
-        precision = ", bf16 autocast"
+    precision = {"fp32": ", fp32", "bf16": ", bf16 autocast, eager", "compiled": ", bf16 autocast, compiled"}
     recompute = ", activation checkpointing" if cfg.activation_checkpointing else ""
     print0(f"memory plan per GPU of {cfg.name} (an estimate: docs/training.md#memory)\n  L{cfg.n_layer} "
            f"d{cfg.d_model}, {params:,} params, micro-batch {cfg.batch_size} x {cfg.seq_len}, "
-           f"{engine}{precision}{recompute}")
+           f"{engine}{precision[plan['mode']]}{recompute}")
     verdict_text = "fits" if plan["total"] <= limit else "does NOT fit"
-    for key, what in [("fixed", "weights, gradients, AdamW"), ("activations", "kept for the backward"),
-                      ("loss", f"(eval logits {plan['eval'] / GB:.1f} GB, after the step)"),
-                      ("reserve", f"CUDA context, NCCL, allocator (and x{MARGIN} on the two above)"),
+    for key, what in [("fixed", "weights, gradients, AdamW: 20 bytes a parameter (arithmetic)"),
+                      ("activations", f"kept for the backward: measured on CPU ({plan['mode']}, L2-4 d64-128, "
+                                      "scripts/calibrate_memory.py), scaled"),
+                      ("loss", f"a chunk of logits in the backward (arithmetic; eval logits {plan['eval'] / GB:.1f} "
+                               "GB, after the step)"),
+                      ("reserve", f"CUDA context, NCCL, allocator, and x{MARGIN} on the two above (judgment)"),
                       ("total", f"of {limit / GB:.1f} GB: {verdict_text}")]:
         print0(f"  {key:<12}{plan[key] / GB:8.1f} GB  {what}")
 
@@ -206,3 +245,19 @@ def gpu_peak(name):
         if key in name:
             return value
     return None
+
+
+# ----------------------------------------------------------------------------- measuring what a step keeps
+
+def kept_bytes(model, idx, bf16=True):
+    """Bytes a training forward of `model` on idx (B, T) leaves allocated on the CPU: what autograd keeps for the
+    backward (the loss's graph held), weights excluded, with the bf16 copies of the weights autocast makes. Read
+    from torch.profiler's allocation events (allocated minus freed during the forward), which sees compiled code
+    too (a TorchDispatchMode, profile_gpu.TensorBytes, turns torch.compile off)."""
+    from torch.profiler import ProfilerActivity, profile
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, amp:
+        loss = model(idx, idx, logits=False)[1]
+    kept = sum(e.self_cpu_memory_usage for e in prof.events())
+    del loss
+    return kept

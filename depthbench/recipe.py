@@ -210,7 +210,7 @@ def build_parser():
     # batch and schedule
     add("--global-batch", type=pint, help="sequences per optimizer step, all ranks together (preset: 512, cpu/mini 32)")
     add("--batch-size", type=pint, help="micro-batch per rank (preset: the largest power of two up to the design's "
-        "paper_micro_batch whose memory plan fits an 80 GB GPU; cpu/mini: global batch / ranks)")
+        "most_micro_batch whose memory plan fits an 80 GB GPU; cpu/mini: global batch / ranks)")
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
         "tokens per budgeted param; cpu 800, mini 1200)")
     add("--schedule", default=schedules.DEFAULT, choices=list(schedules.SCHEDULES), help="the LR schedule, "

@@ -10,6 +10,8 @@ each check ends. summary.json answers, each as a number or as null with a reason
   bf16_vs_fp32    the same 20 steps from one checkpoint, resumed in fp32 (CPU) and in bf16 autocast (CUDA)
   ddp_vs_fsdp2    with 2+ GPUs: the same 10 steps under DDP and under FSDP2 (--fsdp)
   memory          planned (train.py's estimate) vs measured peak GB for Pre-LN, mHC and Full AttnRes at L24
+  memory_plan     every design's planned (costs.step_peak) vs measured (max_memory_allocated) peak of a compiled
+                  training step, L70 d640 and L24 d1024 at micro-batch 8 x 2048
   compile_s       first step minus a steady step, Pre-LN and mHC at L24 and L70
   design_step     every design's compiled training step over Pre-LN's at the 400M shape with the fewest blocks
                   (L16 d1216: the cheapest to compile), with each --kernels value, and which value is faster
@@ -41,6 +43,7 @@ DESIGNS = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres
 FIRST_DESIGNS = ["preln", "hc", "mhc", "attnres"]  # measured first (with both kernels) when the budget is short
 TINY_DESIGNS = ["preln", "mhc"]  # --tiny: a process per design and kernels value on the CPU; two designs show it
 MEMORY_DESIGNS = ["preln", "mhc", "attnres"]
+MEMORY_SHAPES = {False: [(70, "70x640"), (24, "24x1024")], True: [(3, "3x64"), (2, "2x64")]}  # by --tiny
 DEPTH_DESIGNS = ["preln", "hc", "mhc", "attnres", "moda"]  # the designs whose cost grows with depth, and the base
 OLDEST_TORCH = (2, 6)  # the README's supported versions start here
 GB = 1e9
@@ -337,6 +340,38 @@ def depth_step(s):
     s.summary["depth_step"] = out
 
 
+def memory_plan(s):
+    """The memory plan against the GPU, every design: costs.step_peak (fp32 weights, the activations the plan
+    counts, a chunk of the loss's logits) against max_memory_allocated of profile_gpu.py's compiled bf16 training
+    step, at the 400m rows L70 d640 and L24 d1024, micro-batch 8 x 2048 (--tiny: Pre-LN and mHC at L3 and L2,
+    d64, fp32 on the CPU, where the peak is the model plus TensorBytes' peak)."""
+    out = s.summary["memory_plan"]
+    for L, shape in MEMORY_SHAPES[s.tiny]:
+        if s.tiny:
+            argv = ["--shapes", shape, "--seq", "32", "--batch", "2", "--vocab", "256", "--device", "cpu",
+                    "--threads", "1"]
+        else:
+            argv = ["--shapes", shape, "--seq", "2048", "--batch", "8"]
+        designs = TINY_DESIGNS if s.tiny else DESIGNS
+        res = run(s, [sys.executable, "profile_gpu.py", *argv, "--residual", ",".join(designs), "--repeats", "1",
+                      "--out", str(s.work / "memory.json")])
+        if res.rc not in (0, 1):  # 1: every row failed, each with its reason
+            out[f"L{L}"] = {"reason": why(res)}
+            return why(res)
+        rows = json.loads((s.work / "memory.json").read_text())["rows"]
+        out[f"L{L}"] = {r["residual"]: planned_vs_measured(r) for r in rows}
+        save(s)
+
+
+def planned_vs_measured(row):
+    planned, peak = row["planned_train_bytes"], row.get("peak_mem_train_bytes")
+    got = {"planned_gb": round(planned / GB, 2), "peak_gb": peak and round(peak / GB, 2),
+           "planned_over_peak": peak and round(planned / peak, 3), "batch": row["batch"]}
+    if row.get("error"):
+        got["reason"] = row["error"]
+    return got
+
+
 # ----------------------------------------------------------------------------- the sequence
 
 
@@ -371,6 +406,7 @@ def sequence(tiny):
         checks.append((f"{design}_L24", lambda s, d=design: design_run(s, d, 24)))
     for design in [] if tiny else ["preln", "mhc"]:
         checks.append((f"{design}_L70", lambda s, d=design: design_run(s, d, 70)))
+    checks.append(("memory_plan", memory_plan))
     checks.append(("depth_step", depth_step))
     checks.append(("design_step", design_step))
     return checks
@@ -386,6 +422,7 @@ def empty_summary(s, budget):
             "bf16_vs_fp32": {"max_abs_loss_diff": None, "reason": pending},
             "ddp_vs_fsdp2": {"max_abs_loss_diff": None, "reason": pending},
             "memory": {d: {"planned_gb": None, "peak_gb": None, "reason": pending} for d in MEMORY_DESIGNS},
+            "memory_plan": {f"L{L}": {"reason": pending} for L, _ in MEMORY_SHAPES[s.tiny]},
             "compile_s": {**dict.fromkeys(["preln_L24", "mhc_L24", "preln_L70", "mhc_L70"]), **compiled},
             "depth_step": {"step_over_preln": {}, "kernels_over_preln": {}, "reason": pending},
             "design_step": {"fast": {}, "reference": {}, "use": None, "reason": pending}, "checks": []}

@@ -53,7 +53,7 @@ MATHS = (
     *(f"diagnose.x_{name}__mutmut_*" for name in DIAGNOSE_METRICS),
     "diagnose.xǁSumsǁ*",
     *(f"shapes.x_{name}__mutmut_*" for name in ("solve", "count_params", "backbone_params", "ffn_dim", "preln_params")),
-    *(f"depthbench.costs.x_{name}__mutmut_*" for name in ("analytic", "block_bytes", "fixed_bytes", "run_params")),
+    *(f"depthbench.costs.x_{name}__mutmut_*" for name in ("analytic", "token_bytes", "fixed_bytes", "run_params")),
     "depthbench.official.x_layout__mutmut_*", "depthbench.official.x_block_name__mutmut_*",
     "depthbench.official.x_official_block__mutmut_*",
 )

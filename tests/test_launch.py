@@ -44,6 +44,9 @@ def test_tiny_smoke_answers_every_question(tmp_path):
     assert s["ddp_vs_fsdp2"]["ranks"] == 2 and s["ddp_vs_fsdp2"]["max_abs_loss_diff"] < 1e-5
     for design in gpu_smoke.MEMORY_DESIGNS:
         assert s["memory"][design]["planned_gb"] > 0 and s["memory"][design]["peak_gb"] > 0
+    for depth in ("L3", "L2"):                                 # every design's plan against its peak (tiny: two)
+        plans = s["memory_plan"][depth]
+        assert set(plans) == set(gpu_smoke.TINY_DESIGNS) and all(p["planned_over_peak"] > 0 for p in plans.values())
     assert set(s["compile_s"]) == {"preln_L24", "mhc_L24", "attnres_L24", "preln_L70", "mhc_L70", "reason"}
     assert {v for k, v in s["compile_s"].items() if k != "reason"} == {None}  # nothing compiles on the CPU
     step = s["design_step"]

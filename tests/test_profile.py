@@ -254,17 +254,20 @@ def test_a_failing_training_step_keeps_the_prefill_numbers(monkeypatch):
 
 
 def test_memory_formulas_by_hand():
-    """docs/training.md#memory written out: a block keeps 31 d + 8 d_ff + 4 d_kv bytes a token in bf16 (33, 16, 8 in
-    fp32) plus the design's act_bytes (bf16, fp32) times d, a hybrid its deep design's; the fixed part is 20 bytes a
-    parameter, or under FSDP2 over W ranks 16 p / W + 8 (p - blocks) + 16 blocks / L."""
+    """docs/training.md#memory written out: a block keeps 30 d + 8 d_ff + 4 d_kv + 4 heads + 8 bytes a token in eager
+    bf16 (14, 6, 4, 4, 8 compiled) plus the design's a d + b (its act_bytes), a hybrid its deep design's; the rest
+    of the model 10 d + 4 V + 4 with a one-chunk loss, 10 d + 4 without; the fixed part is 20 bytes a parameter, or
+    under FSDP2 over W ranks 16 p / W + 8 (p - blocks) + 16 blocks / L."""
     from types import SimpleNamespace as Run
     run = Run(d_model=64, d_ff=176, n_head=4, n_kv_head=2, residual="moda", residual_args={}, world_size=1, fsdp=False,
-              n_layer=8)
-    moda = RESIDUALS["moda"].act_bytes
-    assert costs.block_bytes(run, True) == 31 * 64 + 8 * 176 + 4 * 32 + moda[0] * 64
-    assert costs.block_bytes(run, False) == 33 * 64 + 16 * 176 + 8 * 32 + moda[1] * 64
-    run.residual, run.residual_args = "hybrid", {"deep": "attnres"}
-    assert costs.block_bytes(run, True) == 31 * 64 + 8 * 176 + 4 * 32 + RESIDUALS["attnres"].act_bytes[0] * 64
+              n_layer=8, vocab_size=100, batch_size=2, seq_len=32)
+    a, b, e, f = RESIDUALS["moda"].act_bytes["bf16"]
+    assert costs.token_bytes(run, "bf16") == (30 * 64 + 8 * 176 + 4 * 32 + 4 * 4 + 8 + a * 64 + b,
+                                              10 * 64 + 4 * 100 + 4 + e * 64 + f)
+    a, b, e, f = RESIDUALS["attnres"].act_bytes["compiled"]
+    run.residual, run.residual_args, run.vocab_size, run.seq_len = "hybrid", {"deep": "attnres"}, 50304, 2048
+    assert costs.token_bytes(run, "compiled") == (14 * 64 + 6 * 176 + 4 * 32 + 4 * 4 + 8 + a * 64 + b,
+                                                  10 * 64 + 4 + e * 64 + f)         # the loss in chunks: no V term
     assert costs.fixed_bytes(run, 1000, 800) == 20 * 1000
     run.world_size = 4
     assert costs.fixed_bytes(run, 1000, 800) == 20 * 1000                      # DDP: every rank holds it all
