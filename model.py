@@ -62,10 +62,10 @@ class Attention(nn.Module):
     whose k/v heads are copies). No norm inside.
 
     `inputs` (AttentionInputs) is the one door into attention, for the designs that reach into it (residuals.py):
-    MUDD's separate key and value streams, ResFormer's first-layer values, MoDA's depth keys and values (which join
-    the causal keys in one softmax, `ops.joint_attention`). Returns (y, aux): aux holds this layer's *pre-RoPE* k
-    and its own v before any value residual, (B, n_kv_head, T, hd) each, which MoDA and ResFormer keep for later
-    layers, and MoDA's depth-attention share."""
+    MUDD's separate key and value streams, ResFormer's first-layer values, MoDA's depth attention (`attend`, which
+    takes q, k, v before RoPE and replaces RoPE and the causal softmax: residuals.MoDA.attend). Returns (y, aux):
+    aux holds this layer's *pre-RoPE* k and its own v before any value residual, (B, n_kv_head, T, hd) each, which
+    MoDA and ResFormer keep for later layers, and MoDA's depth-attention share."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -90,11 +90,11 @@ class Attention(nn.Module):
         if inputs.first_value is not None:                                                  # ResFormer's value residual
             w = inputs.value_weights
             v_mixed = (w[0] * inputs.first_value + w[1] * v).to(v.dtype)
-        qr, kr = (self.ops.apply_rope(t, *rope) for t in (q, k))
-        if inputs.depth is None:
-            o, share = self.ops.causal_attention(qr, kr, v_mixed), None
+        if inputs.attend is not None:                                                       # the design's own
+            o, share = inputs.attend(q, k, v_mixed, rope)                                   # (MoDA's depth attention)
         else:
-            o, share = self.ops.joint_attention(qr, kr, v_mixed, inputs.depth)
+            qr, kr = (self.ops.apply_rope(t, *rope) for t in (q, k))
+            o, share = self.ops.causal_attention(qr, kr, v_mixed), None
         y = self.wo(o.transpose(1, 2).reshape(B, T, -1))                                   # (B, T, d)
         return y, {"k": k, "v": v, "depth_share": share}
 

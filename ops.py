@@ -246,8 +246,9 @@ def joint_attention(q, k, v, depth):
         a = softmax([ q_t k_s / sqrt(hd) for s <= t ; q_t dk_j,t / sqrt(hd) for j < S ])
         o_t = sum_s a_s v_s + sum_j a_j dv_j,t
 
-    q (B, H, T, hd), k, v (B, Hkv, T, hd) the sequence part (GQA as causal_attention). Returns o (B, H, T, hd) and
-    the depth share sum_j a_j (B, H, T), detached, for diagnostics."""
+    q (B, H, T, hd), k, v (B, Hkv, T, hd) the sequence part (GQA as causal_attention); the caller (MoDA.attend) hands
+    q and k RoPE-rotated and the depth keys as stored, unrotated. Returns o (B, H, T, hd) and the depth share
+    sum_j a_j (B, H, T), detached, for diagnostics."""
     T, G, scale = q.size(2), q.size(1) // k.size(1), q.size(-1) ** -0.5
     k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)          # (B, H, T, hd)
     dk, dv = (torch.stack(slots, dim=3).repeat_interleave(G, dim=1) for slots in (depth.keys, depth.values))

@@ -23,6 +23,7 @@ design overrides only what differs, its forward contract first, then a marked se
 chosen once by --kernels). Every parameter a design creates is used on every forward.
 """
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -79,7 +80,8 @@ class AttentionInputs:
     value: torch.Tensor = None          # (B, T, D) input of W_v instead of x (MUDD's value stream)
     first_value: torch.Tensor = None    # (B, H_kv, T, hd) the first layer's values (ResFormer's value residual),
     value_weights: torch.Tensor = None  # (2,) mixed in before the softmax: v' = w[0] first_value + w[1] v
-    depth: object = None                # MoDA's depth keys and values (a DepthKV), which join the softmax
+    attend: object = None               # the design's own attention in place of RoPE and the causal softmax:
+                                        # (q, k, v, rope) pre-RoPE -> (o, depth share) (MoDA.attend)
 
 
 @dataclass(frozen=True)
@@ -364,30 +366,39 @@ class KEEL(PreLN):
 # ----------------------------------------------------------------------------- cross-layer designs
 
 class HC(PreLN):
-    """Hyper-Connections, Zhu et al. (arXiv 2409.19606; docs/designs.md#hc), n = 4 streams.
+    """Hyper-Connections, Zhu et al. (arXiv 2409.19606; docs/designs.md#hc: the decisions and the older official code).
 
-    State: n streams H (B, T, n, D), each a copy of the embedding at the start. Sublayer i mixes them with three
-    maps (mHC's names, used for both designs; the HC paper writes A_m = H_pre, A_r = H_res^T, B = H_post):
-        H_pre (B, T, n)      the branch input's weight on each stream s
-        H_res (B, T, n, n)   the residual transport, [output stream o, input stream s]
-        H_post (B, T, n)     the branch output's weight on each output stream o
-        y    = F_i(RMSNorm_i(sum_s H_pre[s] h_s))
-        h'_o = sum_s H_res[o, s] h_s + H_post[o] y           (the width-mixed residual, the paper's form)
-    HC's maps: with H_bar = H / rms(H) per stream (no gain, eps 1e-8), the connector's A (n, n + 1) and beta (n),
-        A    = static_alpha + alpha_scale * tanh(H_bar dynamic_alpha)      row = input stream s,
-        beta = static_beta + beta_scale * tanh(H_bar dynamic_beta)         column 0 = H_pre, 1 + o = output o
-        H_pre = A[:, 0],  H_res = A[:, 1:] transposed,  H_post = beta      (the tensors keep the release's names)
-    Collapse: "sum" of the streams, then the final RMSNorm; "mean", then the norm (mHC's); "norm_each": the final
-    norm on each stream, then the sum. `forward="unmixed"`: h'_o = h_o + H_post[o] y (H_res = I). The older official
-    code ran norm_each and unmixed (docs/designs.md#hc). `recompute` (default on): read's maths (the maps, both
-    mixes, the norm) runs under torch.utils.checkpoint, so that autograd keeps the streams alone and the backward
-    recomputes the rest, as the mHC paper does: the same losses and gradients, at most a third of the memory
-    (docs/training.md#memory).
-    Init: static_alpha column 0 = one-hot at i mod n, columns 1..n = I; static_beta = 1; dynamic_alpha, dynamic_beta
-    = 0; alpha_scale = beta_scale = 0.01; W_o and W_2 of every block divided by sqrt(n). At init the model equals
+    State: n = 4 streams H (B, T, n, D), stream s is h_s = H[:, :, s]; each starts as a copy of the embedding e.
+    Sublayer i (one connector per sublayer, 2L in all) reads and writes them through three maps per token. Their names
+    are mHC's, one convention for both designs, and the tensors read (ctx, the diagnostics) are laid out as named:
+        H_pre  (B, T, n)       H_pre[s]: the weight of input stream s in the branch input
+        H_res  (B, T, n, n)    H_res[o, s]: the weight of input stream s in output stream o (the transport)
+        H_post (B, T, n)       H_post[o]: the weight of the branch output in output stream o
+        y    = F_i(RMSNorm_i(sum_s H_pre[s] h_s))            read: ops.width_connection (and the pre-norm)
+        h'_o = sum_s H_res[o, s] h_s + H_post[o] y           write: ops.depth_connection
+    The maps (`maps`), from the connector's tensors, which keep the release's layout (official checkpoints load as
+    they are): with H_bar = H / rms(H) per stream (no gain, eps 1e-8; ops.normed_projection),
+        A    = static_alpha + alpha_scale tanh(H_bar dynamic_alpha)    (B, T, n, n + 1): row s = input stream s
+        beta = static_beta + beta_scale tanh(H_bar dynamic_beta)        (B, T, n)
+        H_pre[s] = A[s, 0],    H_res[o, s] = A[s, 1 + o],    H_post[o] = beta[o]
+    so column 1 + o of A is output stream o's transport row; `maps` turns it once, where it names H_res. The HC
+    paper's A_m, A_r, B are A[:, 0], A[:, 1:] and beta. `forward="unmixed"` (the older official code): H_res = I.
+    Head (`collapse`): "sum" of the streams, then the final RMSNorm (the default); "mean", then the norm (mHC's);
+    "norm_each": the final norm on each stream, then the sum (the older official code). `recompute` (default on):
+    read's maths (the maps, both mixes, the norm) runs under torch.utils.checkpoint, so that autograd keeps the
+    streams alone and the backward recomputes the rest, as the mHC paper does: the same losses and gradients, at most
+    a third of the memory (docs/training.md#memory).
+    Init (`reset_parameters`): static_alpha[s, 0] = [s = i mod n] (sublayer i reads stream i mod n) and
+    static_alpha[s, 1 + o] = [s = o] (H_res = I); static_beta = 1; dynamic_alpha = dynamic_beta = 0; alpha_scale =
+    beta_scale = 0.01; W_o and W_2 of every block divided by sqrt(n) (`scale_sublayer_init`). At init the model is
     Pre-LN with an n-times residual, which the final norm cancels.
-    Params: 6d + 26 per connector (n = 4), 2L connectors; static_alpha, static_beta are not decayed.
-    Cost: n x wider residual activations; ~100 d extra FLOPs per token per sublayer.
+    Params per connector: static_alpha n(n + 1), dynamic_alpha D(n + 1), static_beta n, dynamic_beta D, the two
+    scales: 6d + 26 at n = 4, `params(d, L) = 2L(6d + 26)` in all (tests/test_equations.py checks it against the
+    model). static_alpha and static_beta are not decayed. Cost: n x wider residual activations; ~96d extra FLOPs per
+    token and connector.
+    Fast bodies: depthbench/kernels.py's normed_projection, width_connection and depth_connection (chosen once,
+    `self.ops`); equal to ops.py's by test_all.py::test_fast_kernels_equal_the_reference, and the model to the
+    equations above by tests/test_equations.py::test_logits_equal_the_equations (both bodies).
     """
 
     def __init__(self, cfg, n_streams=4, collapse="sum", forward="mixed", recompute=True):
@@ -401,10 +412,10 @@ class HC(PreLN):
 
     def make_connector(self, d):
         n, c = self.n, nn.Module()
-        c.static_alpha = nn.Parameter(torch.zeros(n, n + 1))
-        c.dynamic_alpha = nn.Parameter(torch.zeros(d, n + 1))
+        c.static_alpha = nn.Parameter(torch.zeros(n, n + 1))     # [input stream s, 0: H_pre | 1 + o: output o]
+        c.dynamic_alpha = nn.Parameter(torch.zeros(d, n + 1))    # its per-token part, columns as static_alpha's
         c.alpha_scale = nn.Parameter(torch.zeros(()))
-        c.static_beta = nn.Parameter(torch.zeros(n))
+        c.static_beta = nn.Parameter(torch.zeros(n))             # [output stream o]: H_post
         c.dynamic_beta = nn.Parameter(torch.zeros(d))
         c.beta_scale = nn.Parameter(torch.zeros(()))
         return c
@@ -413,14 +424,14 @@ class HC(PreLN):
         return Site(i, norm=self.norms[i], conn=self.conn[i])
 
     def maps(self, H, site):
-        """-> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n) [out, in] of the site's sublayer."""
+        """-> H_pre (B, T, n) [s], H_post (B, T, n) [o], H_res (B, T, n, n) [o, s] of the site's sublayer."""
         c, n = site.conn, self.n
         W = torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1)                      # (D, n+2)
         dynamic = torch.tanh(self.ops.normed_projection(H, W, 1e-8))                      # (B, T, n, n+2)
-        A = c.static_alpha + c.alpha_scale * dynamic[..., :n + 1]                         # (B, T, n, n+1)
-        beta = c.static_beta + c.beta_scale * dynamic[..., n + 1]                         # (B, T, n)
+        A = c.static_alpha + c.alpha_scale * dynamic[..., :n + 1]                         # (B, T, n, n+1) [s, col]
+        beta = c.static_beta + c.beta_scale * dynamic[..., n + 1]                         # (B, T, n) [o]
         if self.mixed:
-            H_res = A[..., 1:].transpose(-1, -2)
+            H_res = A[..., 1:].transpose(-1, -2)                      # H_res[o, s] = A[s, 1 + o]: the one turn
         else:
             H_res = torch.eye(n, dtype=A.dtype, device=A.device)
         return A[..., 0], beta, H_res.expand(*A.shape[:-1], n)
@@ -483,8 +494,8 @@ class HC(PreLN):
         super().reset_parameters()
         for i, c in enumerate(self.conn):
             c.static_alpha.zero_()
-            c.static_alpha[i % self.n, 0] = 1.0
-            c.static_alpha[:, 1:] = torch.eye(self.n)
+            c.static_alpha[i % self.n, 0] = 1.0                       # H_pre: one-hot at stream i mod n
+            c.static_alpha[:, 1:] = torch.eye(self.n)                 # H_res = I
             c.static_beta.fill_(1.0)
             c.dynamic_alpha.zero_()
             c.dynamic_beta.zero_()
@@ -521,25 +532,35 @@ class HC(PreLN):
 
 
 class MHC(HC):
-    """Manifold-constrained HC, DeepSeek (arXiv 2512.24880; docs/designs.md#mhc), Liger form, n = 4.
+    """Manifold-constrained HC, DeepSeek (arXiv 2512.24880; docs/designs.md#mhc), Liger's form, n = 4 streams.
 
-    HC's streams and forward, with maps made from one projection. Per sublayer, with x = [h_1; ...; h_n] (nD,
-    stream-major) and r = 1/sqrt(mean(x^2) + 1e-6):
-        m = r * (x phi) in R^(n^2 + 2n), split [pre n | post n | res n*n (row o = output, col = input)]
-        H_pre  = sigmoid(alpha_pre  m_pre  + b_pre)
-        H_post = 2 sigmoid(alpha_post m_post + b_post)
-        H_res  = Sinkhorn(alpha_res mat(m_res) + b_res)        doubly stochastic, 20 iterations
-    Collapse: the *mean* of the streams, then the final RMSNorm (`collapse`: as HC). W_o, W_2 / sqrt(n) as HC.
-    Params: phi (nD x 24), b (24), alpha_pre, alpha_post, alpha_res: 96d + 27 per connector (n = 4);
-    b and the three alphas are not decayed, phi is.
+    HC's state, read and write (above), in the same names: n streams H (B, T, n, D), each a copy of e at the start;
+        y    = F_i(RMSNorm_i(sum_s H_pre[s] h_s)),    h'_o = sum_s H_res[o, s] h_s + H_post[o] y
+    with the three maps made from one projection of all streams. Per token and sublayer, with x = [h_1; ...; h_n] the
+    streams flattened stream-major (B, T, nD) and r = 1/sqrt(mean(x^2) + 1e-6) (no gain; ops.normed_projection):
+        m = r (x phi)                             (B, T, n^2 + 2n), split [pre: n | post: n | res: n^2]
+        H_pre[s]  = sigmoid(alpha_pre m[s] + b[s])                       (B, T, n)
+        H_post[o] = 2 sigmoid(alpha_post m[n + o] + b[n + o])            (B, T, n)
+        R[o, s]   = alpha_res m[2n + n o + s] + b[2n + n o + s]         (B, T, n, n): row o = output, column s = input
+        H_res     = Sinkhorn(R), 20 iterations (ops.sinkhorn; `sinkhorn_iters`)
+    Sinkhorn's axes (Liger's kernel): a softmax along each row, over the input streams s of output o (dim -1), plus
+    eps 1e-6; one column normalisation, each input stream's weights over the outputs o summed to 1 (dim -2); then
+    19 rounds of the row, then the column normalisation (eps 1e-6 in each denominator). The columns sum to 1
+    exactly at the end, the rows to about 1 (1e-3 for peaked logits): H_res is near doubly stochastic.
+    Head: the *mean* of the streams, then the final RMSNorm (`collapse`, as HC's options).
+    Init (`init=`, `reset_parameters`, which replaces HC's: this connector has no static_alpha), in every case
+    alpha_pre = alpha_post = alpha_res = 0.01 and W_o, W_2 divided by sqrt(n) (HC's `scale_sublayer_init`):
+    - "gap8" (default, as the official 400M runs): phi = 0; b_pre[s] = +8 at s = i mod n, else -8; b_post = 0;
+      R's bias 0 at o = s, else -8. So H_pre ~ one-hot, H_post = 1 and H_res ~ I (diagonal 0.998995, already doubly
+      stochastic, which Sinkhorn keeps): the transport starts at the identity (effective rank n).
+    - "uniform": phi ~ N(0, 0.02^2), b = 0: H_pre ~ 1/2, H_post ~ 1, H_res ~ 11^T / n (Liger's init; erank ~1).
+    Params per connector: phi (nD, n^2 + 2n), b (n^2 + 2n), the three alphas: 96d + 27 at n = 4,
+    `params(d, L) = 2L(96d + 27)` in all. b and the alphas are not decayed, phi is.
     Cost: HC's plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token.
-
-    Init (`init=`; the other option, `sinkhorn_iters` = 20, is Sinkhorn's iteration count):
-    - "gap8" (default, as the official 400M runs): phi = 0, b_pre = -8 with +8 at stream i mod n,
-      b_post = 0, b_res = 0 on the diagonal and -8 off it, alphas = 0.01: H_res ~ I (diagonal 0.998995),
-      H_pre ~ one-hot, so the transport starts at the identity (effective rank n).
-    - "uniform": phi ~ N(0, 0.02^2), b = 0, alphas = 0.01, so H_pre ~ 1/2, H_post ~ 1 and H_res ~ 11^T / n,
-      the transport starts at the uniform matrix (the Liger kernel's init; effective rank ~1).
+    Fast bodies: depthbench/kernels.py's normed_projection, sinkhorn (one autograd node), width_connection and
+    depth_connection; equal to ops.py's by test_all.py::test_fast_kernels_equal_the_reference and
+    test_sinkhorn_doubly_stochastic, the model to these equations by tests/test_equations.py's
+    test_logits_equal_the_equations and test_mhc_transport_by_hand (both bodies).
     """
 
     def __init__(self, cfg, n_streams=4, collapse="mean", init="gap8", sinkhorn_iters=20, recompute=True):
@@ -556,12 +577,13 @@ class MHC(HC):
         return c
 
     def maps(self, H, site):
+        """HC's three maps [s], [o], [o, s], made from one projection of the flattened streams (the docstring's)."""
         c, n = site.conn, self.n
         m = self.ops.normed_projection(H.flatten(2), c.phi, 1e-6)                         # (B, T, n^2 + 2n)
-        H_pre = torch.sigmoid(c.alpha_pre * m[..., :n] + c.b[:n])
-        H_post = 2 * torch.sigmoid(c.alpha_post * m[..., n:2 * n] + c.b[n:2 * n])
-        res_logits = c.alpha_res * m[..., 2 * n:] + c.b[2 * n:]
-        H_res = self.ops.sinkhorn(res_logits.unflatten(-1, (n, n)), self.sinkhorn_iters)
+        H_pre = torch.sigmoid(c.alpha_pre * m[..., :n] + c.b[:n])                          # [s]
+        H_post = 2 * torch.sigmoid(c.alpha_post * m[..., n:2 * n] + c.b[n:2 * n])          # [o]
+        R = (c.alpha_res * m[..., 2 * n:] + c.b[2 * n:]).unflatten(-1, (n, n))            # [o, s]: entry n o + s
+        H_res = self.ops.sinkhorn(R, self.sinkhorn_iters)     # rows: softmax over s (dim -1); columns: over o (dim -2)
         return H_pre, H_post, H_res
 
     # ------------------------------------------------------------------------- for the scripts
@@ -577,7 +599,7 @@ class MHC(HC):
 
     @torch.no_grad()
     def reset_parameters(self):
-        PreLN.reset_parameters(self)
+        PreLN.reset_parameters(self)                  # the norms' gains; HC's reset would look for static_alpha
         n = self.n
         for i, c in enumerate(self.conn):
             for a in (c.alpha_pre, c.alpha_post, c.alpha_res):
@@ -589,7 +611,7 @@ class MHC(HC):
                 c.phi.zero_()
                 c.b[:n] = -8.0
                 c.b[i % n] = 8.0
-                c.b[2 * n:] = (-8.0 * (1 - torch.eye(n))).flatten()
+                c.b[2 * n:] = (-8.0 * (1 - torch.eye(n))).flatten()     # R's bias [o, s]: 0 at o = s, else -8
 
     def no_decay_params(self):
         return [p for c in self.conn for p in (c.b, c.alpha_pre, c.alpha_post, c.alpha_res)]
@@ -607,18 +629,28 @@ class MHC(HC):
 
 
 class FullAttnRes(PreLN):
-    """Full Attention Residuals, Kimi (arXiv 2603.15031; docs/designs.md#full-attnres). No residual stream: each
-    sublayer reads a softmax over depth of the embedding e and every earlier sublayer output f_j,
+    """Full Attention Residuals, Kimi (arXiv 2603.15031; docs/designs.md#full-attnres). Block AttnRes (below) builds
+    on this class: it subclasses it and changes the sources.
 
-        p_j = softmax_j <q_k, g_k * RMSNorm(v_j)>     over the sources v = [e, f_0, ..., f_(k-1)] of consumer k >= 1
-        u_k = RMSNorm_k( sum_j p_j v_j )                (the consumer's pre-norm gain; key and output norms eps 1e-5)
-
-    with a zero-initialised pseudo-query q_k and a key gain g_k per consumer (scale 1: no 1/sqrt(d)). Sublayer 0
-    reads RMSNorm_0(e). The head reads the same mix over all 2L + 1 sources with a final query, normalised with the
-    final norm's gain; it replaces the usual final norm.
-    State: the sources, a DepthBank (ops.py: a list; depthbench/kernels.py: one preallocated buffer). Params: q_k,
-    g_k for consumers k = 1 .. 2L (row k - 1; 2L: the head's), 4dL, all decayed; zero queries = uniform weights.
-    Cost: ~12 L^2 d FLOPs per token, all 2L + 1 sources kept alive, O(L^2 d) traffic.
+    No residual stream. State: the sources so far, a DepthBank of (B, T, D) tensors, v = [e, f_0, f_1, ...]: the
+    embedding e, then each sublayer's raw output f_j, which its `write` pushes (in fp32). Consumer k = 0 .. 2L reads
+    (sublayer k for k < 2L; consumer 2L is the head), per token:
+        k = 0:     u_0 = RMSNorm_0(e)                              sublayer 0's own pre-norm, eps 1e-6 (cfg.norm_eps)
+        k >= 1:    p_j = softmax_j <q_k, g_k * rms(v_j)>           j = 0 .. k: the sources [e, f_0, .., f_(k-1)]
+                   u_k = rms(sum_j p_j v_j) * gain_k               (B, T, D); p (B, T, k + 1)
+    rms(v) = v / sqrt(mean(v^2) + 1e-5): every norm of a mix (the keys and u_k) has eps 1e-5 (`self.eps`, the
+    reference's), not the backbone's 1e-6. q_k, g_k (D): consumer k's pseudo-query and key gain, logits at scale 1
+    (no 1/sqrt(D)); gain_k: the gain of consumer k's pre-norm RMSNorm_k (its eps unused).
+    Where the special cases happen: q_k and g_k are row k - 1 of `queries` and `key_gains` (2L, D) (`site(k)` sets
+    the row; sublayer 0 has none and reads none); `read` gives sublayer 0 its norm, every other consumer the mix
+    (`mix`, ops.depth_mix over the bank); the head (`collapse`) is consumer 2L: the mix over all 2L + 1 sources, with
+    the final norm's gain (norm_f) as gain_2L, in place of the usual final norm.
+    Init: queries 0 (every mix starts as the plain average of its sources), key gains 1, norm gains 1.
+    Params: q_k, g_k for k = 1 .. 2L: `params(d, L) = 4dL`, all decayed. Cost: 4d FLOPs per source and token of
+    each mix, 2L^2 + 3L sources in all (~8 L^2 d); all 2L + 1 sources kept alive, O(L^2 d) traffic.
+    Fast body: depthbench/kernels.py's DepthBank (one preallocated buffer, a hand-written backward for the mix);
+    equal to ops.py's DepthBank and depth_mix by test_all.py::test_fast_kernels_equal_the_reference, the model to
+    these equations by tests/test_equations.py's test_logits_equal_the_equations and test_full_attnres_reads_by_hand.
 
     The release's two variants (its block.py and kernels/attnres.py at b2141085), both off by default:
     - `topk_fraction` f < 1: each consumer keeps, per token, only the k = min(n, max(1, ceil(f n))) largest of its n
@@ -643,8 +675,8 @@ class FullAttnRes(PreLN):
     def site(self, k):
         """Consumer k = 0 .. 2L (2L: the head's readout, normalised with the final norm's gain); its query and key
         gain are row k - 1."""
-        norm = self.norms[k] if k < self.n_sub else self.norm_f
-        return Site(k, norm=norm, row=max(k - 1, 0))
+        norm = self.norms[k] if k < self.n_sub else self.norm_f      # the head: the final norm's gain
+        return Site(k, norm=norm, row=max(k - 1, 0))                  # q_k, g_k: row k - 1 (sublayer 0: unused)
 
     def init_stream(self, x0):
         return self.ops.DepthBank.start(x0, n_max=self.n_sub + 1, eps=self.eps)      # the sources: [e]
@@ -658,14 +690,14 @@ class FullAttnRes(PreLN):
 
     def read(self, s, site):
         if site.first:
-            return site.norm(s.newest()), {}                                              # RMSNorm_0(e)
-        return rms_norm(self.mix(s, site)[0], site.norm.weight, self.eps), {}
+            return site.norm(s.newest()), {}                              # RMSNorm_0(e): the norm's own eps, 1e-6
+        return rms_norm(self.mix(s, site)[0], site.norm.weight, self.eps), {}     # u_k: gain_k, eps 1e-5
 
     def write(self, s, site, y, ctx):
         return s.push(y.float())                          # a source is residual state: fp32 (ops.py's precision rule)
 
     def collapse(self, s):
-        head = self.sites[self.n_sub]
+        head = self.sites[self.n_sub]                     # consumer 2L: all 2L + 1 sources, norm_f's gain, eps 1e-5
         return rms_norm(self.mix(s, head)[0], head.norm.weight, self.eps)
 
     # ------------------------------------------------------------------------- for the scripts
@@ -776,8 +808,10 @@ class BlockAttnRes(FullAttnRes):
     far (if non-empty); the head over the embedding and all N group sums.
     State: (the completed sources [e, G_0, ...] as a DepthBank, the open group's partial sum; None before sublayer 0
     writes). As in the reference, a group closes when the next one opens: the consumer that opens it reads the
-    completed group as its last source, and its write moves it to the bank. Params: Full AttnRes' (4dL). Cost: N + 1
-    sources per consumer.
+    completed group as its last source, and its write moves it to the bank. Params: Full AttnRes',
+    `params(d, L) = 4dL`. Cost: N + 1 sources per consumer. Fast body: Full AttnRes' (the open partial sum in a
+    scratch slot of the same bank), equal to ops.py's by test_all.py::test_fast_kernels_equal_the_reference (four
+    groupings), the model to the equations by tests/test_equations.py::test_logits_equal_the_equations.
     """
 
     def __init__(self, cfg, n_groups=8, block_size=None, grouping="even", topk_fraction=1.0,
@@ -874,17 +908,31 @@ class BlockAttnRes(FullAttnRes):
 class MoDA(PreLN):
     """Mixture-of-Depths Attention (arXiv 2603.15619; docs/designs.md#moda), pre-norm by default.
 
-    Block b's attention takes one softmax per token over the causal sequence keys *and* the depth
-    keys/values that all earlier sublayers left at the same token (ops.joint_attention):
-        attention sublayer 2b leaves its own pre-RoPE (k, v) as slot 2b;
-        MLP sublayer 2b+1 leaves [k'; v'] = W_kv RMSNorm_(2b+1)(h) as slot 2b+1 (no RoPE),
-        for every block but the last (nothing would read it).
-    The residual adds are Pre-LN's. `norm="post"` gives the post-norm variant: attention and W_kv see
-    the raw stream and each sublayer ends with h = RMSNorm_i(h + F_i(h)).
-    State: (x (B, T, D), the depth slots so far: a DepthKV of (B, H_kv, T, hd) keys and values).
-    Params: W_kv (d -> 2 H_kv hd, std 0.02, decayed) on blocks 0 .. L-2: 2 d H_kv hd (L - 1), +12-14% at 400M.
+    State: (x (B, T, D), Pre-LN's stream; the depth slots so far, a DepthKV: one key and one value (B, H_kv, T, hd)
+    per earlier sublayer, at the same token). Block b, with h_i = RMSNorm_i(x) the input of sublayer i:
+        attention (i = 2b):     q, k, v = W_q h_i, W_k h_i, W_v h_i               (B, H, T, hd), (B, H_kv, T, hd)
+                                y = W_o attend(q, k, v, slots 0 .. 2b - 1)         `attend`, below; block 0: no slot
+                                its own k (pre-RoPE) and v become slot 2b           `write`
+        MLP (i = 2b + 1):       y = FFN(h_i);  [k'; v'] = W_kv,b h_i (B, T, 2 H_kv hd) -> slot 2b + 1   (b < L - 1)
+        x <- x + y                                                                  Pre-LN's add
+    `attend`, the depth attention (its whole maths; model.Attention only projects q, k, v and calls it through
+    AttentionInputs.attend): for each head and token t, one softmax over the causal sequence logits and the depth
+    logits of token t's own slots j, all at scale 1/sqrt(hd) (GQA: query head h reads kv head h // (H / H_kv)):
+        a = softmax([ rope(q_t) . rope(k_s) for s <= t ;  rope(q_t) . dk_j,t for every slot j ])
+        o_t = sum_s a_s v_s + sum_j a_j dv_j,t                                     ops.joint_attention
+    RoPE: the query and the sequence keys are rotated; the depth keys are not (attention's k is stored pre-RoPE,
+    W_kv's key never meets RoPE), as the authors' release does. A depth key sits at its query's own position t, so
+    rotating both would cancel; the query's rotation alone turns the depth logits by t (tests/test_equations.py::
+    test_moda_rotates_the_query_not_the_depth_keys). `norm="post"`: attention and W_kv read the raw x, and each
+    sublayer ends with x <- RMSNorm_i(x + y).
+    Head: the final RMSNorm of x, as Pre-LN's. Init: W_kv truncated normal, std 0.02 (`reset_parameters`).
+    Params: W_kv (D -> 2 H_kv hd, no bias, decayed) on blocks 0 .. L - 2, 2 D H_kv hd (L - 1): with as many kv heads
+    as heads `params(d, L) = 2d^2(L - 1)`, +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
-    It reaches into attention through ctx["attention"] (AttentionInputs.depth).
+    Fast bodies: depthbench/kernels.py's apply_rope, joint_attention (the depth part by hand, the sequence part in
+    fused attention with one "sink" key) and DepthKV; equal to ops.py's by test_all.py::
+    test_fast_kernels_equal_the_reference and test_moda_merge_by_log_sum_exp_equals_the_sink, the model to these
+    equations by tests/test_equations.py::test_logits_equal_the_equations (both bodies).
     """
 
     def __init__(self, cfg, norm="pre"):
@@ -914,7 +962,14 @@ class MoDA(PreLN):
             return h, {"h": h}                                        # the MLP's input: W_kv reads it too
         if site.first:
             return h, {}                                              # block 0: no depth slot yet
-        return h, {"attention": AttentionInputs(depth=depth)}
+        return h, {"attention": AttentionInputs(attend=functools.partial(self.attend, depth))}
+
+    def attend(self, depth, q, k, v, rope):
+        """Block b >= 1's attention over the sequence and the depth slots (the docstring's `attend`): q (B, H, T, hd),
+        k, v (B, H_kv, T, hd) as W_q, W_k, W_v made them (pre-RoPE), rope the (cos, sin) tables -> o (B, H, T, hd),
+        and the depth share sum_j a_j (B, H, T) for the diagnostics."""
+        q, k = (self.ops.apply_rope(t, *rope) for t in (q, k))       # the query and the sequence keys: rotated
+        return self.ops.joint_attention(q, k, v, depth)             # the depth keys (depth's slots): not rotated
 
     def write(self, s, site, y, ctx):
         x, depth = s

@@ -11,12 +11,16 @@ init, so that zero-initialised weights hide nothing. The init tests pin the exac
 own tensor (one-hot positions, gains, scales, Sinkhorn's fixed point), not just shapes.
 """
 import dataclasses
+import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import ops
+import shapes
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -701,6 +705,53 @@ def test_moda_slots_hold_key_then_value(kernels):
         assert not torch.allclose(model(idx)[0], moda()(swapped, idx, model.cfg), atol=1e-3)
 
 
+def joint_by_hand(q, k, v, q_depth, dk, dv):
+    """One softmax per query over its causal sequence logits q_t . k_s and its depth logits q_depth_t . dk_j,t, all
+    / sqrt(hd), mixing [v_s; dv_j,t]: q, k, v, q_depth (B, H, T, hd) (MHA), dk, dv lists of (B, H, T, hd)."""
+    T, hd = q.size(2), q.size(-1)
+    seq = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    DK, DV = torch.stack(dk, 3), torch.stack(dv, 3)                            # (B, H, T, S, hd)
+    depth = (q_depth[..., None, :] * DK).sum(-1)                                # (B, H, T, S)
+    a = (torch.cat([seq, depth], -1) / math.sqrt(hd)).softmax(-1)
+    return a[..., :T] @ v + (a[..., T:, None] * DV).sum(-2)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_moda_rotates_the_query_not_the_depth_keys(kernels):
+    """MoDA's block 1 attention (model.Attention handing its pre-RoPE q, k, v to MoDA.attend) equals the joint softmax
+    of the RoPE-rotated query against the rotated sequence keys and the *unrotated* depth keys (the authors' release),
+    computed here from the model's tensors; and differs from the two other readings: the depth keys rotated too, or
+    the query left unrotated against them (the same maths: a depth key sits at its query's own position, so rotating
+    both cancels; T = 7: RoPE moves every position but the first)."""
+    model = build("moda", kernels, n_layer=2)
+    idx, cfg = tokens(), model.cfg
+    H, hd = cfg.n_head, cfg.head_dim
+    P = {k: v.detach() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        tables = ops.rope_cos_sin(idx.size(1), hd, cfg.rope_theta, idx.device)
+        s = model.blocks[0](model.res.init_stream(model.wte(idx)), (site(model, 0), site(model, 1)), model.res, tables)
+        h, ctx = read(model, s, 2)
+        got = model.blocks[1].attn(h, tables, ctx["attention"])[0]
+        x = P["wte.weight"][idx]                                               # block 0 by hand: its two slots
+        h0 = rmsnorm(x, gain(P, "norms.0"))
+        dk, dv = ([heads(h0 @ P[f"blocks.0.attn.{w}.weight"].T, H, hd)] for w in ("wk", "wv"))
+        x = x + attention(P, 0, h0, cfg)[0]
+        h1 = rmsnorm(x, gain(P, "norms.1"))
+        kv = heads(h1 @ P["res.kv_proj.0.weight"].T, 2 * H, hd)                 # [k'; v']: heads 0..H-1, then H..2H-1
+        dk.append(kv[:, :H])
+        dv.append(kv[:, H:])
+        h2 = rmsnorm(x + mlp(P, 0, h1), gain(P, "norms.2"))
+        q, k, v = (heads(h2 @ P[f"blocks.1.attn.{w}.weight"].T, H, hd) for w in ("wq", "wk", "wv"))
+
+        def out(q_depth, keys):
+            o = joint_by_hand(rope(q), rope(k), v, q_depth, keys, dv)
+            return o.transpose(1, 2).reshape(h.shape) @ P["blocks.1.attn.wo.weight"].T
+
+        torch.testing.assert_close(got, out(rope(q), dk), rtol=1e-4, atol=1e-4)
+        for wrong in (out(rope(q), [rope(t) for t in dk]), out(q, dk)):
+            assert (got - wrong).abs().max() > 1e-2
+
+
 # ----------------------------------------------------------------------------- the init of every design's own tensors
 
 def fresh(residual, **kw):
@@ -953,3 +1004,73 @@ def test_block_attnres_doubling_groups():
     for L, want in [(3, [0, 1, 2, 2, 3, 3]), (5, [0, 1, 2, 2, 3, 3, 3, 3, 4, 4])]:
         res = fresh("block_attnres", n_layer=L, residual_args={"grouping": "doubling"}).res
         assert res.group == want and res.n_groups == want[-1] + 1
+
+
+# ----------------------------------------------------------------------------- the documented parameter counts
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "designs.md"
+OVERHEAD_SHAPES = ((24, 1024, 2736), (70, 640, 1712))            # the overhead table's two columns: (L, d, d_ff)
+NOT_CLOSED_FORM = {"mudd": "a sum over blocks (test_all.py's mudd_extra)", "hybrid": "the deep design's at L - S"}
+
+
+def formula(text):
+    """A documented count in d and L ("2L(6d + 26)", "2d²(L − 1)", "4dL") -> a function of (d, L), or None when it is
+    not a closed form of d and L alone."""
+    expr = text.replace("−", "-").replace("²", "^2").replace("^", "**")
+    expr = re.sub(r"(?<=[\dA-Za-z)])\s*(?=[A-Za-z(])", "*", expr)             # implicit products: 2L(6d) -> 2*L*(6*d)
+    if not re.fullmatch(r"[\d dL+\-*/()]+", expr):
+        return None
+    return lambda d, L: eval(expr, {"__builtins__": {}}, {"d": d, "L": L})
+
+
+def overhead_rows():
+    """docs/designs.md's overhead table: (design keys, their options, the formula cell, {(L, d): the count given})."""
+    lines = DOCS.read_text(encoding="utf-8").split("## Overhead", 1)[1].split("\n")
+    rows = []
+    for line in (line for line in lines if line.startswith("|")):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        names = re.findall(r"`([^`]+)`", cells[1])
+        if not names:                                                   # the header and its rule
+            continue
+        keys = [n for n in names if not n.startswith("{")]
+        opts = {k: v for n in names if n.startswith("{") for k, v in json.loads(n).items()}
+        given = {(L, d): int(c.replace(",", "")) for (L, d, _), c in zip(OVERHEAD_SHAPES, cells[3:5])}
+        rows.append((keys, opts, cells[2], given))
+    return rows
+
+
+def model_extra(key, L, d, d_ff, **opts):
+    """The built model's parameters beyond Pre-LN's at (L, d, d_ff), MHA with 16 heads (shapes.count_params)."""
+    return shapes.count_params(L, d, d_ff, key, **opts) - shapes.preln_params(L, d, d_ff)
+
+
+@pytest.mark.slow                # ~10 s: 36 models built on the meta device, up to 70 blocks
+def test_the_overhead_table_is_the_models_count():
+    """Every row of docs/designs.md's overhead table: its two numbers are the built model's parameters beyond Pre-LN
+    (L24 d1024, L70 d640), and its formula, evaluated, gives both; a formula that is no closed form of d and L is
+    allowed only for the designs in NOT_CLOSED_FORM."""
+    rows = overhead_rows()
+    assert {k for keys, _, _, _ in rows for k in keys} == set(RESIDUALS)
+    for keys, opts, text, given in rows:
+        count = formula(text)
+        assert count is not None or set(keys) <= set(NOT_CLOSED_FORM), (keys, text)
+        for key in keys:
+            for L, d, d_ff in OVERHEAD_SHAPES:
+                real = model_extra(key, L, d, d_ff, **opts)
+                assert given[L, d] == real, (key, opts, L, given[L, d], real)
+                assert count is None or count(d, L) == real, (key, opts, text, L, count(d, L), real)
+
+
+@pytest.mark.parametrize("key", list(dict.fromkeys(["hc", "mhc", "attnres", "block_attnres", "moda"] + [
+    k for k in RESIDUALS if "`params(d, L) = " in (RESIDUALS[k].__doc__ or "")])))
+def test_a_class_docstrings_parameter_formula_is_the_models_count(key):
+    """The class docstring's `params(d, L) = ...` (required of HC, mHC, Full and Block AttnRes and MoDA, checked for
+    every class that has one) gives the built model's parameters beyond Pre-LN at two shapes, and agrees with the
+    overhead table's formula."""
+    texts = re.findall(r"`params\(d, L\) = ([^`]+)`", RESIDUALS[key].__doc__)
+    assert len(texts) == 1, texts
+    count = formula(texts[0])
+    table = {k: formula(text) for keys, opts, text, _ in overhead_rows() if not opts for k in keys}
+    for L, d, d_ff in OVERHEAD_SHAPES + ((3, 64, 176),):
+        real = model_extra(key, L, d, d_ff)
+        assert count(d, L) == real == table[key](d, L), (key, texts[0], L, d)

@@ -315,3 +315,18 @@ def six(a, b, c, d, e, f, *, g=1):
                 "SimpleNamespace": ["made_up.py:1 SimpleNamespace", "made_up.py:134 SimpleNamespace"],
                 "file length": ["big.py:701 big.py (701 lines)"]}
     assert {rule: shape_offenders(rule, files) for rule in SHAPE_RULES} == expected
+
+
+def test_each_design_is_learnt_within_the_learners_path_target():
+    """scripts/learner_path.py (issue 54): HC, mHC, Full AttnRes and MoDA are each read from their class in at most
+    TARGET's files and lines, the fast bodies left out only where the class docstring names the test that proves
+    them equal to ops.py's."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("learner_path", ROOT / "scripts" / "learner_path.py")
+    path = sys.modules["learner_path"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(path)
+    files, lines = path.TARGET
+    for name in path.TARGETED:
+        read, fast_counted = path.measure(ROOT, path.paths()[name])
+        assert len(read) <= files and sum(read.values()) <= lines, (name, read, fast_counted)
