@@ -8,6 +8,10 @@ our kernels for the interpreter only when the flag is set at their import. If tr
 process without it (another test's torch.compile may import it), the interpreter cannot run here: every test but
 `test_in_a_fresh_process` then skips, and that one runs this file again in a new process with the flag. Without
 triton every test here skips, saying so. Shapes are tiny: the interpreter runs each program's tile ops in numpy.
+
+Checked with Triton 3.9 (here) and 3.6 (the GPU image's): under both, `test_kernels_compile_for_an_h100` compiles every
+kernel for sm90. Triton 3.6's interpreter fails with numpy 2.4 on any loop with a run-time bound (its `int()` of a
+one-element array: "only 0-dimensional arrays can be converted"), in its own code: run these tests with triton >= 3.9.
 """
 import os
 import subprocess
@@ -259,3 +263,40 @@ def test_traffic_counts_the_notes_bank_reads():
         assert 0 < small < 0.01 * slots_read * slot * 2
         back = sum(c[part][key] for c in consumers for part in ("backward", "deferred") for key in ("read", "written"))
         assert slots_read * slot * per_element < back < 1.05 * slots_read * slot * per_element, deferred
+
+
+COMPILE_FOR_H100 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from depthbench.gpu import attnres as A
+assert not A.interpreted()
+SCALARS = {"n": "i32", "BT": "i32", "D": "i32", "eps": "fp32", "j": "i32", "count": "i32"}
+INTS = {"reads": "*i32"}
+def build(fn, storage, consts, warps):
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in consts else SCALARS.get(a, INTS.get(a, "*fp32")) for a in names}
+    sig[names[0]] = storage                                  # the bank (or the source slot)
+    triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps})
+for storage in ("*bf16", "*fp32"):
+    for extra in (False, True):
+        build(A._mix_forward, storage, {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}, 4)
+        for defer in (False, True):
+            consts = {"HAS_EXTRA": extra, "DEFER": defer, "BLOCK_T": 4, "BLOCK_D": 1024}
+            build(A._mix_backward, storage, consts, A.BACKWARD_WARPS)
+    build(A._source_backward, storage, {"BLOCK_T": 4, "BLOCK_D": 1024}, A.BACKWARD_WARPS)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_an_h100():
+    """Every kernel, each variant (bf16 or fp32 bank; with or without the extra source; deferred or read-modify-write),
+    compiles to an sm90 binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
+    check (the GPU's typing of loop-carried values, the branches inside loops)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
