@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 import ops
 from residuals import RESIDUALS, AttentionInputs, OptimRule
 
-KERNELS = ("fast", "reference")
+KERNELS = ("fast", "reference", "triton")
 
 
 @dataclass
@@ -41,7 +41,8 @@ class GPTConfig:
     init_std: float = 0.02      # truncated normal, clipped at +-3 std
     residual: str = "preln"     # key of residuals.RESIDUALS
     residual_args: dict = field(default_factory=dict)  # constructor options of the design, e.g. {"n_groups": 8}
-    kernels: str = "fast"       # "fast": depthbench/kernels.py's bodies of ops.py's maths; "reference": ops.py's own
+    kernels: str = "fast"       # "fast": depthbench/kernels.py's bodies of ops.py's maths; "reference": ops.py's own;
+    #                             "triton": fast with depthbench/gpu's Triton bodies (what fast is on CUDA with triton)
     checkpoint_blocks: bool = False  # activation checkpointing: backward recomputes each block from its input
 
     def __post_init__(self):

@@ -22,34 +22,48 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# the names with two bodies: ops.py's (the definition) and depthbench/kernels.py's (the same maths, faster)
+# the names with two bodies: ops.py's (the definition) and depthbench/kernels.py's (the same maths, faster; some
+# with a third, a GPU body in depthbench/gpu)
 TWO_BODIES = ("apply_rope", "causal_attention", "joint_attention", "lm_loss", "normed_projection", "width_connection",
               "depth_connection", "sinkhorn", "DepthBank", "DepthKV")
 
 
 class Kernels:
     """One namespace's bodies of TWO_BODIES as attributes: what a design calls as `self.ops.sinkhorn(...)`. A plain
-    object (a module could not be copied with the model that holds it)."""
+    object (a module could not be copied with the model that holds it). `replaced`: bodies that take the module's
+    place (the "triton" namespace's GPU bodies, depthbench/gpu)."""
 
-    def __init__(self, name, module):
+    def __init__(self, name, module, replaced=None):
         self.name = name
         for attr in TWO_BODIES:
-            setattr(self, attr, getattr(module, attr))
+            setattr(self, attr, (replaced or {}).get(attr, getattr(module, attr)))
 
 
 _NAMESPACES = {}
 
 
 def namespace(kernels):
-    """The bodies of this file ("reference") or of depthbench/kernels.py ("fast"), chosen once when a model is
-    built (GPTConfig.kernels, --kernels)."""
+    """The bodies of this file ("reference"), of depthbench/kernels.py ("fast"), or kernels.py's with the GPU bodies
+    of depthbench/gpu in place of those it has ("triton"; what "fast" is where CUDA is available and triton imports),
+    chosen once when a model is built (GPTConfig.kernels, --kernels)."""
     if kernels not in _NAMESPACES:
         if kernels == "reference":
-            module = sys.modules[__name__]
+            _NAMESPACES[kernels] = Kernels(kernels, sys.modules[__name__])
         else:
             from depthbench import kernels as module  # here, not at the top: depthbench/kernels.py imports this file
-        _NAMESPACES[kernels] = Kernels(kernels, module)
+            _NAMESPACES[kernels] = Kernels(kernels, module, replaced=gpu_bodies(kernels))
     return _NAMESPACES[kernels]
+
+
+def gpu_bodies(kernels):
+    """depthbench/gpu's bodies for the namespace `kernels`: all of them for "triton", for "fast" only on a machine
+    with CUDA where triton imports (triton is never imported on a machine without CUDA), none otherwise."""
+    if kernels == "fast" and not torch.cuda.is_available():
+        return {}
+    from depthbench import gpu
+    if kernels == "triton" and not gpu.available():
+        raise ValueError("kernels 'triton' needs the triton package (pip install triton)")
+    return dict(gpu.BODIES) if gpu.available() else {}
 
 
 def fp32_maths(x):

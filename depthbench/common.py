@@ -69,8 +69,9 @@ class ArgParser(argparse.ArgumentParser):
 
     def add_kernels(self):
         """--kernels, the switch of every script that builds a model (GPTConfig.kernels)."""
-        self.add_argument("--kernels", default="fast", choices=["fast", "reference"], help="fast: ops.py's functions "
-                          "run their depthbench/kernels.py bodies (default); reference: ops.py's plain PyTorch, the same maths")
+        self.add_argument("--kernels", default="fast", choices=["fast", "reference", "triton"], help="fast: ops.py's "
+                          "functions run their depthbench/kernels.py bodies (default; on CUDA with triton: triton's); "
+                          "reference: ops.py's plain PyTorch, the same maths; triton: fast with depthbench/gpu's kernels")
 
 
 def positive(kind=int, zero=False, below=math.inf):

@@ -177,7 +177,7 @@ def build_parser():
     p.add_argument("--designs", default="all", help="'all' (the paper's ten) or a comma list")
     p.add_argument("--layers", type=comma_list(int), default=[8, 24, 70], help="depths (default 8,24,70)")
     p.add_argument("--scope", choices=["blocks", "model"], default="blocks", help="train.py's --compile-scope")
-    p.add_argument("--kernels", choices=["fast", "reference"], default="fast")
+    p.add_argument("--kernels", choices=["fast", "reference", "triton"], default="fast")
     p.add_argument("--d", type=int, default=128, help="width (default 128; 16 heads)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--batch", type=int, default=4, help="batch (default 4)")

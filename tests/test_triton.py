@@ -1,0 +1,302 @@
+"""
+The Triton bodies (depthbench/gpu) against ops.py's reference, on CPU tensors under Triton's interpreter.
+
+    pip install triton      # then: python -m pytest -q tests/test_triton.py
+
+TRITON_INTERPRET=1 is set here before triton is first imported: triton decorates its own library (tl.zeros, ...) and
+our kernels for the interpreter only when the flag is set at their import. If triton was imported earlier in this
+process without it (another test's torch.compile may import it), the interpreter cannot run here: every test but
+`test_in_a_fresh_process` then skips, and that one runs this file again in a new process with the flag. Without
+triton every test here skips, saying so. Shapes are tiny: the interpreter runs each program's tile ops in numpy.
+
+Checked with Triton 3.9 (here) and 3.6 (the GPU image's): under both, `test_kernels_compile_for_an_h100` compiles every
+kernel for sm90. Triton 3.6's interpreter fails with numpy 2.4 on any loop with a run-time bound (its `int()` of a
+one-element array: "only 0-dimensional arrays can be converted"), in its own code: run these tests with triton >= 3.9.
+"""
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before any import of triton (see the docstring)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import ops  # noqa: E402
+from depthbench import kernels  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton does not import: `pip install triton` runs these tests")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from depthbench import gpu  # noqa: E402
+from depthbench.gpu import attnres  # noqa: E402
+
+INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction) and attnres.interpreted()
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="triton was imported without TRITON_INTERPRET=1 in this "
+                                "process: test_in_a_fresh_process runs these tests")
+
+
+def sources(n, T, D=48, B=1, seed=0, dtype=torch.float32):
+    """n sources (B, T, D) with different scales (so the key norm matters), and a query and key gain, all leaves."""
+    g = torch.Generator().manual_seed(seed)
+    vs = [(torch.randn(B, T, D, generator=g) * (0.5 + j % 3)).to(dtype).requires_grad_() for j in range(n)]
+    query = (0.3 * torch.randn(D, generator=g)).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(D, generator=g)).requires_grad_()
+    return vs, query, gain
+
+
+def triton_mix(vs, query, gain, extra=None):
+    """The Triton bank's mix over vs (and extra): (mix, p)."""
+    bank = attnres.DepthBank.start(vs[0], n_max=len(vs) + 1)
+    assert isinstance(bank, attnres.DepthBank)                  # the kernels run, not kernels.py's fallback
+    for v in vs[1:]:
+        bank = bank.push(v)
+    return bank.mix(query, gain, 1e-5, extra=extra)
+
+
+def reference_mix(vs, query, gain, extra=None):
+    return ops.DepthBank(vs).mix(query, gain, 1e-5, extra=extra)
+
+
+def gradients(out, leaves, seed=5):
+    """d <out, w> / d leaves for a fixed random w: every leaf's gradient, through a non-uniform output gradient."""
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad((out.float() * w).sum(), leaves)
+
+
+# (bank sources, tokens, extra source): one source; odd T; Block AttnRes' open sum after the bank; a deep bank (L32's
+# head); the card's depth (L70: the head reads 2L + 1 = 141 sources; its gradient tests are slow, ~5-9 s here)
+CASES = {"one_source": (1, 5, False), "odd_T": (5, 7, False), "extra": (3, 7, True), "one_source_extra": (1, 3, True),
+         "deep": (65, 3, False), "card": (141, 3, False)}
+GRADIENT_CASES = [pytest.param(name, marks=pytest.mark.slow) if name == "card" else name for name in CASES]
+
+
+def case(name, dtype=torch.float32):
+    n, T, has_extra = CASES[name]
+    vs, query, gain = sources(n + has_extra, T, dtype=dtype)
+    extra = vs.pop() if has_extra else None
+    return vs, query, gain, extra
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", CASES)
+def test_mix_forward_equals_reference(name):
+    """_mix_forward's mix and weights p == ops.depth_mix's, fp32 to 1e-5."""
+    vs, query, gain, extra = case(name)
+    mix, p = triton_mix(vs, query, gain, extra)
+    want_mix, want_p = reference_mix(vs, query, gain, extra)
+    torch.testing.assert_close(mix, want_mix, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p, want_p, rtol=1e-5, atol=1e-5)
+
+
+BACKWARDS = ("deferred", "read_modify_write")
+
+
+def backward_mode(monkeypatch, mode):
+    """Force the consumers' backward: deferred to the pushes (the default while the bank's record has room), or the
+    read-modify-write of the gradient slots (what a consumer past that room does)."""
+    if mode == "read_modify_write":
+        monkeypatch.setattr(attnres, "deferred", lambda bank, BT, D, device: None)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", BACKWARDS)
+@pytest.mark.parametrize("name", GRADIENT_CASES)
+def test_mix_gradients_equal_reference(name, mode, monkeypatch):
+    """_mix_backward's (and, deferred, _source_backward's) gradients == autograd's through ops.depth_mix, for the
+    query, the key gain, every bank source (handed on by the pushes) and the extra source, fp32 to 1e-5 of each
+    gradient's largest entry."""
+    backward_mode(monkeypatch, mode)
+    vs, query, gain, extra = case(name)
+    leaves = [query, gain, *vs] + ([extra] if extra is not None else [])
+    got = gradients(triton_mix(vs, query, gain, extra)[0], leaves)
+    want = gradients(reference_mix(vs, query, gain, extra)[0], leaves)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert b.abs().max() > 0 or (i < 2 and len(leaves) == 3), i   # one source: p = 1, no query or gain gradient
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=max(1e-5 * b.abs().max().item(), 1e-7), msg=f"leaf {i}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", BACKWARDS)
+def test_consumers_of_several_depths_share_a_bank(mode, monkeypatch):
+    """Three consumers of one bank read 5, 4 and 2 of its sources (their own queries and gains; the 2-source one from
+    a view kept from before the later pushes, so that its backward runs before those pushes' backward, and the
+    deferred pass must leave it out of the sources it did not read), and the newest source is read too: every source's
+    gradient is the sum over the consumers that read it, as autograd takes through ops.DepthBank, fp32 to 1e-5."""
+    backward_mode(monkeypatch, mode)
+    vs, _, _ = sources(5, 7)
+    params = [sources(0, 7, seed=s)[1:] for s in (1, 2, 3)]
+    leaves = vs + [t for pair in params for t in pair]
+    w = [torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+    def loss(bank):
+        views = [bank]
+        for v in vs[1:]:
+            views.append(views[-1].push(v))                         # views[k] holds k + 1 sources
+        total = (views[-1].newest().float() * w[3]).sum()
+        for (query, gain), view, weight in zip(params, (views[4], views[3], views[1]), w):
+            total = total + (view.mix(query, gain, 1e-5)[0] * weight).sum()
+        return total
+
+    got = torch.autograd.grad(loss(attnres.DepthBank.start(vs[0], n_max=5)), leaves)
+    want = torch.autograd.grad(loss(ops.DepthBank(vs[:1])), leaves)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert b.abs().max() > 0, i
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=f"leaf {i}")
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["odd_T", "extra"])
+def test_mix_under_bf16_autocast_is_the_reference_to_bf16(name):
+    """Under bf16 autocast the bank stores its sources in bf16 (fp32 inside the kernels, fp32 gradient bank): the mix
+    and every gradient have cosine >= 0.999 with the fp32 reference's on the same fp32 sources."""
+    vs, query, gain, extra = case(name)
+    leaves = [query, gain, *vs] + ([extra] if extra is not None else [])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bank = attnres.DepthBank.start(vs[0], n_max=len(vs) + 1)
+        assert bank.bank.slots[0].dtype == torch.bfloat16
+        for v in vs[1:]:
+            bank = bank.push(v)
+        mix = bank.mix(query, gain, 1e-5, extra=extra)[0]
+    want = reference_mix(vs, query, gain, extra)[0]
+    assert mix.dtype == torch.float32
+    assert cosine(mix, want) >= 0.999
+    assert (mix - want).abs().max() > 0                           # it did round: the sources were stored in bf16
+    for i, (a, b) in enumerate(zip(gradients(mix, leaves), gradients(want, leaves))):
+        assert a.dtype == b.dtype == torch.float32
+        assert cosine(a, b) >= 0.999, i
+
+
+def tiny_model(residual, kernels_name, checkpoint_blocks=False, **options):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, n_layer=2, d_model=32, n_head=2, d_ff=64, residual=residual,
+                    residual_args=options, kernels=kernels_name, checkpoint_blocks=checkpoint_blocks)
+    model = GPT(cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))        # zero queries would hide a difference
+    return model
+
+
+@needs_interpreter
+@pytest.mark.parametrize("residual,options", [
+    ("attnres", {}), ("block_attnres", {"n_groups": 2}), ("block_attnres", {"checkpoint_blocks": True}),
+    ("attnres", {"checkpoint_blocks": True}),
+    ("attnres", {"topk_fraction": 0.5, "learn_logit_scale": True})])
+def test_model_equals_reference(residual, options):
+    """A tiny GPT (L2, odd T 7) under kernels "triton" has the loss and every parameter gradient of kernels
+    "reference" (ops.py's), fp32: loss to 1e-6, gradients to 1e-4 relative of the largest entry each. Also with
+    activation checkpointing (backward recomputes each block, pushing into the bank again) and with the release's
+    top-k (kernels.py's torch mix on the Triton bank)."""
+    x = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name in ("triton", "reference"):
+        model = tiny_model(residual, name, **options)
+        loss = model(x, x)[1]
+        loss.backward()
+        out[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    (l1, g1), (l2, g2) = out["triton"], out["reference"]
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-6)
+    assert g1.keys() == g2.keys()
+    for n, g in g2.items():
+        assert g.abs().max() > 0, n
+        torch.testing.assert_close(g1[n], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=n)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("residual", ["attnres", "block_attnres"])
+def test_model_under_bf16_autocast_is_the_reference_to_bf16(residual):
+    """The GPU's precision on the CPU: under bf16 autocast (the bank in bf16) the tiny GPT's loss is the fp32-maths
+    reference's under the same autocast to 2e-2, and every gradient within 10% of its norm (test_all.py's bf16 bounds)."""
+    x = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name in ("triton", "reference"):
+        model = tiny_model(residual, name)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, x)[1]
+        loss.backward()
+        out[name] = loss.float(), {n: p.grad for n, p in model.named_parameters()}
+    (l1, g1), (l2, g2) = out["triton"], out["reference"]
+    torch.testing.assert_close(l1, l2, rtol=2e-2, atol=2e-2)
+    for n, g in g2.items():
+        assert g1[n].dtype == g.dtype == torch.float32, n
+        assert (g1[n] - g).norm() <= 0.1 * g.norm() + 1e-3, n
+
+
+def test_namespaces(monkeypatch):
+    """"triton" is the fast namespace with DepthBank replaced by the Triton bank and every other body kernels.py's;
+    "fast" on a machine without CUDA is kernels.py's alone; a CPU tensor where the kernels cannot run (no interpreter)
+    gets kernels.py's bank (the CPU path unchanged)."""
+    tri, fast = ops.namespace("triton"), ops.namespace("fast")
+    assert tri.DepthBank is attnres.DepthBank
+    for attr in ops.TWO_BODIES:
+        if attr not in gpu.BODIES:
+            assert getattr(tri, attr) is getattr(kernels, attr), attr
+    if not torch.cuda.is_available():
+        assert fast.DepthBank is kernels.DepthBank
+    assert type(attnres.DepthBank.start(torch.randn(1, 3, 8), n_max=2, eps=None)) is kernels.DepthBank   # DenseFormer's
+    monkeypatch.setattr(attnres, "interpreted", lambda: False)
+    assert type(attnres.DepthBank.start(torch.randn(1, 3, 8), n_max=2)) is kernels.DepthBank
+
+
+def test_traffic_counts_the_notes_bank_reads():
+    """traffic's forward reads, summed over Full AttnRes' mixes at L70 d640 B2 T2048 (sublayer k = 1 .. 139 reads its
+    k + 1 sources, the head all 141), are gpu-h200.md's 10,011 source slots of 5.2 MB in bf16 less the one sublayer 0
+    reads without a mix (RMSNorm(e)), plus per-token terms under 1%. Per slot a mix read, the deferred backward moves
+    2 + 4 bytes an element (the source, a consumer's dmix), the read-modify-write 2 + 4 + 4 (the source, its gradient
+    read and written), each within 5% with their fixed per-consumer terms."""
+    tokens, D = 2 * 2048, 640
+    slot = tokens * D
+    reads = [k + 1 for k in range(1, 140)] + [141]
+    slots_read = sum(reads)
+    assert slots_read + 1 == 10_011
+    for deferred, per_element in ((True, 2 + 4), (False, 2 + 4 + 4)):
+        consumers = [attnres.traffic(n, tokens, D, deferred=deferred) for n in reads]
+        small = sum(c["forward"]["read"] for c in consumers) - slots_read * slot * 2
+        assert 0 < small < 0.01 * slots_read * slot * 2
+        back = sum(c[part][key] for c in consumers for part in ("backward", "deferred") for key in ("read", "written"))
+        assert slots_read * slot * per_element < back < 1.05 * slots_read * slot * per_element, deferred
+
+
+COMPILE_FOR_H100 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from depthbench.gpu import attnres as A
+assert not A.interpreted()
+SCALARS = {"n": "i32", "BT": "i32", "D": "i32", "eps": "fp32", "j": "i32", "count": "i32"}
+INTS = {"reads": "*i32"}
+def build(fn, storage, consts, warps):
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in consts else SCALARS.get(a, INTS.get(a, "*fp32")) for a in names}
+    sig[names[0]] = storage                                  # the bank (or the source slot)
+    triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps})
+for storage in ("*bf16", "*fp32"):
+    for extra in (False, True):
+        build(A._mix_forward, storage, {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}, 4)
+        for defer in (False, True):
+            consts = {"HAS_EXTRA": extra, "DEFER": defer, "BLOCK_T": 4, "BLOCK_D": 1024}
+            build(A._mix_backward, storage, consts, A.BACKWARD_WARPS)
+    build(A._source_backward, storage, {"BLOCK_T": 4, "BLOCK_D": 1024}, A.BACKWARD_WARPS)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_an_h100():
+    """Every kernel, each variant (bf16 or fp32 bank; with or without the extra source; deferred or read-modify-write),
+    compiles to an sm90 binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
+    check (the GPU's typing of loop-carried values, the branches inside loops)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
