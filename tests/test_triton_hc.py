@@ -1,0 +1,235 @@
+"""
+HC's and mHC's Triton bodies (depthbench/gpu/hc.py) equal ops.py's, run by Triton's interpreter on CPU tensors:
+
+    python -m pytest -q tests/test_triton_hc.py
+
+Each kernel against its reference body, forward and every gradient: fp32 to 1e-5 (relative to the largest entry),
+bf16 inputs to cosine >= 0.999; odd token counts, n = 4 streams and n = 3 (a block padded to 4), widths that leave
+a partial block; then a tiny GPT with residual "hc" and "mhc" whose HC names are replaced by the Triton bodies gives
+the loss and gradients of kernels "reference". Skipped, with the reason, where triton does not import
+(`pip install triton`: the interpreter needs no GPU).
+
+The interpreter is chosen when a kernel is decorated (TRITON_INTERPRET=1 at import time), so `interpreted_hc` sets
+it only while importing depthbench.gpu.hc (or reloading it, if another test imported it for the GPU first) and
+restores it: other tests in the same process keep their Triton as it was.
+"""
+import copy
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ops
+from model import GPT, GPTConfig
+
+pytest.importorskip("triton", reason="triton does not import: `pip install triton` runs these tests on the CPU "
+                                     "(its interpreter, TRITON_INTERPRET=1)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def interpreted_hc():
+    """depthbench.gpu.hc with its kernels decorated for the interpreter (TRITON_INTERPRET=1 only meanwhile)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module("depthbench.gpu.hc")
+        if type(module._width_fwd).__name__ != "InterpretedFunction":
+            module = importlib.reload(module)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
+
+
+hc = interpreted_hc()
+
+
+def rel_err(a, b):
+    """max |a - b| over max |b| (b's scale at least 1e-6: a gradient that is numerically zero compares absolutely)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-6)).item()
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def both_ways(fn_ref, fn_new, inputs, seed=0):
+    """Each body's outputs on copies of `inputs` (leaves), and every input's gradient from the same random upstream
+    gradients: (reference outputs, new outputs, reference grads, new grads)."""
+    results = []
+    for fn in (fn_ref, fn_new):
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator().manual_seed(seed)
+        ups = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
+        grads = torch.autograd.grad(outs, [x for x in leaves if x.requires_grad], ups)
+        results.append(([o.detach() for o in outs], list(grads)))
+    (out_ref, grad_ref), (out_new, grad_new) = results
+    return out_ref, out_new, grad_ref, grad_new
+
+
+def assert_equal_bodies(fn_ref, fn_new, inputs, dtype):
+    """fp32: every output and gradient within 1e-5 of the reference's (relative to its largest entry); bf16:
+    cosine >= 0.999 each (the reference returns fp32 there, the Triton streams stay bf16:
+    test_streams_keep_their_dtype_and_coefficients_are_fp32)."""
+    out_ref, out_new, grad_ref, grad_new = both_ways(fn_ref, fn_new, [x.to(dtype) for x in inputs])
+    assert [g.dtype for g in grad_new] == [g.dtype for g in grad_ref]
+    for what, a, b in [("output", a, b) for a, b in zip(out_new, out_ref)] + \
+                      [("gradient", a, b) for a, b in zip(grad_new, grad_ref)]:
+        assert a.shape == b.shape, what
+        if dtype == torch.float32:
+            assert rel_err(a, b) <= 1e-5, (what, rel_err(a, b))
+        else:
+            assert cosine(a, b) >= 0.999, (what, cosine(a, b))
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# ----------------------------------------------------------------------------- each kernel against ops.py's body
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("design,n", [("mhc", 4), ("mhc", 3), ("hc", 4)])
+def test_normed_projection_equals_reference(design, n, dtype):
+    """(x / rms(x)) @ W: mHC's (the n streams flattened, K = nD, M = n^2 + 2n) and HC's (per stream, M = n + 2);
+    3 x 13 tokens (two row blocks, the second partial), K not a multiple of the K block."""
+    D = 24
+    H = randn(3, 13, n, D, seed=1)
+    x, K, M = (H.flatten(2), n * D, n * n + 2 * n) if design == "mhc" else (H, D, n + 2)
+    W = randn(K, M, seed=2, scale=0.1)
+    eps = 1e-6 if design == "mhc" else 1e-8
+    assert_equal_bodies(lambda a, b: ops.normed_projection(a, b, eps), lambda a, b: hc.normed_projection(a, b, eps),
+                        [x, W], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,iters", [(4, 20), (3, 20), (4, 1)])
+def test_sinkhorn_equals_reference(n, iters, dtype):
+    """Sinkhorn's 2 iters - 1 normalisations and its backward through all of them (recomputed from the logits), on 71
+    tokens (two blocks, the second partial), logits from near-uniform to peaked (scale 4), gap-8-like ones (the
+    init's -8 off the diagonal) among them."""
+    logits = randn(1, 71, n, n, seed=3, scale=4.0)
+    logits[0, :5] += -8.0 * (1 - torch.eye(n))
+    assert_equal_bodies(lambda a: ops.sinkhorn(a, iters), lambda a: hc.sinkhorn(a, iters), [logits], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [4, 3])
+def test_width_connection_equals_reference(n, dtype):
+    """branch = sum_s pre[s] h_s, mixed_o = sum_s res[o, s] h_s and their gradients (dH, dpre, dres), 2 x 5 tokens,
+    D = 130 (a full block of 128 and a partial one); res not symmetric, so a transposed mix would differ."""
+    H, pre, res = randn(2, 5, n, 130, seed=4), randn(2, 5, n, seed=5), randn(2, 5, n, n, seed=6)
+    assert_equal_bodies(ops.width_connection, hc.width_connection, [H, pre, res], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [4, 3])
+def test_depth_connection_equals_reference(n, dtype):
+    """h'_o = mixed_o + post[o] y and its gradients (dmixed, dpost, dy), 2 x 5 tokens, D = 130."""
+    mixed, post, y = randn(2, 5, n, 130, seed=7), randn(2, 5, n, seed=8), randn(2, 5, 130, seed=9)
+    assert_equal_bodies(ops.depth_connection, hc.depth_connection, [mixed, post, y], dtype)
+
+
+def test_streams_keep_their_dtype_and_coefficients_are_fp32():
+    """The residual streams come out in the dtype they came in (bf16 streams stay bf16: half the bytes); the
+    coefficients (projection, Sinkhorn) are fp32 whatever their input."""
+    H = randn(1, 3, 4, 16, seed=10).bfloat16()
+    branch, mixed = hc.width_connection(H, randn(1, 3, 4).bfloat16(), randn(1, 3, 4, 4).bfloat16())
+    out = hc.depth_connection(mixed, randn(1, 3, 4), randn(1, 3, 16).bfloat16())
+    assert (branch.dtype, mixed.dtype, out.dtype) == (torch.bfloat16,) * 3
+    assert hc.normed_projection(H.flatten(2), randn(64, 24), 1e-6).dtype == torch.float32
+    assert hc.sinkhorn(randn(1, 3, 4, 4).bfloat16()).dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- a whole model
+
+def with_triton_bodies(model):
+    """The model's residual design calling depthbench/gpu/hc.py's bodies for hc.NAMES and its own namespace's for the
+    rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will hold)."""
+    bodies = copy.copy(model.res.ops)
+    bodies.name = f"{bodies.name}+triton-hc"
+    for name in hc.NAMES:
+        setattr(bodies, name, getattr(hc, name))
+    model.res.ops = bodies
+    return model
+
+
+def tiny_model(residual, **options):
+    """L2 d16 (4 heads), vocab 32, every parameter moved off its init (zero-initialised maps would hide a wrong
+    gradient), on ops.py's reference bodies."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, n_layer=2, d_model=16, n_head=4, d_ff=40, residual=residual,
+                          residual_args=options, kernels="reference"))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("residual,options", [("hc", {}), ("mhc", {}), ("mhc", {"init": "uniform", "n_streams": 3})],
+                         ids=["hc", "mhc", "mhc-uniform-n3"])
+def test_model_with_triton_bodies(residual, options):
+    """A tiny GPT (fp32, B2 T7) with the Triton bodies gives kernels "reference"'s loss (to 1e-5 relative), and every
+    parameter's gradient within test_all.py's tolerance for the fast bodies: 1e-4 relative, plus 1e-5 of that
+    gradient's largest entry or 1e-6 of the largest gradient anywhere (a gradient that is ~0 by cancellation, as a
+    saturated gate's, agrees to rounding, not in ratio)."""
+    idx = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+    targets = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(4))
+    ref, new = tiny_model(residual, **options), with_triton_bodies(tiny_model(residual, **options))
+    assert new.res.ops.sinkhorn is hc.sinkhorn and ref.res.ops.sinkhorn is ops.sinkhorn
+    losses = []
+    for model in (ref, new):
+        _, loss = model(idx, targets)
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])
+    top = max(p.grad.abs().max().item() for p in ref.parameters())
+    for (name, p), q in zip(ref.named_parameters(), new.parameters()):
+        atol = max(1e-5 * p.grad.abs().max().item(), 1e-6 * top)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=atol, msg=name)
+
+
+# ----------------------------------------------------------------------------- traffic and the import guard
+
+def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
+    """traffic's forward bytes for width_connection and depth_connection equal the bytes of the tensors a real call
+    reads and writes (fp32 streams, bf16 y), and mHC's projection reads the n D stream bytes of every token."""
+    N, n, D = 6, 4, 16
+    H, pre, res = randn(1, N, n, D), randn(1, N, n), randn(1, N, n, n)
+    branch, mixed = hc.width_connection(H, pre, res)
+    y = randn(1, N, D).bfloat16()
+    rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, y_bytes=2)}
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert rows["width_connection", "forward"]["read"] == nbytes(H, pre, res)
+    assert rows["width_connection", "forward"]["written"] == nbytes(branch, mixed)
+    out = hc.depth_connection(mixed, pre, y)
+    assert rows["depth_connection", "forward"]["read"] == nbytes(mixed, pre, y)
+    assert rows["depth_connection", "forward"]["written"] == nbytes(out)
+    assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * n * D * (n * n + 2 * n)
+    assert ("sinkhorn", "forward") not in {(r["kernel"], r["pass"]) for r in hc.traffic("hc", N, D)}
+
+
+def test_module_imports_without_triton_and_says_what_is_missing(monkeypatch):
+    """With triton absent the module still imports (the CPU path never needs it), and a body fails with one line
+    naming what to install, not a NameError from inside a kernel."""
+    monkeypatch.setitem(sys.modules, "triton", None)              # `import triton` raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("hc_without_triton", ROOT / "depthbench" / "gpu" / "hc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.HAVE_TRITON is False
+    with pytest.raises(RuntimeError, match="needs triton"):
+        module.width_connection(randn(1, 2, 4, 8), randn(1, 2, 4), randn(1, 2, 4, 4))
