@@ -16,6 +16,7 @@ restores it: other tests in the same process keep their Triton as it was.
 import copy
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -200,6 +201,61 @@ def test_model_with_triton_bodies(residual, options):
     for (name, p), q in zip(ref.named_parameters(), new.parameters()):
         atol = max(1e-5 * p.grad.abs().max().item(), 1e-6 * top)
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=atol, msg=name)
+
+
+# ----------------------------------------------------------------------------- compiled for the GPU, without one
+
+def compiled_module():
+    """A second copy of depthbench/gpu/hc.py whose kernels are decorated for the compiler (TRITON_INTERPRET unset
+    while it loads), as on a GPU."""
+    before = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        spec = importlib.util.spec_from_file_location("hc_compiled", ROOT / "depthbench" / "gpu" / "hc.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if before is not None:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
+
+
+def kernel_signatures(stream):
+    """(kernel name, pointer and scalar types, constexprs) of every kernel, as the bodies launch them at n = 4 on
+    streams of dtype `stream` ("fp32" or "bf16"; y and the logits in that dtype too, the coefficients fp32)."""
+    s, f = "*" + stream, "*fp32"
+    streams = dict(n=4, NP=4, BD=128)
+    return [
+        ("_proj_fwd", dict(X=s, W=f, Out=f, R=f, N="i32", K="i32", M="i32", eps="fp32"), dict(BN=32, BK=64, MP=32)),
+        ("_proj_bwd", dict(X=s, W=f, G=f, Out=f, R=f, DX=s, N="i32", K="i32", M="i32"), dict(BN=32, BK=64, MP=32)),
+        ("_sinkhorn_fwd", dict(L=s, Out=f, N="i32", iters="i32", eps="fp32"), dict(n=4, NP=4, BT=64)),
+        ("_sinkhorn_bwd", dict(L=s, G=f, DL=s, Scratch=f, N="i32", iters="i32", eps="fp32"), dict(n=4, NP=4, BT=64)),
+        ("_width_fwd", dict(H=s, Pre=f, Res=f, Branch=s, Mixed=s, D="i32"), streams),
+        ("_width_bwd", dict(H=s, Pre=f, Res=f, DBranch=s, DMixed=s, DH=s, DPre=f, DRes=f, D="i32"), streams),
+        ("_depth_fwd", dict(Mixed=s, Post=f, Y=s, Out=s, D="i32"), streams),
+        ("_depth_bwd", dict(DOut=s, Post=f, Y=s, DPost=f, DY=s, D="i32"), streams)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", ["fp32", "bf16"])
+def test_every_kernel_compiles_for_the_h100_and_h200(stream):
+    """Each kernel goes through Triton's CUDA compiler to PTX for sm_90 (H100, H200) with no GPU present: the
+    interpreter above runs Python, so an op it accepts but the compiler rejects (a reduction over a padded axis, a
+    dtype mix, tl.dot's shapes) shows here, not on the first GPU. Skipped where Triton has no CUDA backend."""
+    import triton
+    from triton.compiler import ASTSource
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend must be installed)
+    except ImportError as e:
+        pytest.skip(f"triton without its CUDA backend: {e}")
+    module = compiled_module()
+    for name, types, constants in kernel_signatures(stream):
+        kernel = getattr(module, name)
+        params = list(inspect.signature(kernel.fn).parameters)
+        assert sorted(params) == sorted([*types, *constants]), name
+        source = ASTSource(fn=kernel, signature={p: types.get(p, "constexpr") for p in params}, constexprs=constants)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert ".target sm_90" in ptx, name
 
 
 # ----------------------------------------------------------------------------- traffic and the import guard
