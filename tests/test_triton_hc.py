@@ -105,7 +105,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("design,n", [("mhc", 4), ("mhc", 3), ("hc", 4)])
 def test_normed_projection_equals_reference(design, n, dtype):
     """(x / rms(x)) @ W: mHC's (the n streams flattened, K = nD, M = n^2 + 2n) and HC's (per stream, M = n + 2);
-    3 x 13 tokens (two row blocks, the second partial), K not a multiple of the K block."""
+    3 x 13 tokens (row blocks of 16, the last partial), K not a multiple of the K block."""
     D = 24
     H = randn(3, 13, n, D, seed=1)
     x, K, M = (H.flatten(2), n * D, n * n + 2 * n) if design == "mhc" else (H, D, n + 2)
@@ -119,7 +119,7 @@ def test_normed_projection_equals_reference(design, n, dtype):
 @pytest.mark.parametrize("n,iters", [(4, 20), (3, 20), (4, 1)])
 def test_sinkhorn_equals_reference(n, iters, dtype):
     """Sinkhorn's 2 iters - 1 normalisations and its backward through all of them (recomputed from the logits), on 71
-    tokens (two blocks, the second partial), logits from near-uniform to peaked (scale 4), gap-8-like ones (the
+    tokens (three blocks of 32, the last partial), logits from near-uniform to peaked (scale 4), gap-8-like ones (the
     init's -8 off the diagonal) among them."""
     logits = randn(1, 71, n, n, seed=3, scale=4.0)
     logits[0, :5] += -8.0 * (1 - torch.eye(n))
@@ -168,10 +168,10 @@ def with_triton_bodies(model):
 
 
 def tiny_model(residual, **options):
-    """L2 d16 (4 heads), vocab 32, every parameter moved off its init (zero-initialised maps would hide a wrong
-    gradient), on ops.py's reference bodies."""
+    """L1 d16 (4 heads; two sublayers, so two connections in a row), vocab 32, every parameter moved off its init
+    (zero-initialised maps would hide a wrong gradient), on ops.py's reference bodies."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, n_layer=2, d_model=16, n_head=4, d_ff=40, residual=residual,
+    model = GPT(GPTConfig(vocab_size=32, n_layer=1, d_model=16, n_head=4, d_ff=40, residual=residual,
                           residual_args=options, kernels="reference"))
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -183,7 +183,7 @@ def tiny_model(residual, **options):
 @pytest.mark.parametrize("residual,options", [("hc", {}), ("mhc", {}), ("mhc", {"init": "uniform", "n_streams": 3})],
                          ids=["hc", "mhc", "mhc-uniform-n3"])
 def test_model_with_triton_bodies(residual, options):
-    """A tiny GPT (fp32, B2 T7) with the Triton bodies gives kernels "reference"'s loss (to 1e-5 relative), and every
+    """A tiny GPT (L1, fp32, B2 T7) with the Triton bodies gives kernels "reference"'s loss (to 1e-5 relative), and every
     parameter's gradient within test_all.py's tolerance for the fast bodies: 1e-4 relative, plus 1e-5 of that
     gradient's largest entry or 1e-6 of the largest gradient anywhere (a gradient that is ~0 by cancellation, as a
     saturated gate's, agrees to rounding, not in ratio)."""
@@ -219,16 +219,17 @@ def compiled_module():
     return module
 
 
-def kernel_signatures(stream):
+def kernel_signatures(stream, module):
     """(kernel name, pointer and scalar types, constexprs) of every kernel, as the bodies launch them at n = 4 on
     streams of dtype `stream` ("fp32" or "bf16"; y and the logits in that dtype too, the coefficients fp32)."""
     s, f = "*" + stream, "*fp32"
-    streams = dict(n=4, NP=4, BD=128)
+    streams, projection = dict(n=4, NP=4, BD=module.BLOCK_D), dict(BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=32)
+    sinkhorn = dict(n=4, NP=4, BT=module.BLOCK_TOKENS)
     return [
-        ("_proj_fwd", dict(X=s, W=f, Out=f, R=f, N="i32", K="i32", M="i32", eps="fp32"), dict(BN=32, BK=64, MP=32)),
-        ("_proj_bwd", dict(X=s, W=f, G=f, Out=f, R=f, DX=s, N="i32", K="i32", M="i32"), dict(BN=32, BK=64, MP=32)),
-        ("_sinkhorn_fwd", dict(L=s, Out=f, N="i32", iters="i32", eps="fp32"), dict(n=4, NP=4, BT=64)),
-        ("_sinkhorn_bwd", dict(L=s, G=f, DL=s, Scratch=f, N="i32", iters="i32", eps="fp32"), dict(n=4, NP=4, BT=64)),
+        ("_proj_fwd", dict(X=s, W=f, Out=f, R=f, N="i32", K="i32", M="i32", eps="fp32"), projection),
+        ("_proj_bwd", dict(X=s, W=f, G=f, Out=f, R=f, DX=s, N="i32", K="i32", M="i32"), projection),
+        ("_sinkhorn_fwd", dict(L=s, Out=f, N="i32", iters="i32", eps="fp32"), sinkhorn),
+        ("_sinkhorn_bwd", dict(L=s, G=f, DL=s, Scratch=f, N="i32", iters="i32", eps="fp32"), sinkhorn),
         ("_width_fwd", dict(H=s, Pre=f, Res=f, Branch=s, Mixed=s, D="i32"), streams),
         ("_width_bwd", dict(H=s, Pre=f, Res=f, DBranch=s, DMixed=s, DH=s, DPre=f, DRes=f, D="i32"), streams),
         ("_depth_fwd", dict(Mixed=s, Post=f, Y=s, Out=s, D="i32"), streams),
@@ -249,7 +250,7 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
     except ImportError as e:
         pytest.skip(f"triton without its CUDA backend: {e}")
     module = compiled_module()
-    for name, types, constants in kernel_signatures(stream):
+    for name, types, constants in kernel_signatures(stream, module):
         kernel = getattr(module, name)
         params = list(inspect.signature(kernel.fn).parameters)
         assert sorted(params) == sorted([*types, *constants]), name
@@ -289,3 +290,17 @@ def test_module_imports_without_triton_and_says_what_is_missing(monkeypatch):
     assert module.HAVE_TRITON is False
     with pytest.raises(RuntimeError, match="needs triton"):
         module.width_connection(randn(1, 2, 4, 8), randn(1, 2, 4), randn(1, 2, 4, 4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_compare_with_reference_reports_agreement_and_finds_a_wrong_body(dtype, monkeypatch):
+    """The GPU script's check (hc.compare_with_reference) run here on CPU tensors: every body within fp32's 1e-5 or
+    bf16's cosine 0.999; and a body that mixes the transposed res is reported, not passed."""
+    report = hc.compare_with_reference(device="cpu", dtype=dtype, shape=(1, 3, 4, 20))
+    assert sorted(report) == sorted(hc.NAMES)
+    for name, (rel, cos) in report.items():
+        assert (rel <= 1e-5) if dtype == torch.float32 else (cos >= 0.999), (name, rel, cos)
+    wrong = hc.width_connection
+    monkeypatch.setattr(hc, "width_connection", lambda H, pre, res: wrong(H, pre, res.transpose(-1, -2)))
+    rel, cos = hc.compare_with_reference(device="cpu", dtype=dtype, shape=(1, 3, 4, 20))["width_connection"]
+    assert rel > 1e-2 and cos < 0.999

@@ -32,8 +32,17 @@ The kernels (N tokens, n streams of width D; one program per token or per block 
   backward `_depth_bwd`: dy = sum_o post[o] dout_o, dpost[o] = <dout_o, y>; dmixed = dout, no kernel. Test:
   test_depth_connection_equals_reference.
 
-A model with these four bodies gives the loss and gradients of kernels "reference" (test_model_with_triton_bodies).
+A model with these four bodies gives the loss and gradients of kernels "reference" (test_model_with_triton_bodies);
+every kernel compiles to PTX for sm_90 with no GPU present (test_every_kernel_compiles_for_the_h100_and_h200).
 HBM bytes and launches of each kernel per sublayer: `traffic` (for scripts/roofline.py).
+
+Why the mixes stay split as ops.py splits them (width: pre and res mixes in one pass; depth: the post add), rather
+than one fused write h'_o = sum_s res[o, s] h_s + post[o] y: with S the bytes of the n streams, the split moves 4S
+forward (read H, write mixed; read mixed, write h') and 4S backward (read dout; read H and dmixed = dout, write dH),
+8S a sublayer. A fused write saves the forward's mixed (3S), but its backward must produce dH before the sublayer's
+backward has produced dbranch, so the pre-mix's share of dH comes from a second node and autograd adds the two
+(read 2S, write S): 8S backward, 11S in all. Only a write whose backward hands dout on as the pre-mix's dmixed
+(7S) would beat the split, which needs residuals.py's read/write to pass H and H_res to the write instead of mixed.
 """
 from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: this module imports without triton
 
@@ -51,9 +60,9 @@ except ImportError:  # the CPU path never needs it; need_triton() says why a bod
 
 NAMES = ("normed_projection", "width_connection", "depth_connection", "sinkhorn")  # the ops.TWO_BODIES names here
 BLOCK_D = 128        # channels a stream kernel handles per step of its loop over D
-BLOCK_ROWS = 32      # rows of x per program of the projection (tl.dot needs >= 16)
+BLOCK_ROWS = 16      # rows of x per program of the projection (tl.dot needs >= 16; mHC at 4,096 tokens: 256 programs)
 BLOCK_K = 64         # columns of x per step of the projection's loop over K
-BLOCK_TOKENS = 64    # tokens per program of Sinkhorn (each an n x n matrix in registers)
+BLOCK_TOKENS = 32    # tokens per program of Sinkhorn (each an n x n matrix in registers)
 
 
 def jit(fn):
@@ -457,3 +466,48 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20):
                   row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R),
                   row("depth_connection", "forward", S + c + N * D * y_bytes, S),
                   row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+
+
+# ----------------------------------------------------------------------------- the same check on a device
+
+def agreement(fn_ref, fn_new, inputs, seed=0):
+    """The worst disagreement of fn_new with fn_ref over their outputs and every input's gradient (from the same
+    random upstream gradients): (largest |new - ref| / max |ref| over them, smallest cosine over them)."""
+    results = []
+    for fn in (fn_ref, fn_new):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator(device=outs[0].device).manual_seed(seed)
+        ups = [torch.randn(o.shape, generator=g, device=o.device).to(o.dtype) for o in outs]
+        results.append([o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, ups)))
+    worst_rel, worst_cos = 0.0, 1.0
+    for new, ref in zip(*results):
+        new, ref = new.double().flatten(), ref.double().flatten()
+        worst_rel = max(worst_rel, ((new - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item())
+        worst_cos = min(worst_cos, torch.nn.functional.cosine_similarity(new, ref, dim=0).item())
+    return worst_rel, worst_cos
+
+
+def compare_with_reference(device="cuda", dtype=torch.float32, shape=(2, 33, 4, 64), seed=0):
+    """Each body of NAMES against ops.py's on `device`, inputs in `dtype` at streams of `shape` (B, T, n, D): {name:
+    (worst relative error, lowest cosine)} over outputs and gradients, as `agreement` measures them. For the GPU
+    script: fp32 should agree to ~1e-5, bf16 to cosine >= 0.999 (tests/test_triton_hc.py holds the interpreter to
+    the same)."""
+    import ops
+    B, T, n, D = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (scale * torch.randn(*size, generator=gen, device=device)).to(dtype)
+
+    H = randn(B, T, n, D)
+    return {
+        "normed_projection": agreement(lambda x, w: ops.normed_projection(x, w, 1e-6),
+                                       lambda x, w: normed_projection(x, w, 1e-6),
+                                       [H.flatten(2), randn(n * D, n * n + 2 * n, scale=0.1)], seed),
+        "sinkhorn": agreement(ops.sinkhorn, sinkhorn, [randn(B, T, n, n, scale=4.0)], seed),
+        "width_connection": agreement(ops.width_connection, width_connection, [H, randn(B, T, n), randn(B, T, n, n)],
+                                      seed),
+        "depth_connection": agreement(ops.depth_connection, depth_connection, [H, randn(B, T, n), randn(B, T, D)],
+                                      seed)}
