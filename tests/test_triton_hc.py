@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def interpreted_hc():
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = before
+    assert module.interpreted(), "depthbench.gpu.hc's kernels are not interpreted: the tests would test kernels.py"
     return module
 
 
@@ -183,8 +185,8 @@ def tiny_model(residual, **options):
 @pytest.mark.parametrize("residual,options", [("hc", {}), ("mhc", {}), ("mhc", {"init": "uniform", "n_streams": 3})],
                          ids=["hc", "mhc", "mhc-uniform-n3"])
 def test_model_with_triton_bodies(residual, options):
-    """A tiny GPT (L1, fp32, B2 T7) with the Triton bodies gives kernels "reference"'s loss (to 1e-5 relative), and every
-    parameter's gradient within test_all.py's tolerance for the fast bodies: 1e-4 relative, plus 1e-5 of that
+    """A tiny GPT (L1, fp32, B2 T7) with the Triton bodies gives kernels "reference"'s loss (to 1e-5 relative), and
+    every parameter's gradient within test_all.py's tolerance for the fast bodies: 1e-4 relative, plus 1e-5 of that
     gradient's largest entry or 1e-6 of the largest gradient anywhere (a gradient that is ~0 by cancellation, as a
     saturated gate's, agrees to rounding, not in ratio)."""
     idx = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -210,9 +212,7 @@ def compiled_module():
     while it loads), as on a GPU."""
     before = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        spec = importlib.util.spec_from_file_location("hc_compiled", ROOT / "depthbench" / "gpu" / "hc.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_copy("hc_compiled")
     finally:
         if before is not None:
             os.environ["TRITON_INTERPRET"] = before
@@ -249,6 +249,14 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend must be installed)
     except ImportError as e:
         pytest.skip(f"triton without its CUDA backend: {e}")
+    if type(triton.language.standard._sum_combine).__name__ == "InterpretedFunction":
+        # triton itself was first imported under TRITON_INTERPRET=1 in this process (another test file set it), so
+        # its library cannot compile: the same test in a fresh process without the flag
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                              f"compiles and {stream}"], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+        return
     module = compiled_module()
     for name, types, constants in kernel_signatures(stream, module):
         kernel = getattr(module, name)
@@ -279,17 +287,40 @@ def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     assert ("sinkhorn", "forward") not in {(r["kernel"], r["pass"]) for r in hc.traffic("hc", N, D)}
 
 
-def test_module_imports_without_triton_and_says_what_is_missing(monkeypatch):
-    """With triton absent the module still imports (the CPU path never needs it), and a body fails with one line
-    naming what to install, not a NameError from inside a kernel."""
-    monkeypatch.setitem(sys.modules, "triton", None)              # `import triton` raises ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    spec = importlib.util.spec_from_file_location("hc_without_triton", ROOT / "depthbench" / "gpu" / "hc.py")
+def load_copy(name):
+    """A fresh copy of depthbench/gpu/hc.py as module `name`, decorated as the environment says now."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "depthbench" / "gpu" / "hc.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.HAVE_TRITON is False
-    with pytest.raises(RuntimeError, match="needs triton"):
-        module.width_connection(randn(1, 2, 4, 8), randn(1, 2, 4), randn(1, 2, 4, 4))
+    return module
+
+
+def connection_calls(module):
+    """Every body of `module` on the same CPU inputs: {name: its outputs}."""
+    H, pre, res, y = randn(1, 3, 4, 8, seed=12), randn(1, 3, 4, seed=13), randn(1, 3, 4, 4, seed=14), randn(1, 3, 8)
+    return {"normed_projection": module.normed_projection(H.flatten(2), randn(32, 24, seed=15), 1e-6),
+            "sinkhorn": module.sinkhorn(randn(1, 3, 4, 4, seed=16)),
+            "width_connection": module.width_connection(H, pre, res),
+            "depth_connection": module.depth_connection(H, pre, y)}
+
+
+def test_off_the_gpu_each_body_is_kernels_py(monkeypatch):
+    """Where the kernels cannot run, each body is depthbench/kernels.py's, bit for bit: with triton absent (the
+    module still imports), and with triton compiled for the GPU on CPU tensors (no interpreter). So the CPU path
+    does not change when the namespace holds these bodies."""
+    from depthbench import kernels
+    expected = connection_calls(kernels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name, absent in (("hc_compiled_on_cpu", False), ("hc_without_triton", True)):
+        if absent:
+            monkeypatch.setitem(sys.modules, "triton", None)      # `import triton` raises ImportError
+            monkeypatch.setitem(sys.modules, "triton.language", None)
+        module = load_copy(name)
+        assert module.HAVE_TRITON is not absent and not module.runs_here(torch.zeros(1))
+        for body, out in connection_calls(module).items():
+            for a, b in zip(out if isinstance(out, tuple) else (out,), expected[body]
+                            if isinstance(expected[body], tuple) else (expected[body],)):
+                assert torch.equal(a, b), (name, body)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

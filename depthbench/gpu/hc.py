@@ -4,7 +4,10 @@ ops.py functions they replace (ops.TWO_BODIES: `normed_projection`, `width_conne
 `sinkhorn`), so a namespace can take them in place of depthbench/kernels.py's. Every kernel loads its inputs in
 their own dtype (bf16 or fp32), computes in fp32 in registers, and stores the residual streams in the dtype they came
 in (the model keeps them in fp32 today: then every output is what ops.py's body returns); the coefficients are fp32.
-Each body equals ops.py's in forward and every gradient (tests/test_triton_hc.py, under TRITON_INTERPRET=1).
+Each body equals ops.py's in forward and every gradient (tests/test_triton_hc.py, under TRITON_INTERPRET=1). A body
+runs its kernels on CUDA tensors (or CPU tensors under the interpreter) and hands any other call to
+depthbench/kernels.py's body (`runs_here`), so the CPU path does not change; `BODIES` maps the names to the bodies for
+depthbench/gpu's namespace, and triton is optional (`HAVE_TRITON`).
 
 The kernels (N tokens, n streams of width D; one program per token or per block of tokens):
 
@@ -48,13 +51,14 @@ from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: th
 
 import torch
 
+from depthbench import kernels as cpu_bodies
 from ops import fp32_maths
 
 try:
     import triton
     import triton.language as tl
     HAVE_TRITON = True
-except ImportError:  # the CPU path never needs it; need_triton() says why a body cannot run
+except ImportError:  # the CPU path never needs it (runs_here)
     triton = tl = None
     HAVE_TRITON = False
 
@@ -66,13 +70,22 @@ BLOCK_TOKENS = 32    # tokens per program of Sinkhorn (each an n x n matrix in r
 
 
 def jit(fn):
-    """triton.jit where triton imports; the plain function otherwise (never launched: the bodies call need_triton)."""
+    """triton.jit where triton imports; the plain function otherwise (never launched: see runs_here)."""
     return triton.jit(fn) if HAVE_TRITON else fn
 
 
-def need_triton():
+def interpreted():
+    """Whether this module's kernels were decorated for Triton's CPU interpreter (TRITON_INTERPRET=1 when it was
+    imported): then they run on CPU tensors."""
+    return type(_width_fwd).__name__ == "InterpretedFunction"
+
+
+def runs_here(t):
+    """Whether the kernels can run on t's device: triton imports, and t is on CUDA (or on the CPU under the
+    interpreter). Elsewhere each body hands its arguments to depthbench/kernels.py's, so the CPU path is unchanged."""
     if not HAVE_TRITON:
-        raise RuntimeError("depthbench.gpu.hc needs triton (pip install triton; on a CPU set TRITON_INTERPRET=1)")
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and interpreted())
 
 
 def pow2(n, least=1):
@@ -168,7 +181,8 @@ class NormedProjection(torch.autograd.Function):
 
 def normed_projection(x, W, eps):
     """(x / rms(x)) @ W, no gain, in fp32: ops.normed_projection as one Triton pass over x (NormedProjection)."""
-    need_triton()
+    if not runs_here(x):
+        return cpu_bodies.normed_projection(x, W, eps)
     return NormedProjection.apply(x, W, eps)
 
 
@@ -240,7 +254,8 @@ def _sinkhorn_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: tl.cons
 
 
 class Sinkhorn(torch.autograd.Function):
-    """ops.sinkhorn on (..., n, n) logits -> fp32 (`_sinkhorn_fwd`); backward keeps only the logits (`_sinkhorn_bwd`)."""
+    """ops.sinkhorn on (..., n, n) logits -> fp32 (`_sinkhorn_fwd`); backward keeps only the logits
+    (`_sinkhorn_bwd`)."""
 
     @staticmethod
     def forward(ctx, logits, iters, eps):
@@ -265,7 +280,8 @@ class Sinkhorn(torch.autograd.Function):
 
 def sinkhorn(logits, iters=20, eps=1e-6):
     """ops.sinkhorn with each token's n x n matrix in registers for all 2 iters - 1 steps (Sinkhorn)."""
-    need_triton()
+    if not runs_here(logits):
+        return cpu_bodies.sinkhorn(logits, iters, eps)
     if iters < 1:
         raise ValueError(f"Sinkhorn needs at least 1 iteration, got {iters}")
     return Sinkhorn.apply(logits, iters, eps)
@@ -354,7 +370,8 @@ class WidthConnection(torch.autograd.Function):
 
 def width_connection(H, pre, res):
     """HC's width connection, ops.width_connection, as one read of the streams per token (WidthConnection)."""
-    need_triton()
+    if not runs_here(H):
+        return cpu_bodies.width_connection(H, pre, res)
     return WidthConnection.apply(H, pre, res)
 
 
@@ -418,7 +435,8 @@ class DepthConnection(torch.autograd.Function):
 
 def depth_connection(mixed, post, y):
     """HC's depth connection, ops.depth_connection, as one pass over the streams (DepthConnection)."""
-    need_triton()
+    if not runs_here(mixed):
+        return cpu_bodies.depth_connection(mixed, post, y)
     return DepthConnection.apply(mixed, post, y)
 
 
@@ -511,3 +529,6 @@ def compare_with_reference(device="cuda", dtype=torch.float32, shape=(2, 33, 4, 
                                       seed),
         "depth_connection": agreement(ops.depth_connection, depth_connection, [H, randn(B, T, n), randn(B, T, D)],
                                       seed)}
+
+
+BODIES = {name: globals()[name] for name in NAMES}   # ops.TWO_BODIES names -> their GPU body (depthbench/gpu.BODIES)
