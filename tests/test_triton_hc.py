@@ -182,8 +182,9 @@ def tiny_model(residual, **options):
     return model
 
 
-@pytest.mark.parametrize("residual,options", [("hc", {}), ("mhc", {}), ("mhc", {"init": "uniform", "n_streams": 3})],
-                         ids=["hc", "mhc", "mhc-uniform-n3"])
+@pytest.mark.parametrize("residual,options", [("hc", {}), ("hc", {"forward": "unmixed", "collapse": "norm_each"}),
+                                              ("mhc", {}), ("mhc", {"init": "uniform", "n_streams": 3})],
+                         ids=["hc", "hc-unmixed", "mhc", "mhc-uniform-n3"])
 def test_model_with_triton_bodies(residual, options):
     """A tiny GPT (L1, fp32, B2 T7) with the Triton bodies gives kernels "reference"'s loss (to 1e-5 relative), and
     every parameter's gradient within test_all.py's tolerance for the fast bodies: 1e-4 relative, plus 1e-5 of that
