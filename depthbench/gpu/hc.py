@@ -243,6 +243,9 @@ def _sinkhorn_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: tl.cons
         d = _axis_sums(M, k) + eps
         tl.store(Scratch + at + k * NP, d, mask=(t < N)[:, None])
         M = M / _spread(d, k)
+    # the divisors are read back below in the loads' own layout, possibly by other threads of this program than the
+    # ones that stored them: a barrier makes every store of the loop above visible to them
+    tl.debug_barrier()
     dM = tl.load(G + idx, mask=mask, other=0.0).to(tl.float32)
     for back in range(0, steps):
         k = steps - 1 - back
