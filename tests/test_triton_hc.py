@@ -6,8 +6,10 @@ HC's and mHC's Triton bodies (depthbench/gpu/hc.py) equal ops.py's, run by Trito
 Each kernel against its reference body, forward and every gradient: fp32 to 1e-5 (relative to the largest entry),
 bf16 inputs to cosine >= 0.999; odd token counts, n = 4 streams and n = 3 (a block padded to 4), widths that leave
 a partial block; then a tiny GPT with residual "hc" and "mhc" whose HC names are replaced by the Triton bodies gives
-the loss and gradients of kernels "reference". Skipped, with the reason, where triton does not import
-(`pip install triton`: the interpreter needs no GPU).
+the loss and gradients of kernels "reference". Also: every kernel compiles to PTX for sm_90 (H100/H200) with no GPU
+present (slow: ~10 s with a cold Triton cache); off the GPU each body is depthbench/kernels.py's; `traffic` counts
+the bytes of the tensors a forward touches; the GPU script's check (`compare_with_reference`) finds a wrong body.
+Skipped, with the reason, where triton does not import (`pip install triton`: the interpreter needs no GPU).
 
 The interpreter is chosen when a kernel is decorated (TRITON_INTERPRET=1 at import time), so `interpreted_hc` sets
 it only while importing depthbench.gpu.hc (or reloading it, if another test imported it for the GPU first) and
