@@ -1,0 +1,537 @@
+"""
+depthbench/gpu/hc.py: HC's and mHC's connection as Triton kernels, forward and backward, under the names of the
+ops.py functions they replace (ops.TWO_BODIES: `normed_projection`, `width_connection`, `depth_connection`,
+`sinkhorn`), so a namespace can take them in place of depthbench/kernels.py's. Every kernel loads its inputs in
+their own dtype (bf16 or fp32), computes in fp32 in registers, and stores the residual streams in the dtype they came
+in (the model keeps them in fp32 today: then every output is what ops.py's body returns); the coefficients are fp32.
+Each body equals ops.py's in forward and every gradient (tests/test_triton_hc.py, under TRITON_INTERPRET=1). A body
+runs its kernels on CUDA tensors (or CPU tensors under the interpreter) and hands any other call to
+depthbench/kernels.py's body (`runs_here`), so the CPU path does not change; `BODIES` maps the names to the bodies for
+depthbench/gpu's namespace, and triton is optional (`HAVE_TRITON`).
+
+The kernels (N tokens, n streams of width D; one program per token or per block of tokens):
+
+- `normed_projection(x, W, eps)` = (x / rms(x)) @ W, x (..., K), W (K, M), M = n^2 + 2n (mHC, K = nD) or n + 2
+  (HC, K = D, per stream). `_proj_fwd`: one pass over x per block of rows, accumulating x @ W (tl.dot, fp32 ieee)
+  and sum(x^2) together; out = r (x @ W), r = rsqrt(mean(x^2) + eps) -- the norm and the skinny GEMM fused, x read
+  once. Backward, `_proj_bwd`: dx = r (g @ W^T) - x r^2 <g, out> / K, one pass over x (out and r kept: M + 1 floats a
+  row); dW = x^T (r g) is a real GEMM over the tokens, left to cuBLAS (torch matmul).
+  Test: test_normed_projection_equals_reference.
+- `sinkhorn(logits, iters, eps)`: Liger's Sinkhorn-Knopp (ops.sinkhorn): P = softmax_row(logits), M = P + eps, then
+  2 iters - 1 alternating normalisations, columns first, M <- M / (sum + eps). `_sinkhorn_fwd` holds each token's
+  n x n matrix in registers for all of them; only the logits come in and H_res goes out. Backward, `_sinkhorn_bwd`
+  (the mHC paper's selective recomputation: autograd keeps only the logits, not the reference's 39 iterates): it
+  runs the forward again from the logits, writing each step's divisor d_k (n floats a token, 39 n at iters = 20) to
+  a scratch buffer that the same program reads back, then goes back through the steps, last first: with out =
+  M_k / d_k, dM_k = (dout - sums(dout out)) / d_k over step k's axis, and M_k = out d_k restores step k's input (a
+  multiplication, so no cancellation); last the softmax's, dlogits = P (dP - <dP, P>_row). O(iters) work per token.
+  Test: test_sinkhorn_equals_reference.
+- `width_connection(H, pre, res)`: branch = sum_s pre[s] h_s and mixed_o = sum_s res[o, s] h_s (ops.width_connection,
+  HC's eq. 3-4). `_width_fwd`: one program per token reads its n streams once and writes both. Backward,
+  `_width_bwd`: dh_s = pre[s] dbranch + sum_o res[o, s] dmixed_o, dpre[s] = <h_s, dbranch>, dres[o, s] =
+  <dmixed_o, h_s>, the reductions over D in the program's registers (no atomics). Test:
+  test_width_connection_equals_reference.
+- `depth_connection(mixed, post, y)`: h'_o = mixed_o + post[o] y (ops.depth_connection). `_depth_fwd` one pass;
+  backward `_depth_bwd`: dy = sum_o post[o] dout_o, dpost[o] = <dout_o, y>; dmixed = dout, no kernel. Test:
+  test_depth_connection_equals_reference.
+
+A model with these four bodies gives the loss and gradients of kernels "reference" (test_model_with_triton_bodies);
+every kernel compiles to PTX for sm_90 with no GPU present (test_every_kernel_compiles_for_the_h100_and_h200).
+HBM bytes and launches of each kernel per sublayer: `traffic` (for scripts/roofline.py).
+
+Why the mixes stay split as ops.py splits them (width: pre and res mixes in one pass; depth: the post add), rather
+than one fused write h'_o = sum_s res[o, s] h_s + post[o] y: with S the bytes of the n streams, the split moves 4S
+forward (read H, write mixed; read mixed, write h') and 4S backward (read dout; read H and dmixed = dout, write dH),
+8S a sublayer. A fused write saves the forward's mixed (3S), but its backward must produce dH before the sublayer's
+backward has produced dbranch, so the pre-mix's share of dH comes from a second node and autograd adds the two
+(read 2S, write S): 8S backward, 11S in all. Only a write whose backward hands dout on as the pre-mix's dmixed
+(7S) would beat the split, which needs residuals.py's read/write to pass H and H_res to the write instead of mixed.
+"""
+from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: this module imports without triton
+
+import torch
+
+from depthbench import kernels as cpu_bodies
+from ops import fp32_maths
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # the CPU path never needs it (runs_here)
+    triton = tl = None
+    HAVE_TRITON = False
+
+NAMES = ("normed_projection", "width_connection", "depth_connection", "sinkhorn")  # the ops.TWO_BODIES names here
+BLOCK_D = 128        # channels a stream kernel handles per step of its loop over D
+BLOCK_ROWS = 16      # rows of x per program of the projection (tl.dot needs >= 16; mHC at 4,096 tokens: 256 programs)
+BLOCK_K = 64         # columns of x per step of the projection's loop over K
+BLOCK_TOKENS = 32    # tokens per program of Sinkhorn (each an n x n matrix in registers)
+
+
+def jit(fn):
+    """triton.jit where triton imports; the plain function otherwise (never launched: see runs_here)."""
+    return triton.jit(fn) if HAVE_TRITON else fn
+
+
+def interpreted():
+    """Whether this module's kernels were decorated for Triton's CPU interpreter (TRITON_INTERPRET=1 when it was
+    imported): then they run on CPU tensors."""
+    return type(_width_fwd).__name__ == "InterpretedFunction"
+
+
+def runs_here(t):
+    """Whether the kernels can run on t's device: triton imports, and t is on CUDA (or on the CPU under the
+    interpreter). Elsewhere each body hands its arguments to depthbench/kernels.py's, so the CPU path is unchanged."""
+    if not HAVE_TRITON:
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and interpreted())
+
+
+def pow2(n, least=1):
+    """The smallest power of two >= max(n, least): a Triton block's side."""
+    return max(least, 1 << (int(n) - 1).bit_length())
+
+
+# Sums and maxima as tl.reduce (a core builtin) with triton.language's own combine functions, zeros as tl.full:
+# tl.sum, tl.max and tl.zeros are @jit functions of triton's, decorated when triton is first imported, so in a
+# process that imported triton before setting TRITON_INTERPRET (a test suite) they stay compiled and the interpreter
+# cannot call them; the interpreter runs a reduce with these two combine functions as numpy's sum and max. On the
+# GPU this is exactly what tl.sum and tl.max compile to.
+
+@jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@jit
+def _max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+# ----------------------------------------------------------------------------- normed_projection
+
+@jit
+def _proj_fwd(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """Rows [pid BN, +BN) of x (N, K): out = r (x @ W) (N, M), r = rsqrt(mean(x^2) + eps) (N,), one pass over x."""
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, MP)
+    acc = tl.full([BN, MP], 0.0, tl.float32)
+    ss = tl.full([BN], 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(X + rows[:, None] * K + ks[None, :], mask=(rows < N)[:, None] & (ks < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(x, w, input_precision="ieee")
+        ss += _sum(x * x, 1)
+    r = 1.0 / tl.sqrt(ss / K + eps)
+    tl.store(Out + rows[:, None] * M + cols[None, :], acc * r[:, None], mask=(rows < N)[:, None] & (cols < M)[None, :])
+    tl.store(R + rows, r, mask=rows < N)
+
+
+@jit
+def _proj_bwd(X, W, G, Out, R, DX, N, K, M, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """dx = r (g @ W^T) - x r^2 <g, out> / K for rows [pid BN, +BN): the gradient through x @ W and through r."""
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, MP)
+    gmask = (rows < N)[:, None] & (cols < M)[None, :]
+    g = tl.load(G + rows[:, None] * M + cols[None, :], mask=gmask, other=0.0).to(tl.float32)
+    out = tl.load(Out + rows[:, None] * M + cols[None, :], mask=gmask, other=0.0)
+    r = tl.load(R + rows, mask=rows < N, other=0.0)
+    coef = r * r * _sum(g * out, 1) / K                  # <g, out> = r <g, x W>: the gradient through r
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        xmask = (rows < N)[:, None] & (ks < K)[None, :]
+        x = tl.load(X + rows[:, None] * K + ks[None, :], mask=xmask, other=0.0).to(tl.float32)
+        w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
+                    other=0.0).to(tl.float32)
+        gw = tl.dot(g, tl.trans(w), input_precision="ieee")      # (BN, BK): g @ W^T
+        dx = r[:, None] * gw - x * coef[:, None]
+        tl.store(DX + rows[:, None] * K + ks[None, :], dx.to(DX.dtype.element_ty), mask=xmask)
+
+
+class NormedProjection(torch.autograd.Function):
+    """ops.normed_projection: x (..., K), W (K, M) -> (x / rms(x)) @ W (..., M) in fp32 (`_proj_fwd`, `_proj_bwd`)."""
+
+    @staticmethod
+    def forward(ctx, x, W, eps):
+        K, M = W.shape
+        x2, Wc = x.reshape(-1, K).contiguous(), W.contiguous()
+        N = x2.size(0)
+        out = torch.empty(N, M, device=x.device, dtype=torch.float32)
+        r = torch.empty(N, device=x.device, dtype=torch.float32)
+        sizes = dict(N=N, K=K, M=M, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
+        _proj_fwd[(triton.cdiv(N, BLOCK_ROWS),)](X=x2, W=Wc, Out=out, R=r, eps=eps, **sizes)
+        ctx.save_for_backward(x2, Wc, out, r)
+        ctx.sizes, ctx.x_shape, ctx.w_dtype = sizes, x.shape, W.dtype
+        return out.view(*x.shape[:-1], M)
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, Wc, out, r = ctx.saved_tensors
+        g2 = g.reshape(out.shape).contiguous().float()
+        dx = torch.empty_like(x2)
+        _proj_bwd[(triton.cdiv(out.size(0), BLOCK_ROWS),)](X=x2, W=Wc, G=g2, Out=out, R=r, DX=dx, **ctx.sizes)
+        with fp32_maths(g2):
+            dW = x2.float().t() @ (g2 * r[:, None])                  # sum over the tokens of (r x)^T g: cuBLAS
+        return dx.view(ctx.x_shape), dW.to(ctx.w_dtype), None
+
+
+def normed_projection(x, W, eps):
+    """(x / rms(x)) @ W, no gain, in fp32: ops.normed_projection as one Triton pass over x (NormedProjection)."""
+    if not runs_here(x):
+        return cpu_bodies.normed_projection(x, W, eps)
+    return NormedProjection.apply(x, W, eps)
+
+
+# ----------------------------------------------------------------------------- sinkhorn
+
+@jit
+def _load_softmax(L, N, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """Tokens [pid BT, +BT) of the (N, n, n) logits -> the row softmax P (BT, NP, NP), their offsets and the mask
+    of the real entries (i, j < n). Padded entries (n < NP) are 0 in P."""
+    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    i = tl.arange(0, NP)
+    cell = (i < n)[None, :, None] & (i < n)[None, None, :]                          # (1, NP, NP)
+    idx = t[:, None, None] * n * n + i[None, :, None] * n + i[None, None, :]
+    mask = (t < N)[:, None, None] & cell
+    x = tl.load(L + idx, mask=mask, other=0.0).to(tl.float32)
+    x = tl.where((i < n)[None, None, :], x, float("-inf"))                          # padded columns: no weight
+    e = tl.exp(x - _max(x, 2)[:, :, None])
+    return e / _sum(e, 2)[:, :, None], idx, mask, cell
+
+
+@jit
+def _axis_sums(M, k):
+    """(BT, NP) sums of M (BT, NP, NP) over Sinkhorn's step k's axis: per column (over the rows i) when k is even,
+    per row when k is odd."""
+    return tl.where(k % 2 == 0, _sum(M, 1), _sum(M, 2))
+
+
+@jit
+def _spread(v, k):
+    """v (BT, NP) of step k's axis sums back over (BT, NP, NP): column j's value down column j, or row i's along it."""
+    return tl.where(k % 2 == 0, v[:, None, :], v[:, :, None])
+
+
+@jit
+def _sinkhorn_fwd(L, Out, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """ops.sinkhorn on BT tokens: P = softmax_row(logits), M = P + eps, then 2 iters - 1 normalisations
+    M <- M / (sums + eps), columns first, in registers."""
+    P, idx, mask, cell = _load_softmax(L, N, n=n, NP=NP, BT=BT)
+    M = tl.where(cell, P + eps, 0.0)
+    for k in range(0, 2 * iters - 1):
+        M = M / _spread(_axis_sums(M, k) + eps, k)
+    tl.store(Out + idx, M, mask=mask)
+
+
+@jit
+def _sinkhorn_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """dlogits from dH_res on BT tokens. The forward again from the logits, writing each step's divisor d_k (n floats
+    a token) to Scratch; then back through the steps, last first: with out = M_k / d_k, dM_k = (dout - sums(dout
+    out)) / d_k over step k's axis, and M_k = out d_k restores step k's input (a multiplication: no cancellation);
+    last the softmax's, dlogits = P (dP - <dP, P>_row). Padded entries (n < NP) stay 0."""
+    P, idx, mask, cell = _load_softmax(L, N, n=n, NP=NP, BT=BT)
+    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    i = tl.arange(0, NP)
+    steps = 2 * iters - 1
+    at = t[:, None] * steps * NP + i[None, :]                   # (BT, NP): step 0's divisor in Scratch (N, steps, NP)
+    M = tl.where(cell, P + eps, 0.0)
+    for k in range(0, steps):
+        d = _axis_sums(M, k) + eps
+        tl.store(Scratch + at + k * NP, d, mask=(t < N)[:, None])
+        M = M / _spread(d, k)
+    # the divisors are read back below in the loads' own layout, possibly by other threads of this program than the
+    # ones that stored them: a barrier makes every store of the loop above visible to them
+    tl.debug_barrier()
+    dM = tl.load(G + idx, mask=mask, other=0.0).to(tl.float32)
+    for back in range(0, steps):
+        k = steps - 1 - back
+        d = _spread(tl.load(Scratch + at + k * NP, mask=(t < N)[:, None], other=1.0), k)
+        dM = tl.where(cell, (dM - _spread(_axis_sums(dM * M, k), k)) / d, 0.0)
+        M = M * d
+    dL = P * (dM - _sum(dM * P, 2)[:, :, None])
+    tl.store(DL + idx, dL.to(DL.dtype.element_ty), mask=mask)
+
+
+class Sinkhorn(torch.autograd.Function):
+    """ops.sinkhorn on (..., n, n) logits -> fp32 (`_sinkhorn_fwd`); backward keeps only the logits
+    (`_sinkhorn_bwd`)."""
+
+    @staticmethod
+    def forward(ctx, logits, iters, eps):
+        n = logits.size(-1)
+        L = logits.reshape(-1, n, n).contiguous()
+        out = torch.empty(L.shape, device=L.device, dtype=torch.float32)
+        ctx.sizes = dict(N=L.size(0), iters=iters, eps=eps, n=n, NP=pow2(n), BT=BLOCK_TOKENS)
+        _sinkhorn_fwd[(triton.cdiv(L.size(0), BLOCK_TOKENS),)](L=L, Out=out, **ctx.sizes)
+        ctx.save_for_backward(L)
+        return out.view(logits.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        (L,) = ctx.saved_tensors
+        dL = torch.empty_like(L)
+        sizes = ctx.sizes
+        scratch = torch.empty(sizes["N"], 2 * sizes["iters"] - 1, sizes["NP"], device=L.device, dtype=torch.float32)
+        grid = (triton.cdiv(sizes["N"], BLOCK_TOKENS),)
+        _sinkhorn_bwd[grid](L=L, G=g.reshape(L.shape).contiguous(), DL=dL, Scratch=scratch, **sizes)
+        return dL.view(g.shape), None, None
+
+
+def sinkhorn(logits, iters=20, eps=1e-6):
+    """ops.sinkhorn with each token's n x n matrix in registers for all 2 iters - 1 steps (Sinkhorn)."""
+    if not runs_here(logits):
+        return cpu_bodies.sinkhorn(logits, iters, eps)
+    if iters < 1:
+        raise ValueError(f"Sinkhorn needs at least 1 iteration, got {iters}")
+    return Sinkhorn.apply(logits, iters, eps)
+
+
+# ----------------------------------------------------------------------------- width_connection
+
+@jit
+def _width_fwd(H, Pre, Res, Branch, Mixed, D, n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr):
+    """Token pid: branch = sum_s pre[s] h_s (D,), mixed_o = sum_s res[o, s] h_s (n, D); the streams read once."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, NP)
+    pre = tl.load(Pre + t * n + s, mask=s < n, other=0.0).to(tl.float32)                        # (s,)
+    res = tl.load(Res + t * n * n + s[:, None] * n + s[None, :], mask=(s < n)[:, None] & (s < n)[None, :],
+                  other=0.0).to(tl.float32)                                                     # (o, s)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        m = (s < n)[:, None] & (d < D)[None, :]
+        h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)  # (s, BD)
+        branch = _sum(pre[:, None] * h, 0)
+        mixed = _sum(res[:, :, None] * h[None, :, :], 1)                                # (o, BD)
+        tl.store(Branch + t * D + d, branch.to(Branch.dtype.element_ty), mask=d < D)
+        tl.store(Mixed + t * n * D + s[:, None] * D + d[None, :], mixed.to(Mixed.dtype.element_ty), mask=m)
+
+
+@jit
+def _width_bwd(H, Pre, Res, DBranch, DMixed, DH, DPre, DRes, D, n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr):
+    """Token pid: dh_s = pre[s] dbranch + sum_o res[o, s] dmixed_o; dpre[s] = <h_s, dbranch>, dres[o, s] =
+    <dmixed_o, h_s>, summed over D in registers."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, NP)
+    nn = (s < n)[:, None] & (s < n)[None, :]
+    pre = tl.load(Pre + t * n + s, mask=s < n, other=0.0).to(tl.float32)
+    res = tl.load(Res + t * n * n + s[:, None] * n + s[None, :], mask=nn, other=0.0).to(tl.float32)   # (o, s)
+    dpre = tl.full([NP], 0.0, tl.float32)
+    dres = tl.full([NP, NP], 0.0, tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        m = (s < n)[:, None] & (d < D)[None, :]
+        rows = t * n * D + s[:, None] * D + d[None, :]
+        h = tl.load(H + rows, mask=m, other=0.0).to(tl.float32)                                # (s, BD)
+        db = tl.load(DBranch + t * D + d, mask=d < D, other=0.0).to(tl.float32)                # (BD,)
+        dm = tl.load(DMixed + rows, mask=m, other=0.0).to(tl.float32)                          # (o, BD)
+        dh = pre[:, None] * db[None, :] + _sum(res[:, :, None] * dm[:, None, :], 0)     # (s, BD)
+        tl.store(DH + rows, dh.to(DH.dtype.element_ty), mask=m)
+        dpre += _sum(h * db[None, :], 1)
+        dres += _sum(dm[:, None, :] * h[None, :, :], 2)
+    tl.store(DPre + t * n + s, dpre, mask=s < n)
+    tl.store(DRes + t * n * n + s[:, None] * n + s[None, :], dres, mask=nn)
+
+
+def stream_sizes(H):
+    """(tokens, n, D) of streams (..., n, D), and the launch's constants."""
+    n, D = H.shape[-2:]
+    return H.numel() // (n * D), dict(D=D, n=n, NP=pow2(n), BD=min(BLOCK_D, pow2(D)))
+
+
+class WidthConnection(torch.autograd.Function):
+    """ops.width_connection: H (..., n, D), pre (..., n), res (..., n, n) -> (branch (..., D), mixed (..., n, D)),
+    both in H's dtype (`_width_fwd`, `_width_bwd`)."""
+
+    @staticmethod
+    def forward(ctx, H, pre, res):
+        N, sizes = stream_sizes(H)
+        Hc, prec, resc = H.contiguous(), pre.contiguous(), res.contiguous()
+        branch = torch.empty(H.shape[:-2] + H.shape[-1:], device=H.device, dtype=H.dtype)
+        mixed = torch.empty_like(Hc)
+        _width_fwd[(N,)](H=Hc, Pre=prec, Res=resc, Branch=branch, Mixed=mixed, **sizes)
+        ctx.save_for_backward(Hc, prec, resc)
+        ctx.N, ctx.sizes, ctx.dtypes = N, sizes, (pre.dtype, res.dtype)
+        return branch, mixed
+
+    @staticmethod
+    def backward(ctx, dbranch, dmixed):
+        Hc, prec, resc = ctx.saved_tensors
+        branch_shape = Hc.shape[:-2] + Hc.shape[-1:]
+        dbranch = Hc.new_zeros(branch_shape) if dbranch is None else dbranch.contiguous()   # None: output unused
+        dmixed = torch.zeros_like(Hc) if dmixed is None else dmixed.contiguous()
+        dH = torch.empty_like(Hc)
+        dpre = torch.empty(prec.shape, device=Hc.device, dtype=torch.float32)
+        dres = torch.empty(resc.shape, device=Hc.device, dtype=torch.float32)
+        _width_bwd[(ctx.N,)](H=Hc, Pre=prec, Res=resc, DBranch=dbranch, DMixed=dmixed, DH=dH, DPre=dpre, DRes=dres,
+                             **ctx.sizes)
+        return dH, dpre.to(ctx.dtypes[0]), dres.to(ctx.dtypes[1])
+
+
+def width_connection(H, pre, res):
+    """HC's width connection, ops.width_connection, as one read of the streams per token (WidthConnection)."""
+    if not runs_here(H):
+        return cpu_bodies.width_connection(H, pre, res)
+    return WidthConnection.apply(H, pre, res)
+
+
+# ----------------------------------------------------------------------------- depth_connection
+
+@jit
+def _depth_fwd(Mixed, Post, Y, Out, D, n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr):
+    """Token pid: h'_o = mixed_o + post[o] y."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, NP)
+    post = tl.load(Post + t * n + s, mask=s < n, other=0.0).to(tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        m = (s < n)[:, None] & (d < D)[None, :]
+        rows = t * n * D + s[:, None] * D + d[None, :]
+        mixed = tl.load(Mixed + rows, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(Y + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(Out + rows, (mixed + post[:, None] * y[None, :]).to(Out.dtype.element_ty), mask=m)
+
+
+@jit
+def _depth_bwd(DOut, Post, Y, DPost, DY, D, n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr):
+    """Token pid: dy = sum_o post[o] dout_o, dpost[o] = <dout_o, y> (summed over D in registers)."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, NP)
+    post = tl.load(Post + t * n + s, mask=s < n, other=0.0).to(tl.float32)
+    dpost = tl.full([NP], 0.0, tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        m = (s < n)[:, None] & (d < D)[None, :]
+        dout = tl.load(DOut + t * n * D + s[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(Y + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(DY + t * D + d, _sum(post[:, None] * dout, 0).to(DY.dtype.element_ty), mask=d < D)
+        dpost += _sum(dout * y[None, :], 1)
+    tl.store(DPost + t * n + s, dpost, mask=s < n)
+
+
+class DepthConnection(torch.autograd.Function):
+    """ops.depth_connection: mixed (..., n, D), post (..., n), y (..., D) -> mixed + post (x) y in mixed's dtype
+    (`_depth_fwd`, `_depth_bwd`)."""
+
+    @staticmethod
+    def forward(ctx, mixed, post, y):
+        N, sizes = stream_sizes(mixed)
+        postc, yc = post.contiguous(), y.contiguous()
+        out = torch.empty(mixed.shape, device=mixed.device, dtype=mixed.dtype)
+        _depth_fwd[(N,)](Mixed=mixed.contiguous(), Post=postc, Y=yc, Out=out, **sizes)
+        ctx.save_for_backward(postc, yc)
+        ctx.N, ctx.sizes, ctx.dtypes = N, sizes, (mixed.dtype, post.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        postc, yc = ctx.saved_tensors
+        dout = dout.contiguous()
+        dpost = torch.empty(postc.shape, device=dout.device, dtype=torch.float32)
+        dy = torch.empty_like(yc)
+        _depth_bwd[(ctx.N,)](DOut=dout, Post=postc, Y=yc, DPost=dpost, DY=dy, **ctx.sizes)
+        return dout.to(ctx.dtypes[0]), dpost.to(ctx.dtypes[1]), dy
+
+
+def depth_connection(mixed, post, y):
+    """HC's depth connection, ops.depth_connection, as one pass over the streams (DepthConnection)."""
+    if not runs_here(mixed):
+        return cpu_bodies.depth_connection(mixed, post, y)
+    return DepthConnection.apply(mixed, post, y)
+
+
+# ----------------------------------------------------------------------------- traffic, for the roofline estimate
+
+def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20):
+    """HBM bytes each kernel of one sublayer's connection reads and writes, and its launches, forward and backward:
+    a list of dicts {kernel, pass, launches, read, written}, for scripts/roofline.py. design "hc" or "mhc"; tokens
+    N = B T; stream_bytes: the streams' element size (4: the model keeps them in fp32; 2 for bf16 streams);
+    y_bytes: the branch output's (2 under bf16 autocast). Coefficients are fp32 (4 bytes), W an fp32 parameter.
+    Every tensor a kernel touches is counted once per launch (a kernel reads each input once), the scratch of
+    Sinkhorn's backward too (an upper bound: it is read back by the program that wrote it, mostly from L2):
+
+        S = N n D stream_bytes (the n streams), c = N n 4 (pre or post), R = N n^2 4 (res or its logits)
+        normed_projection, rows x K, M columns (mHC: N x nD, M = n^2 + 2n; HC: Nn x D, M = n + 2), X = rows K sb:
+          forward   _proj_fwd  read X + 4 K M           write 4 rows M + 4 rows            (out, r)
+          backward  _proj_bwd  read X + 4 K M + 8 rows M + 4 rows   write X                (dx)
+                    dW (torch: r g, then x^T (r g))  read 8 rows M + 4 rows + 4 rows K  write 4 rows M + 4 K M,
+                    2 launches, +1 (read X, write 4 rows K) when the streams are not fp32 (x.float())
+        sinkhorn (mHC):  forward  read R, write R;  backward  read 2R, write R, scratch 4 N (2 iters - 1) n both ways
+        width_connection:  forward  read S + c + R, write S + N D sb   (mixed, branch)
+                           backward read 2S + N D sb + c + R, write S + c + R
+        depth_connection:  forward  read S + c + N D y_bytes, write S
+                           backward read S + c + N D y_bytes, write c + N D y_bytes  (dmixed is dout: no kernel)
+    """
+    if design not in ("hc", "mhc"):
+        raise ValueError(f"traffic: design is 'hc' or 'mhc', got {design!r}")
+    N, D, sb = tokens, d_model, stream_bytes
+    S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
+    rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
+    X = rows * K * sb
+    cast = sb != 4                                            # dW reads x as fp32: a cast first
+
+    def row(kernel, pass_, read, written, launches=1):
+        return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written}
+
+    out = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows),
+           row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
+           row("normed_projection.dW", "backward", 8 * rows * M + 4 * rows + 4 * rows * K + cast * X,
+               4 * rows * M + 4 * K * M + cast * 4 * rows * K, launches=2 + cast)]
+    if design == "mhc":
+        scratch = 4 * N * (2 * iters - 1) * pow2(n)                 # the divisors, n padded to a power of 2
+        out += [row("sinkhorn", "forward", R, R), row("sinkhorn", "backward", 2 * R + scratch, R + scratch)]
+    return out + [row("width_connection", "forward", S + c + R, S + N * D * sb),
+                  row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R),
+                  row("depth_connection", "forward", S + c + N * D * y_bytes, S),
+                  row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+
+
+# ----------------------------------------------------------------------------- the same check on a device
+
+def agreement(fn_ref, fn_new, inputs, seed=0):
+    """The worst disagreement of fn_new with fn_ref over their outputs and every input's gradient (from the same
+    random upstream gradients): (largest |new - ref| / max |ref| over them, smallest cosine over them)."""
+    results = []
+    for fn in (fn_ref, fn_new):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator(device=outs[0].device).manual_seed(seed)
+        ups = [torch.randn(o.shape, generator=g, device=o.device).to(o.dtype) for o in outs]
+        results.append([o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, ups)))
+    worst_rel, worst_cos = 0.0, 1.0
+    for new, ref in zip(*results):
+        new, ref = new.double().flatten(), ref.double().flatten()
+        worst_rel = max(worst_rel, ((new - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item())
+        worst_cos = min(worst_cos, torch.nn.functional.cosine_similarity(new, ref, dim=0).item())
+    return worst_rel, worst_cos
+
+
+def compare_with_reference(device="cuda", dtype=torch.float32, shape=(2, 33, 4, 64), seed=0):
+    """Each body of NAMES against ops.py's on `device`, inputs in `dtype` at streams of `shape` (B, T, n, D): {name:
+    (worst relative error, lowest cosine)} over outputs and gradients, as `agreement` measures them. For the GPU
+    script: fp32 should agree to ~1e-5, bf16 to cosine >= 0.999 (tests/test_triton_hc.py holds the interpreter to
+    the same)."""
+    import ops
+    B, T, n, D = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (scale * torch.randn(*size, generator=gen, device=device)).to(dtype)
+
+    H = randn(B, T, n, D)
+    return {
+        "normed_projection": agreement(lambda x, w: ops.normed_projection(x, w, 1e-6),
+                                       lambda x, w: normed_projection(x, w, 1e-6),
+                                       [H.flatten(2), randn(n * D, n * n + 2 * n, scale=0.1)], seed),
+        "sinkhorn": agreement(ops.sinkhorn, sinkhorn, [randn(B, T, n, n, scale=4.0)], seed),
+        "width_connection": agreement(ops.width_connection, width_connection, [H, randn(B, T, n), randn(B, T, n, n)],
+                                      seed),
+        "depth_connection": agreement(ops.depth_connection, depth_connection, [H, randn(B, T, n), randn(B, T, D)],
+                                      seed)}
+
+
+BODIES = {name: globals()[name] for name in NAMES}   # ops.TWO_BODIES names -> their GPU body (depthbench/gpu.BODIES)

@@ -1,0 +1,340 @@
+"""
+HC's and mHC's Triton bodies (depthbench/gpu/hc.py) equal ops.py's, run by Triton's interpreter on CPU tensors:
+
+    python -m pytest -q tests/test_triton_hc.py
+
+Each kernel against its reference body, forward and every gradient: fp32 to 1e-5 (relative to the largest entry),
+bf16 inputs to cosine >= 0.999; odd token counts, n = 4 streams and n = 3 (a block padded to 4), widths that leave
+a partial block; then a tiny GPT with residual "hc" and "mhc" whose HC names are replaced by the Triton bodies gives
+the loss and gradients of kernels "reference". Also: every kernel compiles to PTX for sm_90 (H100/H200) with no GPU
+present (slow: ~10 s with a cold Triton cache); off the GPU each body is depthbench/kernels.py's; `traffic` counts
+the bytes of the tensors a forward touches; the GPU script's check (`compare_with_reference`) finds a wrong body.
+Skipped, with the reason, where triton does not import (`pip install triton`: the interpreter needs no GPU).
+
+The interpreter is chosen when a kernel is decorated (TRITON_INTERPRET=1 at import time), so `interpreted_hc` sets
+it only while importing depthbench.gpu.hc (or reloading it, if another test imported it for the GPU first) and
+restores it: other tests in the same process keep their Triton as it was.
+"""
+import copy
+import importlib
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ops
+from model import GPT, GPTConfig
+
+pytest.importorskip("triton", reason="triton does not import: `pip install triton` runs these tests on the CPU "
+                                     "(its interpreter, TRITON_INTERPRET=1)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def interpreted_hc():
+    """depthbench.gpu.hc with its kernels decorated for the interpreter (TRITON_INTERPRET=1 only meanwhile)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module("depthbench.gpu.hc")
+        if type(module._width_fwd).__name__ != "InterpretedFunction":
+            module = importlib.reload(module)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    assert module.interpreted(), "depthbench.gpu.hc's kernels are not interpreted: the tests would test kernels.py"
+    return module
+
+
+hc = interpreted_hc()
+
+
+def rel_err(a, b):
+    """max |a - b| over max |b| (b's scale at least 1e-6: a gradient that is numerically zero compares absolutely)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-6)).item()
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def both_ways(fn_ref, fn_new, inputs, seed=0):
+    """Each body's outputs on copies of `inputs` (leaves), and every input's gradient from the same random upstream
+    gradients: (reference outputs, new outputs, reference grads, new grads)."""
+    results = []
+    for fn in (fn_ref, fn_new):
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator().manual_seed(seed)
+        ups = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
+        grads = torch.autograd.grad(outs, [x for x in leaves if x.requires_grad], ups)
+        results.append(([o.detach() for o in outs], list(grads)))
+    (out_ref, grad_ref), (out_new, grad_new) = results
+    return out_ref, out_new, grad_ref, grad_new
+
+
+def assert_equal_bodies(fn_ref, fn_new, inputs, dtype):
+    """fp32: every output and gradient within 1e-5 of the reference's (relative to its largest entry); bf16:
+    cosine >= 0.999 each (the reference returns fp32 there, the Triton streams stay bf16:
+    test_streams_keep_their_dtype_and_coefficients_are_fp32)."""
+    out_ref, out_new, grad_ref, grad_new = both_ways(fn_ref, fn_new, [x.to(dtype) for x in inputs])
+    assert [g.dtype for g in grad_new] == [g.dtype for g in grad_ref]
+    for what, a, b in [("output", a, b) for a, b in zip(out_new, out_ref)] + \
+                      [("gradient", a, b) for a, b in zip(grad_new, grad_ref)]:
+        assert a.shape == b.shape, what
+        if dtype == torch.float32:
+            assert rel_err(a, b) <= 1e-5, (what, rel_err(a, b))
+        else:
+            assert cosine(a, b) >= 0.999, (what, cosine(a, b))
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# ----------------------------------------------------------------------------- each kernel against ops.py's body
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("design,n", [("mhc", 4), ("mhc", 3), ("hc", 4)])
+def test_normed_projection_equals_reference(design, n, dtype):
+    """(x / rms(x)) @ W: mHC's (the n streams flattened, K = nD, M = n^2 + 2n) and HC's (per stream, M = n + 2);
+    3 x 13 tokens (row blocks of 16, the last partial), K not a multiple of the K block."""
+    D = 24
+    H = randn(3, 13, n, D, seed=1)
+    x, K, M = (H.flatten(2), n * D, n * n + 2 * n) if design == "mhc" else (H, D, n + 2)
+    W = randn(K, M, seed=2, scale=0.1)
+    eps = 1e-6 if design == "mhc" else 1e-8
+    assert_equal_bodies(lambda a, b: ops.normed_projection(a, b, eps), lambda a, b: hc.normed_projection(a, b, eps),
+                        [x, W], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,iters", [(4, 20), (3, 20), (4, 1)])
+def test_sinkhorn_equals_reference(n, iters, dtype):
+    """Sinkhorn's 2 iters - 1 normalisations and its backward through all of them (recomputed from the logits), on 71
+    tokens (three blocks of 32, the last partial), logits from near-uniform to peaked (scale 4), gap-8-like ones (the
+    init's -8 off the diagonal) among them."""
+    logits = randn(1, 71, n, n, seed=3, scale=4.0)
+    logits[0, :5] += -8.0 * (1 - torch.eye(n))
+    assert_equal_bodies(lambda a: ops.sinkhorn(a, iters), lambda a: hc.sinkhorn(a, iters), [logits], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [4, 3])
+def test_width_connection_equals_reference(n, dtype):
+    """branch = sum_s pre[s] h_s, mixed_o = sum_s res[o, s] h_s and their gradients (dH, dpre, dres), 2 x 5 tokens,
+    D = 130 (a full block of 128 and a partial one); res not symmetric, so a transposed mix would differ."""
+    H, pre, res = randn(2, 5, n, 130, seed=4), randn(2, 5, n, seed=5), randn(2, 5, n, n, seed=6)
+    assert_equal_bodies(ops.width_connection, hc.width_connection, [H, pre, res], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [4, 3])
+def test_depth_connection_equals_reference(n, dtype):
+    """h'_o = mixed_o + post[o] y and its gradients (dmixed, dpost, dy), 2 x 5 tokens, D = 130."""
+    mixed, post, y = randn(2, 5, n, 130, seed=7), randn(2, 5, n, seed=8), randn(2, 5, 130, seed=9)
+    assert_equal_bodies(ops.depth_connection, hc.depth_connection, [mixed, post, y], dtype)
+
+
+def test_streams_keep_their_dtype_and_coefficients_are_fp32():
+    """The residual streams come out in the dtype they came in (bf16 streams stay bf16: half the bytes); the
+    coefficients (projection, Sinkhorn) are fp32 whatever their input."""
+    H = randn(1, 3, 4, 16, seed=10).bfloat16()
+    branch, mixed = hc.width_connection(H, randn(1, 3, 4).bfloat16(), randn(1, 3, 4, 4).bfloat16())
+    out = hc.depth_connection(mixed, randn(1, 3, 4), randn(1, 3, 16).bfloat16())
+    assert (branch.dtype, mixed.dtype, out.dtype) == (torch.bfloat16,) * 3
+    assert hc.normed_projection(H.flatten(2), randn(64, 24), 1e-6).dtype == torch.float32
+    assert hc.sinkhorn(randn(1, 3, 4, 4).bfloat16()).dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- a whole model
+
+def with_triton_bodies(model):
+    """The model's residual design calling depthbench/gpu/hc.py's bodies for hc.NAMES and its own namespace's for the
+    rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will hold)."""
+    bodies = copy.copy(model.res.ops)
+    bodies.name = f"{bodies.name}+triton-hc"
+    for name in hc.NAMES:
+        setattr(bodies, name, getattr(hc, name))
+    model.res.ops = bodies
+    return model
+
+
+def tiny_model(residual, **options):
+    """L1 d16 (4 heads; two sublayers, so two connections in a row), vocab 32, every parameter moved off its init
+    (zero-initialised maps would hide a wrong gradient), on ops.py's reference bodies."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, n_layer=1, d_model=16, n_head=4, d_ff=40, residual=residual,
+                          residual_args=options, kernels="reference"))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("residual,options", [("hc", {}), ("hc", {"forward": "unmixed", "collapse": "norm_each"}),
+                                              ("mhc", {}), ("mhc", {"init": "uniform", "n_streams": 3})],
+                         ids=["hc", "hc-unmixed", "mhc", "mhc-uniform-n3"])
+def test_model_with_triton_bodies(residual, options):
+    """A tiny GPT (L1, fp32, B2 T7) with the Triton bodies gives kernels "reference"'s loss (to 1e-5 relative), and
+    every parameter's gradient within test_all.py's tolerance for the fast bodies: 1e-4 relative, plus 1e-5 of that
+    gradient's largest entry or 1e-6 of the largest gradient anywhere (a gradient that is ~0 by cancellation, as a
+    saturated gate's, agrees to rounding, not in ratio)."""
+    idx = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+    targets = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(4))
+    ref, new = tiny_model(residual, **options), with_triton_bodies(tiny_model(residual, **options))
+    assert new.res.ops.sinkhorn is hc.sinkhorn and ref.res.ops.sinkhorn is ops.sinkhorn
+    losses = []
+    for model in (ref, new):
+        _, loss = model(idx, targets)
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])
+    top = max(p.grad.abs().max().item() for p in ref.parameters())
+    for (name, p), q in zip(ref.named_parameters(), new.parameters()):
+        atol = max(1e-5 * p.grad.abs().max().item(), 1e-6 * top)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=atol, msg=name)
+
+
+# ----------------------------------------------------------------------------- compiled for the GPU, without one
+
+def compiled_module():
+    """A second copy of depthbench/gpu/hc.py whose kernels are decorated for the compiler (TRITON_INTERPRET unset
+    while it loads), as on a GPU."""
+    before = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        module = load_copy("hc_compiled")
+    finally:
+        if before is not None:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
+
+
+def kernel_signatures(stream, module):
+    """(kernel name, pointer and scalar types, constexprs) of every kernel, as the bodies launch them at n = 4 on
+    streams of dtype `stream` ("fp32" or "bf16"; y and the logits in that dtype too, the coefficients fp32)."""
+    s, f = "*" + stream, "*fp32"
+    streams, projection = dict(n=4, NP=4, BD=module.BLOCK_D), dict(BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=32)
+    sinkhorn = dict(n=4, NP=4, BT=module.BLOCK_TOKENS)
+    return [
+        ("_proj_fwd", dict(X=s, W=f, Out=f, R=f, N="i32", K="i32", M="i32", eps="fp32"), projection),
+        ("_proj_bwd", dict(X=s, W=f, G=f, Out=f, R=f, DX=s, N="i32", K="i32", M="i32"), projection),
+        ("_sinkhorn_fwd", dict(L=s, Out=f, N="i32", iters="i32", eps="fp32"), sinkhorn),
+        ("_sinkhorn_bwd", dict(L=s, G=f, DL=s, Scratch=f, N="i32", iters="i32", eps="fp32"), sinkhorn),
+        ("_width_fwd", dict(H=s, Pre=f, Res=f, Branch=s, Mixed=s, D="i32"), streams),
+        ("_width_bwd", dict(H=s, Pre=f, Res=f, DBranch=s, DMixed=s, DH=s, DPre=f, DRes=f, D="i32"), streams),
+        ("_depth_fwd", dict(Mixed=s, Post=f, Y=s, Out=s, D="i32"), streams),
+        ("_depth_bwd", dict(DOut=s, Post=f, Y=s, DPost=f, DY=s, D="i32"), streams)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", ["fp32", "bf16"])
+def test_every_kernel_compiles_for_the_h100_and_h200(stream):
+    """Each kernel goes through Triton's CUDA compiler to PTX for sm_90 (H100, H200) with no GPU present: the
+    interpreter above runs Python, so an op it accepts but the compiler rejects (a reduction over a padded axis, a
+    dtype mix, tl.dot's shapes) shows here, not on the first GPU. Skipped where Triton has no CUDA backend."""
+    import triton
+    from triton.compiler import ASTSource
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend must be installed)
+    except ImportError as e:
+        pytest.skip(f"triton without its CUDA backend: {e}")
+    if type(triton.language.standard._sum_combine).__name__ == "InterpretedFunction":
+        # triton itself was first imported under TRITON_INTERPRET=1 in this process (another test file set it), so
+        # its library cannot compile: the same test in a fresh process without the flag
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                              f"compiles and {stream}"], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+        return
+    module = compiled_module()
+    for name, types, constants in kernel_signatures(stream, module):
+        kernel = getattr(module, name)
+        params = list(inspect.signature(kernel.fn).parameters)
+        assert sorted(params) == sorted([*types, *constants]), name
+        source = ASTSource(fn=kernel, signature={p: types.get(p, "constexpr") for p in params}, constexprs=constants)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert ".target sm_90" in ptx, name
+
+
+# ----------------------------------------------------------------------------- traffic and the import guard
+
+def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
+    """traffic's forward bytes for width_connection and depth_connection equal the bytes of the tensors a real call
+    reads and writes (fp32 streams, bf16 y), and mHC's projection reads the n D stream bytes of every token."""
+    N, n, D = 6, 4, 16
+    H, pre, res = randn(1, N, n, D), randn(1, N, n), randn(1, N, n, n)
+    branch, mixed = hc.width_connection(H, pre, res)
+    y = randn(1, N, D).bfloat16()
+    rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, y_bytes=2)}
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert rows["width_connection", "forward"]["read"] == nbytes(H, pre, res)
+    assert rows["width_connection", "forward"]["written"] == nbytes(branch, mixed)
+    out = hc.depth_connection(mixed, pre, y)
+    assert rows["depth_connection", "forward"]["read"] == nbytes(mixed, pre, y)
+    assert rows["depth_connection", "forward"]["written"] == nbytes(out)
+    assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * n * D * (n * n + 2 * n)
+    assert ("sinkhorn", "forward") not in {(r["kernel"], r["pass"]) for r in hc.traffic("hc", N, D)}
+
+
+def load_copy(name):
+    """A fresh copy of depthbench/gpu/hc.py as module `name`, decorated as the environment says now."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "depthbench" / "gpu" / "hc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def connection_calls(module):
+    """Every body of `module` on the same CPU inputs: {name: its outputs}."""
+    H, pre, res, y = randn(1, 3, 4, 8, seed=12), randn(1, 3, 4, seed=13), randn(1, 3, 4, 4, seed=14), randn(1, 3, 8)
+    return {"normed_projection": module.normed_projection(H.flatten(2), randn(32, 24, seed=15), 1e-6),
+            "sinkhorn": module.sinkhorn(randn(1, 3, 4, 4, seed=16)),
+            "width_connection": module.width_connection(H, pre, res),
+            "depth_connection": module.depth_connection(H, pre, y)}
+
+
+def test_off_the_gpu_each_body_is_kernels_py(monkeypatch):
+    """Where the kernels cannot run, each body is depthbench/kernels.py's, bit for bit: with triton absent (the
+    module still imports), and with triton compiled for the GPU on CPU tensors (no interpreter). So the CPU path
+    does not change when the namespace holds these bodies."""
+    from depthbench import kernels
+    expected = connection_calls(kernels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name, absent in (("hc_compiled_on_cpu", False), ("hc_without_triton", True)):
+        if absent:
+            monkeypatch.setitem(sys.modules, "triton", None)      # `import triton` raises ImportError
+            monkeypatch.setitem(sys.modules, "triton.language", None)
+        module = load_copy(name)
+        assert module.HAVE_TRITON is not absent and not module.runs_here(torch.zeros(1))
+        for body, out in connection_calls(module).items():
+            for a, b in zip(out if isinstance(out, tuple) else (out,), expected[body]
+                            if isinstance(expected[body], tuple) else (expected[body],)):
+                assert torch.equal(a, b), (name, body)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_compare_with_reference_reports_agreement_and_finds_a_wrong_body(dtype, monkeypatch):
+    """The GPU script's check (hc.compare_with_reference) run here on CPU tensors: every body within fp32's 1e-5 or
+    bf16's cosine 0.999; and a body that mixes the transposed res is reported, not passed."""
+    report = hc.compare_with_reference(device="cpu", dtype=dtype, shape=(1, 3, 4, 20))
+    assert sorted(report) == sorted(hc.NAMES)
+    for name, (rel, cos) in report.items():
+        assert (rel <= 1e-5) if dtype == torch.float32 else (cos >= 0.999), (name, rel, cos)
+    wrong = hc.width_connection
+    monkeypatch.setattr(hc, "width_connection", lambda H, pre, res: wrong(H, pre, res.transpose(-1, -2)))
+    rel, cos = hc.compare_with_reference(device="cpu", dtype=dtype, shape=(1, 3, 4, 20))["width_connection"]
+    assert rel > 1e-2 and cos < 0.999
