@@ -17,7 +17,6 @@ then runs the same step on the device:
 
 Prints one line per design and namespace; --json writes every number. Exit status 1 if any leg fails its bound.
 """
-import argparse
 import copy
 import importlib.util
 import json
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from depthbench.common import ArgParser  # noqa: E402
 from depthbench.compiled import compile_model  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
@@ -139,7 +139,7 @@ def describe(row):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="cuda_check.py", description="Every design on the device against the CPU "
+    p = ArgParser(prog="cuda_check.py", description="Every design on the device against the CPU "
                                 "reference: fp32, bf16, compiled == eager, each kernels namespace.")
     p.add_argument("--device", default="cuda", help="where the checked steps run (default cuda; cpu rehearses)")
     p.add_argument("--tiny", action="store_true", help="L2 d32 instead of L6 d128 (the CPU rehearsal)")
