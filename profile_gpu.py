@@ -162,11 +162,10 @@ def measure(job):
 
     if dev.type == "cuda":  # as train.py: compiled on CUDA only; the jobs share this process, and without a reset
         torch._dynamo.reset()  # each design and shape would count against dynamo's recompile limit, then run eager
-    trained = compile_model(model, job["compile"]) if dev.type == "cuda" else model
-    graphs = dev.type == "cuda" and job["compile"] == "graphs"
+    trained = compile_model(model, job.get("compile", "blocks")) if dev.type == "cuda" else model
 
     def train_step():
-        if graphs:  # a new step for cudagraph trees: the last step's outputs may be overwritten
+        if dev.type == "cuda" and job.get("compile") == "graphs":  # a new step for cudagraph trees: the last step's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         with amp:
             _, loss = trained(idx, idx, logits=False)  # train.py's loss (any targets do for timing)
@@ -199,7 +198,7 @@ def measure(job):
                 hook.remove()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    if job["kernel_profile"] and "fwdbwd_ms" in out:
+    if job.get("kernel_profile") and "fwdbwd_ms" in out:
         out.update(kernel_profile(train_step, dev))
     return {**out, "error": "; ".join(errors)} if errors else out
 

@@ -105,7 +105,7 @@ def check_design(design, kernels, dev, tiny):
     """The fp32, bf16 and (COMPILED designs) compiled legs of one design and namespace -> a row of numbers."""
     state, loss, grads, idx = reference(design, tiny)
     idx = idx.to(dev)
-    model = on_device(design, kernels, state, dev, tiny)
+    model = on_device(design, kernels, state=state, dev=dev, tiny=tiny)
     row = {"design": design, "kernels": kernels}
     got_loss, got = step(model, idx, nullcontext())
     row.update(fp32_loss=abs(got_loss - loss), fp32_grad_rel=grad_rel(grads, got))

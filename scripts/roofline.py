@@ -1,5 +1,5 @@
 """
-A roofline estimate of one training step on an H200, without a GPU (issue 52, item 5; docs/speed.md#roofline).
+A roofline estimate of one training step on an H200, without a GPU (issue 52, item 5; docs/speed.md#gpu-smoke-and-roofline).
 
     python scripts/roofline.py                          # L70 d640 T2048 B2: every design, today's path and the GPU path
     python scripts/roofline.py --batch 8 --seq 4096     # another shape (--layers, --width, --vocab too)
@@ -10,7 +10,7 @@ The model is additive, one term per resource, each term counted analytically per
     step ms = GEMM FLOPs / F_gemm + attention FLOPs / F_attn + backbone elementwise (per activation element) x c_elem
               + depth-mixing HBM bytes / (eta x 4.8 TB/s) + GPU kernels x tau
 
-Calibration (on the first GPU table, ../shared notes gpu-h200.md, copied into MEASURED below): Pre-LN's row gives
+Calibration (on the first GPU table, docs/speed.md#gpu-runs, copied into MEASURED below): Pre-LN's row gives
 four constants, from its profile: F_gemm (GEMMs were 37% of its 54 ms busy time), F_attn (flash attention 28%),
 c_elem (the other 35%, scaled by L B T d) and tau ((88.3 - 54) ms idle over 9,155 kernels: the launch-bound gap).
 One more row gives eta, the achieved fraction of HBM bandwidth on the mixing's bytes (default: Full AttnRes, the
@@ -23,7 +23,7 @@ Two paths per design:
           leaf aten ops of one d64 step; the count does not depend on the width) times inductor's fusion ratio on
           Pre-LN (9,155 / its eager count), scaled linearly in depth for other L
   gpu     fused kernels (issue 52's GPU bodies): the backbone is Pre-LN's, plus the mixing's HBM bytes in bf16 at
-          the lower bound of gpu-h200.md's last table and a few launches per sublayer (FUSED_LAUNCHES); where
+          the lower bound of the first GPU measurement's notes (docs/speed.md) and a few launches per sublayer (FUSED_LAUNCHES); where
           depthbench/gpu/attnres.py or hc.py import, their traffic() functions replace the analytic bytes and
           launches (`gpu_traffic`: the plug-in point)
 
@@ -40,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from depthbench.common import ArgParser  # noqa: E402
 
 PEAK_HBM = 4.8e12                  # H200 HBM3e bytes/s
-ETA_GPU = 0.8                      # HBM fraction a streaming fused kernel reaches (gpu-h200.md's bound assumes it)
+ETA_GPU = 0.8                      # HBM fraction a streaming fused kernel reaches (the first GPU notes' bound assumes it)
 DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]
 TARGETS = {"preln": 1.0, "hc": 1.15, "mhc": 1.10, "attnres": 1.5, "block_attnres": 1.05, "moda": 1.3}
 KERNEL_TARGET = 1.5                # GPU kernels per step over Pre-LN's (issue 52's acceptance)
 CARD = {"layers": 70, "width": 640, "seq": 2048, "batch": 2, "vocab": 50280, "heads": 16}
-# gpu-h200.md: one H200, PyTorch 2.11.0+cu130, bf16 autocast, compiled per block, L70 d640 T2048 B2
+# docs/speed.md#gpu-runs (2026-12-04): one H200, PyTorch 2.11.0+cu130, bf16 autocast, compiled per block, L70 d640 T2048 B2
 MEASURED = {"preln": {"step_ms": 88.3, "busy_ms": 54.0, "kernels": 9155},
             "hc": {"step_ms": 245.8},
             "mhc": {"step_ms": 563.0, "busy_ms": 166.0, "kernels": 66288},
@@ -219,10 +219,11 @@ def report(rows, c, shape):
           f"(pred) | x Pre-LN | meets | x Pre-LN, fitted eta | GPU path traffic |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for d, r in rows.items():
-        seen = MEASURED.get(d, {}).get("step_ms") if card else None
-        print(f"| {d} | {r['today_ms']:.1f} | {'-' if seen is None else seen} | {r['gpu_ms']:.1f} | "
+        seen = MEASURED.get(d, {}).get("step_ms", "-") if card else "-"
+        meets = "yes" if r["meets"] else "NO"
+        print(f"| {d} | {r['today_ms']:.1f} | {seen} | {r['gpu_ms']:.1f} | "
               f"{r['gpu_x_preln']:.2f} | {TARGETS[d]:.2f} | {r['gpu_kernels']:,} | {r['gpu_kernels_x_preln']:.2f} | "
-              f"{'yes' if r['meets'] else 'NO'} | {r['gpu_x_preln_fitted_eta']:.2f} | {r['gpu_traffic']} |")
+              f"{meets} | {r['gpu_x_preln_fitted_eta']:.2f} | {r['gpu_traffic']} |")
 
 
 def main(argv=None):
@@ -237,7 +238,7 @@ def main(argv=None):
                    "error of today's prediction on every other (leave-one-out)")
     p.add_argument("--json", help="write the estimates and constants here")
     args = p.parse_args(argv)
-    if min(args.layers, args.width, args.seq, args.batch, args.vocab) < 1:
+    if min([args.layers, args.width, args.seq, args.batch, args.vocab]) < 1:
         p.error("--layers, --width, --seq, --batch and --vocab must be >= 1")
     shape = {**CARD, **{k: getattr(args, k) for k in ("layers", "width", "seq", "batch", "vocab")}}
     if not 0 < args.eta_gpu <= 1:
