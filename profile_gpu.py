@@ -165,8 +165,8 @@ def measure(job):
     trained = compile_model(model, job.get("compile", "blocks")) if dev.type == "cuda" else model
 
     def train_step():
-        if dev.type == "cuda" and job.get("compile") == "graphs":  # a new step for cudagraph trees: the last step's outputs may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
+        if dev.type == "cuda" and job.get("compile") == "graphs":  # a new step for cudagraph trees (the last
+            torch.compiler.cudagraph_mark_step_begin()              # step's outputs may be overwritten)
         with amp:
             _, loss = trained(idx, idx, logits=False)  # train.py's loss (any targets do for timing)
         loss.backward()

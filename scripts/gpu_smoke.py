@@ -14,7 +14,8 @@ each as a number or as null with a reason:
                    micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over the step), GPU kernels per
                    step, peak memory, and scripts/roofline.py's H200 estimate beside each (today's path / GPU path)
   launch_overhead  Pre-LN at the card's shape compiled per block, as the whole model, and under CUDA graphs
-                   (profile_gpu.py --compile): which is fastest (issue 52 item 2; opt-in until it is measured)
+                   (profile_gpu.py --compile, each capped at LAUNCH_CAP_S): which is fastest (issue 52 item 2;
+                   opt-in until it is measured)
   throughput       Pre-LN 400M L24 bf16 compiled: tokens/s and MFU (the median step after the first two)
   bf16_vs_fp32     the same 20 steps from one checkpoint, resumed in fp32 (CPU) and in bf16 autocast (CUDA)
   ddp_vs_fsdp2     with 2+ GPUs: the same 10 steps under DDP and under FSDP2 (--fsdp)
@@ -53,6 +54,7 @@ MEMORY_DESIGNS = ["preln", "mhc", "attnres"]
 CARD_DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]  # issue 52's table, Pre-LN its base
 TINY_CARD_DESIGNS = ["preln", "hc"]  # --tiny: a process per design on the CPU; HC's plan (4) makes a second table
 DEFAULT_BUDGET_S = "360"
+LAUNCH_CAP_S = 90  # each whole-model compile of the launch-overhead check: its compile time grows with depth
 OLDEST_TORCH = (2, 6)  # the README's supported versions start here
 GB = 1e9
 
@@ -88,14 +90,15 @@ def save(s):
     write_json(s.out / "summary.json", s.summary, strict=True)
 
 
-def run(s, argv, env=None):
-    """argv from the repository root, its own process group, killed (TERM, then KILL) when the budget ends."""
+def run(s, argv, env=None, cap=None):
+    """argv from the repository root, its own process group, killed (TERM, then KILL) when the budget ends (or
+    after cap seconds, where given)."""
     t0 = time.monotonic()
     log(s, f"\n$ {' '.join(argv)}\n")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, **(env or {})})
     try:
-        text, rc = proc.communicate(timeout=max(left(s), 1))[0], proc.returncode
+        text, rc = proc.communicate(timeout=max(min(left(s), cap or float("inf")), 1))[0], proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # train.py saves and exits; torchrun passes it on
         try:
@@ -103,7 +106,7 @@ def run(s, argv, env=None):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             text = proc.communicate()[0]
-        text, rc = text + "\n[killed: the smoke budget is spent]\n", None
+        text, rc = text + "\n[killed: the smoke budget (or the command's cap) is spent]\n", None
     log(s, text)
     return Result(rc, text, time.monotonic() - t0)
 
@@ -111,7 +114,7 @@ def run(s, argv, env=None):
 def why(res):
     """A null's reason from a failed command: the budget, or its last line."""
     if res.rc is None:
-        return f"budget spent after {res.seconds:.0f} s"
+        return f"killed after {res.seconds:.0f} s (the budget or the command's cap)"
     lines = [line for line in res.text.strip().splitlines() if line.strip()] or ["no output"]
     return f"exit {res.rc}: {lines[-1][:300]}"
 
@@ -360,13 +363,13 @@ def planned_batches(s):
     return json.loads(res.text.strip().splitlines()[-1])
 
 
-def card_run(s, designs, batch, extra=()):
+def card_run(s, designs, batch, extra=(), cap=None):
     """profile_gpu.py at the card's shape (--tiny: L4 d64 T32 on the CPU) -> (Result, {design: row})."""
     out = s.work / "card.json"
     out.unlink(missing_ok=True)
     shape = TINY_CARD_SHAPE if s.tiny else CARD_SHAPE
     res = run(s, [sys.executable, "profile_gpu.py", *shape, "--batch", str(batch), "--residual", ",".join(designs),
-                  "--repeats", "3", "--kernel-profile", *extra, "--out", str(out)])
+                  "--repeats", "3", "--kernel-profile", *extra, "--out", str(out)], cap=cap)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     return res, {r["residual"]: r for r in rows}
 
@@ -422,7 +425,7 @@ def launch_overhead(s):
     on the CPU; the numbers only rehearse the path)."""
     out = {}
     for scope in ("model", "graphs"):
-        res, measured = card_run(s, ["preln"], 2, ["--compile", scope])
+        res, measured = card_run(s, ["preln"], 2, ["--compile", scope], cap=LAUNCH_CAP_S)
         row = measured.get("preln", {})
         out[scope] = {"step_ms": row.get("fwdbwd_ms"), "busy_share": row.get("busy_share"),
                       "kernels": row.get("kernels"), "reason": None if res.rc == 0 else why(res)}
@@ -443,18 +446,19 @@ def fmt(value, spec, scale=1):
 def write_table(s):
     """$OUT/table.md: the card's rows in docs/speed.md's "GPU runs" format, to paste there under its heading."""
     env = s.summary["environment"]
-    where = "CPU rehearsal (--tiny), L4 d64 T32 eager" if s.tiny else "L70 d640 T2048, bf16 autocast, compiled per block"
+    where = s.summary["card"]["shape"]
     lines = [f"### {s.summary['started'][:10]}, {', '.join(env.get('gpus') or ['no GPU'])}, PyTorch {env.get('torch')},"
              f" Triton {env.get('triton') or 'none'}", "",
              f"{where}; `bash scripts/gpu_smoke.sh` at {env.get('commit') or 'an unknown commit'}. Roofline: "
              "scripts/roofline.py's H200 estimate at L70 d640 T2048 (today's path / the fused GPU path).", "",
-             "| design | micro-batch | step ms | x Pre-LN | roofline ms | tok/s | GPU busy | kernels / step | x Pre-LN |"
-             " peak train GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| design | micro-batch | step ms | x Pre-LN | roofline ms | tok/s | GPU busy | kernels / step "
+             "| x Pre-LN | peak train GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in s.summary["card"]["rows"]:
         lines.append(f"| {r['design']} | {r['batch']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['x_preln'], '.2f')} | "
                      f"{r['roofline_today_ms']:.0f} / {r['roofline_gpu_ms']:.0f} | {fmt(r['tok_per_s'], ',.0f')} | "
                      f"{fmt(r['busy_share'], '.0f', 100)}{'%' * (r['busy_share'] is not None)} | "
-                     f"{fmt(r['kernels'], ',')} | {fmt(r['kernels_x_preln'], '.2f')} | {fmt(r['peak_train_gb'], '.1f')} |")
+                     f"{fmt(r['kernels'], ',')} | {fmt(r['kernels_x_preln'], '.2f')} | "
+                     f"{fmt(r['peak_train_gb'], '.1f')} |")
     text = "\n".join(lines) + "\n"
     tmp = s.out / "table.md.tmp"
     tmp.write_text(text)
@@ -511,7 +515,8 @@ def sequence(tiny):
     (micro-batch 2, then the plan's), the launch-overhead experiment, then the 400M checks. --tiny leaves out the
     L70 train.py runs, which on the CPU (no compile) would answer nothing."""
     checks = [("environment", environment), ("correctness", correctness),
-              ("card_b2", lambda s: card_table(s, planned=False)), ("card_planned", lambda s: card_table(s, planned=True)),
+              ("card_b2", lambda s: card_table(s, planned=False)),
+              ("card_planned", lambda s: card_table(s, planned=True)),
               ("launch_overhead", launch_overhead), ("throughput", throughput), ("bf16_vs_fp32", bf16_vs_fp32),
               ("ddp_vs_fsdp2", ddp_vs_fsdp2)]
     for design in MEMORY_DESIGNS[1:]:

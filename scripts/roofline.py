@@ -1,5 +1,6 @@
 """
-A roofline estimate of one training step on an H200, without a GPU (issue 52, item 5; docs/speed.md#gpu-smoke-and-roofline).
+A roofline estimate of one training step on an H200, without a GPU (issue 52, item 5;
+docs/speed.md#gpu-smoke-and-roofline).
 
     python scripts/roofline.py                          # L70 d640 T2048 B2: every design, today's path and the GPU path
     python scripts/roofline.py --batch 8 --seq 4096     # another shape (--layers, --width, --vocab too)
@@ -23,7 +24,7 @@ Two paths per design:
           leaf aten ops of one d64 step; the count does not depend on the width) times inductor's fusion ratio on
           Pre-LN (9,155 / its eager count), scaled linearly in depth for other L
   gpu     fused kernels (issue 52's GPU bodies): the backbone is Pre-LN's, plus the mixing's HBM bytes in bf16 at
-          the lower bound of the first GPU measurement's notes (docs/speed.md) and a few launches per sublayer (FUSED_LAUNCHES); where
+          the lower bound of the first GPU measurement's notes and a few launches per sublayer (FUSED_LAUNCHES); where
           depthbench/gpu/attnres.py or hc.py import, their traffic() functions replace the analytic bytes and
           launches (`gpu_traffic`: the plug-in point)
 
@@ -40,12 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from depthbench.common import ArgParser  # noqa: E402
 
 PEAK_HBM = 4.8e12                  # H200 HBM3e bytes/s
-ETA_GPU = 0.8                      # HBM fraction a streaming fused kernel reaches (the first GPU notes' bound assumes it)
+ETA_GPU = 0.8                      # HBM fraction a streaming fused kernel reaches (the first notes' bound assumes it)
 DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]
 TARGETS = {"preln": 1.0, "hc": 1.15, "mhc": 1.10, "attnres": 1.5, "block_attnres": 1.05, "moda": 1.3}
 KERNEL_TARGET = 1.5                # GPU kernels per step over Pre-LN's (issue 52's acceptance)
 CARD = {"layers": 70, "width": 640, "seq": 2048, "batch": 2, "vocab": 50280, "heads": 16}
-# docs/speed.md#gpu-runs (2026-12-04): one H200, PyTorch 2.11.0+cu130, bf16 autocast, compiled per block, L70 d640 T2048 B2
+# docs/speed.md#gpu-runs (2026-12-04): one H200, PyTorch 2.11.0+cu130, bf16 autocast, compiled per block,
+# L70 d640 T2048 B2
 MEASURED = {"preln": {"step_ms": 88.3, "busy_ms": 54.0, "kernels": 9155},
             "hc": {"step_ms": 245.8},
             "mhc": {"step_ms": 563.0, "busy_ms": 166.0, "kernels": 66288},
@@ -181,7 +183,8 @@ def estimate(design, shape, c):
     gpu = backbone(shape, c) + (base_kernels + launches) * c["tau"]
     return {"today_ms": 1e3 * step_today(design, shape, c), "gpu_ms": 1e3 * (gpu + mix / (c["eta_gpu"] * PEAK_HBM)),
             "gpu_ms_fitted_eta": 1e3 * (gpu + mix / (c["eta"] * PEAK_HBM)),
-            "today_kernels": round(today_kernels(design, shape, c["fusion"])), "gpu_kernels": round(base_kernels + launches),
+            "today_kernels": round(today_kernels(design, shape, c["fusion"])),
+            "gpu_kernels": round(base_kernels + launches),
             "gpu_mix_bytes": mix, "gpu_traffic": source}
 
 
@@ -212,8 +215,9 @@ def report(rows, c, shape):
     its ratio to Pre-LN against issue 52's targets."""
     card = shape == CARD
     print(f"roofline at L{shape['layers']} d{shape['width']} T{shape['seq']} B{shape['batch']}: F_gemm "
-          f"{c['F_gemm'] / 1e12:.0f} TFLOP/s, F_attn {c['F_attn'] / 1e12:.0f} TFLOP/s, tau {1e6 * c['tau']:.2f} us/kernel, "
-          f"eta {c['eta']:.2f} of {PEAK_HBM / 1e12:.1f} TB/s (fitted on preln + {c['fit_on'] or 'nothing'}); the GPU path at "
+          f"{c['F_gemm'] / 1e12:.0f} TFLOP/s, F_attn {c['F_attn'] / 1e12:.0f} TFLOP/s, "
+          f"tau {1e6 * c['tau']:.2f} us/kernel, eta {c['eta']:.2f} of {PEAK_HBM / 1e12:.1f} TB/s "
+          f"(fitted on preln + {c['fit_on'] or 'nothing'}); the GPU path at "
           f"eta {c['eta_gpu']:.2f} (and, the last x, at the fitted eta)")
     print(f"| design | today ms (pred) | today ms (measured) | GPU path ms (pred) | x Pre-LN | target | kernels "
           f"(pred) | x Pre-LN | meets | x Pre-LN, fitted eta | GPU path traffic |")
