@@ -590,9 +590,11 @@ def main(argv=None):
             if name == "environment" and not s.tiny and not s.ngpu:
                 break
         save(s)
-    if (out / "table.md").exists():
+    written = [str(out / "summary.json"), str(out / "smoke.log")]
+    if (out / "table.md").exists():  # the card's table, on stdout too (to paste into docs/speed.md)
         print((out / "table.md").read_text(), end="")
-    print(f"wrote {out / 'summary.json'}, {out / 'smoke.log'} and {out / 'table.md'} in {s.summary['elapsed_s']:.0f} s")
+        written.append(str(out / "table.md"))
+    print(f"wrote {', '.join(written[:-1])} and {written[-1]} in {s.summary['elapsed_s']:.0f} s")
     failed = [c for c in s.summary["checks"] if c["status"] not in ("ok", "skipped: one GPU")]
     return 1 if failed else 0
 
