@@ -42,7 +42,8 @@ from residuals import RESIDUALS
 
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization"]
+MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization", "kernels",
+            "kernel_ms", "busy_share"]
 CPU = torch.device("cpu")
 
 
@@ -162,9 +163,11 @@ def measure(job):
 
     if dev.type == "cuda":  # as train.py: compiled on CUDA only; the jobs share this process, and without a reset
         torch._dynamo.reset()  # each design and shape would count against dynamo's recompile limit, then run eager
-    trained = compile_model(model, "blocks") if dev.type == "cuda" else model
+    trained = compile_model(model, job.get("compile", "blocks")) if dev.type == "cuda" else model
 
     def train_step():
+        if dev.type == "cuda" and job.get("compile") == "graphs":  # a new step for cudagraph trees (the last
+            torch.compiler.cudagraph_mark_step_begin()              # step's outputs may be overwritten)
         with amp:
             _, loss = trained(idx, idx, logits=False)  # train.py's loss (any targets do for timing)
         loss.backward()
@@ -196,7 +199,44 @@ def measure(job):
                 hook.remove()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+    if job.get("kernel_profile") and "fwdbwd_ms" in out:
+        out.update(kernel_profile(train_step, dev))
     return {**out, "error": "; ".join(errors)} if errors else out
+
+
+# aten ops that only make a new view of a tensor or read its metadata: no kernel on a GPU
+NO_KERNEL = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::t", "aten::transpose",
+             "aten::expand", "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::permute",
+             "aten::detach", "aten::alias", "aten::empty", "aten::empty_strided", "aten::empty_like",
+             "aten::lift_fresh", "aten::unflatten", "aten::flatten", "aten::split", "aten::chunk", "aten::unbind",
+             "aten::narrow", "aten::movedim", "aten::result_type", "aten::is_nonzero", "aten::_unsafe_view",
+             "aten::resolve_conj", "aten::resolve_neg", "aten::set_", "aten::resize_", "aten::split_with_sizes",
+             "aten::expand_as", "aten::view_as", "aten::numpy_T", "aten::swapaxes", "aten::contiguous"}
+
+
+def kernels_of(prof, cuda, views=False):
+    """(kernels, kernel ms) of a torch.profiler run: on CUDA the kernels the GPU ran and the sum of their times;
+    on the CPU the leaf aten ops (those that call no other aten op), views and metadata aside unless views=True
+    (they launch nothing on a GPU), and None: the CPU proxy of a GPU's launches (docs/speed.md#kernels)."""
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(kernels), sum(e.device_time for e in kernels) / 1e3  # device_time: microseconds
+    leaves = [e for e in prof.events() if e.name.startswith("aten::") and not any(
+        c.name.startswith("aten::") for c in e.cpu_children)]
+    return sum(views or e.name not in NO_KERNEL for e in leaves), None
+
+
+def kernel_profile(step, dev):
+    """One more training step under torch.profiler -> {kernels, kernel_ms}: the GPU's kernels and their summed time
+    (the busy share is kernel_ms over the timed step), or on the CPU the leaf aten ops and None."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels, ms = kernels_of(prof, cuda)
+    return {"kernels": kernels, "kernel_ms": ms}
 
 
 def run_measured(jobs, dev):
@@ -447,6 +487,12 @@ def build_parser():
                    "(interleaved), Pre-LN vs HF Llama (if transformers is installed), compile break-even, loss memory")
     p.add_argument("--quick", action="store_true", help="with --bench: the step ratios and HF only")
     p.add_kernels()
+    p.add_argument("--compile", default="blocks", choices=["blocks", "model", "graphs"], help="what is compiled on "
+                   "CUDA (the CPU runs eager): blocks, each block on its own, as train.py (default); model, the whole "
+                   "model as one graph; graphs, the whole model under CUDA graphs (mode reduce-overhead): issue 52's "
+                   "launch-overhead experiment, opt-in")
+    p.add_argument("--kernel-profile", action="store_true", help="one more training step under torch.profiler: "
+                   "kernels per step and the GPU busy share (kernel time over the step; CPU: leaf aten ops, no share)")
     return p
 
 
@@ -506,7 +552,8 @@ def analytic_rows(args, designs, dims, dtype, mode):
 def measure_rows(args, rows, dev, dtype):
     """Time and memory of every row, measured, into the rows -> the device's measured matmul peak FLOP/s."""
     settings = {"heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "repeats": args.repeats,
-                "threads": args.threads, "device": str(dev), "dtype": dtype, "kernels": args.kernels}
+                "threads": args.threads, "device": str(dev), "dtype": dtype, "kernels": args.kernels,
+                "compile": args.compile, "kernel_profile": args.kernel_profile}
     # measure() reads the shape off the row
     jobs = [{**row, **settings, "residual_args": design_options(row["residual"], args.residual_args)}
             for row in rows]
@@ -517,6 +564,8 @@ def measure_rows(args, rows, dev, dtype):
         if "fwdbwd_ms" in got:
             row["tok_per_s"] = row["batch"] * row["seq"] / (got["fwdbwd_ms"] / 1e3)
             row["utilization"] = row["train_flops_per_token"] * row["tok_per_s"] / peak
+        if got.get("kernel_ms") is not None:
+            row["busy_share"] = got["kernel_ms"] / got["fwdbwd_ms"]
     return peak
 
 

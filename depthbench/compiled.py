@@ -16,10 +16,13 @@ def compile_model(model, scope, backend="inductor"):
     (residuals.Site), and a state that grows with depth (AttnRes' sources, MoDA's depth K/V) is read and written
     eagerly at a few graph breaks per block, the same in every block; so every block reuses the first one's graphs
     and compile time does not grow with depth. The embedding, the head and the loss run eager. "model": the whole
-    forward as one graph, inductor fusing across blocks; its compile time grows with depth. backend: torch.compile's
-    ("eager" traces without generating code: the tests count graphs)."""
+    forward as one graph, inductor fusing across blocks; its compile time grows with depth. "graphs": "model" under
+    CUDA graphs (mode "reduce-overhead"; CUDA only, opt-in: issue 52's launch-overhead experiment).
+    backend: torch.compile's ("eager" traces without generating code: the tests count graphs)."""
     if scope == "model":
         return torch.compile(model, backend=backend)
+    if scope == "graphs":  # the whole model, replayed as CUDA graphs: one launch per graph (profile_gpu.py --compile)
+        return torch.compile(model, backend=backend, mode="reduce-overhead")
     # every variant compiles, even one graph per block (a design reading site.index): none falls back to eager
     # because a limit was reached (dynamo's default allows 8 graphs per code object, and all blocks share one)
     limit = 4 * len(model.blocks) + 8

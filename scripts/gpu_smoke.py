@@ -1,22 +1,30 @@
 """The first contact with a GPU machine, as numbers: scripts/gpu_smoke.sh runs this driver.
 
-Each check runs the project's own scripts as subprocesses (train.py, profile_gpu.py, torchrun), most informative
-first, each with what is left of the time budget (SMOKE_BUDGET_S, default 480 s) as its timeout. After every check
-$OUT/summary.json is rewritten (atomically), so a kill leaves everything measured so far; $OUT/smoke.log holds every
-command and its output. Scratch run folders (a 400M checkpoint is ~5 GB) live in a temporary folder, removed as
-each check ends. summary.json answers, each as a number or as null with a reason:
+Each check runs the project's own scripts as subprocesses (cuda_check.py, profile_gpu.py, train.py, torchrun), most
+informative first, each with what is left of the time budget (SMOKE_BUDGET_S, default 360 s) as its timeout. After
+every check $OUT/summary.json is rewritten (atomically), so a kill leaves everything measured so far; $OUT/smoke.log
+holds every command and its output; $OUT/table.md the card's table in docs/speed.md's "GPU runs" format (paste it
+there). Scratch run folders live in a temporary folder, removed as each check ends. summary.json answers, in order,
+each as a number or as null with a reason:
 
-  throughput      Pre-LN 400M L24 bf16 compiled: tokens/s and MFU (the median step after the first two)
-  bf16_vs_fp32    the same 20 steps from one checkpoint, resumed in fp32 (CPU) and in bf16 autocast (CUDA)
-  ddp_vs_fsdp2    with 2+ GPUs: the same 10 steps under DDP and under FSDP2 (--fsdp)
-  memory          planned (train.py's estimate) vs measured peak GB for Pre-LN, mHC and Full AttnRes at L24
-  memory_plan     every design's planned (costs.step_peak) vs measured (max_memory_allocated) peak of a compiled
-                  training step, L70 d640 and L24 d1024 at micro-batch 8 x 2048
-  compile_s       first step minus a steady step, Pre-LN and mHC at L24 and L70
-  design_step     every design's compiled training step over Pre-LN's at the 400M shape with the fewest blocks
-                  (L16 d1216: the cheapest to compile), with each --kernels value, and which value is faster
-  depth_step      the card's shape, L70 d640 (--ar 9.1): HC's, mHC's, Full AttnRes' and MoDA's compiled training
-                  step over Pre-LN's, and the kernels each launches per eager step (scripts/kernel_count.py, L70)
+  correctness      every design on CUDA against the CPU reference (scripts/cuda_check.py): fp32, bf16, compiled ==
+                   eager, each kernels namespace ("fast", and "triton" where the model accepts it)
+  card             issue 52's table at L70 d640 T2048 (bf16, compiled per block), at micro-batch 2 and at the one
+                   the memory plan picks (train.py's resolve, depthbench/costs.py): step ms, x Pre-LN (at the same
+                   micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over the step), GPU kernels per
+                   step, peak memory, and scripts/roofline.py's H200 estimate beside each (today's path / GPU path)
+  launch_overhead  Pre-LN at the card's shape compiled per block, as the whole model, and under CUDA graphs
+                   (profile_gpu.py --compile, each capped at LAUNCH_CAP_S): which is fastest (issue 52 item 2;
+                   opt-in until it is measured)
+  throughput       Pre-LN 400M L24 bf16 compiled: tokens/s and MFU (the median step after the first two)
+  bf16_vs_fp32     the same 20 steps from one checkpoint, resumed in fp32 (CPU) and in bf16 autocast (CUDA)
+  ddp_vs_fsdp2     with 2+ GPUs: the same 10 steps under DDP and under FSDP2 (--fsdp)
+  memory           planned (train.py's estimate) vs measured peak GB for Pre-LN, mHC and Full AttnRes at L24
+  memory_plan      every design's planned (costs.step_peak) vs measured (max_memory_allocated) peak of a compiled
+                   training step, L70 d640 and L24 d1024 at micro-batch 8 x 2048
+  compile_s        first step minus a steady step, Pre-LN and mHC at L24 and L70
+  design_step      every design's compiled training step over Pre-LN's at the 400M shape with the fewest blocks
+                   (L16 d1216: the cheapest to compile), with each --kernels value, and which value is faster
 
 --tiny runs the same sequence on CPU at toy shapes (no compile), for the tests and as a rehearsal.
 """
@@ -38,13 +46,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from depthbench.common import ArgParser, cannot_write, write_json  # noqa: E402  (the repository root, on the path above)
+sys.path.insert(0, str(ROOT / "scripts"))
+import roofline  # noqa: E402  (scripts/ is not a package; the estimate printed beside each measurement)
 
 DESIGNS = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda"]
 FIRST_DESIGNS = ["preln", "hc", "mhc", "attnres"]  # measured first (with both kernels) when the budget is short
 TINY_DESIGNS = ["preln", "mhc"]  # --tiny: a process per design and kernels value on the CPU; two designs show it
 MEMORY_DESIGNS = ["preln", "mhc", "attnres"]
 MEMORY_SHAPES = {False: [(70, "70x640"), (24, "24x1024")], True: [(3, "3x64"), (2, "2x64")]}  # by --tiny
-DEPTH_DESIGNS = ["preln", "hc", "mhc", "attnres", "moda"]  # the designs whose cost grows with depth, and the base
+CARD_DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]  # issue 52's table, Pre-LN its base
+TINY_CARD_DESIGNS = ["preln", "hc"]  # --tiny: a process per design on the CPU; HC's plan (4) makes a second table
+DEFAULT_BUDGET_S = "360"
+LAUNCH_CAP_S = 90  # each whole-model compile of the launch-overhead check: its compile time grows with depth
 OLDEST_TORCH = (2, 6)  # the README's supported versions start here
 GB = 1e9
 
@@ -80,14 +93,15 @@ def save(s):
     write_json(s.out / "summary.json", s.summary, strict=True)
 
 
-def run(s, argv, env=None):
-    """argv from the repository root, its own process group, killed (TERM, then KILL) when the budget ends."""
+def run(s, argv, env=None, cap=None):
+    """argv from the repository root, its own process group, killed (TERM, then KILL) when the budget ends (or
+    after cap seconds, where given)."""
     t0 = time.monotonic()
     log(s, f"\n$ {' '.join(argv)}\n")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, **(env or {})})
     try:
-        text, rc = proc.communicate(timeout=max(left(s), 1))[0], proc.returncode
+        text, rc = proc.communicate(timeout=max(min(left(s), cap or float("inf")), 1))[0], proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # train.py saves and exits; torchrun passes it on
         try:
@@ -95,7 +109,7 @@ def run(s, argv, env=None):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             text = proc.communicate()[0]
-        text, rc = text + "\n[killed: the smoke budget is spent]\n", None
+        text, rc = text + "\n[killed: the smoke budget (or the command's cap) is spent]\n", None
     log(s, text)
     return Result(rc, text, time.monotonic() - t0)
 
@@ -103,7 +117,7 @@ def run(s, argv, env=None):
 def why(res):
     """A null's reason from a failed command: the budget, or its last line."""
     if res.rc is None:
-        return f"budget spent after {res.seconds:.0f} s"
+        return f"killed after {res.seconds:.0f} s (the budget or the command's cap)"
     lines = [line for line in res.text.strip().splitlines() if line.strip()] or ["no output"]
     return f"exit {res.rc}: {lines[-1][:300]}"
 
@@ -309,35 +323,149 @@ def design_summary(s, ms, reason=None):
     s.summary["design_step"] = out
 
 
-def depth_step(s):
-    """The card's L70 d640: each depth-heavy design's training step (compiled on CUDA) over Pre-LN's, and its kernels
-    per step over Pre-LN's (docs/speed.md#kernels); --tiny: L4 d64 on the CPU."""
+# ----------------------------------------------------------------------------- the card's table (L70 d640 T2048)
+
+CARD_SHAPE = ["--shapes", "70x640", "--seq", "2048"]
+TINY_CARD_SHAPE = ["--shapes", "4x64", "--seq", "32", "--vocab", "256", "--device", "cpu", "--threads", "1"]
+PLAN_PROBE = """import json, sys, train
+args, cuda = train.parse_args(sys.argv[1:])
+print(json.dumps({r.residual: r.batch_size for r in train.resolve_grid(args, 1)}))"""
+
+
+def correctness(s):
+    """Every design on CUDA against the CPU reference (scripts/cuda_check.py: fp32, bf16, compiled == eager, each
+    kernels namespace, triton included where it is accepted); --tiny: the CPU against itself, the card's designs."""
+    argv = [sys.executable, "scripts/cuda_check.py", "--json", str(s.work / "check.json")]
     if s.tiny:
-        shape = ["--shapes", "4x64", "--seq", "32", "--batch", "2", "--vocab", "256", "--device", "cpu", "--threads", "1"]
-    else:
-        shape = ["--shapes", "70x640", "--seq", "2048", "--batch", "2"]
-    res = run(s, [sys.executable, "profile_gpu.py", *shape, "--residual", ",".join(DEPTH_DESIGNS), "--repeats", "3",
-                  "--out", str(s.work / "depth.json")])
-    if res.rc != 0:
-        s.summary["depth_step"] = {"reason": why(res)}
+        argv += ["--device", "cpu", "--tiny", "--designs", ",".join(card_designs(s))]
+    res = run(s, argv)
+    if not (s.work / "check.json").exists():
+        s.summary["correctness"] = {"ok": None, "reason": why(res)}
         return why(res)
-    rows = {r["residual"]: r.get("fwdbwd_ms") for r in json.loads((s.work / "depth.json").read_text())["rows"]}
-    base = rows.get("preln")
-    ratios = {d: round(v / base, 3) if v and base else None for d, v in rows.items()}
-    if s.tiny:
-        out, depth, device = {"shape": "L4 d64 T32 B2, CPU eager (tiny)"}, "4", "cpu"
+    doc = json.loads((s.work / "check.json").read_text())
+    worst = lambda key, pick: pick((r[key] for r in doc["rows"] if key in r), default=None)  # noqa: E731
+    s.summary["correctness"] = {
+        "ok": doc["ok"], "device": doc["device"], "namespaces": doc["namespaces"], "skipped": doc["skipped"],
+        "designs": len({r["design"] for r in doc["rows"]}), "failed": [f"{r['design']}/{r['kernels']}" for r in
+                                                                       doc["rows"] if not r["ok"]],
+        "worst": {k: worst(k, min if k.endswith("cos") else max) for k in doc["bounds"]}, "bounds": doc["bounds"]}
+    return None if doc["ok"] else f"{len(s.summary['correctness']['failed'])} design/kernels rows out of bounds"
+
+
+def card_designs(s):
+    return TINY_CARD_DESIGNS if s.tiny else CARD_DESIGNS
+
+
+def planned_batches(s):
+    """{design: micro-batch} the memory plan picks for the card's command (train.py's resolve, costs' plan)."""
+    argv = ["--suite", "400m", "--ar", "9.1", "--residual", ",".join(card_designs(s)), "--data", "synthetic",
+            "--dry-run"] + (["--gpu-mem", "80"] if s.tiny else [])
+    res = run(s, [sys.executable, "-c", PLAN_PROBE, *argv])
+    if res.rc != 0:
+        raise RuntimeError(f"the memory plan: {why(res)}")
+    return json.loads(res.text.strip().splitlines()[-1])
+
+
+def card_run(s, designs, batch, extra=(), cap=None):
+    """profile_gpu.py at the card's shape (--tiny: L4 d64 T32 on the CPU) -> (Result, {design: row})."""
+    out = s.work / "card.json"
+    out.unlink(missing_ok=True)
+    shape = TINY_CARD_SHAPE if s.tiny else CARD_SHAPE
+    res = run(s, [sys.executable, "profile_gpu.py", *shape, "--batch", str(batch), "--residual", ",".join(designs),
+                  "--repeats", "3", "--kernel-profile", *extra, "--out", str(out)], cap=cap)
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    return res, {r["residual"]: r for r in rows}
+
+
+def card_rows(s, measured, batch):
+    """The table's rows of one micro-batch: each design against Pre-LN's at the same micro-batch, and the roofline's
+    H200 estimate beside it (today's path and the fused GPU path; an estimate at the card's shape, also in --tiny)."""
+    c = roofline.calibrate()
+    shape = {**roofline.CARD, "batch": batch}
+    base = measured.get("preln", {})
+    rows = []
+    for design, r in measured.items():
+        est = roofline.estimate(design, shape, c)
+        ratio = lambda key: round(r[key] / base[key], 3) if r.get(key) and base.get(key) else None  # noqa: E731
+        rows.append({"design": design, "batch": batch, "step_ms": r.get("fwdbwd_ms"), "x_preln": ratio("fwdbwd_ms"),
+                     "roofline_today_ms": round(est["today_ms"], 1), "roofline_gpu_ms": round(est["gpu_ms"], 1),
+                     "tok_per_s": r.get("tok_per_s"), "busy_share": r.get("busy_share"), "kernels": r.get("kernels"),
+                     "kernels_x_preln": ratio("kernels"), "peak_train_gb": gb(r.get("peak_mem_train_bytes")),
+                     "fwd_ms": r.get("fwd_ms"), "error": r.get("error")})
+    return rows
+
+
+def gb(value):
+    return None if value is None else round(value / GB, 2)
+
+
+def card_table(s, planned):
+    """The card's table: every design at micro-batch 2 (planned=False), or at the micro-batch the memory plan picks
+    (planned=True: one run per distinct micro-batch other than 2, Pre-LN in each as the ratio's base)."""
+    card = s.summary["card"]
+    if not planned:
+        groups = {2: card_designs(s)}
     else:
-        out, depth, device = {"shape": "L70 d640 T2048 B2, bf16, compiled per block"}, "70", "cuda"
-    out["step_over_preln"] = ratios
-    res = run(s, [sys.executable, "scripts/kernel_count.py", "--designs", ",".join(DEPTH_DESIGNS), "--depths", depth,
-                  "--device", device, "--json", str(s.work / "kernels.json")])
-    if res.rc == 0:
-        counts = json.loads((s.work / "kernels.json").read_text())["counts"]
-        out["kernels_per_step"] = {d: c[depth] for d, c in counts.items()}
-        out["kernels_over_preln"] = {d: round(c[depth] / counts["preln"][depth], 2) for d, c in counts.items()}
-    else:
-        out["reason"] = f"kernel count: {why(res)}"
-    s.summary["depth_step"] = out
+        card["planned_batch"] = planned_batches(s)
+        groups = {}
+        for design, batch in card["planned_batch"].items():
+            if batch != 2:  # micro-batch 2 is the first table's row
+                groups.setdefault(batch, ["preln"]).extend([design] * (design != "preln"))
+    failed = []
+    for batch, designs in sorted(groups.items()):
+        res, measured = card_run(s, designs, batch)
+        card["rows"] += card_rows(s, measured, batch)
+        write_table(s)
+        save(s)
+        if res.rc != 0:
+            failed.append(why(res))
+    return "; ".join(failed) or None
+
+
+def launch_overhead(s):
+    """Issue 52 item 2: Pre-LN at the card's shape, micro-batch 2, compiled as the whole model and under CUDA graphs,
+    against per-block compile (the first table's row): step ms and busy share of each (--tiny: every scope runs eager
+    on the CPU; the numbers only rehearse the path)."""
+    out = {}
+    for scope in ("model", "graphs"):
+        res, measured = card_run(s, ["preln"], 2, ["--compile", scope], cap=LAUNCH_CAP_S)
+        row = measured.get("preln", {})
+        out[scope] = {"step_ms": row.get("fwdbwd_ms"), "busy_share": row.get("busy_share"),
+                      "kernels": row.get("kernels"), "reason": None if res.rc == 0 else why(res)}
+    blocks = next((r for r in s.summary["card"]["rows"] if r["design"] == "preln" and r["batch"] == 2), {})
+    out["blocks"] = {"step_ms": blocks.get("step_ms"), "busy_share": blocks.get("busy_share"),
+                     "kernels": blocks.get("kernels")}
+    timed_scopes = {k: v["step_ms"] for k, v in out.items() if v["step_ms"]}
+    out["fastest"] = min(timed_scopes, key=timed_scopes.get) if timed_scopes else None
+    s.summary["launch_overhead"] = out
+    if any(v.get("reason") for v in out.values() if isinstance(v, dict)):
+        return "; ".join(f"{k}: {v['reason']}" for k, v in out.items() if isinstance(v, dict) and v.get("reason"))
+
+
+def fmt(value, spec, scale=1):
+    return "" if value is None else format(value * scale, spec)
+
+
+def write_table(s):
+    """$OUT/table.md: the card's rows in docs/speed.md's "GPU runs" format, to paste there under its heading."""
+    env = s.summary["environment"]
+    where = s.summary["card"]["shape"]
+    lines = [f"### {s.summary['started'][:10]}, {', '.join(env.get('gpus') or ['no GPU'])}, PyTorch {env.get('torch')},"
+             f" Triton {env.get('triton') or 'none'}", "",
+             f"{where}; `bash scripts/gpu_smoke.sh` at {env.get('commit') or 'an unknown commit'}. Roofline: "
+             "scripts/roofline.py's H200 estimate at L70 d640 T2048 (today's path / the fused GPU path).", "",
+             "| design | micro-batch | step ms | x Pre-LN | roofline ms | tok/s | GPU busy | kernels / step "
+             "| x Pre-LN | peak train GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in s.summary["card"]["rows"]:
+        lines.append(f"| {r['design']} | {r['batch']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['x_preln'], '.2f')} | "
+                     f"{r['roofline_today_ms']:.0f} / {r['roofline_gpu_ms']:.0f} | {fmt(r['tok_per_s'], ',.0f')} | "
+                     f"{fmt(r['busy_share'], '.0f', 100)}{'%' * (r['busy_share'] is not None)} | "
+                     f"{fmt(r['kernels'], ',')} | {fmt(r['kernels_x_preln'], '.2f')} | "
+                     f"{fmt(r['peak_train_gb'], '.1f')} |")
+    text = "\n".join(lines) + "\n"
+    tmp = s.out / "table.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(s.out / "table.md")
 
 
 def memory_plan(s):
@@ -376,9 +504,28 @@ def planned_vs_measured(row):
 
 
 ENV_PROBE = """import json, platform, torch
+try:
+    import triton
+    triton = triton.__version__
+except ImportError:
+    triton = None
 n = torch.cuda.device_count()
 print(json.dumps({"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
-                  "gpus": [torch.cuda.get_device_name(i) for i in range(n)]}))"""
+                  "triton": triton, "gpus": [torch.cuda.get_device_name(i) for i in range(n)]}))"""
+
+
+def commit():
+    """The repository's commit (with "+changes" when the tree differs from it), or None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + "+changes" * bool(dirty.stdout.strip())
 
 
 def environment(s):
@@ -390,7 +537,8 @@ def environment(s):
     env = json.loads(res.text.strip().splitlines()[-1])
     s.ngpu = 0 if s.tiny else min(len(env["gpus"]), 8)
     version = tuple(int(x) for x in re.findall(r"\d+", env["torch"])[:2])
-    s.summary["environment"] = {**env, "gpus_used": s.ngpu, "torch_supported": version >= OLDEST_TORCH}
+    s.summary["environment"] = {**env, "gpus_used": s.ngpu, "torch_supported": version >= OLDEST_TORCH,
+                                "commit": commit()}
     if not s.tiny and not s.ngpu:
         return "no GPU: run with --tiny for the CPU rehearsal"
     if version < OLDEST_TORCH:
@@ -398,16 +546,19 @@ def environment(s):
 
 
 def sequence(tiny):
-    """(name, fn) in the order they run: the most informative first. --tiny leaves out the L70 runs, which on the
-    CPU (no compile) would answer nothing."""
-    checks = [("environment", environment), ("throughput", throughput), ("bf16_vs_fp32", bf16_vs_fp32),
+    """(name, fn) in the order they run, the most informative first: correctness on the device, the card's table
+    (micro-batch 2, then the plan's), the launch-overhead experiment, then the 400M checks. --tiny leaves out the
+    L70 train.py runs, which on the CPU (no compile) would answer nothing."""
+    checks = [("environment", environment), ("correctness", correctness),
+              ("card_b2", lambda s: card_table(s, planned=False)),
+              ("card_planned", lambda s: card_table(s, planned=True)),
+              ("launch_overhead", launch_overhead), ("throughput", throughput), ("bf16_vs_fp32", bf16_vs_fp32),
               ("ddp_vs_fsdp2", ddp_vs_fsdp2)]
     for design in MEMORY_DESIGNS[1:]:
         checks.append((f"{design}_L24", lambda s, d=design: design_run(s, d, 24)))
     for design in [] if tiny else ["preln", "mhc"]:
         checks.append((f"{design}_L70", lambda s, d=design: design_run(s, d, 70)))
     checks.append(("memory_plan", memory_plan))
-    checks.append(("depth_step", depth_step))
     checks.append(("design_step", design_step))
     return checks
 
@@ -416,6 +567,7 @@ def empty_summary(s, budget):
     """Every question's key, null until its check answers (a killed smoke leaves the reason)."""
     pending = "not run yet (budget spent or smoke stopped)"
     compiled = {"reason": "tiny: nothing is compiled on the CPU"} if s.tiny else {}
+    card = "L4 d64 T32, CPU eager (tiny)" if s.tiny else "L70 d640 T2048, bf16, compiled per block"
     return {"schema": "depthbench.smoke/1", "mode": "tiny" if s.tiny else "gpu", "budget_s": budget,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "environment": {},
             "throughput": {"tokens_per_s": None, "mfu": None, "reason": pending},
@@ -423,8 +575,10 @@ def empty_summary(s, budget):
             "ddp_vs_fsdp2": {"max_abs_loss_diff": None, "reason": pending},
             "memory": {d: {"planned_gb": None, "peak_gb": None, "reason": pending} for d in MEMORY_DESIGNS},
             "memory_plan": {f"L{L}": {"reason": pending} for L, _ in MEMORY_SHAPES[s.tiny]},
+            "correctness": {"ok": None, "reason": pending},
+            "card": {"shape": card, "rows": [], "planned_batch": None},
+            "launch_overhead": {"fastest": None, "reason": pending},
             "compile_s": {**dict.fromkeys(["preln_L24", "mhc_L24", "preln_L70", "mhc_L70"]), **compiled},
-            "depth_step": {"step_over_preln": {}, "kernels_over_preln": {}, "reason": pending},
             "design_step": {"fast": {}, "reference": {}, "use": None, "reason": pending}, "checks": []}
 
 
@@ -446,10 +600,10 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/depthbench-smoke"),
                    help="folder of summary.json and smoke.log (default $OUT, else /tmp/depthbench-smoke)")
     p.add_argument("--budget", type=budget_seconds, help="seconds for everything (default $SMOKE_BUDGET_S, else "
-                   "480); checks past it are skipped")
+                   f"{DEFAULT_BUDGET_S}); checks past it are skipped")
     args = p.parse_args(argv)
     if args.budget is None:  # the environment's, checked as the flag is: one line and exit 2, not a traceback
-        env = os.environ.get("SMOKE_BUDGET_S", "480")
+        env = os.environ.get("SMOKE_BUDGET_S", DEFAULT_BUDGET_S)
         try:
             args.budget = budget_seconds(env)
         except ValueError:
@@ -473,7 +627,11 @@ def main(argv=None):
             if name == "environment" and not s.tiny and not s.ngpu:
                 break
         save(s)
-    print(f"wrote {out / 'summary.json'} and {out / 'smoke.log'} in {s.summary['elapsed_s']:.0f} s")
+    written = [str(out / "summary.json"), str(out / "smoke.log")]
+    if (out / "table.md").exists():  # the card's table, on stdout too (to paste into docs/speed.md)
+        print((out / "table.md").read_text(), end="")
+        written.append(str(out / "table.md"))
+    print(f"wrote {', '.join(written[:-1])} and {written[-1]} in {s.summary['elapsed_s']:.0f} s")
     failed = [c for c in s.summary["checks"] if c["status"] not in ("ok", "skipped: one GPU")]
     return 1 if failed else 0
 

@@ -20,17 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 from model import GPT, GPTConfig  # noqa: E402
+from profile_gpu import kernels_of  # noqa: E402  (the one rule of what counts as a kernel)
 from residuals import PAPER_DESIGNS, RESIDUALS  # noqa: E402
-
-# aten ops that only make a new view of a tensor or read its metadata: no kernel on a GPU
-NO_KERNEL = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::t", "aten::transpose",
-             "aten::expand", "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::permute",
-             "aten::detach", "aten::alias", "aten::empty", "aten::empty_strided", "aten::empty_like",
-             "aten::lift_fresh", "aten::unflatten", "aten::flatten", "aten::split", "aten::chunk", "aten::unbind",
-             "aten::narrow", "aten::movedim", "aten::result_type", "aten::is_nonzero", "aten::_unsafe_view",
-             "aten::resolve_conj", "aten::resolve_neg", "aten::set_", "aten::resize_", "aten::split_with_sizes",
-             "aten::expand_as", "aten::view_as", "aten::numpy_T", "aten::swapaxes", "aten::contiguous"}
-
 
 def count(residual, n_layer, views=False, device="cpu"):
     """Leaf aten ops that launch a kernel in one eager training step of `residual` at n_layer blocks (views=True:
@@ -47,11 +38,7 @@ def count(residual, n_layer, views=False, device="cpu"):
         model(idx, idx, logits=False)[1].backward()
         if cuda:
             torch.cuda.synchronize()
-    if cuda:
-        return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
-    leaves = [e for e in prof.events() if e.name.startswith("aten::") and not any(
-        c.name.startswith("aten::") for c in e.cpu_children)]
-    return sum(views or e.name not in NO_KERNEL for e in leaves)
+    return kernels_of(prof, cuda, views)[0]
 
 
 def build_parser():

@@ -305,3 +305,15 @@ def test_analytic_row_composes_the_designs_cost():
     import shapes
     wide = costs.analytic("preln", n_layer=4, d_model=64, seq=32, vocab=100, params=1000, d_ff=shapes.ffn_dim(64))
     assert wide == costs.analytic("preln", n_layer=4, d_model=64, seq=32, vocab=100, params=1000)
+
+
+def test_kernel_profile_counts_a_designs_extra_kernels():
+    """--kernel-profile's row fields on the CPU: the leaf aten ops of one training step (the CPU proxy of a GPU's
+    launches, the rule scripts/kernel_count.py shares), more for HC than for Pre-LN; no busy share without a GPU."""
+    job = {"device": "cpu", "batch": 2, "seq": 16, "threads": 1, "vocab": 64, "n_layer": 2, "d_model": 32,
+           "heads": 4, "kv_heads": 4, "d_ff": 96, "residual_args": {}, "kernels": "fast", "dtype": "fp32",
+           "repeats": 1, "kernel_profile": True}
+    got = {r: profile_gpu.measure({**job, "residual": r}) for r in ("preln", "hc")}
+    assert 0 < got["preln"]["kernels"] < got["hc"]["kernels"]
+    assert got["preln"]["kernel_ms"] is None and "error" not in got["hc"]
+

@@ -1,0 +1,264 @@
+"""
+A roofline estimate of one training step on an H200, without a GPU (issue 52, item 5;
+docs/speed.md#gpu-smoke-and-roofline).
+
+    python scripts/roofline.py                          # L70 d640 T2048 B2: every design, today's path and the GPU path
+    python scripts/roofline.py --batch 8 --seq 4096     # another shape (--layers, --width, --vocab too)
+    python scripts/roofline.py --fit-on mhc --json r.json
+
+The model is additive, one term per resource, each term counted analytically per design at the asked shape:
+
+    step ms = GEMM FLOPs / F_gemm + attention FLOPs / F_attn + backbone elementwise (per activation element) x c_elem
+              + depth-mixing HBM bytes / (eta x 4.8 TB/s) + GPU kernels x tau
+
+Calibration (on the first GPU table, docs/speed.md#gpu-runs, copied into MEASURED below): Pre-LN's row gives
+four constants, from its profile: F_gemm (GEMMs were 37% of its 54 ms busy time), F_attn (flash attention 28%),
+c_elem (the other 35%, scaled by L B T d) and tau ((88.3 - 54) ms idle over 9,155 kernels: the launch-bound gap).
+One more row gives eta, the achieved fraction of HBM bandwidth on the mixing's bytes (default: Full AttnRes, the
+memory-bound one). Every other measured row is then PREDICTED, and `--loo` fits eta on each row in turn and
+reports the error on the others (leave-one-out).
+
+Two paths per design:
+  today   the CPU-tuned bodies the H200 ran: fp32 state, a read-modify-write of the gradient bank per consumer
+          (TODAY_PASSES, per design), and its kernels: scripts/kernel_count.py's eager count at L70 (CPU_KERNELS_L70,
+          leaf aten ops of one d64 step; the count does not depend on the width) times inductor's fusion ratio on
+          Pre-LN (9,155 / its eager count), scaled linearly in depth for other L
+  gpu     fused kernels (issue 52's GPU bodies): the backbone is Pre-LN's, plus the mixing's HBM bytes in bf16 at
+          the lower bound of the first GPU measurement's notes and a few launches per sublayer (FUSED_LAUNCHES); where
+          depthbench/gpu/attnres.py or hc.py import, their traffic() functions replace the analytic bytes and
+          launches (`gpu_traffic`: the plug-in point)
+
+What it leaves out (so read the errors as the model's): kernel overlap, L2 hits, the mixing's FLOPs (under 1% of
+the step at n = 4), and that a launch-bound step hides some device time behind the host's.
+"""
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from depthbench.common import ArgParser  # noqa: E402
+
+PEAK_HBM = 4.8e12                  # H200 HBM3e bytes/s
+ETA_GPU = 0.8                      # HBM fraction a streaming fused kernel reaches (the first notes' bound assumes it)
+DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]
+TARGETS = {"preln": 1.0, "hc": 1.15, "mhc": 1.10, "attnres": 1.5, "block_attnres": 1.05, "moda": 1.3}
+KERNEL_TARGET = 1.5                # GPU kernels per step over Pre-LN's (issue 52's acceptance)
+CARD = {"layers": 70, "width": 640, "seq": 2048, "batch": 2, "vocab": 50280, "heads": 16}
+# docs/speed.md#gpu-runs (2026-12-04): one H200, PyTorch 2.11.0+cu130, bf16 autocast, compiled per block,
+# L70 d640 T2048 B2
+MEASURED = {"preln": {"step_ms": 88.3, "busy_ms": 54.0, "kernels": 9155},
+            "hc": {"step_ms": 245.8},
+            "mhc": {"step_ms": 563.0, "busy_ms": 166.0, "kernels": 66288},
+            "attnres": {"step_ms": 433.8, "busy_ms": 354.0, "kernels": 23192},
+            "block_attnres": {"step_ms": 481.1},
+            "moda": {"step_ms": 465.9}}
+PRELN_SHARES = {"gemm": 0.37, "attention": 0.28}  # of Pre-LN's busy time (the profile); the rest is elementwise
+# scripts/kernel_count.py --depths 70 (d64 H4 T32 B2 V256, eager, CPU leaf aten ops), counted 2026-12-05
+CPU_KERNELS_L70 = {"preln": 5997, "hc": 12860, "mhc": 53603, "attnres": 12230, "block_attnres": 13836, "moda": 17596}
+# passes over a consumer's (or sublayer's) state slots, forward + backward: today's fp32 bodies and the fused bound
+TODAY_PASSES = {"hc": 12, "mhc": 12, "attnres": 6, "block_attnres": 6, "moda": 9}
+FUSED_PASSES = {"hc": 6, "mhc": 6, "attnres": 2, "block_attnres": 2, "moda": 4}
+FUSED_LAUNCHES = {"hc": 6, "mhc": 8, "attnres": 2, "block_attnres": 2, "moda": 2}  # per sublayer / consumer / block
+
+
+def d_ff(width):
+    """shapes.ffn_dim: SwiGLU's ceil(8d/3), rounded up to a multiple of 16 (copied: this script imports no torch)."""
+    return 16 * math.ceil(math.ceil(8 * width / 3) / 16)
+
+
+def flops(shape):
+    """(GEMM FLOPs, attention FLOPs) of one training step of the backbone (fwd + bwd = 3x fwd for GEMMs; causal
+    attention's two T x T products at half the square, its backward 2.5x its forward, as flash attention's)."""
+    L, d, T, B = shape["layers"], shape["width"], shape["seq"], shape["batch"]
+    tokens = B * T
+    gemm = 3 * 2 * tokens * (L * (4 * d * d + 3 * d * d_ff(d)) + d * shape["vocab"])
+    attention = 3.5 * 2 * 2 * B * T * T / 2 * d * L
+    return gemm, attention
+
+
+def group_of(k, n_sub, n_groups=8):
+    """Block AttnRes' group of sublayer k (residuals.BlockAttnRes.groups, the even reading)."""
+    return k * n_groups // n_sub
+
+
+def slots_read(design, L):
+    """State slots (one slot: B T d elements) a design's mixing reads per pass, summed over the step's consumers:
+    HC/mHC n = 4 streams per sublayer; Full AttnRes k sources at consumer k (2L + 1 consumers, the last the final
+    readout); Block AttnRes the embedding, the completed groups and the partial one; MoDA 2b depth keys and values
+    at block b."""
+    n_sub = 2 * L
+    if design in ("hc", "mhc"):
+        return 4 * n_sub
+    if design == "attnres":
+        return sum(range(1, n_sub + 2))
+    if design == "block_attnres":
+        return sum(2 + group_of(k, n_sub) for k in range(n_sub + 1))
+    if design == "moda":
+        return sum(2 * b for b in range(L))
+    return 0
+
+
+def mixing_bytes(design, shape, passes, elem_bytes):
+    """HBM bytes of a design's depth mixing in one step: passes x slots read x slot bytes."""
+    slot = shape["batch"] * shape["seq"] * shape["width"] * elem_bytes
+    return passes.get(design, 0) * slots_read(design, shape["layers"]) * slot
+
+
+def today_kernels(design, shape, fusion):
+    """GPU kernels of today's path: the CPU eager count at L70 x inductor's fusion ratio, linear in depth."""
+    return CPU_KERNELS_L70[design] * fusion * shape["layers"] / 70
+
+
+def gpu_traffic(design, shape):
+    """(bytes, extra launches) of the fused GPU path's mixing: depthbench/gpu's traffic() where it imports (the
+    plug-in point), else the analytic bound (FUSED_PASSES in bf16, FUSED_LAUNCHES) -> (bytes, launches, source)."""
+    L, tokens, D = shape["layers"], shape["batch"] * shape["seq"], shape["width"]
+    try:
+        if design in ("hc", "mhc"):
+            rows = importlib.import_module("depthbench.gpu.hc").traffic(design, tokens, D)
+            return (2 * L * sum(r["read"] + r["written"] for r in rows), 2 * L * sum(r["launches"] for r in rows),
+                    "depthbench.gpu.hc.traffic")
+        if design in ("attnres", "block_attnres"):
+            return attnres_traffic(design, L, tokens, D) + ("depthbench.gpu.attnres.traffic",)
+    except ImportError:
+        pass
+    units = {"hc": 2 * L, "mhc": 2 * L, "attnres": 2 * L + 1, "block_attnres": 2 * L + 1, "moda": L}
+    return (mixing_bytes(design, shape, FUSED_PASSES, 2), FUSED_LAUNCHES.get(design, 0) * units.get(design, 0),
+            "analytic bound")
+
+
+def attnres_traffic(design, L, tokens, D):
+    """Sum of depthbench.gpu.attnres.traffic over the consumers (and one push per source)."""
+    traffic = importlib.import_module("depthbench.gpu.attnres").traffic
+    total, launches, n_sub = 0, 0, 2 * L
+    for k in range(n_sub + 1):
+        n = k + 1 if design == "attnres" else 1 + group_of(k, n_sub)
+        parts = traffic(n, tokens, D, extra=design == "block_attnres")
+        total += sum(p["read"] + p["written"] for p in parts.values())
+        launches += sum(p["launches"] for p in parts.values())
+    return total, launches
+
+
+def calibrate(fit_on="attnres", measured=MEASURED, shape=CARD):
+    """The constants from Pre-LN's row and eta from `fit_on`'s (None: eta = 0.8, the notes' assumption)."""
+    base = measured["preln"]
+    gemm, attention = flops(shape)
+    busy = base["busy_ms"] / 1e3
+    c = {"F_gemm": gemm / (PRELN_SHARES["gemm"] * busy), "F_attn": attention / (PRELN_SHARES["attention"] * busy),
+         "c_elem": (1 - sum(PRELN_SHARES.values())) * busy / activations(shape),
+         "tau": (base["step_ms"] - base["busy_ms"]) / 1e3 / base["kernels"],
+         "fusion": base["kernels"] / CPU_KERNELS_L70["preln"], "eta": ETA_GPU, "eta_gpu": ETA_GPU, "fit_on": fit_on}
+    if fit_on:
+        moved = mixing_bytes(fit_on, shape, TODAY_PASSES, 4)
+        rest = step_today(fit_on, shape, c) - moved / (c["eta"] * PEAK_HBM)  # every term but the mixing's bytes
+        left = measured[fit_on]["step_ms"] / 1e3 - rest
+        if left <= 0 or not moved:
+            raise ValueError(f"cannot fit eta on {fit_on}: the other terms already predict {1e3 * rest:.1f} ms")
+        c["eta"] = moved / PEAK_HBM / left
+    return c
+
+
+def activations(shape):
+    return shape["layers"] * shape["batch"] * shape["seq"] * shape["width"]
+
+
+def backbone(shape, c):
+    """Seconds of Pre-LN's busy time at `shape`: GEMMs, attention and its elementwise work."""
+    gemm, attention = flops(shape)
+    return gemm / c["F_gemm"] + attention / c["F_attn"] + c["c_elem"] * activations(shape)
+
+
+def step_today(design, shape, c):
+    """Seconds of one step of today's path: the backbone, the mixing's fp32 bytes and every kernel's launch."""
+    return (backbone(shape, c) + mixing_bytes(design, shape, TODAY_PASSES, 4) / (c["eta"] * PEAK_HBM)
+            + today_kernels(design, shape, c["fusion"]) * c["tau"])
+
+
+def estimate(design, shape, c):
+    """{today_ms, gpu_ms, gpu_kernels, ...} of one design at `shape` with the constants c."""
+    base_kernels = today_kernels("preln", shape, c["fusion"])
+    mix, launches, source = gpu_traffic(design, shape)
+    gpu = backbone(shape, c) + (base_kernels + launches) * c["tau"]
+    return {"today_ms": 1e3 * step_today(design, shape, c), "gpu_ms": 1e3 * (gpu + mix / (c["eta_gpu"] * PEAK_HBM)),
+            "gpu_ms_fitted_eta": 1e3 * (gpu + mix / (c["eta"] * PEAK_HBM)),
+            "today_kernels": round(today_kernels(design, shape, c["fusion"])),
+            "gpu_kernels": round(base_kernels + launches),
+            "gpu_mix_bytes": mix, "gpu_traffic": source}
+
+
+def table(shape, c, designs=DESIGNS):
+    """{design: estimate + the ratios to Pre-LN's GPU path and whether each meets issue 52's targets}."""
+    rows = {d: estimate(d, shape, c) for d in designs}
+    base = rows["preln"]
+    for d, r in rows.items():
+        r["gpu_x_preln"] = r["gpu_ms"] / base["gpu_ms"]
+        r["gpu_x_preln_fitted_eta"] = r["gpu_ms_fitted_eta"] / base["gpu_ms_fitted_eta"]
+        r["gpu_kernels_x_preln"] = r["gpu_kernels"] / base["gpu_kernels"]
+        r["meets"] = r["gpu_x_preln"] <= TARGETS[d] and r["gpu_kernels_x_preln"] <= KERNEL_TARGET
+    return rows
+
+
+def leave_one_out(shape=CARD):
+    """{fitted row: {other measured row: relative error of its predicted today's step}}, eta fitted on each in turn."""
+    out = {}
+    for fit_on in [d for d in MEASURED if d != "preln"]:
+        c = calibrate(fit_on, shape=shape)
+        out[fit_on] = {d: 1e3 * step_today(d, shape, c) / MEASURED[d]["step_ms"] - 1
+                       for d in MEASURED if d not in ("preln", fit_on)}
+    return out
+
+
+def report(rows, c, shape):
+    """The table: per design today's predicted step (and the measured one at the card's shape), the GPU path's, and
+    its ratio to Pre-LN against issue 52's targets."""
+    card = shape == CARD
+    print(f"roofline at L{shape['layers']} d{shape['width']} T{shape['seq']} B{shape['batch']}: F_gemm "
+          f"{c['F_gemm'] / 1e12:.0f} TFLOP/s, F_attn {c['F_attn'] / 1e12:.0f} TFLOP/s, "
+          f"tau {1e6 * c['tau']:.2f} us/kernel, eta {c['eta']:.2f} of {PEAK_HBM / 1e12:.1f} TB/s "
+          f"(fitted on preln + {c['fit_on'] or 'nothing'}); the GPU path at "
+          f"eta {c['eta_gpu']:.2f} (and, the last x, at the fitted eta)")
+    print(f"| design | today ms (pred) | today ms (measured) | GPU path ms (pred) | x Pre-LN | target | kernels "
+          f"(pred) | x Pre-LN | meets | x Pre-LN, fitted eta | GPU path traffic |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    for d, r in rows.items():
+        seen = MEASURED.get(d, {}).get("step_ms", "-") if card else "-"
+        meets = "yes" if r["meets"] else "NO"
+        print(f"| {d} | {r['today_ms']:.1f} | {seen} | {r['gpu_ms']:.1f} | "
+              f"{r['gpu_x_preln']:.2f} | {TARGETS[d]:.2f} | {r['gpu_kernels']:,} | {r['gpu_kernels_x_preln']:.2f} | "
+              f"{meets} | {r['gpu_x_preln_fitted_eta']:.2f} | {r['gpu_traffic']} |")
+
+
+def main(argv=None):
+    p = ArgParser(prog="roofline.py", description=__doc__.split("\n\n")[1])
+    for key in ("layers", "width", "seq", "batch", "vocab"):
+        p.add_argument(f"--{key}", type=int, default=CARD[key], help=f"default {CARD[key]} (the card's)")
+    p.add_argument("--fit-on", default="attnres", choices=[d for d in MEASURED if d != "preln"],
+                   help="the row eta (HBM fraction) is fitted on, beside Pre-LN's (default attnres)")
+    p.add_argument("--eta-gpu", type=float, default=ETA_GPU, help=f"HBM fraction of the fused GPU path (default "
+                   f"{ETA_GPU}: a streaming kernel's; the fitted eta is today's fp32 read-modify-write pattern's)")
+    p.add_argument("--loo", action="store_true", help="also fit eta on each measured row in turn, and print the "
+                   "error of today's prediction on every other (leave-one-out)")
+    p.add_argument("--json", help="write the estimates and constants here")
+    args = p.parse_args(argv)
+    if min([args.layers, args.width, args.seq, args.batch, args.vocab]) < 1:
+        p.error("--layers, --width, --seq, --batch and --vocab must be >= 1")
+    shape = {**CARD, **{k: getattr(args, k) for k in ("layers", "width", "seq", "batch", "vocab")}}
+    if not 0 < args.eta_gpu <= 1:
+        p.error(f"--eta-gpu {args.eta_gpu}: a fraction in (0, 1]")
+    c = {**calibrate(args.fit_on), "eta_gpu": args.eta_gpu}
+    rows = table(shape, c)
+    report(rows, c, shape)
+    doc = {"shape": shape, "constants": c, "estimates": rows}
+    if args.loo:
+        doc["leave_one_out"] = leave_one_out()
+        for fit_on, errors in doc["leave_one_out"].items():
+            print(f"eta fitted on {fit_on:<14}" + "  ".join(f"{d} {100 * e:+.0f}%" for d, e in errors.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""scripts/roofline.py, the H200 step estimate without a GPU: its arithmetic on cases checkable by hand, its
+calibration reproducing the rows it was fitted on, and the plug-in point of depthbench/gpu's traffic() functions.
+
+    python -m pytest -q tests/test_roofline.py       # ~1 s: no model is built, no torch op runs
+"""
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import roofline  # noqa: E402  (scripts/ is not a package)
+
+ONE = {"layers": 1, "width": 3, "seq": 1, "batch": 1, "vocab": 1, "heads": 1}
+
+
+def test_slots_and_flops_by_hand():
+    """The counts a reader can redo: Full AttnRes at L1 has consumers reading 1, 2 and 3 sources (6 slots); Block
+    AttnRes at L2 with 8 groups (each sublayer its own group, k * 8 // 4 = 2k) reads 2 + 2k at k = 0..4 (30); HC 4
+    streams x 6 sublayers at L3 (24); MoDA 2b at b = 0, 1, 2 (6). The backbone at L1 d3 T1 B1 V1 (d_ff 16):
+    3 x 2 x (4 d^2 + 3 d d_ff + d V) = 6 x 183 GEMM FLOPs and 3.5 x 2 x 2 x T^2 / 2 x d = 21 attention FLOPs."""
+    assert roofline.slots_read("attnres", 1) == 6
+    assert roofline.slots_read("block_attnres", 2) == 30
+    assert roofline.slots_read("hc", 3) == roofline.slots_read("mhc", 3) == 24
+    assert roofline.slots_read("moda", 3) == 6 and roofline.slots_read("preln", 3) == 0
+    assert roofline.d_ff(3) == 16 and roofline.d_ff(640) == 1712  # shapes.ffn_dim's rule
+    assert roofline.flops(ONE) == (6 * 183, 21)
+    # bytes: passes x slots x B T d x element bytes = 2 x 6 x 3 x 2
+    assert roofline.mixing_bytes("attnres", ONE, {"attnres": 2}, 2) == 72
+
+
+def test_the_card_bound_matches_the_notes():
+    """gpu-h200.md's last table at L70 d640 B2 T2048 in bf16: Full AttnRes reads 10,011 slots of 5.2 MB twice
+    (105 GB), HC n = 4 streams three passes forward and backward (18 GB), MoDA 4 passes (101 GB)."""
+    gb = {d: roofline.mixing_bytes(d, roofline.CARD, roofline.FUSED_PASSES, 2) / 1e9 for d in ("attnres", "hc", "moda")}
+    assert roofline.slots_read("attnres", 70) == 10011
+    assert gb["attnres"] == pytest.approx(105, abs=0.5) and gb["hc"] == pytest.approx(17.6, abs=0.5)
+    assert gb["moda"] == pytest.approx(101, abs=0.5)
+
+
+def test_step_is_the_sum_of_its_terms():
+    """With hand-picked constants, today's step of Full AttnRes at L70 is the backbone's time plus its fp32 bytes over
+    eta x peak plus its kernels x tau: each term computed here from the tables, independently of step_today's code."""
+    c = {"F_gemm": 1e15, "F_attn": 5e14, "c_elem": 1e-12, "tau": 1e-5, "fusion": 2.0, "eta": 0.5}
+    shape = {**roofline.CARD, "batch": 1}
+    gemm, attention = roofline.flops(shape)
+    slot32 = 1 * 2048 * 640 * 4
+    expect = (gemm / 1e15 + attention / 5e14 + 1e-12 * 70 * 2048 * 640
+              + roofline.TODAY_PASSES["attnres"] * 10011 * slot32 / (0.5 * roofline.PEAK_HBM)
+              + roofline.CPU_KERNELS_L70["attnres"] * 2.0 * 1e-5)
+    assert roofline.step_today("attnres", shape, c) == pytest.approx(expect, rel=1e-12)
+
+
+@pytest.mark.parametrize("fit_on", ["hc", "mhc", "attnres", "moda"])
+def test_calibration_reproduces_the_rows_it_was_fitted_on(fit_on):
+    """Fitted on Pre-LN's row and one more, the model gives back Pre-LN's step, busy time and kernels, and the other
+    row's step, as measured (the rows it did not fit on are predictions: their errors are reported, not bounded)."""
+    c = roofline.calibrate(fit_on)
+    card, measured = roofline.CARD, roofline.MEASURED
+    assert 1e3 * roofline.step_today("preln", card, c) == pytest.approx(measured["preln"]["step_ms"], rel=1e-9)
+    assert 1e3 * roofline.backbone(card, c) == pytest.approx(measured["preln"]["busy_ms"], rel=1e-9)
+    assert roofline.today_kernels("preln", card, c["fusion"]) == pytest.approx(measured["preln"]["kernels"])
+    assert 1e3 * roofline.step_today(fit_on, card, c) == pytest.approx(measured[fit_on]["step_ms"], rel=1e-9)
+    assert 0 < c["eta"] <= 1  # a physical fraction of HBM bandwidth (block_attnres' row gives none: see --loo)
+
+
+def test_a_gpu_module_traffic_replaces_the_analytic_bound(monkeypatch):
+    """Where depthbench.gpu.hc imports, its per-sublayer traffic() rows (x 2L sublayers) are the HC path's bytes and
+    extra launches; where it does not, the analytic bound is used and named."""
+    monkeypatch.setitem(sys.modules, "depthbench.gpu.hc", None)  # import fails: the analytic bound
+    shape = {**ONE, "layers": 3}
+    assert roofline.gpu_traffic("hc", shape) == (6 * 24 * 3 * 2, 6 * 6, "analytic bound")
+    fake = types.ModuleType("depthbench.gpu.hc")
+    fake.traffic = lambda design, tokens, d_model: [{"read": 10 * tokens, "written": d_model, "launches": 2}]
+    monkeypatch.setitem(sys.modules, "depthbench.gpu.hc", fake)
+    assert roofline.gpu_traffic("mhc", shape) == (6 * (10 + 3), 6 * 2, "depthbench.gpu.hc.traffic")
+
+
+def test_the_command_prints_every_design_and_refuses_bad_shapes():
+    ok = subprocess.run([sys.executable, "scripts/roofline.py", "--loo"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert all(f"| {d} |" in ok.stdout for d in roofline.DESIGNS) and "eta fitted on mhc" in ok.stdout
+    bad = subprocess.run([sys.executable, "scripts/roofline.py", "--batch", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
