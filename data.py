@@ -507,7 +507,7 @@ class BatchLoader:
             seqs = np.array([r[0] for r in rows], dtype=np.int64)
             level = torch.from_numpy(np.array([r[1][1:] for r in rows], dtype=np.int64))  # the level of each target
         seqs = torch.from_numpy(seqs)
-        x, y = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        x, y = seqs[:, :-1].clone(), seqs[:, 1:].clone()  # clone: at batch 1 a contiguous() view aliases
         if self.task is not None and self.task.answers_only:
             y[level <= 0] = -1  # the model's loss ignores target -1: answers are the only targets
         return x, y, level

@@ -267,10 +267,9 @@ def build(cfg, ranks, resume, resume_cmd):
 
 
 def read_checkpoint(path, cfg, model, param_shapes=None):
-    """ckpt.pt, if made with the same identity settings as `cfg` (depthbench/runlog.py; the precision may change),
-    read by type (common.read_checkpoint), holding `model`'s weights (param_shapes: their shapes before FSDP2), at a
-    step --max-steps has not passed; a broken file, another run's checkpoint or another design's weights: one line,
-    exit 2."""
+    """ckpt.pt if made with `cfg`'s identity settings (depthbench/runlog.py; the precision may change), read by type
+    (common.read_checkpoint), holding `model`'s weights (param_shapes: their shapes before FSDP2), at a step that
+    --max-steps has not passed; else (a broken file, another run's or another design's checkpoint) one line, exit 2."""
     try:
         ckpt = common.read_checkpoint(path, ["model", "config", "step", "optimizer", "rng", "loader", "log"])
         old = RunConfig.from_dict(ckpt["config"], where=path)  # from any version of train.py, read by type

@@ -249,6 +249,15 @@ def test_answers_only_task_is_the_same_task_with_own_answer_ids():
     assert torch.equal(x[:, 1:], torch.where(y[:, :-1] >= 0, y[:, :-1], x[:, 1:]))  # y is x shifted, answers kept
 
 
+def test_answers_only_inputs_keep_every_token_at_batch_one():
+    """At micro-batch 1 the inputs and targets are separate tensors: masking the targets (-1) leaves every input a
+    token (a contiguous() view of a one-row batch aliased them, so the inputs got -1s too)."""
+    own = SyntheticTask(max_gap=4, answers_only=True)
+    (x1, y1, _), (x8, y8, _) = (BatchLoader(own, "train", B, 64, global_batch=8).get_batch(0, 0) for B in (1, 8))
+    assert bool((y1 == -1).any()) and bool((x1 >= 0).all())
+    assert torch.equal(x1, x8[:1]) and torch.equal(y1, y8[:1])
+
+
 def test_synthetic_splits_disjoint_and_deterministic():
     task = SyntheticTask(max_gap=4)
     train = {tuple(task.sequence("train", i, 64)[0]) for i in range(300)}
