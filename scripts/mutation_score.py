@@ -7,6 +7,8 @@ fast tests catch (docs/contributing.md#mutation-testing). Not in CI; run it befo
     python scripts/mutation_score.py                 # the score, and the survivors grouped by function
     python scripts/mutation_score.py --diffs         # ... with each survivor's diff (mutmut show)
     python scripts/mutation_score.py run --again     # after new tests: the survivors again, and what changed
+    python scripts/mutation_score.py tiers --sample 40   # the quick tier (-m "not slow") against all of mutmut's
+                                                     # tests on a sample of the equations' mutants: two kill rates
 
 mutmut (configured in setup.cfg) copies the repository into mutants/, mutates every function of the files it names
 and records each mutant's result in mutants/**/*.py.meta; this script runs and scores only the mutants of the
@@ -22,9 +24,12 @@ key of diagnose.py's JSON, an option's name. Those are left out of the score, ki
 """
 import argparse
 import ast
+import configparser
 import copy
 import fnmatch
 import json
+import os
+import random
 import re
 import subprocess
 import sys
@@ -193,17 +198,94 @@ def run(max_children, again=False):
     return subprocess.run(["mutmut", "run", "--max-children", str(max_children), *pending], cwd=ROOT).returncode
 
 
+# the equations a learner changes: each design, the shared maths, the fast bodies, the model's forward passes
+EQUATIONS = ("residuals.", "ops.", "depthbench.kernels.", "model.")
+
+
+def mutmut_tests():
+    """The test files and the -k expression mutmut runs (setup.cfg's [mutmut]): the suite the score is taken with."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    files = cfg["mutmut"]["pytest_add_cli_args_test_selection"].split()
+    args = cfg["mutmut"]["pytest_add_cli_args"].split("\n")
+    args = [a.strip() for a in args if a.strip()]
+    return files, args[args.index("-k") + 1]
+
+
+def generate_mutants():
+    """mutants/ as `mutmut run` makes it (the sources copied, every function of setup.cfg's files mutated), without
+    running any mutant: mutmut 3's own steps, called in order (its internals: a mutmut other than 3.x may differ)."""
+    import mutmut.__main__ as mutmut_main
+    from mutmut.mutation.trampoline import set_mutant_under_test
+    os.chdir(ROOT)
+    set_mutant_under_test("mutant_generation")
+    (ROOT / "mutants").mkdir(exist_ok=True)
+    mutmut_main.copy_src_dir()
+    mutmut_main.copy_also_copy_files()
+    mutmut_main.setup_source_paths()
+    mutmut_main.store_lines_covered_by_tests()
+    mutmut_main.create_mutants(2)
+
+
+def tier_kills(name, tier, timeout):
+    """Whether mutmut's tests of one tier ("not slow" or "slow") fail with mutant `name` active (a timeout counts as
+    caught, as in the score); pytest's -x stops at the first failure."""
+    files, k = mutmut_tests()
+    argv = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", tier, "-k", k, *files]
+    env = {**os.environ, "MUTANT_UNDER_TEST": name}
+    try:
+        r = subprocess.run(argv, cwd=ROOT / "mutants", env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True
+    if r.returncode not in (0, 1, 5):
+        raise RuntimeError(f"pytest exit {r.returncode} for {name}: {r.stdout[-500:]}{r.stderr[-500:]}")
+    return r.returncode == 1
+
+
+def tiers(sample, seed, timeout):
+    """The quick tier against the whole of mutmut's tests on `sample` mutants of the equations (EQUATIONS, drawn with
+    `seed`; string-only and known-equivalent mutants left out): each mutant is run under the quick tier, and one it
+    survives under the slow tests too. Prints both kill rates and every mutant only the slow tests kill."""
+    if not has_mutants():
+        print("mutants/: generating them (no mutant is run)", flush=True)
+        generate_mutants()
+    found = results(ROOT / "mutants")
+    left_out = string_only(ROOT / "mutants") | set(read_equivalent())
+    pool = sorted(n for n in found if n.startswith(EQUATIONS) and n not in left_out)
+    drawn = random.Random(seed).sample(pool, min(sample, len(pool)))
+    quick = full = 0
+    gaps = []
+    for i, name in enumerate(drawn, 1):
+        killed_quick = tier_kills(name, "not slow", timeout)
+        killed = killed_quick or tier_kills(name, "slow", timeout)
+        quick, full = quick + killed_quick, full + killed
+        if killed and not killed_quick:
+            gaps.append(name)
+        verdict = {(True, True): "the quick tier kills it", (False, True): "only a slow test kills it"}
+        print(f"[{i}/{len(drawn)}] {name}: {verdict.get((killed_quick, killed), 'survives')}", flush=True)
+    print(f"{len(drawn)} of {len(pool)} equation mutants (seed {seed}): the whole of mutmut's tests kill {full} "
+          f"({100 * full / len(drawn):.0f}%), the quick tier (-m 'not slow') {quick} ({100 * quick / len(drawn):.0f}%)")
+    for name in gaps:
+        print(f"  killed only by a slow test: {name} ({function_of(name)})")
+    return 1 if gaps else 0
+
+
 def has_mutants():
     return any((ROOT / "mutants").glob("**/*.py.meta"))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("action", nargs="?", choices=("run", "report"), default="report")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.strip().split("\n\n")[0].split()))
+    p.add_argument("action", nargs="?", choices=("run", "report", "tiers"), default="report")
     p.add_argument("--max-children", type=int, default=2, help="mutants tested at a time (default 2)")
     p.add_argument("--diffs", action="store_true", help="print each survivor's diff")
     p.add_argument("--again", action="store_true", help="run: the survivors again too (after adding tests)")
+    p.add_argument("--sample", type=int, default=40, help="tiers: equation mutants drawn (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="tiers: the draw's seed (default 0)")
+    p.add_argument("--timeout", type=int, default=600, help="tiers: seconds a tier may take per mutant (default 600)")
     args = p.parse_args(argv)
+    if args.action == "tiers":
+        sys.exit(tiers(args.sample, args.seed, args.timeout))
     if args.action == "run":
         code = run(args.max_children, args.again)
         if code:

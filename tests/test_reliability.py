@@ -813,9 +813,9 @@ def test_sigterm_to_the_mini_suite_stops_its_runs_and_a_rerun_resumes(tmp_path):
             "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", "400", "--jobs", "1", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for _ in range(1200):  # until the run has taken a few steps
+    for _ in range(1200):  # until the run has taken a step: its first step line (the header's "tokens/step " is not)
         logs = list((out / "logs").glob("*.log")) if (out / "logs").is_dir() else []
-        if logs and "step " in logs[0].read_text():
+        if logs and re.search(r"^step +\d+/\d+ \|", logs[0].read_text(), re.M):
             break
         time.sleep(0.1)
     else:

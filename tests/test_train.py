@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -167,6 +168,38 @@ def test_readme_quickstart_writes_the_contracts(tmp_path):
 
     import plot  # plot.py accepts it as a train JSON
     assert plot.check_schema(run) == ("train", None)
+
+
+def readme_quoted_result():
+    """The result line the README's quick start quotes: the one line of the code block after "its last line was:"."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("its last line was:", 1)[1].split("```", 2)[1]
+    (line,) = [line for line in block.splitlines() if line.strip()]
+    return line.strip()
+
+
+def result_parts(line):
+    """A result line's words and its percentages, apart: ("... gap of 1 (%), 2 (%); ...", [98, 91, ...])."""
+    return re.sub(r"\((\d+)%\)", "(%)", line), [int(p) for p in re.findall(r"\((\d+)%\)", line)]
+
+
+@pytest.mark.slow
+def test_readme_quick_start_prints_the_result_the_readme_quotes(tmp_path):
+    """`python train.py` from a clean folder, the whole default run (~3 minutes): its last line is the one the README
+    quotes, up to "(chance": the same words (which gaps are solved, partly solved, not learnt) and each gap's accuracy
+    within 3 points. The run is deterministic on one machine (the README's digits are this machine's); another CPU
+    kind may round its fp32 sums otherwise, which moves an accuracy by a point or two, never a verdict. So a change to
+    the default run updates both."""
+    started = time.time()
+    r = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path)], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1800)
+    print(f"python train.py took {time.time() - started:.0f} s")
+    assert r.returncode == 0, r.stderr
+    last = [line for line in r.stdout.splitlines() if line.strip()][-1]
+    assert last.startswith("result: ")
+    (words, got), (quoted_words, quoted) = result_parts(last.split(" (chance ")[0]), result_parts(readme_quoted_result())
+    assert words == quoted_words and len(got) == len(quoted) >= 4, (last, readme_quoted_result())
+    assert all(abs(g - q) <= 3 for g, q in zip(got, quoted)), (last, readme_quoted_result())
 
 
 def test_resume_equals_uninterrupted(tmp_path, capsys):
