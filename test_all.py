@@ -464,6 +464,7 @@ def test_solver_reproduces_400m_family(ar, L, d, params):
     assert s["d_ff"] == shapes.ffn_dim(d) and s["head_dim"] * 16 == d
 
 
+@pytest.mark.slow
 def test_shapes_cli_json():
     """The CLI's --json object has exactly the documented keys and the L70 numbers."""
     import json
@@ -474,6 +475,7 @@ def test_shapes_cli_json():
     assert (out["n_layer"], out["d_model"], out["d_ff"], out["params"]) == (70, 640, 1712, 409_229_440)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--residual", "nosuch", "--ar", "9.1"], ["--params=-5M", "--ar", "9.1"], ["--params", "0", "--ar", "9.1"],
     ["--params", "lots", "--ar", "9.1"], ["--ar", "5000"], ["--ar", "9.1", "--layers", "3"], ["--ar"], ["--bogus"],
@@ -969,6 +971,7 @@ def test_moda_post_norm_variant():
         torch.testing.assert_close(post(x2)[0][:, :9], b[:, :9], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", ["hc", "attnres", "moda"])
 def test_compiles_and_equals_eager(residual):
     """torch.compile traces the trunk loop and the design's state (tensors, tuples) as one graph (fullgraph=True),
@@ -1099,6 +1102,7 @@ def test_released_shapes_follow_the_paper_rows_with_their_designs():
     assert (s["d_model"], s["d_ff"]) == (672, 1792)
 
 
+@pytest.mark.slow
 def test_shapes_cli_suite_json():
     """`shapes.py --suite 1.6b --json`: three rows, 8 KV heads, the exact totals; no name lists suites."""
     import json
@@ -1194,6 +1198,7 @@ def test_attnres_memory_is_linear_in_depth_under_autocast():
     assert per_layer[1] < 1.1 * per_layer[0]
 
 
+@pytest.mark.slow
 def test_every_design_traces_under_compile_for_training_and_eval():
     """torch.compile's tracer (dynamo, backend "eager": no inductor) takes every design through a training step and
     a no-grad eval, as train.py runs them on a GPU; an autograd node's arguments were once misread in the eval."""

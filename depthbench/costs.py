@@ -8,6 +8,7 @@ Each design's own costs stay on its class in residuals.py: `cost(L, d, T, **opti
 residual state) and `act_bytes` (its activation bytes beyond Pre-LN's); this module adds the backbone's.
 """
 import dataclasses
+import gc
 import math
 import os
 
@@ -256,6 +257,7 @@ def kept_bytes(model, idx, bf16=True):
     too (a TorchDispatchMode, profile_gpu.TensorBytes, turns torch.compile off)."""
     from torch.profiler import ProfilerActivity, profile
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    gc.collect()  # no collection of earlier garbage inside the window
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, amp:
         loss = model(idx, idx, logits=False)[1]
     kept = sum(e.self_cpu_memory_usage for e in prof.events())

@@ -84,11 +84,11 @@ def design(residual, mode, options=None):
     return tuple(solve(rows, values))
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--designs", default=",".join(RESIDUALS))
     p.add_argument("--modes", default="compiled,bf16,fp32")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     modes = args.modes.split(",")
     for mode in modes:

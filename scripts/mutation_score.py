@@ -228,8 +228,9 @@ def generate_mutants():
 
 
 def tier_kills(name, tier, timeout):
-    """Whether mutmut's tests of one tier ("not slow" or "slow") fail with mutant `name` active (a timeout counts as
-    caught, as in the score); pytest's -x stops at the first failure."""
+    """Whether mutmut's tests of one tier ("not slow" or "slow") fail with mutant `name` active (a timeout or a
+    mutant that breaks the tests' import counts as caught, as in the score); pytest's -x stops at the first failure;
+    exit 5 (no test of the tier selected) is no kill."""
     files, k = mutmut_tests()
     argv = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", tier, "-k", k, *files]
     env = {**os.environ, "MUTANT_UNDER_TEST": name}
@@ -237,9 +238,9 @@ def tier_kills(name, tier, timeout):
         r = subprocess.run(argv, cwd=ROOT / "mutants", env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return True
-    if r.returncode not in (0, 1, 5):
-        raise RuntimeError(f"pytest exit {r.returncode} for {name}: {r.stdout[-500:]}{r.stderr[-500:]}")
-    return r.returncode == 1
+    if r.returncode == 4:  # pytest's usage error: this script's command, not the mutant
+        raise RuntimeError(f"pytest exit 4 for {name}: {r.stdout[-500:]}{r.stderr[-500:]}")
+    return r.returncode in (1, 2, 3)  # a test failed, or the mutant broke collection (2) or pytest itself (3)
 
 
 def tiers(sample, seed, timeout):

@@ -110,6 +110,7 @@ def test_gpt2_download_offline_fails_fast_in_one_line(tmp_path):
     assert err.count("\n") == 1 and "TIKTOKEN_CACHE_DIR=a folder holding the two GPT-2 BPE files" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
                          ids=["HF_HUB_OFFLINE", "unreachable-hub"])
 def test_fineweb_offline_fails_fast_in_one_line(tmp_path, env):

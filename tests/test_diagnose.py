@@ -340,6 +340,7 @@ def test_nll_formats():
 
 # ----------------------------------------------------------------------------- command line
 
+@pytest.mark.slow
 def test_cli_on_a_checkpoint_writes_every_metric(tmp_path):
     """A checkpoint in train.py's format, synthetic calibration: every metric computed or skipped with a reason."""
     model = build("hc", L=2)
@@ -398,6 +399,7 @@ def test_token_shard_windows_follow_the_release_rule(tmp_path):
     assert torch.equal(got[:, 1:] - got[:, :-1], torch.ones(64, 15, dtype=torch.int64))   # contiguous slices
 
 
+@pytest.mark.slow
 def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
     """No --num-samples/--seq-len: each metric gets the release's windows x tokens (capped at the run's length),
     metrics with one setting share one sweep; --token-data-glob gives the release's windows; bf16 needs CUDA."""
@@ -422,6 +424,7 @@ def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
     assert r.returncode == 2 and "--dtype bf16 runs on CUDA" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_init_with_local_nll_fixtures(tmp_path):
     (tmp_path / "calib.txt").write_text("A short calibration text, tokenized as bytes. " * 3)
     r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--tokenizer", "bytes",
@@ -437,6 +440,7 @@ def test_cli_init_with_local_nll_fixtures(tmp_path):
     assert "angular_distance" not in out and len(out["layer_pruning"]["layers"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--init", "preln", "--metrics", "angular,bogus"], "unknown metric(s) bogus"),
     (["nowhere/run"], "no checkpoint"),
@@ -448,6 +452,7 @@ def test_cli_errors_are_one_line(args, message):
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_unreachable_hub_fails_fast_in_one_line():
     t0 = time.time()
     r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--tokenizer", "bytes",
@@ -465,6 +470,7 @@ def zeroshot_argv(tmp_path, *extra):
             "--out", str(tmp_path / "d.json"), *extra]
 
 
+@pytest.mark.slow
 def test_cli_zeroshot_offline_gives_seven_accuracies_over_five_items_each(tmp_path, capsys):
     """--zeroshot-data fixtures/zeroshot: the release's seven tasks in its order, each scored by lm-eval on exactly
     its file's five items, acc everywhere and acc_norm where lm-eval reports it; token collapse beside it has a
@@ -515,6 +521,7 @@ def test_zeroshot_without_lm_eval_or_its_data_is_one_line(tmp_path, capsys, monk
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "pip install lm-eval" in err
 
 
+@pytest.mark.slow
 def test_zeroshot_from_an_unreachable_hub_fails_fast_naming_the_offline_flag():
     pytest.importorskip("lm_eval")
     t0 = time.time()

@@ -71,6 +71,7 @@ def test_tiny_smoke_answers_every_question(tmp_path):
     print(f"tiny smoke: {s['elapsed_s']:.0f} s", file=sys.stderr)  # reported (pytest -s), never asserted
 
 
+@pytest.mark.slow
 def test_smoke_stops_at_its_budget_with_what_it_has(tmp_path):
     """A budget that ends early: the check it ends in is killed (or, with under 5 s left, not started), later ones
     are skipped, summary.json keeps every key (null with the reason) and the exit status says it did not finish."""
@@ -85,6 +86,7 @@ def test_smoke_stops_at_its_budget_with_what_it_has(tmp_path):
     assert s["elapsed_s"] < 20 + 30  # the killed check's grace period, not a speed claim
 
 
+@pytest.mark.slow
 def test_gpu_smoke_train_commands_fit_an_80gb_plan():
     """Every 400M run the smoke trains on a GPU fits an 80 GB GPU by train.py's own memory plan."""
     s = gpu_smoke.Smoke(out=Path("."), work=Path("."), tiny=False, ngpu=1, deadline=0.0)
@@ -109,6 +111,7 @@ def losses(root):
     return run, [s["loss"] for s in run["steps"]]
 
 
+@pytest.mark.slow
 def test_two_nodes_of_one_process_match_one_process(tmp_path):
     """docs/training.md's multi-node launch, on localhost: two torchrun "nodes" of one gloo process each, meeting
     through c10d rendezvous and writing one shared run folder, give the losses of one process."""

@@ -24,8 +24,12 @@ def run_config(model, B, T, mode, ckpt=False):
 
 
 def kept(model, B, T, bf16):
+    """What a training forward keeps, the least of two measurements: the profiler's count can only gain from what
+    the process does beside the forward (a cache built, an earlier test's state), never lose the forward's tensors.
+    Once, the whole suite's run measured 2.6x the bytes per token at the first design of this file, which no run of
+    the file alone or with its neighbours reproduced."""
     idx = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    return costs.kept_bytes(model, idx, bf16=bf16)
+    return min(costs.kept_bytes(model, idx, bf16=bf16) for _ in range(2))
 
 
 def model_at(residual, L, d, heads, **options):
@@ -43,6 +47,7 @@ def plan_against_measured(model, T, mode):
     return (model.cfg.n_layer * block + edge, (two - one) / T), (plan["activations"], two)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", list(recipe.RESIDUALS))
 def test_the_plan_equals_the_kept_bytes_eager(residual):
     """Eager (bf16 autocast, and fp32), fast kernels, at three shapes the constants were not fitted on (L, d, T and
@@ -72,6 +77,7 @@ def test_the_plan_equals_the_kept_bytes_compiled(residual):
         assert abs(planned / measured - 1) <= 0.05, (planned, measured)
 
 
+@pytest.mark.slow
 def test_checkpointed_blocks_keep_what_the_plan_bounds():
     """With --activation-checkpointing (each block's input kept, one block recomputed at a time) the plan's
     activations per token and block (the differences between L6 and L2) are never under what a forward keeps
@@ -96,6 +102,7 @@ def test_checkpointed_blocks_keep_what_the_plan_bounds():
 
 # ----------------------------------------------------------------------------- HC and mHC's recomputation
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual, kernels", list(itertools.product(["hc", "mhc"], ["fast", "reference"])))
 def test_recompute_keeps_less_and_changes_nothing(residual, kernels):
     """`recompute` (on by default) runs HC/mHC's read under torch.utils.checkpoint: the same loss and every gradient,

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository root
 PAPER_TEN = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda"]
 
 
+@pytest.mark.slow
 def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
     """The toy grid with a 2-LR sweep at every shape: each cell's first seed trains at both LRs (and, the best
     being at an edge, once more x3 beyond it); the cell's LR is the argmin of those final losses; the second
@@ -135,6 +136,7 @@ def test_the_empty_lists_that_mean_something():
     assert [a[a.index("--seed") + 1] for _, _, a in jobs] == ["3", "1"] * 2 and not any("--lr" in a for _, _, a in jobs)
 
 
+@pytest.mark.slow
 def test_a_second_suite_on_the_same_folder_is_refused(tmp_path):
     """While one mini.py holds its suite folder, a second on the same --out says who holds it in one line, exits 2
     and writes nothing: no log (a cell's log is written only by the suite that trains it), no summary.md."""
@@ -269,6 +271,7 @@ def test_a_diverged_run_is_a_result_in_the_progress_line(tmp_path):
 AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs the Austen corpus in ../shared/data/austen")
 def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
     """The text toy grid with four designs, DeepNorm forced to diverge (--design-lr at an absurd LR): the suite does

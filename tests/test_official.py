@@ -347,6 +347,7 @@ def test_logit_scales_get_the_release_names():
     assert back.res.logit_scales.tolist() == [value[names[("res.logit_scales", k)]] for k in range(2 * L)]
 
 
+@pytest.mark.slow
 def test_an_extra_buffer_loads_with_one_line_naming_it(tmp_path):
     """Tensors that are no parameter (a buffer some release version saves, which the official loader ignores when its
     model has none) load with one warning line naming them, and the same logits; a parameter's name stays an error
@@ -370,6 +371,7 @@ def run_cli(script, *args, env=None):
                           env=e, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     (lambda sd: sd.pop("blocks.1.feed_forward.w3.weight"), "missing blocks.1.feed_forward.w3.weight"),
     (lambda sd: sd.update({"blocks.0.attention.w_q.bias": torch.zeros(32)}), "unexpected blocks.0.attention.w_q.bias"),
@@ -531,6 +533,7 @@ def test_repository_folder_picks_the_step(tmp_path):
         official.load(str(tmp_path), 5)
 
 
+@pytest.mark.slow
 def test_offline_hub_id_is_one_line_and_fast():
     t0 = time.time()
     r = run_cli("depthbench.official", "info", "aspect-ratio-scaling/preln-lr2e-3-llama-400M-L24-pretrain",
@@ -597,6 +600,7 @@ def test_json_tokenizer_adds_nothing_but_eos_per_document(tmp_path):
         data.get_tokenizer(str(tmp_path / "nothing.json"))
 
 
+@pytest.mark.slow
 def test_evaluate_is_the_models_own_loss_on_the_windows(tmp_path):
     src = ours("preln", V=40)
     cfg = official_config(src.cfg)
@@ -685,6 +689,7 @@ def test_a_root_layout_hub_repo_downloads_and_loads(tmp_path, monkeypatch):
         assert torch.equal(loaded(tokens())[0], src(tokens())[0])
 
 
+@pytest.mark.slow
 def test_diagnose_runs_on_an_official_checkpoint_with_its_tokenizer(tmp_path):
     src = ours("hc", V=40)
     write_checkpoint(tmp_path / "repo" / "step3", src)

@@ -160,6 +160,7 @@ def assert_png(path):
 # tests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,fn", plot.FIGURES, ids=[n for n, _ in plot.FIGURES])
 def test_each_figure_draws_a_png(full_dir, tmp_path, name, fn):
     """Every figure function draws a non-blank PNG from fixture JSON and says what it drew."""
@@ -187,6 +188,7 @@ def test_composition_figure_counts_finished_synthetic_runs(full_dir, tmp_path):
     assert_png(tmp_path / "c.png")
 
 
+@pytest.mark.slow
 def test_imports_without_torch():
     """plot.py (and depthbench/plot_suite.py, depthbench/plot_telemetry.py) must work where torch is absent: each imports with torch
     blocked, and never pulls torch in."""
@@ -337,6 +339,7 @@ def test_a_field_of_the_wrong_type_skips_its_file_by_name(tmp_path, capsys):
     assert not [line for line in lines if "FAILED" in line]
 
 
+@pytest.mark.slow
 def test_main_draws_everything_with_svg(full_dir, tmp_path, capsys):
     """A complete folder gives every figure, as PNG and SVG; --only narrows it down."""
     out = tmp_path / "figs"
@@ -435,6 +438,7 @@ def test_suite_figures_draw_ten_designs_and_the_paired_differences(tmp_path):
     assert info["drew"] == "10 designs at L9"
 
 
+@pytest.mark.slow
 def test_the_shape_fit_figure_draws_each_designs_fit(tmp_path):
     """suite_shape_fit: a panel per design with three shapes of finished runs (not MoDA, diverged at L9), each with
     shape_fit.fit_design of its finished seeds in seed order (what summary.md's table computes); the fixture's loss

@@ -135,6 +135,7 @@ def test_bad_input_exits_2_with_one_line(argv, capsys):
     assert e.value.code == 2 and "error:" in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_bad_input_from_the_shell_has_no_traceback():
     p = subprocess.run([sys.executable, "profile_gpu.py", "--shapes", "12y34"], capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -168,6 +169,7 @@ def test_analytic_json_acceptance_and_atomic_write(tmp_path, monkeypatch, capsys
         assert row["fwd_ms"] is None and row["utilization"] is None
 
 
+@pytest.mark.slow
 def test_tiny_measured_run_every_design(tmp_path):
     """A real measured CPU run: finite positive timings for every registered design, the table on stdout."""
     out = tmp_path / "m.json"
@@ -212,6 +214,7 @@ def test_tensor_bytes_counts_live_storage_and_shows_the_chunked_loss_saving():
     assert peaks[0] > 2.5 * logits and peaks[1] < 0.6 * logits, peaks  # plain: logits, softmax, gradient
 
 
+@pytest.mark.slow
 def test_readme_profile_commands_resolve_their_shapes(capsys):
     """Every profile_gpu.py command in the README and the docs pages parses and resolves its shapes: run
     analytically (a shape solver tightened after a command was written once left the CPU table's command

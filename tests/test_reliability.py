@@ -530,6 +530,7 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.slow
 @fault("Ctrl-C in a terminal (a real process)", "exit 130, one line on stderr and no traceback; ckpt.pt and "
        "run.json both at that step")
 def test_ctrl_c_in_a_real_process(tmp_path):
@@ -673,6 +674,7 @@ def test_data_under_a_file_size_limit(tmp_path):
     assert "Traceback" not in p.stderr and list(files(tmp_path)) == [source]
 
 
+@pytest.mark.slow
 @fault("a file-size limit (a real RLIMIT_FSIZE) at a checkpoint of train.py --resume: torch's zip writer raises "
        "`RuntimeError: [enforce fail at inline_container.cc] unexpected pos` after the OSError",
        "one line naming ckpt.pt and `File too large (EFBIG)`, exit 2; ckpt.pt is the last good one (byte for byte), "
@@ -748,6 +750,7 @@ def test_a_signal_during_diagnose(tmp_path, capsys, monkeypatch, sig, code):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @fault("Ctrl-C in a terminal (to the whole process group) while profile_gpu.py measures in its spawned worker",
        "one line after the progress lines, no traceback from either process, exit 130; the worker is gone too")
 def test_ctrl_c_while_profile_measures(tmp_path):
@@ -777,6 +780,7 @@ def test_ctrl_c_while_profile_measures(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @fault("Ctrl-C while a script imports torch (simulated: a script that imports common, then is interrupted)",
        "one line, exit 130, no traceback; data.py, diagnose.py and profile_gpu.py import common before torch")
 def test_ctrl_c_at_start_up(tmp_path):
@@ -804,6 +808,7 @@ def processes_naming(path):
     return found
 
 
+@pytest.mark.slow
 @fault("SIGTERM to mini.py alone (not its process group) while its pool trains a run",
        "the run saves ckpt.pt and stops (train.py's own handler), then one line, exit 143; no train.py outlives the "
        "suite; the same command again resumes that run from its checkpoint and finishes it")
@@ -1109,6 +1114,7 @@ def alive(pid):
         return False
 
 
+@pytest.mark.slow
 @fault("kill -9 of mini.py alone while its pool trains a run, then the same command at once",
        "the run ends with its driver (Linux: the kernel sends it SIGTERM: it keeps its last step's ckpt.pt); the "
        "rerun waits for it in one line while it lives, never writes its log meanwhile (no NUL bytes), then resumes "

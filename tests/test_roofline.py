@@ -79,6 +79,7 @@ def test_a_gpu_module_traffic_replaces_the_analytic_bound(monkeypatch):
     assert roofline.gpu_traffic("mhc", shape) == (6 * (10 + 3), 6 * 2, "depthbench.gpu.hc.traffic")
 
 
+@pytest.mark.slow
 def test_the_command_prints_every_design_and_refuses_bad_shapes():
     ok = subprocess.run([sys.executable, "scripts/roofline.py", "--loo"], cwd=ROOT, capture_output=True, text=True,
                         timeout=60)

@@ -216,6 +216,7 @@ def test_tensorboard_events_read_back_across_resume_and_a_kill(tmp_path, capsys)
     assert [s["step"] for s in run["steps"]] == list(range(1, 9))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_WANDB, reason="the optional wandb package is not installed (pip install wandb)")
 def test_wandb_offline_writes_its_run_folder_and_resumes_the_same_run(tmp_path, capsys):
     args = TINY + ["--log-to", "wandb", "--out", str(tmp_path)]

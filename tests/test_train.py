@@ -125,6 +125,7 @@ def test_grad_accumulation_equals_big_batch(residual):
         torch.testing.assert_close(g_acc, g_big, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_readme_quickstart_writes_the_contracts(tmp_path):
     """The README's command, shortened by --max-steps only: run.json and ckpt.pt as plot.py and diagnose.py read them."""
     r = subprocess.run([sys.executable, "train.py", "--max-steps", "3", "--out", str(tmp_path)], cwd=ROOT,
@@ -251,6 +252,7 @@ def test_a_param_groups_lr_scale_multiplies_the_schedule(tmp_path, capsys, monke
     assert [s["lr"] for s in load_run(tmp_path)["steps"]] == [schedules.cosine(t, span) for t in range(2)]
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one(tmp_path, capsys):
     """torchrun with 2 gloo processes at the same global batch gives the losses of 1 process."""
     args = TINY + ["--steps", "3", "--ckpt-every", "100"]
@@ -288,6 +290,7 @@ def test_mini_preset_reaches_every_aspect_ratio(tmp_path, capsys, ar):
     assert cfg["n_head"] == 4 and cfg["head_dim"] % 2 == 0 and cfg["n_head"] * cfg["head_dim"] == cfg["d_model"]
 
 
+@pytest.mark.slow
 def test_design_card_command_runs_on_cpu_under_torchrun(tmp_path):
     """The design card's `torchrun --nproc_per_node=2 train.py --residual mhc --ar 9.1` works on a CPU (2 steps)."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -299,6 +302,7 @@ def test_design_card_command_runs_on_cpu_under_torchrun(tmp_path):
     assert [s["step"] for s in run["steps"]] == [1, 2] and all(math.isfinite(s["loss"]) for s in run["steps"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", list(recipe.RESIDUALS))
 def test_twenty_steps_train_alike_with_either_kernels(tmp_path, capsys, residual):
     """20 AdamW steps of every design give the same losses with --kernels fast and --kernels reference (1e-5)."""
@@ -374,6 +378,7 @@ def test_gpt2_on_austen(tmp_path, capsys, monkeypatch):
     assert abs(ev["val_loss"] - math.log(50304)) < 1.0  # barely trained: near uniform over the vocab
 
 
+@pytest.mark.slow
 def test_compiled_run_matches_eager_and_saves_plain_keys(tmp_path, capsys):
     """--compile (inductor, the one compiling test: ~30 s cold) trains like eager, and ckpt.pt holds the raw
     module's keys (no `_orig_mod.` prefix) so diagnose.py loads it into a plain GPT."""
@@ -492,6 +497,7 @@ def test_a_config_from_any_version_becomes_a_run_config():
     assert real.identity_changes(dataclasses.replace(real, max_gap=4, group="s3")) == []
 
 
+@pytest.mark.slow
 def test_every_suite_row_and_design_fits_80gb_at_its_default(monkeypatch):
     """The 400m recipe's default micro-batch: a power of two up to the paper's, dividing the global batch over 8
     ranks, whose memory plan fits an 80 GB GPU, for every row of every suite and every design."""
@@ -582,6 +588,7 @@ def torchrun(args, timeout=300):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_fsdp_matches_one_process_and_resumes_across_engines(tmp_path, capsys):
     """--fsdp with 2 gloo processes gives the losses of 1 process; its checkpoint (plain names, whole tensors) is
     resumed by 1 process, whose checkpoint is resumed by FSDP again: 6 steps as one uninterrupted run."""
@@ -636,6 +643,7 @@ BLOCK_GRAPHS = {"preln": 1, "sandwich": 1, "lns": 1, "deepnorm": 1, "hc": 1, "mh
 GRAPH_CASES = {"hybrid": ({"deep": "attnres"}, (8, 16))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residual", list(BLOCK_GRAPHS))
 def test_compiled_blocks_reuse_one_graph_at_any_depth(residual):
     """compile_model's per-block scope: dynamo makes the same few graphs at L4 and L8 (the block never sees its

@@ -3,11 +3,11 @@ The Triton bodies (depthbench/gpu) against ops.py's reference, on CPU tensors un
 
     pip install triton      # then: python -m pytest -q tests/test_triton.py
 
-TRITON_INTERPRET=1 is set here before triton is first imported: triton decorates its own library (tl.zeros, ...) and
-our kernels for the interpreter only when the flag is set at their import. If triton was imported earlier in this
-process without it (another test's torch.compile may import it), the interpreter cannot run here: every test but
-`test_in_a_fresh_process` then skips, and that one runs this file again in a new process with the flag. Without
-triton every test here skips, saying so. Shapes are tiny: the interpreter runs each program's tile ops in numpy.
+TRITON_INTERPRET=1 must be set before triton is first imported: triton decorates its own library (tl.zeros, ...) and
+our kernels for the interpreter only when the flag is set at their import. The repository's conftest.py sets it
+before pytest imports any test module (torch.compile's machinery imports triton early), and so does this file, for a
+run outside pytest. Without triton every test here skips, saying so. Shapes are tiny: the interpreter runs each
+program's tile ops in numpy.
 
 Checked with Triton 3.9 (here) and 3.6 (the GPU image's): under both, `test_kernels_compile_for_an_h100` compiles every
 kernel for sm90. Triton 3.6's interpreter fails with numpy 2.4 on any loop with a run-time bound (its `int()` of a
@@ -35,7 +35,7 @@ from depthbench.gpu import attnres  # noqa: E402
 
 INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction) and attnres.interpreted()
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="triton was imported without TRITON_INTERPRET=1 in this "
-                                "process: test_in_a_fresh_process runs these tests")
+                                "process (conftest.py sets it first: run the tests with pytest from the repository)")
 
 
 def sources(n, T, D=48, B=1, seed=0, dtype=torch.float32):
