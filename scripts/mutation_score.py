@@ -202,7 +202,7 @@ def run(max_children, again=False):
 
 
 # the equations a learner changes: each design, the shared maths, the fast bodies, the model's forward passes
-EQUATIONS = ("residuals.", "ops.", "depthbench.kernels.cpu.", "model.")
+EQUATIONS = ("residuals.", "ops.", "depthbench.kernels.", "model.")
 
 
 def mutmut_tests():

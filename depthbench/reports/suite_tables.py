@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from depthbench.files import common, runlog
 from depthbench.evaluation import compare
-from depthbench.reports import shape_fit
+from depthbench.files import runlog
 from depthbench.files.common import format_lr, read_json
+from depthbench.reports import shape_fit
 
 
 def done_runs(folder):
