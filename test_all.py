@@ -142,8 +142,7 @@ def test_meta_count_equals_built_model(residual):
 
 @pytest.mark.parametrize("residual", ALL)
 def test_recording_forward_returns_depth_states(residual):
-    """The observed forward (depthbench/evaluation/observe.py) returns L+1 depth states and the plain forward's
-    logits."""
+    """The observed forward (evaluation/observe.py) returns L+1 depth states and the plain forward's logits."""
     model = build(residual)
     x = batch()
     with torch.no_grad():

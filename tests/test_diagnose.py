@@ -63,8 +63,7 @@ def run_cli(*args, env=None):
 # ----------------------------------------------------------------------------- the trunk loop and the skip rules
 
 def trunk(model, x, skip=None):
-    """(logits, depth states, lens readouts) of the observed forward (depthbench/evaluation/observe.py), block `skip`
-    left out."""
+    """(logits, depth states, lens readouts) of the observed forward (evaluation/observe.py), block `skip` left out."""
     logits, rec = dg.recording(model, x, skip=skip)
     return logits, rec.states, rec.readouts
 

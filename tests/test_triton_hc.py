@@ -164,8 +164,8 @@ def test_streams_keep_their_dtype_and_coefficients_are_fp32():
 
 def with_triton_bodies(model):
     """The model's residual design calling depthbench/kernels/triton_hc.py's bodies for hc.NAMES and its own namespace's
-    for the
-    rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will hold)."""
+    for the rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will
+    hold)."""
     bodies = copy.copy(model.res.ops)
     bodies.name = f"{bodies.name}+triton-hc"
     for name in hc.NAMES:
@@ -215,8 +215,7 @@ def test_model_with_triton_bodies(residual, options):
 
 def compiled_module():
     """A second copy of depthbench/kernels/triton_hc.py whose kernels are decorated for the compiler (TRITON_INTERPRET
-    unset
-    while it loads), as on a GPU."""
+    unset while it loads), as on a GPU."""
     before = os.environ.pop("TRITON_INTERPRET", None)
     try:
         module = load_copy("hc_compiled")

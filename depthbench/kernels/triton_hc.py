@@ -82,8 +82,7 @@ def interpreted():
 
 def runs_here(t):
     """Whether the kernels can run on t's device: triton imports, and t is on CUDA (or on the CPU under the
-    interpreter). Elsewhere each body hands its arguments to depthbench/kernels/cpu.py's, so the CPU path is
-    unchanged."""
+    interpreter). Elsewhere each body hands its arguments to cpu.py's, so the CPU path is unchanged."""
     if not HAVE_TRITON:
         return False
     return t.is_cuda or (t.device.type == "cpu" and interpreted())
@@ -535,4 +534,4 @@ def compare_with_reference(device="cuda", dtype=torch.float32, shape=(2, 33, 4, 
                                       seed)}
 
 
-BODIES = {name: globals()[name] for name in NAMES}   # ops.TWO_BODIES names -> their GPU body (depthbench/kernels' triton_bodies)
+BODIES = {name: globals()[name] for name in NAMES}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)

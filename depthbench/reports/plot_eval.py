@@ -47,8 +47,8 @@ def fig_zeroshot(data, out_path, svg=False):
         drawing.ar_axis(ax, ars)
         ax.set(title=task, ylabel="accuracy", ylim=(0, 1.02))
     return drawing.save(fig, out_path, svg, f"{len(tasks)} task(s) from {len(docs)} diagnose JSON",
-                     title="Zero-shot accuracy (lm-eval; solid acc, dashed acc_norm, dotted chance)",
-                     legend=(axes[-1], axes), tasks=tasks)
+                        title="Zero-shot accuracy (lm-eval; solid acc, dashed acc_norm, dotted chance)",
+                        legend=(axes[-1], axes), tasks=tasks)
 
 
 def fig_token_collapse(data, out_path, svg=False):
@@ -66,8 +66,8 @@ def fig_token_collapse(data, out_path, svg=False):
         axes[0].axhline(1, color="black", ls="--", lw=0.8)   # every token on one line
         axes[0].set_title("dashed: 1, all tokens on one line")
     return drawing.overlay(data, "token_collapse.erank", out_path, svg,
-                        title="Token collapse: singular values of each depth state's token matrix", draw=draw,
-                        ncols=3, figsize=(16, 4.2))
+                           title="Token collapse: singular values of each depth state's token matrix", draw=draw,
+                           ncols=3, figsize=(16, 4.2))
 
 
 def fig_dense_weights(data, out_path, svg=False):
@@ -86,7 +86,8 @@ def fig_dense_weights(data, out_path, svg=False):
         for ax, name in zip(row, dense["streams"]):
             m = drawing.matrix(dense["weights"].get(name))
             top = max(abs(drawing.finite(m)), default=1.0)
-            drawing.heatmap(ax, m, "RdBu_r", title=f"{drawing.label(g['meta'])}: {name}", xlabel="source (0 = emb, 1 + k = "
-                         "block k)", ylabel="consumer block (last = head)", vmin=-top)
+            drawing.heatmap(ax, m, "RdBu_r", title=f"{drawing.label(g['meta'])}: {name}",
+                            xlabel="source (0 = emb, 1 + k = block k)", ylabel="consumer block (last = head)",
+                            vmin=-top)
     return drawing.save(fig, out_path, svg, f"{len(docs)} model(s)",
-                     title="Weights over depth w(source -> consumer), averaged over tokens (DenseFormer, MUDD)")
+                        title="Weights over depth w(source -> consumer), averaged over tokens (DenseFormer, MUDD)")

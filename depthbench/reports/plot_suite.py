@@ -163,7 +163,7 @@ def fig_suite_loss(data, out_path, svg=False):
         left.text(0.01, 0.01, "× at top: diverged at every LR at that shape", transform=left.transAxes)
     what = f"{len({k[0] for k in points})} designs x {len(shapes)} shapes, {len(drew)} paired points"
     return drawing.save(fig, out_path, svg, what, title="Loss vs aspect ratio across designs (solid: Pre-LN family, "
-                     "dashed: cross-layer)", legend=(right, [left, right]), relative=drew, diverged=diverged)
+                        "dashed: cross-layer)", legend=(right, [left, right]), relative=drew, diverged=diverged)
 
 
 def seeds_and_lrs(data):
@@ -219,7 +219,7 @@ def fig_suite_depth_use(data, out_path, svg=False):
         ax.grid(axis="y", alpha=0.3)
     what = f"{len(designs)} designs at L{deep}"
     return drawing.save(fig, out_path, svg, what, title="Depth use at the deepest shape, each seed a dot (hatched: "
-                     "cross-layer)", legend=(axes[1], axes))
+                        "cross-layer)", legend=(axes[1], axes))
 
 
 def design_losses(points):
@@ -268,8 +268,8 @@ def fig_suite_shape_fit(data, out_path, svg=False):
     drew = {res: {"best_ar": fit.best_ar, "where": fit.where, "low": fit.low, "high": fit.high,
                   "curvature": fit.curvature} for res, (fit, _) in fits.items()}
     return drawing.save(fig, out_path, svg, f"{len(fits)} designs fitted", fits=drew,
-                     title="Loss vs log aspect ratio, a quadratic per design: the best AR (dotted) and its seed "
-                     "bootstrap 95% interval (shaded)")
+                        title="Loss vs log aspect ratio, a quadratic per design: the best AR (dotted) and its seed "
+                        "bootstrap 95% interval (shaded)")
 
 
 FIGURES = [("suite_fig2_loss_vs_ar", fig_suite_loss), ("suite_fig6_depth_use", fig_suite_depth_use),

@@ -22,8 +22,7 @@ from depthbench.reports import drawing
 
 
 def telemetry_runs(data):
-    """Train JSONs with telemetry records (train.py, depthbench/training/telemetry.py), by design then depth then
-    name."""
+    """Train JSONs with telemetry records (train.py, training/telemetry.py), by design then depth then name."""
     runs = [r for r in data.get("train", []) if ((r.get("telemetry") or {}).get("records") or [])]
     return sorted(runs, key=lambda r: (drawing.design_order(r["config"]["residual"]), drawing.shape(r["config"])[1],
                                        r["config"].get("name", "")))
@@ -49,7 +48,7 @@ def fig_telemetry_state_rms(data, out_path, svg=False):
         m = drawing.matrix([rec.get("state_rms") for rec in records]).T          # (sublayers + 1, records)
         m = np.ma.masked_invalid(np.log10(np.ma.masked_less_equal(m, 0).filled(np.nan)))
         drawing.heatmap(ax, m, "viridis", title=run_label(run), xlabel="step", ylabel="state before sublayer i",
-                     aspect="auto")
+                        aspect="auto")
         ticks = sorted(set(np.linspace(0, len(steps) - 1, min(len(steps), 5)).round().astype(int)))
         ax.set_xticks(ticks, [str(steps[k]) for k in ticks])
     title = "State RMS per sublayer over training (log10; last row: the head's input)"
@@ -89,7 +88,8 @@ def fig_telemetry_design(data, out_path, svg=False):
     keys = list(dict.fromkeys(k for _, series in per_run for k in series))
     if not keys:
         return {"skipped": "no train JSON with telemetry statistics"}
-    styles = {L: drawing.STYLES[i % len(drawing.STYLES)] for i, L in enumerate(sorted({drawing.shape(r["config"])[1] for r in runs}))}
+    depths = sorted({drawing.shape(r["config"])[1] for r in runs})
+    styles = {L: drawing.STYLES[i % len(drawing.STYLES)] for i, L in enumerate(depths)}
     fig, axes = drawing.grid(len(keys), ncols=min(len(keys), 4), w=3.8, h=3.0)
     for ax, key in zip(axes, keys):
         for run, series in per_run:
