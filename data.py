@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 # common first: its sys.excepthook makes a Ctrl-C while torch is imported one line
-from depthbench.common import (ArgParser, fail, first_line, hub_unreachable, one_line_faults, positive, read_json, seed_number,
+from depthbench.files.common import (ArgParser, fail, first_line, hub_unreachable, one_line_faults, positive, read_json, seed_number,
                     unreachable, why_failed, write_atomic, write_json, VAL_SEED, WriteError)
 import numpy as np
 import torch
 
-from depthbench.synthetic import SPLITS, SyntheticTask
+from depthbench.evaluation.synthetic import SPLITS, SyntheticTask
 
 MAGIC, VERSION = 20260517, 1  # our own magic, so an llm.c or nanoGPT .bin is rejected, not misread
 HEADER_INTS = 256

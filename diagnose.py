@@ -10,8 +10,8 @@ diagnose.py: the layer-wise diagnostics of DepthBench for one model, as one JSON
 A metric is one row of METRICS (its name, JSON key, definition, the release's windows and what it reads from the
 recording pass) and one function that turns what it reads into its JSON object; the JSON carries the definition
 next to the numbers. docs/diagnostics.md has the setup (fp32, eval mode, no gradients, fp64 sums), the depth states
-(depthbench/observe.py runs the model's own trunk loop, read in `recording` only) and the interventions (a skipped
-block; a swap moves two blocks' weights with the residual's own tensors).
+(depthbench/evaluation/observe.py runs the model's own trunk loop, read in `recording` only) and the interventions (a
+skipped block; a swap moves two blocks' weights with the residual's own tensors).
 """
 import math
 import time
@@ -20,17 +20,17 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
-from depthbench import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
+from depthbench.files import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-from depthbench.calibration import DiagError, calibration_groups, load_model, place
-from depthbench.interventions import swap_blocks
-from depthbench.common import (ArgParser, CheckpointError, check_options, comma_list, fail, first_line,
+from depthbench.evaluation.calibration import DiagError, calibration_groups, load_model, place
+from depthbench.evaluation.interventions import swap_blocks
+from depthbench.files.common import (ArgParser, CheckpointError, check_options, comma_list, fail, first_line,
                                hub_unreachable, json_object, positive, seed_number, write_json, VAL_SEED)
-from depthbench import nll as downstream, observe, zeroshot as harness
+from depthbench.evaluation import nll as downstream, observe, zeroshot as harness
 from model import GPT
 from ops import dead_zone, erank  # the metrics the designs' telemetry shares
 from residuals import RESIDUALS
@@ -41,7 +41,7 @@ SCHEMA = "depthbench.diagnose/2"  # 2: R_perm is over the last three quarters (1
 # ----------------------------------------------------------------------------- the observed forward
 
 def recording(model, x, skip=None):
-    """The observed forward on ids x (depthbench/observe.py: the model's own trunk loop, run from outside), block
+    """The observed forward on ids x (evaluation/observe.py: the model's own trunk loop, run from outside), block
     `skip` left out by the design's rule -> (logits, observe.Record). Every metric reads the trunk through this."""
     rec = observe.record(model, x, skip=skip)
     return rec.logits, rec
@@ -506,7 +506,7 @@ def build_parser():
     p = ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
     pos, share = positive(int), positive(float, zero=True)
     p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
-                   "checkpoint: hub id, folder with stepN/ folders or a step folder (depthbench/official.py); or use --init")
+                   "checkpoint: hub id, folder with stepN/ folders or a step folder (depthbench/files/official.py); or use --init")
     p.add_argument("--step", type=int, help="official checkpoint: the stepN folder (default: the highest)")
     p.add_argument("--metrics", type=comma_list(str), default="all", help=f"comma list of {', '.join(BY_NAME)}, or all (default)")
     p.add_argument("--out", help="output JSON (default: diagnose.json in the checkpoint's folder, or here for --init)")

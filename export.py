@@ -6,11 +6,11 @@ export.py: write trained runs in the formats other programs load (docs/official.
     python export.py runs/mini --format official --out exported         # a suite: every finished run, one folder each
 
 --format hf (Pre-LN only: the one design that is a LlamaForCausalLM) writes config.json (LlamaConfig), model.safetensors
-(the fp32 weights under HF Llama's names, depthbench/official.py's hf_llama table) and the run's tokenizer (tokenizer.json
-and tokenizer_config.json: GPT-2 BPE, or the byte-level tokenizer as a byte-level BPE without merges), so that
-`transformers.AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` load it as it is.
---format official writes OUT/stepN/ (config.json in OLMo-core's experiment schema, model_and_optim/: a torch DCP of
-{"model": ...} under the official names) and OUT/tokenizer/tokenizer.json, which depthbench/official.py (and
+(the fp32 weights under HF Llama's names, depthbench/files/official.py's hf_llama table) and the run's tokenizer
+(tokenizer.json and tokenizer_config.json: GPT-2 BPE, or the byte-level tokenizer as a byte-level BPE without merges),
+so that `transformers.AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` load it as it
+is. --format official writes OUT/stepN/ (config.json in OLMo-core's experiment schema, model_and_optim/: a torch DCP of
+{"model": ...} under the official names) and OUT/tokenizer/tokenizer.json, which depthbench/files/official.py (and
 diagnose.py) load, and the authors' loaders by their names. An existing output folder is never overwritten; each is
 built beside its place and renamed into it when whole.
 """
@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 import data
-from depthbench import official
-from depthbench.common import ArgParser, CheckpointError, cannot_write, checkpoint_model, fail, first_line, \
-    one_line_faults, read_checkpoint, run_state, write_atomic
+from depthbench.files import official
+from depthbench.files.checkpoints import checkpoint_model, read_checkpoint
+from depthbench.files.common import ArgParser, CheckpointError, cannot_write, fail, first_line, one_line_faults, write_atomic
+from depthbench.files.runlog import run_state
 from model import GPT
 
 PROG = "export.py"

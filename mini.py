@@ -10,11 +10,12 @@ that one machine runs in an afternoon.
 
 Each cell (probe, design, aspect ratio) trains at its best learning rate: the first seed at every LR of
 --lr-sweep (in <probe>-lr/<cell>/), the other seeds at the winner (in <probe>/), each run `train.py --preset
-mini`, --jobs at a time with one thread each; then diagnose.py, plot.py, depthbench/plot_suite.py and summary.md (per cell:
-LR, seeds, mean ± half-range, Δ vs Pre-LN paired by seed with its 95% interval, R scores; every seed's loss; the LR each
-design chose beside the paper's; each design's best aspect ratio; every sweep run, a diverged one with its step). Whatever is done is skipped, so the same command continues
-a stopped suite; a run is reused only with the settings that made it, and the runs end with mini.py, kill -9
-included (docs/reliability.md#process-lifetime). The protocol in full: docs/results.md#what-minipy-does.
+mini`, --jobs at a time with one thread each; then diagnose.py, plot.py, depthbench/reports/plot_suite.py and summary.md
+(per cell: LR, seeds, mean ± half-range, Δ vs Pre-LN paired by seed with its 95% interval, R scores; every seed's loss;
+the LR each design chose beside the paper's; each design's best aspect ratio; every sweep run, a diverged one with its
+step). Whatever is done is skipped, so the same command continues a stopped suite; a run is reused only with the
+settings that made it, and the runs end with mini.py, kill -9 included (docs/reliability.md#process-lifetime). The
+protocol in full: docs/results.md#what-minipy-does.
 """
 import contextlib
 import io
@@ -27,13 +28,13 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from depthbench import common  # first, before numpy and torch: its excepthook makes a Ctrl-C during the imports one line
+from depthbench.files import common  # first, before numpy and torch: its excepthook makes a Ctrl-C during the imports one line
 import numpy as np
 
 import data
-from depthbench import runlog
-from depthbench.common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
-from depthbench.suite_tables import (Sections, collect, diverged_step, done_runs, finished_runs, probe_report, shape_name,
+from depthbench.files import runlog
+from depthbench.files.common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
+from depthbench.reports.suite_tables import (Sections, collect, diverged_step, done_runs, finished_runs, probe_report, shape_name,
                                      show_lr)
 
 HERE = Path(__file__).resolve().parent
@@ -281,7 +282,7 @@ def planned_run(argv):
     if Path(argv[1]).name != "train.py":
         return None
     import train
-    from depthbench import recipe
+    from depthbench.training import recipe
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             args, _ = recipe.parse_args(argv[2:])
@@ -310,12 +311,12 @@ def check_jobs(jobs):
 
 
 def found_done(folder):
-    """'done before' or 'diverged' when common.run_state says the job's run folder (check_jobs': of the job's
+    """'done before' or 'diverged' when runlog.run_state says the job's run folder (check_jobs': of the job's
     settings) holds a done run; None otherwise (not done, or not a train.py job). Such a job is not started again:
     train.py would find the same and skip it, after seconds of start-up."""
     if folder is None:
         return None
-    return {"finished": "done before", "diverged": "diverged"}.get(common.run_state(folder))
+    return {"finished": "done before", "diverged": "diverged"}.get(runlog.run_state(folder))
 
 
 def holder_of(log, folder):
@@ -616,8 +617,9 @@ def run_suite(args):
 
 
 def draw_figures(args):
-    """plot.py and depthbench/plot_suite.py per probe, into figs/<probe>/ (a figure that fails costs itself, not the suite)."""
-    scripts = ([str(HERE / "plot.py")], ["-m", "depthbench.plot_suite"])
+    """plot.py and depthbench/reports/plot_suite.py per probe, into figs/<probe>/ (a figure that fails costs itself, not
+    the suite)."""
+    scripts = ([str(HERE / "plot.py")], ["-m", "depthbench.reports.plot_suite"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
     for probe_name in args.probes:
         if not (args.out / probe_name).is_dir():      # a report while the sweep runs

@@ -12,8 +12,8 @@ The backbone is LLaMA-like (docs/designs.md#backbone):
 What is deliberately *not* here: norms, residual adds, the final norm. Attention and the MLP are pure branch
 functions; every norm placement, residual add, stream mixing and the final collapse live in residuals.py
 behind one small interface (its module docstring). `GPT.forward`'s trunk loop is the whole contract. The maths
-both share is in ops.py; `kernels="fast"` runs its depthbench/kernels.py bodies (the same maths, faster).
-Diagnostics run the same loop from outside, with observation points (depthbench/observe.py).
+both share is in ops.py; `kernels="fast"` runs its depthbench/kernels/cpu.py bodies (the same maths, faster).
+Diagnostics run the same loop from outside, with observation points (depthbench/evaluation/observe.py).
 """
 from dataclasses import dataclass, field
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ops
+import depthbench.kernels  # noqa: F401  (registers the fast bodies with ops.namespace)
 from residuals import RESIDUALS, AttentionInputs, OptimRule
 
 KERNELS = ("fast", "reference", "triton")
@@ -41,8 +42,8 @@ class GPTConfig:
     init_std: float = 0.02      # truncated normal, clipped at +-3 std
     residual: str = "preln"     # key of residuals.RESIDUALS
     residual_args: dict = field(default_factory=dict)  # constructor options of the design, e.g. {"n_groups": 8}
-    kernels: str = "fast"       # "fast": depthbench/kernels.py's bodies of ops.py's maths; "reference": ops.py's own;
-    #                             "triton": fast with depthbench/gpu's Triton bodies (what fast is on CUDA with triton)
+    kernels: str = "fast"       # "fast": depthbench/kernels/cpu.py's bodies of ops.py's maths; "reference": ops.py's;
+    #                             "triton": fast with depthbench/kernels' Triton bodies (what fast is on CUDA + triton)
     checkpoint_blocks: bool = False  # activation checkpointing: backward recomputes each block from its input
 
     def __post_init__(self):

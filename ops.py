@@ -5,7 +5,7 @@ The norm, RoPE and attention of the backbone; HC/mHC's map projection, width and
 Sinkhorn; AttnRes' softmax over depth (and the release's top-k of it), DenseFormer's and MUDD's weighted sums over
 depth, and the bank of sources they read; MoDA's depth keys and values and its joint
 sequence + depth softmax; and two measures of depth use (erank, dead_zone) that diagnose.py and the designs'
-telemetry share. This file is the definition. depthbench/kernels.py has a second body for each name here (the same
+telemetry share. This file is the definition. depthbench/kernels/cpu.py has a second body for each name here (the same
 maths, faster layouts); a model picks one of the two namespaces once, when it is built (`namespace`,
 GPTConfig.kernels, --kernels), and test_all.py checks for every design that both give the same logits, loss and
 gradients.
@@ -22,8 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# the names with two bodies: ops.py's (the definition) and depthbench/kernels.py's (the same maths, faster; some
-# with a third, a GPU body in depthbench/gpu)
+# the names with two bodies: ops.py's (the definition) and depthbench/kernels/cpu.py's (the same maths, faster; some
+# with a third, a GPU body in depthbench/kernels)
 TWO_BODIES = ("apply_rope", "causal_attention", "joint_attention", "lm_loss", "normed_projection", "width_connection",
               "depth_connection", "sinkhorn", "DepthBank", "DepthKV")
 
@@ -31,7 +31,7 @@ TWO_BODIES = ("apply_rope", "causal_attention", "joint_attention", "lm_loss", "n
 class Kernels:
     """One namespace's bodies of TWO_BODIES as attributes: what a design calls as `self.ops.sinkhorn(...)`. A plain
     object (a module could not be copied with the model that holds it). `replaced`: bodies that take the module's
-    place (the "triton" namespace's GPU bodies, depthbench/gpu)."""
+    place (the "triton" namespace's GPU bodies, depthbench/kernels)."""
 
     def __init__(self, name, module, replaced=None):
         self.name = name
@@ -40,30 +40,39 @@ class Kernels:
 
 
 _NAMESPACES = {}
+FAST = {}  # depthbench/kernels' bodies: "cpu" (the module), "triton" and "available" (functions); see `register`
+
+
+def register(cpu, triton_bodies, available):
+    """Called by depthbench/kernels when it is imported (model.py and residuals.py import it): the module of the fast
+    bodies, a function giving the GPU bodies ({name: body}) and one saying whether they can run (triton imports).
+    ops.py imports none of them: they import this file."""
+    FAST.update(cpu=cpu, triton=triton_bodies, available=available)
 
 
 def namespace(kernels):
-    """The bodies of this file ("reference"), of depthbench/kernels.py ("fast"), or kernels.py's with the GPU bodies
-    of depthbench/gpu in place of those it has ("triton"; what "fast" is where CUDA is available and triton imports),
-    chosen once when a model is built (GPTConfig.kernels, --kernels)."""
+    """The bodies of this file ("reference"), of depthbench/kernels/cpu.py ("fast"), or cpu.py's with the GPU bodies
+    of depthbench/kernels in place of those it has ("triton"; what "fast" is where CUDA is available and triton
+    imports), chosen once when a model is built (GPTConfig.kernels, --kernels)."""
     if kernels not in _NAMESPACES:
         if kernels == "reference":
             _NAMESPACES[kernels] = Kernels(kernels, sys.modules[__name__])
         else:
-            from depthbench import kernels as module  # here, not at the top: depthbench/kernels.py imports this file
-            _NAMESPACES[kernels] = Kernels(kernels, module, replaced=gpu_bodies(kernels))
+            if not FAST:
+                raise ValueError(f"kernels {kernels!r}: its bodies are depthbench/kernels', which registers them "
+                                 f"when imported (model.py does): import depthbench.kernels first")
+            _NAMESPACES[kernels] = Kernels(kernels, FAST["cpu"], replaced=gpu_bodies(kernels))
     return _NAMESPACES[kernels]
 
 
 def gpu_bodies(kernels):
-    """depthbench/gpu's bodies for the namespace `kernels`: all of them for "triton", for "fast" only on a machine
-    with CUDA where triton imports (triton is never imported on a machine without CUDA), none otherwise."""
+    """depthbench/kernels' GPU bodies for the namespace `kernels`: all of them for "triton", for "fast" only on a
+    machine with CUDA where triton imports (triton is never imported on a machine without CUDA), none otherwise."""
     if kernels == "fast" and not torch.cuda.is_available():
         return {}
-    from depthbench import gpu
-    if kernels == "triton" and not gpu.available():
+    if kernels == "triton" and not FAST["available"]():
         raise ValueError("kernels 'triton' needs the triton package (pip install triton)")
-    return dict(gpu.BODIES) if gpu.available() else {}
+    return dict(FAST["triton"]()) if FAST["available"]() else {}
 
 
 def fp32_maths(x):

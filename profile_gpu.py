@@ -25,18 +25,18 @@ import tempfile
 import time
 from contextlib import nullcontext
 
-from depthbench import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
+from depthbench.files import common  # first, before torch: its sys.excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
-from depthbench.costs import analytic, gpu_peak, step_peak
-from depthbench.compiled import compile_model, eager
-from depthbench.recipe import RunConfig
+from depthbench.training.costs import analytic, gpu_peak, step_peak
+from depthbench.training.compiled import compile_model, eager
+from depthbench.training.recipe import RunConfig
 from model import GPT, GPTConfig
-from depthbench.common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
+from depthbench.files.common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
                     positive, write_json)
 from residuals import RESIDUALS
 

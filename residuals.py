@@ -19,8 +19,8 @@ ctx carries what write needs from read (and what the sublayer reports: attention
 diagnostics read what they need from it (HC's maps) or from the state (AttnRes' depth weights), never from the module.
 A design reaches into attention only through ctx["attention"], an AttentionInputs. Pre-LN is the base class; each
 design overrides only what differs, its forward contract first, then a marked section of what serves the scripts
-(init, optimizer, cost, diagnostics). Shared maths is in ops.py, reached through `self.ops` (ops.py's bodies or depthbench/kernels.py's,
-chosen once by --kernels). Every parameter a design creates is used on every forward.
+(init, optimizer, cost, diagnostics). Shared maths is in ops.py, reached through `self.ops` (ops.py's bodies or
+depthbench/kernels/cpu.py's, chosen once by --kernels). Every parameter a design creates is used on every forward.
 """
 import dataclasses
 import functools
@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ops
+import depthbench.kernels  # noqa: F401  (registers the fast bodies with ops.namespace)
 from ops import RMSNorm, dead_zone, erank, rms_norm
 
 
@@ -74,8 +75,8 @@ class Site(nn.Module):
 class AttentionInputs:
     """The one door into attention (model.Attention): what a design hands attention besides its input x, every field
     optional (None: attention's own). A design's read puts it in ctx["attention"]; Block.forward and
-    depthbench/observe.py pass it through unchanged, so a design that needs another input adds a field here, never
-    an argument to Attention.forward (docs/contributing.md#adding-a-design)."""
+    depthbench/evaluation/observe.py pass it through unchanged, so a design that needs another input adds a field here,
+    never an argument to Attention.forward (docs/contributing.md#adding-a-design)."""
     key: torch.Tensor = None            # (B, T, D) input of W_k instead of x (MUDD's key stream, its own norm applied)
     value: torch.Tensor = None          # (B, T, D) input of W_v instead of x (MUDD's value stream)
     first_value: torch.Tensor = None    # (B, H_kv, T, hd) the first layer's values (ResFormer's value residual),
@@ -216,8 +217,8 @@ class PreLN(nn.Module):
         """Exchange blocks i and j's per-block constants (their sites' buffers; parameters move via sublayer_params)."""
 
     def internals(self, s, site, ctx):
-        """What the diagnostics keep of sublayer i ({name: tensor}, token-averaged; depthbench/observe.py), from the
-        state it read and its ctx after it ran: Pre-LN, nothing."""
+        """What the diagnostics keep of sublayer i ({name: tensor}, token-averaged; depthbench/evaluation/observe.py),
+        from the state it read and its ctx after it ran: Pre-LN, nothing."""
         return {}
 
     def head_internals(self, s):
@@ -396,7 +397,7 @@ class HC(PreLN):
     scales: 6d + 26 at n = 4, `params(d, L) = 2L(6d + 26)` in all (tests/test_equations.py checks it against the
     model). static_alpha and static_beta are not decayed. Cost: n x wider residual activations; ~96d extra FLOPs per
     token and connector.
-    Fast bodies: depthbench/kernels.py's normed_projection, width_connection and depth_connection (chosen once,
+    Fast bodies: depthbench/kernels/cpu.py's normed_projection, width_connection and depth_connection (chosen once,
     `self.ops`); equal to ops.py's by test_all.py::test_fast_kernels_equal_the_reference, and the model to the
     equations above by tests/test_equations.py::test_logits_equal_the_equations (both bodies).
     """
@@ -557,7 +558,7 @@ class MHC(HC):
     Params per connector: phi (nD, n^2 + 2n), b (n^2 + 2n), the three alphas: 96d + 27 at n = 4,
     `params(d, L) = 2L(96d + 27)` in all. b and the alphas are not decayed, phi is.
     Cost: HC's plus the (nD x 24) projection and Sinkhorn's 39 normalisations of (n x n) per token.
-    Fast bodies: depthbench/kernels.py's normed_projection, sinkhorn (one autograd node), width_connection and
+    Fast bodies: depthbench/kernels/cpu.py's normed_projection, sinkhorn (one autograd node), width_connection and
     depth_connection; equal to ops.py's by test_all.py::test_fast_kernels_equal_the_reference and
     test_sinkhorn_doubly_stochastic, the model to these equations by tests/test_equations.py's
     test_logits_equal_the_equations and test_mhc_transport_by_hand (both bodies).
@@ -648,7 +649,7 @@ class FullAttnRes(PreLN):
     Init: queries 0 (every mix starts as the plain average of its sources), key gains 1, norm gains 1.
     Params: q_k, g_k for k = 1 .. 2L: `params(d, L) = 4dL`, all decayed. Cost: 4d FLOPs per source and token of
     each mix, 2L^2 + 3L sources in all (~8 L^2 d); all 2L + 1 sources kept alive, O(L^2 d) traffic.
-    Fast body: depthbench/kernels.py's DepthBank (one preallocated buffer, a hand-written backward for the mix);
+    Fast body: depthbench/kernels/cpu.py's DepthBank (one preallocated buffer, a hand-written backward for the mix);
     equal to ops.py's DepthBank and depth_mix by test_all.py::test_fast_kernels_equal_the_reference, the model to
     these equations by tests/test_equations.py's test_logits_equal_the_equations and test_full_attnres_reads_by_hand.
 
@@ -929,7 +930,7 @@ class MoDA(PreLN):
     Params: W_kv (D -> 2 H_kv hd, no bias, decayed) on blocks 0 .. L - 2, 2 D H_kv hd (L - 1): with as many kv heads
     as heads `params(d, L) = 2d^2(L - 1)`, +12-14% at 400M.
     Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
-    Fast bodies: depthbench/kernels.py's apply_rope, joint_attention (the depth part by hand, the sequence part in
+    Fast bodies: depthbench/kernels/cpu.py's apply_rope, joint_attention (the depth part by hand, the sequence part in
     fused attention with one "sink" key) and DepthKV; equal to ops.py's by test_all.py::
     test_fast_kernels_equal_the_reference and test_moda_merge_by_log_sum_exp_equals_the_sink, the model to these
     equations by tests/test_equations.py::test_logits_equal_the_equations (both bodies).

@@ -18,7 +18,7 @@ import itertools
 import json
 import math
 
-from depthbench.common import ArgParser, positive
+from depthbench.files.common import ArgParser, positive
 
 N_HEAD = 16
 VOCAB = 50280

@@ -13,7 +13,8 @@ from unittest import mock
 import pytest
 import torch
 
-from depthbench import kernels, observe
+from depthbench.kernels import cpu as kernels
+from depthbench.evaluation import observe
 import shapes
 from model import GPT, GPTConfig
 import ops
@@ -51,12 +52,12 @@ def perturb(model, scale, seed):
 
 
 def kernels_of(fast):
-    """The fast namespace (depthbench/kernels.py) or ops.py's (the reference)."""
+    """The fast namespace (depthbench/kernels/cpu.py) or ops.py's (the reference)."""
     return ops.namespace("fast" if fast else "reference")
 
 
 def recorded(model, x, skip=None):
-    """The observed forward (depthbench/observe.py) as {"states", "readouts", and the design's internals}."""
+    """The observed forward (depthbench/evaluation/observe.py) as {"states", "readouts", and the design's internals}."""
     rec = observe.record(model, x, skip=skip)
     return {"states": rec.states, "readouts": rec.readouts, **rec.internals}
 
@@ -141,7 +142,7 @@ def test_meta_count_equals_built_model(residual):
 
 @pytest.mark.parametrize("residual", ALL)
 def test_recording_forward_returns_depth_states(residual):
-    """The observed forward (depthbench/observe.py) returns L+1 depth states and the plain forward's logits."""
+    """The observed forward (evaluation/observe.py) returns L+1 depth states and the plain forward's logits."""
     model = build(residual)
     x = batch()
     with torch.no_grad():
@@ -220,7 +221,7 @@ def test_fast_kernels_equal_the_reference(residual, options, shape):
     """Every registered design (tests/test_extend.py adds one more) and the other readings of several, whose paths
     differ (mHC's transport away from the identity, MoDA post-norm, groups of several sublayers, the older
     official HC, the release's AttnRes top-k and logit scale, groups that grow with depth, a hybrid's other deep
-    designs): depthbench/kernels.py's bodies == ops.py's (assert_kernels_agree)."""
+    designs): depthbench/kernels/cpu.py's bodies == ops.py's (assert_kernels_agree)."""
     assert_kernels_agree(residual, shape, options)
 
 
@@ -248,10 +249,10 @@ def test_fast_kernels_equal_the_reference_under_bf16_autocast(residual):
 
 @pytest.mark.parametrize("G", [1, 2])
 def test_cuda_bodies_of_the_depth_contractions_equal_the_cpus(G):
-    """kernels.py's batched-matmul bodies (what CUDA runs) compute the CPU's loops, on the CPU: MoDA's slot dots, slot
+    """cpu.py's batched-matmul bodies (what CUDA runs) compute the CPU's loops, on the CPU: MoDA's slot dots, slot
     sums and slot gradients (one query head per kv head, and GQA groups of 2; the CPU's slots tokens-last), and
     AttnRes' source dots (one body) equal a broadcast, on shapes where a transposed or swapped axis shows."""
-    from depthbench import kernels
+    from depthbench.kernels import cpu as kernels
     g = torch.Generator().manual_seed(5)
     n, B, Hkv, T, c = 3, 2, 2, 5, 4
     x, S = torch.randn(B, Hkv, G, T, c, generator=g), torch.randn(n, B, Hkv, T, c, generator=g)
@@ -273,7 +274,7 @@ def test_a_bank_forked_by_a_second_continuation_keeps_both():
     """Without gradients (a diagnostic trying two continuations of one pass), a state that pushes after another state
     of its bank pushed past it forks the bank: its mix reads its own history, [e, a, c], with every source's 1/rms,
     and the other state still reads [e, a, b]; both equal ops.py's list."""
-    from depthbench import kernels
+    from depthbench.kernels import cpu as kernels
     g = torch.Generator().manual_seed(9)
     e, a, b, c = (3.0 * torch.randn(2, 3, 8, generator=g) for _ in range(4))
     query, gain = torch.randn(8, generator=g), 1.0 + torch.rand(8, generator=g)
@@ -293,7 +294,7 @@ def test_moda_depth_slots_forked_by_a_second_continuation_keep_both():
     """MoDA's bank forks as AttnRes' does (a bank without key norms): a state that pushes after another state of its
     bank pushed past it reads its own slots, and the other its own; both equal ops.py's lists. A bank refuses a slot
     past the n_max it was made for."""
-    from depthbench import kernels
+    from depthbench.kernels import cpu as kernels
     g = torch.Generator().manual_seed(10)
     B, H, T, hd = 2, 2, 5, 4
     q = torch.randn(B, H, T, hd, generator=g)
@@ -322,7 +323,7 @@ def test_a_skipped_pre_ln_block_of_a_hybrid_is_that_block_writing_zero(deep, b):
     the hand-over block included (its skip hands the unchanged stream over). Up to 1e-4 apart there for AttnRes: its
     next-output rule normalises the handed-over stream with AttnRes' eps 1e-5, the first deep consumer's own read with
     the backbone's 1e-6."""
-    from depthbench import observe
+    from depthbench.evaluation import observe
     torch.manual_seed(0)
     cfg = tiny("hybrid", n_layer=6, residual_args={"deep": deep, "split": 0.5})
     model = GPT(cfg).eval()
@@ -342,7 +343,7 @@ def test_moda_merge_by_log_sum_exp_equals_the_sink(hd):
     fused kernel's log-sum-exp (`MergeDepth`); the sink body on the same values gives the same output, share and
     gradients of q, k, v and of every depth key and value (a wrong gradient through either log-sum-exp would show in
     all of them)."""
-    from depthbench import kernels
+    from depthbench.kernels import cpu as kernels
     g = torch.Generator().manual_seed(8)
     B, H, T, S = 2, 4, 7, 3
     leaves = [2.0 * torch.randn(B, H, T, hd, generator=g) for _ in range(3 + 2 * S)]
@@ -375,7 +376,7 @@ def test_moda_joint_attention_in_bf16(hd, n_kv):
     dtype): its output and share are bf16, q's, k's and v's gradients bf16, and all equal ops.joint_attention in fp32
     on the same values to bf16's rounding. Large depth logits (lse ~ 10 over the scale) need the sink's two
     coordinates (hi + lo): its logit in one bf16 coordinate would be off by up to 0.03."""
-    from depthbench import kernels
+    from depthbench.kernels import cpu as kernels
     g = torch.Generator().manual_seed(3)
     B, H, T, S = 2, 4, 6, 3
 
@@ -774,7 +775,7 @@ def test_checkpointed_blocks_equal_the_plain_forward(residual):
 def test_causal_attention_with_gqa_at_any_length(T):
     """GQA (4 query heads on 2 kv heads, 8-wide: the CPU pads them) at sequences shorter than the head count: both
     bodies equal attention over kv heads copied to every query head."""
-    from depthbench import kernels
+    from depthbench.kernels import cpu as kernels
     g = torch.Generator().manual_seed(6)
     q, k, v = torch.randn(2, 4, T, 8, generator=g), torch.randn(2, 2, T, 8, generator=g), torch.randn(2, 2, T, 8, generator=g)
     want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
@@ -786,7 +787,7 @@ def test_causal_attention_with_gqa_at_any_length(T):
 def test_chunked_loss_equals_plain_loss_and_gradients():
     """The logits-free loss (token chunks, checkpointed) equals the plain fp32 cross-entropy and its
     gradients, with ignored targets spread over the chunks (the model's tiny shapes use one chunk)."""
-    from depthbench.kernels import chunked_cross_entropy
+    from depthbench.kernels.cpu import chunked_cross_entropy
     torch.manual_seed(0)
     z, w = torch.randn(37, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
     t = torch.randint(0, 50, (37,))

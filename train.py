@@ -13,8 +13,8 @@ and bad input: docs/reliability.md. Any flag overrides its preset value; every d
 training. Exit codes: 0 ok, 1 a run diverged (NaN/inf loss), 2 bad input or an unwritable run folder (one line
 on stderr, nothing half-written), 130/143 stopped by SIGINT/SIGTERM.
 
-What to run is decided in depthbench/recipe.py (the command line -> one RunConfig per run), what it costs in depthbench/costs.py, and
-the torchrun ranks and FSDP2 state live in depthbench/distributed.py; this file builds a run (Run), trains, evaluates and saves.
+What to run is decided in depthbench/training/: recipe.py (the command line -> one RunConfig per run), costs.py (what
+it costs), distributed.py (the torchrun ranks and FSDP2 state); this file builds a run (Run), trains, evaluates, saves.
 """
 import dataclasses
 import itertools
@@ -29,26 +29,26 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from depthbench import common  # first, before torch: its excepthook makes a Ctrl-C during the imports one line
+from depthbench.files import common  # first, before torch: its excepthook makes a Ctrl-C during the imports one line
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from depthbench import costs
 import data
 import profile_gpu
-from depthbench import progress, runlog, schedules, stopping, telemetry
-from depthbench.common import format_lr, print0, versions, write_json
-from depthbench.costs import GB, check_memory, memory_plan
+from depthbench.training import costs, progress, schedules, stopping, telemetry
+from depthbench.files import checkpoints, runlog
+from depthbench.files.common import format_lr, print0, versions, write_json
+from depthbench.training.costs import GB, check_memory, memory_plan
 from data import BatchLoader, DataError, padded_vocab_size
-from depthbench.distributed import Ranks, full_state, init_distributed, load_full_state, on_rank0, shard
-from depthbench.compiled import compile_model
+from depthbench.training.distributed import Ranks, full_state, init_distributed, load_full_state, on_rank0, shard
+from depthbench.training.compiled import compile_model
 from model import GPT, GPTConfig
-from depthbench.recipe import RunConfig, fail, parse_args, print_grid, resolve, shapes_asked
+from depthbench.training.recipe import RunConfig, fail, parse_args, print_grid, resolve, shapes_asked
 from shapes import backbone_params, preln_params
-from depthbench.synthetic import SyntheticTask, answer_metrics, verdict
+from depthbench.evaluation.synthetic import SyntheticTask, answer_metrics, verdict
 
-SCHEMA = runlog.SCHEMA  # run.json's: depthbench/runlog.py reads it back by type
+SCHEMA = runlog.SCHEMA  # run.json's: depthbench/files/runlog.py reads it back by type
 FINAL = ("val_loss", "answer_loss", "answer_acc")  # run.json's "final": the last eval's; null before one, if diverged
 
 
@@ -167,7 +167,7 @@ class Run:
 
     @property
     def span(self):
-        """What the LR schedule reads (depthbench/schedules.py)."""
+        """What the LR schedule reads (depthbench/training/schedules.py)."""
         cfg = self.cfg
         return schedules.Span(peak=cfg.lr, warmup=cfg.warmup_steps, total=cfg.total_steps,
                               final_frac=cfg.final_lr_frac)
@@ -267,11 +267,11 @@ def build(cfg, ranks, resume, resume_cmd):
 
 
 def read_checkpoint(path, cfg, model, param_shapes=None):
-    """ckpt.pt if made with `cfg`'s identity settings (depthbench/runlog.py; the precision may change), read by type
-    (common.read_checkpoint), holding `model`'s weights (param_shapes: their shapes before FSDP2), at a step that
+    """ckpt.pt if made with `cfg`'s identity settings (runlog.py; the precision may change), read by type
+    (checkpoints.read_checkpoint), holding `model`'s weights (param_shapes: their shapes before FSDP2), at a step that
     --max-steps has not passed; else (a broken file, another run's or another design's checkpoint) one line, exit 2."""
     try:
-        ckpt = common.read_checkpoint(path, ["model", "config", "step", "optimizer", "rng", "loader", "log"])
+        ckpt = checkpoints.read_checkpoint(path, ["model", "config", "step", "optimizer", "rng", "loader", "log"])
         old = RunConfig.from_dict(ckpt["config"], where=path)  # from any version of train.py, read by type
     except ValueError as e:  # a CheckpointError or a RunLogError: one line
         fail(f"cannot resume: {e}")
@@ -280,7 +280,7 @@ def read_checkpoint(path, cfg, model, param_shapes=None):
         fail(f"cannot resume {path}: it was made with other settings ({old.describe_changes(cfg, changed)}); use "
              f"another --out")
     try:
-        common.check_state_dict(ckpt["model"], model, path, shapes=param_shapes)  # the weights of its config's design
+        checkpoints.check_state_dict(ckpt["model"], model, path, shapes=param_shapes)  # the weights of its config's design
     except ValueError as e:
         fail(f"cannot resume: {e}")
     if cfg.max_steps is not None and cfg.max_steps < ckpt["step"]:
@@ -392,9 +392,9 @@ def describe_device(run):
 
 def loop(run):
     """Evaluate, checkpoint and take optimizer steps until the stop step; False if the run diverged. Asked to stop
-    (SIGINT/SIGTERM), it stops at the next micro-batch boundary (depthbench/stopping.py): a step cut short is dropped,
-    the last completed step's ckpt.pt is on disk (saved then if it was not), run.json says stopped and why, and it
-    exits with 128 + the signal's number. The telemetry watch (its optimizer hooks, its tracker) and the progress
+    (SIGINT/SIGTERM), it stops at the next micro-batch boundary (depthbench/training/stopping.py): a step cut short is
+    dropped, the last completed step's ckpt.pt is on disk (saved then if it was not), run.json says stopped and why, and
+    it exits with 128 + the signal's number. The telemetry watch (its optimizer hooks, its tracker) and the progress
     line are closed however the loop ends."""
     run.meter = progress.StepMeter(accum=run.train_loader.accum_steps, master=run.ranks.master,
                                    compile_scope=run.cfg.compile and run.cfg.compile_scope)
@@ -415,7 +415,7 @@ def train_until_stop(run):
         stop = STOP.agreed(run.ranks)
         maybe_save(run, last and evaluated, stop)
         if stop:
-            run.log["stopped"] = STOP.record(stop, run.step)  # why and where (depthbench/stopping.py)
+            run.log["stopped"] = STOP.record(stop, run.step)  # why and where (depthbench/training/stopping.py)
             save_json(run)
             stopping.exit_after_save(run, stop)
         if last:
@@ -537,7 +537,7 @@ def save_json(run, write=True):
         write_json(run.json_path, log)
 
 
-STOP = stopping.STOP  # SIGINT/SIGTERM: the loop stops at the next micro-batch boundary (depthbench/stopping.py)
+STOP = stopping.STOP  # SIGINT/SIGTERM: the loop stops at the next micro-batch boundary (depthbench/training/stopping.py)
 
 
 def rng_state(run):
@@ -579,9 +579,9 @@ def claim(path, held, resume, cfg):
     for tmp in [*path.glob("ckpt.pt.*.tmp"), *path.glob("run.json.*.tmp")]:
         tmp.unlink()
     if resume:
-        common.rebuild_run_log(path)  # says so when it does
+        runlog.rebuild_run_log(path)  # says so when it does
     try:
-        state = common.run_state(path)
+        state = runlog.run_state(path)
     except runlog.RunLogError as e:
         rebuild = ""
         if (path / "ckpt.pt").is_file():

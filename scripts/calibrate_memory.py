@@ -19,8 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from depthbench.compiled import compile_model  # noqa: E402  (the repository root, on the path above)
-from depthbench.costs import kept_bytes  # noqa: E402
+from depthbench.training.compiled import compile_model  # noqa: E402  (the repository root, on the path above)
+from depthbench.training.costs import kept_bytes  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from depthbench.common import ArgParser, comma_list, fail, write_json  # noqa: E402
+from depthbench.files.common import ArgParser, comma_list, fail, write_json  # noqa: E402
 from residuals import PAPER_DESIGNS, RESIDUALS  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def measure(job):
     from torch._dynamo.utils import counters
 
     import profile_gpu
-    from depthbench.compiled import compile_model
+    from depthbench.training.compiled import compile_model
     torch.set_num_threads(1)
     model = profile_gpu.tiny_gpt(job["design"], job["layers"], job["d"], kernels=job["kernels"])
     compiled = compile_model(model, job["scope"])
@@ -61,7 +61,7 @@ def measure_ratios(job):
     import torch
 
     import profile_gpu
-    from depthbench.compiled import compile_model
+    from depthbench.training.compiled import compile_model
     torch.set_num_threads(1)
     pairs = [("preln", "fast"), (job["design"], "fast"), (job["design"], "reference")]
     steps = {}
@@ -81,7 +81,7 @@ def measure_scopes(job):
     import torch
 
     import profile_gpu
-    from depthbench.compiled import compile_model
+    from depthbench.training.compiled import compile_model
     torch.set_num_threads(1)
     steps, first = {}, {}
     for scope in ("model", "blocks"):

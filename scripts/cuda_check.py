@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-from depthbench.common import ArgParser  # noqa: E402
-from depthbench.compiled import compile_model  # noqa: E402
+from depthbench.files.common import ArgParser  # noqa: E402
+from depthbench.training.compiled import compile_model  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
@@ -40,12 +40,12 @@ BOUNDS = {"fp32_loss": 1e-5, "fp32_grad_rel": 1e-4, "bf16_loss": 1e-2, "bf16_gra
 
 def namespaces():
     """(the kernels namespaces to check, {name: why it is skipped}): reference and fast always; triton where the
-    GPU bodies exist (depthbench/gpu), triton imports and GPTConfig accepts the name."""
+    GPU bodies exist (depthbench/kernels), triton imports and GPTConfig accepts the name."""
     names, skipped = ["fast"], {}
     try:
         GPTConfig(kernels="triton")
-        if importlib.util.find_spec("depthbench.gpu") is None:
-            raise ImportError("no depthbench/gpu package")
+        if importlib.util.find_spec("depthbench.kernels") is None:
+            raise ImportError("no depthbench/kernels package")
         import triton  # noqa: F401
         names.append("triton")
     except (ValueError, ImportError) as e:

@@ -10,8 +10,8 @@ each as a number or as null with a reason:
   correctness      every design on CUDA against the CPU reference (scripts/cuda_check.py): fp32, bf16, compiled ==
                    eager, each kernels namespace ("fast", and "triton" where the model accepts it)
   card             issue 52's table at L70 d640 T2048 (bf16, compiled per block), at micro-batch 2 and at the one
-                   the memory plan picks (train.py's resolve, depthbench/costs.py): step ms, x Pre-LN (at the same
-                   micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over the step), GPU kernels per
+                   the memory plan picks (train.py's resolve, depthbench/training/costs.py): step ms, x Pre-LN (at the
+                   same micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over the step), GPU kernels per
                    step, peak memory, and scripts/roofline.py's H200 estimate beside each (today's path / GPU path)
   launch_overhead  Pre-LN at the card's shape compiled per block, as the whole model, and under CUDA graphs
                    (profile_gpu.py --compile, each capped at LAUNCH_CAP_S): which is fastest (issue 52 item 2;
@@ -45,7 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from depthbench.common import ArgParser, cannot_write, write_json  # noqa: E402  (the repository root, on the path above)
+from depthbench.files.common import ArgParser, cannot_write, write_json  # noqa: E402  (the repository root, on the path above)
 sys.path.insert(0, str(ROOT / "scripts"))
 import roofline  # noqa: E402  (scripts/ is not a package; the estimate printed beside each measurement)
 

@@ -8,7 +8,7 @@ answer a design's state, update, init, head and parameter count, in a checkout o
 A path is a list of (file, names) that the reader follows from the design's class: residuals.py's module docstring
 (the trunk loop's contract), the class docstring and the methods a forward and the init run, those it inherits, and
 the shared maths it calls in ops.py. A class docstring is counted whole; a function or method from its `def` to its
-end. The fast bodies a forward runs by default (depthbench/kernels.py) are counted too, unless the design's class
+end. The fast bodies a forward runs by default (depthbench/kernels/cpu.py) are counted too, unless the design's class
 docstring names the test that proves them equal to ops.py's (`proof`) and that test exists. --before reads the layout
 before issue 54 (commit 0d9c973), where MoDA's attention is model.py's, and the docstrings name no test.
 No design may take more than TARGET's files and lines (tests/test_repo.py checks it).
@@ -49,7 +49,7 @@ class Reading:
     """One design's reading: the class whose docstring may name the proof, what is read, and the fast bodies."""
     cls: str                  # the design's class in residuals.py
     read: tuple               # ((file, [names]), ...): a name is "Class", "Class.method", "function" or "<module>"
-    fast: tuple               # names in depthbench/kernels.py that its forward runs by default
+    fast: tuple               # names in depthbench/kernels/cpu.py that its forward runs by default
     proof: str                # the test that proves those equal to ops.py's
 
 
@@ -109,8 +109,9 @@ def measure(root, design):
     """-> ({file: lines read}, whether the fast bodies were counted)."""
     read = list(design.read)
     proven = design.proof in class_doc(root, design.cls) and test_exists(root, design.proof)
-    if not proven:
-        read.append(("depthbench/kernels.py", list(design.fast)))
+    if not proven:  # the fast bodies' file: depthbench/kernels/cpu.py, depthbench/kernels.py before issue 56
+        fast = next(f for f in ("depthbench/kernels/cpu.py", "depthbench/kernels.py") if (root / f).is_file())
+        read.append((fast, list(design.fast)))
     lines = {}
     for name, wanted in read:
         table = spans(root / name)

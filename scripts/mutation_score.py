@@ -12,7 +12,7 @@ fast tests catch (docs/contributing.md#mutation-testing). Not in CI; run it befo
 
 mutmut (configured in setup.cfg) copies the repository into mutants/, mutates every function of the files it names
 and records each mutant's result in mutants/**/*.py.meta; this script runs and scores only the mutants of the
-functions that hold maths (MATHS below: each design's forward contract and init, ops.py, kernels.py, model.py's
+functions that hold maths (MATHS below: each design's forward contract and init, ops.py, kernels/cpu.py, model.py's
 forward passes, diagnose.py's metric functions, shapes.py's solver, costs.py's formulas, official.py's name table),
 not messages, argparse or I/O. A survivor that cannot change any result (an equivalent mutant) is listed in
 scripts/mutation_equivalent.txt with its reason and counts as caught; every other survivor counts against the score.
@@ -52,21 +52,24 @@ DIAGNOSE_METRICS = ("causal", "lens_sums", "lens", "angle_sums", "angular", "tok
 MATHS = (
     *(f"residuals.xǁ*ǁ{method}__mutmut_*" for method in DESIGN_METHODS),
     "ops.x_*", "ops.xǁRMSNormǁforward__mutmut_*", "ops.xǁDepthBankǁ*", "ops.xǁDepthKVǁ*",
-    "depthbench.kernels.*",
+    "depthbench.kernels.cpu.*",
     "model.xǁAttentionǁforward__mutmut_*", "model.xǁMLPǁforward__mutmut_*", "model.xǁBlockǁforward__mutmut_*",
     "model.xǁGPTǁforward__mutmut_*",
     *(f"diagnose.x_{name}__mutmut_*" for name in DIAGNOSE_METRICS),
     "diagnose.xǁSumsǁ*",
     *(f"shapes.x_{name}__mutmut_*" for name in ("solve", "count_params", "backbone_params", "ffn_dim", "preln_params")),
-    *(f"depthbench.costs.x_{name}__mutmut_*" for name in ("analytic", "token_bytes", "fixed_bytes", "run_params")),
-    "depthbench.official.x_layout__mutmut_*", "depthbench.official.x_block_name__mutmut_*",
-    "depthbench.official.x_official_block__mutmut_*",
+    *(f"depthbench.training.costs.x_{name}__mutmut_*"
+      for name in ("analytic", "token_bytes", "fixed_bytes", "run_params")),
+    "depthbench.files.official.x_layout__mutmut_*", "depthbench.files.official.x_block_name__mutmut_*",
+    "depthbench.files.official.x_official_block__mutmut_*",
 )
-# inside MATHS' patterns but not maths: the kernels switch, the fp32 wrapper, the depth-µP control's optimiser rules
-NOT_MATHS = ("ops.x_namespace__*", "ops.x_fp32_maths__*", "residuals.xǁSiteǁ*", "residuals.xǁPreLNDepthMuPǁ*")
+# inside MATHS' patterns but not maths: the kernels switch (and where depthbench/kernels registers its bodies), the
+# fp32 wrapper, the depth-µP control's optimiser rules
+NOT_MATHS = ("ops.x_namespace__*", "ops.x_register__*", "ops.x_fp32_maths__*", "residuals.xǁSiteǁ*",
+             "residuals.xǁPreLNDepthMuPǁ*")
 
 # official.py's strings are the release's tensor names: maths for a checkpoint, so they stay in the score
-NAME_TABLE = "depthbench.official."
+NAME_TABLE = "depthbench.files.official."
 
 CAUGHT = {1: "killed", 3: "killed", 36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
           -11: "crashed", -9: "crashed"}

@@ -7,7 +7,8 @@ its per-cell table, which gives each cell's paired differences from Pre-LN only 
 A summary written since lists every seed's loss and the intervals themselves; this is for the older ones.
 
 - Two or three pairs: the differences are determined, min and max and (with three) 3 · mean - min - max, each to the
-  summary's four decimals (the middle one to ±0.00025). Their t interval and verdict are depthbench/compare.py's.
+  summary's four decimals (the middle one to ±0.00025). Their t interval and verdict are
+  depthbench/evaluation/compare.py's.
 - Four or more (the ten-design suite's five seeds at L9): n - 2 differences are unknown, only their sum (n · mean -
   min - max) and their bounds [min, max] are. The interval's width then lies between the one with the unknown
   values equal (narrowest) and the one with as many as fit at min or max (widest: the sum of squares is largest at
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-from depthbench import compare  # noqa: E402
-from depthbench.common import ArgParser, fail  # noqa: E402
-from depthbench.suite_tables import shape_name  # noqa: E402
+from depthbench.evaluation import compare  # noqa: E402
+from depthbench.files.common import ArgParser, fail  # noqa: E402
+from depthbench.reports.suite_tables import shape_name  # noqa: E402
 
 HEAD = "Δ vs Pre-LN paired: mean [range], lower on"  # the older per-cell table's paired column
 PAIRED = re.compile(r"([+-]\d+\.\d+) \[([+-]\d+\.\d+), ([+-]\d+\.\d+)\], lower on (\d+)/(\d+)")

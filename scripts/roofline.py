@@ -25,7 +25,7 @@ Two paths per design:
           Pre-LN (9,155 / its eager count), scaled linearly in depth for other L
   gpu     fused kernels (issue 52's GPU bodies): the backbone is Pre-LN's, plus the mixing's HBM bytes in bf16 at
           the lower bound of the first GPU measurement's notes and a few launches per sublayer (FUSED_LAUNCHES); where
-          depthbench/gpu/attnres.py or hc.py import, their traffic() functions replace the analytic bytes and
+          depthbench/kernels/triton_attnres.py or hc.py import, their traffic() functions replace the analytic bytes and
           launches (`gpu_traffic`: the plug-in point)
 
 What it leaves out (so read the errors as the model's): kernel overlap, L2 hits, the mixing's FLOPs (under 1% of
@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-from depthbench.common import ArgParser  # noqa: E402
+from depthbench.files.common import ArgParser  # noqa: E402
 
 PEAK_HBM = 4.8e12                  # H200 HBM3e bytes/s
 ETA_GPU = 0.8                      # HBM fraction a streaming fused kernel reaches (the first notes' bound assumes it)
@@ -112,16 +112,16 @@ def today_kernels(design, shape, fusion):
 
 
 def gpu_traffic(design, shape):
-    """(bytes, extra launches) of the fused GPU path's mixing: depthbench/gpu's traffic() where it imports (the
+    """(bytes, extra launches) of the fused GPU path's mixing: depthbench/kernels/triton_*.py's traffic() where it imports (the
     plug-in point), else the analytic bound (FUSED_PASSES in bf16, FUSED_LAUNCHES) -> (bytes, launches, source)."""
     L, tokens, D = shape["layers"], shape["batch"] * shape["seq"], shape["width"]
     try:
         if design in ("hc", "mhc"):
-            rows = importlib.import_module("depthbench.gpu.hc").traffic(design, tokens, D)
+            rows = importlib.import_module("depthbench.kernels.triton_hc").traffic(design, tokens, D)
             return (2 * L * sum(r["read"] + r["written"] for r in rows), 2 * L * sum(r["launches"] for r in rows),
-                    "depthbench.gpu.hc.traffic")
+                    "depthbench.kernels.triton_hc.traffic")
         if design in ("attnres", "block_attnres"):
-            return attnres_traffic(design, L, tokens, D) + ("depthbench.gpu.attnres.traffic",)
+            return attnres_traffic(design, L, tokens, D) + ("depthbench.kernels.triton_attnres.traffic",)
     except ImportError:
         pass
     units = {"hc": 2 * L, "mhc": 2 * L, "attnres": 2 * L + 1, "block_attnres": 2 * L + 1, "moda": L}
@@ -130,8 +130,8 @@ def gpu_traffic(design, shape):
 
 
 def attnres_traffic(design, L, tokens, D):
-    """Sum of depthbench.gpu.attnres.traffic over the consumers (and one push per source)."""
-    traffic = importlib.import_module("depthbench.gpu.attnres").traffic
+    """Sum of depthbench.kernels.triton_attnres.traffic over the consumers (and one push per source)."""
+    traffic = importlib.import_module("depthbench.kernels.triton_attnres").traffic
     total, launches, n_sub = 0, 0, 2 * L
     for k in range(n_sub + 1):
         n = k + 1 if design == "attnres" else 1 + group_of(k, n_sub)

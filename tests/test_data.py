@@ -22,7 +22,7 @@ import torch
 
 import data
 from data import BatchLoader, DataError
-from depthbench.synthetic import SyntheticTask, answer_metrics
+from depthbench.evaluation.synthetic import SyntheticTask, answer_metrics
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 TIKTOKEN_DIR = ROOT.parent / "shared" / "data" / "tiktoken"
@@ -477,7 +477,7 @@ def test_token_windows_stay_inside_one_file_and_never_reach_its_end(tmp_path):
     """The release's rule: a file is drawn with probability proportional to len - T (a file of exactly T tokens
     never), and the start is uniform in [0, len - T): with T = 8, file a (8 tokens) is never read, file b (9) only
     as b[0:8], file c (11) from starts 0, 1 and 2 but never 3, whose window would end on c's last token."""
-    from depthbench import windows
+    from depthbench.evaluation import windows
     T, paths = 8, []
     for name, first, n in (("a", 0, 8), ("b", 1000, 9), ("c", 2000, 11)):
         np.save(tmp_path / f"{name}.npy", np.arange(first, first + n, dtype=np.uint16))
@@ -496,7 +496,7 @@ def test_token_windows_stay_inside_one_file_and_never_reach_its_end(tmp_path):
 def test_text_windows_reach_the_last_token(tmp_path):
     """Random windows of text: one document of T bytes is T + 1 tokens with its EOT, so a window starts at 0 or 1,
     and both are drawn (the second ends on the EOT); a shorter text is repeated until a window fits."""
-    from depthbench import windows
+    from depthbench.evaluation import windows
     T = 6
     (tmp_path / "a.txt").write_text("abcdef")
     x, _ = windows.text_windows(str(tmp_path / "a.txt"), data.ByteTokenizer(), N=64, T=T, seed=0)

@@ -20,11 +20,11 @@ import torch
 import diagnose as dg
 import ops
 from data import ByteTokenizer
-from depthbench import nll
-from depthbench.interventions import block_tensors
+from depthbench.evaluation import nll
+from depthbench.evaluation.interventions import block_tensors
 from model import GPT, GPTConfig
 from ops import rope_cos_sin
-from depthbench import observe
+from depthbench.evaluation import observe
 from residuals import RESIDUALS
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -63,7 +63,7 @@ def run_cli(*args, env=None):
 # ----------------------------------------------------------------------------- the trunk loop and the skip rules
 
 def trunk(model, x, skip=None):
-    """(logits, depth states, lens readouts) of the observed forward (depthbench/observe.py), block `skip` left out."""
+    """(logits, depth states, lens readouts) of the observed forward (evaluation/observe.py), block `skip` left out."""
     logits, rec = dg.recording(model, x, skip=skip)
     return logits, rec.states, rec.readouts
 
@@ -384,7 +384,7 @@ def test_token_shard_windows_follow_the_release_rule(tmp_path):
     """Same seed, same windows as the rule reimplemented here; another seed others; a file too short is never drawn;
     the windows are slices of their file (values encode file and position)."""
     import numpy as np
-    from depthbench import windows
+    from depthbench.evaluation import windows
     lengths = [300, 40, 5, 1000]
     paths = []
     for f, n in enumerate(lengths):

@@ -918,7 +918,7 @@ def test_resformer_init():
 def test_resformer_without_its_first_block_mixes_in_zero_values():
     """Skipping block 0 in the diagnostics' pass is the model whose block 0 has zero values and writes nothing
     (W_v = W_2 = 0): later attentions mix lambda_1 * 0 into their own values."""
-    from depthbench import observe
+    from depthbench.evaluation import observe
     model = fresh("resformer", n_layer=3, n_kv_head=2).eval()
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():

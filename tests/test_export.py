@@ -1,7 +1,7 @@
 """
 export.py's tests: a run written as a Hugging Face Llama folder (Pre-LN) or in the authors' release layout (any
 design), then loaded by the programs that read those formats: transformers' own from_pretrained, and
-depthbench/official.py. Logits are compared, not names and shapes alone (open-instruct #1839: a converter whose
+depthbench/files/official.py. Logits are compared, not names and shapes alone (open-instruct #1839: a converter whose
 names and shapes checked out gave 38% logit error).
 
     python -m pytest -q tests/test_export.py
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import export
-from depthbench import common, official, runlog
+from depthbench.files import common, official, runlog
 from model import GPT, GPTConfig
 from test_official import WIDE, release_names
 
@@ -47,7 +47,7 @@ def make_run(folder, residual="preln", args=None, tokenizer="bytes", V=320, L=3,
 
 
 def run_log(cfg, seed, finished):
-    """The fields of a run.json that every reader checks (depthbench/runlog.py), for a run that reached STEP."""
+    """The fields of a run.json that every reader checks (depthbench/files/runlog.py), for a run that reached STEP."""
     config = {"residual": cfg.residual, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "lr": 3e-3, "seed": seed}
     return {"schema": runlog.SCHEMA, "config": config, "steps": [{"step": STEP}], "evals": [],
             "final": {"val_loss": None}, "diverged": False, "finished": finished, "wall_s": 1.0}

@@ -4,7 +4,7 @@ What a first-day user hits (issue 51): every script's --help, and every file a s
 - --help and -h of every script: exit 0, the usage, never a traceback (in this process for the quick tier; in a
   process of its own, as typed, in the slow one).
 - Each reader of a checkpoint (train.py --resume, diagnose.py, export.py), of run.json (train.py, mini.py --report)
-  and of an official config.json (depthbench.official), fed a truncated, a mistyped and a foreign file: one line,
+  and of an official config.json (depthbench.files.official), fed a truncated, a mistyped and a foreign file: one line,
   exit 2, nothing written.
 - --max-steps below the step a run reached, the run.json rebuild said once, a long message cut at a word's end,
   export.py's offline GPT-2 message, the zero-shot data checked before lm-eval reads it.
@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from depthbench import common, runlog, zeroshot
+from depthbench.files import common, runlog
+from depthbench.evaluation import zeroshot
 import data
 import train
 from model import GPT, GPTConfig
@@ -36,7 +37,7 @@ def scripts():
     """Every script a user runs: (the path as typed, the module its main is in), found by their __main__ block:
     the root's, depthbench's (run with -m) and scripts/."""
     found = []
-    for path in sorted(ROOT.glob("*.py")) + sorted((ROOT / "depthbench").glob("*.py")) + sorted(
+    for path in sorted(ROOT.glob("*.py")) + sorted((ROOT / "depthbench").rglob("*.py")) + sorted(
             (ROOT / "scripts").glob("*.py")):
         if re.search(r'^if __name__ == "__main__":', path.read_text(), re.M):
             rel = path.relative_to(ROOT)
@@ -176,7 +177,7 @@ RUN_JSON_DAMAGES = {
 
 @pytest.mark.parametrize("damage", RUN_JSON_DAMAGES)
 def test_each_run_json_reader_refuses_a_damaged_file(tmp_path, capsys, partial_run, damage):
-    """The one reader of run.json (depthbench/runlog.py) and the scripts on it, train.py and mini.py --report, fed
+    """The one reader of run.json (depthbench/files/runlog.py) and the scripts on it, train.py and mini.py --report, fed
     a truncated, a foreign and a mistyped run.json: a RunLogError; one line, exit 2, nothing written."""
     import mini
     run = tmp_path / "synthetic" / partial_run.name
@@ -218,9 +219,9 @@ OFFICIAL_DAMAGES = {
 
 @pytest.mark.parametrize("damage", OFFICIAL_DAMAGES)
 def test_an_official_config_is_read_by_type(tmp_path, capsys, damage):
-    """depthbench.official (and diagnose.py through it) on a config.json cut off, of another program, or with a
+    """depthbench.files.official (and diagnose.py through it) on a config.json cut off, of another program, or with a
     section of another type: one line naming the file, exit 2, never an AttributeError's traceback."""
-    from depthbench import official
+    from depthbench.files import official
     step = official_step(tmp_path)
     write, says = OFFICIAL_DAMAGES[damage]
     (step / "config.json").write_text(write((step / "config.json").read_text()))
@@ -228,7 +229,7 @@ def test_an_official_config_is_read_by_type(tmp_path, capsys, damage):
         official.main(["info", str(step)])
     err = capsys.readouterr().err
     assert (e.value.code, len(err.splitlines())) == (2, 1), err
-    assert err.startswith("depthbench.official: error: ") and "config.json" in err and says in err, err
+    assert err.startswith("depthbench.files.official: error: ") and "config.json" in err and says in err, err
 
 
 # ----------------------------------------------------------------------------- resume, messages

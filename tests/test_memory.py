@@ -1,5 +1,6 @@
-"""The memory plan (depthbench/costs.py, docs/training.md#memory) against what a training forward keeps, measured on
-the CPU (costs.kept_bytes), and HC/mHC's recomputation (`recompute`), which keeps less and changes nothing else."""
+"""The memory plan (depthbench/training/costs.py, docs/training.md#memory) against what a training forward keeps,
+measured on the CPU (costs.kept_bytes), and HC/mHC's recomputation (`recompute`), which keeps less and changes nothing
+else."""
 import itertools
 from types import SimpleNamespace
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import shapes
-from depthbench import costs, recipe
+from depthbench.training import costs, recipe
 from model import GPT, GPTConfig
 
 # (L, d, T, heads): none of them a shape scripts/calibrate_memory.py fitted the constants on (L2/4, d64/128, T32)
@@ -67,7 +68,7 @@ def test_the_plan_equals_the_kept_bytes_compiled(residual):
     """The plan's compiled mode (a GPU's train.py) against the bytes a forward keeps when each block is compiled with
     inductor's decompositions and min-cut partition (the aot_eager_decomp_partition backend: what inductor saves,
     without its code generation), bf16 autocast, at one shape the constants were not fitted on: within 5%."""
-    from depthbench.compiled import compile_model
+    from depthbench.training.compiled import compile_model
     L, d, T, heads = SHAPES[0]
     torch._dynamo.reset()
     model = compile_model(model_at(residual, L, d, heads), "blocks", backend="aot_eager_decomp_partition")
@@ -131,7 +132,7 @@ def test_recompute_keeps_less_and_changes_nothing(residual, kernels):
             assert torch.equal(p.grad, q.grad), name
         plain, recomputed = (kept(m, 2, 32, bf16) - kept(m, 1, 32, bf16) for m in models)
         assert recomputed <= 0.7 * plain, (plain, recomputed)
-    from depthbench import observe
+    from depthbench.evaluation import observe
     with torch.no_grad():
         a, b = (observe.record(m, idx) for m in models)
     assert all(torch.equal(x, y) for x, y in zip(a.states, b.states))

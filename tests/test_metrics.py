@@ -21,7 +21,7 @@ import torch
 import diagnose as dg
 import ops
 from data import ByteTokenizer
-from depthbench import nll, observe
+from depthbench.evaluation import nll, observe
 from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -519,7 +519,7 @@ def test_zeroshot_accuracy_is_lm_evals_on_every_task_layout():
     is the table's sum over the continuation, and acc / acc_norm are what those give by hand for each task's layout
     (lm-eval's prompts, choices and gold written out in `layout`); WinoGrande and SIQA report acc only."""
     pytest.importorskip("lm_eval")
-    from depthbench import zeroshot as zs
+    from depthbench.evaluation import zeroshot as zs
     model = bigram_model(seed=1)
     table = bigram_table(model)
     lm = zs.harness_model(model, ByteTokenizer(), max_len=512, batch_size=3)
@@ -545,7 +545,7 @@ def test_zeroshot_model_scores_batched_rolling_and_refuses_generation():
     bigram sum over every byte once, the first from the end-of-text id; generate_until is one line, refused."""
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
-    from depthbench import zeroshot as zs
+    from depthbench.evaluation import zeroshot as zs
     model, tok = bigram_model(seed=2), ByteTokenizer()
     table = bigram_table(model)
     pairs = [(list(b"ab"), list(b" cde")), (list(b"x" * 20), list(b"yz")), (list(b"q"), list(b" r"))]

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from depthbench import common
+from depthbench.files import common
 import mini
-from depthbench import suite_tables
+from depthbench.reports import suite_tables
 from test_train import run_json
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -170,7 +170,7 @@ def sweep_run(folder, lr, loss=None, state="finished"):
 
 
 def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
-    """By common.run_state: a diverged run is done (listed as diverged) but never chosen, even where it is the only
+    """By runlog.run_state: a diverged run is done (listed as diverged) but never chosen, even where it is the only
     one at an edge; an unfinished run is not done; a cell where every run diverged has no LR, so no seeds train."""
     args = mini.parse_args(["--designs", "preln,hc", "--ar", "9.1", "--seeds", "0,1", "--deep-seeds", "",
                             "--out", str(tmp_path)])
@@ -197,7 +197,7 @@ def test_paired_differences_count_every_seed_both_ran():
     """compare.paired: the differences of the seeds both finished, their mean, range and 95% t interval; lower/higher
     count every common seed (a diverged seed counts against its design, a seed both diverged on counts neither way);
     'better' only where the interval excludes 0 (tests/test_suite_stats.py has the interval's own tests)."""
-    from depthbench import compare
+    from depthbench.evaluation import compare
     p = compare.paired({0: 2.9, 1: 3.05, 2: 2.8, 5: 1.0}, {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0})
     assert p.seeds == [0, 1, 2] and p.deltas == pytest.approx({0: -0.1, 1: 0.05, 2: -0.2})
     assert (p.lower, p.higher, p.verdict()) == (2, 1, "unresolved")
@@ -353,7 +353,7 @@ def test_the_glance_table_has_both_ends_paired_counts_and_the_chosen_lrs():
 
 def test_a_job_whose_run_is_done_is_not_started_again(tmp_path, capsys):
     """found_done: the job's run folder (the one train.py resolves its command to, in mini.py's process), when
-    common.run_state says it is done ('finished' -> 'done before', 'diverged'); a partial run, no folder, or a job
+    runlog.run_state says it is done ('finished' -> 'done before', 'diverged'); a partial run, no folder, or a job
     that is not train.py's -> None (the job runs). A run.json of the wrong types is refused in one line naming it."""
     args = mini.parse_args(["--designs", "preln", "--ar", "32", "--seeds", "0", "--deep-seeds", "", "--lr", "3e-3",
                             "--steps", "2", "--out", str(tmp_path)])

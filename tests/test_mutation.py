@@ -10,18 +10,21 @@ from scripts import mutation_score
 
 
 def test_only_the_maths_functions_are_scored():
-    """A design's forward contract, ops.py, kernels.py and a metric count; messages, argparse, the kernels switch and
-    a design's telemetry do not."""
+    """A design's forward contract, ops.py, kernels/cpu.py and a metric count; messages, argparse, the kernels switch
+    and a design's telemetry do not."""
     maths = ["residuals.xǁHCǁread__mutmut_3", "residuals.xǁMHCǁ__init____mutmut_1", "ops.x_sinkhorn__mutmut_12",
-             "depthbench.kernels.xǁMixǁbackward__mutmut_40", "diagnose.x_angular__mutmut_2",
-             "shapes.x_solve__mutmut_9", "depthbench.official.x_layout__mutmut_5", "model.xǁAttentionǁforward__mutmut_1"]
-    not_maths = ["diagnose.x_build_parser__mutmut_1", "ops.x_namespace__mutmut_2", "residuals.xǁHCǁtelemetry__mutmut_4",
-                 "residuals.xǁSiteǁ__init____mutmut_1", "depthbench.official.x_main__mutmut_7", "shapes.x_main__mutmut_3",
-                 "model.xǁGPTǁparam_groups__mutmut_2", "depthbench.costs.x_print_plan__mutmut_1"]
+             "depthbench.kernels.cpu.xǁMixǁbackward__mutmut_40", "diagnose.x_angular__mutmut_2",
+             "shapes.x_solve__mutmut_9", "depthbench.files.official.x_layout__mutmut_5",
+             "model.xǁAttentionǁforward__mutmut_1"]
+    not_maths = ["diagnose.x_build_parser__mutmut_1", "ops.x_namespace__mutmut_2", "ops.x_register__mutmut_1",
+                 "residuals.xǁHCǁtelemetry__mutmut_4", "residuals.xǁSiteǁ__init____mutmut_1",
+                 "depthbench.files.official.x_main__mutmut_7", "shapes.x_main__mutmut_3",
+                 "model.xǁGPTǁparam_groups__mutmut_2", "depthbench.training.costs.x_print_plan__mutmut_1"]
     assert [n for n in maths if not mutation_score.is_maths(n)] == []
     assert [n for n in not_maths if mutation_score.is_maths(n)] == []
     assert mutation_score.function_of("residuals.xǁHCǁread__mutmut_3") == "residuals.HC.read"
-    assert mutation_score.function_of("depthbench.kernels.x_slot_sum__mutmut_11") == "depthbench.kernels.slot_sum"
+    assert mutation_score.function_of("depthbench.kernels.cpu.x_slot_sum__mutmut_11") == \
+        "depthbench.kernels.cpu.slot_sum"
 
 
 def test_the_tally_counts_equivalent_survivors_as_caught_and_nothing_else(tmp_path):

@@ -1,5 +1,5 @@
 """
-depthbench/official.py's tests: the authors' OLMo-core checkpoint layout, loaded into our GPT.
+depthbench/files/official.py's tests: the authors' OLMo-core checkpoint layout, loaded into our GPT.
 
     python -m pytest -q tests/test_official.py
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from depthbench import official
+from depthbench.files import official
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -355,7 +355,7 @@ def test_an_extra_buffer_loads_with_one_line_naming_it(tmp_path):
     src = ours("preln")
     sd = {**official.to_official(src), "blocks.1.attention.rope.inv_freq": torch.arange(8.0), "step_count": torch.tensor(3)}
     write_checkpoint(tmp_path / "step1", src, sd)
-    r = run_cli("depthbench.official", "info", tmp_path / "step1")
+    r = run_cli("depthbench.files.official", "info", tmp_path / "step1")
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("\n") == 1 and "warning: ignored 2 non-parameter tensor(s)" in r.stderr
     assert "blocks.1.attention.rope.inv_freq" in r.stderr and "step_count" in r.stderr
@@ -382,7 +382,7 @@ def test_missing_or_extra_tensor_is_one_line_naming_it(tmp_path, change, message
     sd = official.to_official(src)
     change(sd)
     write_checkpoint(tmp_path / "repo" / "step7", src, sd)
-    r = run_cli("depthbench.official", "info", tmp_path / "repo")
+    r = run_cli("depthbench.files.official", "info", tmp_path / "repo")
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -536,7 +536,7 @@ def test_repository_folder_picks_the_step(tmp_path):
 @pytest.mark.slow
 def test_offline_hub_id_is_one_line_and_fast():
     t0 = time.time()
-    r = run_cli("depthbench.official", "info", "aspect-ratio-scaling/preln-lr2e-3-llama-400M-L24-pretrain",
+    r = run_cli("depthbench.files.official", "info", "aspect-ratio-scaling/preln-lr2e-3-llama-400M-L24-pretrain",
                 env={"HF_ENDPOINT": "http://127.0.0.1:9"})
     assert r.returncode == 2 and "cannot be reached" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert time.time() - t0 < 60
@@ -607,7 +607,7 @@ def test_evaluate_is_the_models_own_loss_on_the_windows(tmp_path):
     write_checkpoint(tmp_path / "repo" / "step9", src, config=cfg)
     path = make_tokenizer(tmp_path / "repo" / "tokenizer")
     (tmp_path / "val.txt").write_text("the cat sat on the mat. a dog ate the hat. " * 8)
-    r = run_cli("depthbench.official", "evaluate", tmp_path / "repo", "--text", tmp_path / "val.txt", "--seq-len", 16,
+    r = run_cli("depthbench.files.official", "evaluate", tmp_path / "repo", "--text", tmp_path / "val.txt", "--seq-len", 16,
                 "--device", "cpu")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])

@@ -16,6 +16,7 @@ import matplotlib.image
 import pytest
 
 import plot
+from depthbench.reports import drawing
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 L = 4  # a tiny model: 4 layers, 8 sublayers, 5 depth states
@@ -53,7 +54,7 @@ def diagnose_json(residual="attnres", n_layer=L, d_model=64):
     diagnose.py writes them. Values shift a little per design so lines don't sit on top of each other."""
     n, S = n_layer, 2 * n_layer  # S sublayers
     rng = np.random.default_rng(n + len(residual))
-    o = 0.1 * plot.design_order(residual)
+    o = 0.1 * drawing.design_order(residual)
     sub = [[(n - g) / n * 0.1 * (k + 1) if k + g < n + 1 else None for k in range(n)] for g in range(n)]
     weights = [[1.0 / (c + 1) if s <= c else None for s in range(S + 1)] for c in range(S + 1)]
     schedule = [0.01 if k % 3 == 0 else 0.2 + 0.6 * k / S for k in range(S)]
@@ -164,7 +165,7 @@ def assert_png(path):
 @pytest.mark.parametrize("name,fn", plot.FIGURES, ids=[n for n, _ in plot.FIGURES])
 def test_each_figure_draws_a_png(full_dir, tmp_path, name, fn):
     """Every figure function draws a non-blank PNG from fixture JSON and says what it drew."""
-    data, skipped = plot.load_folder(full_dir)
+    data, skipped = drawing.load_folder(full_dir)
     assert skipped == []
     info = fn(data, tmp_path / "figs" / f"{name}.png")
     assert "drew" in info, info
@@ -181,7 +182,7 @@ def test_each_figure_skips_without_its_data(tmp_path, name, fn):
 def test_composition_figure_counts_finished_synthetic_runs(full_dir, tmp_path):
     """The composition probe draws every finished run with per-gap accuracy (not the diverged one) and
     every gap; a run without per_level (real text) is left out."""
-    data, _ = plot.load_folder(full_dir)
+    data, _ = drawing.load_folder(full_dir)
     data["train"].append(dict(train_json("preln", 2, 192), evals=[{"step": 10, "per_level": None}]))
     info = plot.fig_composition(data, tmp_path / "c.png")
     assert info["drew"] == "24 runs, gaps 1, 2, 3, 4"
@@ -190,9 +191,10 @@ def test_composition_figure_counts_finished_synthetic_runs(full_dir, tmp_path):
 
 @pytest.mark.slow
 def test_imports_without_torch():
-    """plot.py (and depthbench/plot_suite.py, depthbench/plot_telemetry.py) must work where torch is absent: each imports with torch
+    """plot.py (and depthbench/reports/plot_suite.py, depthbench/reports/plot_telemetry.py) must work where torch is
+    absent: each imports with torch
     blocked, and never pulls torch in."""
-    for module in ("plot", "depthbench.plot_suite", "depthbench.plot_telemetry"):
+    for module in ("plot", "depthbench.reports.plot_suite", "depthbench.reports.plot_telemetry"):
         blocked = f"import sys; sys.modules['torch'] = None; import {module}"  # any 'import torch' would raise
         absent = f"import sys, {module}; assert 'torch' not in sys.modules"
         for code in (blocked, absent):
@@ -202,7 +204,7 @@ def test_imports_without_torch():
 
 def test_diverged_run_is_marked_not_dropped(full_dir, tmp_path):
     """The diverged HC run shows up in what fig2 and the loss curves report as marked."""
-    data, _ = plot.load_folder(full_dir)
+    data, _ = drawing.load_folder(full_dir)
     div = str(Path("hc_L4_s0") / "run.json")
     assert plot.fig2_final_loss(data, tmp_path / "a.png")["diverged"] == [div]
     assert plot.fig2_loss_curves(data, tmp_path / "b.png")["diverged"] == [div]
@@ -230,8 +232,8 @@ def test_a_linked_run_folder_is_read_once(tmp_path):
     sweep = write(tmp_path, "text-lr/preln_ar32/s0/run.json", train_json(seed=0, final=3.0)).parent
     write(tmp_path, "text/s1/run.json", train_json(seed=1, final=3.2))
     (tmp_path / "text" / "s0").symlink_to(sweep, target_is_directory=True)
-    assert sorted(r["config"]["seed"] for r in plot.load_folder(tmp_path / "text")[0]["train"]) == [0, 1]
-    data, skipped = plot.load_folder(tmp_path)
+    assert sorted(r["config"]["seed"] for r in drawing.load_folder(tmp_path / "text")[0]["train"]) == [0, 1]
+    data, skipped = drawing.load_folder(tmp_path)
     assert sorted(r["config"]["seed"] for r in data["train"]) == [0, 1] and not skipped
 
 
@@ -239,7 +241,7 @@ def test_other_schema_version_is_skipped_by_name(tmp_path):
     """A depthbench.train/2 file is not drawn; the reason names the version found and the one supported."""
     write(tmp_path, "new/run.json", dict(train_json(), schema="depthbench.train/2"))
     write(tmp_path, "ok/run.json", train_json())
-    data, skipped = plot.load_folder(tmp_path)
+    data, skipped = drawing.load_folder(tmp_path)
     assert len(data["train"]) == 1 and data["train"][0]["_path"] == str(Path("ok/run.json"))
     assert skipped == [(str(Path("new/run.json")), "schema depthbench.train/2, this plot.py reads version 1")]
 
@@ -250,7 +252,7 @@ def test_diagnose_v1_is_read_with_the_last_three_quarters_as_headline(tmp_path):
     old["schema"] = "depthbench.diagnose/1"
     old["permutation_score"] = {"R_perm": 0.5, "R_perm_last34": 0.25, "threshold": 0.15}
     write(tmp_path, "d/diagnose.json", old)
-    data, skipped = plot.load_folder(tmp_path)
+    data, skipped = drawing.load_folder(tmp_path)
     assert not skipped
     perm = data["diagnose"][0]["permutation_score"]
     assert (perm["R_perm"], perm["R_perm_all"]) == (0.25, 0.5)
@@ -263,7 +265,7 @@ def test_junk_json_is_skipped_with_a_reason(tmp_path):
     write(tmp_path, "other.json", {"schema": "somebody.else/1"})
     write(tmp_path, "noconfig.json", {"schema": "depthbench.train/1"})
     write(tmp_path, "listmeta.json", {"schema": "depthbench.diagnose/1", "meta": [1]})
-    data, skipped = plot.load_folder(tmp_path)
+    data, skipped = drawing.load_folder(tmp_path)
     assert sum(map(len, data.values())) == 0
     reasons = dict(skipped)
     assert "not valid JSON" in reasons["broken.json"]
@@ -372,18 +374,19 @@ def test_a_zero_score_is_data_not_missing():
         return {"meta": {"residual": "hc", "n_layer": 6, "d_model": 104, "seed": seed},
                 "causal_score": {"R_causal": value, "matrix": []}}
     data = {"diagnose": [doc(0, 1 / 6), doc(1, 0.0), doc(2, None)]}
-    assert [g["meta"]["seed"] for g in plot.with_metric(data, "causal_score.R_causal")] == [0, 1]
-    assert plot.with_metric(data, "causal_score.matrix") == []
+    assert [g["meta"]["seed"] for g in drawing.with_metric(data, "causal_score.R_causal")] == [0, 1]
+    assert drawing.with_metric(data, "causal_score.matrix") == []
 
 
-# ----------------------------------------------------------------------------- depthbench/plot_suite.py: the suite across designs
+# ----------------------------------------------------------------------------- depthbench/reports/plot_suite.py: the
+# suite across designs
 
 def suite_dir(tmp_path):
     """A mini suite's probe folder: the ten designs x three shapes x three seeds at 2e-3 (Pre-LN also at 1e-2 at
     the shallowest, worse, so not its choice); MoDA diverged on every seed at the deepest shape, Sandwich on seed 2
     there; a diagnose.json beside each run of the deepest shape that finished."""
     runs = tmp_path / "text"
-    for i, res in enumerate(plot.DESIGNS):
+    for i, res in enumerate(drawing.DESIGNS):
         for n, d in [(2, 184), (4, 128), (9, 88)]:
             for seed in range(3):
                 diverged = (res == "moda" and n == 9) or (res == "sandwich" and n == 9 and seed == 2)
@@ -406,13 +409,13 @@ def test_suite_figures_draw_ten_designs_and_the_paired_differences(tmp_path):
     of the per-seed differences from Pre-LN and their 95% t interval (compare.paired, by hand here: mean ±
     t(0.975, n-1) · sd / √n); a shape where a design diverged at every LR is marked, never plotted, and a diverged
     seed drops out of the pairs."""
-    from depthbench import plot_suite
-    data, skipped = plot.load_folder(suite_dir(tmp_path))
+    from depthbench.reports import plot_suite
+    data, skipped = drawing.load_folder(suite_dir(tmp_path))
     assert skipped == []
     info = plot_suite.fig_suite_loss(data, tmp_path / "loss.png")
     assert_png(tmp_path / "loss.png")
     assert info["diverged"] == ["moda@L9"]
-    names = list(plot.DESIGNS)
+    names = list(drawing.DESIGNS)
     t975 = {1: 12.7062047, 2: 4.3026527}  # Student's t, 97.5th percentile, by degrees of freedom
     expected = {}
     for i, res in enumerate(names[1:], start=1):
@@ -443,12 +446,12 @@ def test_the_shape_fit_figure_draws_each_designs_fit(tmp_path):
     """suite_shape_fit: a panel per design with three shapes of finished runs (not MoDA, diverged at L9), each with
     shape_fit.fit_design of its finished seeds in seed order (what summary.md's table computes); the fixture's loss
     falls with depth at every shape, ever less steeply in log AR, so every best AR is the deepest measured, 'monotone'."""
-    from depthbench import plot_suite, shape_fit
-    data, _ = plot.load_folder(suite_dir(tmp_path))
+    from depthbench.reports import plot_suite, shape_fit
+    data, _ = drawing.load_folder(suite_dir(tmp_path))
     info = plot_suite.fig_suite_shape_fit(data, tmp_path / "fit.png")
     assert_png(tmp_path / "fit.png")
-    assert sorted(info["fits"]) == sorted(r for r in plot.DESIGNS if r != "moda")
-    for i, res in enumerate(plot.DESIGNS):
+    assert sorted(info["fits"]) == sorted(r for r in drawing.DESIGNS if r != "moda")
+    for i, res in enumerate(drawing.DESIGNS):
         if res == "moda":
             continue
         losses = {round(d / n, 3): [suite_loss(i, n, s) for s in range(3) if not (res == "sandwich" and n == 9 and
@@ -463,37 +466,37 @@ def test_the_shape_fit_figure_draws_each_designs_fit(tmp_path):
 
 
 def test_suite_ticks_name_the_shapes_and_families_differ():
-    from depthbench import plot_suite
+    from depthbench.reports import plot_suite
     assert [plot_suite.shape_tick(ar, L) for ar, L in [(92.0, 2), (17.33, 6), (9.78, 9)]] == [
         "92 (L2)", "17 (L6)", "9.8 (L9)"]
-    styles = {res: plot_suite.line_style(res) for res in plot.DESIGNS}
+    styles = {res: plot_suite.line_style(res) for res in drawing.DESIGNS}
     assert {res for res, s in styles.items() if s == "-"} == set(plot_suite.PRE_LN_FAMILY)
-    assert len(set(styles.values())) == 2 and len({plot.colour(r) for r in plot.DESIGNS}) == 10
+    assert len(set(styles.values())) == 2 and len({drawing.colour(r) for r in drawing.DESIGNS}) == 10
 
 
 def test_plot_suite_main_draws_its_figures(tmp_path, capsys):
-    from depthbench import plot_suite
+    from depthbench.reports import plot_suite
     out = tmp_path / "figs"
     assert plot_suite.main([str(suite_dir(tmp_path)), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["suite_fig2_loss_vs_ar.png", "suite_fig6_depth_use.png",
                                                      "suite_shape_fit.png"]
     with pytest.raises(SystemExit) as e:
         plot_suite.main([str(tmp_path / "missing")])
-    assert e.value.code == 2 and capsys.readouterr().err.startswith("depthbench.plot_suite: error:")
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("depthbench.reports.plot_suite: error:")
 
 
 def test_zeroshot_figure_has_a_panel_per_scored_task_and_a_line_per_design(full_dir, tmp_path, monkeypatch):
     """Tasks in the order the JSON gives them, a task every JSON skipped left out; per panel a line per design for
     acc, and for acc_norm only where the task reports it (WinoGrande does not)."""
     from matplotlib.axes import Axes
-    from depthbench import plot_eval
+    from depthbench.reports import plot_eval
     drawn, plot_line = [], Axes.plot
 
     def recording_plot(ax, *args, **kw):
         drawn.append((ax, kw.get("label")))
         return plot_line(ax, *args, **kw)
     monkeypatch.setattr(Axes, "plot", recording_plot)
-    data, _ = plot.load_folder(full_dir)
+    data, _ = drawing.load_folder(full_dir)
     info = plot_eval.fig_zeroshot(data, tmp_path / "z.png")
     assert info["tasks"] == ["arc_easy", "winogrande"] and info["drew"] == "2 task(s) from 12 diagnose JSON"
     assert_png(tmp_path / "z.png")
@@ -509,11 +512,11 @@ def test_dense_weights_figure_has_a_panel_per_stream(full_dir, tmp_path, monkeyp
     """diagnose.py's dense metric as the paper's Fig. 7: per model a row of heatmaps, one per stream (MUDD's Q, K, V,
     R; DenseFormer's mix, the rest of its row blank), each the stream's consumer x source matrix; the other designs'
     JSON (skipped) draw nothing."""
-    from depthbench import plot_eval
-    drawn, heatmap = [], plot.heatmap
-    monkeypatch.setattr(plot, "heatmap", lambda ax, m, *a, **kw: drawn.append((kw["title"], m.shape)) or heatmap(
+    from depthbench.reports import plot_eval
+    drawn, heatmap = [], drawing.heatmap
+    monkeypatch.setattr(drawing, "heatmap", lambda ax, m, *a, **kw: drawn.append((kw["title"], m.shape)) or heatmap(
         ax, m, *a, **kw))
-    data, _ = plot.load_folder(full_dir)
+    data, _ = drawing.load_folder(full_dir)
     info = plot_eval.fig_dense_weights(data, tmp_path / "w.png")
     assert info["drew"] == "4 model(s)"
     assert_png(tmp_path / "w.png")
@@ -523,8 +526,8 @@ def test_dense_weights_figure_has_a_panel_per_stream(full_dir, tmp_path, monkeyp
 
 
 def test_token_collapse_figure_draws_a_line_per_model_and_metric(full_dir, tmp_path):
-    from depthbench import plot_eval
-    data, _ = plot.load_folder(full_dir)
+    from depthbench.reports import plot_eval
+    data, _ = drawing.load_folder(full_dir)
     info = plot_eval.fig_token_collapse(data, tmp_path / "t.png")
     assert info["drew"] == "12 model(s)"
     assert_png(tmp_path / "t.png")

@@ -16,7 +16,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from depthbench import costs, observe
+from depthbench.training import costs
+from depthbench.evaluation import observe
 import profile_gpu
 import residuals
 from model import GPT, GPTConfig
@@ -195,7 +196,7 @@ def test_tensor_bytes_counts_live_storage_and_shows_the_chunked_loss_saving():
     """TensorBytes' peak is the most bytes alive at once (views and in-place results add nothing, freed
     storage leaves), and the logits-free loss peaks far below the plain one when the logits dominate."""
     import torch.nn.functional as F
-    from depthbench.kernels import chunked_cross_entropy
+    from depthbench.kernels.cpu import chunked_cross_entropy
     with profile_gpu.TensorBytes() as tb:
         a, b = torch.empty(1000), torch.empty(2000)
         del a

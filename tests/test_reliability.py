@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import pytest
 import torch
 
-from depthbench import common
+from depthbench.files import common, runlog
 import data
 import mini
 import profile_gpu
@@ -95,8 +95,8 @@ CASES = [
     ("train.py", "--params 1e400", [*TRAIN, "--params", "1e400"], {}, 2, "--params '1e400' is not a count"),
     ("train.py", "--device bogus", [*TRAIN, "--device", "bogus"], {}, 2, "invalid choice: 'bogus'"),
     ("diagnose.py", "--device bogus", [*INIT, "--device", "bogus"], {}, 2, "--device 'bogus' is not a device"),
-    ("depthbench.official", "--device bogus", ["info", "{tmp}/step1", "--device", "bogus"], {}, 2, "is not a device"),
-    ("depthbench.official", "--batch-size 0", ["evaluate", "{tmp}/step1", "--batch-size", "0"], {}, 2,
+    ("depthbench.files.official", "--device bogus", ["info", "{tmp}/step1", "--device", "bogus"], {}, 2, "is not a device"),
+    ("depthbench.files.official", "--batch-size 0", ["evaluate", "{tmp}/step1", "--batch-size", "0"], {}, 2,
      "argument --batch-size: invalid"),
     ("diagnose.py", "--init at a width of an odd head_dim", ["--init", "preln", "--width", "36", "--heads", "4"], {},
      2, "with an even head_dim"),
@@ -112,9 +112,9 @@ CASES = [
     ("shapes.py", "--ar inf", ["--ar", "inf"], {}, 2, "argument --ar: invalid"),
     ("train.py", "--max-gap 100000 (no answer fits a sequence)", [*TRAIN, "--max-gap", "100000"], {}, 2,
      "a sequence could hold no answer"),
-    ("depthbench.official", "--max-tokens -5", ["evaluate", "{tmp}/step1", "--max-tokens", "-5"], {}, 2,
+    ("depthbench.files.official", "--max-tokens -5", ["evaluate", "{tmp}/step1", "--max-tokens", "-5"], {}, 2,
      "argument --max-tokens: invalid"),
-    ("depthbench.official", "--seq-len 0", ["evaluate", "{tmp}/step1", "--seq-len", "0"], {}, 2, "argument --seq-len: invalid"),
+    ("depthbench.files.official", "--seq-len 0", ["evaluate", "{tmp}/step1", "--seq-len", "0"], {}, 2, "argument --seq-len: invalid"),
     ("diagnose.py", "--residual-args with a checkpoint", ["{tmp}/run", "--residual-args", '{"n_groups": 4}'], {}, 2,
      "--residual-args: for --init or an official checkpoint"),
     ("train.py", "an AttnRes top-k fraction above 1", [*TRAIN, "--residual", "attnres", "--residual-args",
@@ -135,7 +135,7 @@ CASES = [
     ("train.py", "--out that is a file", TRAIN, {"runs": "a file"}, 2, "cannot write to"),
     ("diagnose.py", "a ckpt.pt that would run code when unpickled", ["{tmp}/run"], {"run/ckpt.pt": Pickled()}, 2,
      "not a depthbench checkpoint (UnpicklingError: it holds objects beyond tensors"),
-    ("depthbench.official", "a truncated .distcp file", ["info", "{tmp}/step1"], official_checkpoint, 2, "unreadable DCP data"),
+    ("depthbench.files.official", "a truncated .distcp file", ["info", "{tmp}/step1"], official_checkpoint, 2, "unreadable DCP data"),
     ("diagnose.py", "--out that is a folder", [*INIT, "--out", "{tmp}/d"], {"d": None}, 2, "--out {tmp}/d is a folder"),
     ("diagnose.py", "--zeroshot-data that is a file", [*INIT, "--metrics", "zeroshot", "--zeroshot-data", "{tmp}/z"],
      {"z": "a file"}, 2, "--zeroshot-data {tmp}/z: not a folder"),
@@ -690,7 +690,7 @@ def test_train_checkpoint_under_a_file_size_limit(tmp_path, capsys):
     assert f"cannot write {run}/ckpt.pt: File too large (EFBIG)" in lines[0], p.stderr
     after = files(tmp_path)
     assert sorted(after) == sorted(before) and after[run / "ckpt.pt"] == before[run / "ckpt.pt"]
-    assert common.run_state(run) == "partial"  # run.json may hold the steps after it (an eval): --resume redoes them
+    assert runlog.run_state(run) == "partial"  # run.json may hold the steps after it (an eval): --resume redoes them
 
 
 @fault("an OSError that is no failure of the machine (ENOENT: a path a script got wrong)",
@@ -784,14 +784,15 @@ def test_ctrl_c_while_profile_measures(tmp_path):
 @fault("Ctrl-C while a script imports torch (simulated: a script that imports common, then is interrupted)",
        "one line, exit 130, no traceback; data.py, diagnose.py and profile_gpu.py import common before torch")
 def test_ctrl_c_at_start_up(tmp_path):
-    (tmp_path / "starting.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom depthbench import common\n"
+    (tmp_path / "starting.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                                          "from depthbench.files import common\n"
                                           "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nimport torch\n")
     p = script([str(tmp_path / "starting.py")])
     assert (p.returncode, p.stderr) == (130, "starting.py: interrupted (Ctrl-C); run the same command again to go "
                                              "on\n")
     for name in ("data", "diagnose", "profile_gpu"):
-        order = script(["-c", f"import sys; import {name}; m = list(sys.modules); print(m.index('depthbench.common') < "
-                              f"m.index('torch'))"]).stdout
+        order = script(["-c", f"import sys; import {name}; m = list(sys.modules); "
+                              f"print(m.index('depthbench.files.common') < m.index('torch'))"]).stdout
         assert order == "True\n", name
 
 
@@ -837,7 +838,7 @@ def test_sigterm_to_the_mini_suite_stops_its_runs_and_a_rerun_resumes(tmp_path):
     again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {run / 'ckpt.pt'} at step {stopped_at}" in logs[0].read_text()
-    assert common.run_state(run) == "finished"
+    assert runlog.run_state(run) == "finished"
 
 
 @fault("a truncated ckpt.pt", "`<path> (<size> bytes): truncated or not a depthbench checkpoint (...)`, one line")
@@ -847,21 +848,21 @@ def test_a_truncated_checkpoint_names_its_size(tmp_path):
         common.load_checkpoint(tmp_path / "run" / "ckpt.pt")
 
 
-@fault("run.json cut off (or gone) with an intact ckpt.pt", "common.rebuild_run_log writes run.json again from "
+@fault("run.json cut off (or gone) with an intact ckpt.pt", "runlog.rebuild_run_log writes run.json again from "
        "ckpt.pt's log (not finished: run_state says partial); nothing is written when run.json is readable or ckpt.pt "
        "is not whole")
 def test_run_json_is_rebuilt_from_the_checkpoint(tmp_path, capsys):
     assert run_main([*TINY, "--steps", "4", "--max-steps", "2", "--out", str(tmp_path)], capsys)[0] == 0
     (run,) = tmp_path.iterdir()
-    assert common.rebuild_run_log(run) is None  # readable: left alone
+    assert runlog.rebuild_run_log(run) is None  # readable: left alone
     log = torch.load(run / "ckpt.pt", weights_only=True)["log"]
     text = (run / "run.json").read_text()
     (run / "run.json").write_text(text[:len(text) // 2])
-    assert common.rebuild_run_log(run) == {**log, "finished": False} == common.read_json(run / "run.json")
-    assert common.run_state(run) == "partial" and [s["step"] for s in log["steps"]] == [1, 2]
+    assert runlog.rebuild_run_log(run) == {**log, "finished": False} == common.read_json(run / "run.json")
+    assert runlog.run_state(run) == "partial" and [s["step"] for s in log["steps"]] == [1, 2]
     (run / "run.json").write_text("{")
     (run / "ckpt.pt").write_bytes((run / "ckpt.pt").read_bytes()[:1000])
-    assert common.rebuild_run_log(run) is None and (run / "run.json").read_text() == "{"
+    assert runlog.rebuild_run_log(run) is None and (run / "run.json").read_text() == "{"
 
 
 @fault("train.py --resume with run.json cut off and an intact ckpt.pt", "run.json is rebuilt from ckpt.pt's log, the run resumes to the losses "
@@ -1016,7 +1017,7 @@ def set_field(obj, path, value):
 
 
 MISSING = object()
-# each field a reader of run.json uses (depthbench/runlog.py): a value of another type for it, whether null and a
+# each field a reader of run.json uses (depthbench/files/runlog.py): a value of another type for it, whether null and a
 # missing field are refused too (an optional number may be null: a non-finite loss; may be missing: an older log)
 READ_FIELDS = [("schema", 1, True, True), ("config", "x", True, True), ("config.residual", 5, True, True),
                ("config.n_layer", "2", True, True), ("config.d_model", 64.5, True, True),
@@ -1044,13 +1045,14 @@ def finished_run(tmp_path_factory):
 
 @fault("run.json with a field of another type, null or missing, for each field a reader uses (`\"finished\": \"no\"`, "
        "`\"diverged\": \"no\"`, `\"steps\": \"oops\"`, ...)",
-       "the one reader (depthbench/runlog.py) refuses it in one line naming the file and the field, in every script: "
+       "the one reader (depthbench/files/runlog.py) refuses it in one line naming the file and the field, in every script: "
        "train.py exits 2 (never skips the run, never takes a string for true), mini.py's tables and diagnose.py say "
        "the same line, plot.py skips the file naming the field")
 @pytest.mark.parametrize("path, kind, value", BAD_VALUES, ids=[f"{p} {k}" for p, k, _ in BAD_VALUES])
 def test_run_json_is_read_by_type(tmp_path, capsys, finished_run, path, kind, value):
-    import plot
-    from depthbench import runlog, suite_tables
+    from depthbench.reports import drawing
+    from depthbench.files import runlog
+    from depthbench.reports import suite_tables
     run = tmp_path / finished_run.name
     shutil.copytree(finished_run, run)
     log = json.loads((run / "run.json").read_text())
@@ -1064,7 +1066,7 @@ def test_run_json_is_read_by_type(tmp_path, capsys, finished_run, path, kind, va
                                               "writes it again from ckpt.pt)"] and "skipping" not in out
     with pytest.raises(runlog.RunLogError, match=re.escape(str(e.value))):
         suite_tables.done_runs(tmp_path)
-    assert plot.check_schema(log) == (None, f"schema depthbench.train/1 but {e.value.reason}") or path == "schema"
+    assert drawing.check_schema(log) == (None, f"schema depthbench.train/1 but {e.value.reason}") or path == "schema"
 
 
 @fault("train.py --resume over a run.json with a field of another type beside a whole ckpt.pt",
@@ -1218,13 +1220,14 @@ def ticked(names):
 
 
 def rules():
-    """The page's rules, written here; the lists of settings come from RunConfig's fields (depthbench/runlog.py)."""
-    from depthbench.runlog import SYNTHETIC_ONLY, identity_fields
+    """The page's rules, written here; the lists of settings come from RunConfig's fields
+    (depthbench/files/runlog.py)."""
+    from depthbench.files.runlog import SYNTHETIC_ONLY, identity_fields
     rest = identity_fields(None)
     return [
         "## Run identity", "",
         "A run folder answers only for the settings that made it. Each field of a run's config (run.json's and "
-        "ckpt.pt's `config`, depthbench/runlog.py's `RunConfig`) says what it is to the run's identity:", "",
+        "ckpt.pt's `config`, depthbench/files/runlog.py's `RunConfig`) says what it is to the run's identity:", "",
         f"- **Identity**: {ticked(identity_fields('always'))}: what the run computes (and `eval_iters`, what its "
         "result is measured on). A command whose value differs from the folder's run, finished, diverged or partial, "
         "with or without `--resume`, is refused in one line naming each setting with both values (`weight_decay 0.1 "
@@ -1244,7 +1247,7 @@ def rules():
         "`--out`); a done run of the same settings is not started again. Folders written before `schedule` and "
         "`val_tokens` joined the config read them as `cosine` and none: they resume, and are skipped once finished, "
         "when the rest matches.", "",
-        "run.json is read by type, through one reader (depthbench/runlog.py) in train.py, mini.py, diagnose.py (a "
+        "run.json is read by type, through one reader (depthbench/files/runlog.py) in train.py, mini.py, diagnose.py (a "
         "checkpoint's config) and plot.py: a field missing, null where it may not be, or of another type (`\"finished\""
         ": \"no\"`) is one line naming the file and the field, never read by truthiness. train.py --resume writes such "
         "a run.json again from ckpt.pt's log, and says so.", "",

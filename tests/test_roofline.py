@@ -1,5 +1,5 @@
 """scripts/roofline.py, the H200 step estimate without a GPU: its arithmetic on cases checkable by hand, its
-calibration reproducing the rows it was fitted on, and the plug-in point of depthbench/gpu's traffic() functions.
+calibration reproducing the rows it was fitted on, and the plug-in point of the Triton modules' traffic() functions.
 
     python -m pytest -q tests/test_roofline.py       # ~1 s: no model is built, no torch op runs
 """
@@ -68,15 +68,15 @@ def test_calibration_reproduces_the_rows_it_was_fitted_on(fit_on):
 
 
 def test_a_gpu_module_traffic_replaces_the_analytic_bound(monkeypatch):
-    """Where depthbench.gpu.hc imports, its per-sublayer traffic() rows (x 2L sublayers) are the HC path's bytes and
-    extra launches; where it does not, the analytic bound is used and named."""
-    monkeypatch.setitem(sys.modules, "depthbench.gpu.hc", None)  # import fails: the analytic bound
+    """Where depthbench.kernels.triton_hc imports, its per-sublayer traffic() rows (x 2L sublayers) are the HC path's
+    bytes and extra launches; where it does not, the analytic bound is used and named."""
+    monkeypatch.setitem(sys.modules, "depthbench.kernels.triton_hc", None)  # import fails: the analytic bound
     shape = {**ONE, "layers": 3}
     assert roofline.gpu_traffic("hc", shape) == (6 * 24 * 3 * 2, 6 * 6, "analytic bound")
-    fake = types.ModuleType("depthbench.gpu.hc")
+    fake = types.ModuleType("depthbench.kernels.triton_hc")
     fake.traffic = lambda design, tokens, d_model: [{"read": 10 * tokens, "written": d_model, "launches": 2}]
-    monkeypatch.setitem(sys.modules, "depthbench.gpu.hc", fake)
-    assert roofline.gpu_traffic("mhc", shape) == (6 * (10 + 3), 6 * 2, "depthbench.gpu.hc.traffic")
+    monkeypatch.setitem(sys.modules, "depthbench.kernels.triton_hc", fake)
+    assert roofline.gpu_traffic("mhc", shape) == (6 * (10 + 3), 6 * 2, "depthbench.kernels.triton_hc.traffic")
 
 
 @pytest.mark.slow

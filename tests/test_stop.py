@@ -1,7 +1,7 @@
 """
-Tests of train.py's stop that keeps the work (depthbench/stopping.py) and of what a user sees while a step runs
-(depthbench/progress.py): a SIGTERM or SIGINT during gradient accumulation stops at the next micro-batch boundary,
-the step in progress dropped, the last completed step's ckpt.pt on disk, run.json saying stopped and why, and
+Tests of train.py's stop that keeps the work (depthbench/training/stopping.py) and of what a user sees while a step runs
+(depthbench/training/progress.py): a SIGTERM or SIGINT during gradient accumulation stops at the next micro-batch
+boundary, the step in progress dropped, the last completed step's ckpt.pt on disk, run.json saying stopped and why, and
 --resume giving the losses of an uninterrupted run bit for bit (an evaluation is cut short alike); in this process,
 in a real process and under torch.distributed.run (2 gloo ranks). The time from the signal to the exit is printed
 (pytest -s), not asserted.
@@ -20,7 +20,7 @@ import torch
 
 import data
 import train
-from depthbench import progress, stopping
+from depthbench.training import progress, stopping
 from test_train import ROOT, TINY, load_run, one_thread, run_main  # noqa: F401 (one_thread: one thread here too)
 
 # TINY at 8 micro-batches of 2 sequences a step

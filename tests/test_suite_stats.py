@@ -1,8 +1,8 @@
 """
 Tests of the suite's statistics: the paired 95% t interval that decides every "better"/"worse" of summary.md and the
-suite figure (depthbench/compare.py), the best aspect ratio of a quadratic in log AR with its seed bootstrap
-(depthbench/shape_fit.py), the tables that carry them (depthbench/suite_tables.py), and the recomputation of an older
-summary's intervals (scripts/paired_intervals.py).
+suite figure (depthbench/evaluation/compare.py), the best aspect ratio of a quadratic in log AR with its seed bootstrap
+(depthbench/reports/shape_fit.py), the tables that carry them (depthbench/reports/suite_tables.py), and the
+recomputation of an older summary's intervals (scripts/paired_intervals.py).
 
     python -m pytest -q tests/test_suite_stats.py
 """
@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from depthbench import compare, shape_fit, suite_tables
+from depthbench.evaluation import compare
+from depthbench.reports import shape_fit, suite_tables
 from scripts import paired_intervals
 
 # Student's t, the 97.5th percentile, by degrees of freedom (any printed table)

@@ -1,8 +1,9 @@
 """
-Tests of depthbench/telemetry.py and depthbench/trackers.py (docs/training.md#telemetry): training is bit-identical with and without
-telemetry, every design (an eleventh defined here too) gets its records, known answers of the statistics, the
-TensorBoard events read back with tensorboard's own reader across --resume and a kill, W&B offline, a missing
-package, and depthbench/plot_telemetry.py's figures. CPU only, in-process train.py runs at a tiny shape:
+Tests of depthbench/training/telemetry.py and depthbench/training/trackers.py (docs/training.md#telemetry): training is
+bit-identical with and without telemetry, every design (an eleventh defined here too) gets its records, known answers of
+the statistics, the TensorBoard events read back with tensorboard's own reader across --resume and a kill, W&B offline,
+a missing package, and depthbench/reports/plot_telemetry.py's figures. CPU only, in-process train.py runs at a tiny
+shape:
 
     python -m pytest -q tests/test_telemetry.py
 
@@ -17,10 +18,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import plot
-from depthbench import plot_telemetry, telemetry
+from depthbench.reports import drawing
+from depthbench.reports import plot_telemetry
+from depthbench.training import telemetry
 import train
-from depthbench import trackers
+from depthbench.training import trackers
 from model import GPT, GPTConfig
 from residuals import RESIDUALS, PreLN
 from test_train import load_run, one_thread, run_main  # noqa: F401 (one_thread: one intra-op thread here too)
@@ -252,13 +254,13 @@ def test_trackers_never_write_a_step_twice():
     assert t.seen == [5, 5, 6]          # steps up to the resumed one skipped; one step may carry several calls
 
 
-# ----------------------------------------------------------------------------- depthbench/plot_telemetry.py
+# ----------------------------------------------------------------------------- depthbench/reports/plot_telemetry.py
 
 def test_plot_draws_the_telemetry_figures(tmp_path, capsys):
     for residual in ("preln", "hc"):
         args = TINY + ["--residual", residual, "--max-steps", "4", "--stats-every", "1", "--out", str(tmp_path / "r")]
         assert run_main(args, capsys)[0] == 0
-    data, skipped = plot.load_folder(tmp_path / "r")
+    data, skipped = drawing.load_folder(tmp_path / "r")
     assert not skipped and len(data["train"]) == 2
     out = plot_telemetry.fig_telemetry_state_rms(data, tmp_path / "f" / "rms.png")
     assert out == {"drew": "2 run(s)"} and (tmp_path / "f" / "rms.png").stat().st_size > 0

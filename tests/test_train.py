@@ -26,11 +26,12 @@ import pytest
 import torch
 
 import data
-from depthbench import costs, observe, recipe, schedules
+from depthbench.training import costs, recipe, schedules
+from depthbench.evaluation import observe
 import train
 from data import BatchLoader
-from depthbench.synthetic import SyntheticTask, verdict
-from depthbench.compiled import compile_model
+from depthbench.evaluation.synthetic import SyntheticTask, verdict
+from depthbench.training.compiled import compile_model
 from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
@@ -65,8 +66,8 @@ def load_run(root, name=None):
 
 
 def run_json(config=None, steps=2, val_loss=3.0, finished=True, diverged=False):
-    """A run.json of train.py's schema with every field a reader needs (depthbench/runlog.py), for tests whose runs
-    are not trained: `steps` steps, one eval at the last with `val_loss`; config: fields over a Pre-LN L2 d64."""
+    """A run.json of train.py's schema with every field a reader needs (depthbench/files/runlog.py), for tests whose
+    runs are not trained: `steps` steps, one eval at the last with `val_loss`; config: fields over a Pre-LN L2 d64."""
     config = {"residual": "preln", "n_layer": 2, "d_model": 64, "lr": 3e-3, "seed": 0, **(config or {})}
     evals = [{"step": steps, "val_loss": val_loss, "per_level": {"1": {"loss": 1.0, "acc": 0.5}}}]
     return {"schema": "depthbench.train/1", "config": config, "steps": [{"step": s + 1} for s in range(steps)],
@@ -87,7 +88,7 @@ def test_lr_schedule():
     assert min(lrs) >= 0
     assert lrs[55] == pytest.approx(0.1 * peak + 0.9 * peak * 0.5)  # half-way: the mid value
 
-    def before(t):  # train.get_lr as it was before the schedules moved to depthbench/schedules.py, written out
+    def before(t):  # train.get_lr as it was before the schedules moved to depthbench/training/schedules.py, written out
         if t < warmup:
             return peak * t / warmup
         if t >= total:
@@ -167,8 +168,8 @@ def test_readme_quickstart_writes_the_contracts(tmp_path):
     model.load_state_dict(ckpt["model"])  # strict: every key, every shape
     assert isinstance(ckpt["rng"]["cpu"], torch.Tensor)
 
-    import plot  # plot.py accepts it as a train JSON
-    assert plot.check_schema(run) == ("train", None)
+    from depthbench.reports import drawing  # plot.py accepts it as a train JSON
+    assert drawing.check_schema(run) == ("train", None)
 
 
 def readme_quoted_result():
@@ -680,7 +681,7 @@ def test_compiled_blocks_reuse_one_graph_at_any_depth(residual):
 def test_telemetry_runs_compiled_blocks_eagerly():
     """An observed forward (telemetry) of a model whose blocks are compiled in place compiles nothing new, and
     records what an uncompiled model records."""
-    from depthbench import telemetry
+    from depthbench.training import telemetry
     from torch._dynamo.utils import counters
     torch.set_num_threads(1)
     torch._dynamo.reset()

@@ -1,5 +1,5 @@
 """
-The Triton bodies (depthbench/gpu) against ops.py's reference, on CPU tensors under Triton's interpreter.
+The Triton bodies (depthbench/kernels) against ops.py's reference, on CPU tensors under Triton's interpreter.
 
     pip install triton      # then: python -m pytest -q tests/test_triton.py
 
@@ -23,15 +23,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import ops  # noqa: E402
-from depthbench import kernels  # noqa: E402
+from depthbench.kernels import cpu as kernels  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton does not import: `pip install triton` runs these tests")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from depthbench import gpu  # noqa: E402
-from depthbench.gpu import attnres  # noqa: E402
+from depthbench import kernels as gpu  # noqa: E402
+from depthbench.kernels import triton_attnres as attnres  # noqa: E402
 
 INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction) and attnres.interpreted()
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="triton was imported without TRITON_INTERPRET=1 in this "
@@ -50,7 +50,7 @@ def sources(n, T, D=48, B=1, seed=0, dtype=torch.float32):
 def triton_mix(vs, query, gain, extra=None):
     """The Triton bank's mix over vs (and extra): (mix, p)."""
     bank = attnres.DepthBank.start(vs[0], n_max=len(vs) + 1)
-    assert isinstance(bank, attnres.DepthBank)                  # the kernels run, not kernels.py's fallback
+    assert isinstance(bank, attnres.DepthBank)                  # the kernels run, not cpu.py's fallback
     for v in vs[1:]:
         bank = bank.push(v)
     return bank.mix(query, gain, 1e-5, extra=extra)
@@ -194,7 +194,7 @@ def test_model_equals_reference(residual, options):
     """A tiny GPT (L2, odd T 7) under kernels "triton" has the loss and every parameter gradient of kernels
     "reference" (ops.py's), fp32: loss to 1e-6, gradients to 1e-4 relative of the largest entry each. Also with
     activation checkpointing (backward recomputes each block, pushing into the bank again) and with the release's
-    top-k (kernels.py's torch mix on the Triton bank)."""
+    top-k (cpu.py's torch mix on the Triton bank)."""
     x = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
     out = {}
     for name in ("triton", "reference"):
@@ -231,13 +231,13 @@ def test_model_under_bf16_autocast_is_the_reference_to_bf16(residual):
 
 
 def test_namespaces(monkeypatch):
-    """"triton" is the fast namespace with DepthBank replaced by the Triton bank and every other body kernels.py's;
-    "fast" on a machine without CUDA is kernels.py's alone; a CPU tensor where the kernels cannot run (no interpreter)
-    gets kernels.py's bank (the CPU path unchanged)."""
+    """"triton" is the fast namespace with DepthBank replaced by the Triton bank and every other body cpu.py's;
+    "fast" on a machine without CUDA is cpu.py's alone; a CPU tensor where the kernels cannot run (no interpreter)
+    gets cpu.py's bank (the CPU path unchanged)."""
     tri, fast = ops.namespace("triton"), ops.namespace("fast")
     assert tri.DepthBank is attnres.DepthBank
     for attr in ops.TWO_BODIES:
-        if attr not in gpu.BODIES:
+        if attr not in gpu.triton_bodies():
             assert getattr(tri, attr) is getattr(kernels, attr), attr
     if not torch.cuda.is_available():
         assert fast.DepthBank is kernels.DepthBank
@@ -270,7 +270,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from depthbench.gpu import attnres as A
+from depthbench.kernels import triton_attnres as A
 assert not A.interpreted()
 SCALARS = {"n": "i32", "BT": "i32", "D": "i32", "eps": "fp32", "j": "i32", "count": "i32"}
 INTS = {"reads": "*i32"}

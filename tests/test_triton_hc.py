@@ -1,5 +1,6 @@
 """
-HC's and mHC's Triton bodies (depthbench/gpu/hc.py) equal ops.py's, run by Triton's interpreter on CPU tensors:
+HC's and mHC's Triton bodies (depthbench/kernels/triton_hc.py) equal ops.py's, run by Triton's interpreter on CPU
+tensors:
 
     python -m pytest -q tests/test_triton_hc.py
 
@@ -7,13 +8,13 @@ Each kernel against its reference body, forward and every gradient: fp32 to 1e-5
 bf16 inputs to cosine >= 0.999; odd token counts, n = 4 streams and n = 3 (a block padded to 4), widths that leave
 a partial block; then a tiny GPT with residual "hc" and "mhc" whose HC names are replaced by the Triton bodies gives
 the loss and gradients of kernels "reference". Also: every kernel compiles to PTX for sm_90 (H100/H200) with no GPU
-present (slow: ~10 s with a cold Triton cache); off the GPU each body is depthbench/kernels.py's; `traffic` counts
+present (slow: ~10 s with a cold Triton cache); off the GPU each body is depthbench/kernels/cpu.py's; `traffic` counts
 the bytes of the tensors a forward touches; the GPU script's check (`compare_with_reference`) finds a wrong body.
 Skipped, with the reason, where triton does not import (`pip install triton`: the interpreter needs no GPU).
 
 The interpreter is chosen when a kernel is decorated (TRITON_INTERPRET=1 at import time), so `interpreted_hc` sets
-it only while importing depthbench.gpu.hc (or reloading it, if another test imported it for the GPU first) and
-restores it: other tests in the same process keep their Triton as it was.
+it only while importing depthbench.kernels.triton_hc (or reloading it, if another test imported it for the GPU first)
+and restores it: other tests in the same process keep their Triton as it was.
 """
 import copy
 import importlib
@@ -37,11 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def interpreted_hc():
-    """depthbench.gpu.hc with its kernels decorated for the interpreter (TRITON_INTERPRET=1 only meanwhile)."""
+    """depthbench.kernels.triton_hc with its kernels decorated for the interpreter (TRITON_INTERPRET=1 only
+    meanwhile)."""
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        module = importlib.import_module("depthbench.gpu.hc")
+        module = importlib.import_module("depthbench.kernels.triton_hc")
         if type(module._width_fwd).__name__ != "InterpretedFunction":
             module = importlib.reload(module)
     finally:
@@ -49,7 +51,7 @@ def interpreted_hc():
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = before
-    assert module.interpreted(), "depthbench.gpu.hc's kernels are not interpreted: the tests would test kernels.py"
+    assert module.interpreted(), "depthbench.kernels.triton_hc's kernels are not interpreted: the tests would test kernels.py"
     return module
 
 
@@ -161,8 +163,9 @@ def test_streams_keep_their_dtype_and_coefficients_are_fp32():
 # ----------------------------------------------------------------------------- a whole model
 
 def with_triton_bodies(model):
-    """The model's residual design calling depthbench/gpu/hc.py's bodies for hc.NAMES and its own namespace's for the
-    rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will hold)."""
+    """The model's residual design calling depthbench/kernels/triton_hc.py's bodies for hc.NAMES and its own namespace's
+    for the rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will
+    hold)."""
     bodies = copy.copy(model.res.ops)
     bodies.name = f"{bodies.name}+triton-hc"
     for name in hc.NAMES:
@@ -211,8 +214,8 @@ def test_model_with_triton_bodies(residual, options):
 # ----------------------------------------------------------------------------- compiled for the GPU, without one
 
 def compiled_module():
-    """A second copy of depthbench/gpu/hc.py whose kernels are decorated for the compiler (TRITON_INTERPRET unset
-    while it loads), as on a GPU."""
+    """A second copy of depthbench/kernels/triton_hc.py whose kernels are decorated for the compiler (TRITON_INTERPRET
+    unset while it loads), as on a GPU."""
     before = os.environ.pop("TRITON_INTERPRET", None)
     try:
         module = load_copy("hc_compiled")
@@ -291,8 +294,8 @@ def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
 
 
 def load_copy(name):
-    """A fresh copy of depthbench/gpu/hc.py as module `name`, decorated as the environment says now."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "depthbench" / "gpu" / "hc.py")
+    """A fresh copy of depthbench/kernels/triton_hc.py as module `name`, decorated as the environment says now."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "depthbench" / "kernels" / "triton_hc.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -308,10 +311,10 @@ def connection_calls(module):
 
 
 def test_off_the_gpu_each_body_is_kernels_py(monkeypatch):
-    """Where the kernels cannot run, each body is depthbench/kernels.py's, bit for bit: with triton absent (the
+    """Where the kernels cannot run, each body is depthbench/kernels/cpu.py's, bit for bit: with triton absent (the
     module still imports), and with triton compiled for the GPU on CPU tensors (no interpreter). So the CPU path
     does not change when the namespace holds these bodies."""
-    from depthbench import kernels
+    from depthbench.kernels import cpu as kernels
     expected = connection_calls(kernels)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for name, absent in (("hc_compiled_on_cpu", False), ("hc_without_triton", True)):

@@ -1,8 +1,8 @@
 """
 shape_fit.py: where along the aspect-ratio axis a design is best at the suite's budget, in one number: its final val
 loss at the measured shapes fitted by a quadratic in log AR, whose vertex is the best aspect ratio, with a seed
-bootstrap for its 95% interval. The one definition that mini.py's summary.md (depthbench/suite_tables.py) and
-depthbench/plot_suite.py's shape-fit figure share. numpy only: no torch, no matplotlib.
+bootstrap for its 95% interval. The one definition that mini.py's summary.md (depthbench/reports/suite_tables.py) and
+depthbench/reports/plot_suite.py's shape-fit figure share. numpy only: no torch, no matplotlib.
 
 Why this model: Figure 2 draws loss against AR on a log axis, the suite's shapes are spaced about evenly there
 (AR 92, 51, 32, 17, 9.8), and a U over log AR is what a best aspect ratio means; a quadratic is the lowest order
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from depthbench.compare import LEVEL
+from depthbench.evaluation.compare import LEVEL
 
 BOOTSTRAP = 2000  # resamples of the seeds
 RNG_SEED = 0      # the bootstrap's generator seed: the interval is a function of the losses alone

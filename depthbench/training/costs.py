@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from depthbench.common import design_options, print0
-from depthbench.kernels import LOSS_CHUNK_BYTES
+from depthbench.files.common import design_options, print0
+from depthbench.kernels.cpu import LOSS_CHUNK_BYTES
 from residuals import RESIDUALS
 from shapes import backbone_params, count_params, ffn_dim
 

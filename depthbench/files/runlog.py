@@ -2,17 +2,18 @@
 runlog.py: what a run folder's run.json holds, and the one reader of it. train.py, mini.py (with its tables),
 diagnose.py and plot.py read run.json, and a checkpoint's "config", through here: every field they use has a type,
 and a file where one is missing or of another type is refused in one line naming the file and the field (a
-RunLogError), never trusted by truthiness ("finished": "no" is not finished; it is an error).
+RunLogError), never trusted by truthiness ("finished": "no" is not finished; it is an error). A run folder's state
+(run_state: new, partial, diverged or finished) and run.json rebuilt from ckpt.pt's log (rebuild_run_log) are here too.
 
-RunConfig is one run's settings, resolved (depthbench/recipe.py makes it, run.json and ckpt.pt keep it as "config").
-Each field says what it is to the run's identity (docs/reliability.md#run-identity):
+RunConfig is one run's settings, resolved (depthbench/training/recipe.py makes it, run.json and ckpt.pt keep it as
+"config"). Each field says what it is to the run's identity (docs/reliability.md#run-identity):
 
 - identity: it changes what the run computes; a folder's run answers only for a command with the same value;
 - precision: the device's arithmetic (dtype); part of a done run's identity, but --resume may change it;
 - the rest: how a run is carried out (ranks, micro-batch, compile, kernels) or observed (logs, evals' cadence,
   checkpoints, telemetry), or where (out, data_dir): may differ, --resume may change them.
 
-No torch here: plot.py reads run.json without it (RunConfig.from_dict imports the design registry when called).
+No torch here: plot.py reads run.json without it (common.design_options imports the design registry when called).
 """
 import dataclasses
 import json
@@ -20,6 +21,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from depthbench.files.common import (JSON_NAMES, CheckpointError, design_options, json_name, load_checkpoint, print0,
+                                     write_json)
 
 SCHEMA = "depthbench.train/1"
 IDENTITY = {"identity": "always"}     # part of the run's identity
@@ -66,7 +70,7 @@ class RunConfig:
     params_budget: int              # the parameter count the shape was chosen for
     fixed: str                      # what params_budget counts: total | backbone
     lr: float = field(metadata=IDENTITY)                # peak LR
-    schedule: str = field(metadata=IDENTITY)            # the LR schedule (depthbench/schedules.py: SCHEDULES)
+    schedule: str = field(metadata=IDENTITY)            # the LR schedule (depthbench/training/schedules.py: SCHEDULES)
     final_lr_frac: float = field(metadata=IDENTITY)     # the schedule ends at this fraction of the peak
     warmup_steps: int = field(metadata=IDENTITY)        # linear warmup: 10% of the steps
     total_steps: int = field(metadata=IDENTITY)         # length of the LR schedule
@@ -98,11 +102,11 @@ class RunConfig:
     out: str                        # root folder of the run folders
     device: str                     # cpu | cuda
     compile: bool                   # torch.compile the model
-    kernels: str                    # fast | reference (depthbench/kernels.py)
+    kernels: str                    # fast | reference (depthbench/kernels/cpu.py)
     dtype: str = field(metadata=PRECISION)  # "bfloat16 autocast" (CUDA) or "float32"
     compile_scope: Optional[str] = "blocks"  # blocks: each block on its own (one graph reused); model: one graph
-    stats_every: Optional[int] = None  # depthbench/telemetry.py: a record every this many steps and at each eval; 0: off
-    log_to: Optional[str] = None    # depthbench/trackers.py: tensorboard | wandb mirror the log; None: run.json only
+    stats_every: Optional[int] = None  # depthbench/training/telemetry.py: a record every this many steps and at each eval; 0: off
+    log_to: Optional[str] = None    # depthbench/training/trackers.py: tensorboard | wandb mirror the log; None: run.json only
     grad_accum: Optional[int] = None  # micro-steps per optimizer step: global_batch / (batch_size * world_size)
 
     @classmethod
@@ -119,7 +123,6 @@ class RunConfig:
         for key, default in LATE_DEFAULTS.items():
             if key not in d:
                 values[key] = default
-        from depthbench.common import design_options  # imports the design registry (torch): not at module level
         values["residual_args"] = design_options(values["residual"], d.get("residual_args"))
         return cls(**values)
 
@@ -220,22 +223,11 @@ class RunLog:
     peak_mem_bytes: Optional[int] = None  # the memory peak (CUDA: allocated; CPU: RSS)
     device: Optional[str] = None   # the device's name
     versions: Optional[dict] = None    # python, torch, cuda, git commit
-    telemetry: Optional[dict] = None   # depthbench/telemetry.py's records and the tracker's state
+    telemetry: Optional[dict] = None   # depthbench/training/telemetry.py's records and the tracker's state
     stopped: Optional[Stopped] = None  # SIGINT/SIGTERM ended the last session: why and where (train.py)
 
 
 # ----------------------------------------------------------------------------- checking a value against a type
-
-JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "an integer",
-              float: "a number", type(None): "null"}
-
-
-def json_name(value):
-    """What a JSON value is, in words: 'a string', 'null', 'an object'."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return "a number"
-    return JSON_NAMES.get(type(value), type(value).__name__)
-
 
 def is_kind(value, kind):
     """value is a JSON value of the plain type `kind` (int: an integer, not true/false; float: any number)."""
@@ -341,7 +333,6 @@ def recorded_config(folder):
         return RunConfig.from_dict(log["config"], where=folder / "run.json"), log["finished"] or log["diverged"]
     except FileNotFoundError:
         pass
-    from depthbench.common import CheckpointError, load_checkpoint
     path = folder / "ckpt.pt"
     if not path.is_file():
         return None, False
@@ -365,3 +356,61 @@ def check_same_run(folder, cfg, done=None):
     if keys:
         raise ValueError(f"{folder} holds a run made with other settings ({old.describe_changes(cfg, keys)}); it "
                          f"answers for its own only: use another --out, or move the folder away")
+
+
+# ----------------------------------------------------------------------------- a run folder's state
+
+def run_state(folder):
+    """What a train.py run folder holds: 'new' (nothing), 'partial' (a run.json or ckpt.pt to resume or redo),
+    'diverged' (run.json says the loss or gradient went non-finite: a result, not redone) or 'finished'. Finished
+    means run.json says so *and* ckpt.pt holds its last step: ckpt.pt is saved first, so when it is missing or older
+    (a kill between the two saves of an older train.py, which wrote run.json first) the run is only partial, and
+    --resume continues from the ckpt.pt there is. The one definition train.py, mini.py and plot.py use. run.json is
+    read by type (read_run_log): one that is not train.py's run log, or has a field of another type or
+    missing, is a RunLogError (a ValueError, one line naming the file and the field), never read by truthiness."""
+    folder = Path(folder)
+    ckpt = folder / "ckpt.pt"
+    try:
+        log = read_run_log(folder / "run.json")
+    except FileNotFoundError:
+        return "partial" if ckpt.exists() else "new"
+    if log["diverged"]:
+        return "diverged"
+    if not log["finished"]:
+        return "partial"
+    last = log["steps"][-1]["step"] if log["steps"] else None
+    try:
+        at = load_checkpoint(ckpt, keys=("step",))["step"]
+    except Exception:  # missing, unreadable or foreign: not the final checkpoint
+        at = None
+    if at == last:
+        return "finished"
+    print0(f"{folder}: run.json says finished at step {last}, but ckpt.pt is "
+           + (f"at step {at}" if at else "missing or unreadable") + ": not finished")
+    return "partial"
+
+
+def rebuild_run_log(folder):
+    """When folder/run.json is damaged (cut off, not a JSON object, a field missing or of another type) or gone and
+    folder/ckpt.pt is a whole train.py checkpoint, write run.json again from the log the checkpoint carries (train.py
+    saves its run log in ckpt.pt as "log", as of the checkpoint's step), marked not finished: run_state then says
+    'partial' and --resume trains on from that step (when it was the last one, --resume only marks the run
+    finished). Returns the log written, or None, writing nothing, when run.json is readable or ckpt.pt is missing or
+    not whole. train.py calls it for --resume before run_state, holding the folder's lock."""
+    folder = Path(folder)
+    try:
+        read_run_log(folder / "run.json")
+        return None
+    except (FileNotFoundError, RunLogError):
+        pass
+    try:
+        ckpt = load_checkpoint(folder / "ckpt.pt", keys=("log", "step", "config"))
+    except CheckpointError:
+        return None
+    log = ckpt["log"]
+    if not isinstance(log, dict) or not isinstance(log.get("steps"), list):
+        return None
+    log = {**log, "finished": False}
+    write_json(folder / "run.json", log)
+    print0(f"{folder / 'run.json'} was damaged or missing: rebuilt from ckpt.pt's log (step {ckpt['step']})")
+    return log

@@ -1,28 +1,30 @@
 """
 suite_tables.py: what a mini suite folder's runs say, as markdown tables for mini.py's summary.md: one Result per
 cell (design, shape, LR) from the run folders, its row with Δ vs Pre-LN paired by seed and its 95% interval
-(depthbench/compare.py: a difference is claimed only where the interval excludes 0), every seed's final loss, R scores
-at the deepest shape, the paired grid (design x shape), the README's table at a glance and each design's best aspect
-ratio (depthbench/shape_fit.py). It reads run.json and diagnose.json; it trains nothing. mini.py plans and runs the
-suite; this file reports it.
+(depthbench/evaluation/compare.py: a difference is claimed only where the interval excludes 0), every seed's final loss,
+R scores at the deepest shape, the paired grid (design x shape), the README's table at a glance and each design's best
+aspect ratio (depthbench/reports/shape_fit.py). It reads run.json and diagnose.json; it trains nothing. mini.py plans
+and runs the suite; this file reports it.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from depthbench import common, compare, runlog, shape_fit
-from depthbench.common import format_lr, read_json
+from depthbench.evaluation import compare
+from depthbench.files import runlog
+from depthbench.files.common import format_lr, read_json
+from depthbench.reports import shape_fit
 
 
 def done_runs(folder):
-    """{run dir: (state, run.json)} of the runs under a folder that are done, by common.run_state: 'finished' (its
+    """{run dir: (state, run.json)} of the runs under a folder that are done, by runlog.run_state: 'finished' (its
     loss counts) or 'diverged' (a result too: never trained again, never chosen). 'partial' and 'new' runs are not
-    done. run.json is read by type (depthbench/runlog.py): one that is not train.py's, or has a field missing or of
-    another type, is a RunLogError naming the file and the field, never a result."""
+    done. run.json is read by type (depthbench/files/runlog.py): one that is not train.py's, or has a field missing or
+    of another type, is a RunLogError naming the file and the field, never a result."""
     done = {}
     for path in sorted(Path(folder).glob("*/run.json")):
-        state = common.run_state(path.parent)
+        state = runlog.run_state(path.parent)
         if state in ("finished", "diverged"):
             done[path.parent] = (state, runlog.read_run_log(path))
     return done
@@ -308,7 +310,7 @@ def probe_report(probe_name, table, order, known):
     the deepest shape, Table 4, the table at a glance, the paired grid, every seed's loss, the best aspect ratio per
     design, every sweep run. Markdown lines."""
     rule = ("95% t interval of the mean over the seeds both finished; 'better'/'worse' only where it excludes 0, "
-            "else 'unresolved' (depthbench/compare.py)")
+            "else 'unresolved' (depthbench/evaluation/compare.py)")
     lines = [f"## {probe_name}", "", *probe_table(probe_name, table, order), *deep_lines(table, order)]
     lines += ["", f"The LR each design chose per shape ({probe_name} probe; Table 4 of the paper: its optimum at "
               "400M):", "", *known.table4]
@@ -319,7 +321,7 @@ def probe_report(probe_name, table, order, known):
               "and on how many of the seeds both ran the design is lower:", "", *paired_grid(table, order)]
     lines += ["", f"Final val loss per seed ({probe_name} probe; each cell at its LR): what every interval above is "
               "computed from.", "", *seed_table(table, order)]
-    lines += ["", f"Best aspect ratio per design ({probe_name} probe; depthbench/shape_fit.py): the vertex of a "
+    lines += ["", f"Best aspect ratio per design ({probe_name} probe; depthbench/reports/shape_fit.py): the vertex of a "
               "quadratic in ln AR fitted to the shapes' seed means, or the measured edge where the fit has no "
               "minimum inside them (monotone, or concave); its 95% interval from "
               f"{shape_fit.BOOTSTRAP} resamples of each shape's seeds (RNG seed {shape_fit.RNG_SEED}), seed noise "

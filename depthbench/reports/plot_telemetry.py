@@ -1,7 +1,8 @@
 """
-plot_telemetry.py: what depthbench/telemetry.py recorded during training (run.json "telemetry"), drawn from a folder of runs:
+plot_telemetry.py: what depthbench/training/telemetry.py recorded during training (run.json "telemetry"), drawn from a
+folder of runs:
 
-    python -m depthbench.plot_telemetry runs/telemetry --out figs/telemetry
+    python -m depthbench.reports.plot_telemetry runs/telemetry --out figs/telemetry
 
 - telemetry_state_rms: the RMS of the state each sublayer reads, over training, one panel per run (steps across,
   depth down): the "curse of depth" is the state growing with depth as training goes on.
@@ -9,7 +10,7 @@ plot_telemetry.py: what depthbench/telemetry.py recorded during training (run.js
   blocks' update / weight ratio, and what each design declares (HC/mHC transport effective rank, mHC's
   doubly-stochastic error, AttnRes depth entropy and dead sublayers, MoDA's depth share).
 
-What each statistic means: docs/training.md#telemetry. It reads what plot.py reads (plot.load_folder), draws in its
+What each statistic means: docs/training.md#telemetry. It reads what plot.py reads (drawing.load_folder), draws in its
 look and, like it, imports no torch.
 """
 import math
@@ -17,20 +18,20 @@ import sys
 
 import numpy as np
 
-import plot
+from depthbench.reports import drawing
 
 
 def telemetry_runs(data):
-    """Train JSONs with telemetry records (train.py, depthbench/telemetry.py), by design then depth then name."""
+    """Train JSONs with telemetry records (train.py, training/telemetry.py), by design then depth then name."""
     runs = [r for r in data.get("train", []) if ((r.get("telemetry") or {}).get("records") or [])]
-    return sorted(runs, key=lambda r: (plot.design_order(r["config"]["residual"]), plot.shape(r["config"])[1],
+    return sorted(runs, key=lambda r: (drawing.design_order(r["config"]["residual"]), drawing.shape(r["config"])[1],
                                        r["config"].get("name", "")))
 
 
 def run_label(run):
     cfg = run["config"]
-    lr = plot.num(cfg.get("lr"))
-    return plot.label(cfg) + (f" lr {lr:g}" if math.isfinite(lr) else "")
+    lr = drawing.num(cfg.get("lr"))
+    return drawing.label(cfg) + (f" lr {lr:g}" if math.isfinite(lr) else "")
 
 
 def fig_telemetry_state_rms(data, out_path, svg=False):
@@ -40,18 +41,18 @@ def fig_telemetry_state_rms(data, out_path, svg=False):
     runs = telemetry_runs(data)
     if not runs:
         return {"skipped": "no train JSON with telemetry records (train.py at an eval, or --stats-every)"}
-    fig, axes = plot.grid(len(runs), ncols=min(len(runs), 3), w=4.4, h=3.6)
+    fig, axes = drawing.grid(len(runs), ncols=min(len(runs), 3), w=4.4, h=3.6)
     for ax, run in zip(axes, runs):
         records = run["telemetry"]["records"]
         steps = [rec.get("step") for rec in records]
-        m = plot.matrix([rec.get("state_rms") for rec in records]).T          # (sublayers + 1, records)
+        m = drawing.matrix([rec.get("state_rms") for rec in records]).T          # (sublayers + 1, records)
         m = np.ma.masked_invalid(np.log10(np.ma.masked_less_equal(m, 0).filled(np.nan)))
-        plot.heatmap(ax, m, "viridis", title=run_label(run), xlabel="step", ylabel="state before sublayer i",
-                     aspect="auto")
+        drawing.heatmap(ax, m, "viridis", title=run_label(run), xlabel="step", ylabel="state before sublayer i",
+                        aspect="auto")
         ticks = sorted(set(np.linspace(0, len(steps) - 1, min(len(steps), 5)).round().astype(int)))
         ax.set_xticks(ticks, [str(steps[k]) for k in ticks])
     title = "State RMS per sublayer over training (log10; last row: the head's input)"
-    return plot.save(fig, out_path, svg, f"{len(runs)} run(s)", title=title)
+    return drawing.save(fig, out_path, svg, f"{len(runs)} run(s)", title=title)
 
 
 def telemetry_series(records):
@@ -62,17 +63,17 @@ def telemetry_series(records):
     def put(key, rec, value):
         series.setdefault(key, [math.nan] * len(records))[rec] = value
     for k, rec in enumerate(records):
-        states = [plot.num(v) for v in rec.get("state_rms") or []]
+        states = [drawing.num(v) for v in rec.get("state_rms") or []]
         if len(states) > 1 and states[0] > 0:
             put("state growth: head / embedding RMS", k, states[-1] / states[0])
-        ratios = [plot.num(v) for v in ((rec.get("update_ratio") or {}).get("blocks") or [])]
+        ratios = [drawing.num(v) for v in ((rec.get("update_ratio") or {}).get("blocks") or [])]
         if ratios:
             put("update / weight, mean over blocks", k, float(np.nanmean(ratios)))
         design = rec.get("design") or {}
         for key, value in design.items():
             if isinstance(value, list) and f"{key}_mean" in design:
                 continue                                                 # the design gives its own mean
-            values = [plot.num(v) for v in value] if isinstance(value, list) else [plot.num(value)]
+            values = [drawing.num(v) for v in value] if isinstance(value, list) else [drawing.num(value)]
             if values and any(math.isfinite(v) for v in values):
                 put(key + (" (mean)" if isinstance(value, list) else ""), k, float(np.nanmean(values)))
     return series
@@ -87,26 +88,27 @@ def fig_telemetry_design(data, out_path, svg=False):
     keys = list(dict.fromkeys(k for _, series in per_run for k in series))
     if not keys:
         return {"skipped": "no train JSON with telemetry statistics"}
-    styles = {L: plot.STYLES[i % len(plot.STYLES)] for i, L in enumerate(sorted({plot.shape(r["config"])[1] for r in runs}))}
-    fig, axes = plot.grid(len(keys), ncols=min(len(keys), 4), w=3.8, h=3.0)
+    depths = sorted({drawing.shape(r["config"])[1] for r in runs})
+    styles = {L: drawing.STYLES[i % len(drawing.STYLES)] for i, L in enumerate(depths)}
+    fig, axes = drawing.grid(len(keys), ncols=min(len(keys), 4), w=3.8, h=3.0)
     for ax, key in zip(axes, keys):
         for run, series in per_run:
             if key in series:
-                steps = [plot.num(rec.get("step")) for rec in run["telemetry"]["records"]]
-                ax.plot(steps, series[key], marker=".", color=plot.colour(run["config"]["residual"]),
-                        ls=styles[plot.shape(run["config"])[1]], label=run_label(run))
+                steps = [drawing.num(rec.get("step")) for rec in run["telemetry"]["records"]]
+                ax.plot(steps, series[key], marker=".", color=drawing.colour(run["config"]["residual"]),
+                        ls=styles[drawing.shape(run["config"])[1]], label=run_label(run))
         ax.set(title=key, xlabel="step")
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
     drew = f"{len(runs)} run(s), {len(keys)} statistic(s)"
-    return plot.save(fig, out_path, svg, drew, title="Telemetry over training", legend=(axes[-1], axes))
+    return drawing.save(fig, out_path, svg, drew, title="Telemetry over training", legend=(axes[-1], axes))
 
 
 FIGURES = [("telemetry_state_rms", fig_telemetry_state_rms), ("telemetry_statistics", fig_telemetry_design)]
 
 
 def main(argv=None):
-    return plot.main(argv, figures=FIGURES, prog="depthbench.plot_telemetry")
+    return drawing.main(argv, FIGURES, "depthbench.reports.plot_telemetry")
 
 
 if __name__ == "__main__":

@@ -67,9 +67,9 @@ def record(model, idx, skip=None, sublayers=False):
 
 @contextlib.contextmanager
 def gathered(module):
-    """A module sharded by FSDP2 (depthbench/distributed.py) with its own parameters gathered: the observed pass calls
-    a block's parts directly, past the hooks that gather them in a forward. Collective: every rank calls it. A module
-    that is not sharded: nothing to do."""
+    """A module sharded by FSDP2 (depthbench/training/distributed.py) with its own parameters gathered: the observed
+    pass calls a block's parts directly, past the hooks that gather them in a forward. Collective: every rank calls it.
+    A module that is not sharded: nothing to do."""
     sharded = hasattr(module, "unshard") and hasattr(module, "reshard")
     if sharded:
         module.unshard()

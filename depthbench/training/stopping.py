@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from depthbench.common import print0
+from depthbench.files.common import print0
 
 
 class StopFlag:
@@ -82,8 +82,8 @@ class StopFlag:
         self.micro_done = 0
 
     def record(self, signum, step):
-        """run.json's "stopped" (depthbench/runlog.py: Stopped): the signal, the last completed step (ckpt.pt's) and
-        the step dropped, if one was."""
+        """run.json's "stopped" (depthbench/files/runlog.py: Stopped): the signal, the last completed step (ckpt.pt's)
+        and the step dropped, if one was."""
         return {"signal": signal.Signals(signum).name, "step": step, **self.drop}
 
 

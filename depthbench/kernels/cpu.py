@@ -1,5 +1,5 @@
 """
-kernels.py: the fast namespace. Every name a design calls through `self.ops` (ops.namespace) has a body here with the
+cpu.py: the fast namespace. Every name a design calls through `self.ops` (ops.namespace) has a body here with the
 same maths as ops.py's, in other layouts; names with one body are imported from ops.py. Same maths, other layouts.
 
 Nothing here is needed to understand a design: ops.py holds each definition, and `GPTConfig(kernels="reference")`

@@ -1,7 +1,7 @@
 """
 recipe.py: what train.py runs. The command line, the presets and suites it names, and the RunConfig each run of
-the grid resolves to (every number of the run, as run.json and ckpt.pt record it: depthbench/runlog.py's RunConfig);
---print-grid.
+the grid resolves to (every number of the run, as run.json and ckpt.pt record it: depthbench/files/runlog.py's
+RunConfig); --print-grid.
 docs/training.md describes the presets and suites.
 """
 import argparse
@@ -10,11 +10,11 @@ import functools
 import re
 from pathlib import Path
 
-from depthbench import common
-from depthbench.common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
-from depthbench import schedules, telemetry, trackers
-from depthbench.runlog import RunConfig  # what resolve makes, defined beside run.json's reader (no torch there)
-from depthbench.costs import default_micro_batch
+from depthbench.files import common
+from depthbench.files.common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
+from depthbench.training import schedules, telemetry, trackers
+from depthbench.files.runlog import RunConfig  # what resolve makes, defined beside run.json's reader (no torch there)
+from depthbench.training.costs import default_micro_batch
 from residuals import PAPER_DESIGNS, RESIDUALS
 from shapes import SUITES, count_params, parse_count, solve, suite_row, suite_rows
 
@@ -214,7 +214,7 @@ def build_parser():
     add("--steps", type=pint, help="length of the LR schedule (preset: the suite's, 400m 7,600; with --params 20 "
         "tokens per budgeted param; cpu 800, mini 1200)")
     add("--schedule", default=schedules.DEFAULT, choices=list(schedules.SCHEDULES), help="the LR schedule, "
-        "depthbench/schedules.py: " + "; ".join(f"{k}: {schedules.summary(k)}" for k in schedules.SCHEDULES)
+        "depthbench/training/schedules.py: " + "; ".join(f"{k}: {schedules.summary(k)}" for k in schedules.SCHEDULES)
         + f" (default {schedules.DEFAULT}; another one joins the run name)")
     add("--max-steps", type=pint, help="stop after this many steps, schedule unchanged (--resume continues)")
     add("--weight-decay", type=positive(float, zero=True), default=0.1, help="AdamW weight decay (a design's static "

@@ -10,7 +10,7 @@ At every eval (and every --stats-every steps if asked) `stats` measures, on the 
   that diagnose.py reads too (HC/mHC transport effective rank, AttnRes depth-weight entropy, MoDA's depth share).
 The forward runs under torch.no_grad on the plain model, with the RNG state forked and restored, so training's
 losses are bit-identical with and without it. Records go into run.json under "telemetry" and, with --log-to, to
-TensorBoard or W&B (depthbench/trackers.py) with the step log and the evals.
+TensorBoard or W&B (depthbench/training/trackers.py) with the step log and the evals.
 
 train.py calls three things (`Watch`): `Watch.start(...)` once a run is built and resumed, `watch.after_step(entry)`
 after each optimizer step, `watch.at_eval(step, ev)` after each eval, and `watch.close()` when the run ends.
@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from depthbench import observe, trackers
-from depthbench.common import positive
+from depthbench.evaluation import observe
+from depthbench.training import trackers
+from depthbench.files.common import positive
 
 SEQS = 8  # sequences of the eval micro-batch that telemetry reads: enough for RMS and means, cheap at any scale
 DEFINITIONS = {

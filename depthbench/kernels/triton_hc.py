@@ -1,13 +1,13 @@
 """
-depthbench/gpu/hc.py: HC's and mHC's connection as Triton kernels, forward and backward, under the names of the
-ops.py functions they replace (ops.TWO_BODIES: `normed_projection`, `width_connection`, `depth_connection`,
-`sinkhorn`), so a namespace can take them in place of depthbench/kernels.py's. Every kernel loads its inputs in
+depthbench/kernels/triton_hc.py: HC's and mHC's connection as Triton kernels, forward and backward, under the names of
+the ops.py functions they replace (ops.TWO_BODIES: `normed_projection`, `width_connection`, `depth_connection`,
+`sinkhorn`), so a namespace can take them in place of depthbench/kernels/cpu.py's. Every kernel loads its inputs in
 their own dtype (bf16 or fp32), computes in fp32 in registers, and stores the residual streams in the dtype they came
 in (the model keeps them in fp32 today: then every output is what ops.py's body returns); the coefficients are fp32.
 Each body equals ops.py's in forward and every gradient (tests/test_triton_hc.py, under TRITON_INTERPRET=1). A body
 runs its kernels on CUDA tensors (or CPU tensors under the interpreter) and hands any other call to
-depthbench/kernels.py's body (`runs_here`), so the CPU path does not change; `BODIES` maps the names to the bodies for
-depthbench/gpu's namespace, and triton is optional (`HAVE_TRITON`).
+depthbench/kernels/cpu.py's body (`runs_here`), so the CPU path does not change; `BODIES` maps the names to the bodies
+for the "triton" namespace (depthbench/kernels), and triton is optional (`HAVE_TRITON`).
 
 The kernels (N tokens, n streams of width D; one program per token or per block of tokens):
 
@@ -51,7 +51,7 @@ from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: th
 
 import torch
 
-from depthbench import kernels as cpu_bodies
+from depthbench.kernels import cpu as cpu_bodies
 from ops import fp32_maths
 
 try:
@@ -82,7 +82,7 @@ def interpreted():
 
 def runs_here(t):
     """Whether the kernels can run on t's device: triton imports, and t is on CUDA (or on the CPU under the
-    interpreter). Elsewhere each body hands its arguments to depthbench/kernels.py's, so the CPU path is unchanged."""
+    interpreter). Elsewhere each body hands its arguments to cpu.py's, so the CPU path is unchanged."""
     if not HAVE_TRITON:
         return False
     return t.is_cuda or (t.device.type == "cpu" and interpreted())
@@ -534,4 +534,4 @@ def compare_with_reference(device="cuda", dtype=torch.float32, shape=(2, 33, 4, 
                                       seed)}
 
 
-BODIES = {name: globals()[name] for name in NAMES}   # ops.TWO_BODIES names -> their GPU body (depthbench/gpu.BODIES)
+BODIES = {name: globals()[name] for name in NAMES}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)

@@ -1,7 +1,7 @@
 """
 compare.py: one design against Pre-LN at the same shape, seed by seed: the one definition that mini.py's summary.md
-and depthbench/plot_suite.py's relative panel share, so the table and the figure give the same numbers. No torch, no
-matplotlib.
+and depthbench/reports/plot_suite.py's relative panel share, so the table and the figure give the same numbers. No
+torch, no matplotlib.
 
 The same seed sees the same data order and validation windows in every design (train.py seeds both from --seed), so
 on one seed a design's final val loss minus Pre-LN's is a paired difference: the seed's luck in data cancels out.

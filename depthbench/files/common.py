@@ -15,8 +15,6 @@ import signal
 import sys
 from pathlib import Path
 
-from depthbench import runlog
-
 
 # ----------------------------------------------------------------------------- command line
 
@@ -70,8 +68,8 @@ class ArgParser(argparse.ArgumentParser):
     def add_kernels(self):
         """--kernels, the switch of every script that builds a model (GPTConfig.kernels)."""
         self.add_argument("--kernels", default="fast", choices=["fast", "reference", "triton"], help="fast: ops.py's "
-                          "functions run their depthbench/kernels.py bodies (default; on CUDA with triton: triton's); "
-                          "reference: ops.py's plain PyTorch, the same maths; triton: fast with depthbench/gpu's kernels")
+                          "functions run their depthbench/kernels/cpu.py bodies (default; on CUDA with triton: triton's); "
+                          "reference: ops.py's plain PyTorch, the same maths; triton: fast with depthbench/kernels' Triton bodies")
 
 
 def positive(kind=int, zero=False, below=math.inf):
@@ -338,6 +336,17 @@ def read_json(path):
     return obj if isinstance(obj, dict) else None
 
 
+JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "an integer",
+              float: "a number", type(None): "null"}
+
+
+def json_name(value):
+    """What a JSON value is, in words: 'a string', 'null', 'an object'."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "a number"
+    return JSON_NAMES.get(type(value), type(value).__name__)
+
+
 def part_of(section, key, where):
     """A checkpoint's JSON config's sub-section section[key] (where: its file, for the message): an object, {} when
     absent or null; a value of another type is a CheckpointError naming it (read by type, never by truthiness)."""
@@ -345,7 +354,7 @@ def part_of(section, key, where):
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise CheckpointError(f"{where}: section {key!r} is {runlog.json_name(value)}, not an object")
+        raise CheckpointError(f"{where}: section {key!r} is {json_name(value)}, not an object")
     return value
 
 
@@ -457,148 +466,7 @@ def load_checkpoint(path, keys=("model", "model_config", "config")):
     return ckpt
 
 
-def read_checkpoint(path, keys=("model", "model_config", "config")):
-    """A train.py ckpt.pt read by type: load_checkpoint's (a whole checkpoint holding `keys`), then check_checkpoint
-    -> its dict, or a one-line CheckpointError naming the file and the field. Every reader of a run's checkpoint
-    (train.py --resume, diagnose.py, export.py) comes through here; checkpoint_model builds its model."""
-    ckpt = load_checkpoint(path, keys)
-    check_checkpoint(ckpt, path)
-    return ckpt
-
-
-def check_checkpoint(ckpt, path):
-    """What the readers use of a checkpoint, each of its type, where present: "config" a mapping of RunConfig's
-    types (depthbench/runlog.py) whose residual is a design of the registry; "step" a step count (an int >= 0);
-    "model_config" a mapping whose residual is a design of the registry; "model" a mapping of names to tensors.
-    A CheckpointError (one line) otherwise, never trusted by truthiness."""
-    import torch
-    try:
-        if "config" in ckpt:
-            runlog.check_config(ckpt["config"], path)
-    except runlog.RunLogError as e:
-        raise CheckpointError(str(e)) from None
-    step = ckpt.get("step", 0)
-    if type(step) is not int or step < 0:
-        raise CheckpointError(f"{path}: field 'step' is {step!r}, not a step count (an integer >= 0)")
-    for field in ("config", "model_config"):
-        value = ckpt.get(field, {})
-        if not isinstance(value, dict):
-            raise CheckpointError(f"{path}: field {field!r} is {runlog.json_name(value)}, not an object")
-        if field == "model_config" or "residual" in value:
-            check_design(value.get("residual"), path, f"{field}.residual")
-    weights = ckpt.get("model", {})
-    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
-        raise CheckpointError(f"{path}: field 'model' is not a state dict (names to tensors)")
-
-
-def check_design(name, path, field):
-    """A CheckpointError unless `name` is a design of the registry (residuals.RESIDUALS)."""
-    from residuals import RESIDUALS
-    if not isinstance(name, str) or name not in RESIDUALS:
-        raise CheckpointError(f"{path}: field {field!r} is {name!r}, not a design of residuals.py")
-
-
-def check_state_dict(weights, model, path, shapes=None):
-    """A CheckpointError (one line) unless the state dict `weights` holds exactly `model`'s tensors, by name and
-    shape: another design's weights, or another shape's, are refused before load_state_dict sees them. shapes:
-    {name: shape} of the parameters as the model had them before FSDP2 (depthbench/distributed.py's shard, which
-    makes a 0-dim parameter a vector of one; checkpoints keep the shape before)."""
-    want = {k: tuple(t.shape) for k, t in model.state_dict().items()}
-    want.update({k: tuple(shape) for k, shape in (shapes or {}).items() if k in want})
-    missing = [k for k in want if k not in weights]
-    unexpected = [k for k in weights if k not in want]
-    if missing or unexpected:
-        design = model.cfg.residual
-        raise CheckpointError(f"{path}: its weights are not those of its config's {design} model (missing: "
-                              f"{few(missing)}; unexpected: {few(unexpected)})")
-    for k, shape in want.items():
-        if tuple(weights[k].shape) != shape:
-            raise CheckpointError(f"{path}: weight {k} has shape {tuple(weights[k].shape)}, its config's model "
-                                  f"needs {shape}")
-
-
-def few(names, n=3):
-    """'a, b, c and 4 more' ('none' for no names)."""
-    if not names:
-        return "none"
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return ", ".join(names[:n]) + more
-
-
-def checkpoint_model(ckpt, path, kernels=None):
-    """The GPT a checkpoint's model_config builds (kernels: another --kernels), its weights checked (check_state_dict)
-    and loaded -> the model, or a one-line CheckpointError."""
-    from model import GPT, GPTConfig
-    settings = dict(ckpt["model_config"])
-    if kernels is not None:
-        settings["kernels"] = kernels
-    try:
-        model = GPT(GPTConfig(**settings))
-    except Exception as e:  # a model_config of another program: not ours
-        raise CheckpointError(f"{path}: field 'model_config' builds no model ({type(e).__name__}: "
-                              f"{first_line(e, 120)})") from None
-    check_state_dict(ckpt["model"], model, path)
-    model.load_state_dict(ckpt["model"])
-    return model
-
-
-# ----------------------------------------------------------------------------- runs
-
-def run_state(folder):
-    """What a train.py run folder holds: 'new' (nothing), 'partial' (a run.json or ckpt.pt to resume or redo),
-    'diverged' (run.json says the loss or gradient went non-finite: a result, not redone) or 'finished'. Finished
-    means run.json says so *and* ckpt.pt holds its last step: ckpt.pt is saved first, so when it is missing or older
-    (a kill between the two saves of an older train.py, which wrote run.json first) the run is only partial, and
-    --resume continues from the ckpt.pt there is. The one definition train.py, mini.py and plot.py use. run.json is
-    read by type (depthbench/runlog.py): one that is not train.py's run log, or has a field of another type or
-    missing, is a RunLogError (a ValueError, one line naming the file and the field), never read by truthiness."""
-    folder = Path(folder)
-    ckpt = folder / "ckpt.pt"
-    try:
-        log = runlog.read_run_log(folder / "run.json")
-    except FileNotFoundError:
-        return "partial" if ckpt.exists() else "new"
-    if log["diverged"]:
-        return "diverged"
-    if not log["finished"]:
-        return "partial"
-    last = log["steps"][-1]["step"] if log["steps"] else None
-    try:
-        at = load_checkpoint(ckpt, keys=("step",))["step"]
-    except Exception:  # missing, unreadable or foreign: not the final checkpoint
-        at = None
-    if at == last:
-        return "finished"
-    print0(f"{folder}: run.json says finished at step {last}, but ckpt.pt is "
-           + (f"at step {at}" if at else "missing or unreadable") + ": not finished")
-    return "partial"
-
-
-def rebuild_run_log(folder):
-    """When folder/run.json is damaged (cut off, not a JSON object, a field missing or of another type) or gone and
-    folder/ckpt.pt is a whole train.py checkpoint, write run.json again from the log the checkpoint carries (train.py
-    saves its run log in ckpt.pt as "log", as of the checkpoint's step), marked not finished: run_state then says
-    'partial' and --resume trains on from that step (when it was the last one, --resume only marks the run
-    finished). Returns the log written, or None, writing nothing, when run.json is readable or ckpt.pt is missing or
-    not whole. train.py calls it for --resume before run_state, holding the folder's lock."""
-    folder = Path(folder)
-    try:
-        runlog.read_run_log(folder / "run.json")
-        return None
-    except (FileNotFoundError, runlog.RunLogError):
-        pass
-    try:
-        ckpt = load_checkpoint(folder / "ckpt.pt", keys=("log", "step", "config"))
-    except CheckpointError:
-        return None
-    log = ckpt["log"]
-    if not isinstance(log, dict) or not isinstance(log.get("steps"), list):
-        return None
-    log = {**log, "finished": False}
-    write_json(folder / "run.json", log)
-    print0(f"{folder / 'run.json'} was damaged or missing: rebuilt from ckpt.pt's log (step {ckpt['step']})")
-    return log
-
+# ----------------------------------------------------------------------------- results
 
 def best_lr(results):
     """The best LR of {lr: [each seed's final val loss, None (or nan) where the run diverged]}: the fewest diverged

@@ -11,7 +11,7 @@ import time
 
 from tqdm import tqdm
 
-from depthbench.common import duration, print0
+from depthbench.files.common import duration, print0
 
 LONG_STEP_S = 5.0      # a step expected to take longer shows its micro-batches as they go
 PLAIN_EVERY_S = 60.0   # off a terminal: a progress line at most this often

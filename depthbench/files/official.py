@@ -7,8 +7,8 @@ torch's own DCP reader (no OLMo-core), map every official name onto ours (`layou
 line, any setting our model would compute differently. Where the official names and layouts were read:
 docs/official.md#provenance.
 
-    python -m depthbench.official info  SOURCE [--step N]                 # design, shape and what was mapped
-    python -m depthbench.official evaluate SOURCE --text FILES [--step N] [--seq-len 2048] [--max-tokens N]
+    python -m depthbench.files.official info  SOURCE [--step N]                 # design, shape and what was mapped
+    python -m depthbench.files.official evaluate SOURCE --text FILES [--step N] [--seq-len 2048] [--max-tokens N]
     python diagnose.py SOURCE [--step N] --metrics ...           # every diagnostic (diagnose.py)
 
 SOURCE: a hub id (downloaded with huggingface_hub: the chosen step and tokenizer/ only; a repository that keeps one
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from depthbench.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, part_of, pick_device, positive
+from depthbench.files.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, part_of, pick_device, positive
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -348,7 +348,7 @@ def unused_buffers(names):
     too: named on stderr in one line, never silently. The rest (a parameter our model lacks) stays an error."""
     buffers = sorted(n for n in names if n.rsplit(".", 1)[-1] not in PARAMETER_LEAVES)
     if buffers:
-        print(f"depthbench.official: warning: ignored {len(buffers)} non-parameter tensor(s) the model does not use: "
+        print(f"depthbench.files.official: warning: ignored {len(buffers)} non-parameter tensor(s) the model does not use: "
               f"{short(buffers)}", file=sys.stderr)
     return set(buffers)
 
@@ -659,7 +659,7 @@ def evaluate(model, tok, text, seq_len, max_tokens=None, batch_size=4, device="c
 
 
 def main(argv=None):
-    p = ArgParser(prog="depthbench.official",
+    p = ArgParser(prog="depthbench.files.official",
                   description="Load (info) or evaluate an official DepthBench OLMo-core checkpoint.")
     p.add_argument("command", choices=["info", "evaluate"])
     p.add_argument("source", help="hub id, repository folder with stepN/ folders, or a step folder")
@@ -693,7 +693,7 @@ def main(argv=None):
                            batch_size=args.batch_size, device=args.device)
             print(json.dumps({**res, "step": info["step"], "source": args.source}))
     except (CheckpointError, data.DataError) as e:
-        fail("depthbench.official", first_line(e, None))
+        fail("depthbench.files.official", first_line(e, None))
 
 
 if __name__ == "__main__":

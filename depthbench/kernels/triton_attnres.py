@@ -42,8 +42,8 @@ Kernels (each equals the named reference, proved by the named test of tests/test
   the two ways), and under bf16 autocast `test_model_under_bf16_autocast_is_the_reference_to_bf16`.
 - `_source_backward`: the deferred pass above, one program per block of tokens, looping over the records.
 
-Storage: the bank (depthbench/kernels.py's `Bank` and `Push.forward`, reused) keeps its sources in bf16 when the model
-runs under autocast to bf16 on the bank's device, else in the dtype of the first source; gradients accumulate in
+Storage: the bank (depthbench/kernels/cpu.py's `Bank` and `Push.forward`, reused) keeps its sources in bf16 when the
+model runs under autocast to bf16 on the bank's device, else in the dtype of the first source; gradients accumulate in
 fp32. The release's top-k variant (topk_fraction < 1) runs kernels.py's torch mix on the same bank (its gradients
 join through the gradient bank, which it allocates). DenseFormer's and MUDD's banks (no key norm: eps None), and any
 bank on a device where no kernel can run (a CPU tensor without the interpreter), are kernels.py's own
@@ -53,7 +53,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations ar
 
 import torch
 
-from depthbench import kernels
+from depthbench.kernels import cpu as kernels
 from ops import fp32_maths, topk_count
 
 try:

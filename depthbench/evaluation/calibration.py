@@ -11,8 +11,10 @@ import torch
 
 import data
 import shapes
-from depthbench import official, synthetic, windows
-from depthbench.common import checkpoint_model, design_options, first_line, pick_device, read_checkpoint
+from depthbench.files import official
+from depthbench.evaluation import synthetic, windows
+from depthbench.files.checkpoints import checkpoint_model, read_checkpoint
+from depthbench.files.common import design_options, first_line, pick_device
 from model import GPT, GPTConfig
 
 
@@ -35,7 +37,7 @@ def load_model(args, st):
             return GPT(cfg), run, None, None
         except ValueError as e:        # an option value the design refuses (Block AttnRes' grouping, ...): one line
             raise DiagError(f"--residual-args: {first_line(e)}") from None
-    if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (depthbench/official.py)
+    if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (depthbench/files/official.py)
         model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
         if st.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
             st.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from depthbench.common import VAL_SEED
+from depthbench.files.common import VAL_SEED
 
 SPLITS = {"train": 0, "val": 1}  # the split's number goes into the synthetic RNG seed (and names the loader's splits)
 

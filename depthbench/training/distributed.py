@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from depthbench import common
+from depthbench.files import common
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from depthbench.common import first_line
+from depthbench.files.common import first_line
 
 # task -> (category, hub dataset, config, split), as the reference's NLL script
 TASKS = {"mbpp": ("coding", "google-research-datasets/mbpp", "full", "test"),
