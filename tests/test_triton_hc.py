@@ -258,7 +258,7 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
     if type(triton.language.standard._sum_combine).__name__ == "InterpretedFunction":
         # triton itself was first imported under TRITON_INTERPRET=1 in this process (another test file set it), so
         # its library cannot compile: the same test in a fresh process without the flag
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                               f"compiles and {stream}"], cwd=ROOT, env=env, capture_output=True, text=True)
         assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
