@@ -44,6 +44,7 @@ PEAK_HBM = 4.8e12                  # H200 HBM3e bytes/s
 ETA_GPU = 0.8                      # HBM fraction a streaming fused kernel reaches (the first notes' bound assumes it)
 DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]
 TARGETS = {"preln": 1.0, "hc": 1.15, "mhc": 1.10, "attnres": 1.5, "block_attnres": 1.05, "moda": 1.3}
+BLOCK_GROUPS = 8                   # Block AttnRes' N (residuals.py's default)
 KERNEL_TARGET = 1.5                # GPU kernels per step over Pre-LN's (issue 52's acceptance)
 CARD = {"layers": 70, "width": 640, "seq": 2048, "batch": 2, "vocab": 50280, "heads": 16}
 # docs/speed.md#gpu-runs (2026-12-04): one H200, PyTorch 2.11.0+cu130, bf16 autocast, compiled per block,
@@ -78,9 +79,9 @@ def flops(shape):
     return gemm, attention
 
 
-def group_of(k, n_sub, n_groups=8):
+def group_of(k, n_sub, n_groups=None):
     """Block AttnRes' group of sublayer k (residuals.BlockAttnRes.groups, the even reading)."""
-    return k * n_groups // n_sub
+    return k * (n_groups or BLOCK_GROUPS) // n_sub
 
 
 def slots_read(design, L):
@@ -129,16 +130,36 @@ def gpu_traffic(design, shape):
             "analytic bound")
 
 
+def attnres_reads(design, L):
+    """[(k, n)] for the consumers that mix, k = 1 .. 2L (2L: the head; consumer 0 reads RMSNorm(e), no mix): n bank
+    sources, as residuals.py's Full and Block AttnRes push them (Block: after a group closes, at the write of the
+    sublayer that opens the next, and every consumer k >= 1 reads the open sum as the extra source), and how many
+    sources the design pushes in all."""
+    n_sub = 2 * L
+    if design == "attnres":
+        return [(k, k + 1) for k in range(1, n_sub + 1)], n_sub + 1
+    opens = [i for i in range(1, n_sub) if group_of(i, n_sub) != group_of(i - 1, n_sub)]
+    return [(k, 1 + sum(i < k for i in opens)) for k in range(1, n_sub + 1)], 1 + len(opens)
+
+
 def attnres_traffic(design, L, tokens, D):
-    """Sum of depthbench.kernels.triton_attnres.traffic over the consumers (and one push per source)."""
-    traffic = importlib.import_module("depthbench.kernels.triton_attnres").traffic
-    total, launches, n_sub = 0, 0, 2 * L
-    for k in range(n_sub + 1):
-        n = k + 1 if design == "attnres" else 1 + group_of(k, n_sub)
-        parts = traffic(n, tokens, D, extra=design == "block_attnres")
-        total += sum(p["read"] + p["written"] for p in parts.values())
-        launches += sum(p["launches"] for p in parts.values())
-    return total, launches
+    """Sum of depthbench.kernels.triton_attnres's traffic over the consumers (deferred while the bank's records have
+    room, in backward order: the deepest first; the rest read-modify-write, and the zeroing of the gradient bank they
+    add into), push_traffic over the pushed sources and one read_traffic (sublayer 0's RMSNorm(e)), with the bank in
+    bf16 -> (bytes, launches)."""
+    module = importlib.import_module("depthbench.kernels.triton_attnres")
+    reads, pushes = attnres_reads(design, L)
+    n_max = 2 * L + 1 if design == "attnres" else BLOCK_GROUPS + 1         # residuals.py's bank sizes
+    room = module.record_capacity(n_max, 2)
+    parts, rmw_reads = [module.read_traffic(tokens, D)], 0
+    for i, (k, n) in enumerate(reversed(reads)):                            # backward order
+        parts.append(module.traffic(n, tokens, D, extra=design == "block_attnres", deferred=i < room))
+        rmw_reads = max(rmw_reads, n * (i >= room))
+    parts += [module.push_traffic(tokens, D, gradient_slot=j < rmw_reads) for j in range(pushes)]
+    if rmw_reads:
+        parts.append(module.gradient_bank_traffic(n_max, tokens, D))
+    rows = [row for part in parts for row in part.values()]
+    return sum(r["read"] + r["written"] for r in rows), sum(r["launches"] for r in rows)
 
 
 def calibrate(fit_on="attnres", measured=MEASURED, shape=CARD):

@@ -28,6 +28,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton does not import: `pip install triton` runs these tests")
 
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from depthbench import kernels as gpu  # noqa: E402
@@ -250,19 +251,80 @@ def test_traffic_counts_the_notes_bank_reads():
     """traffic's forward reads, summed over Full AttnRes' mixes at L70 d640 B2 T2048 (sublayer k = 1 .. 139 reads its
     k + 1 sources, the head all 141), are gpu-h200.md's 10,011 source slots of 5.2 MB in bf16 less the one sublayer 0
     reads without a mix (RMSNorm(e)), plus per-token terms under 1%. Per slot a mix read, the deferred backward moves
-    2 + 4 bytes an element (the source, a consumer's dmix), the read-modify-write 2 + 4 + 4 (the source, its gradient
-    read and written), each within 5% with their fixed per-consumer terms."""
+    2 + 2 bytes an element (the source, a consumer's bf16 dmix), the read-modify-write 2 + 4 + 4 (the source, its
+    gradient read and written), each within 5% with their fixed per-consumer terms."""
     tokens, D = 2 * 2048, 640
     slot = tokens * D
     reads = [k + 1 for k in range(1, 140)] + [141]
     slots_read = sum(reads)
     assert slots_read + 1 == 10_011
-    for deferred, per_element in ((True, 2 + 4), (False, 2 + 4 + 4)):
+    for deferred, per_element in ((True, 2 + 2), (False, 2 + 4 + 4)):
         consumers = [attnres.traffic(n, tokens, D, deferred=deferred) for n in reads]
         small = sum(c["forward"]["read"] for c in consumers) - slots_read * slot * 2
         assert 0 < small < 0.01 * slots_read * slot * 2
         back = sum(c[part][key] for c in consumers for part in ("backward", "deferred") for key in ("read", "written"))
         assert slots_read * slot * per_element < back < 1.05 * slots_read * slot * per_element, deferred
+
+
+KERNELS = ("_mix_forward", "_mix_backward", "_query_gradients", "_source_backward")
+NO_KERNEL = {"aten.empty.memory_format", "aten.new_empty.default", "aten.empty_like.default",
+             "aten.empty_strided.default"}                  # allocations: no kernel on a GPU (views neither)
+
+
+class Launches(TorchDispatchMode):
+    """Every launch a GPU would see: the aten ops that run a kernel (not views, not allocations) and each Triton
+    kernel's launch (counted by `counted`, the interpreter's own tensor work hidden from this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and str(func) not in NO_KERNEL:
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def counted(kernel, names):
+    """kernel, whose launches (kernel[grid](...)) append its name to names and run outside any dispatch mode."""
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                names.append(kernel.__name__)
+                with _disable_current_modes():
+                    return kernel[grid](*args, **kwargs)
+            return launch
+    return Counted()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mode", BACKWARDS)
+@pytest.mark.parametrize("has_extra", [False, True])
+def test_traffic_counts_the_launches(has_extra, mode, monkeypatch):
+    """The launches traffic() and push_traffic() declare are the ones the code makes, torch glue included: a bank of
+    3 pushes and one mix (with or without the extra source) launch, in forward, 3 push_traffic forward + traffic's
+    forward, and in backward traffic's backward + 3 push_traffic backward (with records or, read-modify-write, with
+    the gradient slots: no launch) + gradient_bank_traffic's zeroing where a consumer reads-modifies-writes."""
+    backward_mode(monkeypatch, mode)
+    monkeypatch.setattr(attnres, "interpreted", lambda: True)   # the kernels below are wrapped, still interpreted
+    names = []
+    for name in KERNELS:
+        monkeypatch.setattr(attnres, name, counted(getattr(attnres, name), names))
+    vs, query, gain, extra = case("extra" if has_extra else "odd_T")
+    vs = vs[:3]
+    w = torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(5))
+    expect = attnres.traffic(3, 7, 48, extra=has_extra, storage_bytes=4, deferred=mode == "deferred")
+    push = attnres.push_traffic(7, 48, storage_bytes=4, gradient_slot=mode != "deferred", records=mode == "deferred")
+    with Launches() as forward:
+        mix = triton_mix(vs, query, gain, extra)[0]
+    assert len(forward.names + names) == 3 * push["forward"]["launches"] + expect["forward"]["launches"], names
+    names.clear()
+    with Launches() as backward:
+        torch.autograd.backward(mix, w)
+    zeroing = attnres.gradient_bank_traffic(4, 7, 48)["backward"]["launches"] * (mode != "deferred")
+    assert len(backward.names + names) == (expect["backward"]["launches"] + 3 * push["backward"]["launches"]
+                                           + zeroing), (backward.names, names)
+    assert all(v.grad.abs().max() > 0 for v in vs)
 
 
 COMPILE_FOR_H100 = """
@@ -272,12 +334,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from depthbench.kernels import triton_attnres as A
 assert not A.interpreted()
-SCALARS = {"n": "i32", "BT": "i32", "D": "i32", "eps": "fp32", "j": "i32", "count": "i32"}
-INTS = {"reads": "*i32"}
-def build(fn, storage, consts, warps):
+SCALARS = {"n": "i32", "m_sources": "i32", "BT": "i32", "D": "i32", "P": "i32", "eps": "fp32", "j": "i32",
+           "count": "i32"}
+INTS = {"reads": "*i32", "reads_ptr": "*i32"}
+def build(fn, storage, consts, warps, stored=()):
     names = fn.arg_names
     sig = {a: "constexpr" if a in consts else SCALARS.get(a, INTS.get(a, "*fp32")) for a in names}
-    sig[names[0]] = storage                                  # the bank (or the source slot)
+    for a in (names[0],) + stored:                           # the bank (or the source slot), and the records' dmix
+        sig[a] = storage
     triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps})
 for storage in ("*bf16", "*fp32"):
@@ -285,16 +349,19 @@ for storage in ("*bf16", "*fp32"):
         build(A._mix_forward, storage, {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}, 4)
         for defer in (False, True):
             consts = {"HAS_EXTRA": extra, "DEFER": defer, "BLOCK_T": 4, "BLOCK_D": 1024}
-            build(A._mix_backward, storage, consts, A.BACKWARD_WARPS)
-    build(A._source_backward, storage, {"BLOCK_T": 4, "BLOCK_D": 1024}, A.BACKWARD_WARPS)
+            build(A._mix_backward, storage, consts, A.BACKWARD_WARPS, ("dV",) if defer else ())
+    for base in (False, True):
+        consts = {"HAS_BASE": base, "BLOCK_T": 4, "BLOCK_D": 1024}
+        build(A._source_backward, storage, consts, A.BACKWARD_WARPS, ("records",))
+    build(A._query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
 print("compiled")
 """
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_an_h100():
-    """Every kernel, each variant (bf16 or fp32 bank; with or without the extra source; deferred or read-modify-write),
-    compiles to an sm90 binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
+    """Every kernel, each variant (bf16 or fp32 bank and records; with or without the extra source; deferred or
+    read-modify-write; the source's pass with or without a gradient slot), compiles to an sm90 binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
     check (the GPU's typing of loop-carried values, the branches inside loops)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,

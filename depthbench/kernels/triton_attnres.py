@@ -4,18 +4,22 @@ gpu/attnres.py: Full and Block AttnRes' depth mix as Triton kernels, the GPU bod
 The maths is ops.depth_mix, for one consumer with the query row q, the key gain g and the sources v_0 .. v_(m-1)
 (the bank's n sources, then Block AttnRes' open partial sum `extra` if given), per token:
 
-    gq  = g * q                                      (D,), made in torch before the kernels
+    gq  = g * q                                      (D,), made by each kernel from q and g
     r_j = rsqrt(mean(v_j^2) + eps),  u_j = <v_j, gq>,  s_j = r_j u_j          (the logit: <q, g * RMSNorm(v_j)>)
     p_j = softmax_j(s),  mix = sum_j p_j v_j,  lse = log sum_j exp(s_j)
 
 The consumer's output norm, RMSNorm_k(mix), stays outside (residuals.py applies it, as with the other bodies).
 
+Launches: one per consumer forward, two per consumer backward, one per push forward and one per push backward;
+no torch glue between them (no gq = g q, no exp(s - lse), no record copies, no zeroing, no dtype casts: each kernel
+reads q and g, writes p, its record and its outputs in their own dtypes).
+
 Kernels (each equals the named reference, proved by the named test of tests/test_triton.py):
 - `_mix_forward`: one program per block of BLOCK_T tokens, the whole width D in registers (padded to a power of 2
   and masked). One pass over the sources with an online softmax (running max m, running sum l, running weighted
   sum acc, rescaled by exp(m_old - m_new) when the max grows): r_j, u_j, s_j, p_j and mix in fp32 from sources
-  stored in bf16 or fp32. Writes mix (fp32), lse (fp32) and the logits s (fp32, m x tokens: the weights p that the
-  interface returns are exp(s - lse), and telemetry reads them). Equals ops.depth_mix's (mix, p):
+  stored in bf16 or fp32. Writes mix (fp32), lse (fp32), and the weights p (fp32, m x tokens: the logits s first,
+  then, once lse is known, exp(s - lse) over them; telemetry reads p). Equals ops.depth_mix's (mix, p):
   `test_mix_forward_equals_reference`.
 - `_mix_backward`, the consumer's pass: the same blocks of tokens, one pass over its sources again. It recomputes
   r_j, u_j, s_j from the source and p_j = exp(s_j - lse) from the saved lse (nothing per source is kept from the
@@ -23,38 +27,42 @@ Kernels (each equals the named reference, proved by the named test of tests/test
 
       dp_j = <v_j, dmix>,   ds_j = p_j (dp_j - delta)
       dv_j = p_j dmix + ds_j r_j gq - ds_j u_j r_j^3 / D  v_j          (the last term: through r_j)
-      dgq  = sum_tokens sum_j ds_j r_j v_j                              (one partial row per program, summed in torch)
+      dgq  = sum_tokens sum_j ds_j r_j v_j                              (one partial row per program)
 
-  It returns dgq (and the extra source's dv, written to its own tensor) at once. The bank sources' dv_j, two ways:
-  * deferred (the default): the consumer keeps a record (its dmix, delta, lse, gq and how many sources it read,
-    `Deferred`) and computes no dv_j; `_source_backward`, run by source j's push when backward reaches it (after
-    every consumer that read it, as autograd orders the bank's tokens), sums dv_j over the recorded consumers that
-    read j, from v_j read once and each consumer's dmix, and writes it once: the triangular accumulation. Per
-    (consumer, source) pair the backward reads v_j (storage bytes) and dmix (4 bytes) per element, and no gradient
-    bank exists. The records take as much memory as a gradient bank of the bank's n_max slots, so a bank keeps at
-    most n_max records: Full AttnRes (2L consumers, 2L + 1 slots) defers every consumer.
+  It writes the extra source's dv (in the extra's dtype) and the partial rows of dgq; `_query_gradients` sums
+  those rows and writes dq = dgq g and dg = dgq q (the second launch). The bank sources' dv_j, two ways:
+  * deferred (the default): the consumer's pass writes its record (dmix in the bank's storage dtype, delta, lse, gq
+    and how many sources it read, `Deferred`) and computes no dv_j; `_source_backward`, run by source j's push when
+    backward reaches it (after every consumer that read it, as autograd orders the bank's tokens), sums dv_j over
+    the recorded consumers that read j, from v_j read once and each consumer's dmix, and writes it once: the
+    triangular accumulation. Per (consumer, source) pair the backward reads v_j (storage bytes, the consumer's
+    pass) and dmix (storage bytes, the source's pass) per element, and no gradient bank exists. The records take as
+    much memory as an fp32 gradient bank of the bank's n_max slots (2 n_max records in bf16), so a bank keeps at
+    most that many: Full AttnRes (2L consumers, 2L + 1 slots) defers every consumer.
   * read-modify-write (a consumer past that room: Block AttnRes, with more consumers than slots, from its
-    (N+2)-th backward on): dv_j is added into the bank's fp32 gradient slot j in the same pass, one read and one
-    write of each slot this consumer read, never of the rest of the bank; its push adds the slot's total.
+    (2N+3)-th backward on in bf16): dv_j is added into the bank's fp32 gradient slot j in the same pass, one read
+    and one write of each slot this consumer read, never of the rest of the bank; the push's pass starts from it.
   Both equal the gradients autograd takes through ops.depth_mix (query, key gain, every source):
   `test_mix_gradients_equal_reference` (each way), `test_consumers_of_several_depths_share_a_bank` (consumers that
   read different prefixes of one bank); a whole model: `test_model_equals_reference` (Block AttnRes there mixes
   the two ways), and under bf16 autocast `test_model_under_bf16_autocast_is_the_reference_to_bf16`.
-- `_source_backward`: the deferred pass above, one program per block of tokens, looping over the records.
+- `_source_backward`: the deferred pass above, one program per block of tokens, looping over the records, from the
+  gradient slot's read-modify-write sum where one exists; writes dv_j in the pushed tensor's dtype.
 
-Storage: the bank (depthbench/kernels/cpu.py's `Bank` and `Push.forward`, reused) keeps its sources in bf16 when the
-model runs under autocast to bf16 on the bank's device, else in the dtype of the first source; gradients accumulate in
-fp32. The release's top-k variant (topk_fraction < 1) runs kernels.py's torch mix on the same bank (its gradients
-join through the gradient bank, which it allocates). DenseFormer's and MUDD's banks (no key norm: eps None), and any
-bank on a device where no kernel can run (a CPU tensor without the interpreter), are kernels.py's own
-(`DepthBank.start`): their path, and the CPU's, is unchanged. `traffic` counts what each kernel moves.
+Storage: the bank (depthbench/kernels/cpu.py's `Bank`, reused) keeps its sources in bf16 when the model runs under
+autocast to bf16 on the bank's device, else in the dtype of the first source; gradients accumulate in fp32. The
+release's top-k variant (topk_fraction < 1) runs kernels.py's torch mix on the same bank (its gradients join
+through the gradient bank, which it allocates, and the r_j it reads are computed when it first runs). DenseFormer's
+and MUDD's banks (no key norm: eps None), and any bank on a device where no kernel can run (a CPU tensor without
+the interpreter), are kernels.py's own (`DepthBank.start`): their path, and the CPU's, is unchanged. `traffic` and
+`push_traffic` count what each launch moves; `test_traffic_counts_the_launches` counts the launches of a mix.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations are read as text: no triton, no error
 
 import torch
 
 from depthbench.kernels import cpu as kernels
-from ops import fp32_maths, topk_count
+from ops import topk_count
 
 try:
     import triton
@@ -65,6 +73,7 @@ except ImportError:  # the package imports without triton; nothing here runs the
 TILE_ELEMENTS = 4096   # tokens x padded width one program holds per tile: BLOCK_T = TILE_ELEMENTS // BLOCK_D, >= 1
 MAX_BLOCK_T = 16
 BACKWARD_WARPS = 8     # the backward holds ~5 tiles (dmix, v, dv, dgq, the old gradient): more warps, fewer spills
+COLUMNS, ROWS = 64, 32  # _query_gradients: columns per program, partial rows summed per step
 
 
 def jit(fn):
@@ -128,22 +137,30 @@ def _online_step(v, s, m, l, acc):
 
 
 @jit
-def _mix_forward(V, extra, gq_ptr, mix_ptr, lse_ptr, logits_ptr, n, BT, D, eps,
+def _key_query(q_ptr, g_ptr, cols, D):
+    """gq = g * q (BLOCK_D,) in fp32, zero in the padding, from the query row and key gain in their own dtypes."""
+    q = tl.load(q_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return q * tl.load(g_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+
+
+@jit
+def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, BT, D, eps,
                  HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """mix and lse for tokens [pid BLOCK_T, (pid + 1) BLOCK_T) over the n bank sources V (n_max, BT, D) and, with
-    HAS_EXTRA, the extra source (BT, D) after them; logits (m, BT)."""
+    HAS_EXTRA, the extra source (BT, D) after them (m_sources in all); the weights p (m_sources, BT): the logits
+    first, then exp(s - lse)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < BT
     mask = row_ok[:, None] & (cols[None, :] < D)
     offsets = rows[:, None] * D + cols[None, :]                  # within one source slot
-    gq = tl.load(gq_ptr + cols, mask=cols < D, other=0.0)
+    gq = _key_query(q_ptr, g_ptr, cols, D)
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_T,), tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    slot = V                                                     # advanced one slot (BT * D) per source: no int32 overflow
-    logits = logits_ptr
+    slot = V                                                 # advanced one slot (BT * D) per source: no int32 overflow
+    logits = p_ptr
     for j in range(0, n):
         v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
         r, u, s = _source_logit(v, gq, D, eps)
@@ -157,7 +174,14 @@ def _mix_forward(V, extra, gq_ptr, mix_ptr, lse_ptr, logits_ptr, n, BT, D, eps,
         tl.store(logits + rows, s, mask=row_ok)
         m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
     tl.store(mix_ptr + offsets, acc / l[:, None], mask=mask)
-    tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
+    lse = m + tl.log(l)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.debug_barrier()                                   # the logits stored above are visible to every thread
+    weights = p_ptr
+    for j in range(0, m_sources):                        # each token's logits, written above, read back as weights
+        s = tl.load(weights + rows, mask=row_ok, other=0.0)
+        tl.store(weights + rows, tl.exp(s - lse), mask=row_ok)
+        weights += BT
 
 
 @jit
@@ -175,20 +199,22 @@ def _source_gradient(v, gq, dmix, lse, delta, D, eps):
 
 
 @jit
-def _mix_backward(V, extra, gq_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, n, BT, D, eps,
+def _mix_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, scalars_ptr, gq_row,
+                  reads_ptr, n, BT, D, eps,
                   HAS_EXTRA: tl.constexpr, DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """The consumer's pass. Its share of dgq to row pid of dgq_ptr (programs, D); the extra source's dv to d_extra.
     The bank sources' dv: DEFER False, added into the gradient bank dV (n_max, BT, D) fp32, one read-modify-write of
-    each slot read; DEFER True, not computed here: dV is the consumer's row of the deferred record, which gets dmix
-    and delta (then `_source_backward` computes dv when it reaches the source)."""
+    each slot read; DEFER True, not computed here: the consumer's record gets dmix (dV: (BT, D) in the bank's
+    storage dtype), delta and lse (scalars_ptr: (2, BT) fp32), gq (gq_row) and n (reads_ptr), from which
+    `_source_backward` computes dv when it reaches the source."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < BT
     mask = row_ok[:, None] & (cols[None, :] < D)
     offsets = rows[:, None] * D + cols[None, :]
-    gq = tl.load(gq_ptr + cols, mask=cols < D, other=0.0)
-    dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0)
+    gq = _key_query(q_ptr, g_ptr, cols, D)
+    dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)    # <mix, dmix> = sum_j p_j dp_j
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     dgq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
@@ -206,20 +232,43 @@ def _mix_backward(V, extra, gq_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq
     if HAS_EXTRA:
         v = tl.load(extra + offsets, mask=mask, other=0.0).to(tl.float32)
         dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
-        tl.store(d_extra + offsets, dv, mask=mask)
+        tl.store(d_extra + offsets, dv, mask=mask)                   # cast to the extra's dtype by the store
         dgq += b[:, None] * v
     if DEFER:
-        tl.store(dV + offsets, dmix, mask=mask)                      # the record: dmix, delta (lse, gq: in torch)
-        tl.store(dV + BT * D + rows, delta, mask=row_ok)
+        tl.store(dV + offsets, dmix, mask=mask)                      # the record, dmix in the bank's dtype
+        tl.store(scalars_ptr + rows, delta, mask=row_ok)
+        tl.store(scalars_ptr + BT + rows, lse, mask=row_ok)
+        if pid == 0:
+            tl.store(gq_row + cols, gq, mask=cols < D)
+            tl.store(reads_ptr, n)
     tl.store(dgq_ptr + pid * D + cols, tl.sum(dgq, axis=0), mask=cols < D)
 
 
 @jit
-def _source_backward(v_ptr, j, records, reads, lse_ptr, gq_ptr, count, dv_ptr, BT, D, eps,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _query_gradients(dgq_rows, q_ptr, g_ptr, dq_ptr, dg_ptr, P, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dgq = the sum of the P partial rows (P, D) for columns [pid BLOCK_C, (pid + 1) BLOCK_C); dq = dgq g and
+    dg = dgq q, stored in the query's and the gain's dtypes."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < D
+    acc = tl.zeros((BLOCK_C,), tl.float32)
+    for start in range(0, P, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        tile = tl.load(dgq_rows + rows[:, None] * D + cols[None, :], mask=(rows < P)[:, None] & col_ok[None, :],
+                       other=0.0)
+        acc += tl.sum(tile, axis=0)
+    q = tl.load(q_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptr + cols, acc * g, mask=col_ok)
+    tl.store(dg_ptr + cols, acc * q, mask=col_ok)
+
+
+@jit
+def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, base_ptr, dv_ptr, BT, D, eps,
+                     HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """The deferred pass of source j (its slot v_ptr (BT, D)): dv_j = sum over the recorded consumers c that read it
-    (reads[c] > j) of the pair's dv, from c's dmix and delta (records[c]: BT D + BT floats), lse (lse_ptr + c BT)
-    and gq (gq_ptr + c D); written once to dv_ptr (BT, D) fp32."""
+    (reads[c] > j) of the pair's dv, from c's dmix (records + c BT D, the bank's dtype), delta and lse (scalars_ptr
+    + 2 c BT) and gq (gq_ptr + c D), plus, with HAS_BASE, the read-modify-write sum (base_ptr (BT, D) fp32);
+    written once to dv_ptr (BT, D), in its dtype."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
@@ -228,132 +277,156 @@ def _source_backward(v_ptr, j, records, reads, lse_ptr, gq_ptr, count, dv_ptr, B
     offsets = rows[:, None] * D + cols[None, :]
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dv = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    record, lse_row, gq_row = records, lse_ptr, gq_ptr            # advanced one consumer per step
+    if HAS_BASE:
+        dv += tl.load(base_ptr + offsets, mask=mask, other=0.0)
+    record, scalars, gq_row = records, scalars_ptr, gq_ptr       # advanced one consumer per step
     for c in range(0, count):
         if tl.load(reads + c) > j:
-            dmix = tl.load(record + offsets, mask=mask, other=0.0)
-            delta = tl.load(record + BT * D + rows, mask=row_ok, other=0.0)
-            lse = tl.load(lse_row + rows, mask=row_ok, other=0.0)
+            dmix = tl.load(record + offsets, mask=mask, other=0.0).to(tl.float32)
+            delta = tl.load(scalars + rows, mask=row_ok, other=0.0)
+            lse = tl.load(scalars + BT + rows, mask=row_ok, other=0.0)
             gq = tl.load(gq_row + cols, mask=cols < D, other=0.0)
             pair, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
             dv += pair
-        record += BT * D + BT
-        lse_row += BT
+        record += BT * D
+        scalars += 2 * BT
         gq_row += D
     tl.store(dv_ptr + offsets, dv, mask=mask)
 
 
 # ----------------------------------------------------------------------------- autograd and the bank
 
+def record_capacity(n_max, storage_bytes):
+    """How many consumers' records a bank of n_max slots keeps: as many as fit in the memory of an fp32 gradient bank
+    of its slots (a record's dmix is one slot in the bank's storage dtype)."""
+    return n_max * 4 // storage_bytes
+
+
 class Deferred:
     """What the deferred backward keeps of each consumer that has run its backward, one row per consumer in the order
-    they ran, for at most `capacity` (the bank's n_max: no more memory than a gradient bank) consumers: its dmix and
-    delta = <mix, dmix> (records, (capacity, BT D + BT) fp32), lse (capacity, BT), gq (capacity, D) and how many
-    bank sources it read (reads, int32). A consumer past the capacity (Block AttnRes has more consumers than slots)
-    adds its sources' gradients into the bank's gradient slots instead (the read-modify-write pass)."""
+    they ran, for at most `capacity` consumers (`record_capacity`): its dmix (dmix, (capacity, BT, D) in the bank's
+    storage dtype), delta = <mix, dmix> and lse (scalars, (capacity, 2, BT) fp32), gq (capacity, D) and how many bank
+    sources it read (reads, int32), all written by the consumer's `_mix_backward` (nothing here launches a kernel).
+    A consumer past the capacity (Block AttnRes has more consumers than slots) adds its sources' gradients into the
+    bank's gradient slots instead (the read-modify-write pass)."""
 
-    def __init__(self, capacity, BT, D, device):
-        self.records = torch.empty((capacity, BT * D + BT), dtype=torch.float32, device=device)
-        self.lse = torch.empty((capacity, BT), dtype=torch.float32, device=device)
-        self.gq = torch.empty((capacity, D), dtype=torch.float32, device=device)
-        self.reads = torch.zeros(capacity, dtype=torch.int32, device=device)
+    def __init__(self, capacity, BT, D, slots):
+        self.dmix = slots.new_empty((capacity, BT, D))
+        self.scalars = torch.empty((capacity, 2, BT), dtype=torch.float32, device=slots.device)
+        self.gq = torch.empty((capacity, D), dtype=torch.float32, device=slots.device)
+        self.reads = torch.empty(capacity, dtype=torch.int32, device=slots.device)
         self.count = 0                                             # rows [0, count) hold consumers
 
-    def add(self, n, gq, lse):
-        """A row for the next consumer, which read n bank sources: its index (dmix and delta: the kernel's to write)."""
-        c = self.count
-        self.lse[c].copy_(lse)
-        self.gq[c].copy_(gq)
-        self.reads[c] = n
+    def add(self):
+        """The next consumer's row (its kernel writes it)."""
         self.count += 1
-        return c
+        return self.count - 1
 
 
 def deferred(bank, BT, D, device):
     """The bank's Deferred (made at the first consumer's backward), or None when it is full."""
     if getattr(bank, "deferred", None) is None:
-        bank.deferred = Deferred(bank.n_max, BT, D, device)
-    return bank.deferred if bank.deferred.count < bank.n_max else None
+        slots = bank.slots[0]
+        bank.deferred = Deferred(record_capacity(bank.n_max, slots.element_size()), BT, D, slots)
+    return bank.deferred if bank.deferred.count < len(bank.deferred.reads) else None
 
 
 def launch_grid(B, T, D):
-    """(grid, BLOCK_T, BLOCK_D) of every kernel here: one program per BLOCK_T tokens."""
+    """(grid, BLOCK_T, BLOCK_D) of every per-token kernel here: one program per BLOCK_T tokens."""
     BLOCK_T, BLOCK_D = blocks(B * T, D)
     return (triton.cdiv(B * T, BLOCK_T),), BLOCK_T, BLOCK_D
 
 
+def query_gradients(dgq_rows, query, key_gain):
+    """(dq, dg) in the query's and the gain's dtypes from dgq's partial rows (P, D): one launch."""
+    P, D = dgq_rows.shape
+    BLOCK_C = min(COLUMNS, next_power_of_2(D))
+    dq, dg = torch.empty_like(query), torch.empty_like(key_gain)
+    _query_gradients[(triton.cdiv(D, BLOCK_C),)](dgq_rows, query, key_gain, dq_ptr=dq, dg_ptr=dg, P=P, D=D,
+                                                 BLOCK_R=ROWS, BLOCK_C=BLOCK_C)
+    return dq, dg
+
+
 class Mix(torch.autograd.Function):
     """The depth mix over the bank's first n sources and an optional extra one, by the kernels above.
-    (bank, n, gq (D,) fp32, token, extra (B, T, D) or None) -> (mix (B, T, D) fp32, p (m, B, T) not differentiable).
-    Backward: dgq and the extra's gradient now; the bank sources' gradients deferred to their pushes (`Push`) while
-    the bank's Deferred has room, else added into bank.gradients()[0] (which the push adds too, as kernels.Mix's)."""
+    (bank, n, query (D,), key_gain (D,), token, extra (B, T, D) or None) -> (mix (B, T, D) fp32, p (m, B, T) not
+    differentiable). Backward: dq, dg and the extra's gradient now; the bank sources' gradients deferred to their
+    pushes (`Push`) while the bank's Deferred has room, else added into bank.gradients()[0] (which the push's pass
+    starts from). No gradient for the token (it orders the backward; its value is never read)."""
 
     @staticmethod
-    def forward(ctx, bank, n, gq, token, extra):
+    def forward(ctx, bank, n, query, key_gain, token, extra):
         V = bank.slots[0]                                                        # (n_max, B, T, D), contiguous
         B, T, D = V.shape[1:]
         m = n + (extra is not None)
         extra_in = V if extra is None else extra.contiguous()                    # a placeholder pointer without extra
         mix = V.new_empty((B, T, D), dtype=torch.float32)
         lse = V.new_empty((B * T,), dtype=torch.float32)
-        logits = V.new_empty((m, B, T), dtype=torch.float32)
+        p = V.new_empty((m, B, T), dtype=torch.float32)
         grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
-        _mix_forward[grid](V, extra_in, gq, mix_ptr=mix, lse_ptr=lse, logits_ptr=logits, n=n, BT=B * T, D=D,
-                           eps=bank.norm_eps, HAS_EXTRA=extra is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
-        p = torch.exp(logits - lse.view(1, B, T))
-        ctx.save_for_backward(gq, mix, lse, *([] if extra is None else [extra_in]))
+        _mix_forward[grid](V, extra_in, query, key_gain, mix_ptr=mix, lse_ptr=lse, p_ptr=p, n=n, m_sources=m,
+                           BT=B * T, D=D, eps=bank.norm_eps, HAS_EXTRA=extra is not None, BLOCK_T=BLOCK_T,
+                           BLOCK_D=BLOCK_D)
+        ctx.save_for_backward(query, key_gain, mix, lse, *([] if extra is None else [extra_in]))
         ctx.bank, ctx.n = bank, n
         ctx.extra_dtype = None if extra is None else extra.dtype
         ctx.mark_non_differentiable(p)
+        ctx.set_materialize_grads(False)                                         # no zeros for p's gradient
         return mix, p
 
     @staticmethod
     def backward(ctx, dmix, _):
+        if dmix is None:
+            return None, None, None, None, None, None
         bank, n = ctx.bank, ctx.n
-        gq, mix, lse, *extra = ctx.saved_tensors
+        query, key_gain, mix, lse, *extra = ctx.saved_tensors
         V = bank.slots[0]
         B, T, D = V.shape[1:]
         grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
         record = deferred(bank, B * T, D, V.device)
         if record is None:
-            dV = bank.gradients()[0]                                             # the read-modify-write pass
+            dV, scalars, gq_row, reads = bank.gradients()[0], lse, query, lse   # the read-modify-write pass
         else:
-            dV = record.records[record.add(n, gq, lse)]
-        d_extra = torch.empty_like(mix) if extra else None
+            c = record.add()
+            dV, scalars, gq_row, reads = record.dmix[c], record.scalars[c], record.gq[c], record.reads[c:]
+        d_extra = torch.empty(mix.shape, dtype=ctx.extra_dtype, device=mix.device) if extra else None
         extra_in = extra[0] if extra else V
         dgq_rows = mix.new_empty((grid[0], D))
-        _mix_backward[grid](V, extra_in, gq, mix, dmix_ptr=dmix.float().contiguous(), lse_ptr=lse, dV=dV,
-                            d_extra=d_extra if extra else dV, dgq_ptr=dgq_rows, n=n, BT=B * T, D=D,
-                            eps=bank.norm_eps, HAS_EXTRA=bool(extra), DEFER=record is not None, BLOCK_T=BLOCK_T,
-                            BLOCK_D=BLOCK_D, num_warps=BACKWARD_WARPS)
-        if d_extra is not None:
-            d_extra = d_extra.to(ctx.extra_dtype)
-        return None, None, dgq_rows.sum(0), torch.zeros_like(gq[0]), d_extra
+        _mix_backward[grid](V, extra_in, query, key_gain, mix_ptr=mix, dmix_ptr=dmix.contiguous(), lse_ptr=lse,
+                            dV=dV, d_extra=d_extra if extra else dV, dgq_ptr=dgq_rows, scalars_ptr=scalars,
+                            gq_row=gq_row, reads_ptr=reads, n=n, BT=B * T, D=D, eps=bank.norm_eps,
+                            HAS_EXTRA=bool(extra), DEFER=record is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                            num_warps=BACKWARD_WARPS)
+        dq, dg = query_gradients(dgq_rows, query, key_gain)
+        return None, None, dq, dg, None, d_extra
 
 
-def source_gradient(bank, j):
-    """Slot j's gradient (B, T, D) fp32 from every consumer that read it: the deferred pass over the recorded
-    consumers (`_source_backward`), plus what the read-modify-write pass and kernels.py's top-k mix added to the
-    gradient bank and `Read` kept, plus the top-k mix's path through r_j (as kernels.Push). None when nothing
-    reached it."""
+def source_gradient(bank, j, dtype):
+    """Slot j's gradient (B, T, D) in `dtype` from every consumer that read it: the deferred pass over the recorded
+    consumers (`_source_backward`, from what the read-modify-write pass and kernels.py's top-k mix added to the
+    gradient bank), plus what `Read` kept and the top-k mix's path through r_j (as kernels.Push), in fp32 then.
+    Zeros when nothing reached it."""
     record, v = getattr(bank, "deferred", None), bank.slots[0][j]
-    grad = None
+    base = None if bank.grads is None else bank.grads[0][j]
+    read = getattr(bank, "read_grads", {}).pop(j, None)
+    grad = base
     if record is not None and record.count:
         B, T, D = v.shape
         grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
-        grad = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        _source_backward[grid](v, j, record.records, reads=record.reads, lse_ptr=record.lse, gq_ptr=record.gq,
-                               count=record.count, dv_ptr=grad, BT=B * T, D=D, eps=bank.norm_eps,
-                               BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=BACKWARD_WARPS)
-    if bank.grads is not None:
-        grad = bank.grads[0][j] if grad is None else grad + bank.grads[0][j]
-    read = getattr(bank, "read_grads", {}).pop(j, None)
+        alone = read is None and bank.d_inv_rms is None                # nothing to add after the pass
+        grad = torch.empty(v.shape, dtype=dtype if alone else torch.float32, device=v.device)
+        _source_backward[grid](v, j, record.dmix, scalars_ptr=record.scalars, gq_ptr=record.gq, reads=record.reads,
+                               count=record.count, base_ptr=v if base is None else base, dv_ptr=grad, BT=B * T, D=D,
+                               eps=bank.norm_eps, HAS_BASE=base is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                               num_warps=BACKWARD_WARPS)
     if read is not None:
         grad = read if grad is None else grad + read
     if bank.d_inv_rms is not None:
         norm = (bank.d_inv_rms[j] * bank.inv_rms[j].pow(3) / -v.size(-1))[..., None] * v.float()
         grad = norm if grad is None else grad + norm
-    return grad
+    if grad is None:
+        return torch.zeros(v.shape, dtype=dtype, device=v.device)
+    return grad.to(dtype)
 
 
 class Read(torch.autograd.Function):
@@ -369,19 +442,32 @@ class Read(torch.autograd.Function):
     def backward(ctx, grad):
         kept = ctx.bank.read_grads
         kept[ctx.j] = grad.float() if ctx.j not in kept else kept[ctx.j] + grad.float()
-        return None, None, torch.zeros((), dtype=torch.float32, device=grad.device)
+        return None, None, None
 
 
-class Push(kernels.Push):
-    """kernels.Push's forward (write slot j, its r_j); backward hands the pushed tensor `source_gradient`."""
+class Push(torch.autograd.Function):
+    """Write v into slot j of the bank (forward: one copy, in the bank's dtype; the r_j that kernels.Push keeps are
+    computed by the top-k mix, the only reader, when it runs); hand v `source_gradient` (backward). The token it
+    returns only orders the backward (every later push and mix takes it): no kernel writes it."""
+
+    @staticmethod
+    def forward(ctx, bank, j, token, v):
+        bank.write(j, (v,))
+        ctx.bank, ctx.j, ctx.dtype = bank, j, v.dtype
+        ctx.set_materialize_grads(False)                                         # no zeros for the token's gradient
+        return torch.empty((), dtype=torch.float32, device=v.device)
 
     @staticmethod
     def backward(ctx, dtoken):
-        grad = source_gradient(ctx.bank, ctx.j)
-        if grad is None:
-            grad = torch.zeros(ctx.bank.slots[0].shape[1:], dtype=torch.float32, device=dtoken.device)
-        dtoken_in = torch.zeros_like(dtoken) if ctx.had_token else None
-        return None, None, dtoken_in, grad.to(ctx.dtypes[0])
+        return None, None, None, source_gradient(ctx.bank, ctx.j, ctx.dtype)
+
+
+def keys_inv_rms(bank, m):
+    """The bank's r_j of slots [0, m) for kernels.py's top-k mix (kernels.Push computes them at each push; the
+    Triton path never reads them)."""
+    if bank.inv_rms is None:
+        bank.inv_rms = bank.slots[0].new_empty(bank.slots[0].shape[:-1], dtype=torch.float32)
+    bank.inv_rms[:m] = kernels.inv_rms(bank.slots[0][:m].float(), bank.norm_eps)
 
 
 class DepthBank(kernels.DepthBank):
@@ -412,59 +498,77 @@ class DepthBank(kernels.DepthBank):
     @torch.compiler.disable
     def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0):
         m = self.n + (extra is not None)
-        if topk_count(m, topk_fraction) < m:
-            return super().mix(query, key_gain, eps, extra=extra, topk_fraction=topk_fraction)   # top-k: torch body
         if eps != self.bank.norm_eps:
             raise ValueError(f"the bank's key norm uses eps {self.bank.norm_eps}, not {eps}")
-        with fp32_maths(query):
-            gq = (key_gain.float() * query.float()).contiguous()
-            mix, p = Mix.apply(self.bank, self.n, gq, self.token, extra)
+        if topk_count(m, topk_fraction) < m:
+            keys_inv_rms(self.bank, self.n)
+            return super().mix(query, key_gain, eps, extra=extra, topk_fraction=topk_fraction)   # top-k: torch body
+        mix, p = Mix.apply(self.bank, self.n, query.contiguous(), key_gain.contiguous(), self.token, extra)
         return mix, p.movedim(0, -1)
 
 
-# ----------------------------------------------------------------------------- what a consumer moves (the roofline)
+# ----------------------------------------------------------------------------- what a mix moves (the roofline)
 
 def traffic(n, tokens, D, extra=False, storage_bytes=2, deferred=True):
     """HBM bytes read and written, and kernel launches, of one consumer's depth mix over n bank sources (and the
-    extra source, fp32, with extra) for `tokens` = B T tokens of width D; the bank stored in `storage_bytes` per
-    element (2: bf16, 4: fp32); mix, dmix, lse, logits, records and gradients fp32. With m = n + extra, S = tokens D,
-    P = the programs of a launch (tokens / BLOCK_T), E = 4 S if extra else 0:
+    extra source, fp32, with extra) for `tokens` = B T tokens of width D; the bank and the records' dmix stored in
+    `storage_bytes` per element (2: bf16, 4: fp32); q, g, mix, dmix, lse, p, delta and gradients fp32. With
+    m = n + extra, S = tokens D, P = the programs of a launch (tokens / BLOCK_T), E = 4 S if extra else 0:
 
-        forward   read     n S storage_bytes + E + 4 D (gq) + 4 tokens (2 m + 1) (p = exp(s - lse): s, lse, then s - lse)
-                  written  4 S (mix) + 4 tokens (lse) + 12 tokens m (logits; s - lse; p)
-                  launches 4: gq = g q, _mix_forward, the subtraction and the exp that make p
-        backward  (the consumer's pass) read n S storage_bytes + E + 8 S (mix, dmix) + 4 tokens + 4 D + 4 P D
-                  deferred: written 4 S + 4 tokens (its record: dmix, delta) + 4 tokens + 4 D (lse, gq copied) + E
-                            + 4 P D + 4 D; launches 8: 3 copies into the record, _mix_backward, dgq's row sum, the
-                            token's zero, dq = dgq g and dg = dgq q
-                  read-modify-write: also read 4 n S (the gradient slots), written 4 n S + E + 4 P D + 4 D;
-                            launches 5 (no record)
+        forward   read     n S storage_bytes + E + 8 D (q, g) + 4 tokens m (p: the logits read back)
+                  written  4 S (mix) + 4 tokens (lse) + 8 tokens m (p: the logits, then exp(s - lse))
+                  launches 1: _mix_forward
+        backward  (the consumer's pass) read n S storage_bytes + E + 8 S (mix, dmix) + 4 tokens (lse) + 8 D
+                  written  E (the extra's dv) + 4 P D (dgq's partial rows); then _query_gradients reads 4 P D + 8 D
+                  and writes 8 D (dq, dg); launches 2
+                  deferred: also written S storage_bytes + 8 tokens + 4 D + 4 (its record: dmix, delta, lse, gq, n)
+                  read-modify-write: also read 4 n S (the gradient slots), written 4 n S
         deferred  (deferred only) what this consumer adds to the passes of the n sources it read, run by their pushes:
-                  read n (4 S + 8 tokens + 4 D) (its dmix, delta, lse, gq, once per source), no write, no launch
-        push      (each source, once, whatever its consumers) forward: kernels.Push's copy into the bank, then
-                  r_j = 1 / rms for the top-k path: read 4 S + S storage_bytes (+ 4 S in bf16: r_j reads a fp32 copy),
-                  written S storage_bytes (+ 4 S) + 4 tokens; backward: _source_backward reads v_j (S storage_bytes)
-                  and writes dv_j (4 S); launches 7 (8 in bf16) + 3 (the pass, the token's zero, the copy to fp32)
+                  read n (S storage_bytes + 8 tokens + 4 D + 4) (its dmix, delta, lse, gq, n, once per source), no
+                  write, no launch
 
-    -> {"forward" | "backward" | "deferred" | "push": {"read": bytes, "written": bytes, "launches": count}}. A design's
-    step: the sum over its consumers of forward, backward and deferred, plus push per source. Per (consumer, source)
-    pair and element the backward moves storage_bytes + 4 deferred, storage_bytes + 8 by read-modify-write."""
+    -> {"forward" | "backward" | "deferred": {"read": bytes, "written": bytes, "launches": count}}. A design's step:
+    the sum over its consumers of these, plus `push_traffic` per source pushed and `read_traffic` per newest() read.
+    Per (consumer, source) pair and element the mix moves storage_bytes (forward) + 2 storage_bytes (backward,
+    deferred) or storage_bytes + storage_bytes + 8 (read-modify-write)."""
     S, m = tokens * D, n + int(extra)
     P = -(-tokens // blocks(tokens, D)[0])
     E = 4 * S * int(extra)
-    bf16_copy = 4 * S * int(storage_bytes < 4)
-    forward = {"read": n * S * storage_bytes + E + 4 * D + 4 * tokens * (2 * m + 1),
-               "written": 4 * S + 4 * tokens + 12 * tokens * m, "launches": 4}
-    backward = {"read": n * S * storage_bytes + E + 8 * S + 4 * tokens + 4 * D + 4 * P * D,
-                "written": E + 4 * P * D + 4 * D, "launches": 5}
+    forward = {"read": n * S * storage_bytes + E + 8 * D + 4 * tokens * m,
+               "written": 4 * S + 4 * tokens + 8 * tokens * m, "launches": 1}
+    backward = {"read": n * S * storage_bytes + E + 8 * S + 4 * tokens + 8 * D + 4 * P * D + 8 * D,
+                "written": E + 4 * P * D + 8 * D, "launches": 2}
     later = {"read": 0, "written": 0, "launches": 0}
     if deferred:
-        backward["written"] += 4 * S + 8 * tokens + 4 * D
-        backward["launches"] += 3
-        later["read"] = n * (4 * S + 8 * tokens + 4 * D)
+        backward["written"] += S * storage_bytes + 8 * tokens + 4 * D + 4
+        later["read"] = n * (S * storage_bytes + 8 * tokens + 4 * D + 4)
     else:
         backward["read"] += 4 * n * S
         backward["written"] += 4 * n * S
-    push = {"read": 4 * S + 2 * S * storage_bytes + bf16_copy,
-            "written": S * storage_bytes + bf16_copy + 4 * tokens + 4 * S, "launches": 10 + int(storage_bytes < 4)}
-    return {"forward": forward, "backward": backward, "deferred": later, "push": push}
+    return {"forward": forward, "backward": backward, "deferred": later}
+
+
+def push_traffic(tokens, D, storage_bytes=2, gradient_slot=False, records=True):
+    """One source's push (`Push`), fp32 in and out, whatever its consumers: forward, the copy into the bank (read
+    4 S, write S storage_bytes; 1 launch); backward, where the bank has records, `_source_backward` reads v_j
+    (S storage_bytes) and, with a gradient_slot (a read-modify-write consumer read it), that slot (4 S), and writes
+    dv_j (4 S), 1 launch; without records the gradient slot is handed on as it is (no launch). The records it reads
+    are each consumer's `traffic(...)["deferred"]`. -> {"forward" | "backward": {...}}"""
+    S, passes = tokens * D, int(records)
+    return {"forward": {"read": 4 * S, "written": S * storage_bytes, "launches": 1},
+            "backward": {"read": passes * (S * storage_bytes + 4 * S * int(gradient_slot)), "written": passes * 4 * S,
+                         "launches": passes}}
+
+
+def gradient_bank_traffic(n_max, tokens, D):
+    """The zeroing of the bank's fp32 gradient slots, once per bank, at its first read-modify-write consumer."""
+    return {"backward": {"read": 0, "written": 4 * n_max * tokens * D, "launches": 1}}
+
+
+def read_traffic(tokens, D, storage_bytes=2):
+    """One `newest()` read (sublayer 0's RMSNorm(e)): forward, a copy of the slot (1 launch); backward, its gradient
+    kept in fp32 (a cast where the bank is bf16) and added to the push's (1 launch each)."""
+    S, cast = tokens * D, int(storage_bytes < 4)
+    return {"forward": {"read": S * storage_bytes, "written": S * storage_bytes, "launches": 1},
+            "backward": {"read": S * storage_bytes * cast + 8 * S, "written": 4 * S * cast + 4 * S,
+                         "launches": 1 + cast}}
