@@ -143,22 +143,12 @@ def attnres_reads(design, L):
 
 
 def attnres_traffic(design, L, tokens, D):
-    """Sum of depthbench.kernels.triton_attnres's traffic over the consumers (deferred while the bank's records have
-    room, in backward order: the deepest first; the rest read-modify-write, and the zeroing of the gradient bank they
-    add into), push_traffic over the pushed sources and one read_traffic (sublayer 0's RMSNorm(e)), with the bank in
-    bf16 -> (bytes, launches)."""
+    """depthbench.kernels.triton_attnres's step_traffic of the design's bank (its consumers' reads, its size), the
+    bank in bf16 -> (bytes, launches)."""
     module = importlib.import_module("depthbench.kernels.triton_attnres")
-    reads, pushes = attnres_reads(design, L)
+    reads = [n for k, n in attnres_reads(design, L)[0]]
     n_max = 2 * L + 1 if design == "attnres" else BLOCK_GROUPS + 1         # residuals.py's bank sizes
-    room = module.record_capacity(n_max, 2)
-    parts, rmw_reads = [module.read_traffic(tokens, D)], 0
-    for i, (k, n) in enumerate(reversed(reads)):                            # backward order
-        parts.append(module.traffic(n, tokens, D, extra=design == "block_attnres", deferred=i < room))
-        rmw_reads = max(rmw_reads, n * (i >= room))
-    parts += [module.push_traffic(tokens, D, gradient_slot=j < rmw_reads) for j in range(pushes)]
-    if rmw_reads:
-        parts.append(module.gradient_bank_traffic(n_max, tokens, D))
-    rows = [row for part in parts for row in part.values()]
+    rows = module.step_traffic(reads, n_max, tokens, D, extra=design == "block_attnres")
     return sum(r["read"] + r["written"] for r in rows), sum(r["launches"] for r in rows)
 
 

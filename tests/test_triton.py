@@ -250,23 +250,75 @@ def test_namespaces(monkeypatch):
 def test_traffic_counts_the_notes_bank_reads():
     """traffic's forward reads, summed over Full AttnRes' mixes at L70 d640 B2 T2048 (sublayer k = 1 .. 139 reads its
     k + 1 sources, the head all 141), are gpu-h200.md's 10,011 source slots of 5.2 MB in bf16 less the one sublayer 0
-    reads without a mix (RMSNorm(e)), plus per-token terms under 1%. Per slot a mix read, the deferred backward moves
-    2 + 2 bytes an element (the source, a consumer's bf16 dmix), the read-modify-write 2 + 4 + 4 (the source, its
-    gradient read and written), each within 5% with their fixed per-consumer terms."""
+    reads without a mix (RMSNorm(e)), plus per-token terms under 1%. Per slot a mix reads, the rest of the step
+    (step_traffic: the consumers' backward, the pushes, the sources' passes) moves 2 bytes an element (the source,
+    read again by the consumer's pass) + the records (bf16 dmix), read once per block of BLOCK_SOURCES sources and
+    by the sources below the top, and every per-consumer and per-push term: under 1 byte more, where a record read
+    per (consumer, source) pair would be 2. A read-modify-write consumer's backward moves 2 + 4 + 4 (the source, its
+    gradient read and written) within 5% with its fixed terms."""
     tokens, D = 2 * 2048, 640
     slot = tokens * D
     reads = [k + 1 for k in range(1, 140)] + [141]
     slots_read = sum(reads)
     assert slots_read + 1 == 10_011
-    for deferred, per_element in ((True, 2 + 2), (False, 2 + 4 + 4)):
-        consumers = [attnres.traffic(n, tokens, D, deferred=deferred) for n in reads]
-        small = sum(c["forward"]["read"] for c in consumers) - slots_read * slot * 2
-        assert 0 < small < 0.01 * slots_read * slot * 2
-        back = sum(c[part][key] for c in consumers for part in ("backward", "deferred") for key in ("read", "written"))
-        assert slots_read * slot * per_element < back < 1.05 * slots_read * slot * per_element, deferred
+    consumers = [attnres.traffic(n, tokens, D) for n in reads]
+    small = sum(c["forward"]["read"] for c in consumers) - slots_read * slot * 2
+    assert 0 < small < 0.01 * slots_read * slot * 2
+    step = sum(r["read"] + r["written"] for r in attnres.step_traffic(reads, 141, tokens, D))
+    rest = step - sum(c["forward"]["read"] + c["forward"]["written"] for c in consumers)
+    assert slots_read * slot * (2 + 2 / attnres.BLOCK_SOURCES) < rest < slots_read * slot * (2 + 1)
+    rmw = sum(attnres.traffic(n, tokens, D, deferred=False)["backward"][key] for n in reads for key in ("read", "written"))
+    assert slots_read * slot * 10 < rmw < 1.05 * slots_read * slot * 10
 
 
-KERNELS = ("_mix_forward", "_mix_backward", "_query_gradients", "_source_backward")
+# (the bank sources each mixing consumer reads, in forward order; the extra source; the bank's slots): Full AttnRes'
+# pattern over two blocks of sources (`BLOCK_SOURCES`), and Block AttnRes' (with more consumers than record room: the
+# last three in backward order read-modify-write)
+BANKS = {"full": (list(range(2, 13)), False, 12), "block": ([1, 1, 2, 2, 3, 3, 4], True, 4)}
+
+
+def step_inputs(reads, has_extra, seed=0):
+    """(sources, [(query, gain, extra or None)] per consumer), all leaves."""
+    g = torch.Generator().manual_seed(seed)
+    vs = [torch.randn(1, 5, 48, generator=g).requires_grad_() for _ in range(max(reads))]
+    per = [(torch.randn(48, generator=g).requires_grad_(), torch.randn(48, generator=g).requires_grad_(),
+            torch.randn(1, 5, 48, generator=g).requires_grad_() if has_extra else None) for _ in reads]
+    return vs, per
+
+
+def bank_step(bank, reads, inputs):
+    """A step's use of a bank, as residuals.py's AttnRes makes it: consumer 0 reads the newest source, then each
+    consumer mixes (its own query and gain, and its extra source if any) every source pushed before it, pushing the
+    next ones first. -> (outputs, leaves: the sources, then each consumer's query, gain, extra)."""
+    vs, per = inputs
+    state = bank(vs[0])
+    outputs = [state.newest()]
+    for n, (query, gain, extra) in zip(reads, per):
+        while len(state) < n:
+            state = state.push(vs[len(state)])
+        outputs.append(state.mix(query, gain, 1e-5, extra=extra)[0])
+    return outputs, vs + [t for row in per for t in row if t is not None]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pattern", BANKS)
+def test_a_steps_bank_equals_reference(pattern):
+    """A whole step's bank (`bank_step`: block passes, the source passes below them, records written between them,
+    and for Block AttnRes read-modify-write consumers and the gradient slots the passes start from): every gradient
+    (sources, queries, gains, extras) is autograd's through ops.DepthBank, fp32 to 1e-5 of its largest entry (1e-5
+    absolute for one under 1: a query's gradient is a sum of terms of the sources' scale that cancel)."""
+    reads, has_extra, n_max = BANKS[pattern]
+    got = bank_step(lambda v: attnres.DepthBank.start(v, n_max=n_max), reads, step_inputs(reads, has_extra))
+    want = bank_step(lambda v: ops.DepthBank([v]), reads, step_inputs(reads, has_extra))
+    weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(got[0])]
+    a = torch.autograd.grad(got[0], got[1], weights)
+    b = torch.autograd.grad(want[0], want[1], weights)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert y.abs().max() > 0, i
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * max(y.abs().max().item(), 1), msg=f"leaf {i}")
+
+
+KERNELS = ("_mix_forward", "_mix_backward", "_query_gradients", "_block_backward", "_source_backward")
 NO_KERNEL = {"aten.empty.memory_format", "aten.new_empty.default", "aten.empty_like.default",
              "aten.empty_strided.default"}                  # allocations: no kernel on a GPU (views neither)
 
@@ -275,9 +327,9 @@ class Launches(TorchDispatchMode):
     """Every launch a GPU would see: the aten ops that run a kernel (not views, not allocations) and each Triton
     kernel's launch (counted by `counted`, the interpreter's own tensor work hidden from this mode)."""
 
-    def __init__(self):
+    def __init__(self, names):
         super().__init__()
-        self.names = []
+        self.names = names
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view and str(func) not in NO_KERNEL:
@@ -298,33 +350,23 @@ def counted(kernel, names):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mode", BACKWARDS)
-@pytest.mark.parametrize("has_extra", [False, True])
-def test_traffic_counts_the_launches(has_extra, mode, monkeypatch):
-    """The launches traffic() and push_traffic() declare are the ones the code makes, torch glue included: a bank of
-    3 pushes and one mix (with or without the extra source) launch, in forward, 3 push_traffic forward + traffic's
-    forward, and in backward traffic's backward + 3 push_traffic backward (with records or, read-modify-write, with
-    the gradient slots: no launch) + gradient_bank_traffic's zeroing where a consumer reads-modifies-writes."""
-    backward_mode(monkeypatch, mode)
+@pytest.mark.parametrize("pattern", BANKS)
+def test_step_traffic_counts_the_launches(pattern, monkeypatch):
+    """The launches step_traffic() declares for a bank's step (the roofline's count) are the ones the code makes,
+    torch glue included (every aten op that runs a kernel), forward and backward together."""
+    reads, has_extra, n_max = BANKS[pattern]
     monkeypatch.setattr(attnres, "interpreted", lambda: True)   # the kernels below are wrapped, still interpreted
     names = []
     for name in KERNELS:
         monkeypatch.setattr(attnres, name, counted(getattr(attnres, name), names))
-    vs, query, gain, extra = case("extra" if has_extra else "odd_T")
-    vs = vs[:3]
-    w = torch.randn(1, 7, 48, generator=torch.Generator().manual_seed(5))
-    expect = attnres.traffic(3, 7, 48, extra=has_extra, storage_bytes=4, deferred=mode == "deferred")
-    push = attnres.push_traffic(7, 48, storage_bytes=4, gradient_slot=mode != "deferred", records=mode == "deferred")
-    with Launches() as forward:
-        mix = triton_mix(vs, query, gain, extra)[0]
-    assert len(forward.names + names) == 3 * push["forward"]["launches"] + expect["forward"]["launches"], names
-    names.clear()
-    with Launches() as backward:
-        torch.autograd.backward(mix, w)
-    zeroing = attnres.gradient_bank_traffic(4, 7, 48)["backward"]["launches"] * (mode != "deferred")
-    assert len(backward.names + names) == (expect["backward"]["launches"] + 3 * push["backward"]["launches"]
-                                           + zeroing), (backward.names, names)
-    assert all(v.grad.abs().max() > 0 for v in vs)
+    weights = [torch.randn(1, 5, 48, generator=torch.Generator().manual_seed(i)) for i in range(len(reads) + 1)]
+    inputs = step_inputs(reads, has_extra)
+    with Launches(names):
+        outputs, leaves = bank_step(lambda v: attnres.DepthBank.start(v, n_max=n_max), reads, inputs)
+        torch.autograd.backward(outputs, weights)
+    expect = attnres.step_traffic(reads, n_max, 5, 48, extra=has_extra, storage_bytes=4)
+    assert len(names) == sum(row["launches"] for row in expect), names
+    assert all(v.grad.abs().max() > 0 for v in leaves[:max(reads)])
 
 
 COMPILE_FOR_H100 = """
@@ -335,7 +377,7 @@ from triton.compiler import ASTSource
 from depthbench.kernels import triton_attnres as A
 assert not A.interpreted()
 SCALARS = {"n": "i32", "m_sources": "i32", "BT": "i32", "D": "i32", "P": "i32", "eps": "fp32", "j": "i32",
-           "count": "i32"}
+           "count": "i32", "lo": "i32", "g": "i32"}
 INTS = {"reads": "*i32", "reads_ptr": "*i32"}
 def build(fn, storage, consts, warps, stored=()):
     names = fn.arg_names
@@ -353,6 +395,8 @@ for storage in ("*bf16", "*fp32"):
     for base in (False, True):
         consts = {"HAS_BASE": base, "BLOCK_T": 4, "BLOCK_D": 1024}
         build(A._source_backward, storage, consts, A.BACKWARD_WARPS, ("records",))
+    consts = {"BLOCK_S": A.BLOCK_SOURCES, "BLOCK_T": 1, "BLOCK_D": 1024}
+    build(A._block_backward, storage, consts, A.BACKWARD_WARPS, ("records",))
     build(A._query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
 print("compiled")
 """
@@ -361,7 +405,7 @@ print("compiled")
 @pytest.mark.slow
 def test_kernels_compile_for_an_h100():
     """Every kernel, each variant (bf16 or fp32 bank and records; with or without the extra source; deferred or
-    read-modify-write; the source's pass with or without a gradient slot), compiles to an sm90 binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
+    read-modify-write; the source's pass with or without a gradient slot; the block pass), compiles to an sm90 binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
     check (the GPU's typing of loop-carried values, the branches inside loops)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,

@@ -10,9 +10,8 @@ The maths is ops.depth_mix, for one consumer with the query row q, the key gain 
 
 The consumer's output norm, RMSNorm_k(mix), stays outside (residuals.py applies it, as with the other bodies).
 
-Launches: one per consumer forward, two per consumer backward, one per push forward and one per push backward;
-no torch glue between them (no gq = g q, no exp(s - lse), no record copies, no zeroing, no dtype casts: each kernel
-reads q and g, writes p, its record and its outputs in their own dtypes).
+Launches: one per consumer forward, two per consumer backward, one per push forward and at most one per push
+backward, with no torch glue between them (each kernel reads q and g, writes p, its record and its outputs itself).
 
 Kernels (each equals the named reference, proved by the named test of tests/test_triton.py):
 - `_mix_forward`: one program per block of BLOCK_T tokens, the whole width D in registers (padded to a power of 2
@@ -32,13 +31,14 @@ Kernels (each equals the named reference, proved by the named test of tests/test
   It writes the extra source's dv (in the extra's dtype) and the partial rows of dgq; `_query_gradients` sums
   those rows and writes dq = dgq g and dg = dgq q (the second launch). The bank sources' dv_j, two ways:
   * deferred (the default): the consumer's pass writes its record (dmix in the bank's storage dtype, delta, lse, gq
-    and how many sources it read, `Deferred`) and computes no dv_j; `_source_backward`, run by source j's push when
-    backward reaches it (after every consumer that read it, as autograd orders the bank's tokens), sums dv_j over
-    the recorded consumers that read j, from v_j read once and each consumer's dmix, and writes it once: the
-    triangular accumulation. Per (consumer, source) pair the backward reads v_j (storage bytes, the consumer's
-    pass) and dmix (storage bytes, the source's pass) per element, and no gradient bank exists. The records take as
-    much memory as an fp32 gradient bank of the bank's n_max slots (2 n_max records in bf16), so a bank keeps at
-    most that many: Full AttnRes (2L consumers, 2L + 1 slots) defers every consumer.
+    and how many sources it read, `Deferred`) and computes no dv_j; the sources' passes, run by their pushes when
+    backward reaches them (after every consumer that read them, as autograd orders the bank's tokens), sum dv_j over
+    the recorded consumers that read j and write it once, no gradient bank. By blocks of BLOCK_SOURCES sources: the
+    top source's push runs `_block_backward`, which holds the block's sources in registers and reads each record
+    once for all of them (the top's gradient, the others' sums so far); each source below adds the records written
+    since (`_source_backward`). Per (consumer, source) pair the backward reads v_j (the consumer's pass) and about
+    1 / BLOCK_SOURCES of a record. The records take the memory of an fp32 gradient bank of the bank's n_max slots
+    (2 n_max records in bf16): Full AttnRes (2L consumers, 2L + 1 slots) defers every consumer.
   * read-modify-write (a consumer past that room: Block AttnRes, with more consumers than slots, from its
     (2N+3)-th backward on in bf16): dv_j is added into the bank's fp32 gradient slot j in the same pass, one read
     and one write of each slot this consumer read, never of the rest of the bank; the push's pass starts from it.
@@ -46,8 +46,9 @@ Kernels (each equals the named reference, proved by the named test of tests/test
   `test_mix_gradients_equal_reference` (each way), `test_consumers_of_several_depths_share_a_bank` (consumers that
   read different prefixes of one bank); a whole model: `test_model_equals_reference` (Block AttnRes there mixes
   the two ways), and under bf16 autocast `test_model_under_bf16_autocast_is_the_reference_to_bf16`.
-- `_source_backward`: the deferred pass above, one program per block of tokens, looping over the records, from the
-  gradient slot's read-modify-write sum where one exists; writes dv_j in the pushed tensor's dtype.
+- `_block_backward` and `_source_backward`: the deferred passes above, one program per block of tokens, looping over
+  the records; a whole step's bank (`test_a_steps_bank_equals_reference`: Full AttnRes' pattern over two blocks,
+  Block AttnRes' with both ways).
 
 Storage: the bank (depthbench/kernels/cpu.py's `Bank`, reused) keeps its sources in bf16 when the model runs under
 autocast to bf16 on the bank's device, else in the dtype of the first source; gradients accumulate in fp32. The
@@ -55,7 +56,7 @@ release's top-k variant (topk_fraction < 1) runs kernels.py's torch mix on the s
 through the gradient bank, which it allocates, and the r_j it reads are computed when it first runs). DenseFormer's
 and MUDD's banks (no key norm: eps None), and any bank on a device where no kernel can run (a CPU tensor without
 the interpreter), are kernels.py's own (`DepthBank.start`): their path, and the CPU's, is unchanged. `traffic` and
-`push_traffic` count what each launch moves; `test_traffic_counts_the_launches` counts the launches of a mix.
+`step_traffic` count what each launch moves; `test_step_traffic_counts_the_launches` counts a step's launches.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations are read as text: no triton, no error
 
@@ -74,6 +75,7 @@ TILE_ELEMENTS = 4096   # tokens x padded width one program holds per tile: BLOCK
 MAX_BLOCK_T = 16
 BACKWARD_WARPS = 8     # the backward holds ~5 tiles (dmix, v, dv, dgq, the old gradient): more warps, fewer spills
 COLUMNS, ROWS = 64, 32  # _query_gradients: columns per program, partial rows summed per step
+BLOCK_SOURCES = 8      # _block_backward: sources whose gradients one pass over the records sums (a power of 2)
 
 
 def jit(fn):
@@ -102,11 +104,11 @@ def storage_dtype(first):
     return first.dtype
 
 
-def blocks(BT, D):
-    """(BLOCK_T, BLOCK_D): the padded width, and how many tokens a program holds so that a tile stays
-    TILE_ELEMENTS wide (fewer for a short sequence)."""
+def blocks(BT, D, sources=1):
+    """(BLOCK_T, BLOCK_D): the padded width, and how many tokens a program holds so that a tile of `sources` sources
+    stays TILE_ELEMENTS wide (fewer for a short sequence)."""
     BLOCK_D = next_power_of_2(D)
-    BLOCK_T = max(1, min(MAX_BLOCK_T, TILE_ELEMENTS // BLOCK_D, next_power_of_2(BT)))
+    BLOCK_T = max(1, min(MAX_BLOCK_T, TILE_ELEMENTS // (BLOCK_D * sources), next_power_of_2(BT)))
     return BLOCK_T, BLOCK_D
 
 
@@ -263,12 +265,53 @@ def _query_gradients(dgq_rows, q_ptr, g_ptr, dq_ptr, dg_ptr, P, D, BLOCK_R: tl.c
 
 
 @jit
-def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, base_ptr, dv_ptr, BT, D, eps,
-                     HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The deferred pass of source j (its slot v_ptr (BT, D)): dv_j = sum over the recorded consumers c that read it
-    (reads[c] > j) of the pair's dv, from c's dmix (records + c BT D, the bank's dtype), delta and lse (scalars_ptr
-    + 2 c BT) and gq (gq_ptr + c D), plus, with HAS_BASE, the read-modify-write sum (base_ptr (BT, D) fp32);
-    written once to dv_ptr (BT, D), in its dtype."""
+def _block_backward(V, lo, g, records, scalars_ptr, gq_ptr, reads, count, out_ptr, BT, D, eps,
+                    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The pass at the top of a block of g <= BLOCK_S sources lo .. lo + g - 1 (V: from slot lo, (g, BT, D), held
+    in registers together): for each source, the sum over the recorded consumers c < count that read it
+    (reads[c] > its index) of the pair's dv, each record's dmix read once for the whole block; written to out_ptr
+    (g, BT, D) fp32 (the top source's whole gradient; the others' sums so far, which `_source_backward` completes)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    srcs = tl.arange(0, BLOCK_S)
+    row_ok = rows < BT
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    offsets = rows[:, None] * D + cols[None, :]
+    in_block = (srcs < g)[:, None, None] & mask[None, :, :]
+    block_offsets = srcs[:, None, None] * (BT * D) + offsets[None, :, :]
+    v = tl.load(V + block_offsets, mask=in_block, other=0.0).to(tl.float32)          # (BLOCK_S, BLOCK_T, BLOCK_D)
+    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=2) / D + eps)
+    acc = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_D), tl.float32)
+    record, scalars, gq_row = records, scalars_ptr, gq_ptr          # advanced one consumer per step
+    for c in range(0, count):
+        n_read = tl.load(reads + c)
+        if n_read > lo:
+            dmix = tl.load(record + offsets, mask=mask, other=0.0).to(tl.float32)
+            delta = tl.load(scalars + rows, mask=row_ok, other=0.0)
+            lse = tl.load(scalars + BT + rows, mask=row_ok, other=0.0)
+            gq = tl.load(gq_row + cols, mask=cols < D, other=0.0)
+            u = tl.sum(v * gq[None, None, :], axis=2)
+            read = (lo + srcs < n_read) & (srcs < g)                 # the block's sources consumer c read
+            p = tl.where(read[:, None], tl.exp(r * u - lse[None, :]), 0.0)
+            ds = p * (tl.sum(v * dmix[None, :, :], axis=2) - delta[None, :])
+            b = ds * r
+            k = -ds * u * r * r * r / D                              # through r: as in _source_gradient
+            acc += p[:, :, None] * dmix[None, :, :] + b[:, :, None] * gq[None, None, :] + k[:, :, None] * v
+        record += BT * D
+        scalars += 2 * BT
+        gq_row += D
+    tl.store(out_ptr + block_offsets, acc, mask=in_block)
+
+
+@jit
+def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, partial_ptr, base_ptr, dv_ptr, BT, D,
+                     eps, HAS_BASE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The pass of source j (its slot v_ptr (BT, D)) below the top of its block: dv_j = its block's partial sum
+    (partial_ptr (BT, D) fp32) + the sum over the records written since (records .. + count, from the pointers
+    given) that read j (reads[c] > j) of the pair's dv, from c's dmix (the bank's dtype), delta and lse (scalars_ptr
+    + 2 c BT) and gq (gq_ptr + c D), + with HAS_BASE the read-modify-write sum (base_ptr (BT, D) fp32); written once
+    to dv_ptr (BT, D) fp32."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
@@ -276,7 +319,7 @@ def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, base_
     mask = row_ok[:, None] & (cols[None, :] < D)
     offsets = rows[:, None] * D + cols[None, :]
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dv = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    dv = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
     if HAS_BASE:
         dv += tl.load(base_ptr + offsets, mask=mask, other=0.0)
     record, scalars, gq_row = records, scalars_ptr, gq_ptr       # advanced one consumer per step
@@ -401,29 +444,71 @@ class Mix(torch.autograd.Function):
         return None, None, dq, dg, None, d_extra
 
 
+class Partial:
+    """The block pass's result (`_block_backward`): sources lo .. hi (hi: the push that ran it), their sums over the
+    records [0, start) in buffer (hi - lo + 1, B, T, D) fp32, which no kernel writes again (a new block gets a new
+    buffer: a source's gradient handed on may be a view of it)."""
+
+    def __init__(self, lo, hi, start, buffer):
+        self.lo, self.hi, self.start, self.buffer = lo, hi, start, buffer
+
+
+def block_pass(bank, j):
+    """Run `_block_backward` for sources max(0, j - BLOCK_SOURCES + 1) .. j over every record so far: the bank's new
+    Partial."""
+    record, V = bank.deferred, bank.slots[0]
+    lo = max(0, j - BLOCK_SOURCES + 1)
+    B, T, D = V.shape[1:]
+    buffer = torch.empty((j - lo + 1, B, T, D), dtype=torch.float32, device=V.device)
+    BLOCK_T, BLOCK_D = blocks(B * T, D, BLOCK_SOURCES)
+    _block_backward[(triton.cdiv(B * T, BLOCK_T),)](V[lo], lo, j - lo + 1, record.dmix, scalars_ptr=record.scalars,
+                                                    gq_ptr=record.gq, reads=record.reads, count=record.count,
+                                                    out_ptr=buffer, BT=B * T, D=D, eps=bank.norm_eps,
+                                                    BLOCK_S=BLOCK_SOURCES, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                                                    num_warps=BACKWARD_WARPS)
+    bank.partial = Partial(lo, j, record.count, buffer)
+    return bank.partial
+
+
+def deferred_gradient(bank, j, base):
+    """Source j's gradient from the records (fp32), and base (the gradient slot) if it is still to be added: the
+    top of a new block runs the block pass; a source below it adds the records written since to its partial sum
+    (`_source_backward`, base with it), or, where none were, is its partial sum."""
+    part = getattr(bank, "partial", None)
+    if part is None or not part.lo <= j < part.hi:
+        part = block_pass(bank, j)
+        return part.buffer[j - part.lo], base
+    record, v = bank.deferred, bank.slots[0][j]
+    start, partial = part.start, part.buffer[j - part.lo]
+    if record.count == start:
+        return partial, base
+    B, T, D = v.shape
+    grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
+    grad = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    _source_backward[grid](v, j, record.dmix[start:], scalars_ptr=record.scalars[start:], gq_ptr=record.gq[start:],
+                           reads=record.reads[start:], count=record.count - start, partial_ptr=partial,
+                           base_ptr=partial if base is None else base, dv_ptr=grad, BT=B * T, D=D,
+                           eps=bank.norm_eps, HAS_BASE=base is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                           num_warps=BACKWARD_WARPS)
+    return grad, None
+
+
 def source_gradient(bank, j, dtype):
-    """Slot j's gradient (B, T, D) in `dtype` from every consumer that read it: the deferred pass over the recorded
-    consumers (`_source_backward`, from what the read-modify-write pass and kernels.py's top-k mix added to the
-    gradient bank), plus what `Read` kept and the top-k mix's path through r_j (as kernels.Push), in fp32 then.
-    Zeros when nothing reached it."""
+    """Slot j's gradient (B, T, D) in `dtype` from every consumer that read it: the deferred passes over the recorded
+    consumers (`deferred_gradient`), what the read-modify-write pass and kernels.py's top-k mix added to the gradient
+    bank, what `Read` kept, and the top-k mix's path through r_j (as kernels.Push); each term not a kernel's is one
+    torch add. Zeros when nothing reached it."""
     record, v = getattr(bank, "deferred", None), bank.slots[0][j]
     base = None if bank.grads is None else bank.grads[0][j]
-    read = getattr(bank, "read_grads", {}).pop(j, None)
-    grad = base
+    grad = None
     if record is not None and record.count:
-        B, T, D = v.shape
-        grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
-        alone = read is None and bank.d_inv_rms is None                # nothing to add after the pass
-        grad = torch.empty(v.shape, dtype=dtype if alone else torch.float32, device=v.device)
-        _source_backward[grid](v, j, record.dmix, scalars_ptr=record.scalars, gq_ptr=record.gq, reads=record.reads,
-                               count=record.count, base_ptr=v if base is None else base, dv_ptr=grad, BT=B * T, D=D,
-                               eps=bank.norm_eps, HAS_BASE=base is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-                               num_warps=BACKWARD_WARPS)
-    if read is not None:
-        grad = read if grad is None else grad + read
+        grad, base = deferred_gradient(bank, j, base)
+    terms = [base, getattr(bank, "read_grads", {}).pop(j, None)]
     if bank.d_inv_rms is not None:
-        norm = (bank.d_inv_rms[j] * bank.inv_rms[j].pow(3) / -v.size(-1))[..., None] * v.float()
-        grad = norm if grad is None else grad + norm
+        terms.append((bank.d_inv_rms[j] * bank.inv_rms[j].pow(3) / -v.size(-1))[..., None] * v.float())
+    for term in terms:
+        if term is not None:
+            grad = term if grad is None else grad + term
     if grad is None:
         return torch.zeros(v.shape, dtype=dtype, device=v.device)
     return grad.to(dtype)
@@ -507,7 +592,7 @@ class DepthBank(kernels.DepthBank):
         return mix, p.movedim(0, -1)
 
 
-# ----------------------------------------------------------------------------- what a mix moves (the roofline)
+# ----------------------------------------------------------------------------- what a step moves (the roofline)
 
 def traffic(n, tokens, D, extra=False, storage_bytes=2, deferred=True):
     """HBM bytes read and written, and kernel launches, of one consumer's depth mix over n bank sources (and the
@@ -523,14 +608,9 @@ def traffic(n, tokens, D, extra=False, storage_bytes=2, deferred=True):
                   and writes 8 D (dq, dg); launches 2
                   deferred: also written S storage_bytes + 8 tokens + 4 D + 4 (its record: dmix, delta, lse, gq, n)
                   read-modify-write: also read 4 n S (the gradient slots), written 4 n S
-        deferred  (deferred only) what this consumer adds to the passes of the n sources it read, run by their pushes:
-                  read n (S storage_bytes + 8 tokens + 4 D + 4) (its dmix, delta, lse, gq, n, once per source), no
-                  write, no launch
 
-    -> {"forward" | "backward" | "deferred": {"read": bytes, "written": bytes, "launches": count}}. A design's step:
-    the sum over its consumers of these, plus `push_traffic` per source pushed and `read_traffic` per newest() read.
-    Per (consumer, source) pair and element the mix moves storage_bytes (forward) + 2 storage_bytes (backward,
-    deferred) or storage_bytes + storage_bytes + 8 (read-modify-write)."""
+    -> {"forward" | "backward": {"read": bytes, "written": bytes, "launches": count}}. The records' reads are the
+    sources' passes' (`step_traffic`)."""
     S, m = tokens * D, n + int(extra)
     P = -(-tokens // blocks(tokens, D)[0])
     E = 4 * S * int(extra)
@@ -538,31 +618,74 @@ def traffic(n, tokens, D, extra=False, storage_bytes=2, deferred=True):
                "written": 4 * S + 4 * tokens + 8 * tokens * m, "launches": 1}
     backward = {"read": n * S * storage_bytes + E + 8 * S + 4 * tokens + 8 * D + 4 * P * D + 8 * D,
                 "written": E + 4 * P * D + 8 * D, "launches": 2}
-    later = {"read": 0, "written": 0, "launches": 0}
     if deferred:
         backward["written"] += S * storage_bytes + 8 * tokens + 4 * D + 4
-        later["read"] = n * (S * storage_bytes + 8 * tokens + 4 * D + 4)
     else:
         backward["read"] += 4 * n * S
         backward["written"] += 4 * n * S
-    return {"forward": forward, "backward": backward, "deferred": later}
+    return {"forward": forward, "backward": backward}
 
 
-def push_traffic(tokens, D, storage_bytes=2, gradient_slot=False, records=True):
-    """One source's push (`Push`), fp32 in and out, whatever its consumers: forward, the copy into the bank (read
-    4 S, write S storage_bytes; 1 launch); backward, where the bank has records, `_source_backward` reads v_j
-    (S storage_bytes) and, with a gradient_slot (a read-modify-write consumer read it), that slot (4 S), and writes
-    dv_j (4 S), 1 launch; without records the gradient slot is handed on as it is (no launch). The records it reads
-    are each consumer's `traffic(...)["deferred"]`. -> {"forward" | "backward": {...}}"""
-    S, passes = tokens * D, int(records)
-    return {"forward": {"read": 4 * S, "written": S * storage_bytes, "launches": 1},
-            "backward": {"read": passes * (S * storage_bytes + 4 * S * int(gradient_slot)), "written": passes * 4 * S,
-                         "launches": passes}}
+def moved(read=0, written=0, launches=1):
+    return {"read": read, "written": written, "launches": launches}
 
 
-def gradient_bank_traffic(n_max, tokens, D):
-    """The zeroing of the bank's fp32 gradient slots, once per bank, at its first read-modify-write consumer."""
-    return {"backward": {"read": 0, "written": 4 * n_max * tokens * D, "launches": 1}}
+class Schedule:
+    """The sources' side of a bank's backward as the code runs it (`source_gradient`), for the roofline: which pass
+    each push runs, and what it moves. record: the bank sources each record's consumer read, in backward order."""
+
+    def __init__(self, tokens, D, storage_bytes):
+        self.S, self.tokens, self.D, self.sb = tokens * D, tokens, D, storage_bytes
+        self.records, self.gradient_bank, self.part = [], False, None          # part: (lo, hi, start)
+
+    def record_bytes(self, records):
+        """A pass's reads of `records` records it uses (dmix, delta, lse, gq)."""
+        return records * (self.S * self.sb + 8 * self.tokens + 4 * self.D)
+
+    def push_backward(self, j):
+        """[moved] of push j's backward: the block pass at the top of a new block; below it the source pass over the
+        records since (none: its partial sum as it is); a torch add for the gradient slot where no kernel took it."""
+        S, count, rows = self.S, len(self.records), []
+        lo, hi, start = self.part or (0, -1, 0)
+        base_left = self.gradient_bank
+        if not count:
+            return [moved(launches=0)]
+        if not lo <= j < hi:
+            lo = max(0, j - BLOCK_SOURCES + 1)
+            self.part, g = (lo, j, count), j - lo + 1
+            rows.append(moved(g * S * self.sb + self.record_bytes(sum(n > lo for n in self.records)) + 4 * count,
+                              4 * g * S))
+        elif count > start:
+            used = sum(n > j for n in self.records[start:])
+            rows.append(moved(S * self.sb + 4 * S * (1 + self.gradient_bank) + self.record_bytes(used)
+                              + 4 * (count - start), 4 * S))
+            base_left = False
+        if base_left:
+            rows.append(moved(8 * S, 4 * S))
+        return rows
+
+
+def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
+    """[moved] of a whole step of one bank: `reads` = the bank sources each mixing consumer reads, in forward order
+    (each reads every source pushed before it, as Full and Block AttnRes do; consumer 0 reads its newest source,
+    `read_traffic`), the bank n_max slots (so `record_capacity` records), every source read by some consumer.
+    Backward runs the consumers deepest first, and push j right after the first consumer that read it."""
+    plan = Schedule(tokens, D, storage_bytes)
+    rows = list(read_traffic(tokens, D, storage_bytes).values())
+    pushes = max(reads)
+    first = {j: min(i for i, n in enumerate(reads) if n > j) for j in range(pushes)}
+    for i in reversed(range(len(reads))):
+        deferred = len(plan.records) < record_capacity(n_max, storage_bytes)
+        rows += traffic(reads[i], tokens, D, extra=extra, storage_bytes=storage_bytes, deferred=deferred).values()
+        if deferred:
+            plan.records.append(reads[i])
+        elif not plan.gradient_bank:
+            plan.gradient_bank = True
+            rows.append(moved(0, 4 * n_max * plan.S))                            # the gradient bank's zeroing
+        for j in sorted((j for j in first if first[j] == i), reverse=True):
+            rows.append(moved(4 * plan.S, plan.S * storage_bytes))               # its forward: the copy in
+            rows += plan.push_backward(j)
+    return rows
 
 
 def read_traffic(tokens, D, storage_bytes=2):
