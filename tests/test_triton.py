@@ -267,7 +267,8 @@ def test_traffic_counts_the_notes_bank_reads():
     step = sum(r["read"] + r["written"] for r in attnres.step_traffic(reads, 141, tokens, D))
     rest = step - sum(c["forward"]["read"] + c["forward"]["written"] for c in consumers)
     assert slots_read * slot * (2 + 2 / attnres.BLOCK_SOURCES) < rest < slots_read * slot * (2 + 1)
-    rmw = sum(attnres.traffic(n, tokens, D, deferred=False)["backward"][key] for n in reads for key in ("read", "written"))
+    rmw = sum(attnres.traffic(n, tokens, D, deferred=False)["backward"][key]
+              for n in reads for key in ("read", "written"))
     assert slots_read * slot * 10 < rmw < 1.05 * slots_read * slot * 10
 
 
@@ -405,7 +406,8 @@ print("compiled")
 @pytest.mark.slow
 def test_kernels_compile_for_an_h100():
     """Every kernel, each variant (bf16 or fp32 bank and records; with or without the extra source; deferred or
-    read-modify-write; the source's pass with or without a gradient slot; the block pass), compiles to an sm90 binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
+    read-modify-write; the source's pass with or without a gradient slot; the block pass), compiles to an sm90
+    binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
     check (the GPU's typing of loop-carried values, the branches inside loops)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,
