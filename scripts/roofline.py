@@ -122,7 +122,7 @@ def gpu_traffic(design, shape):
             return (2 * L * sum(r["read"] + r["written"] for r in rows), 2 * L * sum(r["launches"] for r in rows),
                     "depthbench.kernels.triton_hc.traffic")
         if design in ("attnres", "block_attnres"):
-            return attnres_traffic(design, L, tokens, D) + ("depthbench.kernels.triton_attnres.traffic",)
+            return attnres_traffic(design, L, tokens, D) + ("depthbench.kernels.triton_attnres.step_traffic",)
     except ImportError:
         pass
     units = {"hc": 2 * L, "mhc": 2 * L, "attnres": 2 * L + 1, "block_attnres": 2 * L + 1, "moda": L}

@@ -37,10 +37,10 @@ Kernels (each equals the named reference, proved by the named test of tests/test
     top source's push runs `_block_backward`, which holds the block's sources in registers and reads each record
     once for all of them (the top's gradient, the others' sums so far); each source below adds the records written
     since (`_source_backward`). Per (consumer, source) pair the backward reads v_j (the consumer's pass) and about
-    1 / BLOCK_SOURCES of a record. The records take the memory of an fp32 gradient bank of the bank's n_max slots
-    (2 n_max records in bf16): Full AttnRes (2L consumers, 2L + 1 slots) defers every consumer.
+    1 / BLOCK_SOURCES of a record. A bank keeps n_max records (the memory of its slots, allocated at the first
+    backward): Full AttnRes (2L consumers, 2L + 1 slots) defers every consumer.
   * read-modify-write (a consumer past that room: Block AttnRes, with more consumers than slots, from its
-    (2N+3)-th backward on in bf16): dv_j is added into the bank's fp32 gradient slot j in the same pass, one read
+    (N+2)-th backward on): dv_j is added into the bank's fp32 gradient slot j in the same pass, one read
     and one write of each slot this consumer read, never of the rest of the bank; the push's pass starts from it.
   Both equal the gradients autograd takes through ops.depth_mix (query, key gain, every source):
   `test_mix_gradients_equal_reference` (each way), `test_consumers_of_several_depths_share_a_bank` (consumers that
@@ -339,10 +339,12 @@ def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, parti
 
 # ----------------------------------------------------------------------------- autograd and the bank
 
-def record_capacity(n_max, storage_bytes):
-    """How many consumers' records a bank of n_max slots keeps: as many as fit in the memory of an fp32 gradient bank
-    of its slots (a record's dmix is one slot in the bank's storage dtype)."""
-    return n_max * 4 // storage_bytes
+def record_capacity(n_max):
+    """How many consumers' records a bank of n_max slots keeps: n_max (a record's dmix is one slot in the bank's
+    storage dtype: the bank's own memory, half an fp32 gradient bank's in bf16; twice as many would serve Block
+    AttnRes' 140 consumers little better, 1.099x against 1.103x at micro-batch 2, and Full's 140 not at all, and
+    the records are allocated whole)."""
+    return n_max
 
 
 class Deferred:
@@ -370,7 +372,7 @@ def deferred(bank, BT, D, device):
     """The bank's Deferred (made at the first consumer's backward), or None when it is full."""
     if getattr(bank, "deferred", None) is None:
         slots = bank.slots[0]
-        bank.deferred = Deferred(record_capacity(bank.n_max, slots.element_size()), BT, D, slots)
+        bank.deferred = Deferred(record_capacity(bank.n_max), BT, D, slots)
     return bank.deferred if bank.deferred.count < len(bank.deferred.reads) else None
 
 
@@ -675,7 +677,7 @@ def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
     pushes = max(reads)
     first = {j: min(i for i, n in enumerate(reads) if n > j) for j in range(pushes)}
     for i in reversed(range(len(reads))):
-        deferred = len(plan.records) < record_capacity(n_max, storage_bytes)
+        deferred = len(plan.records) < record_capacity(n_max)
         rows += traffic(reads[i], tokens, D, extra=extra, storage_bytes=storage_bytes, deferred=deferred).values()
         if deferred:
             plan.records.append(reads[i])
