@@ -240,19 +240,19 @@ from depthbench.kernels import triton_attnres as A
 assert not A.interpreted()
 INTS = ("n", "slot", "sB", "sH", "sT", "H", "T", "G", "hd", "j", "count")
 FP32 = ("o_seq", "lse_seq", "lse_ptr", "share_ptr", "dq_seq", "rec_lse", "rec_delta", "dK", "dV")
-def build(fn, storage, consts):
+def build(fn, storage, consts, warps):
     sig = {}
     for a in fn.arg_names:
         kind = "*i32" if a in ("reads", "rec_reads") else ("*fp32" if a in FP32 else storage)
         sig[a] = "constexpr" if a in consts else ("i32" if a in INTS else ("fp32" if a == "scale" else kind))
     triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4})
+                   options={"num_warps": warps})
 for storage, G in (("*bf16", 1), ("*fp32", 1), ("*bf16", 4)):
     blocks = dict(zip(("BLOCK_T", "BLOCK_G", "BLOCK_D"), M.blocks(2048, G, 40)))
-    build(M._depth_forward, storage, blocks)
-    build(M._depth_backward, storage, blocks)
+    build(M._depth_forward, storage, blocks, M.WARPS)
+    build(M._depth_backward, storage, blocks, M.WARPS)
     for pair in (False, True):
-        build(M._slot_backward, storage, {**blocks, "PAIR": pair})
+        build(M._slot_backward, storage, {**blocks, "PAIR": pair}, M.WARPS)
 print("compiled")
 """
 
