@@ -96,6 +96,35 @@ def test_joint_attention_in_bf16_is_the_reference_to_bf16(name):
         assert a.dtype == torch.bfloat16 and cosine(a, b) >= 0.999, i
 
 
+@needs_interpreter
+@pytest.mark.parametrize("reads", [[1, 2, 4], [2, 4, 6], [3, 3, 5], [3, 2, 4]])
+def test_consumers_of_several_depths_share_a_bank(reads):
+    """Consumers that read different prefixes of one bank, pushes between them (as a model runs them; `reads`: the
+    slots each consumer sees, from the state that held that many): the sum of their outputs has every gradient of
+    ops.py's, fp32. [2, 4, 6] is MoDA's pattern (every slot pass paired), [1, 2, 4] and [3, 3, 5] mix single and
+    paired passes, two consumers read the same slots, and in [3, 2, 4] a consumer of an older state runs after
+    later pushes (its record exists before slot 2's pass, which must leave it out)."""
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, T, hd = 1, 4, 2, 5, 8
+
+    def leaf(heads):
+        return torch.randn(B, heads, T, hd, generator=g).requires_grad_()
+    slots = [(leaf(Hkv), leaf(Hkv)) for _ in range(max(reads))]
+    queries = [(leaf(H), leaf(Hkv), leaf(Hkv)) for _ in reads]
+    leaves = [t for pair in slots for t in pair] + [t for qkv in queries for t in qkv]
+    total = {}
+    for body in (moda, ops):
+        states, out = [body.DepthKV.start(n_max=max(reads) + 1)], 0
+        for n, qkv in zip(reads, queries):
+            while len(states) <= n:
+                states.append(states[-1].push(*slots[len(states) - 1]))
+            o = body.joint_attention(*qkv, states[n])[0]
+            out = out + (o * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum()
+        total[body] = torch.autograd.grad(out, leaves)
+    for i, (a, b) in enumerate(zip(total[moda], total[ops])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=f"leaf {i}")
+
+
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2)])
 def test_sequence_half_by_the_fused_kernel_equals_the_plain_maths(heads):
     """The sequence half as the fused kernel runs it (here the CPU's, the CUDA branch's twin: same arguments, the
@@ -260,9 +289,9 @@ print("compiled")
 @pytest.mark.slow
 def test_kernels_compile_for_an_h100():
     """Every kernel, each variant (bf16 or fp32 storage; the slot pass single or paired), at the card's blocks
-    (hd 40 padded to 64, one query head per kv head; and 4, GQA) compiles to an sm90 binary with Triton's own compiler and ptxas
-    (no GPU needed): what the interpreter does not check (the GPU's typing of loop-carried values, the branches
-    inside loops)."""
+    (hd 40 padded to 64, one query head per kv head; and 4, GQA) compiles to an sm90 binary with Triton's own
+    compiler and ptxas (no GPU needed): what the interpreter does not check (the GPU's typing of loop-carried
+    values, the branches inside loops)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,
                           timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

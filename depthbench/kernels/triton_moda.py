@@ -21,10 +21,10 @@ dq = dq_s + scale sum_j ds_j dk_j, d(dk_j) = scale sum_g ds_gj q_g, d(dv_j) = su
   (q, do in q's dtype; lse and Delta fp32) into the bank's `Records`. No slot gradient is touched.
 - `_slot_backward`, run by a slot's push when backward reaches it (after every consumer that read it): sums the
   slot's key and value gradients over the recorded consumers that read it, from the slot read once and each
-  consumer's record, in fp32 registers, and writes them once, in the pushed tensors' dtype. MoDA's two slots of a block (attention's k, v and W_kv's) have
-  the same readers, so one pass makes both (PAIR) and the second waits beside the bank for its push: the records
-  are read once per block, not once per slot. No gradient bank, no read-modify-write per consumer. A slot no
-  consumer read (the last attention's) gets zeros without a pass.
+  consumer's record, in fp32 registers, and writes them once, in the pushed tensors' dtype. MoDA's two slots of a
+  block (attention's k, v and W_kv's) have the same readers, so one pass makes both (PAIR) and the second waits
+  beside the bank for its push: the records are read once per block, not once per slot. No gradient bank, no
+  read-modify-write per consumer. A slot no consumer read (the last attention's) gets zeros without a pass.
 Equal to ops.joint_attention (forward, dq, dk, dv and every slot's key and value): tests/test_triton_moda.py.
 
 Storage: the bank (cpu.py's Bank, reused) keeps its slots (n_max, B, Hkv, T, hd), contiguous, in bf16 under bf16
@@ -294,7 +294,8 @@ def launch_grid(q, Hkv):
 class Records:
     """What the slot passes need of each consumer that has run its backward, one row per consumer in the order they
     ran: q and do (B, H, T, hd) in q's dtype and layout, lse and Delta (B, H, T) fp32, and how many slots it read
-    (reads, int32), all written by its `_depth_backward`. Made at the first consumer's backward with a row for every consumer the forward ran (bank.consumers)."""
+    (reads, int32), all written by its `_depth_backward`. Made at the first consumer's backward with a row for every
+    consumer the forward ran (bank.consumers)."""
 
     def __init__(self, capacity, q):
         self.q, self.do = (torch.empty_strided((capacity, *q.shape), (q.numel(), *q.stride()), dtype=q.dtype,
