@@ -11,8 +11,9 @@ with the Triton bodies (`triton_bodies`) in place of those they replace on a mac
 "triton" (--kernels triton) is cpu.py's with the Triton bodies always. Chosen once, when a model is built. Triton is
 optional and imported only when a namespace asks for its bodies: without it this package imports and `available()`
 is False. A Triton body runs its kernels only on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1) and hands
-other tensors to cpu.py's body, so the CPU path does not change. tests/test_triton.py and tests/test_triton_hc.py
-check every kernel against ops.py's body under the interpreter (forward and every gradient, fp32 and bf16).
+other tensors to cpu.py's body, so the CPU path does not change. tests/test_triton.py, tests/test_triton_hc.py and
+tests/test_triton_moda.py check every kernel against ops.py's body under the interpreter (forward and every
+gradient, fp32 and bf16).
 """
 import ops
 from depthbench.kernels import cpu
