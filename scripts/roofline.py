@@ -25,8 +25,8 @@ Two paths per design:
           Pre-LN (9,155 / its eager count), scaled linearly in depth for other L
   gpu     fused kernels (issue 52's GPU bodies): the backbone is Pre-LN's, plus the mixing's HBM bytes in bf16 at
           the lower bound of the first GPU measurement's notes and a few launches per sublayer (FUSED_LAUNCHES); where
-          depthbench/kernels/triton_attnres.py or hc.py import, their traffic() functions replace the analytic bytes and
-          launches (`gpu_traffic`: the plug-in point)
+          depthbench/kernels/triton_attnres.py, triton_hc.py or triton_moda.py import, their traffic() functions replace
+          the analytic bytes and launches (`gpu_traffic`: the plug-in point)
 
 What it leaves out (so read the errors as the model's): kernel overlap, L2 hits, the mixing's FLOPs (under 1% of
 the step at n = 4), and that a launch-bound step hides some device time behind the host's.
@@ -123,6 +123,8 @@ def gpu_traffic(design, shape):
                     "depthbench.kernels.triton_hc.traffic")
         if design in ("attnres", "block_attnres"):
             return attnres_traffic(design, L, tokens, D) + ("depthbench.kernels.triton_attnres.step_traffic",)
+        if design == "moda":
+            return moda_traffic(L, tokens, D, shape["heads"]) + ("depthbench.kernels.triton_moda.traffic",)
     except ImportError:
         pass
     units = {"hc": 2 * L, "mhc": 2 * L, "attnres": 2 * L + 1, "block_attnres": 2 * L + 1, "moda": L}
@@ -150,6 +152,20 @@ def attnres_traffic(design, L, tokens, D):
     n_max = 2 * L + 1 if design == "attnres" else BLOCK_GROUPS + 1         # residuals.py's bank sizes
     rows = module.step_traffic(reads, n_max, tokens, D, extra=design == "block_attnres")
     return sum(r["read"] + r["written"] for r in rows), sum(r["launches"] for r in rows)
+
+
+def moda_traffic(L, tokens, D, heads):
+    """Sum of depthbench.kernels.triton_moda.traffic over MoDA's consumers (block b = 1 .. L - 1 reads 2b slots) and
+    one push per slot (2L - 1: two per block, the last block's MLP writes none); as many kv heads as heads."""
+    traffic = importlib.import_module("depthbench.kernels.triton_moda").traffic
+    hd = D // heads
+    total, launches = 0, 0
+    for b in range(1, L):
+        parts = traffic(2 * b, tokens, heads=heads, kv_heads=heads, head_dim=hd)
+        total += sum(parts[k]["read"] + parts[k]["written"] for k in ("forward", "backward", "deferred"))
+        launches += sum(parts[k]["launches"] for k in ("forward", "backward", "deferred"))
+    push = traffic(0, tokens, heads=heads, kv_heads=heads, head_dim=hd)["push"]
+    return total + (2 * L - 1) * (push["read"] + push["written"]), launches + (2 * L - 1) * push["launches"]
 
 
 def calibrate(fit_on="attnres", measured=MEASURED, shape=CARD):

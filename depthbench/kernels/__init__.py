@@ -1,8 +1,9 @@
 """
 depthbench/kernels: the fast bodies of ops.py's maths, one file per device and design family: cpu.py (every
 family's fast bodies, the "fast" namespace; they run on any device), triton_attnres.py (Full and Block AttnRes'
-depth mix as Triton kernels) and triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes). A new body goes into
-the file of its device and family: cpu.py, or triton_<family>.py.
+depth mix as Triton kernels), triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes) and triton_moda.py (MoDA's
+joint attention: the depth half and the merge as Triton kernels, the sequence half PyTorch's fused kernel). A new
+body goes into the file of its device and family: cpu.py, or triton_<family>.py.
 
 ops.py imports none of them (they import ops.py): importing this package registers them with ops.register, and
 model.py and residuals.py import it, so every model built has them. `ops.namespace("fast")` is cpu.py's bodies,
@@ -10,8 +11,9 @@ with the Triton bodies (`triton_bodies`) in place of those they replace on a mac
 "triton" (--kernels triton) is cpu.py's with the Triton bodies always. Chosen once, when a model is built. Triton is
 optional and imported only when a namespace asks for its bodies: without it this package imports and `available()`
 is False. A Triton body runs its kernels only on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1) and hands
-other tensors to cpu.py's body, so the CPU path does not change. tests/test_triton.py and tests/test_triton_hc.py
-check every kernel against ops.py's body under the interpreter (forward and every gradient, fp32 and bf16).
+other tensors to cpu.py's body, so the CPU path does not change. tests/test_triton.py, tests/test_triton_hc.py and
+tests/test_triton_moda.py check every kernel against ops.py's body under the interpreter (forward and every
+gradient, fp32 and bf16).
 """
 import ops
 from depthbench.kernels import cpu
@@ -19,8 +21,9 @@ from depthbench.kernels import cpu
 
 def triton_bodies():
     """ops.TWO_BODIES names -> their GPU (Triton) body. Imports the Triton modules (and triton, where installed)."""
-    from depthbench.kernels import triton_attnres, triton_hc
-    return {"DepthBank": triton_attnres.DepthBank, **triton_hc.BODIES}
+    from depthbench.kernels import triton_attnres, triton_hc, triton_moda
+    return {"DepthBank": triton_attnres.DepthBank, **triton_hc.BODIES, "joint_attention": triton_moda.joint_attention,
+            "DepthKV": triton_moda.DepthKV}
 
 
 def available():

@@ -1,0 +1,512 @@
+"""
+triton_moda.py: MoDA's joint attention on the GPU (the "triton" namespace's `joint_attention` and `DepthKV`).
+
+The maths is ops.joint_attention: per query token t and head h, one softmax over the causal sequence logits and the
+logits of the depth keys dk_j,t (j < n, the slots earlier sublayers left at token t, not rotated), all at scale
+1/sqrt(hd); GQA: query head h reads kv head h // G. It runs as two halves merged by their log-sum-exps:
+
+    sequence half   (o_s, lse_s) = the fused causal attention kernel (`sequence_forward`): on CUDA PyTorch's flash
+                    kernel (aten._scaled_dot_product_flash_attention, bf16/fp16), on the CPU its CPU kernel, else the
+                    plain maths (`math_forward`); no copy of q, k or v (GQA: k, v expanded to the query heads)
+    depth half      `_depth_forward`, one program per (BLOCK_T tokens, batch x kv head) holding the G query heads of
+                    the kv head (so each slot is read once): s_j = scale <q, dk_j>, an online softmax over j,
+                    o_d = sum_j softmax(s)_j dv_j, lse_d, in fp32 registers; then the merge in the same kernel:
+                    lse = logaddexp(lse_s, lse_d), share = exp(lse_d - lse), o = o_s + share (o_d - o_s)
+
+Backward, with the joint o and lse (as ring attention merges blocks): the fused sequence backward given (o, lse) is
+the sequence keys' part of the joint softmax's gradient (dq_s, dk, dv); the depth keys' part is flash attention's own
+backward with the same joint lse and Delta = <do, o>:  P_j = exp(s_j - lse), ds_j = P_j (<do, dv_j> - Delta),
+dq = dq_s + scale sum_j ds_j dk_j, d(dk_j) = scale sum_g ds_gj q_g, d(dv_j) = sum_g P_gj do_g.
+- `_depth_backward`, the consumer's pass: reads its n slots once more for dq (and adds dq_s), and writes its record
+  (q, do in q's dtype; lse and Delta fp32) into the bank's `Records`. No slot gradient is touched.
+- `_slot_backward`, run by a slot's push when backward reaches it (after every consumer that read it): sums the
+  slot's key and value gradients over the recorded consumers that read it, from the slot read once and each
+  consumer's record, in fp32 registers, and writes them once, in the pushed tensors' dtype. MoDA's two slots of a
+  block (attention's k, v and W_kv's) have the same readers, so one pass makes both (PAIR) and the second waits
+  beside the bank for its push: the records are read once per block, not once per slot. No gradient bank, no
+  read-modify-write per consumer. A slot no consumer read (the last attention's) gets zeros without a pass.
+Equal to ops.joint_attention (forward, dq, dk, dv and every slot's key and value): tests/test_triton_moda.py.
+
+Storage: the bank (cpu.py's Bank, reused) keeps its slots (n_max, B, Hkv, T, hd), contiguous, in bf16 under bf16
+autocast (triton_attnres.storage_dtype), else in the first key's dtype. The query side (q, o, do, dq, the records)
+is read and written in q's own layout, (B, T, H, hd) in memory as the projection makes it (the kernels take its
+strides; `like` copies a tensor that has another, which the fused kernels' outputs do not: a test checks it).
+A bank whose first key lives where no kernel runs (a CPU tensor without the interpreter) is cpu.py's DepthKV, and
+joint_attention on it is cpu.py's: the CPU path does not change. `traffic` counts what each launch moves.
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations are read as text: no triton, no error
+
+import torch
+
+from depthbench.kernels import cpu
+from depthbench.kernels.triton_attnres import jit, next_power_of_2, runs_here, storage_dtype, tl, triton
+from ops import fp32_maths
+
+# tokens x query heads x padded head width one program holds per tensor, and its warps: at the card's shape (hd 40
+# padded to 64, 16 tokens) ptxas for sm90 gives 64 / 73 / 128 registers a thread to the forward / consumer / paired
+# slot pass and no spill; 4096 elements spilled 904 / 56 / 1780 bytes (4 / 8 / 8 warps)
+TILE_ELEMENTS = 1024
+WARPS = 8
+MAX_BLOCK_T = 64
+
+
+def blocks(T, G, hd):
+    """(BLOCK_T, BLOCK_G, BLOCK_D): the padded group and head width, and tokens per program (a tile of at most
+    TILE_ELEMENTS; fewer tokens for a short sequence)."""
+    BLOCK_G, BLOCK_D = next_power_of_2(G), next_power_of_2(hd)
+    BLOCK_T = max(1, min(MAX_BLOCK_T, TILE_ELEMENTS // (BLOCK_G * BLOCK_D), next_power_of_2(T)))
+    return BLOCK_T, BLOCK_G, BLOCK_D
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+@jit
+def _tiles(sB, sH, sT, H, T, G, hd, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's offsets: into a query-side tensor (B, H, T, hd) whose batch, head and token strides are
+    sB, sH, sT (its channels contiguous; q_off (BLOCK_T, BLOCK_G, BLOCK_D)), into a contiguous (B, H, T) one
+    (rows (BLOCK_T, BLOCK_G)), into a contiguous (B, Hkv, T, hd) slot (kv_off (BLOCK_T, BLOCK_D)), and the masks."""
+    pid_t, bh = tl.program_id(0), tl.program_id(1)                    # bh = b Hkv + kv head
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.arange(0, BLOCK_G)
+    c = tl.arange(0, BLOCK_D)
+    row_ok = (t[:, None] < T) & (g[None, :] < G)
+    head = bh * G + g[None, :]                                        # b H + h, h = kv head G + g
+    rows = head * T + t[:, None]                                      # (b H + h) T + t
+    q_rows = (head // H) * sB + (head % H) * sH + t[:, None] * sT
+    q_off = q_rows[:, :, None] + c[None, None, :]
+    q_mask = row_ok[:, :, None] & (c[None, None, :] < hd)
+    kv_off = (bh * T + t[:, None]) * hd + c[None, :]
+    kv_mask = (t[:, None] < T) & (c[None, :] < hd)
+    return rows, row_ok, q_off, q_mask, kv_off, kv_mask
+
+
+@jit
+def _depth_forward(Q, K, V, o_seq, lse_seq, O, lse_ptr, share_ptr, n, slot, sB, sH, sT, H, T, G, hd, scale,
+                   BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The depth half over slots [0, n) of K, V (n_max, B, Hkv, T, hd; `slot` elements apart) for queries Q
+    (B, H, T, hd), merged with the sequence half (o_seq in Q's layout, lse_seq (B, H, T)): o, the joint lse and
+    the depth share."""
+    rows, row_ok, q_off, q_mask, kv_off, kv_mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T,
+                                                          BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+    q = tl.load(Q + q_off, mask=q_mask, other=0.0).to(tl.float32)
+    m = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_T, BLOCK_G), tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_G, BLOCK_D), tl.float32)
+    k_ptr, v_ptr = K, V                                               # advanced one slot per step
+    for j in range(0, n):
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q * k[:, None, :], axis=2) * scale
+        m_new = tl.maximum(m, s)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(s - m_new)
+        l = l * alpha + w
+        acc = acc * alpha[:, :, None] + w[:, :, None] * v[:, None, :]
+        m = m_new
+        k_ptr += slot
+        v_ptr += slot
+    lse_d = m + tl.log(l)
+    lse_s = tl.load(lse_seq + rows, mask=row_ok, other=0.0)
+    top = tl.maximum(lse_s, lse_d)
+    lse = top + tl.log(tl.exp(lse_s - top) + tl.exp(lse_d - top))
+    share = tl.exp(lse_d - lse)
+    o_s = tl.load(o_seq + q_off, mask=q_mask, other=0.0).to(tl.float32)
+    o = o_s + share[:, :, None] * (acc / l[:, :, None] - o_s)
+    tl.store(O + q_off, o.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(share_ptr + rows, share, mask=row_ok)
+
+
+@jit
+def _depth_backward(Q, K, V, O, dO, lse_ptr, dq_seq, dQ, rec_q, rec_do, rec_lse, rec_delta, rec_reads, n, slot, sB,
+                    sH, sT, H, T, G, hd, scale, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The consumer's pass: dQ = dq_seq + scale sum_j ds_j k_j over slots [0, n); its record (q, do, lse,
+    Delta = <do, o>, and n) to rec_* (the consumer's rows of the bank's Records)."""
+    rows, row_ok, q_off, q_mask, kv_off, kv_mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T,
+                                                          BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+    q_in = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    do_in = tl.load(dO + q_off, mask=q_mask, other=0.0)
+    q, do = q_in.to(tl.float32), do_in.to(tl.float32)
+    delta = tl.sum(do * tl.load(O + q_off, mask=q_mask, other=0.0).to(tl.float32), axis=2)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros((BLOCK_T, BLOCK_G, BLOCK_D), tl.float32)
+    k_ptr, v_ptr = K, V
+    for j in range(0, n):
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        p = tl.exp(tl.sum(q * k[:, None, :], axis=2) * scale - lse)
+        ds = p * (tl.sum(do * v[:, None, :], axis=2) - delta)
+        dq += ds[:, :, None] * k[:, None, :]
+        k_ptr += slot
+        v_ptr += slot
+    dq = dq * scale + tl.load(dq_seq + q_off, mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(dQ + q_off, dq.to(dQ.dtype.element_ty), mask=q_mask)
+    tl.store(rec_q + q_off, q_in.to(rec_q.dtype.element_ty), mask=q_mask)
+    tl.store(rec_do + q_off, do_in.to(rec_do.dtype.element_ty), mask=q_mask)
+    tl.store(rec_lse + rows, lse, mask=row_ok)
+    tl.store(rec_delta + rows, delta, mask=row_ok)
+    tl.store(rec_reads, n)                                            # every program stores the same n
+
+
+@jit
+def _pair_gradient(q, do, lse, delta, k, v, scale):
+    """One (consumer, slot) pair: (the slot's key gradient, its value gradient), each (BLOCK_T, BLOCK_D), the G query
+    heads summed."""
+    p = tl.exp(tl.sum(q * k[:, None, :], axis=2) * scale - lse)
+    ds = p * (tl.sum(do * v[:, None, :], axis=2) - delta)
+    return tl.sum(ds[:, :, None] * q, axis=1) * scale, tl.sum(p[:, :, None] * do, axis=1)
+
+
+@jit
+def _slot_backward(K, V, j, reads, count, rec_q, rec_do, rec_lse, rec_delta, dK, dV, slot, sB, sH, sT, H, T, G, hd,
+                   scale,
+                   PAIR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Slot j's key and value gradients summed over the recorded consumers c < count that read it (reads[c] > j),
+    in fp32, written once to dK, dV ((1 + PAIR), B, Hkv, T, hd) in their dtype (the pushed tensors'). K, V point at
+    the slot (PAIR False) or at slot j - 1, which has the same readers, and the kernel makes both (PAIR True: dK, dV
+    hold slot j - 1's, then slot j's, `slot` elements apart). Each record is read once for both."""
+    rows, row_ok, q_off, q_mask, kv_off, kv_mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T,
+                                                          BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+    k = tl.load(K + PAIR * slot + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(V + PAIR * slot + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    k2 = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)                    # slot j - 1 (PAIR only)
+    v2 = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    if PAIR:
+        k2 = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v2 = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    dk = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    dk2 = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    dv2 = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    queries = G * (slot // hd)                                        # one record's rows, B H T (its q: B H T hd)
+    r_q, r_do, r_lse, r_delta = rec_q, rec_do, rec_lse, rec_delta     # advanced one consumer per step
+    for c in range(0, count):
+        if tl.load(reads + c) > j:
+            q = tl.load(r_q + q_off, mask=q_mask, other=0.0).to(tl.float32)
+            do = tl.load(r_do + q_off, mask=q_mask, other=0.0).to(tl.float32)
+            lse = tl.load(r_lse + rows, mask=row_ok, other=0.0)
+            delta = tl.load(r_delta + rows, mask=row_ok, other=0.0)
+            a, b = _pair_gradient(q, do, lse, delta, k=k, v=v, scale=scale)
+            dk += a
+            dv += b
+            if PAIR:
+                a, b = _pair_gradient(q, do, lse, delta, k=k2, v=v2, scale=scale)
+                dk2 += a
+                dv2 += b
+        r_q += queries * hd
+        r_do += queries * hd
+        r_lse += queries
+        r_delta += queries
+    tl.store(dK + PAIR * slot + kv_off, dk.to(dK.dtype.element_ty), mask=kv_mask)
+    tl.store(dV + PAIR * slot + kv_off, dv.to(dV.dtype.element_ty), mask=kv_mask)
+    if PAIR:
+        tl.store(dK + kv_off, dk2.to(dK.dtype.element_ty), mask=kv_mask)
+        tl.store(dV + kv_off, dv2.to(dV.dtype.element_ty), mask=kv_mask)
+
+
+# ----------------------------------------------------------------------------- the sequence half
+
+def flash_on_cuda(q):
+    """Whether PyTorch's CUDA flash kernel takes q: a CUDA tensor in fp16/bf16, head width a multiple of 8 up to 256."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) % 8 == 0 and q.size(-1) <= 256
+
+
+def expand_heads(k, H):
+    """k (B, Hkv, T, hd) repeated to H heads (query head h reads kv head h // G); itself when Hkv == H."""
+    return k if k.size(1) == H else k.repeat_interleave(H // k.size(1), dim=1)
+
+
+def fold_heads(dk, Hkv):
+    """The inverse of expand_heads for a gradient: the G query heads of each kv head summed."""
+    return dk if dk.size(1) == Hkv else dk.unflatten(1, (Hkv, dk.size(1) // Hkv)).sum(2)
+
+
+def math_forward(q, k, v, scale):
+    """Causal attention with its log-sum-exp, in fp32 from the T x T logits (where no fused kernel runs):
+    (o in q's dtype, lse (B, H, T) fp32)."""
+    T = q.size(2)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    s = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(future, float("-inf"))
+    lse = s.logsumexp(-1)
+    return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
+
+
+def math_backward(do, q, k, v, o, lse, scale):
+    """The sequence keys' part of the joint softmax's gradient, given the joint o and lse (flash attention's
+    backward in plain maths): (dq, dk, dv) in fp32."""
+    T = q.size(2)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    p = torch.exp((qf @ kf.transpose(-1, -2) * scale).masked_fill(future, float("-inf")) - lse[..., None])
+    ds = p * (dof @ vf.transpose(-1, -2) - (dof * o.float()).sum(-1, keepdim=True))
+    return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, p.transpose(-1, -2) @ dof
+
+
+def flash_forward(q, k, v, scale):
+    """PyTorch's CUDA flash kernel (the same op and arguments on PyTorch 2.11 and 2.13): (o, lse (B, H, T) fp32,
+    what its backward takes: cum_seq_q, cum_seq_k, max_q, max_k, the rng state's two tensors)."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p=0.0, is_causal=True,
+                                                             return_debug_mask=False, scale=scale)
+    return out[0], out[1], tuple(out[2:8])
+
+
+def flash_backward(do, q, k, v, o, lse, scale, saved):
+    """Its backward given the joint o and lse: (dq, dk, dv)."""
+    cum_seq_q, cum_seq_k, max_q, max_k, seed, offset = saved
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out=o, logsumexp=lse, cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k, max_q=max_q, max_k=max_k,
+        dropout_p=0.0, is_causal=True, philox_seed=seed, philox_offset=offset, scale=scale)
+
+
+def sequence_forward(q, k, v, scale):
+    """The sequence half, k and v already at the query heads: (o_s, lse_s (B, H, T) fp32, what its backward needs)."""
+    if flash_on_cuda(q):
+        return flash_forward(q, k, v, scale)
+    if q.device.type == "cpu":
+        hd, pad = q.size(-1), cpu.head_pad(q)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*cpu.padded((q, k, v), pad),
+                                                                            is_causal=True, scale=scale)
+        return o[..., :hd], lse, ()
+    return (*math_forward(q, k, v, scale), ())
+
+
+def sequence_backward(do, q, k, v, o, lse, scale, saved):
+    """(dq_s, dk, dv) of the sequence half given the joint o and lse (k, v at the query heads)."""
+    if flash_on_cuda(q):
+        return flash_backward(do, q, k, v, o=o, lse=lse, scale=scale, saved=saved)
+    if q.device.type == "cpu":
+        hd, pad = q.size(-1), cpu.head_pad(q)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *cpu.padded((do, q, k, v, o), pad), logsumexp=lse, dropout_p=0.0, is_causal=True, scale=scale)
+        return tuple(g[..., :hd] for g in grads)
+    return math_backward(do, q, k, v, o=o, lse=lse, scale=scale)
+
+
+# ----------------------------------------------------------------------------- autograd and the bank
+
+def launch_grid(q, Hkv):
+    """(grid, BLOCK_T, BLOCK_G, BLOCK_D) of every kernel here: one program per BLOCK_T tokens of one kv head."""
+    B, H, T, hd = q.shape
+    BLOCK_T, BLOCK_G, BLOCK_D = blocks(T, H // Hkv, hd)
+    return (triton.cdiv(T, BLOCK_T), B * Hkv), BLOCK_T, BLOCK_G, BLOCK_D
+
+
+class Records:
+    """What the slot passes need of each consumer that has run its backward, one row per consumer in the order they
+    ran: q and do (B, H, T, hd) in q's dtype and layout, lse and Delta (B, H, T) fp32, and how many slots it read
+    (reads, int32), all written by its `_depth_backward`. Made at the first consumer's backward with a row for every
+    consumer the forward ran (bank.consumers)."""
+
+    def __init__(self, capacity, q):
+        self.q, self.do = (torch.empty_strided((capacity, *q.shape), (q.numel(), *q.stride()), dtype=q.dtype,
+                                               device=q.device) for _ in range(2))          # rows in q's layout
+        self.lse = q.new_empty((capacity, *q.shape[:-1]), dtype=torch.float32)
+        self.delta = q.new_empty((capacity, *q.shape[:-1]), dtype=torch.float32)
+        self.reads = torch.zeros(capacity, dtype=torch.int32, device=q.device)
+        self.count = 0
+
+    def add(self):
+        """The next row, for the consumer whose backward runs now."""
+        if self.count == self.reads.numel():
+            raise ValueError(f"MoDA's bank keeps records for {self.count} consumers: more ran their backward")
+        self.count += 1
+        return self.count - 1
+
+
+def like(t, stride):
+    """t with these strides (the query side's layout: MoDA's q is (B, T, H, hd) in memory, as the projection made
+    it), copied only where it has others."""
+    if t.stride() == tuple(stride):
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def layout(q):
+    """The query side's strides and heads, as the kernels take them."""
+    return {"sB": q.stride(0), "sH": q.stride(1), "sT": q.stride(2), "H": q.size(1)}
+
+
+def records(bank, q):
+    if getattr(bank, "records", None) is None:
+        bank.records = Records(len(bank.consumers), q)
+    return bank.records
+
+
+class Joint(torch.autograd.Function):
+    """MoDA's joint attention over the sequence (q, k, v) and the bank's first n slots, by the kernels above.
+    -> (o (B, H, T, hd) in q's dtype, share (B, H, T) fp32, not differentiable). Backward: dq, dk, dv now; the slots'
+    gradients at their pushes, from the record this consumer leaves (`Push`)."""
+
+    @staticmethod
+    def forward(ctx, bank, n, token, q, k, v):
+        K, V = bank.slots
+        if bank.layout is None:                   # the first consumer's q sets the layout of the query side
+            kept = torch.empty_like(q).stride()   # q's strides if dense, else contiguous ones
+            bank.layout = kept if kept[-1] == 1 else q.contiguous().stride()
+        q = like(q, bank.layout)
+        scale = q.size(-1) ** -0.5
+        ke, ve = expand_heads(k, q.size(1)), expand_heads(v, q.size(1))
+        o_seq, lse_seq, saved = sequence_forward(q, ke, ve, scale)
+        o = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        share = torch.empty_like(lse)
+        grid, BLOCK_T, BLOCK_G, BLOCK_D = launch_grid(q, K.size(2))
+        _depth_forward[grid](q, K, V, o_seq=like(o_seq, q.stride()), lse_seq=lse_seq.contiguous(), O=o, lse_ptr=lse,
+                             share_ptr=share, n=n, slot=K[0].numel(), **layout(q), T=q.size(2),
+                             G=q.size(1) // K.size(2), hd=q.size(-1), scale=scale, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
+                             BLOCK_D=BLOCK_D, num_warps=WARPS)
+        ctx.save_for_backward(q, ke, ve, o, lse)
+        ctx.bank, ctx.n, ctx.scale, ctx.Hkv, ctx.sequence = bank, n, scale, k.size(1), saved
+        ctx.mark_non_differentiable(share)
+        bank.consumers.append(n)
+        return o, share
+
+    @staticmethod
+    def backward(ctx, do, _):
+        q, ke, ve, o, lse = ctx.saved_tensors
+        do = like(do, q.stride())
+        dq_seq, dk, dv = sequence_backward(do, q, ke, ve, o=o, lse=lse, scale=ctx.scale, saved=ctx.sequence)
+        bank, K, V = ctx.bank, *ctx.bank.slots
+        rec = records(bank, q)
+        c = rec.add()
+        dq = torch.empty_like(q)
+        grid, BLOCK_T, BLOCK_G, BLOCK_D = launch_grid(q, ctx.Hkv)
+        _depth_backward[grid](q, K, V, o, dO=do, lse_ptr=lse, dq_seq=like(dq_seq, q.stride()), dQ=dq, rec_q=rec.q[c],
+                              rec_do=rec.do[c], rec_lse=rec.lse[c], rec_delta=rec.delta[c], rec_reads=rec.reads[c:],
+                              n=ctx.n,
+                              slot=K[0].numel(), **layout(q), T=q.size(2), G=q.size(1) // ctx.Hkv, hd=q.size(-1),
+                              scale=ctx.scale, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, num_warps=WARPS)
+        dk, dv = (fold_heads(g, ctx.Hkv).to(t.dtype) for g, t in ((dk, ke), (dv, ve)))
+        return None, None, None, dq, dk, dv
+
+
+def shares_readers(bank, j):
+    """Whether slot j - 1 has the readers slot j has: no consumer the forward ran read exactly j slots."""
+    return j >= 1 and j not in bank.consumers
+
+
+def slot_gradients(bank, j):
+    """(dk_j, dv_j) fp32 (B, Hkv, T, hd) from every recorded consumer that read slot j: the slot pass
+    (`_slot_backward`), which also makes slot j - 1's when it has the same readers (kept in bank.pending for its
+    push). Zeros when no consumer read it."""
+    if j in bank.pending:
+        return bank.pending.pop(j)
+    K, V = bank.slots
+    rec = getattr(bank, "records", None)
+    if rec is None or max(bank.consumers, default=0) <= j:                    # no consumer read slot j
+        return tuple(torch.zeros(K[j].shape, dtype=dtype, device=K.device) for dtype in bank.dtypes)
+    pair = shares_readers(bank, j)
+    lo = j - int(pair)
+    dK, dV = (torch.empty((1 + int(pair), *K[j].shape), dtype=dtype, device=K.device) for dtype in bank.dtypes)
+    B, Hkv, T, hd = K[j].shape
+    G = rec.q.size(2) // Hkv
+    BLOCK_T, BLOCK_G, BLOCK_D = blocks(T, G, hd)
+    _slot_backward[(triton.cdiv(T, BLOCK_T), B * Hkv)](
+        K[lo], V[lo], j, reads=rec.reads, count=rec.count, rec_q=rec.q, rec_do=rec.do, rec_lse=rec.lse,
+        rec_delta=rec.delta, dK=dK, dV=dV, slot=K[j].numel(), **layout(rec.q[0]), T=T, G=G, hd=hd, scale=hd ** -0.5,
+        PAIR=pair, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, num_warps=WARPS)
+    if pair:
+        bank.pending[lo] = (dK[0], dV[0])
+    return dK[-1], dV[-1]
+
+
+class Push(torch.autograd.Function):
+    """Write key and value into slot j of the bank (forward, cpu.Bank.write); hand them their slot's gradients
+    (backward, `slot_gradients`). The token it returns is empty: it carries only the order (each consumer and later
+    push takes it, so autograd runs this backward after theirs), and its gradient is never materialised."""
+
+    @staticmethod
+    def forward(ctx, bank, j, token, key, value):
+        ctx.set_materialize_grads(False)
+        bank.write(j, (key, value))
+        ctx.bank, ctx.j, ctx.dtypes = bank, j, (key.dtype, value.dtype)
+        return key.new_empty((0,), dtype=torch.float32)           # the token: an order, no data (no launch)
+
+    @staticmethod
+    def backward(ctx, dtoken):
+        grads = slot_gradients(ctx.bank, ctx.j)
+        return (None, None, None, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
+
+
+class DepthKV(cpu.DepthKV):
+    """cpu.DepthKV's bank (slots (n_max, B, Hkv, T, hd), as attention makes them) whose pushes hand on the slot
+    passes' gradients and which `joint_attention` reads with the kernels above. Its first push decides: where no
+    kernel runs on the key's device, the state becomes cpu.DepthKV itself."""
+
+    @classmethod
+    def start(cls, n_max):
+        return cls(cpu.Bank(n_max), 0, None)
+
+    @torch.compiler.disable
+    def push(self, key, value):
+        if self.n == 0 and self.bank.slots is None:
+            if not runs_here(key):
+                return cpu.DepthKV.start(self.bank.n_max).push(key, value)
+            self.bank.slots = [key.new_empty((self.bank.n_max, *key.shape), dtype=storage_dtype(key)) for _ in "kv"]
+            self.bank.consumers, self.bank.pending, self.bank.layout = [], {}, None
+            self.bank.dtypes = (key.dtype, value.dtype)           # of the slots' gradients
+        bank = self.bank if cpu.linear(self.bank, self.n) else fork(self.bank, self.n)
+        token = Push.apply(bank, self.n, self.token, key, value)
+        return DepthKV(bank, self.n + 1, token)
+
+    @torch.compiler.disable
+    def joint(self, q, k, v):
+        with fp32_maths(q):
+            return Joint.apply(self.bank, self.n, self.token, q, k, v)
+
+
+def fork(bank, n):
+    """cpu.Bank.fork with this file's bookkeeping (a diagnostic's second continuation: no gradients)."""
+    other = bank.fork(n)
+    other.consumers, other.pending, other.layout, other.dtypes = [], {}, None, bank.dtypes
+    return other
+
+
+def joint_attention(q, k, v, depth):
+    """ops.joint_attention by the kernels above when `depth` is this file's DepthKV (its bank on a device where they
+    run) and holds a slot; cpu.py's body otherwise."""
+    if not isinstance(depth, DepthKV):
+        return cpu.joint_attention(q, k, v, depth)
+    if depth.n == 0:                                              # no slot yet: the sequence half alone
+        return cpu.causal_attention(q, k, v), q.new_zeros(q.shape[:-1], dtype=torch.float32)
+    o, share = depth.joint(q, k, v)
+    return o, share.detach()
+
+
+# ----------------------------------------------------------------------------- what MoDA moves (the roofline)
+
+def traffic(n, tokens, heads, kv_heads, head_dim, storage_bytes=2):
+    """HBM bytes read and written, and kernel launches, of the GPU body beyond Pre-LN's attention (the fused
+    sequence kernel, forward and backward, is Pre-LN's own), for one consumer that reads n slots, `tokens` = B T;
+    q, k, v, o, their gradients, the records and the slots in storage_bytes (sb; bf16 under autocast); lse and Delta
+    fp32. With Q = tokens heads head_dim (a query-side tensor), S = tokens kv_heads head_dim (one slot's key or
+    value), R = tokens heads (rows), X = 2 sb (S + Q) when kv_heads < heads (k and v expanded to the query heads
+    for the fused kernel, and their gradients folded back), else 0:
+
+        forward   `_depth_forward`: read q, o_s (2 Q sb), the slots' keys and values (2 n S sb), lse_s (4 R);
+                  written o (Q sb), lse and share (8 R); + X; launches 1 (+ 2 expansions)
+        backward  `_depth_backward`: read q, o, do, dq_s (4 Q sb), 2 n S sb, lse (4 R); written dq (Q sb) and the
+                  record (q, do: 2 Q sb; lse, Delta: 8 R; n: 4 bytes); + X; launches 1 (+ 2 folds)
+        deferred  what this consumer adds to the slot passes: each pass over a pair of its slots (n / 2 passes; one
+                  per slot when n is odd) reads its record, 2 Q sb + 8 R
+        push      each slot, once, whatever its consumers. Forward: residuals.MoDA.write's contiguous copies of the
+                  key and value (read and write 2 S sb) and the copy into the bank (the same); launches 4. Backward:
+                  half a slot pass (the slot's key and value read, 2 S sb; their gradients written, 2 S sb) and the
+                  gradients' way back into the projections (the view's reshape copy, the sum with attention's own dk,
+                  dv or the W_kv slices' scatter: about read 4 S sb, written 2 S sb, 3 launches); launches 3.5
+
+    -> {"forward" | "backward" | "deferred" | "push": {"read": bytes, "written": bytes, "launches": count}}. A step:
+    the sum over the consumers of forward, backward and deferred, plus push per slot. Per (consumer, slot) and
+    element of the slot's key and value: forward 2 sb, backward 2 sb, the slot pass G sb / 2 (G = heads / kv_heads;
+    the record read once for a pair of slots)."""
+    Q, S, R, sb = tokens * heads * head_dim, tokens * kv_heads * head_dim, tokens * heads, storage_bytes
+    gqa = kv_heads < heads
+    X = 2 * sb * (S + Q) * int(gqa)
+    forward = {"read": 2 * Q * sb + 2 * n * S * sb + 4 * R + X, "written": Q * sb + 8 * R + X,
+               "launches": 1 + 2 * int(gqa)}
+    backward = {"read": 4 * Q * sb + 2 * n * S * sb + 4 * R + X, "written": 3 * Q * sb + 8 * R + 4 + X,
+                "launches": 1 + 2 * int(gqa)}
+    deferred = {"read": -(-n // 2) * (2 * Q * sb + 8 * R), "written": 0, "launches": 0}
+    push = {"read": 4 * S * sb + 2 * S * sb + 4 * S * sb, "written": 4 * S * sb + 2 * S * sb + 2 * S * sb,
+            "launches": 7.5}
+    return {"forward": forward, "backward": backward, "deferred": deferred, "push": push}
