@@ -9,7 +9,7 @@ bf16 inputs to cosine >= 0.999; odd token counts, n = 4 streams and n = 3 (a blo
 a partial block; then a tiny GPT with residual "hc" and "mhc" whose HC names are replaced by the Triton bodies gives
 the loss and gradients of kernels "reference". Also: every kernel compiles to PTX for sm_90 (H100/H200) with no GPU
 present (slow: ~10 s with a cold Triton cache); off the GPU each body is depthbench/kernels/cpu.py's; `traffic` counts
-the bytes of the tensors a forward touches; the GPU script's check (`compare_with_reference`) finds a wrong body.
+the bytes of the tensors a forward touches, and every launch one sublayer makes (kernels, torch glue, recompute); the GPU script's check (`compare_with_reference`) finds a wrong body.
 Skipped, with the reason, where triton does not import (`pip install triton`: the interpreter needs no GPU).
 
 The interpreter is chosen when a kernel is decorated (TRITON_INTERPRET=1 at import time), so `interpreted_hc` sets
@@ -174,11 +174,11 @@ def with_triton_bodies(model):
     return model
 
 
-def tiny_model(residual, **options):
-    """L1 d16 (4 heads; two sublayers, so two connections in a row), vocab 32, every parameter moved off its init
+def tiny_model(residual, d_model=16, **options):
+    """L1 d16 by default (4 heads; two sublayers, so two connections in a row), vocab 32, every parameter moved off its init
     (zero-initialised maps would hide a wrong gradient), on ops.py's reference bodies."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, n_layer=1, d_model=16, n_head=4, d_ff=40, residual=residual,
+    model = GPT(GPTConfig(vocab_size=32, n_layer=1, d_model=d_model, n_head=4, d_ff=40, residual=residual,
                           residual_args=options, kernels="reference"))
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -291,6 +291,111 @@ def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     assert rows["depth_connection", "forward"]["written"] == nbytes(out)
     assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * n * D * (n * n + 2 * n)
     assert ("sinkhorn", "forward") not in {(r["kernel"], r["pass"]) for r in hc.traffic("hc", N, D)}
+
+
+class Launches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every torch op that launches a kernel ((name, shapes, bytes of its tensors in and out)) and every Triton kernel
+    launched (its name), in `ops` and `kernels`; the interpreter's own torch calls inside a kernel are not ops."""
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty_strided", "view", "_unsafe_view", "t", "transpose",
+            "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided", "detach", "alias", "unflatten",
+            "permute", "reshape", "zeros_like", "new_zeros"}                    # metadata or allocation: no launch
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.kernels, self.inside = [], [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside and func.overloadpacket.__name__ not in self.FREE:
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.ops.append((func.overloadpacket.__name__, [tuple(t.shape) for t in tensors],
+                             sum(t.numel() * t.element_size() for t in tensors)))
+        return out
+
+    def launcher(self, name, launch):
+        def run(*args, **kwargs):
+            self.kernels.append(name)
+            self.inside = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self.inside = False
+        return run
+
+
+def path_launches(design, N, recompute, monkeypatch, n=4, D=32):
+    """One sublayer's read and write of a tiny `design` model (fp32) with the Triton bodies, forward and backward on
+    N tokens: {pass: (torch ops as (name, shapes, bytes), Triton kernel names in launch order)}."""
+    model = with_triton_bodies(tiny_model(design, d_model=D, recompute=recompute, n_streams=n))
+    res, site, H = model.res, model.res.site(1), randn(1, N, n, D, seed=17).requires_grad_()
+    rec, seen = Launches(), {}
+    with monkeypatch.context() as patch:
+        patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
+        for name in KERNEL_OF.values():
+            patch.setattr(hc, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(hc, name),
+                                                        nm=name: rec.launcher(nm, k[grid])})())
+        with rec:
+            h, ctx = res.read(H, site)
+            y = 1.5 * h
+            out = res.write(H, site, y, ctx)
+        seen["forward"] = ([op for op in rec.ops if op[1] != [(1, N, D), (), (1, N, D)]], rec.kernels)  # less 1.5 h
+        rec.ops, rec.kernels = [], []
+        g = randn(*out.shape, seed=18)
+        with rec:
+            out.backward(g)
+        seen["backward"] = (rec.ops, rec.kernels)
+    return seen
+
+
+KERNEL_OF = {("normed_projection", "forward"): "_proj_fwd", ("normed_projection", "backward"): "_proj_bwd",
+             ("sinkhorn", "forward"): "_sinkhorn_fwd", ("sinkhorn", "backward"): "_sinkhorn_bwd",
+             ("width_connection", "forward"): "_width_fwd", ("width_connection", "backward"): "_width_bwd",
+             ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd"}
+
+
+def is_norm(name, shapes, N, D):
+    """An op of the branch's RMSNorm (Pre-LN has it too): not a copy (dynamic_beta's gradient, (D,), is one), every
+    tensor (1, N, D), (1, N, 1), (D,), (1, 1, D) or 0-dim."""
+    return name != "copy_" and all(s in {(1, N, D), (1, N, 1), (D,), (1, 1, D), ()} for s in shapes)
+
+
+@pytest.mark.parametrize("design", ["hc", "mhc"])
+def test_traffic_counts_every_launch(design, monkeypatch):
+    """traffic's rows are the launches one sublayer really makes with these bodies, fp32 streams: the Triton kernels
+    by name, and the torch ops between them (the maps' glue, dW, autograd's add of the two dH, and the recompute of
+    residuals.HC.read's checkpoint: the forward kernels, glue and the branch's RMSNorm again), launch for launch,
+    and their bytes per token (measured at 8 and 16 tokens: the difference). Only the branch norm's forward and
+    backward, Pre-LN's too, are left out."""
+    n, D = 4, 32
+    runs = {(N, rc): path_launches(design, N, rc, monkeypatch, n, D) for N in (8, 16) for rc in (False, True)}
+
+    def kernel_of(r):
+        return KERNEL_OF.get((r["kernel"], "forward" if "recompute" in r["pass"] else r["pass"]))
+
+    def measured(N, rc, pass_, with_norm=False):
+        """(torch launches, their bytes) of a pass, the branch norm's left out unless with_norm."""
+        ops_ = [b for name, shapes, b in runs[N, rc][pass_][0] if with_norm or not is_norm(name, shapes, N, D)]
+        return len(ops_), sum(ops_)
+
+    def counted(N, rc, passes):
+        """(torch launches, their bytes) of traffic's rows of those passes: every row that is not a Triton kernel."""
+        kept = [r for r in hc.traffic(design, N, D, n=n, recompute=rc) if r["pass"] in passes and not kernel_of(r)]
+        return sum(r["launches"] for r in kept), sum(r["read"] + r["written"] for r in kept)
+
+    for rc in (False, True):
+        rows = hc.traffic(design, 8, D, n=n, recompute=rc)
+        assert runs[8, rc]["forward"][1] == [kernel_of(r) for r in rows if r["pass"] == "forward" and kernel_of(r)]
+        assert sorted(runs[8, rc]["backward"][1]) == sorted(kernel_of(r) for r in rows
+                                                             if r["pass"] != "forward" and kernel_of(r))
+    for pass_ in ("forward", "backward"):
+        assert measured(8, False, pass_)[0] == counted(8, False, {pass_})[0], pass_
+        per_token = measured(16, False, pass_)[1] - measured(8, False, pass_)[1]
+        assert per_token == counted(16, False, {pass_})[1] - counted(8, False, {pass_})[1], pass_
+    # the recompute: what the backward launches with it beyond what it launches without (the norm's too)
+    extra = {N: [a - b for a, b in zip(measured(N, True, "backward", True), measured(N, False, "backward", True))]
+             for N in (8, 16)}
+    again = {N: counted(N, True, {"backward (recompute)"}) for N in (8, 16)}
+    assert extra[8][0] == again[8][0] and extra[16][1] - extra[8][1] == again[16][1] - again[8][1]
 
 
 def load_copy(name):

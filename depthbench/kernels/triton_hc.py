@@ -445,13 +445,14 @@ def depth_connection(mixed, post, y):
 
 # ----------------------------------------------------------------------------- traffic, for the roofline estimate
 
-def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20):
-    """HBM bytes each kernel of one sublayer's connection reads and writes, and its launches, forward and backward:
+def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20, recompute=True):
+    """HBM bytes each launch of one sublayer's connection reads and writes, and its launches, forward and backward:
     a list of dicts {kernel, pass, launches, read, written}, for scripts/roofline.py. design "hc" or "mhc"; tokens
-    N = B T; stream_bytes: the streams' element size (4: the model keeps them in fp32; 2 for bf16 streams);
-    y_bytes: the branch output's (2 under bf16 autocast). Coefficients are fp32 (4 bytes), W an fp32 parameter.
-    Every tensor a kernel touches is counted once per launch (a kernel reads each input once), the scratch of
-    Sinkhorn's backward too (an upper bound: it is read back by the program that wrote it, mostly from L2):
+    N = B T; stream_bytes: the streams' element size (4: fp32 streams; 2: bf16); y_bytes: the branch output's (2
+    under bf16 autocast); recompute: residuals.HC's (its default, on): read's maths runs again in the backward.
+    Coefficients are fp32 (4 bytes), W an fp32 parameter. Every tensor a launch touches is counted once per launch
+    (a kernel reads each input once), the scratch of Sinkhorn's backward too (an upper bound: it is read back by the
+    program that wrote it, mostly from L2). What the path runs, residuals.HC's read and write with these bodies:
 
         S = N n D stream_bytes (the n streams), c = N n 4 (pre or post), R = N n^2 4 (res or its logits)
         normed_projection, rows x K, M columns (mHC: N x nD, M = n^2 + 2n; HC: Nn x D, M = n + 2), X = rows K sb:
@@ -464,6 +465,13 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20):
                            backward read 2S + N D sb + c + R, write S + c + R
         depth_connection:  forward  read S + c + N D y_bytes, write S
                            backward read S + c + N D y_bytes, write c + N D y_bytes  (dmixed is dout: no kernel)
+        maps (torch glue between the kernels, `glue`): HC's tanh and affine maps, the copies that make pre and res
+          contiguous for the width kernel; mHC's sigmoids and affine maps; their backward (autograd's select/slice
+          backward, the sums of the scales' gradients, the parameters' gradients)
+        dH: H feeds both normed_projection and width_connection, so autograd adds their two dH: read 2S, write S
+        recompute (residuals.HC.read under torch.utils.checkpoint): the backward runs read's forward again first:
+          _proj_fwd, _sinkhorn_fwd, the maps' glue, _width_fwd and the branch's RMSNorm but its gain (5 launches,
+          +1 cast when the branch is not fp32), which Pre-LN runs once
     """
     if design not in ("hc", "mhc"):
         raise ValueError(f"traffic: design is 'hc' or 'mhc', got {design!r}")
@@ -472,21 +480,57 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20):
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
     X = rows * K * sb
     cast = sb != 4                                            # dW reads x as fp32: a cast first
-
-    def row(kernel, pass_, read, written, launches=1):
-        return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written}
-
-    out = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows),
-           row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
-           row("normed_projection.dW", "backward", 8 * rows * M + 4 * rows + 4 * rows * K + cast * X,
-               4 * rows * M + 4 * K * M + cast * 4 * rows * K, launches=2 + cast)]
+    fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows)]
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)                 # the divisors, n padded to a power of 2
-        out += [row("sinkhorn", "forward", R, R), row("sinkhorn", "backward", 2 * R + scratch, R + scratch)]
-    return out + [row("width_connection", "forward", S + c + R, S + N * D * sb),
-                  row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R),
-                  row("depth_connection", "forward", S + c + N * D * y_bytes, S),
-                  row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+        fwd.append(row("sinkhorn", "forward", R, R))
+    glue_fwd, glue_bwd = glue(design, N, n, M)
+    fwd += [glue_fwd, row("width_connection", "forward", S + c + R, S + N * D * sb)]
+    out = fwd + [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
+                 row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+    if recompute:
+        out += [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
+    out += [row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R), glue_bwd]
+    if design == "mhc":
+        out.append(row("sinkhorn", "backward", 2 * R + scratch, R + scratch))
+    return out + [row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
+                  row("normed_projection.dW", "backward", 8 * rows * M + 4 * rows + 4 * rows * K + cast * X,
+                      4 * rows * M + 4 * K * M + cast * 4 * rows * K, launches=2 + cast),
+                  row("dH (autograd's add)", "backward", 2 * S, S)]
+
+
+def row(kernel, pass_, read, written, launches=1):
+    """One line of `traffic`."""
+    return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written}
+
+
+def glue(design, N, n, M):
+    """The torch launches between the kernels of `maps` (residuals.HC's and MHC's), forward and backward, as rows
+    of `traffic` ("read" holds both ways): per token, the fp32 elements of every (N, ...) tensor each launch reads or
+    writes, counted from the launches the path makes (tests/test_triton_hc.py::test_traffic_counts_every_launch
+    records them); the parameter-sized ones (W's cat, its gradient's copies) are launches with no per-token bytes.
+    HC, a = n (n + 1) (A), b = n (n + 2) (the projection), c = n^2 (res):
+        forward  8: tanh 2b, scale and shift of A 4a, of beta 4n, pre's and res' copies 2n + 2c (and W's cat)
+        backward 17: 9n + 13a + 8b + c (select/slice backward, the sums of the scales' and static maps' gradients,
+                 tanh's backward) and W's gradient copied into dynamic_alpha's and dynamic_beta's
+    mHC: forward 9: two sigmoids with their scale and shift 12n, H_post's factor 2 2n, R's scale and shift 4n^2;
+         backward 25: 24n + 8n^2 + 9M."""
+    a, b, c = n * (n + 1), n * (n + 2), n * n
+    if design == "hc":
+        fwd, bwd = (8, 2 * b + 4 * a + 6 * n + 2 * c), (17, 9 * n + 13 * a + 8 * b + c)
+    else:
+        fwd, bwd = (9, 14 * n + 4 * c), (25, 24 * n + 8 * c + 9 * M)
+    return (row("maps (torch)", "forward", 4 * N * fwd[1], 0, launches=fwd[0]),
+            row("maps (torch)", "backward", 4 * N * bwd[1], 0, launches=bwd[0]))
+
+
+def norm_recompute(N, D, sb):
+    """The branch's RMSNorm again in the backward (ops.rms_norm): its pow, mean, add, rsqrt and x r over (N, D) in
+    fp32, and the cast to fp32 first when the branch is not (sb != 4); the gain's multiplication is not run again
+    (checkpoint's recompute stops once the last saved tensor is back: that op's inputs)."""
+    cast = sb != 4
+    return row("RMSNorm (torch, recompute)", "backward (recompute)", 12 * N * D + 12 * N + cast * N * D * sb,
+               8 * N * D + 12 * N + cast * 4 * N * D, launches=5 + cast)
 
 
 # ----------------------------------------------------------------------------- the same check on a device
