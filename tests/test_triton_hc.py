@@ -211,6 +211,41 @@ def test_model_with_triton_bodies(residual, options):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=atol, msg=name)
 
 
+def test_streams_are_bf16_under_bf16_autocast():
+    """Under bf16 autocast the write stores the streams in bf16 (the GPU path's "bf16 in and out"), whatever the
+    dtype of the mixed streams it adds to (the model's first write gets them in fp32); without autocast they keep
+    theirs. The gradient it hands back is in the dtype of its input."""
+    mixed, post, y = randn(1, 3, 4, 16).requires_grad_(), randn(1, 3, 4), randn(1, 3, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hc.depth_connection(mixed, post, y)
+    assert out.dtype == torch.bfloat16 and hc.depth_connection(mixed, post, y).dtype == torch.float32
+    out.float().sum().backward()
+    assert mixed.grad.dtype == torch.float32
+    want = ops.depth_connection(mixed.detach(), post, y)             # fp32: the kernel's sum, rounded once to bf16
+    torch.testing.assert_close(out.detach().float(), want, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_model_under_bf16_autocast_is_the_reference_to_bf16(residual):
+    """The GPU's precision on the CPU: under bf16 autocast (the Triton path's streams in bf16 after the first write,
+    fp32 inside the kernels) the tiny GPT's loss is kernels "reference"'s (fp32 streams) under the same autocast to
+    2e-2, every gradient within 10% of its norm (test_all.py's bf16 bounds) and at cosine >= 0.999 (but a gradient
+    that is ~0, a saturated gate's)."""
+    idx = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name, model in (("triton", with_triton_bodies(tiny_model(residual))), ("reference", tiny_model(residual))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        out[name] = loss.float(), {n: p.grad for n, p in model.named_parameters()}
+    (l1, g1), (l2, g2) = out["triton"], out["reference"]
+    torch.testing.assert_close(l1, l2, rtol=2e-2, atol=2e-2)
+    for n, g in g2.items():
+        assert g1[n].dtype == g.dtype == torch.float32, n
+        assert (g1[n] - g).norm() <= 0.1 * g.norm() + 1e-3, n
+        assert g.norm() <= 1e-6 or cosine(g1[n], g) >= 0.999, (n, cosine(g1[n], g))   # ~0: a saturated gate's
+
+
 # ----------------------------------------------------------------------------- compiled for the GPU, without one
 
 def compiled_module():
@@ -282,7 +317,8 @@ def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     H, pre, res = randn(1, N, n, D), randn(1, N, n), randn(1, N, n, n)
     branch, mixed = hc.width_connection(H, pre, res)
     y = randn(1, N, D).bfloat16()
-    rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, y_bytes=2)}
+    rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, stream_bytes=4,
+                                                                   y_bytes=2)}
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     assert rows["width_connection", "forward"]["read"] == nbytes(H, pre, res)
     assert rows["width_connection", "forward"]["written"] == nbytes(branch, mixed)
@@ -323,25 +359,27 @@ class Launches(torch.utils._python_dispatch.TorchDispatchMode):
         return run
 
 
-def path_launches(design, N, recompute, monkeypatch, n=4, D=32):
-    """One sublayer's read and write of a tiny `design` model (fp32) with the Triton bodies, forward and backward on
-    N tokens: {pass: (torch ops as (name, shapes, bytes), Triton kernel names in launch order)}."""
+def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.float32):
+    """One sublayer's read and write of a tiny `design` model with the Triton bodies, forward and backward on N
+    tokens, streams of `dtype` (bf16: under bf16 autocast, as on the GPU path): {pass: (torch ops as (name, shapes,
+    bytes), Triton kernel names in launch order)}."""
     model = with_triton_bodies(tiny_model(design, d_model=D, recompute=recompute, n_streams=n))
-    res, site, H = model.res, model.res.site(1), randn(1, N, n, D, seed=17).requires_grad_()
+    res, site, H = model.res, model.res.site(1), randn(1, N, n, D, seed=17).to(dtype).requires_grad_()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     rec, seen = Launches(), {}
     with monkeypatch.context() as patch:
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
             patch.setattr(hc, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(hc, name),
                                                         nm=name: rec.launcher(nm, k[grid])})())
-        with rec:
+        with rec, autocast:
             h, ctx = res.read(H, site)
             y = 1.5 * h
             out = res.write(H, site, y, ctx)
         seen["forward"] = ([op for op in rec.ops if op[1] != [(1, N, D), (), (1, N, D)]], rec.kernels)  # less 1.5 h
         rec.ops, rec.kernels = [], []
-        g = randn(*out.shape, seed=18)
-        with rec:
+        g = randn(*out.shape, seed=18).to(out.dtype)
+        with rec, autocast:
             out.backward(g)
         seen["backward"] = (rec.ops, rec.kernels)
     return seen
@@ -359,15 +397,18 @@ def is_norm(name, shapes, N, D):
     return name != "copy_" and all(s in {(1, N, D), (1, N, 1), (D,), (1, 1, D), ()} for s in shapes)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("design", ["hc", "mhc"])
-def test_traffic_counts_every_launch(design, monkeypatch):
-    """traffic's rows are the launches one sublayer really makes with these bodies, fp32 streams: the Triton kernels
+def test_traffic_counts_every_launch(design, dtype, monkeypatch):
+    """traffic's rows are the launches one sublayer really makes with these bodies, fp32 streams, and bf16 ones
+    under bf16 autocast (the GPU path: stream_bytes 2, the dW and norm casts): the Triton kernels
     by name, and the torch ops between them (the maps' glue, dW, autograd's add of the two dH, and the recompute of
     residuals.HC.read's checkpoint: the forward kernels, glue and the branch's RMSNorm again), launch for launch,
     and their bytes per token (measured at 8 and 16 tokens: the difference). Only the branch norm's forward and
     backward, Pre-LN's too, are left out."""
     n, D = 4, 32
-    runs = {(N, rc): path_launches(design, N, rc, monkeypatch, n, D) for N in (8, 16) for rc in (False, True)}
+    runs = {(N, rc): path_launches(design, N, rc, monkeypatch, n, D, dtype) for N in (8, 16) for rc in (False, True)}
+    sb = torch.finfo(dtype).bits // 8
 
     def kernel_of(r):
         return KERNEL_OF.get((r["kernel"], "forward" if "recompute" in r["pass"] else r["pass"]))
@@ -379,11 +420,11 @@ def test_traffic_counts_every_launch(design, monkeypatch):
 
     def counted(N, rc, passes):
         """(torch launches, their bytes) of traffic's rows of those passes: every row that is not a Triton kernel."""
-        kept = [r for r in hc.traffic(design, N, D, n=n, recompute=rc) if r["pass"] in passes and not kernel_of(r)]
+        kept = [r for r in hc.traffic(design, N, D, n=n, stream_bytes=sb, recompute=rc) if r["pass"] in passes and not kernel_of(r)]
         return sum(r["launches"] for r in kept), sum(r["read"] + r["written"] for r in kept)
 
     for rc in (False, True):
-        rows = hc.traffic(design, 8, D, n=n, recompute=rc)
+        rows = hc.traffic(design, 8, D, n=n, stream_bytes=sb, recompute=rc)
         assert runs[8, rc]["forward"][1] == [kernel_of(r) for r in rows if r["pass"] == "forward" and kernel_of(r)]
         assert sorted(runs[8, rc]["backward"][1]) == sorted(kernel_of(r) for r in rows
                                                              if r["pass"] != "forward" and kernel_of(r))

@@ -3,7 +3,9 @@ depthbench/kernels/triton_hc.py: HC's and mHC's connection as Triton kernels, fo
 the ops.py functions they replace (ops.TWO_BODIES: `normed_projection`, `width_connection`, `depth_connection`,
 `sinkhorn`), so a namespace can take them in place of depthbench/kernels/cpu.py's. Every kernel loads its inputs in
 their own dtype (bf16 or fp32), computes in fp32 in registers, and stores the residual streams in the dtype they came
-in (the model keeps them in fp32 today: then every output is what ops.py's body returns); the coefficients are fp32.
+in, but depth_connection, the write: in bf16 under bf16 autocast (`storage_dtype`: "bf16 in and out, fp32 inside"),
+so that from the first write on the streams are bf16 on the GPU path (half the bytes); without autocast they stay
+fp32 and every output is what ops.py's body returns. The coefficients are fp32.
 Each body equals ops.py's in forward and every gradient (tests/test_triton_hc.py, under TRITON_INTERPRET=1). A body
 runs its kernels on CUDA tensors (or CPU tensors under the interpreter) and hands any other call to
 depthbench/kernels/cpu.py's body (`runs_here`), so the CPU path does not change; `BODIES` maps the names to the bodies
@@ -15,7 +17,8 @@ The kernels (N tokens, n streams of width D; one program per token or per block 
   (HC, K = D, per stream). `_proj_fwd`: one pass over x per block of rows, accumulating x @ W (tl.dot, fp32 ieee)
   and sum(x^2) together; out = r (x @ W), r = rsqrt(mean(x^2) + eps) -- the norm and the skinny GEMM fused, x read
   once. Backward, `_proj_bwd`: dx = r (g @ W^T) - x r^2 <g, out> / K, one pass over x (out and r kept: M + 1 floats a
-  row); dW = x^T (r g) is a real GEMM over the tokens, left to cuBLAS (torch matmul).
+  row); dW = x^T (r g) is a real GEMM over the tokens, left to cuBLAS (torch matmul) in x's dtype (bf16 streams:
+  r g rounded to bf16, fp32 accumulation; no fp32 copy of x).
   Test: test_normed_projection_equals_reference.
 - `sinkhorn(logits, iters, eps)`: Liger's Sinkhorn-Knopp (ops.sinkhorn): P = softmax_row(logits), M = P + eps, then
   2 iters - 1 alternating normalisations, columns first, M <- M / (sum + eps). `_sinkhorn_fwd` holds each token's
@@ -174,8 +177,8 @@ class NormedProjection(torch.autograd.Function):
         g2 = g.reshape(out.shape).contiguous().float()
         dx = torch.empty_like(x2)
         _proj_bwd[(triton.cdiv(out.size(0), BLOCK_ROWS),)](X=x2, W=Wc, G=g2, Out=out, R=r, DX=dx, **ctx.sizes)
-        with fp32_maths(g2):
-            dW = x2.float().t() @ (g2 * r[:, None])                  # sum over the tokens of (r x)^T g: cuBLAS
+        with fp32_maths(g2):              # sum over the tokens of (r x)^T g: cuBLAS, in x's dtype (fp32 accumulation)
+            dW = x2.t() @ (g2 * r[:, None]).to(x2.dtype)
         return dx.view(ctx.x_shape), dW.to(ctx.w_dtype), None
 
 
@@ -412,15 +415,24 @@ def _depth_bwd(DOut, Post, Y, DPost, DY, D, n: tl.constexpr, NP: tl.constexpr, B
     tl.store(DPost + t * n + s, dpost, mask=s < n)
 
 
+def storage_dtype(streams):
+    """The dtype the streams are written in: autocast's (bf16) when autocast is on for their device (the issue's "bf16
+    in and out, fp32 inside"; triton_attnres.storage_dtype's rule for its bank), else their own. The model starts
+    the streams in fp32 (residuals.HC.init_stream); from the first write on they are bf16 under autocast."""
+    if torch.is_autocast_enabled(streams.device.type):
+        return torch.get_autocast_dtype(streams.device.type)
+    return streams.dtype
+
+
 class DepthConnection(torch.autograd.Function):
-    """ops.depth_connection: mixed (..., n, D), post (..., n), y (..., D) -> mixed + post (x) y in mixed's dtype
-    (`_depth_fwd`, `_depth_bwd`)."""
+    """ops.depth_connection: mixed (..., n, D), post (..., n), y (..., D) -> mixed + post (x) y, in mixed's dtype, or
+    bf16 under bf16 autocast (`storage_dtype`) (`_depth_fwd`, `_depth_bwd`)."""
 
     @staticmethod
     def forward(ctx, mixed, post, y):
         N, sizes = stream_sizes(mixed)
         postc, yc = post.contiguous(), y.contiguous()
-        out = torch.empty(mixed.shape, device=mixed.device, dtype=mixed.dtype)
+        out = torch.empty(mixed.shape, device=mixed.device, dtype=storage_dtype(mixed))
         _depth_fwd[(N,)](Mixed=mixed.contiguous(), Post=postc, Y=yc, Out=out, **sizes)
         ctx.save_for_backward(postc, yc)
         ctx.N, ctx.sizes, ctx.dtypes = N, sizes, (mixed.dtype, post.dtype)
@@ -445,11 +457,11 @@ def depth_connection(mixed, post, y):
 
 # ----------------------------------------------------------------------------- traffic, for the roofline estimate
 
-def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20, recompute=True):
+def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, recompute=True):
     """HBM bytes each launch of one sublayer's connection reads and writes, and its launches, forward and backward:
     a list of dicts {kernel, pass, launches, read, written}, for scripts/roofline.py. design "hc" or "mhc"; tokens
-    N = B T; stream_bytes: the streams' element size (4: fp32 streams; 2: bf16); y_bytes: the branch output's (2
-    under bf16 autocast); recompute: residuals.HC's (its default, on): read's maths runs again in the backward.
+    N = B T; stream_bytes: the streams' element size (2, the GPU path's default: bf16 under bf16 autocast,
+    `storage_dtype`; 4 without autocast); y_bytes: the branch output's (2 under bf16 autocast); recompute: residuals.HC's (its default, on): read's maths runs again in the backward.
     Coefficients are fp32 (4 bytes), W an fp32 parameter. Every tensor a launch touches is counted once per launch
     (a kernel reads each input once), the scratch of Sinkhorn's backward too (an upper bound: it is read back by the
     program that wrote it, mostly from L2). What the path runs, residuals.HC's read and write with these bodies:
@@ -458,8 +470,9 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20, r
         normed_projection, rows x K, M columns (mHC: N x nD, M = n^2 + 2n; HC: Nn x D, M = n + 2), X = rows K sb:
           forward   _proj_fwd  read X + 4 K M           write 4 rows M + 4 rows            (out, r)
           backward  _proj_bwd  read X + 4 K M + 8 rows M + 4 rows   write X                (dx)
-                    dW (torch: r g, then x^T (r g))  read 8 rows M + 4 rows + 4 rows K  write 4 rows M + 4 K M,
-                    2 launches, +1 (read X, write 4 rows K) when the streams are not fp32 (x.float())
+                    dW (torch: r g, then x^T (r g) in x's dtype)  read 4 rows M + 4 rows + X + sb rows M
+                    write 4 rows M + sb K M, 2 launches; when the streams are not fp32, +2: r g cast to x's dtype
+                    (read 4 rows M, write sb rows M) and dW to fp32 (read sb K M, write 4 K M)
         sinkhorn (mHC):  forward  read R, write R;  backward  read 2R, write R, scratch 4 N (2 iters - 1) n both ways
         width_connection:  forward  read S + c + R, write S + N D sb   (mixed, branch)
                            backward read 2S + N D sb + c + R, write S + c + R
@@ -479,7 +492,7 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20, r
     S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
     X = rows * K * sb
-    cast = sb != 4                                            # dW reads x as fp32: a cast first
+    cast = sb != 4                                            # dW's casts: r g to x's dtype, dW back to fp32
     fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows)]
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)                 # the divisors, n padded to a power of 2
@@ -494,8 +507,9 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20, r
     if design == "mhc":
         out.append(row("sinkhorn", "backward", 2 * R + scratch, R + scratch))
     return out + [row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
-                  row("normed_projection.dW", "backward", 8 * rows * M + 4 * rows + 4 * rows * K + cast * X,
-                      4 * rows * M + 4 * K * M + cast * 4 * rows * K, launches=2 + cast),
+                  row("normed_projection.dW", "backward", 4 * rows * M + 4 * rows + cast * 4 * rows * M + X
+                      + rows * M * sb + cast * K * M * sb, 4 * rows * M + cast * sb * rows * M + K * M * sb
+                      + cast * 4 * K * M, launches=2 + 2 * cast),
                   row("dH (autograd's add)", "backward", 2 * S, S)]
 
 
