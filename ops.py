@@ -25,7 +25,7 @@ import torch.nn.functional as F
 # the names with two bodies: ops.py's (the definition) and depthbench/kernels/cpu.py's (the same maths, faster; some
 # with a third, a GPU body in depthbench/kernels)
 TWO_BODIES = ("apply_rope", "causal_attention", "joint_attention", "lm_loss", "normed_projection", "width_connection",
-              "depth_connection", "sinkhorn", "DepthBank", "DepthKV")
+              "depth_connection", "sinkhorn", "hc_read", "DepthBank", "DepthKV")
 
 
 class Kernels:
@@ -165,6 +165,16 @@ def depth_connection(mixed, post, y):
     with fp32_maths(mixed):
         mixed, post, y = mixed.float(), post.float(), y.float()
         return mixed + post[..., None] * y[..., None, :]
+
+
+def hc_read(design, H, site):
+    """HC's and mHC's read before the branch's norm (residuals.HC.connect): the design's maps of the streams H
+    (design.maps: its equations, residuals.py), then the width connection through the design's bodies ->
+    (branch, H_pre, H_post, H_res, mixed). One name for the two, so that a GPU body can fuse them
+    (depthbench/kernels/triton_hc_read.py); here, and in cpu.py, it is their plain composition."""
+    H_pre, H_post, H_res = design.maps(H, site)
+    branch, mixed = design.ops.width_connection(H, H_pre, H_res)      # sum_s H_pre[s] h_s; sum_s H_res[o, s] h_s
+    return branch, H_pre, H_post, H_res, mixed
 
 
 def sinkhorn(logits, iters=20, eps=1e-6):

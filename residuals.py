@@ -448,9 +448,10 @@ class HC(PreLN):
         return h, {**dict(zip(("H_pre", "H_post", "H_res"), maps)), "mixed": mixed}
 
     def connect(self, s, site):
-        """read's maths -> (h, H_pre, H_post, H_res, mixed): the branch input and what write needs."""
-        H_pre, H_post, H_res = self.maps(s, site)
-        branch, mixed = self.ops.width_connection(s, H_pre, H_res)   # sum_s H_pre[s] h_s; sum_s H_res[o, s] h_s
+        """read's maths -> (h, H_pre, H_post, H_res, mixed): the branch input and what write needs. ops.hc_read is
+        self.maps, then ops.width_connection (sum_s H_pre[s] h_s; sum_s H_res[o, s] h_s), as one name: a GPU body
+        runs them as fused kernels."""
+        branch, H_pre, H_post, H_res, mixed = self.ops.hc_read(self, s, site)
         return site.norm(branch), H_pre, H_post, H_res, mixed
 
     def write(self, s, site, y, ctx):

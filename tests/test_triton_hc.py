@@ -6,10 +6,13 @@ tensors:
 
 Each kernel against its reference body, forward and every gradient: fp32 to 1e-5 (relative to the largest entry),
 bf16 inputs to cosine >= 0.999; odd token counts, n = 4 streams and n = 3 (a block padded to 4), widths that leave
-a partial block; then a tiny GPT with residual "hc" and "mhc" whose HC names are replaced by the Triton bodies gives
-the loss and gradients of kernels "reference". Also: every kernel compiles to PTX for sm_90 (H100/H200) with no GPU
-present (slow: ~10 s with a cold Triton cache); off the GPU each body is depthbench/kernels/cpu.py's; `traffic` counts
-the bytes of the tensors a forward touches, and every launch one sublayer makes (kernels, torch glue, recompute); the GPU script's check (`compare_with_reference`) finds a wrong body.
+a partial block; mHC's fused read (triton_hc_read.py) against ops.hc_read the same way; then a tiny GPT with residual
+"hc" and "mhc" whose HC names are replaced by the Triton bodies (mHC's read fused) gives the loss and gradients of
+kernels "reference", in fp32 and, to bf16's bounds, under bf16 autocast (the streams bf16). Also: every kernel
+compiles to PTX for sm_90 (H100/H200) with no GPU present (slow: ~10 s with a cold Triton cache); off the GPU each
+body is depthbench/kernels/cpu.py's; `traffic` counts the bytes of the tensors a forward touches, and every launch
+one sublayer makes (kernels, torch glue, recompute); the GPU script's check (`compare_with_reference`) finds a wrong
+body.
 Skipped, with the reason, where triton does not import (`pip install triton`: the interpreter needs no GPU).
 
 The interpreter is chosen when a kernel is decorated (TRITON_INTERPRET=1 at import time), so `interpreted_hc` sets
@@ -56,6 +59,7 @@ def interpreted_hc():
 
 
 hc = interpreted_hc()
+hcr = importlib.import_module("depthbench.kernels.triton_hc_read")    # mHC's fused read, on hc's kernels
 
 
 def rel_err(a, b):
@@ -163,13 +167,14 @@ def test_streams_keep_their_dtype_and_coefficients_are_fp32():
 # ----------------------------------------------------------------------------- a whole model
 
 def with_triton_bodies(model):
-    """The model's residual design calling depthbench/kernels/triton_hc.py's bodies for hc.NAMES and its own namespace's
-    for the rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will
+    """The model's residual design calling depthbench/kernels/triton_hc.py's bodies for hc.NAMES, triton_hc_read.py's
+    hc_read (mHC's fused read) and its own namespace's for the rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will
     hold)."""
     bodies = copy.copy(model.res.ops)
     bodies.name = f"{bodies.name}+triton-hc"
     for name in hc.NAMES:
         setattr(bodies, name, getattr(hc, name))
+    bodies.hc_read = hcr.hc_read
     model.res.ops = bodies
     return model
 
@@ -246,6 +251,58 @@ def test_model_under_bf16_autocast_is_the_reference_to_bf16(residual):
         assert g.norm() <= 1e-6 or cosine(g1[n], g) >= 0.999, (n, cosine(g1[n], g))   # ~0: a saturated gate's
 
 
+# ----------------------------------------------------------------------------- the fused read (triton_hc_read.py)
+
+def read_both_ways(model, H, dtype, seed=0):
+    """ops.hc_read (ops.py's bodies) and triton_hc_read.hc_read on the same design, site 1 and streams H in dtype:
+    [(outputs, gradients of H and the connector's parameters)] for each, from the same random upstream gradients."""
+    res, site = model.res, model.res.site(1)
+    results = []
+    for read in (ops.hc_read, hcr.hc_read):
+        leaf = H.to(dtype).requires_grad_()
+        params = list(site.conn.parameters())
+        outs = read(res, leaf, site)
+        g = torch.Generator().manual_seed(seed)
+        ups = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
+        results.append(([o.detach() for o in outs], torch.autograd.grad(outs, [leaf] + params, ups)))
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,init", [(4, "uniform"), (3, "gap8"), (4, "gap8")])
+def test_hc_read_equals_reference(n, init, dtype):
+    """mHC's fused read (MHCRead: the projection with the maps and Sinkhorn in one kernel, the width connection,
+    the backward's maps kernel and the projection's backward with dH added in) against ops.hc_read with ops.py's
+    bodies: branch, H_pre, H_post, H_res, mixed and the gradients of H, phi, b and the three alphas, on 3 x 13 tokens
+    (a partial block), D = 24, n = 4 and 3 (padded); fp32 to 1e-5 (a gradient summed over the tokens with
+    cancellation, to 1e-6 of the largest gradient: test_model_with_triton_bodies' bound), bf16 streams to cosine >=
+    0.999."""
+    model = tiny_model("mhc", d_model=24, n_streams=n, init=init)
+    assert hcr.fused(model.res, torch.zeros(1))
+    H = randn(3, 13, n, 24, seed=19)
+    (out_ref, grad_ref), (out_new, grad_new) = read_both_ways(model, H, dtype)
+    top = max(g.abs().max().item() for g in grad_ref)
+    for what, a, b in [("output", a, b) for a, b in zip(out_new, out_ref)] + \
+                      [("gradient", a, b) for a, b in zip(grad_new, grad_ref)]:
+        assert a.shape == b.shape and a.dtype == b.dtype or what == "output", what
+        if dtype == torch.float32:       # or, a sum with cancellation (alpha_res' at gap-8), to 1e-6 of the largest
+            assert rel_err(a, b) <= 1e-5 or (a - b).abs().max() <= 1e-6 * top, (what, rel_err(a, b))
+        else:
+            assert cosine(a, b) >= 0.999, (what, cosine(a, b))
+
+
+def test_hc_read_is_the_composition_for_other_designs():
+    """HC (not fused yet) and an mHC subclass (whose maps could differ) go through ops.hc_read, on the design's own
+    bodies; so does mHC on a tensor the kernels cannot run on."""
+    hc_model = tiny_model("hc")
+    assert not hcr.fused(hc_model.res, torch.zeros(1))
+    sub = type("MHCVariant", (type(tiny_model("mhc").res),), {})
+    assert not hcr.fused(sub.__new__(sub), torch.zeros(1))
+    H = randn(1, 3, 4, 16, seed=20)
+    (out_ref, _), (out_new, _) = read_both_ways(hc_model, H, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(out_new, out_ref))
+
+
 # ----------------------------------------------------------------------------- compiled for the GPU, without one
 
 def compiled_module():
@@ -260,21 +317,48 @@ def compiled_module():
     return module
 
 
+def compiled_read_module(compiled_hc):
+    """A copy of depthbench/kernels/triton_hc_read.py built on `compiled_hc` (compiled_module's triton_hc: its
+    kernels call that module's helpers), decorated for the compiler."""
+    import depthbench.kernels as package
+    name = "depthbench.kernels.triton_hc"
+    saved, saved_attr = sys.modules[name], package.triton_hc
+    before = os.environ.pop("TRITON_INTERPRET", None)
+    sys.modules[name], package.triton_hc = compiled_hc, compiled_hc
+    try:
+        spec = importlib.util.spec_from_file_location("hc_read_compiled",
+                                                      ROOT / "depthbench" / "kernels" / "triton_hc_read.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules[name], package.triton_hc = saved, saved_attr
+        if before is not None:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
+
+
 def kernel_signatures(stream, module):
-    """(kernel name, pointer and scalar types, constexprs) of every kernel, as the bodies launch them at n = 4 on
-    streams of dtype `stream` ("fp32" or "bf16"; y and the logits in that dtype too, the coefficients fp32)."""
+    """(kernel name, pointer and scalar types, constexprs) of every kernel (triton_hc_read.py's too), as the bodies
+    launch them at n = 4 on streams of dtype `stream` ("fp32" or "bf16"; y and the logits in that dtype too, the
+    coefficients fp32)."""
     s, f = "*" + stream, "*fp32"
     streams, projection = dict(n=4, NP=4, BD=module.BLOCK_D), dict(BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=32)
     sinkhorn = dict(n=4, NP=4, BT=module.BLOCK_TOKENS)
     return [
         ("_proj_fwd", dict(X=s, W=f, Out=f, R=f, N="i32", K="i32", M="i32", eps="fp32"), projection),
-        ("_proj_bwd", dict(X=s, W=f, G=f, Out=f, R=f, DX=s, N="i32", K="i32", M="i32"), projection),
+        ("_proj_bwd", dict(X=s, W=f, G=f, Out=f, R=f, DX=s, Acc=s, N="i32", K="i32", M="i32"),
+         dict(projection, HAS_ACC=True)),
         ("_sinkhorn_fwd", dict(L=s, Out=f, N="i32", iters="i32", eps="fp32"), sinkhorn),
         ("_sinkhorn_bwd", dict(L=s, G=f, DL=s, Scratch=f, N="i32", iters="i32", eps="fp32"), sinkhorn),
         ("_width_fwd", dict(H=s, Pre=f, Res=f, Branch=s, Mixed=s, D="i32"), streams),
         ("_width_bwd", dict(H=s, Pre=f, Res=f, DBranch=s, DMixed=s, DH=s, DPre=f, DRes=f, D="i32"), streams),
         ("_depth_fwd", dict(Mixed=s, Post=f, Y=s, Out=s, D="i32"), streams),
-        ("_depth_bwd", dict(DOut=s, Post=f, Y=s, DPost=f, DY=s, D="i32"), streams)]
+        ("_depth_bwd", dict(DOut=s, Post=f, Y=s, DPost=f, DY=s, D="i32"), streams),
+        ("_mhc_read_fwd", dict(X=s, W=f, B=f, Ap=f, Aq=f, Ar=f, Pre=f, Post=f, Logits=f, Res=f, Mo=f, R=f, N="i32",
+                               K="i32", M="i32", iters="i32", eps="fp32"), dict(n=4, NP=4, BN=module.BLOCK_ROWS,
+                                                                                BK=module.BLOCK_K, MP=32)),
+        ("_mhc_read_bwd", dict(Logits=f, DRes=f, DL=f, Scratch=f, Pre=f, Post=f, DPre=f, DPost=f, Mo=f, Ap=f, Aq=f,
+                               Ar=f, G=f, Part=f, N="i32", M="i32", iters="i32", eps="fp32"), dict(sinkhorn, MP=32))]
 
 
 @pytest.mark.slow
@@ -299,8 +383,9 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
         assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
         return
     module = compiled_module()
+    read_module = compiled_read_module(module)
     for name, types, constants in kernel_signatures(stream, module):
-        kernel = getattr(module, name)
+        kernel = getattr(module, name, None) or getattr(read_module, name)
         params = list(inspect.signature(kernel.fn).parameters)
         assert sorted(params) == sorted([*types, *constants]), name
         source = ASTSource(fn=kernel, signature={p: types.get(p, "constexpr") for p in params}, constexprs=constants)
@@ -312,12 +397,13 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
 
 def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     """traffic's forward bytes for width_connection and depth_connection equal the bytes of the tensors a real call
-    reads and writes (fp32 streams, bf16 y), and mHC's projection reads the n D stream bytes of every token."""
+    reads and writes (fp32 streams, bf16 y); HC's projection reads the streams and W; mHC's fused read reads the
+    streams, phi and the logits it wrote (Sinkhorn's input), and runs no separate projection or Sinkhorn."""
     N, n, D = 6, 4, 16
     H, pre, res = randn(1, N, n, D), randn(1, N, n), randn(1, N, n, n)
     branch, mixed = hc.width_connection(H, pre, res)
     y = randn(1, N, D).bfloat16()
-    rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, stream_bytes=4,
+    rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("hc", tokens=N, d_model=D, n=n, stream_bytes=4,
                                                                    y_bytes=2)}
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     assert rows["width_connection", "forward"]["read"] == nbytes(H, pre, res)
@@ -325,8 +411,11 @@ def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     out = hc.depth_connection(mixed, pre, y)
     assert rows["depth_connection", "forward"]["read"] == nbytes(mixed, pre, y)
     assert rows["depth_connection", "forward"]["written"] == nbytes(out)
-    assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * n * D * (n * n + 2 * n)
-    assert ("sinkhorn", "forward") not in {(r["kernel"], r["pass"]) for r in hc.traffic("hc", N, D)}
+    assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * D * (n + 2)      # HC's W: (D, n + 2)
+    fused = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, stream_bytes=4)}
+    logits = randn(1, N, n, n)
+    assert fused["mhc_read", "forward"]["read"] == nbytes(H, logits) + 4 * n * D * (n * n + 2 * n)
+    assert not {"sinkhorn", "normed_projection"} & {kernel for kernel, pass_ in fused if pass_ == "forward"}
 
 
 class Launches(torch.utils._python_dispatch.TorchDispatchMode):
@@ -370,8 +459,9 @@ def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.floa
     with monkeypatch.context() as patch:
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
-            patch.setattr(hc, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(hc, name),
-                                                        nm=name: rec.launcher(nm, k[grid])})())
+            module = hcr if name.startswith("_mhc_read") else hc
+            patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
+                                                            nm=name: rec.launcher(nm, k[grid])})())
         with rec, autocast:
             h, ctx = res.read(H, site)
             y = 1.5 * h
@@ -388,7 +478,8 @@ def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.floa
 KERNEL_OF = {("normed_projection", "forward"): "_proj_fwd", ("normed_projection", "backward"): "_proj_bwd",
              ("sinkhorn", "forward"): "_sinkhorn_fwd", ("sinkhorn", "backward"): "_sinkhorn_bwd",
              ("width_connection", "forward"): "_width_fwd", ("width_connection", "backward"): "_width_bwd",
-             ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd"}
+             ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd",
+             ("mhc_read", "forward"): "_mhc_read_fwd", ("mhc_read", "backward"): "_mhc_read_bwd"}
 
 
 def is_norm(name, shapes, N, D):

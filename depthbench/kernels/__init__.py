@@ -1,7 +1,8 @@
 """
 depthbench/kernels: the fast bodies of ops.py's maths, one file per device and design family: cpu.py (every
 family's fast bodies, the "fast" namespace; they run on any device), triton_attnres.py (Full and Block AttnRes'
-depth mix as Triton kernels) and triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes). A new body goes into
+depth mix as Triton kernels), triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes) and triton_hc_read.py
+(mHC's maps and width mix fused: ops.hc_read). A new body goes into
 the file of its device and family: cpu.py, or triton_<family>.py.
 
 ops.py imports none of them (they import ops.py): importing this package registers them with ops.register, and
@@ -19,8 +20,8 @@ from depthbench.kernels import cpu
 
 def triton_bodies():
     """ops.TWO_BODIES names -> their GPU (Triton) body. Imports the Triton modules (and triton, where installed)."""
-    from depthbench.kernels import triton_attnres, triton_hc
-    return {"DepthBank": triton_attnres.DepthBank, **triton_hc.BODIES}
+    from depthbench.kernels import triton_attnres, triton_hc, triton_hc_read
+    return {"DepthBank": triton_attnres.DepthBank, **triton_hc.BODIES, **triton_hc_read.BODIES}
 
 
 def available():

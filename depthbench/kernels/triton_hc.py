@@ -135,8 +135,10 @@ def _proj_fwd(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP
 
 
 @jit
-def _proj_bwd(X, W, G, Out, R, DX, N, K, M, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
-    """dx = r (g @ W^T) - x r^2 <g, out> / K for rows [pid BN, +BN): the gradient through x @ W and through r."""
+def _proj_bwd(X, W, G, Out, R, DX, Acc, N, K, M, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+              HAS_ACC: tl.constexpr):
+    """dx = r (g @ W^T) - x r^2 <g, out> / K for rows [pid BN, +BN): the gradient through x @ W and through r; with
+    HAS_ACC, plus Acc (x's layout: the fused read's other share of dH, added here instead of by autograd)."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
     gmask = (rows < N)[:, None] & (cols < M)[None, :]
@@ -152,6 +154,8 @@ def _proj_bwd(X, W, G, Out, R, DX, N, K, M, BN: tl.constexpr, BK: tl.constexpr, 
                     other=0.0).to(tl.float32)
         gw = tl.dot(g, tl.trans(w), input_precision="ieee")      # (BN, BK): g @ W^T
         dx = r[:, None] * gw - x * coef[:, None]
+        if HAS_ACC:
+            dx += tl.load(Acc + rows[:, None] * K + ks[None, :], mask=xmask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * K + ks[None, :], dx.to(DX.dtype.element_ty), mask=xmask)
 
 
@@ -176,7 +180,8 @@ class NormedProjection(torch.autograd.Function):
         x2, Wc, out, r = ctx.saved_tensors
         g2 = g.reshape(out.shape).contiguous().float()
         dx = torch.empty_like(x2)
-        _proj_bwd[(triton.cdiv(out.size(0), BLOCK_ROWS),)](X=x2, W=Wc, G=g2, Out=out, R=r, DX=dx, **ctx.sizes)
+        _proj_bwd[(triton.cdiv(out.size(0), BLOCK_ROWS),)](X=x2, W=Wc, G=g2, Out=out, R=r, DX=dx, Acc=dx,
+                                                           HAS_ACC=False, **ctx.sizes)
         with fp32_maths(g2):              # sum over the tokens of (r x)^T g: cuBLAS, in x's dtype (fp32 accumulation)
             dW = x2.t() @ (g2 * r[:, None]).to(x2.dtype)
         return dx.view(ctx.x_shape), dW.to(ctx.w_dtype), None
@@ -222,7 +227,13 @@ def _spread(v, k):
 @jit
 def _sinkhorn_fwd(L, Out, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
     """ops.sinkhorn on BT tokens: P = softmax_row(logits), M = P + eps, then 2 iters - 1 normalisations
-    M <- M / (sums + eps), columns first, in registers."""
+    M <- M / (sums + eps), columns first, in registers (`_sinkhorn_block`)."""
+    _sinkhorn_block(L=L, Out=Out, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BT)
+
+
+@jit
+def _sinkhorn_block(L, Out, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """_sinkhorn_fwd's work on the program's BT tokens: also the fused read's (`_mhc_read_fwd`)."""
     P, idx, mask, cell = _load_softmax(L, N, n=n, NP=NP, BT=BT)
     M = tl.where(cell, P + eps, 0.0)
     for k in range(0, 2 * iters - 1):
@@ -235,7 +246,13 @@ def _sinkhorn_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: tl.cons
     """dlogits from dH_res on BT tokens. The forward again from the logits, writing each step's divisor d_k (n floats
     a token) to Scratch; then back through the steps, last first: with out = M_k / d_k, dM_k = (dout - sums(dout
     out)) / d_k over step k's axis, and M_k = out d_k restores step k's input (a multiplication: no cancellation);
-    last the softmax's, dlogits = P (dP - <dP, P>_row). Padded entries (n < NP) stay 0."""
+    last the softmax's, dlogits = P (dP - <dP, P>_row). Padded entries (n < NP) stay 0 (`_sinkhorn_block_bwd`)."""
+    _sinkhorn_block_bwd(L=L, G=G, DL=DL, Scratch=Scratch, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BT)
+
+
+@jit
+def _sinkhorn_block_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """_sinkhorn_bwd's work on the program's BT tokens: also the fused read's backward (`_mhc_read_bwd`)."""
     P, idx, mask, cell = _load_softmax(L, N, n=n, NP=NP, BT=BT)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     i = tl.arange(0, NP)
@@ -473,18 +490,22 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
                     dW (torch: r g, then x^T (r g) in x's dtype)  read 4 rows M + 4 rows + X + sb rows M
                     write 4 rows M + sb K M, 2 launches; when the streams are not fp32, +2: r g cast to x's dtype
                     (read 4 rows M, write sb rows M) and dW to fp32 (read sb K M, write 4 K M)
-        sinkhorn (mHC):  forward  read R, write R;  backward  read 2R, write R, scratch 4 N (2 iters - 1) n both ways
+        sinkhorn:  forward  read R, write R;  backward  read 2R, write R, scratch 4 N (2 iters - 1) n both ways
+          (mHC runs it inside the fused read: below)
         width_connection:  forward  read S + c + R, write S + N D sb   (mixed, branch)
                            backward read 2S + N D sb + c + R, write S + c + R
         depth_connection:  forward  read S + c + N D y_bytes, write S
                            backward read S + c + N D y_bytes, write c + N D y_bytes  (dmixed is dout: no kernel)
-        maps (torch glue between the kernels, `glue`): HC's tanh and affine maps, the copies that make pre and res
-          contiguous for the width kernel; mHC's sigmoids and affine maps; their backward (autograd's select/slice
-          backward, the sums of the scales' gradients, the parameters' gradients)
-        dH: H feeds both normed_projection and width_connection, so autograd adds their two dH: read 2S, write S
-        recompute (residuals.HC.read under torch.utils.checkpoint): the backward runs read's forward again first:
-          _proj_fwd, _sinkhorn_fwd, the maps' glue, _width_fwd and the branch's RMSNorm but its gain (5 launches,
-          +1 cast when the branch is not fp32), which Pre-LN runs once
+        maps (HC: torch glue between the kernels, `glue`): the tanh and affine maps, the copies that make pre and
+          res contiguous for the width kernel; their backward (autograd's select/slice backward, the sums of the
+          scales' gradients, the parameters' gradients)
+        dH (HC): H feeds both normed_projection and width_connection, so autograd adds their two dH: read 2S,
+          write S
+        mHC: the fused read (triton_hc_read.py, ops.hc_read) in place of the projection, the glue, Sinkhorn and
+          the dH add (`fused_read`)
+        recompute (residuals.HC.read under torch.utils.checkpoint): the backward runs read's forward again first
+          (HC: _proj_fwd, the maps' glue, _width_fwd; mHC: _mhc_read_fwd, _width_fwd) and the branch's RMSNorm but
+          its gain (5 launches, +1 cast when the branch is not fp32), which Pre-LN runs once
     """
     if design not in ("hc", "mhc"):
         raise ValueError(f"traffic: design is 'hc' or 'mhc', got {design!r}")
@@ -493,24 +514,47 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
     X = rows * K * sb
     cast = sb != 4                                            # dW's casts: r g to x's dtype, dW back to fp32
-    fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows)]
-    if design == "mhc":
-        scratch = 4 * N * (2 * iters - 1) * pow2(n)                 # the divisors, n padded to a power of 2
-        fwd.append(row("sinkhorn", "forward", R, R))
-    glue_fwd, glue_bwd = glue(design, N, n, M)
-    fwd += [glue_fwd, row("width_connection", "forward", S + c + R, S + N * D * sb)]
-    out = fwd + [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
-                 row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
-    if recompute:
-        out += [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
-    out += [row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R), glue_bwd]
-    if design == "mhc":
-        out.append(row("sinkhorn", "backward", 2 * R + scratch, R + scratch))
-    return out + [row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
-                  row("normed_projection.dW", "backward", 4 * rows * M + 4 * rows + cast * 4 * rows * M + X
-                      + rows * M * sb + cast * K * M * sb, 4 * rows * M + cast * sb * rows * M + K * M * sb
-                      + cast * 4 * K * M, launches=2 + 2 * cast),
-                  row("dH (autograd's add)", "backward", 2 * S, S)]
+    dW = row("normed_projection.dW", "backward", 4 * rows * M + 4 * rows + cast * 4 * rows * M + X + rows * M * sb
+             + cast * K * M * sb, 4 * rows * M + cast * sb * rows * M + K * M * sb + cast * 4 * K * M,
+             launches=2 + 2 * cast)
+    width = [row("width_connection", "forward", S + c + R, S + N * D * sb),
+             row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R)]
+    depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
+             row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+    if design == "mhc":                                             # triton_hc_read.py: the fused read
+        fwd, bwd = fused_read(N=N, n=n, S=S, X=X, K=K, M=M, iters=iters)
+        fwd, bwd = fwd + width[:1], width[1:] + bwd + [dW]
+    else:
+        glue_fwd, glue_bwd = glue(N, n)
+        fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows), glue_fwd, width[0]]
+        bwd = [width[1], glue_bwd, row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
+               dW, row("dH (autograd's add)", "backward", 2 * S, S)]
+    again = [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
+    return fwd + depth + (again if recompute else []) + bwd
+
+
+def fused_read(N, n, S, X, K, M, iters):
+    """The fused read's rows of `traffic` (mHC; but the width connection's kernels and dW, as HC's), R = N n^2 4:
+        forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits, res,
+                  m and r (2c + 2R + 4 N M + 4 N)
+        backward  _mhc_read_bwd  read logits, dres, dlogits back (3R), pre, post and their gradients (4c), m
+                  (4 N M), Sinkhorn's scratch (4 N (2 iters - 1) n, n padded to a power of 2); write dlogits (R),
+                  dm (4 N M), the scratch and per-block partial sums (4 ceil(N / 32) 2 MP); their torch sum;
+                  _proj_bwd reading the width connection's dH too (+S: no autograd add)
+    -> (forward rows, backward rows)."""
+    c, R = N * n * 4, N * n * n * 4
+    scratch = 4 * N * (2 * iters - 1) * pow2(n)
+    part = 4 * triton_cdiv(N, BLOCK_TOKENS) * 2 * pow2(M, 16)
+    fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N)]
+    bwd = [row("mhc_read", "backward", 3 * R + scratch + 4 * c + 4 * N * M, R + scratch + 4 * N * M + part),
+           row("mhc_read.sums (torch)", "backward", part, 8 * pow2(M, 16)),
+           row("normed_projection", "backward", X + 4 * K * M + 8 * N * M + 4 * N + S, X)]
+    return fwd, bwd
+
+
+def triton_cdiv(a, b):
+    """ceil(a / b) (triton.cdiv, which this module may lack)."""
+    return -(-a // b)
 
 
 def row(kernel, pass_, read, written, launches=1):
@@ -518,24 +562,19 @@ def row(kernel, pass_, read, written, launches=1):
     return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written}
 
 
-def glue(design, N, n, M):
-    """The torch launches between the kernels of `maps` (residuals.HC's and MHC's), forward and backward, as rows
-    of `traffic` ("read" holds both ways): per token, the fp32 elements of every (N, ...) tensor each launch reads or
+def glue(N, n):
+    """The torch launches between HC's kernels in `maps` (residuals.HC's), forward and backward, as rows of
+    `traffic` ("read" holds both ways): per token, the fp32 elements of every (N, ...) tensor each launch reads or
     writes, counted from the launches the path makes (tests/test_triton_hc.py::test_traffic_counts_every_launch
     records them); the parameter-sized ones (W's cat, its gradient's copies) are launches with no per-token bytes.
-    HC, a = n (n + 1) (A), b = n (n + 2) (the projection), c = n^2 (res):
+    With a = n (n + 1) (A), b = n (n + 2) (the projection), c = n^2 (res):
         forward  8: tanh 2b, scale and shift of A 4a, of beta 4n, pre's and res' copies 2n + 2c (and W's cat)
         backward 17: 9n + 13a + 8b + c (select/slice backward, the sums of the scales' and static maps' gradients,
                  tanh's backward) and W's gradient copied into dynamic_alpha's and dynamic_beta's
-    mHC: forward 9: two sigmoids with their scale and shift 12n, H_post's factor 2 2n, R's scale and shift 4n^2;
-         backward 25: 24n + 8n^2 + 9M."""
+    (mHC's maps run inside its fused read: no glue.)"""
     a, b, c = n * (n + 1), n * (n + 2), n * n
-    if design == "hc":
-        fwd, bwd = (8, 2 * b + 4 * a + 6 * n + 2 * c), (17, 9 * n + 13 * a + 8 * b + c)
-    else:
-        fwd, bwd = (9, 14 * n + 4 * c), (25, 24 * n + 8 * c + 9 * M)
-    return (row("maps (torch)", "forward", 4 * N * fwd[1], 0, launches=fwd[0]),
-            row("maps (torch)", "backward", 4 * N * bwd[1], 0, launches=bwd[0]))
+    return (row("maps (torch)", "forward", 4 * N * (2 * b + 4 * a + 6 * n + 2 * c), 0, launches=8),
+            row("maps (torch)", "backward", 4 * N * (9 * n + 13 * a + 8 * b + c), 0, launches=17))
 
 
 def norm_recompute(N, D, sb):
