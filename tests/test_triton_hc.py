@@ -263,21 +263,24 @@ def read_both_ways(model, H, dtype, seed=0):
         params = list(site.conn.parameters())
         outs = read(res, leaf, site)
         g = torch.Generator().manual_seed(seed)
-        ups = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
-        results.append(([o.detach() for o in outs], torch.autograd.grad(outs, [leaf] + params, ups)))
+        live = [o for o in outs if o.requires_grad]                   # HC's H_res = I (unmixed) has no gradient
+        ups = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in live]
+        results.append(([o.detach() for o in outs], torch.autograd.grad(live, [leaf] + params, ups)))
     return results
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n,init", [(4, "uniform"), (3, "gap8"), (4, "gap8")])
-def test_hc_read_equals_reference(n, init, dtype):
-    """mHC's fused read (MHCRead: the projection with the maps and Sinkhorn in one kernel, the width connection,
-    the backward's maps kernel and the projection's backward with dH added in) against ops.hc_read with ops.py's
-    bodies: branch, H_pre, H_post, H_res, mixed and the gradients of H, phi, b and the three alphas, on 3 x 13 tokens
-    (a partial block), D = 24, n = 4 and 3 (padded); fp32 to 1e-5 (a gradient summed over the tokens with
+@pytest.mark.parametrize("design,n,options", [("mhc", 4, {"init": "uniform"}), ("mhc", 3, {}), ("mhc", 4, {}),
+                                              ("hc", 4, {}), ("hc", 3, {})])
+def test_hc_read_equals_reference(design, n, options, dtype):
+    """mHC's and HC's fused reads (MHCRead, HCRead: the projection with the maps (and Sinkhorn) in one kernel, the
+    width connection, the backward's maps kernel and the projection's backward with dH added in) against ops.hc_read
+    with ops.py's bodies: branch, H_pre, H_post, H_res, mixed and the gradients of H and every connector parameter
+    (mHC: phi, b, the alphas; HC: the static and dynamic maps, the scales), on 3 x 13 tokens (a partial block),
+    D = 24, n = 4 and 3 (padded; HC's row blocks then straddle tokens); fp32 to 1e-5 (a gradient summed over the tokens with
     cancellation, to 1e-6 of the largest gradient: test_model_with_triton_bodies' bound), bf16 streams to cosine >=
     0.999."""
-    model = tiny_model("mhc", d_model=24, n_streams=n, init=init)
+    model = tiny_model(design, d_model=24, n_streams=n, **options)
     assert hcr.fused(model.res, torch.zeros(1))
     H = randn(3, 13, n, 24, seed=19)
     (out_ref, grad_ref), (out_new, grad_new) = read_both_ways(model, H, dtype)
@@ -291,11 +294,14 @@ def test_hc_read_equals_reference(n, init, dtype):
             assert cosine(a, b) >= 0.999, (what, cosine(a, b))
 
 
-def test_hc_read_is_the_composition_for_other_designs():
-    """HC (not fused yet) and an mHC subclass (whose maps could differ) go through ops.hc_read, on the design's own
-    bodies; so does mHC on a tensor the kernels cannot run on."""
-    hc_model = tiny_model("hc")
-    assert not hcr.fused(hc_model.res, torch.zeros(1))
+def test_hc_read_is_the_composition_for_other_designs(monkeypatch):
+    """HC with H_res = I (forward "unmixed") and an mHC subclass (whose maps could differ) go through ops.hc_read, on
+    the design's own bodies; so does mHC on a tensor the kernels cannot run on."""
+    hc_model = tiny_model("hc", forward="unmixed")
+    assert not hcr.fused(hc_model.res, torch.zeros(1)) and hcr.fused(tiny_model("hc").res, torch.zeros(1))
+    monkeypatch.setattr(hc, "interpreted", lambda: False)
+    assert not hcr.fused(tiny_model("mhc").res, torch.zeros(1))
+    monkeypatch.undo()
     sub = type("MHCVariant", (type(tiny_model("mhc").res),), {})
     assert not hcr.fused(sub.__new__(sub), torch.zeros(1))
     H = randn(1, 3, 4, 16, seed=20)
@@ -358,7 +364,11 @@ def kernel_signatures(stream, module):
                                K="i32", M="i32", iters="i32", eps="fp32"), dict(n=4, NP=4, BN=module.BLOCK_ROWS,
                                                                                 BK=module.BLOCK_K, MP=32)),
         ("_mhc_read_bwd", dict(Logits=f, DRes=f, DL=f, Scratch=f, Pre=f, Post=f, DPre=f, DPost=f, Mo=f, Ap=f, Aq=f,
-                               Ar=f, G=f, Part=f, N="i32", M="i32", iters="i32", eps="fp32"), dict(sinkhorn, MP=32))]
+                               Ar=f, G=f, Part=f, N="i32", M="i32", iters="i32", eps="fp32"), dict(sinkhorn, MP=32)),
+        ("_hc_read_fwd", dict(X=s, W=f, Sa=f, Sb=f, Asc=f, Bsc=f, Pre=f, Post=f, Res=f, Mo=f, R=f, NR="i32", K="i32",
+                              M="i32", eps="fp32"), dict(n=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16)),
+        ("_hc_read_bwd", dict(DPre=f, DPost=f, DRes=f, Mo=f, Asc=f, Bsc=f, G=f, Part=f, NR="i32", M="i32"),
+         dict(n=4, BN=module.BLOCK_ROWS, MP=16))]
 
 
 @pytest.mark.slow
@@ -397,14 +407,15 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
 
 def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     """traffic's forward bytes for width_connection and depth_connection equal the bytes of the tensors a real call
-    reads and writes (fp32 streams, bf16 y); HC's projection reads the streams and W; mHC's fused read reads the
-    streams, phi and the logits it wrote (Sinkhorn's input), and runs no separate projection or Sinkhorn."""
+    reads and writes (fp32 streams, bf16 y); HC's projection reads the streams and W, as does its fused read; mHC's
+    fused read reads the streams, phi and the logits it wrote (Sinkhorn's input); neither runs a separate projection
+    or Sinkhorn."""
     N, n, D = 6, 4, 16
     H, pre, res = randn(1, N, n, D), randn(1, N, n), randn(1, N, n, n)
     branch, mixed = hc.width_connection(H, pre, res)
     y = randn(1, N, D).bfloat16()
     rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("hc", tokens=N, d_model=D, n=n, stream_bytes=4,
-                                                                   y_bytes=2)}
+                                                                   y_bytes=2, fused=False)}
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     assert rows["width_connection", "forward"]["read"] == nbytes(H, pre, res)
     assert rows["width_connection", "forward"]["written"] == nbytes(branch, mixed)
@@ -412,10 +423,13 @@ def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     assert rows["depth_connection", "forward"]["read"] == nbytes(mixed, pre, y)
     assert rows["depth_connection", "forward"]["written"] == nbytes(out)
     assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * D * (n + 2)      # HC's W: (D, n + 2)
+    hc_fused = {(r["kernel"], r["pass"]): r for r in hc.traffic("hc", tokens=N, d_model=D, n=n, stream_bytes=4)}
+    assert hc_fused["hc_read", "forward"]["read"] == nbytes(H) + 4 * D * (n + 2)
     fused = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, stream_bytes=4)}
     logits = randn(1, N, n, n)
     assert fused["mhc_read", "forward"]["read"] == nbytes(H, logits) + 4 * n * D * (n * n + 2 * n)
-    assert not {"sinkhorn", "normed_projection"} & {kernel for kernel, pass_ in fused if pass_ == "forward"}
+    assert not {"sinkhorn", "normed_projection"} & {kernel for kernel, pass_ in {**fused, **hc_fused}
+                                                    if pass_ == "forward"}
 
 
 class Launches(torch.utils._python_dispatch.TorchDispatchMode):
@@ -459,7 +473,7 @@ def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.floa
     with monkeypatch.context() as patch:
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
-            module = hcr if name.startswith("_mhc_read") else hc
+            module = hcr if name.startswith(("_mhc_read", "_hc_read")) else hc
             patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
                                                             nm=name: rec.launcher(nm, k[grid])})())
         with rec, autocast:
@@ -479,7 +493,8 @@ KERNEL_OF = {("normed_projection", "forward"): "_proj_fwd", ("normed_projection"
              ("sinkhorn", "forward"): "_sinkhorn_fwd", ("sinkhorn", "backward"): "_sinkhorn_bwd",
              ("width_connection", "forward"): "_width_fwd", ("width_connection", "backward"): "_width_bwd",
              ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd",
-             ("mhc_read", "forward"): "_mhc_read_fwd", ("mhc_read", "backward"): "_mhc_read_bwd"}
+             ("mhc_read", "forward"): "_mhc_read_fwd", ("mhc_read", "backward"): "_mhc_read_bwd",
+             ("hc_read", "forward"): "_hc_read_fwd", ("hc_read", "backward"): "_hc_read_bwd"}
 
 
 def is_norm(name, shapes, N, D):

@@ -474,7 +474,7 @@ def depth_connection(mixed, post, y):
 
 # ----------------------------------------------------------------------------- traffic, for the roofline estimate
 
-def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, recompute=True):
+def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, recompute=True, fused=True):
     """HBM bytes each launch of one sublayer's connection reads and writes, and its launches, forward and backward:
     a list of dicts {kernel, pass, launches, read, written}, for scripts/roofline.py. design "hc" or "mhc"; tokens
     N = B T; stream_bytes: the streams' element size (2, the GPU path's default: bf16 under bf16 autocast,
@@ -501,8 +501,8 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
           scales' gradients, the parameters' gradients)
         dH (HC): H feeds both normed_projection and width_connection, so autograd adds their two dH: read 2S,
           write S
-        mHC: the fused read (triton_hc_read.py, ops.hc_read) in place of the projection, the glue, Sinkhorn and
-          the dH add (`fused_read`)
+        fused (the default): the read through triton_hc_read.py (ops.hc_read) in place of the projection, the
+          glue, Sinkhorn and the dH add (`fused_read`)
         recompute (residuals.HC.read under torch.utils.checkpoint): the backward runs read's forward again first
           (HC: _proj_fwd, the maps' glue, _width_fwd; mHC: _mhc_read_fwd, _width_fwd) and the branch's RMSNorm but
           its gain (5 launches, +1 cast when the branch is not fp32), which Pre-LN runs once
@@ -521,9 +521,9 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
              row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R)]
     depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
              row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
-    if design == "mhc":                                             # triton_hc_read.py: the fused read
-        fwd, bwd = fused_read(N=N, n=n, S=S, X=X, K=K, M=M, iters=iters)
-        fwd, bwd = fwd + width[:1], width[1:] + bwd + [dW]
+    if fused:                                                       # triton_hc_read.py: the fused read
+        fwd, bwd, after = fused_read(design, N=N, n=n, S=S, X=X, K=K, M=M, iters=iters)
+        fwd, bwd = fwd + width[:1], width[1:] + bwd + [dW] + after
     else:
         glue_fwd, glue_bwd = glue(N, n)
         fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows), glue_fwd, width[0]]
@@ -533,23 +533,37 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
     return fwd + depth + (again if recompute else []) + bwd
 
 
-def fused_read(N, n, S, X, K, M, iters):
-    """The fused read's rows of `traffic` (mHC; but the width connection's kernels and dW, as HC's), R = N n^2 4:
-        forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits, res,
-                  m and r (2c + 2R + 4 N M + 4 N)
-        backward  _mhc_read_bwd  read logits, dres, dlogits back (3R), pre, post and their gradients (4c), m
-                  (4 N M), Sinkhorn's scratch (4 N (2 iters - 1) n, n padded to a power of 2); write dlogits (R),
-                  dm (4 N M), the scratch and per-block partial sums (4 ceil(N / 32) 2 MP); their torch sum;
-                  _proj_bwd reading the width connection's dH too (+S: no autograd add)
-    -> (forward rows, backward rows)."""
-    c, R = N * n * 4, N * n * n * 4
-    scratch = 4 * N * (2 * iters - 1) * pow2(n)
-    part = 4 * triton_cdiv(N, BLOCK_TOKENS) * 2 * pow2(M, 16)
-    fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N)]
-    bwd = [row("mhc_read", "backward", 3 * R + scratch + 4 * c + 4 * N * M, R + scratch + 4 * N * M + part),
-           row("mhc_read.sums (torch)", "backward", part, 8 * pow2(M, 16)),
-           row("normed_projection", "backward", X + 4 * K * M + 8 * N * M + 4 * N + S, X)]
-    return fwd, bwd
+def fused_read(design, N, n, S, X, K, M, iters):
+    """The fused read's rows of `traffic` (triton_hc_read.py; the width connection's kernels and dW are HC's pieces'),
+    c = N n 4, R = N n^2 4, rows x K the projection's (mHC: N x nD; HC: N n x D):
+      mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
+                    res, m and r (2c + 2R + 4 N M + 4 N)
+          backward  _mhc_read_bwd  read logits, dres, dlogits back (3R), pre, post and their gradients (4c), m
+                    (4 N M), Sinkhorn's scratch (4 N (2 iters - 1) n, n padded to a power of 2); write dlogits (R),
+                    dm (4 N M), the scratch and per-block partial sums (4 ceil(N / 32) 2 MP); their torch sum
+      HC  forward   W's cat (torch, parameter-sized); _hc_read_fwd  read X + 4 K M, write pre, post, res, m and r
+                    (2c + R + 4 rows M + 4 rows)
+          backward  _hc_read_bwd  read dpre, dpost, dres, m; write dm and the partial sums (4 ceil(rows / 16)
+                    (n + 1) MP); their torch sum; the four parameter gradients that are views (static_alpha's,
+                    static_beta's, the cat's two halves) copied by autograd (parameter-sized)
+      both: _proj_bwd reads the width connection's dH too (+S: no autograd add) -> (forward rows, backward rows,
+      backward rows after dW)."""
+    c, R, MP = N * n * 4, N * n * n * 4, pow2(M, 16)
+    proj = row("normed_projection", "backward", X + 4 * K * M + 8 * N * M + 4 * N + S, X)
+    if design == "mhc":
+        scratch = 4 * N * (2 * iters - 1) * pow2(n)
+        part = 4 * triton_cdiv(N, BLOCK_TOKENS) * 2 * MP
+        fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N)]
+        return fwd, [row("mhc_read", "backward", 3 * R + scratch + 4 * c + 4 * N * M, R + scratch + 4 * N * M + part),
+                     row("mhc_read.sums (torch)", "backward", part, 8 * MP), proj], []
+    rows = N * n
+    part = 4 * triton_cdiv(rows, BLOCK_ROWS) * (n + 1) * MP
+    proj = row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows + S, X)
+    fwd = [row("W's cat (torch)", "forward", 4 * K * M, 4 * K * M),
+           row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows)]
+    return fwd, [row("hc_read", "backward", 2 * c + R + 4 * rows * M, 4 * rows * M + part),
+                 row("hc_read.sums (torch)", "backward", part, 4 * (n + 1) * MP), proj], \
+        [row("parameter gradients' copies (torch)", "backward", 8 * (n * (n + 2) + K * M), 0, launches=4)]
 
 
 def triton_cdiv(a, b):

@@ -1,24 +1,28 @@
 """
-depthbench/kernels/triton_hc_read.py: mHC's read as one body, `hc_read` (ops.hc_read: the design's maps of the
-streams, then the width connection), its maps fused into the projection's kernel. triton_hc.py's bodies run each
-piece as its own kernel, with torch between them (the maps' sigmoids and affine maps, 9 launches forward and 25
-backward) and autograd's add of the two dH (the projection's and the width connection's); here, per sublayer:
+depthbench/kernels/triton_hc_read.py: HC's and mHC's read as one body, `hc_read` (ops.hc_read: the design's maps of
+the streams, then the width connection), the maps fused into the projection's kernel. triton_hc.py's bodies run each
+piece as its own kernel, with torch between them (the maps' activations and affine maps: HC 8 launches forward and
+17 backward, mHC 9 and 25) and autograd's add of the two dH (the projection's and the width connection's); here, per
+sublayer:
 
-  forward   `_mhc_read_fwd`: per block of tokens, x (N, nD) read once: m = r (x phi) (the norm and the projection
-            fused, as triton_hc._proj_fwd), then the maps in registers: H_pre = sigmoid(alpha_pre m[:n] + b[:n]),
-            H_post = 2 sigmoid(alpha_post m[n:2n] + b[n:2n]), the logits alpha_res m[2n:] + b[2n:] and Sinkhorn on
-            them (triton_hc._sinkhorn_block: the program's tokens again, read back from the logits it stored);
-            then triton_hc._width_fwd (branch and mixed, one read of the streams)
-  backward  triton_hc._width_bwd (its share of dH, dH_pre, dH_res); `_mhc_read_bwd`: per block of tokens,
-            Sinkhorn's backward (recomputed from the logits), the maps' backward to dm = dL/dm, and per block
-            partial sums of the gradients of b and the three alphas (one torch sum over the blocks); then
+  forward   mHC `_mhc_read_fwd`: per block of tokens, x (N, nD) read once: m = r (x phi) (the norm and the
+            projection fused, as triton_hc._proj_fwd), then the maps in registers: H_pre = sigmoid(alpha_pre m[:n] +
+            b[:n]), H_post = 2 sigmoid(alpha_post m[n:2n] + b[n:2n]), the logits alpha_res m[2n:] + b[2n:] and
+            Sinkhorn on them (triton_hc._sinkhorn_block: the program's tokens again, read back from the logits it
+            stored). HC `_hc_read_fwd`: per block of rows of (N n, D) (token t's stream s), m = r (x W), z =
+            static[s] + scale tanh(m), H_pre = z[0], H_res[o, s] = z[1 + o], H_post = z[n + 1] (W's cat in torch,
+            as residuals.HC.maps). Then triton_hc._width_fwd (branch and mixed, one read of the streams)
+  backward  triton_hc._width_bwd (its share of dH, dH_pre, dH_res); `_mhc_read_bwd` / `_hc_read_bwd`: per block,
+            (Sinkhorn's backward, recomputed from the logits,) the maps' backward to dm = dL/dm, and per block
+            partial sums of the static parameters' and scales' gradients (one torch sum over the blocks); then
             triton_hc._proj_bwd with the width connection's dH added in the same pass (HAS_ACC: no autograd add);
-            dphi = x^T (r dm) by cuBLAS in x's dtype, as triton_hc.NormedProjection's
+            dW = x^T (r dm) by cuBLAS in x's dtype, as triton_hc.NormedProjection's
 
-Each output and every gradient (H, phi, b, the alphas) equals ops.hc_read's with ops.py's bodies
-(tests/test_triton_hc.py::test_hc_read_equals_reference, under the interpreter). `hc_read` takes this path for mHC
-(residuals.MHC, by its class name: a subclass could change the maps) on tensors the kernels run on; for any other
-design or tensor it is ops.hc_read, which reaches the design's own bodies (triton_hc.py's on the Triton path).
+Each output and every gradient (H and every connector parameter) equals ops.hc_read's with ops.py's bodies
+(tests/test_triton_hc.py::test_hc_read_equals_reference, under the interpreter). `hc_read` takes this path for
+residuals.MHC and residuals.HC with its transport mixed (by class name: a subclass could change the maps) on tensors
+the kernels run on; for any other design or tensor it is ops.hc_read, which reaches the design's own bodies
+(triton_hc.py's on the Triton path).
 """
 from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: this module imports without triton
 
@@ -30,7 +34,8 @@ from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _si
                                           jit, pow2, runs_here, stream_sizes, tl)
 from ops import fp32_maths
 
-EPS = 1e-6   # residuals.MHC.maps' norm eps and ops.sinkhorn's default, the ones its reference uses
+EPS = 1e-6      # residuals.MHC.maps' norm eps and ops.sinkhorn's default, the ones its reference uses
+HC_EPS = 1e-8   # residuals.HC.maps' norm eps
 
 
 @jit
@@ -103,13 +108,123 @@ def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, Ap, Aq,
     tl.store(part + MP + cols, dalpha, mask=cols < 3)
 
 
+@jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends (exp's overflow gives 1; its underflow -1)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@jit
+def _hc_read_fwd(X, W, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
+                 n: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """Rows [pid BN, +BN) of HC's (N n, D) streams (row t n + s: token t's stream s): m = r (x @ W), W (D, n + 2);
+    z = static[s] + scale tanh(m) (static = [static_alpha | static_beta], scale alpha_scale on the n + 1 alpha
+    columns, beta_scale on the last); H_pre[t, s] = z[0], H_post[t, s] = z[n + 1], H_res[t, o, s] = z[1 + o]."""
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, MP)
+    acc = tl.full([BN, MP], 0.0, tl.float32)
+    ss = tl.full([BN], 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(X + rows[:, None] * K + ks[None, :], mask=(rows < NR)[:, None] & (ks < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(x, w, input_precision="ieee")
+        ss += _sum(x * x, 1)
+    r = 1.0 / tl.sqrt(ss / K + eps)
+    m = acc * r[:, None]
+    live = (rows < NR)[:, None]
+    tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
+    tl.store(R + rows, r, mask=rows < NR)
+    s, alpha = rows % n, cols < n + 1
+    static = tl.load(Sa + s[:, None] * (n + 1) + tl.where(alpha, cols, 0)[None, :], mask=live & alpha[None, :],
+                     other=0.0) + tl.load(Sb + s[:, None] + 0 * cols[None, :], mask=live & (cols == n + 1)[None, :],
+                                          other=0.0)
+    z = static + tl.where(alpha, tl.load(Asc), tl.load(Bsc))[None, :] * _tanh(m)
+    tl.store(Pre + rows, _sum(tl.where((cols == 0)[None, :], z, 0.0), 1), mask=rows < NR)
+    tl.store(Post + rows, _sum(tl.where((cols == n + 1)[None, :], z, 0.0), 1), mask=rows < NR)
+    is_res = (cols >= 1) & alpha
+    at = (rows // n)[:, None] * n * n + tl.where(is_res, cols - 1, 0)[None, :] * n + s[:, None]
+    tl.store(Res + at, z, mask=live & is_res[None, :])
+
+
+@jit
+def _hc_read_bwd(DPre, DPost, DRes, Mo, Asc, Bsc, G, Part, NR, M,
+                 n: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr):
+    """Rows [pid BN, +BN): dz from dH_pre, dH_post, dH_res (the forward's layout), dm = dz scale (1 - tanh(m)^2)
+    into G, and this block's sums into Part[pid] ((n + 1) MP floats): per stream s, sum over its rows of dz
+    (static_alpha's and static_beta's gradients); then sum dz tanh(m) over the alpha columns and over the last
+    (alpha_scale's and beta_scale's)."""
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, MP)
+    live = (rows < NR)[:, None]
+    s, alpha = rows % n, cols < n + 1
+    is_res = (cols >= 1) & alpha
+    at = (rows // n)[:, None] * n * n + tl.where(is_res, cols - 1, 0)[None, :] * n + s[:, None]
+    dz = (tl.load(DRes + at, mask=live & is_res[None, :], other=0.0)
+          + tl.where((cols == 0)[None, :], tl.load(DPre + rows, mask=rows < NR, other=0.0)[:, None], 0.0)
+          + tl.where((cols == n + 1)[None, :], tl.load(DPost + rows, mask=rows < NR, other=0.0)[:, None], 0.0))
+    th = _tanh(tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live & (cols < M)[None, :], other=0.0))
+    scale = tl.where(alpha, tl.load(Asc), tl.load(Bsc))
+    tl.store(G + rows[:, None] * M + cols[None, :], dz * scale[None, :] * (1.0 - th * th),
+             mask=live & (cols < M)[None, :])
+    part = Part + tl.program_id(0).to(tl.int64) * (n + 1) * MP
+    for stream in tl.static_range(n):
+        tl.store(part + stream * MP + cols, _sum(tl.where((s == stream)[:, None], dz, 0.0), 0), mask=cols < M)
+    dzt = _sum(dz * th, 0)
+    scales = tl.where(cols == 0, _sum(tl.where(alpha, dzt, 0.0), 0), _sum(tl.where(cols == n + 1, dzt, 0.0), 0))
+    tl.store(part + n * MP + cols, scales, mask=cols < 2)
+
+
+def width_forward(x, pre, res, n):
+    """triton_hc._width_fwd on x (N, n D): (branch (N, D), mixed (N, n D)) in x's dtype."""
+    N, D = pre.size(0), x.numel() // (pre.size(0) * n)
+    branch, mixed = torch.empty(N, D, device=x.device, dtype=x.dtype), torch.empty_like(x)
+    hc._width_fwd[(N,)](H=x, Pre=pre, Res=res, Branch=branch, Mixed=mixed, **stream_sizes(x.view(N, n, D))[1])
+    return branch, mixed
+
+
+def width_backward(x, pre, res, grads):
+    """triton_hc._width_bwd, and the maps' incoming gradients: grads = (dbranch, dpre, dpost, dres, dmixed) as the
+    Function's backward gets them (None where an output fed nothing) -> (dH (x's layout), dpre, dpost, dres)."""
+    dbranch, dpre_out, dpost_out, dres_out, dmixed = grads
+    N, n = pre.shape
+    D = x.numel() // (N * n)
+    dbranch = x.new_zeros(N, D) if dbranch is None else dbranch.reshape(N, D).contiguous()
+    dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
+    dH, dpre, dres = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res)
+    hc._width_bwd[(N,)](H=x, Pre=pre, Res=res, DBranch=dbranch, DMixed=dmixed, DH=dH, DPre=dpre, DRes=dres,
+                        **stream_sizes(x.view(N, n, D))[1])
+    dpre = dpre if dpre_out is None else dpre + dpre_out.reshape(N, n)        # H_pre, H_res used elsewhere too
+    dres = dres if dres_out is None else dres + dres_out.reshape(N, n, n)
+    dpost = torch.zeros_like(pre) if dpost_out is None else dpost_out.reshape(N, n).contiguous().float()
+    return dH, dpre, dpost, dres
+
+
+def projection_backward(x, W, g, m, r, dH):
+    """triton_hc._proj_bwd for the rows of x (rows, K) with dH (x's layout) added in place (no autograd add), and
+    dW = x^T (r g) by cuBLAS in x's dtype (fp32 accumulation) -> dW in W's dtype."""
+    (rows, K), M = x.shape, W.size(1)
+    hc._proj_bwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](X=x, W=W, G=g, Out=m, R=r, DX=dH, Acc=dH, HAS_ACC=True, N=rows,
+                                                      K=K, M=M, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
+    with fp32_maths(g):
+        return (x.t() @ (g * r[:, None]).to(x.dtype)).to(W.dtype)
+
+
+def outputs(branch, pre, post, res, mixed, shape):
+    """The Functions' outputs in the streams' shape (..., n, D): branch (..., D), H_pre, H_post, H_res, mixed."""
+    lead, (n, D) = shape[:-2], shape[-2:]
+    return (branch.view(*lead, D), pre.view(*lead, n), post.view(*lead, n), res.view(*lead, n, n), mixed.view(shape))
+
+
 class MHCRead(torch.autograd.Function):
     """ops.hc_read for mHC: H (..., n, D), phi (nD, M), b (M,), the three alphas (0-dim), Sinkhorn's iters ->
     (branch (..., D) and mixed (..., n, D) in H's dtype, H_pre, H_post (..., n), H_res (..., n, n) in fp32)."""
 
     @staticmethod
     def forward(ctx, H, phi, b, a_pre, a_post, a_res, iters):
-        n, D = H.shape[-2:]
+        n = H.size(-2)
         K, M = phi.shape
         x = H.reshape(-1, K).contiguous()
         N = x.size(0)
@@ -120,56 +235,87 @@ class MHCRead(torch.autograd.Function):
         _mhc_read_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](
             X=x, W=phi, B=b, Ap=a_pre, Aq=a_post, Ar=a_res, Pre=pre, Post=post, Logits=logits, Res=res, Mo=m, R=r,
             N=N, K=K, M=M, iters=iters, eps=EPS, BN=BLOCK_ROWS, BK=BLOCK_K, **sizes)
-        branch, mixed = torch.empty(N, D, device=H.device, dtype=H.dtype), torch.empty_like(x)
-        hc._width_fwd[(N,)](H=x, Pre=pre, Res=res, Branch=branch, Mixed=mixed, **stream_sizes(H)[1])
+        branch, mixed = width_forward(x, pre, res, n)
         ctx.save_for_backward(x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r)
         ctx.iters, ctx.sizes, ctx.shape = iters, sizes, H.shape
         ctx.set_materialize_grads(False)          # H_pre and H_res feed nothing but the diagnostics: None, not zeros
-        lead = H.shape[:-2]
-        return (branch.view(*lead, D), pre.view(*lead, n), post.view(*lead, n), res.view(*lead, n, n),
-                mixed.view(H.shape))
+        return outputs(branch, pre, post, res, mixed=mixed, shape=H.shape)
 
     @staticmethod
-    def backward(ctx, dbranch, dpre_out, dpost_out, dres_out, dmixed):
+    def backward(ctx, *grads):
         x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r = ctx.saved_tensors
-        (N, K), M, n = x.shape, phi.size(1), pre.size(1)
-        dbranch = x.new_zeros(N, K // n) if dbranch is None else dbranch.reshape(N, -1).contiguous()
-        dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(N, K).contiguous()
-        dH, dpre, dres = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res)
-        hc._width_bwd[(N,)](H=x, Pre=pre, Res=res, DBranch=dbranch, DMixed=dmixed, DH=dH, DPre=dpre, DRes=dres,
-                            **stream_sizes(x.view(N, n, -1))[1])
-        dpre = dpre if dpre_out is None else dpre + dpre_out.reshape(N, n)        # H_pre, H_res used elsewhere too
-        dres = dres if dres_out is None else dres + dres_out.reshape(N, n, n)
-        dpost = torch.zeros_like(post) if dpost_out is None else dpost_out.reshape(N, n).contiguous().float()
+        N, M, MP = x.size(0), phi.size(1), ctx.sizes["MP"]
+        dH, dpre, dpost, dres = width_backward(x, pre, res, grads)
         blocks = hc.triton.cdiv(N, BLOCK_TOKENS)
         g, dl = torch.empty_like(m), torch.empty_like(logits)
-        part = torch.empty(blocks, 2 * ctx.sizes["MP"], device=x.device, dtype=torch.float32)
+        part = torch.empty(blocks, 2 * MP, device=x.device, dtype=torch.float32)
         scratch = torch.empty(N, 2 * ctx.iters - 1, ctx.sizes["NP"], device=x.device, dtype=torch.float32)
         _mhc_read_bwd[(blocks,)](Logits=logits, DRes=dres, DL=dl, Scratch=scratch, Pre=pre, Post=post, DPre=dpre,
                                  DPost=dpost, Mo=m, Ap=a_pre, Aq=a_post, Ar=a_res, G=g, Part=part, N=N, M=M,
                                  iters=ctx.iters, eps=EPS, BT=BLOCK_TOKENS, **ctx.sizes)
         sums = part.sum(0)
-        hc._proj_bwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](X=x, W=phi, G=g, Out=m, R=r, DX=dH, Acc=dH, HAS_ACC=True,
-                                                       N=N, K=K, M=M, BN=BLOCK_ROWS, BK=BLOCK_K,
-                                                       MP=ctx.sizes["MP"])
-        with fp32_maths(g):               # sum over the tokens of (r x)^T dm: cuBLAS, in x's dtype (fp32 accumulation)
-            dphi = x.t() @ (g * r[:, None]).to(x.dtype)
-        MP = ctx.sizes["MP"]
-        return (dH.view(ctx.shape), dphi.to(phi.dtype), sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], None)
+        dphi = projection_backward(x, phi, g, m, r=r, dH=dH)
+        return dH.view(ctx.shape), dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], None
+
+
+class HCRead(torch.autograd.Function):
+    """ops.hc_read for HC (forward="mixed"): H (..., n, D), W = [dynamic_alpha | dynamic_beta] (D, n + 2), the
+    static maps [static_alpha (n, n + 1) | static_beta (n)], the two scales (0-dim) -> as MHCRead's. The projection
+    is per stream (rows N n, K = D); the backward returns W's gradient, which autograd splits (the cat)."""
+
+    @staticmethod
+    def forward(ctx, H, W, static_alpha, static_beta, alpha_scale, beta_scale):
+        n, D = H.shape[-2:]
+        M = W.size(1)
+        x = H.reshape(-1, D).contiguous()                                   # (N n, D): row t n + s
+        rows = x.size(0)
+        f32 = dict(device=H.device, dtype=torch.float32)
+        pre, post, res = torch.empty(rows // n, n, **f32), torch.empty(rows // n, n, **f32), \
+            torch.empty(rows // n, n, n, **f32)
+        m, r = torch.empty(rows, M, **f32), torch.empty(rows, **f32)
+        _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](
+            X=x, W=W, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre, Post=post, Res=res,
+            Mo=m, R=r, NR=rows, K=D, M=M, eps=HC_EPS, n=n, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
+        branch, mixed = width_forward(x.view(rows // n, n * D), pre, res, n)
+        ctx.save_for_backward(x, W, alpha_scale, beta_scale, pre, res, m, r)
+        ctx.shape = H.shape
+        ctx.set_materialize_grads(False)
+        return outputs(branch, pre, post, res, mixed=mixed, shape=H.shape)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, W, alpha_scale, beta_scale, pre, res, m, r = ctx.saved_tensors
+        (rows, D), M, n = x.shape, W.size(1), pre.size(1)
+        MP = pow2(M, 16)
+        dH, dpre, dpost, dres = width_backward(x.view(rows // n, n * D), pre, res, grads)
+        blocks = hc.triton.cdiv(rows, BLOCK_ROWS)
+        g = torch.empty_like(m)
+        part = torch.empty(blocks, (n + 1) * MP, device=x.device, dtype=torch.float32)
+        _hc_read_bwd[(blocks,)](DPre=dpre, DPost=dpost, DRes=dres, Mo=m, Asc=alpha_scale, Bsc=beta_scale, G=g,
+                                Part=part, NR=rows, M=M, n=n, BN=BLOCK_ROWS, MP=MP)
+        sums = part.sum(0)
+        static = sums[:n * MP].view(n, MP)
+        dW = projection_backward(x, W, g, m, r=r, dH=dH.view(rows, D))
+        return dH.view(ctx.shape), dW, static[:, :n + 1], static[:, n + 1], sums[n * MP], sums[n * MP + 1]
 
 
 def fused(design, H):
-    """Whether hc_read runs MHCRead: residuals.MHC itself (its maps are the kernels'), on tensors the kernels run on."""
-    return type(design).__name__ == "MHC" and runs_here(H)
+    """Whether hc_read runs a fused Function: residuals.MHC or residuals.HC itself with its transport mixed (their
+    maps are the kernels'; a subclass could change them), on tensors the kernels run on."""
+    kind = type(design).__name__
+    return (kind == "MHC" or kind == "HC" and design.mixed) and runs_here(H)
 
 
 def hc_read(design, H, site):
-    """ops.hc_read: mHC's maps and width connection as two kernels forward (MHCRead), any other design's (or off
-    the kernels' devices) as ops.hc_read composes them, through the design's bodies."""
+    """ops.hc_read: mHC's and HC's maps and width connection as two kernels forward (MHCRead, HCRead), any other
+    design's (or off the kernels' devices) as ops.hc_read composes them, through the design's bodies."""
     if not fused(design, H):
         return ops.hc_read(design, H, site)
     c = site.conn
-    return MHCRead.apply(H, c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, design.sinkhorn_iters)
+    if type(design).__name__ == "MHC":
+        return MHCRead.apply(H, c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, design.sinkhorn_iters)
+    W = torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1)                  # residuals.HC.maps' W (D, n + 2)
+    return HCRead.apply(H, W, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale)
 
 
 BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
