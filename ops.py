@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 # the names with two bodies: ops.py's (the definition) and depthbench/kernels/cpu.py's (the same maths, faster; some
@@ -168,13 +169,14 @@ def depth_connection(mixed, post, y):
 
 
 def hc_read(design, H, site):
-    """HC's and mHC's read before the branch's norm (residuals.HC.connect): the design's maps of the streams H
-    (design.maps: its equations, residuals.py), then the width connection through the design's bodies ->
-    (branch, H_pre, H_post, H_res, mixed). One name for the two, so that a GPU body can fuse them
-    (depthbench/kernels/triton_hc_read.py); here, and in cpu.py, it is their plain composition."""
-    H_pre, H_post, H_res = design.maps(H, site)
-    branch, mixed = design.ops.width_connection(H, H_pre, H_res)      # sum_s H_pre[s] h_s; sum_s H_res[o, s] h_s
-    return branch, H_pre, H_post, H_res, mixed
+    """HC's and mHC's read (residuals.HC.read): design.connect (the maps, the width connection, the branch's norm:
+    residuals.py's equations) on the streams H, under torch.utils.checkpoint when design.recompute and autograd
+    records (it keeps H alone; the backward recomputes the rest) -> (h, H_pre, H_post, H_res, mixed). One name for
+    all of read, so that a GPU body can run it as fused kernels whose backward needs no recompute
+    (depthbench/kernels/triton_hc_read.py); here, and in cpu.py, it is this composition."""
+    if design.recompute and torch.is_grad_enabled():
+        return checkpoint(design.connect, H, site, use_reentrant=False, preserve_rng_state=False)
+    return design.connect(H, site)
 
 
 def sinkhorn(logits, iters=20, eps=1e-6):

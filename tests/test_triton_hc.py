@@ -260,7 +260,7 @@ def read_both_ways(model, H, dtype, seed=0):
     results = []
     for read in (ops.hc_read, hcr.hc_read):
         leaf = H.to(dtype).requires_grad_()
-        params = list(site.conn.parameters())
+        params = list(site.conn.parameters()) + [site.norm.weight]
         outs = read(res, leaf, site)
         g = torch.Generator().manual_seed(seed)
         live = [o for o in outs if o.requires_grad]                   # HC's H_res = I (unmixed) has no gradient
@@ -274,14 +274,14 @@ def read_both_ways(model, H, dtype, seed=0):
                                               ("hc", 4, {}), ("hc", 3, {})])
 def test_hc_read_equals_reference(design, n, options, dtype):
     """mHC's and HC's fused reads (MHCRead, HCRead: the projection with the maps (and Sinkhorn) in one kernel, the
-    width connection, the backward's maps kernel and the projection's backward with dH added in) against ops.hc_read
-    with ops.py's bodies: branch, H_pre, H_post, H_res, mixed and the gradients of H and every connector parameter
-    (mHC: phi, b, the alphas; HC: the static and dynamic maps, the scales), on 3 x 13 tokens (a partial block),
-    D = 24, n = 4 and 3 (padded; HC's row blocks then straddle tokens); fp32 to 1e-5 (a gradient summed over the tokens with
-    cancellation, to 1e-6 of the largest gradient: test_model_with_triton_bodies' bound), bf16 streams to cosine >=
-    0.999."""
+    width connection with the branch's norm in another, their backwards, the projection's with dH added in) against
+    ops.hc_read with ops.py's bodies (under its checkpoint): h, H_pre, H_post, H_res, mixed and the gradients of H,
+    every connector parameter (mHC: phi, b, the alphas; HC: the static and dynamic maps, the scales) and the norm's
+    gain, on 3 x 13 tokens (a partial block), D = 24, n = 4 and 3 (padded; HC's row blocks then straddle tokens);
+    fp32 to 1e-5 (a gradient summed over the tokens with cancellation, to 1e-6 of the largest gradient:
+    test_model_with_triton_bodies' bound), bf16 streams to cosine >= 0.999."""
     model = tiny_model(design, d_model=24, n_streams=n, **options)
-    assert hcr.fused(model.res, torch.zeros(1))
+    assert hcr.fused(model.res, torch.zeros(1), model.res.site(1))
     H = randn(3, 13, n, 24, seed=19)
     (out_ref, grad_ref), (out_new, grad_new) = read_both_ways(model, H, dtype)
     top = max(g.abs().max().item() for g in grad_ref)
@@ -297,16 +297,38 @@ def test_hc_read_equals_reference(design, n, options, dtype):
 def test_hc_read_is_the_composition_for_other_designs(monkeypatch):
     """HC with H_res = I (forward "unmixed") and an mHC subclass (whose maps could differ) go through ops.hc_read, on
     the design's own bodies; so does mHC on a tensor the kernels cannot run on."""
-    hc_model = tiny_model("hc", forward="unmixed")
-    assert not hcr.fused(hc_model.res, torch.zeros(1)) and hcr.fused(tiny_model("hc").res, torch.zeros(1))
+    hc_model, mhc_model = tiny_model("hc", forward="unmixed"), tiny_model("mhc")
+    site = mhc_model.res.site(1)
+    assert not hcr.fused(hc_model.res, torch.zeros(1), site) and hcr.fused(tiny_model("hc").res, torch.zeros(1), site)
     monkeypatch.setattr(hc, "interpreted", lambda: False)
-    assert not hcr.fused(tiny_model("mhc").res, torch.zeros(1))
+    assert not hcr.fused(mhc_model.res, torch.zeros(1), site)
     monkeypatch.undo()
-    sub = type("MHCVariant", (type(tiny_model("mhc").res),), {})
-    assert not hcr.fused(sub.__new__(sub), torch.zeros(1))
+    sub = type("MHCVariant", (type(mhc_model.res),), {})
+    assert not hcr.fused(sub.__new__(sub), torch.zeros(1), site)
     H = randn(1, 3, 4, 16, seed=20)
     (out_ref, _), (out_new, _) = read_both_ways(hc_model, H, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(out_new, out_ref))
+
+
+@pytest.mark.parametrize("design,floats", [("mhc", 66), ("hc", 49)])
+def test_fused_read_keeps_the_streams_and_a_few_floats(design, floats):
+    """The fused read runs without ops.hc_read's checkpoint, yet autograd keeps, beyond the streams (its input) and
+    parameter-sized tensors, `floats` fp32 per token and sublayer (triton_hc_read.py's docstring: mHC 66, HC 49 at
+    n = 4), measured as the difference between 32 and 16 tokens of what its saved-tensor hook sees."""
+    model = with_triton_bodies(tiny_model(design, d_model=32))
+    site, kept = model.res.site(1), {}
+    for N in (16, 32):
+        H = randn(1, N, 4, 32, seed=21).requires_grad_()
+        sizes = []
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() != H.untyped_storage().data_ptr():
+                sizes.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.res.read(H, site)
+        kept[N] = sum(sizes)
+    assert kept[32] - kept[16] == 16 * 4 * floats
 
 
 # ----------------------------------------------------------------------------- compiled for the GPU, without one
@@ -368,7 +390,11 @@ def kernel_signatures(stream, module):
         ("_hc_read_fwd", dict(X=s, W=f, Sa=f, Sb=f, Asc=f, Bsc=f, Pre=f, Post=f, Res=f, Mo=f, R=f, NR="i32", K="i32",
                               M="i32", eps="fp32"), dict(n=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16)),
         ("_hc_read_bwd", dict(DPre=f, DPost=f, DRes=f, Mo=f, Asc=f, Bsc=f, G=f, Part=f, NR="i32", M="i32"),
-         dict(n=4, BN=module.BLOCK_ROWS, MP=16))]
+         dict(n=4, BN=module.BLOCK_ROWS, MP=16)),
+        ("_width_norm_fwd", dict(H=s, Pre=f, Res=f, Wn=f, Out=s, Mixed=s, Rb=f, N="i32", D="i32", eps="fp32"),
+         dict(n=4, NP=4, BD=1024, TPP=8)),                                                  # the card's d640, whole
+        ("_width_norm_bwd", dict(H=s, Pre=f, Res=f, Wn=f, Rb=f, DOut=s, DMixed=s, DH=s, DPre=f, DRes=f, DWp=f,
+                                 N="i32", D="i32"), dict(n=4, NP=4, BD=1024, TPP=8))]
 
 
 @pytest.mark.slow
@@ -462,18 +488,21 @@ class Launches(torch.utils._python_dispatch.TorchDispatchMode):
         return run
 
 
-def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.float32):
-    """One sublayer's read and write of a tiny `design` model with the Triton bodies, forward and backward on N
-    tokens, streams of `dtype` (bf16: under bf16 autocast, as on the GPU path): {pass: (torch ops as (name, shapes,
-    bytes), Triton kernel names in launch order)}."""
+def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.float32, fused=True):
+    """One sublayer's read and write of a tiny `design` model with the Triton bodies (fused: the read through
+    triton_hc_read.py, else ops.hc_read on triton_hc.py's pieces), forward and backward on N tokens, streams of
+    `dtype` (bf16: under bf16 autocast, as on the GPU path): {pass: (torch ops as (name, shapes, bytes), Triton kernel
+    names in launch order)}."""
     model = with_triton_bodies(tiny_model(design, d_model=D, recompute=recompute, n_streams=n))
+    if not fused:
+        model.res.ops.hc_read = ops.hc_read
     res, site, H = model.res, model.res.site(1), randn(1, N, n, D, seed=17).to(dtype).requires_grad_()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     rec, seen = Launches(), {}
     with monkeypatch.context() as patch:
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
-            module = hcr if name.startswith(("_mhc_read", "_hc_read")) else hc
+            module = hcr if name.startswith(("_mhc_read", "_hc_read", "_width_norm")) else hc
             patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
                                                             nm=name: rec.launcher(nm, k[grid])})())
         with rec, autocast:
@@ -494,7 +523,8 @@ KERNEL_OF = {("normed_projection", "forward"): "_proj_fwd", ("normed_projection"
              ("width_connection", "forward"): "_width_fwd", ("width_connection", "backward"): "_width_bwd",
              ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd",
              ("mhc_read", "forward"): "_mhc_read_fwd", ("mhc_read", "backward"): "_mhc_read_bwd",
-             ("hc_read", "forward"): "_hc_read_fwd", ("hc_read", "backward"): "_hc_read_bwd"}
+             ("hc_read", "forward"): "_hc_read_fwd", ("hc_read", "backward"): "_hc_read_bwd",
+             ("width_norm", "forward"): "_width_norm_fwd", ("width_norm", "backward"): "_width_norm_bwd"}
 
 
 def is_norm(name, shapes, N, D):
@@ -504,16 +534,19 @@ def is_norm(name, shapes, N, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("design", ["hc", "mhc"])
-def test_traffic_counts_every_launch(design, dtype, monkeypatch):
+@pytest.mark.parametrize("design,fused", [("hc", True), ("mhc", True), ("hc", False), ("mhc", False)],
+                         ids=["hc", "mhc", "hc-pieces", "mhc-pieces"])
+def test_traffic_counts_every_launch(design, fused, dtype, monkeypatch):
     """traffic's rows are the launches one sublayer really makes with these bodies, fp32 streams, and bf16 ones
-    under bf16 autocast (the GPU path: stream_bytes 2, the dW and norm casts): the Triton kernels
-    by name, and the torch ops between them (the maps' glue, dW, autograd's add of the two dH, and the recompute of
-    residuals.HC.read's checkpoint: the forward kernels, glue and the branch's RMSNorm again), launch for launch,
-    and their bytes per token (measured at 8 and 16 tokens: the difference). Only the branch norm's forward and
-    backward, Pre-LN's too, are left out."""
+    under bf16 autocast (the GPU path: stream_bytes 2, the dW and norm casts), through the fused read and through
+    the pieces (fused=False: the numbers before it): the Triton kernels by name, and the torch ops between them (the
+    maps' glue, dW, the sums of per-block gradients, autograd's add of the two dH, and the pieces' recompute under
+    ops.hc_read's checkpoint: the forward kernels, glue and the branch's RMSNorm again; the fused read recomputes
+    nothing), launch for launch, and their bytes per token (measured at 8 and 16 tokens: the difference). Only the
+    branch norm's forward and backward on the pieces' path, Pre-LN's too, are left out."""
     n, D = 4, 32
-    runs = {(N, rc): path_launches(design, N, rc, monkeypatch, n, D, dtype) for N in (8, 16) for rc in (False, True)}
+    runs = {(N, rc): path_launches(design, N, rc, monkeypatch, n, D, dtype, fused) for N in (8, 16)
+            for rc in (False, True)}
     sb = torch.finfo(dtype).bits // 8
 
     def kernel_of(r):
@@ -526,11 +559,11 @@ def test_traffic_counts_every_launch(design, dtype, monkeypatch):
 
     def counted(N, rc, passes):
         """(torch launches, their bytes) of traffic's rows of those passes: every row that is not a Triton kernel."""
-        kept = [r for r in hc.traffic(design, N, D, n=n, stream_bytes=sb, recompute=rc) if r["pass"] in passes and not kernel_of(r)]
+        kept = [r for r in hc.traffic(design, N, D, n=n, stream_bytes=sb, recompute=rc, fused=fused) if r["pass"] in passes and not kernel_of(r)]
         return sum(r["launches"] for r in kept), sum(r["read"] + r["written"] for r in kept)
 
     for rc in (False, True):
-        rows = hc.traffic(design, 8, D, n=n, stream_bytes=sb, recompute=rc)
+        rows = hc.traffic(design, 8, D, n=n, stream_bytes=sb, recompute=rc, fused=fused)
         assert runs[8, rc]["forward"][1] == [kernel_of(r) for r in rows if r["pass"] == "forward" and kernel_of(r)]
         assert sorted(runs[8, rc]["backward"][1]) == sorted(kernel_of(r) for r in rows
                                                              if r["pass"] != "forward" and kernel_of(r))

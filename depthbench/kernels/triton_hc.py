@@ -502,8 +502,9 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
         dH (HC): H feeds both normed_projection and width_connection, so autograd adds their two dH: read 2S,
           write S
         fused (the default): the read through triton_hc_read.py (ops.hc_read) in place of the projection, the
-          glue, Sinkhorn and the dH add (`fused_read`)
-        recompute (residuals.HC.read under torch.utils.checkpoint): the backward runs read's forward again first
+          glue, Sinkhorn, the width connection, the branch's norm, the dH add and the recompute (`fused_read`,
+          `width_norm`)
+        recompute (pieces only: ops.hc_read's torch.utils.checkpoint): the backward runs read's forward again first
           (HC: _proj_fwd, the maps' glue, _width_fwd; mHC: _mhc_read_fwd, _width_fwd) and the branch's RMSNorm but
           its gain (5 launches, +1 cast when the branch is not fp32), which Pre-LN runs once
     """
@@ -517,24 +518,38 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
     dW = row("normed_projection.dW", "backward", 4 * rows * M + 4 * rows + cast * 4 * rows * M + X + rows * M * sb
              + cast * K * M * sb, 4 * rows * M + cast * sb * rows * M + K * M * sb + cast * 4 * K * M,
              launches=2 + 2 * cast)
-    width = [row("width_connection", "forward", S + c + R, S + N * D * sb),
-             row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R)]
     depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
              row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
-    if fused:                                                       # triton_hc_read.py: the fused read
+    if fused:                                # triton_hc_read.py: the fused read, no checkpoint (nothing recomputed)
         fwd, bwd, after = fused_read(design, N=N, n=n, S=S, X=X, K=K, M=M, iters=iters)
-        fwd, bwd = fwd + width[:1], width[1:] + bwd + [dW] + after
-    else:
-        glue_fwd, glue_bwd = glue(N, n)
-        fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows), glue_fwd, width[0]]
-        bwd = [width[1], glue_bwd, row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
-               dW, row("dH (autograd's add)", "backward", 2 * S, S)]
+        return fwd + width_norm(N, n, D, sb)[:1] + depth + width_norm(N, n, D, sb)[1:] + bwd + [dW] + after
+    fwd, bwd = pieces(design, N=N, n=n, D=D, sb=sb, iters=iters)
     again = [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
-    return fwd + depth + (again if recompute else []) + bwd
+    return fwd + depth + (again if recompute else []) + bwd[:-1] + [dW] + bwd[-1:]
+
+
+def pieces(design, N, n, D, sb, iters):
+    """The read's rows of `traffic` through triton_hc.py's pieces (ops.hc_read on them) but dW: the projection, (mHC:
+    Sinkhorn,) the maps' glue, the width connection, and autograd's add of the two dH -> (forward rows, backward
+    rows; dW goes before the last)."""
+    S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
+    rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
+    X = rows * K * sb
+    glue_fwd, glue_bwd = glue(design, N, n, M)
+    sinkhorn = ([], [])
+    if design == "mhc":
+        scratch = 4 * N * (2 * iters - 1) * pow2(n)                 # Sinkhorn's divisors, n padded to a power of 2
+        sinkhorn = ([row("sinkhorn", "forward", R, R)], [row("sinkhorn", "backward", 2 * R + scratch, R + scratch)])
+    fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows)] + sinkhorn[0] + \
+        [glue_fwd, row("width_connection", "forward", S + c + R, S + N * D * sb)]
+    bwd = [row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R), glue_bwd] + sinkhorn[1] + \
+        [row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
+         row("dH (autograd's add)", "backward", 2 * S, S)]
+    return fwd, bwd
 
 
 def fused_read(design, N, n, S, X, K, M, iters):
-    """The fused read's rows of `traffic` (triton_hc_read.py; the width connection's kernels and dW are HC's pieces'),
+    """The fused read's rows of `traffic` but its width connection's (`width_norm`) and dW (HC's pieces'),
     c = N n 4, R = N n^2 4, rows x K the projection's (mHC: N x nD; HC: N n x D):
       mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
                     res, m and r (2c + 2R + 4 N M + 4 N)
@@ -566,6 +581,20 @@ def fused_read(design, N, n, S, X, K, M, iters):
         [row("parameter gradients' copies (torch)", "backward", 8 * (n * (n + 2) + K * M), 0, launches=4)]
 
 
+def width_norm(N, n, D, sb, per_program=8):
+    """The fused read's width connection with the branch's norm (triton_hc_read._width_norm_fwd, _bwd; S = N n D sb,
+    c = N n 4, R = N n^2 4; the branch is never stored, its norm's gain w is D floats, rb N):
+        forward   read S + c + R + 4 D, write S (mixed) + N D sb (h) + 4 N (rb)
+        backward  read S (the branch again) + c + R + 4 D + 4 N + N D sb (dh) + S (dmixed), write S (dH) + c + R
+                  + the gain's per-program partial gradients (4 D ceil(N / 8)); their torch sum
+    -> [forward row, backward rows]."""
+    S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
+    part = 4 * D * triton_cdiv(N, per_program)
+    return [row("width_norm", "forward", S + c + R + 4 * D, S + N * D * sb + 4 * N),
+            row("width_norm", "backward", 2 * S + c + R + 4 * D + 4 * N + N * D * sb, S + c + R + part),
+            row("width_norm.gain (torch)", "backward", part, 4 * D)]
+
+
 def triton_cdiv(a, b):
     """ceil(a / b) (triton.cdiv, which this module may lack)."""
     return -(-a // b)
@@ -576,19 +605,24 @@ def row(kernel, pass_, read, written, launches=1):
     return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written}
 
 
-def glue(N, n):
-    """The torch launches between HC's kernels in `maps` (residuals.HC's), forward and backward, as rows of
-    `traffic` ("read" holds both ways): per token, the fp32 elements of every (N, ...) tensor each launch reads or
-    writes, counted from the launches the path makes (tests/test_triton_hc.py::test_traffic_counts_every_launch
-    records them); the parameter-sized ones (W's cat, its gradient's copies) are launches with no per-token bytes.
-    With a = n (n + 1) (A), b = n (n + 2) (the projection), c = n^2 (res):
+def glue(design, N, n, M):
+    """The torch launches between the pieces' kernels in `maps` (residuals.HC's and MHC's), forward and backward, as
+    rows of `traffic` ("read" holds both ways): per token, the fp32 elements of every (N, ...) tensor each launch
+    reads or writes, counted from the launches the path makes (tests/test_triton_hc.py::
+    test_traffic_counts_every_launch records them); the parameter-sized ones (HC's W cat, its gradient's copies)
+    are launches with no per-token bytes. HC, a = n (n + 1) (A), b = n (n + 2) (the projection), c = n^2 (res):
         forward  8: tanh 2b, scale and shift of A 4a, of beta 4n, pre's and res' copies 2n + 2c (and W's cat)
         backward 17: 9n + 13a + 8b + c (select/slice backward, the sums of the scales' and static maps' gradients,
                  tanh's backward) and W's gradient copied into dynamic_alpha's and dynamic_beta's
-    (mHC's maps run inside its fused read: no glue.)"""
+    mHC: forward 9: two sigmoids with their scale and shift 12n, H_post's factor 2 2n, R's scale and shift 4n^2;
+         backward 25: 24n + 8n^2 + 9M. (The fused read runs no glue.)"""
     a, b, c = n * (n + 1), n * (n + 2), n * n
-    return (row("maps (torch)", "forward", 4 * N * (2 * b + 4 * a + 6 * n + 2 * c), 0, launches=8),
-            row("maps (torch)", "backward", 4 * N * (9 * n + 13 * a + 8 * b + c), 0, launches=17))
+    if design == "hc":
+        fwd, bwd = (8, 2 * b + 4 * a + 6 * n + 2 * c), (17, 9 * n + 13 * a + 8 * b + c)
+    else:
+        fwd, bwd = (9, 14 * n + 4 * c), (25, 24 * n + 8 * c + 9 * M)
+    return (row("maps (torch)", "forward", 4 * N * fwd[1], 0, launches=fwd[0]),
+            row("maps (torch)", "backward", 4 * N * bwd[1], 0, launches=bwd[0]))
 
 
 def norm_recompute(N, D, sb):

@@ -1,9 +1,10 @@
 """
-depthbench/kernels/triton_hc_read.py: HC's and mHC's read as one body, `hc_read` (ops.hc_read: the design's maps of
-the streams, then the width connection), the maps fused into the projection's kernel. triton_hc.py's bodies run each
-piece as its own kernel, with torch between them (the maps' activations and affine maps: HC 8 launches forward and
-17 backward, mHC 9 and 25) and autograd's add of the two dH (the projection's and the width connection's); here, per
-sublayer:
+depthbench/kernels/triton_hc_read.py: HC's and mHC's read as one body, `hc_read` (ops.hc_read: the design's maps
+of the streams, the width connection and the branch's norm, which ops.hc_read runs under torch.utils.checkpoint),
+as fused kernels with no checkpoint. triton_hc.py's bodies run each piece as its own kernel, with torch between
+them (the maps' activations and affine maps: HC 8 launches forward and 17 backward, mHC 9 and 25), autograd's add
+of the two dH (the projection's and the width connection's), and the checkpoint's recompute of all of it and of
+the norm in the backward; here, per sublayer:
 
   forward   mHC `_mhc_read_fwd`: per block of tokens, x (N, nD) read once: m = r (x phi) (the norm and the
             projection fused, as triton_hc._proj_fwd), then the maps in registers: H_pre = sigmoid(alpha_pre m[:n] +
@@ -11,18 +12,23 @@ sublayer:
             Sinkhorn on them (triton_hc._sinkhorn_block: the program's tokens again, read back from the logits it
             stored). HC `_hc_read_fwd`: per block of rows of (N n, D) (token t's stream s), m = r (x W), z =
             static[s] + scale tanh(m), H_pre = z[0], H_res[o, s] = z[1 + o], H_post = z[n + 1] (W's cat in torch,
-            as residuals.HC.maps). Then triton_hc._width_fwd (branch and mixed, one read of the streams)
-  backward  triton_hc._width_bwd (its share of dH, dH_pre, dH_res); `_mhc_read_bwd` / `_hc_read_bwd`: per block,
-            (Sinkhorn's backward, recomputed from the logits,) the maps' backward to dm = dL/dm, and per block
-            partial sums of the static parameters' and scales' gradients (one torch sum over the blocks); then
-            triton_hc._proj_bwd with the width connection's dH added in the same pass (HAS_ACC: no autograd add);
-            dW = x^T (r dm) by cuBLAS in x's dtype, as triton_hc.NormedProjection's
+            as residuals.HC.maps). Then `_width_norm_fwd`: per token, whole in registers, mixed and the branch, and
+            the branch's RMSNorm with its gain: h = w branch rb (the branch is never stored; rb is kept)
+  backward  `_width_norm_bwd`: the branch again from the streams, the norm's backward, the width connection's
+            (its share of dH, dH_pre, dH_res) and per-program shares of the gain's gradient (one torch sum);
+            `_mhc_read_bwd` / `_hc_read_bwd`: per block, (Sinkhorn's backward, recomputed from the logits,) the
+            maps' backward to dm = dL/dm, and per-block partial sums of the static parameters' and scales'
+            gradients (one torch sum); then triton_hc._proj_bwd with the width connection's dH added in the same
+            pass (HAS_ACC: no autograd add); dW = x^T (r dm) by cuBLAS in x's dtype, as triton_hc.NormedProjection's
 
-Each output and every gradient (H and every connector parameter) equals ops.hc_read's with ops.py's bodies
+Memory: autograd keeps the streams (as under the checkpoint) and a few floats per token and sublayer for the
+backward (mHC: H_pre, H_post, the logits, H_res, m, r and rb, 66 floats at n = 4; HC: H_pre, H_res, m, r and rb,
+49), 5% and 4% of bf16 streams at d640 (2,560 elements a token). Each output and every gradient (H, every
+connector parameter and the norm's gain) equals ops.hc_read's with ops.py's bodies
 (tests/test_triton_hc.py::test_hc_read_equals_reference, under the interpreter). `hc_read` takes this path for
-residuals.MHC and residuals.HC with its transport mixed (by class name: a subclass could change the maps) on tensors
-the kernels run on; for any other design or tensor it is ops.hc_read, which reaches the design's own bodies
-(triton_hc.py's on the Triton path).
+residuals.MHC and residuals.HC with its transport mixed (by class name: a subclass could change the maps), with an
+RMSNorm on the branch, on tensors the kernels run on; for any other design or tensor it is ops.hc_read, which
+reaches the design's own bodies (triton_hc.py's on the Triton path).
 """
 from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: this module imports without triton
 
@@ -177,29 +183,98 @@ def _hc_read_bwd(DPre, DPost, DRes, Mo, Asc, Bsc, G, Part, NR, M,
     tl.store(part + n * MP + cols, scales, mask=cols < 2)
 
 
-def width_forward(x, pre, res, n):
-    """triton_hc._width_fwd on x (N, n D): (branch (N, D), mixed (N, n D)) in x's dtype."""
-    N, D = pre.size(0), x.numel() // (pre.size(0) * n)
-    branch, mixed = torch.empty(N, D, device=x.device, dtype=x.dtype), torch.empty_like(x)
-    hc._width_fwd[(N,)](H=x, Pre=pre, Res=res, Branch=branch, Mixed=mixed, **stream_sizes(x.view(N, n, D))[1])
-    return branch, mixed
+@jit
+def _width_norm_fwd(H, Pre, Res, Wn, Out, Mixed, Rb, N, D, eps,
+                    n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, TPP: tl.constexpr):
+    """Tokens [pid TPP, +TPP), each whole in registers (BD >= D): branch = sum_s pre[s] h_s and mixed_o =
+    sum_s res[o, s] h_s (triton_hc._width_fwd's), then the branch's RMSNorm with its gain w (ops.rms_norm): out =
+    w branch rb, rb = rsqrt(mean(branch^2) + eps), kept for the backward. The branch itself is never stored."""
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
+    for i in range(0, TPP):
+        t = tl.program_id(0).to(tl.int64) * TPP + i
+        ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
+        pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
+        h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=ms[:, None] & md[None, :],
+                    other=0.0).to(tl.float32)                                                          # (s, D)
+        for o in tl.static_range(n):
+            res_o = tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)                          # (s,)
+            tl.store(Mixed + t * n * D + o * D + d, _sum(res_o[:, None] * h, 0).to(Mixed.dtype.element_ty),
+                     mask=md)
+        branch = _sum(pre[:, None] * h, 0)
+        rb = 1.0 / tl.sqrt(_sum(branch * branch, 0) / D + eps)
+        tl.store(Out + t * D + d, (w * branch * rb).to(Out.dtype.element_ty), mask=md)
+        tl.store(Rb + t + 0 * s, rb + 0.0 * s, mask=ms & (s == 0))
 
 
-def width_backward(x, pre, res, grads):
-    """triton_hc._width_bwd, and the maps' incoming gradients: grads = (dbranch, dpre, dpost, dres, dmixed) as the
-    Function's backward gets them (None where an output fed nothing) -> (dH (x's layout), dpre, dpost, dres)."""
-    dbranch, dpre_out, dpost_out, dres_out, dmixed = grads
+@jit
+def _width_norm_bwd(H, Pre, Res, Wn, Rb, DOut, DMixed, DH, DPre, DRes, DWp, N, D,
+                    n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, TPP: tl.constexpr):
+    """Tokens [pid TPP, +TPP): the branch again from the streams; the norm's backward, dbranch = rb w dout -
+    branch rb^3 <w dout, branch> / D; then triton_hc._width_bwd's: dh_s = pre[s] dbranch + sum_o res[o, s]
+    dmixed_o, dpre[s] = <h_s, dbranch>, dres[o, s] = <dmixed_o, h_s>; and this program's share of the gain's
+    gradient, sum over its tokens of dout branch rb, into DWp[pid]."""
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
+    dw = tl.full([BD], 0.0, tl.float32)
+    for i in range(0, TPP):
+        t = tl.program_id(0).to(tl.int64) * TPP + i
+        ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
+        m = ms[:, None] & md[None, :]
+        pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
+        h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        branch = _sum(pre[:, None] * h, 0)
+        rb = _sum(tl.load(Rb + t + 0 * s, mask=ms & (s == 0), other=0.0), 0)
+        dout = tl.load(DOut + t * D + d, mask=md, other=0.0).to(tl.float32)
+        dw += dout * branch * rb
+        gw = dout * w
+        db = rb * gw - branch * (rb * rb * rb) * _sum(gw * branch, 0) / D
+        tl.store(DPre + t * n + s, _sum(h * db[None, :], 1), mask=ms)
+        dh = pre[:, None] * db[None, :]
+        for o in tl.static_range(n):
+            dm_o = tl.load(DMixed + t * n * D + o * D + d, mask=md, other=0.0).to(tl.float32)
+            res_o = tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)
+            dh += res_o[:, None] * dm_o[None, :]
+            tl.store(DRes + t * n * n + o * n + s, _sum(dm_o[None, :] * h, 1), mask=ms)
+        tl.store(DH + t * n * D + s[:, None] * D + d[None, :], dh.to(DH.dtype.element_ty), mask=m)
+    tl.store(DWp + tl.program_id(0).to(tl.int64) * D + d, dw, mask=d < D)
+
+
+TOKENS_PER_PROGRAM = 8   # tokens a width-and-norm program holds in turn (its share of the gain's gradient is one row)
+
+
+def width_forward(x, pre, res, norm):
+    """_width_norm_fwd on x (N, n D): (h = norm(branch) (N, D), mixed (N, n D)) in x's dtype, and rb (N,) fp32;
+    norm = (gain, eps)."""
+    (N, n), (w, eps) = pre.shape, norm
+    D = x.size(1) // n
+    out, mixed = torch.empty(N, D, device=x.device, dtype=x.dtype), torch.empty_like(x)
+    rb = torch.empty(N, device=x.device, dtype=torch.float32)
+    _width_norm_fwd[(hc.triton.cdiv(N, TOKENS_PER_PROGRAM),)](
+        H=x, Pre=pre, Res=res, Wn=w, Out=out, Mixed=mixed, Rb=rb, N=N, D=D, eps=eps, n=n, NP=pow2(n), BD=pow2(D),
+        TPP=TOKENS_PER_PROGRAM)
+    return out, mixed, rb
+
+
+def width_backward(x, saved, grads):
+    """_width_norm_bwd, and the maps' incoming gradients: saved = (pre, res, gain, rb); grads = (dh, dpre, dpost,
+    dres, dmixed) as the Function's backward gets them (None where an output fed nothing) -> (dH (x's layout),
+    dpre, dpost, dres, the gain's gradient)."""
+    pre, res, w, rb = saved
+    dout, dpre_out, dpost_out, dres_out, dmixed = grads
     N, n = pre.shape
-    D = x.numel() // (N * n)
-    dbranch = x.new_zeros(N, D) if dbranch is None else dbranch.reshape(N, D).contiguous()
+    D = x.size(1) // n
+    dout = x.new_zeros(N, D) if dout is None else dout.reshape(N, D).contiguous()
     dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
     dH, dpre, dres = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res)
-    hc._width_bwd[(N,)](H=x, Pre=pre, Res=res, DBranch=dbranch, DMixed=dmixed, DH=dH, DPre=dpre, DRes=dres,
-                        **stream_sizes(x.view(N, n, D))[1])
+    programs = hc.triton.cdiv(N, TOKENS_PER_PROGRAM)
+    dwp = torch.empty(programs, D, device=x.device, dtype=torch.float32)
+    _width_norm_bwd[(programs,)](H=x, Pre=pre, Res=res, Wn=w, Rb=rb, DOut=dout, DMixed=dmixed, DH=dH, DPre=dpre,
+                                 DRes=dres, DWp=dwp, N=N, D=D, n=n, NP=pow2(n), BD=pow2(D), TPP=TOKENS_PER_PROGRAM)
     dpre = dpre if dpre_out is None else dpre + dpre_out.reshape(N, n)        # H_pre, H_res used elsewhere too
     dres = dres if dres_out is None else dres + dres_out.reshape(N, n, n)
     dpost = torch.zeros_like(pre) if dpost_out is None else dpost_out.reshape(N, n).contiguous().float()
-    return dH, dpre, dpost, dres
+    return dH, dpre, dpost, dres, dwp.sum(0).to(w.dtype)
 
 
 def projection_backward(x, W, g, m, r, dH):
@@ -223,7 +298,7 @@ class MHCRead(torch.autograd.Function):
     (branch (..., D) and mixed (..., n, D) in H's dtype, H_pre, H_post (..., n), H_res (..., n, n) in fp32)."""
 
     @staticmethod
-    def forward(ctx, H, phi, b, a_pre, a_post, a_res, iters):
+    def forward(ctx, H, phi, b, a_pre, a_post, a_res, gain, eps, iters):
         n = H.size(-2)
         K, M = phi.shape
         x = H.reshape(-1, K).contiguous()
@@ -235,17 +310,17 @@ class MHCRead(torch.autograd.Function):
         _mhc_read_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](
             X=x, W=phi, B=b, Ap=a_pre, Aq=a_post, Ar=a_res, Pre=pre, Post=post, Logits=logits, Res=res, Mo=m, R=r,
             N=N, K=K, M=M, iters=iters, eps=EPS, BN=BLOCK_ROWS, BK=BLOCK_K, **sizes)
-        branch, mixed = width_forward(x, pre, res, n)
-        ctx.save_for_backward(x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r)
+        h, mixed, rb = width_forward(x, pre, res, (gain, eps))
+        ctx.save_for_backward(x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb)
         ctx.iters, ctx.sizes, ctx.shape = iters, sizes, H.shape
         ctx.set_materialize_grads(False)          # H_pre and H_res feed nothing but the diagnostics: None, not zeros
-        return outputs(branch, pre, post, res, mixed=mixed, shape=H.shape)
+        return outputs(h, pre, post, res, mixed=mixed, shape=H.shape)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r = ctx.saved_tensors
+        x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb = ctx.saved_tensors
         N, M, MP = x.size(0), phi.size(1), ctx.sizes["MP"]
-        dH, dpre, dpost, dres = width_backward(x, pre, res, grads)
+        dH, dpre, dpost, dres, dgain = width_backward(x, (pre, res, gain, rb), grads)
         blocks = hc.triton.cdiv(N, BLOCK_TOKENS)
         g, dl = torch.empty_like(m), torch.empty_like(logits)
         part = torch.empty(blocks, 2 * MP, device=x.device, dtype=torch.float32)
@@ -255,7 +330,7 @@ class MHCRead(torch.autograd.Function):
                                  iters=ctx.iters, eps=EPS, BT=BLOCK_TOKENS, **ctx.sizes)
         sums = part.sum(0)
         dphi = projection_backward(x, phi, g, m, r=r, dH=dH)
-        return dH.view(ctx.shape), dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], None
+        return dH.view(ctx.shape), dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], dgain, None, None
 
 
 class HCRead(torch.autograd.Function):
@@ -264,7 +339,7 @@ class HCRead(torch.autograd.Function):
     is per stream (rows N n, K = D); the backward returns W's gradient, which autograd splits (the cat)."""
 
     @staticmethod
-    def forward(ctx, H, W, static_alpha, static_beta, alpha_scale, beta_scale):
+    def forward(ctx, H, W, static_alpha, static_beta, alpha_scale, beta_scale, gain, eps):
         n, D = H.shape[-2:]
         M = W.size(1)
         x = H.reshape(-1, D).contiguous()                                   # (N n, D): row t n + s
@@ -276,18 +351,18 @@ class HCRead(torch.autograd.Function):
         _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](
             X=x, W=W, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre, Post=post, Res=res,
             Mo=m, R=r, NR=rows, K=D, M=M, eps=HC_EPS, n=n, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
-        branch, mixed = width_forward(x.view(rows // n, n * D), pre, res, n)
-        ctx.save_for_backward(x, W, alpha_scale, beta_scale, pre, res, m, r)
+        h, mixed, rb = width_forward(x.view(rows // n, n * D), pre, res, (gain, eps))
+        ctx.save_for_backward(x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
         ctx.shape = H.shape
         ctx.set_materialize_grads(False)
-        return outputs(branch, pre, post, res, mixed=mixed, shape=H.shape)
+        return outputs(h, pre, post, res, mixed=mixed, shape=H.shape)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, W, alpha_scale, beta_scale, pre, res, m, r = ctx.saved_tensors
+        x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = ctx.saved_tensors
         (rows, D), M, n = x.shape, W.size(1), pre.size(1)
         MP = pow2(M, 16)
-        dH, dpre, dpost, dres = width_backward(x.view(rows // n, n * D), pre, res, grads)
+        dH, dpre, dpost, dres, dgain = width_backward(x.view(rows // n, n * D), (pre, res, gain, rb), grads)
         blocks = hc.triton.cdiv(rows, BLOCK_ROWS)
         g = torch.empty_like(m)
         part = torch.empty(blocks, (n + 1) * MP, device=x.device, dtype=torch.float32)
@@ -296,26 +371,31 @@ class HCRead(torch.autograd.Function):
         sums = part.sum(0)
         static = sums[:n * MP].view(n, MP)
         dW = projection_backward(x, W, g, m, r=r, dH=dH.view(rows, D))
-        return dH.view(ctx.shape), dW, static[:, :n + 1], static[:, n + 1], sums[n * MP], sums[n * MP + 1]
+        return (dH.view(ctx.shape), dW, static[:, :n + 1], static[:, n + 1], sums[n * MP], sums[n * MP + 1], dgain,
+                None)
 
 
-def fused(design, H):
+def fused(design, H, site):
     """Whether hc_read runs a fused Function: residuals.MHC or residuals.HC itself with its transport mixed (their
-    maps are the kernels'; a subclass could change them), on tensors the kernels run on."""
-    kind = type(design).__name__
-    return (kind == "MHC" or kind == "HC" and design.mixed) and runs_here(H)
+    maps are the kernels'; a subclass could change them) and the branch's norm an RMSNorm (ops.RMSNorm, not centred),
+    on tensors the kernels run on."""
+    kind, norm = type(design).__name__, site.norm
+    rms = type(norm).__name__ == "RMSNorm" and not norm.center
+    return (kind == "MHC" or kind == "HC" and design.mixed) and rms and runs_here(H)
 
 
 def hc_read(design, H, site):
-    """ops.hc_read: mHC's and HC's maps and width connection as two kernels forward (MHCRead, HCRead), any other
-    design's (or off the kernels' devices) as ops.hc_read composes them, through the design's bodies."""
-    if not fused(design, H):
+    """ops.hc_read: mHC's and HC's read (maps, width connection, the branch's norm) as two kernels forward and three
+    backward (MHCRead, HCRead), with no checkpoint: autograd keeps the streams and a few floats per token (the
+    maps, the norms' rsqrt), and the backward recomputes the branch from the streams. Any other design's (or off
+    the kernels' devices) is ops.hc_read, through the design's bodies."""
+    if not fused(design, H, site):
         return ops.hc_read(design, H, site)
-    c = site.conn
+    c, norm = site.conn, (site.norm.weight, site.norm.eps)
     if type(design).__name__ == "MHC":
-        return MHCRead.apply(H, c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, design.sinkhorn_iters)
+        return MHCRead.apply(H, c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, *norm, design.sinkhorn_iters)
     W = torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1)                  # residuals.HC.maps' W (D, n + 2)
-    return HCRead.apply(H, W, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale)
+    return HCRead.apply(H, W, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale, *norm)
 
 
 BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
