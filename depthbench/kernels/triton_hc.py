@@ -511,6 +511,21 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
     if design not in ("hc", "mhc"):
         raise ValueError(f"traffic: design is 'hc' or 'mhc', got {design!r}")
     N, D, sb = tokens, d_model, stream_bytes
+    S, c = N * n * D * sb, N * n * 4
+    depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
+             row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+    if fused:                                # triton_hc_read.py: the fused read, no checkpoint (nothing recomputed)
+        fwd, bwd = fused_read(design, N=N, n=n, D=D, sb=sb, iters=iters)
+        return fwd + width_norm(N, n, D, sb)[:1] + depth + width_norm(N, n, D, sb)[1:] + bwd
+    fwd, bwd = pieces(design, N=N, n=n, D=D, sb=sb, iters=iters)
+    again = [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
+    return fwd + depth + (again if recompute else []) + bwd
+
+
+def pieces(design, N, n, D, sb, iters):
+    """The read's rows of `traffic` through triton_hc.py's pieces (ops.hc_read on them): the projection, (mHC:
+    Sinkhorn,) the maps' glue, the width connection, dW, and autograd's add of the two dH -> (forward rows, backward
+    rows)."""
     S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
     X = rows * K * sb
@@ -518,23 +533,6 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
     dW = row("normed_projection.dW", "backward", 4 * rows * M + 4 * rows + cast * 4 * rows * M + X + rows * M * sb
              + cast * K * M * sb, 4 * rows * M + cast * sb * rows * M + K * M * sb + cast * 4 * K * M,
              launches=2 + 2 * cast)
-    depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
-             row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
-    if fused:                                # triton_hc_read.py: the fused read, no checkpoint (nothing recomputed)
-        fwd, bwd, after = fused_read(design, N=N, n=n, S=S, X=X, K=K, M=M, iters=iters)
-        return fwd + width_norm(N, n, D, sb)[:1] + depth + width_norm(N, n, D, sb)[1:] + bwd + [dW] + after
-    fwd, bwd = pieces(design, N=N, n=n, D=D, sb=sb, iters=iters)
-    again = [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
-    return fwd + depth + (again if recompute else []) + bwd[:-1] + [dW] + bwd[-1:]
-
-
-def pieces(design, N, n, D, sb, iters):
-    """The read's rows of `traffic` through triton_hc.py's pieces (ops.hc_read on them) but dW: the projection, (mHC:
-    Sinkhorn,) the maps' glue, the width connection, and autograd's add of the two dH -> (forward rows, backward
-    rows; dW goes before the last)."""
-    S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
-    rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
-    X = rows * K * sb
     glue_fwd, glue_bwd = glue(design, N, n, M)
     sinkhorn = ([], [])
     if design == "mhc":
@@ -543,42 +541,46 @@ def pieces(design, N, n, D, sb, iters):
     fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows)] + sinkhorn[0] + \
         [glue_fwd, row("width_connection", "forward", S + c + R, S + N * D * sb)]
     bwd = [row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R), glue_bwd] + sinkhorn[1] + \
-        [row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
+        [row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X), dW,
          row("dH (autograd's add)", "backward", 2 * S, S)]
     return fwd, bwd
 
 
-def fused_read(design, N, n, S, X, K, M, iters):
-    """The fused read's rows of `traffic` but its width connection's (`width_norm`) and dW (HC's pieces'),
-    c = N n 4, R = N n^2 4, rows x K the projection's (mHC: N x nD; HC: N n x D):
+def fused_read(design, N, n, D, sb, iters):
+    """The fused read's rows of `traffic` but its width connection's (`width_norm`), S = N n D sb, c = N n 4,
+    R = N n^2 4, the projection's rows x K and X = rows K sb (mHC: N x nD; HC: N n x D), M its columns:
       mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
                     res, m and r (2c + 2R + 4 N M + 4 N)
-          backward  _mhc_read_bwd  read logits, dres, dlogits back (3R), pre, post and their gradients (4c), m
-                    (4 N M), Sinkhorn's scratch (4 N (2 iters - 1) n, n padded to a power of 2); write dlogits (R),
-                    dm (4 N M), the scratch and per-block partial sums (4 ceil(N / 32) 2 MP); their torch sum
+          backward  _mhc_read_bwd  read logits, dres, dlogits back (3R), pre, post and their gradients (4c), m and r
+                    (4 N M + 4 N), Sinkhorn's scratch (4 N (2 iters - 1) n, n padded to a power of 2); write dlogits
+                    (R), dm (4 N M), r dm (sb N M), the scratch and per-block partial sums (4 ceil(N / 32) 2 MP);
+                    their torch sum; dphi: one GEMM (read X + sb N M, write sb K M), cast to fp32 when sb != 4
       HC  forward   W's cat (torch, parameter-sized); _hc_read_fwd  read X + 4 K M, write pre, post, res, m and r
                     (2c + R + 4 rows M + 4 rows)
-          backward  _hc_read_bwd  read dpre, dpost, dres, m; write dm and the partial sums (4 ceil(rows / 16)
-                    (n + 1) MP); their torch sum; the four parameter gradients that are views (static_alpha's,
-                    static_beta's, the cat's two halves) copied by autograd (parameter-sized)
-      both: _proj_bwd reads the width connection's dH too (+S: no autograd add) -> (forward rows, backward rows,
-      backward rows after dW)."""
-    c, R, MP = N * n * 4, N * n * n * 4, pow2(M, 16)
-    proj = row("normed_projection", "backward", X + 4 * K * M + 8 * N * M + 4 * N + S, X)
+          backward  _hc_read_bwd  read dpre, dpost, dres, m and r; write dm, r dm and the partial sums in the
+                    parameters' layout (4 ceil(rows / 16) (n^2 + 2n + 2)); their torch sum; dW as mHC's dphi, its
+                    two column blocks copied into dynamic_alpha's and dynamic_beta's gradients (parameter-sized)
+      both: _proj_bwd reads the width connection's dH too (+S: no autograd add) -> (forward rows, backward rows)."""
+    S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
+    rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
+    X, MP, cast = rows * K * sb, pow2(M, 16), sb != 4
+    proj = row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows + S, X)
+    dW = row("dW (torch GEMM)", "backward", X + rows * M * sb + cast * K * M * sb, K * M * sb + cast * 4 * K * M,
+             launches=1 + cast)
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)
         part = 4 * triton_cdiv(N, BLOCK_TOKENS) * 2 * MP
         fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N)]
-        return fwd, [row("mhc_read", "backward", 3 * R + scratch + 4 * c + 4 * N * M, R + scratch + 4 * N * M + part),
-                     row("mhc_read.sums (torch)", "backward", part, 8 * MP), proj], []
-    rows = N * n
-    part = 4 * triton_cdiv(rows, BLOCK_ROWS) * (n + 1) * MP
-    proj = row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows + S, X)
+        return fwd, [row("mhc_read", "backward", 3 * R + scratch + 4 * c + 4 * N * M + 4 * N,
+                         R + scratch + 4 * N * M + sb * N * M + part),
+                     row("mhc_read.sums (torch)", "backward", part, 8 * MP), proj, dW]
+    part = 4 * triton_cdiv(rows, BLOCK_ROWS) * (n * n + 2 * n + 2)
     fwd = [row("W's cat (torch)", "forward", 4 * K * M, 4 * K * M),
            row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows)]
-    return fwd, [row("hc_read", "backward", 2 * c + R + 4 * rows * M, 4 * rows * M + part),
-                 row("hc_read.sums (torch)", "backward", part, 4 * (n + 1) * MP), proj], \
-        [row("parameter gradients' copies (torch)", "backward", 8 * (n * (n + 2) + K * M), 0, launches=4)]
+    return fwd, [row("hc_read", "backward", 2 * c + R + 4 * rows * M + 4 * rows, 4 * rows * M + sb * rows * M + part),
+                 row("hc_read.sums (torch)", "backward", part, 4 * (n * n + 2 * n + 2)), proj, dW,
+                 row("W's gradient into dynamic_alpha's and dynamic_beta's (torch copies)", "backward", 4 * K * M,
+                     4 * K * M, launches=2)]
 
 
 def width_norm(N, n, D, sb, per_program=8):

@@ -11,15 +11,16 @@ the norm in the backward; here, per sublayer:
             b[:n]), H_post = 2 sigmoid(alpha_post m[n:2n] + b[n:2n]), the logits alpha_res m[2n:] + b[2n:] and
             Sinkhorn on them (triton_hc._sinkhorn_block: the program's tokens again, read back from the logits it
             stored). HC `_hc_read_fwd`: per block of rows of (N n, D) (token t's stream s), m = r (x W), z =
-            static[s] + scale tanh(m), H_pre = z[0], H_res[o, s] = z[1 + o], H_post = z[n + 1] (W's cat in torch,
-            as residuals.HC.maps). Then `_width_norm_fwd`: per token, whole in registers, mixed and the branch, and
+            static[s] + scale tanh(m), H_pre = z[0], H_res[o, s] = z[1 + o], H_post = z[n + 1] (W =
+            [dynamic_alpha | dynamic_beta] concatenated in torch, as residuals.HC.maps does). Then `_width_norm_fwd`: per token, whole in registers, mixed and the branch, and
             the branch's RMSNorm with its gain: h = w branch rb (the branch is never stored; rb is kept)
   backward  `_width_norm_bwd`: the branch again from the streams, the norm's backward, the width connection's
             (its share of dH, dH_pre, dH_res) and per-program shares of the gain's gradient (one torch sum);
             `_mhc_read_bwd` / `_hc_read_bwd`: per block, (Sinkhorn's backward, recomputed from the logits,) the
             maps' backward to dm = dL/dm, and per-block partial sums of the static parameters' and scales'
-            gradients (one torch sum); then triton_hc._proj_bwd with the width connection's dH added in the same
-            pass (HAS_ACC: no autograd add); dW = x^T (r dm) by cuBLAS in x's dtype, as triton_hc.NormedProjection's
+            gradients, laid out as the parameters (one torch sum), and r dm in x's dtype; then triton_hc._proj_bwd
+            with the width connection's dH added in the same pass (HAS_ACC: no autograd add); dW = x^T (r dm) by
+            cuBLAS in x's dtype
 
 Memory: autograd keeps the streams (as under the checkpoint) and a few floats per token and sublayer for the
 backward (mHC: H_pre, H_post, the logits, H_res, m, r and rb, 66 floats at n = 4; HC: H_pre, H_res, m, r and rb,
@@ -81,11 +82,11 @@ def _mhc_read_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, N, K, M, i
 
 
 @jit
-def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, Ap, Aq, Ar, G, Part, N, M, iters, eps,
-                  n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, MP: tl.constexpr):
+def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, R, Ap, Aq, Ar, G, RG, Part, N, M, iters,
+                  eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, MP: tl.constexpr):
     """Tokens [pid BT, +BT): dlogits from dH_res (Sinkhorn's backward, into DL), then dz per column (the
-    sigmoids' derivatives: pre (1 - pre), post (1 - post / 2) for post = 2 sigmoid), dm = alpha dz into G (N, M),
-    and this block's sums: Part[pid, :M] = sum dz (b's gradient), Part[pid, MP + 0, 1, 2] = sum dz m over the pre,
+    sigmoids' derivatives: pre (1 - pre), post (1 - post / 2) for post = 2 sigmoid), dm = alpha dz into G (N, M)
+    and r dm into RG (x's dtype: dphi's GEMM input), and this block's sums: Part[pid, :M] = sum dz (b's gradient), Part[pid, MP + 0, 1, 2] = sum dz m over the pre,
     post and res columns (the alphas')."""
     _sinkhorn_block_bwd(L=Logits, G=DRes, DL=DL, Scratch=Scratch, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BT)
     tl.debug_barrier()                         # dlogits are read back in another layout
@@ -103,7 +104,11 @@ def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, Ap, Aq,
                  other=0.0)
     dz = tl.where(is_res[None, :], dl, dgate * slope)
     alpha = tl.where(is_pre, tl.load(Ap), tl.where(is_post, tl.load(Aq), tl.load(Ar)))
-    tl.store(G + rows[:, None] * M + cols[None, :], alpha[None, :] * dz, mask=live & (cols < M)[None, :])
+    g = alpha[None, :] * dz
+    tl.store(G + rows[:, None] * M + cols[None, :], g, mask=live & (cols < M)[None, :])
+    r = tl.load(R + rows, mask=rows < N, other=0.0)
+    tl.store(RG + rows[:, None] * M + cols[None, :], (g * r[:, None]).to(RG.dtype.element_ty),
+             mask=live & (cols < M)[None, :])
     m = tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live & (cols < M)[None, :], other=0.0)
     dzm = _sum(dz * m, 0)                                                    # (MP,)
     dalpha = tl.where(cols == 0, _sum(tl.where(is_pre, dzm, 0.0), 0),
@@ -156,12 +161,12 @@ def _hc_read_fwd(X, W, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
 
 
 @jit
-def _hc_read_bwd(DPre, DPost, DRes, Mo, Asc, Bsc, G, Part, NR, M,
+def _hc_read_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, Part, NR, M,
                  n: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr):
     """Rows [pid BN, +BN): dz from dH_pre, dH_post, dH_res (the forward's layout), dm = dz scale (1 - tanh(m)^2)
-    into G, and this block's sums into Part[pid] ((n + 1) MP floats): per stream s, sum over its rows of dz
-    (static_alpha's and static_beta's gradients); then sum dz tanh(m) over the alpha columns and over the last
-    (alpha_scale's and beta_scale's)."""
+    into G and r dm into RG (x's dtype: dW's GEMM input), and this block's sums into Part[pid] (n^2 + 2n + 2
+    floats, laid out as the parameters: static_alpha (n, n + 1), static_beta (n), alpha_scale, beta_scale): per
+    stream s, the sum over its rows of dz; then sum dz tanh(m) over the alpha columns and over the last."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
     live = (rows < NR)[:, None]
@@ -173,14 +178,19 @@ def _hc_read_bwd(DPre, DPost, DRes, Mo, Asc, Bsc, G, Part, NR, M,
           + tl.where((cols == n + 1)[None, :], tl.load(DPost + rows, mask=rows < NR, other=0.0)[:, None], 0.0))
     th = _tanh(tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live & (cols < M)[None, :], other=0.0))
     scale = tl.where(alpha, tl.load(Asc), tl.load(Bsc))
-    tl.store(G + rows[:, None] * M + cols[None, :], dz * scale[None, :] * (1.0 - th * th),
+    g = dz * scale[None, :] * (1.0 - th * th)
+    tl.store(G + rows[:, None] * M + cols[None, :], g, mask=live & (cols < M)[None, :])
+    r = tl.load(R + rows, mask=rows < NR, other=0.0)
+    tl.store(RG + rows[:, None] * M + cols[None, :], (g * r[:, None]).to(RG.dtype.element_ty),
              mask=live & (cols < M)[None, :])
-    part = Part + tl.program_id(0).to(tl.int64) * (n + 1) * MP
+    part = Part + tl.program_id(0).to(tl.int64) * (n * n + 2 * n + 2)
     for stream in tl.static_range(n):
-        tl.store(part + stream * MP + cols, _sum(tl.where((s == stream)[:, None], dz, 0.0), 0), mask=cols < M)
+        sums = _sum(tl.where((s == stream)[:, None], dz, 0.0), 0)                         # (MP,) over its rows
+        tl.store(part + stream * (n + 1) + cols, sums, mask=alpha)
+        tl.store(part + n * (n + 1) + stream + 0 * cols, sums, mask=cols == n + 1)
     dzt = _sum(dz * th, 0)
     scales = tl.where(cols == 0, _sum(tl.where(alpha, dzt, 0.0), 0), _sum(tl.where(cols == n + 1, dzt, 0.0), 0))
-    tl.store(part + n * MP + cols, scales, mask=cols < 2)
+    tl.store(part + n * (n + 2) + cols, scales, mask=cols < 2)
 
 
 @jit
@@ -278,13 +288,17 @@ def width_backward(x, saved, grads):
 
 
 def projection_backward(x, W, g, m, r, dH):
-    """triton_hc._proj_bwd for the rows of x (rows, K) with dH (x's layout) added in place (no autograd add), and
-    dW = x^T (r g) by cuBLAS in x's dtype (fp32 accumulation) -> dW in W's dtype."""
+    """triton_hc._proj_bwd for the rows of x (rows, K) with dH (x's layout) added in place: no autograd add."""
     (rows, K), M = x.shape, W.size(1)
     hc._proj_bwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](X=x, W=W, G=g, Out=m, R=r, DX=dH, Acc=dH, HAS_ACC=True, N=rows,
                                                       K=K, M=M, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
-    with fp32_maths(g):
-        return (x.t() @ (g * r[:, None]).to(x.dtype)).to(W.dtype)
+
+
+def weight_gradient(x, rg, W):
+    """x^T (r dm) = dW (K, M'): cuBLAS over the tokens, in x's dtype (fp32 accumulation; rg, the kernels' r dm, is
+    in x's dtype), returned in W's (fp32)."""
+    with fp32_maths(rg):
+        return (x.t() @ rg).to(W.dtype)
 
 
 def outputs(branch, pre, post, res, mixed, shape):
@@ -322,25 +336,30 @@ class MHCRead(torch.autograd.Function):
         N, M, MP = x.size(0), phi.size(1), ctx.sizes["MP"]
         dH, dpre, dpost, dres, dgain = width_backward(x, (pre, res, gain, rb), grads)
         blocks = hc.triton.cdiv(N, BLOCK_TOKENS)
-        g, dl = torch.empty_like(m), torch.empty_like(logits)
+        g, dl, rg = torch.empty_like(m), torch.empty_like(logits), torch.empty(m.shape, device=x.device, dtype=x.dtype)
         part = torch.empty(blocks, 2 * MP, device=x.device, dtype=torch.float32)
         scratch = torch.empty(N, 2 * ctx.iters - 1, ctx.sizes["NP"], device=x.device, dtype=torch.float32)
         _mhc_read_bwd[(blocks,)](Logits=logits, DRes=dres, DL=dl, Scratch=scratch, Pre=pre, Post=post, DPre=dpre,
-                                 DPost=dpost, Mo=m, Ap=a_pre, Aq=a_post, Ar=a_res, G=g, Part=part, N=N, M=M,
+                                 DPost=dpost, Mo=m, R=r, Ap=a_pre, Aq=a_post, Ar=a_res, G=g, RG=rg, Part=part, N=N,
+                                 M=M,
                                  iters=ctx.iters, eps=EPS, BT=BLOCK_TOKENS, **ctx.sizes)
         sums = part.sum(0)
-        dphi = projection_backward(x, phi, g, m, r=r, dH=dH)
+        projection_backward(x, phi, g, m, r=r, dH=dH)
+        dphi = weight_gradient(x, rg, phi)
         return dH.view(ctx.shape), dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], dgain, None, None
 
 
 class HCRead(torch.autograd.Function):
-    """ops.hc_read for HC (forward="mixed"): H (..., n, D), W = [dynamic_alpha | dynamic_beta] (D, n + 2), the
-    static maps [static_alpha (n, n + 1) | static_beta (n)], the two scales (0-dim) -> as MHCRead's. The projection
-    is per stream (rows N n, K = D); the backward returns W's gradient, which autograd splits (the cat)."""
+    """ops.hc_read for HC (forward="mixed"): H (..., n, D), dynamic_alpha (D, n + 1), dynamic_beta (D,), the static
+    maps static_alpha (n, n + 1), static_beta (n), the two scales (0-dim), the norm's gain and eps -> as MHCRead's.
+    The projection is per stream (rows N n, K = D) with W = [dynamic_alpha | dynamic_beta] (D, n + 2), concatenated
+    here (residuals.HC.maps' W); the static maps' and scales' gradients are written in their parameters' layout, W's
+    is one GEMM whose two column blocks autograd copies into dynamic_alpha's and dynamic_beta's."""
 
     @staticmethod
-    def forward(ctx, H, W, static_alpha, static_beta, alpha_scale, beta_scale, gain, eps):
+    def forward(ctx, H, dynamic_alpha, dynamic_beta, static_alpha, static_beta, alpha_scale, beta_scale, gain, eps):
         n, D = H.shape[-2:]
+        W = torch.cat([dynamic_alpha, dynamic_beta[:, None]], 1)
         M = W.size(1)
         x = H.reshape(-1, D).contiguous()                                   # (N n, D): row t n + s
         rows = x.size(0)
@@ -361,18 +380,17 @@ class HCRead(torch.autograd.Function):
     def backward(ctx, *grads):
         x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = ctx.saved_tensors
         (rows, D), M, n = x.shape, W.size(1), pre.size(1)
-        MP = pow2(M, 16)
         dH, dpre, dpost, dres, dgain = width_backward(x.view(rows // n, n * D), (pre, res, gain, rb), grads)
         blocks = hc.triton.cdiv(rows, BLOCK_ROWS)
-        g = torch.empty_like(m)
-        part = torch.empty(blocks, (n + 1) * MP, device=x.device, dtype=torch.float32)
-        _hc_read_bwd[(blocks,)](DPre=dpre, DPost=dpost, DRes=dres, Mo=m, Asc=alpha_scale, Bsc=beta_scale, G=g,
-                                Part=part, NR=rows, M=M, n=n, BN=BLOCK_ROWS, MP=MP)
-        sums = part.sum(0)
-        static = sums[:n * MP].view(n, MP)
-        dW = projection_backward(x, W, g, m, r=r, dH=dH.view(rows, D))
-        return (dH.view(ctx.shape), dW, static[:, :n + 1], static[:, n + 1], sums[n * MP], sums[n * MP + 1], dgain,
-                None)
+        g, rg = torch.empty_like(m), torch.empty(m.shape, device=x.device, dtype=x.dtype)
+        part = torch.empty(blocks, n * n + 2 * n + 2, device=x.device, dtype=torch.float32)
+        _hc_read_bwd[(blocks,)](DPre=dpre, DPost=dpost, DRes=dres, Mo=m, R=r, Asc=alpha_scale, Bsc=beta_scale, G=g,
+                                RG=rg, Part=part, NR=rows, M=M, n=n, BN=BLOCK_ROWS, MP=pow2(M, 16))
+        sums = part.sum(0)                                   # [static_alpha | static_beta | the scales], contiguous
+        projection_backward(x, W, g, m, r=r, dH=dH.view(rows, D))
+        dW = weight_gradient(x, rg, W)          # one GEMM (x read once); autograd copies its two column blocks
+        return (dH.view(ctx.shape), dW[:, :n + 1], dW[:, n + 1], sums[:n * (n + 1)].view(n, n + 1),
+                sums[n * (n + 1):n * (n + 2)], sums[-2], sums[-1], dgain, None)
 
 
 def fused(design, H, site):
@@ -394,8 +412,8 @@ def hc_read(design, H, site):
     c, norm = site.conn, (site.norm.weight, site.norm.eps)
     if type(design).__name__ == "MHC":
         return MHCRead.apply(H, c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, *norm, design.sinkhorn_iters)
-    W = torch.cat([c.dynamic_alpha, c.dynamic_beta[:, None]], 1)                  # residuals.HC.maps' W (D, n + 2)
-    return HCRead.apply(H, W, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale, *norm)
+    return HCRead.apply(H, c.dynamic_alpha, c.dynamic_beta, c.static_alpha, c.static_beta, c.alpha_scale,
+                        c.beta_scale, *norm)
 
 
 BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
