@@ -2,8 +2,8 @@
 depthbench/kernels: the fast bodies of ops.py's maths, one file per device and design family: cpu.py (every
 family's fast bodies, the "fast" namespace; they run on any device), triton_attnres.py (Full and Block AttnRes'
 depth mix as Triton kernels), triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes) and triton_hc_read.py
-(HC's and mHC's maps and width mix fused: ops.hc_read). A new body goes into the file of its device and family:
-cpu.py, or triton_<family>.py.
+(HC's and mHC's whole read fused, ops.hc_read: the maps, the width mix and the branch's norm). A new body goes into
+the file of its device and family: cpu.py, or triton_<family>.py.
 
 ops.py imports none of them (they import ops.py): importing this package registers them with ops.register, and
 model.py and residuals.py import it, so every model built has them. `ops.namespace("fast")` is cpu.py's bodies,
