@@ -20,12 +20,13 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 # the names with two bodies: ops.py's (the definition) and depthbench/kernels/cpu.py's (the same maths, faster; some
 # with a third, a GPU body in depthbench/kernels)
 TWO_BODIES = ("apply_rope", "causal_attention", "joint_attention", "lm_loss", "normed_projection", "width_connection",
-              "depth_connection", "sinkhorn", "DepthBank", "DepthKV")
+              "depth_connection", "sinkhorn", "hc_read", "DepthBank", "DepthKV")
 
 
 class Kernels:
@@ -165,6 +166,17 @@ def depth_connection(mixed, post, y):
     with fp32_maths(mixed):
         mixed, post, y = mixed.float(), post.float(), y.float()
         return mixed + post[..., None] * y[..., None, :]
+
+
+def hc_read(design, H, site):
+    """HC's and mHC's read (residuals.HC.read): design.connect (the maps, the width connection, the branch's norm:
+    residuals.py's equations) on the streams H, under torch.utils.checkpoint when design.recompute and autograd
+    records (it keeps H alone; the backward recomputes the rest) -> (h, H_pre, H_post, H_res, mixed). One name for
+    all of read, so that a GPU body can run it as fused kernels whose backward needs no recompute
+    (depthbench/kernels/triton_hc_read.py); here, and in cpu.py, it is this composition."""
+    if design.recompute and torch.is_grad_enabled():
+        return checkpoint(design.connect, H, site, use_reentrant=False, preserve_rng_state=False)
+    return design.connect(H, site)
 
 
 def sinkhorn(logits, iters=20, eps=1e-6):

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 import ops
 import depthbench.kernels  # noqa: F401  (registers the fast bodies with ops.namespace)
@@ -386,9 +385,10 @@ class HC(PreLN):
     paper's A_m, A_r, B are A[:, 0], A[:, 1:] and beta. `forward="unmixed"` (the older official code): H_res = I.
     Head (`collapse`): "sum" of the streams, then the final RMSNorm (the default); "mean", then the norm (mHC's);
     "norm_each": the final norm on each stream, then the sum (the older official code). `recompute` (default on):
-    read's maths (the maps, both mixes, the norm) runs under torch.utils.checkpoint, so that autograd keeps the
-    streams alone and the backward recomputes the rest, as the mHC paper does: the same losses and gradients, at most
-    a third of the memory (docs/training.md#memory).
+    read's maths (`connect`: the maps, both mixes, the norm) runs under torch.utils.checkpoint (ops.hc_read), so
+    that autograd keeps the streams alone and the backward recomputes the rest, as the mHC paper does: the same
+    losses and gradients, at most a third of the memory (docs/training.md#memory); the Triton path runs it as fused
+    kernels whose backward recomputes from the streams without the checkpoint.
     Init (`reset_parameters`): static_alpha[s, 0] = [s = i mod n] (sublayer i reads stream i mod n) and
     static_alpha[s, 1 + o] = [s = o] (H_res = I); static_beta = 1; dynamic_alpha = dynamic_beta = 0; alpha_scale =
     beta_scale = 0.01; W_o and W_2 of every block divided by sqrt(n) (`scale_sublayer_init`). At init the model is
@@ -441,10 +441,7 @@ class HC(PreLN):
         return x0.unsqueeze(2).repeat(1, 1, self.n, 1)                                    # (B, T, n, D)
 
     def read(self, s, site):
-        if self.recompute and torch.is_grad_enabled():   # autograd keeps s alone; the backward recomputes the rest
-            h, *maps, mixed = checkpoint(self.connect, s, site, use_reentrant=False, preserve_rng_state=False)
-        else:
-            h, *maps, mixed = self.connect(s, site)
+        h, *maps, mixed = self.ops.hc_read(self, s, site)   # connect, under checkpoint when recompute (ops.hc_read)
         return h, {**dict(zip(("H_pre", "H_post", "H_res"), maps)), "mixed": mixed}
 
     def connect(self, s, site):

@@ -22,9 +22,9 @@ from pathlib import Path
 TARGET = (2, 250)             # (files, lines) at most, for the designs in TARGETED
 TARGETED = ("HC", "mHC", "Full AttnRes", "MoDA")
 CONTRACT = ["<module>", "PreLN.__init__", "PreLN.build"]       # residuals.py's trunk loop; the norms every design has
-HC_FORWARD = ["HC.__init__", "HC.site", "HC.init_stream", "HC.read", "HC.write", "HC.collapse",
+HC_FORWARD = ["HC.__init__", "HC.site", "HC.init_stream", "HC.read", "HC.connect", "HC.write", "HC.collapse",
               "HC.scale_sublayer_init"]
-HC_OPS = ["fp32_maths", "rms_norm", "RMSNorm", "normed_projection", "width_connection", "depth_connection"]
+HC_OPS = ["fp32_maths", "rms_norm", "RMSNorm", "hc_read", "normed_projection", "width_connection", "depth_connection"]
 HC_FAST = ["skinny_matmul", "inv_rms", "InvRms", "normed_projection", "width_connection", "depth_connection"]
 ATTNRES = ["FullAttnRes", "FullAttnRes.__init__", "FullAttnRes.site", "FullAttnRes.init_stream", "FullAttnRes.mix",
            "FullAttnRes.read", "FullAttnRes.write", "FullAttnRes.collapse", "FullAttnRes.n_sites",

@@ -154,6 +154,7 @@ FILE_LINES_ASIDE = ("residuals.py",)                        # grows with its reg
 IFEXP_ASIDE = ("depthbench/kernels/cpu.py",)                  # fused kernels pick their branch inline
 PARAMS_ASIDE = ("depthbench/kernels/triton_attnres.py",        # a Triton kernel takes each pointer, size and block
                 "depthbench/kernels/triton_hc.py",             # as an argument
+                "depthbench/kernels/triton_hc_read.py",
                 "depthbench/kernels/triton_moda.py")
 VARIADIC = ("permute", "view", "reshape", "expand", "repeat",  # tensor methods whose positional arguments are
             "apply", "save_for_backward")                      # the dimensions themselves, and autograd's calls

@@ -6,10 +6,13 @@ tensors:
 
 Each kernel against its reference body, forward and every gradient: fp32 to 1e-5 (relative to the largest entry),
 bf16 inputs to cosine >= 0.999; odd token counts, n = 4 streams and n = 3 (a block padded to 4), widths that leave
-a partial block; then a tiny GPT with residual "hc" and "mhc" whose HC names are replaced by the Triton bodies gives
-the loss and gradients of kernels "reference". Also: every kernel compiles to PTX for sm_90 (H100/H200) with no GPU
-present (slow: ~10 s with a cold Triton cache); off the GPU each body is depthbench/kernels/cpu.py's; `traffic` counts
-the bytes of the tensors a forward touches; the GPU script's check (`compare_with_reference`) finds a wrong body.
+a partial block; mHC's fused read (triton_hc_read.py) against ops.hc_read the same way; then a tiny GPT with residual
+"hc" and "mhc" whose HC names are replaced by the Triton bodies (mHC's read fused) gives the loss and gradients of
+kernels "reference", in fp32 and, to bf16's bounds, under bf16 autocast (the streams bf16). Also: every kernel
+compiles to PTX for sm_90 (H100/H200) with no GPU present (slow: ~10 s with a cold Triton cache); off the GPU each
+body is depthbench/kernels/cpu.py's; `traffic` counts the bytes of the tensors a forward touches, and every launch
+one sublayer makes (kernels, torch glue, recompute); the GPU script's check (`compare_with_reference`) finds a wrong
+body.
 Skipped, with the reason, where triton does not import (`pip install triton`: the interpreter needs no GPU).
 
 The interpreter is chosen when a kernel is decorated (TRITON_INTERPRET=1 at import time), so `interpreted_hc` sets
@@ -56,6 +59,7 @@ def interpreted_hc():
 
 
 hc = interpreted_hc()
+hcr = importlib.import_module("depthbench.kernels.triton_hc_read")    # mHC's fused read, on hc's kernels
 
 
 def rel_err(a, b):
@@ -163,22 +167,23 @@ def test_streams_keep_their_dtype_and_coefficients_are_fp32():
 # ----------------------------------------------------------------------------- a whole model
 
 def with_triton_bodies(model):
-    """The model's residual design calling depthbench/kernels/triton_hc.py's bodies for hc.NAMES and its own namespace's
-    for the rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will
+    """The model's residual design calling depthbench/kernels/triton_hc.py's bodies for hc.NAMES, triton_hc_read.py's
+    hc_read (mHC's fused read) and its own namespace's for the rest: a copy of its ops.Kernels with those attributes replaced (what an ops.namespace("triton") will
     hold)."""
     bodies = copy.copy(model.res.ops)
     bodies.name = f"{bodies.name}+triton-hc"
     for name in hc.NAMES:
         setattr(bodies, name, getattr(hc, name))
+    bodies.hc_read = hcr.hc_read
     model.res.ops = bodies
     return model
 
 
-def tiny_model(residual, **options):
-    """L1 d16 (4 heads; two sublayers, so two connections in a row), vocab 32, every parameter moved off its init
+def tiny_model(residual, d_model=16, **options):
+    """L1 d16 by default (4 heads; two sublayers, so two connections in a row), vocab 32, every parameter moved off its init
     (zero-initialised maps would hide a wrong gradient), on ops.py's reference bodies."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, n_layer=1, d_model=16, n_head=4, d_ff=40, residual=residual,
+    model = GPT(GPTConfig(vocab_size=32, n_layer=1, d_model=d_model, n_head=4, d_ff=40, residual=residual,
                           residual_args=options, kernels="reference"))
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -211,6 +216,121 @@ def test_model_with_triton_bodies(residual, options):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=atol, msg=name)
 
 
+def test_streams_are_bf16_under_bf16_autocast():
+    """Under bf16 autocast the write stores the streams in bf16 (the GPU path's "bf16 in and out"), whatever the
+    dtype of the mixed streams it adds to (the model's first write gets them in fp32); without autocast they keep
+    theirs. The gradient it hands back is in the dtype of its input."""
+    mixed, post, y = randn(1, 3, 4, 16).requires_grad_(), randn(1, 3, 4), randn(1, 3, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hc.depth_connection(mixed, post, y)
+    assert out.dtype == torch.bfloat16 and hc.depth_connection(mixed, post, y).dtype == torch.float32
+    out.float().sum().backward()
+    assert mixed.grad.dtype == torch.float32
+    want = ops.depth_connection(mixed.detach(), post, y)             # fp32: the kernel's sum, rounded once to bf16
+    torch.testing.assert_close(out.detach().float(), want, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_model_under_bf16_autocast_is_the_reference_to_bf16(residual):
+    """The GPU's precision on the CPU: under bf16 autocast (the Triton path's streams in bf16 after the first write,
+    fp32 inside the kernels) the tiny GPT's loss is kernels "reference"'s (fp32 streams) under the same autocast to
+    2e-2, every gradient within 10% of its norm (test_all.py's bf16 bounds) and at cosine >= 0.999 (but a gradient
+    that is ~0, a saturated gate's)."""
+    idx = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name, model in (("triton", with_triton_bodies(tiny_model(residual))), ("reference", tiny_model(residual))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        out[name] = loss.float(), {n: p.grad for n, p in model.named_parameters()}
+    (l1, g1), (l2, g2) = out["triton"], out["reference"]
+    torch.testing.assert_close(l1, l2, rtol=2e-2, atol=2e-2)
+    for n, g in g2.items():
+        assert g1[n].dtype == g.dtype == torch.float32, n
+        assert (g1[n] - g).norm() <= 0.1 * g.norm() + 1e-3, n
+        assert g.norm() <= 1e-6 or cosine(g1[n], g) >= 0.999, (n, cosine(g1[n], g))   # ~0: a saturated gate's
+
+
+# ----------------------------------------------------------------------------- the fused read (triton_hc_read.py)
+
+def read_both_ways(model, H, dtype, seed=0):
+    """ops.hc_read (ops.py's bodies) and triton_hc_read.hc_read on the same design, site 1 and streams H in dtype:
+    [(outputs, gradients of H and the connector's parameters)] for each, from the same random upstream gradients."""
+    res, site = model.res, model.res.site(1)
+    results = []
+    for read in (ops.hc_read, hcr.hc_read):
+        leaf = H.to(dtype).requires_grad_()
+        params = list(site.conn.parameters()) + [site.norm.weight]
+        outs = read(res, leaf, site)
+        g = torch.Generator().manual_seed(seed)
+        live = [o for o in outs if o.requires_grad]                   # HC's H_res = I (unmixed) has no gradient
+        ups = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in live]
+        results.append(([o.detach() for o in outs], torch.autograd.grad(live, [leaf] + params, ups)))
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("design,n,options", [("mhc", 4, {"init": "uniform"}), ("mhc", 3, {}), ("mhc", 4, {}),
+                                              ("hc", 4, {}), ("hc", 3, {})])
+def test_hc_read_equals_reference(design, n, options, dtype):
+    """mHC's and HC's fused reads (MHCRead, HCRead: the projection with the maps (and Sinkhorn) in one kernel, the
+    width connection with the branch's norm in another, their backwards, the projection's with dH added in) against
+    ops.hc_read with ops.py's bodies (under its checkpoint): h, H_pre, H_post, H_res, mixed and the gradients of H,
+    every connector parameter (mHC: phi, b, the alphas; HC: the static and dynamic maps, the scales) and the norm's
+    gain, on 3 x 13 tokens (a partial block), D = 24, n = 4 and 3 (padded; HC's row blocks then straddle tokens);
+    fp32 to 1e-5 (a gradient summed over the tokens with cancellation, to 1e-6 of the largest gradient:
+    test_model_with_triton_bodies' bound), bf16 streams to cosine >= 0.999."""
+    model = tiny_model(design, d_model=24, n_streams=n, **options)
+    assert hcr.fused(model.res, torch.zeros(1), model.res.site(1))
+    H = randn(3, 13, n, 24, seed=19)
+    (out_ref, grad_ref), (out_new, grad_new) = read_both_ways(model, H, dtype)
+    top = max(g.abs().max().item() for g in grad_ref)
+    for what, a, b in [("output", a, b) for a, b in zip(out_new, out_ref)] + \
+                      [("gradient", a, b) for a, b in zip(grad_new, grad_ref)]:
+        assert a.shape == b.shape and a.dtype == b.dtype or what == "output", what
+        if dtype == torch.float32:       # or, a sum with cancellation (alpha_res' at gap-8), to 1e-6 of the largest
+            assert rel_err(a, b) <= 1e-5 or (a - b).abs().max() <= 1e-6 * top, (what, rel_err(a, b))
+        else:
+            assert cosine(a, b) >= 0.999, (what, cosine(a, b))
+
+
+def test_hc_read_is_the_composition_for_other_designs(monkeypatch):
+    """HC with H_res = I (forward "unmixed") and an mHC subclass (whose maps could differ) go through ops.hc_read, on
+    the design's own bodies; so does mHC on a tensor the kernels cannot run on."""
+    hc_model, mhc_model = tiny_model("hc", forward="unmixed"), tiny_model("mhc")
+    site = mhc_model.res.site(1)
+    assert not hcr.fused(hc_model.res, torch.zeros(1), site) and hcr.fused(tiny_model("hc").res, torch.zeros(1), site)
+    monkeypatch.setattr(hc, "interpreted", lambda: False)
+    assert not hcr.fused(mhc_model.res, torch.zeros(1), site)
+    monkeypatch.undo()
+    sub = type("MHCVariant", (type(mhc_model.res),), {})
+    assert not hcr.fused(sub.__new__(sub), torch.zeros(1), site)
+    H = randn(1, 3, 4, 16, seed=20)
+    (out_ref, _), (out_new, _) = read_both_ways(hc_model, H, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(out_new, out_ref))
+
+
+@pytest.mark.parametrize("design,floats", [("mhc", 66), ("hc", 49)])
+def test_fused_read_keeps_the_streams_and_a_few_floats(design, floats):
+    """The fused read runs without ops.hc_read's checkpoint, yet autograd keeps, beyond the streams (its input) and
+    parameter-sized tensors, `floats` fp32 per token and sublayer (triton_hc_read.py's docstring: mHC 66, HC 49 at
+    n = 4), measured as the difference between 32 and 16 tokens of what its saved-tensor hook sees."""
+    model = with_triton_bodies(tiny_model(design, d_model=32))
+    site, kept = model.res.site(1), {}
+    for N in (16, 32):
+        H = randn(1, N, 4, 32, seed=21).requires_grad_()
+        sizes = []
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() != H.untyped_storage().data_ptr():
+                sizes.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.res.read(H, site)
+        kept[N] = sum(sizes)
+    assert kept[32] - kept[16] == 16 * 4 * floats
+
+
 # ----------------------------------------------------------------------------- compiled for the GPU, without one
 
 def compiled_module():
@@ -225,21 +345,58 @@ def compiled_module():
     return module
 
 
+def compiled_read_module(compiled_hc):
+    """A copy of depthbench/kernels/triton_hc_read.py built on `compiled_hc` (compiled_module's triton_hc: its
+    kernels call that module's helpers), decorated for the compiler."""
+    import depthbench.kernels as package
+    name = "depthbench.kernels.triton_hc"
+    saved, saved_attr = sys.modules[name], package.triton_hc
+    before = os.environ.pop("TRITON_INTERPRET", None)
+    sys.modules[name], package.triton_hc = compiled_hc, compiled_hc
+    try:
+        spec = importlib.util.spec_from_file_location("hc_read_compiled",
+                                                      ROOT / "depthbench" / "kernels" / "triton_hc_read.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules[name], package.triton_hc = saved, saved_attr
+        if before is not None:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
+
+
 def kernel_signatures(stream, module):
-    """(kernel name, pointer and scalar types, constexprs) of every kernel, as the bodies launch them at n = 4 on
-    streams of dtype `stream` ("fp32" or "bf16"; y and the logits in that dtype too, the coefficients fp32)."""
+    """(kernel name, pointer and scalar types, constexprs) of every kernel (triton_hc_read.py's too), as the bodies
+    launch them at n = 4 on streams of dtype `stream` ("fp32" or "bf16"; y and the logits in that dtype too, the
+    coefficients fp32)."""
     s, f = "*" + stream, "*fp32"
     streams, projection = dict(n=4, NP=4, BD=module.BLOCK_D), dict(BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=32)
     sinkhorn = dict(n=4, NP=4, BT=module.BLOCK_TOKENS)
     return [
         ("_proj_fwd", dict(X=s, W=f, Out=f, R=f, N="i32", K="i32", M="i32", eps="fp32"), projection),
-        ("_proj_bwd", dict(X=s, W=f, G=f, Out=f, R=f, DX=s, N="i32", K="i32", M="i32"), projection),
+        ("_proj_bwd", dict(X=s, W=f, G=f, Out=f, R=f, DX=s, Acc=s, N="i32", K="i32", M="i32"),
+         dict(projection, HAS_ACC=True)),
         ("_sinkhorn_fwd", dict(L=s, Out=f, N="i32", iters="i32", eps="fp32"), sinkhorn),
         ("_sinkhorn_bwd", dict(L=s, G=f, DL=s, Scratch=f, N="i32", iters="i32", eps="fp32"), sinkhorn),
         ("_width_fwd", dict(H=s, Pre=f, Res=f, Branch=s, Mixed=s, D="i32"), streams),
         ("_width_bwd", dict(H=s, Pre=f, Res=f, DBranch=s, DMixed=s, DH=s, DPre=f, DRes=f, D="i32"), streams),
         ("_depth_fwd", dict(Mixed=s, Post=f, Y=s, Out=s, D="i32"), streams),
-        ("_depth_bwd", dict(DOut=s, Post=f, Y=s, DPost=f, DY=s, D="i32"), streams)]
+        ("_depth_bwd", dict(DOut=s, Post=f, Y=s, DPost=f, DY=s, D="i32"), streams),
+        ("_mhc_read_fwd", dict(X=s, W=f, B=f, Ap=f, Aq=f, Ar=f, Pre=f, Post=f, Logits=f, Res=f, Mo=f, R=f, N="i32",
+                               K="i32", M="i32", iters="i32", eps="fp32"), dict(n=4, NP=4, BN=module.BLOCK_ROWS,
+                                                                                BK=module.BLOCK_K, MP=32)),
+        ("_mhc_read_bwd", dict(Logits=f, DRes=f, DL=f, Scratch=f, Pre=f, Post=f, DPre=f, DPost=f, Mo=f, R=f, Ap=f,
+                               Aq=f, Ar=f, G=f, RG=s, Part=f, N="i32", M="i32", iters="i32", eps="fp32"),
+         dict(sinkhorn, MP=32)),
+        ("_hc_read_fwd", dict(X=s, W=f, Sa=f, Sb=f, Asc=f, Bsc=f, Pre=f, Post=f, Res=f, Mo=f, R=f, NR="i32", K="i32",
+                              M="i32", eps="fp32"), dict(n=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16)),
+        ("_hc_read_bwd", dict(DPre=f, DPost=f, DRes=f, Mo=f, R=f, Asc=f, Bsc=f, G=f, RG=s, Part=f, NR="i32",
+                              M="i32"),
+         dict(n=4, BN=module.BLOCK_ROWS, MP=16)),
+        ("_width_norm_fwd", dict(H=s, Pre=f, Res=f, Wn=f, Out=s, Mixed=s, Rb=f, N="i32", D="i32", eps="fp32"),
+         dict(n=4, NP=4, BD=1024, TPP=8)),                                                  # the card's d640, whole
+        ("_width_norm_bwd", dict(H=s, Pre=f, Res=f, Wn=f, Rb=f, DOut=s, DMixed=s, DH=s, DPre=f, DRes=f, DWp=f,
+                                 N="i32", D="i32"), dict(n=4, NP=4, BD=1024, TPP=8))]
 
 
 @pytest.mark.slow
@@ -264,8 +421,9 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
         assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
         return
     module = compiled_module()
+    read_module = compiled_read_module(module)
     for name, types, constants in kernel_signatures(stream, module):
-        kernel = getattr(module, name)
+        kernel = getattr(module, name, None) or getattr(read_module, name)
         params = list(inspect.signature(kernel.fn).parameters)
         assert sorted(params) == sorted([*types, *constants]), name
         source = ASTSource(fn=kernel, signature={p: types.get(p, "constexpr") for p in params}, constexprs=constants)
@@ -277,20 +435,149 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
 
 def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     """traffic's forward bytes for width_connection and depth_connection equal the bytes of the tensors a real call
-    reads and writes (fp32 streams, bf16 y), and mHC's projection reads the n D stream bytes of every token."""
+    reads and writes (fp32 streams, bf16 y); HC's projection reads the streams and W, as does its fused read; mHC's
+    fused read reads the streams, phi and the logits it wrote (Sinkhorn's input); neither runs a separate projection
+    or Sinkhorn."""
     N, n, D = 6, 4, 16
     H, pre, res = randn(1, N, n, D), randn(1, N, n), randn(1, N, n, n)
     branch, mixed = hc.width_connection(H, pre, res)
     y = randn(1, N, D).bfloat16()
-    rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, y_bytes=2)}
+    rows = {(r["kernel"], r["pass"]): r for r in hc.traffic("hc", tokens=N, d_model=D, n=n, stream_bytes=4,
+                                                                   y_bytes=2, fused=False)}
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     assert rows["width_connection", "forward"]["read"] == nbytes(H, pre, res)
     assert rows["width_connection", "forward"]["written"] == nbytes(branch, mixed)
     out = hc.depth_connection(mixed, pre, y)
     assert rows["depth_connection", "forward"]["read"] == nbytes(mixed, pre, y)
     assert rows["depth_connection", "forward"]["written"] == nbytes(out)
-    assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * n * D * (n * n + 2 * n)
-    assert ("sinkhorn", "forward") not in {(r["kernel"], r["pass"]) for r in hc.traffic("hc", N, D)}
+    assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * D * (n + 2)      # HC's W: (D, n + 2)
+    hc_fused = {(r["kernel"], r["pass"]): r for r in hc.traffic("hc", tokens=N, d_model=D, n=n, stream_bytes=4)}
+    assert hc_fused["hc_read", "forward"]["read"] == nbytes(H) + 4 * D * (n + 2)
+    fused = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, stream_bytes=4)}
+    logits = randn(1, N, n, n)
+    assert fused["mhc_read", "forward"]["read"] == nbytes(H, logits) + 4 * n * D * (n * n + 2 * n)
+    assert not {"sinkhorn", "normed_projection"} & {kernel for kernel, pass_ in {**fused, **hc_fused}
+                                                    if pass_ == "forward"}
+
+
+class Launches(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every torch op that launches a kernel ((name, shapes, bytes of its tensors in and out)) and every Triton kernel
+    launched (its name), in `ops` and `kernels`; the interpreter's own torch calls inside a kernel are not ops."""
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty_strided", "view", "_unsafe_view", "t", "transpose",
+            "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided", "detach", "alias", "unflatten",
+            "permute", "reshape", "zeros_like", "new_zeros"}                    # metadata or allocation: no launch
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.kernels, self.inside = [], [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside and func.overloadpacket.__name__ not in self.FREE:
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.ops.append((func.overloadpacket.__name__, [tuple(t.shape) for t in tensors],
+                             sum(t.numel() * t.element_size() for t in tensors)))
+        return out
+
+    def launcher(self, name, launch):
+        def run(*args, **kwargs):
+            self.kernels.append(name)
+            self.inside = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self.inside = False
+        return run
+
+
+def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.float32, fused=True):
+    """One sublayer's read and write of a tiny `design` model with the Triton bodies (fused: the read through
+    triton_hc_read.py, else ops.hc_read on triton_hc.py's pieces), forward and backward on N tokens, streams of
+    `dtype` (bf16: under bf16 autocast, as on the GPU path): {pass: (torch ops as (name, shapes, bytes), Triton kernel
+    names in launch order)}."""
+    model = with_triton_bodies(tiny_model(design, d_model=D, recompute=recompute, n_streams=n))
+    if not fused:
+        model.res.ops.hc_read = ops.hc_read
+    res, site, H = model.res, model.res.site(1), randn(1, N, n, D, seed=17).to(dtype).requires_grad_()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    rec, seen = Launches(), {}
+    with monkeypatch.context() as patch:
+        patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
+        for name in KERNEL_OF.values():
+            module = hcr if name.startswith(("_mhc_read", "_hc_read", "_width_norm")) else hc
+            patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
+                                                            nm=name: rec.launcher(nm, k[grid])})())
+        with rec, autocast:
+            h, ctx = res.read(H, site)
+            out = res.write(H, site, h, ctx)                         # the branch output y = h: no sublayer between
+        seen["forward"] = (rec.ops, rec.kernels)
+        rec.ops, rec.kernels = [], []
+        g = randn(*out.shape, seed=18).to(out.dtype)
+        with rec, autocast:
+            out.backward(g)
+        seen["backward"] = (rec.ops, rec.kernels)
+    return seen
+
+
+KERNEL_OF = {("normed_projection", "forward"): "_proj_fwd", ("normed_projection", "backward"): "_proj_bwd",
+             ("sinkhorn", "forward"): "_sinkhorn_fwd", ("sinkhorn", "backward"): "_sinkhorn_bwd",
+             ("width_connection", "forward"): "_width_fwd", ("width_connection", "backward"): "_width_bwd",
+             ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd",
+             ("mhc_read", "forward"): "_mhc_read_fwd", ("mhc_read", "backward"): "_mhc_read_bwd",
+             ("hc_read", "forward"): "_hc_read_fwd", ("hc_read", "backward"): "_hc_read_bwd",
+             ("width_norm", "forward"): "_width_norm_fwd", ("width_norm", "backward"): "_width_norm_bwd"}
+
+
+def is_norm(name, shapes, N, D):
+    """An op of the branch's RMSNorm (Pre-LN has it too): not a copy (dynamic_beta's gradient, (D,), is one), every
+    tensor (1, N, D), (1, N, 1), (D,), (1, 1, D) or 0-dim."""
+    return name != "copy_" and all(s in {(1, N, D), (1, N, 1), (D,), (1, 1, D), ()} for s in shapes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("design,fused", [("hc", True), ("mhc", True), ("hc", False), ("mhc", False)],
+                         ids=["hc", "mhc", "hc-pieces", "mhc-pieces"])
+def test_traffic_counts_every_launch(design, fused, dtype, monkeypatch):
+    """traffic's rows are the launches one sublayer really makes with these bodies, fp32 streams, and bf16 ones
+    under bf16 autocast (the GPU path: stream_bytes 2, the dW and norm casts), through the fused read and through
+    the pieces (fused=False: the numbers before it): the Triton kernels by name, and the torch ops between them (the
+    maps' glue, dW, the sums of per-block gradients, autograd's add of the two dH, and the pieces' recompute under
+    ops.hc_read's checkpoint: the forward kernels, glue and the branch's RMSNorm again; the fused read recomputes
+    nothing), launch for launch, and their bytes per token (measured at 8 and 16 tokens: the difference). Only the
+    branch norm's forward and backward on the pieces' path, Pre-LN's too, are left out."""
+    n, D = 4, 32
+    runs = {(N, rc): path_launches(design, N, rc, monkeypatch, n, D, dtype, fused) for N in (8, 16)
+            for rc in (False, True)}
+    sb = torch.finfo(dtype).bits // 8
+
+    def kernel_of(r):
+        return KERNEL_OF.get((r["kernel"], "forward" if "recompute" in r["pass"] else r["pass"]))
+
+    def measured(N, rc, pass_, with_norm=False):
+        """(torch launches, their bytes) of a pass; on the pieces' path the branch norm's left out unless with_norm."""
+        ops_ = [b for name, shapes, b in runs[N, rc][pass_][0]
+                if fused or with_norm or not is_norm(name, shapes, N, D)]          # the fused read has no torch norm
+        return len(ops_), sum(ops_)
+
+    def counted(N, rc, passes):
+        """(torch launches, their bytes) of traffic's rows of those passes: every row that is not a Triton kernel."""
+        kept = [r for r in hc.traffic(design, N, D, n=n, stream_bytes=sb, recompute=rc, fused=fused) if r["pass"] in passes and not kernel_of(r)]
+        return sum(r["launches"] for r in kept), sum(r["read"] + r["written"] for r in kept)
+
+    for rc in (False, True):
+        rows = hc.traffic(design, 8, D, n=n, stream_bytes=sb, recompute=rc, fused=fused)
+        assert runs[8, rc]["forward"][1] == [kernel_of(r) for r in rows if r["pass"] == "forward" and kernel_of(r)]
+        assert sorted(runs[8, rc]["backward"][1]) == sorted(kernel_of(r) for r in rows
+                                                             if r["pass"] != "forward" and kernel_of(r))
+    for pass_ in ("forward", "backward"):
+        assert measured(8, False, pass_)[0] == counted(8, False, {pass_})[0], pass_
+        per_token = measured(16, False, pass_)[1] - measured(8, False, pass_)[1]
+        assert per_token == counted(16, False, {pass_})[1] - counted(8, False, {pass_})[1], pass_
+    # the recompute: what the backward launches with it beyond what it launches without (the norm's too)
+    extra = {N: [a - b for a, b in zip(measured(N, True, "backward", True), measured(N, False, "backward", True))]
+             for N in (8, 16)}
+    again = {N: counted(N, True, {"backward (recompute)"}) for N in (8, 16)}
+    assert extra[8][0] == again[8][0] and extra[16][1] - extra[8][1] == again[16][1] - again[8][1]
 
 
 def load_copy(name):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ops import fp32_maths, rms_norm, topk_count, topk_sources  # noqa: F401  (one body: the same names here)
+from ops import fp32_maths, hc_read, rms_norm, topk_count, topk_sources  # noqa: F401  (one body: the same names here)
 
 CPU_SDPA_MIN_HEAD_DIM = 16  # CPU attention pads narrower heads with zeros to this width
 LOSS_CHUNK_BYTES = 2 ** 27  # fp32 logits per chunk of the logits-free loss: 128 MB, 667 tokens at V 50304

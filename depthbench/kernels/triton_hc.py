@@ -3,7 +3,9 @@ depthbench/kernels/triton_hc.py: HC's and mHC's connection as Triton kernels, fo
 the ops.py functions they replace (ops.TWO_BODIES: `normed_projection`, `width_connection`, `depth_connection`,
 `sinkhorn`), so a namespace can take them in place of depthbench/kernels/cpu.py's. Every kernel loads its inputs in
 their own dtype (bf16 or fp32), computes in fp32 in registers, and stores the residual streams in the dtype they came
-in (the model keeps them in fp32 today: then every output is what ops.py's body returns); the coefficients are fp32.
+in, but depth_connection, the write: in bf16 under bf16 autocast (`storage_dtype`: "bf16 in and out, fp32 inside"),
+so that from the first write on the streams are bf16 on the GPU path (half the bytes); without autocast they stay
+fp32 and every output is what ops.py's body returns. The coefficients are fp32.
 Each body equals ops.py's in forward and every gradient (tests/test_triton_hc.py, under TRITON_INTERPRET=1). A body
 runs its kernels on CUDA tensors (or CPU tensors under the interpreter) and hands any other call to
 depthbench/kernels/cpu.py's body (`runs_here`), so the CPU path does not change; `BODIES` maps the names to the bodies
@@ -15,7 +17,8 @@ The kernels (N tokens, n streams of width D; one program per token or per block 
   (HC, K = D, per stream). `_proj_fwd`: one pass over x per block of rows, accumulating x @ W (tl.dot, fp32 ieee)
   and sum(x^2) together; out = r (x @ W), r = rsqrt(mean(x^2) + eps) -- the norm and the skinny GEMM fused, x read
   once. Backward, `_proj_bwd`: dx = r (g @ W^T) - x r^2 <g, out> / K, one pass over x (out and r kept: M + 1 floats a
-  row); dW = x^T (r g) is a real GEMM over the tokens, left to cuBLAS (torch matmul).
+  row); dW = x^T (r g) is a real GEMM over the tokens, left to cuBLAS (torch matmul) in x's dtype (bf16 streams:
+  r g rounded to bf16, fp32 accumulation; no fp32 copy of x).
   Test: test_normed_projection_equals_reference.
 - `sinkhorn(logits, iters, eps)`: Liger's Sinkhorn-Knopp (ops.sinkhorn): P = softmax_row(logits), M = P + eps, then
   2 iters - 1 alternating normalisations, columns first, M <- M / (sum + eps). `_sinkhorn_fwd` holds each token's
@@ -132,8 +135,10 @@ def _proj_fwd(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP
 
 
 @jit
-def _proj_bwd(X, W, G, Out, R, DX, N, K, M, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
-    """dx = r (g @ W^T) - x r^2 <g, out> / K for rows [pid BN, +BN): the gradient through x @ W and through r."""
+def _proj_bwd(X, W, G, Out, R, DX, Acc, N, K, M, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+              HAS_ACC: tl.constexpr):
+    """dx = r (g @ W^T) - x r^2 <g, out> / K for rows [pid BN, +BN): the gradient through x @ W and through r; with
+    HAS_ACC, plus Acc (x's layout: the fused read's other share of dH, added here instead of by autograd)."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
     gmask = (rows < N)[:, None] & (cols < M)[None, :]
@@ -149,6 +154,8 @@ def _proj_bwd(X, W, G, Out, R, DX, N, K, M, BN: tl.constexpr, BK: tl.constexpr, 
                     other=0.0).to(tl.float32)
         gw = tl.dot(g, tl.trans(w), input_precision="ieee")      # (BN, BK): g @ W^T
         dx = r[:, None] * gw - x * coef[:, None]
+        if HAS_ACC:
+            dx += tl.load(Acc + rows[:, None] * K + ks[None, :], mask=xmask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * K + ks[None, :], dx.to(DX.dtype.element_ty), mask=xmask)
 
 
@@ -173,9 +180,10 @@ class NormedProjection(torch.autograd.Function):
         x2, Wc, out, r = ctx.saved_tensors
         g2 = g.reshape(out.shape).contiguous().float()
         dx = torch.empty_like(x2)
-        _proj_bwd[(triton.cdiv(out.size(0), BLOCK_ROWS),)](X=x2, W=Wc, G=g2, Out=out, R=r, DX=dx, **ctx.sizes)
-        with fp32_maths(g2):
-            dW = x2.float().t() @ (g2 * r[:, None])                  # sum over the tokens of (r x)^T g: cuBLAS
+        _proj_bwd[(triton.cdiv(out.size(0), BLOCK_ROWS),)](X=x2, W=Wc, G=g2, Out=out, R=r, DX=dx, Acc=dx,
+                                                           HAS_ACC=False, **ctx.sizes)
+        with fp32_maths(g2):              # sum over the tokens of (r x)^T g: cuBLAS, in x's dtype (fp32 accumulation)
+            dW = x2.t() @ (g2 * r[:, None]).to(x2.dtype)
         return dx.view(ctx.x_shape), dW.to(ctx.w_dtype), None
 
 
@@ -219,7 +227,13 @@ def _spread(v, k):
 @jit
 def _sinkhorn_fwd(L, Out, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
     """ops.sinkhorn on BT tokens: P = softmax_row(logits), M = P + eps, then 2 iters - 1 normalisations
-    M <- M / (sums + eps), columns first, in registers."""
+    M <- M / (sums + eps), columns first, in registers (`_sinkhorn_block`)."""
+    _sinkhorn_block(L=L, Out=Out, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BT)
+
+
+@jit
+def _sinkhorn_block(L, Out, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """_sinkhorn_fwd's work on the program's BT tokens: also the fused read's (`_mhc_read_fwd`)."""
     P, idx, mask, cell = _load_softmax(L, N, n=n, NP=NP, BT=BT)
     M = tl.where(cell, P + eps, 0.0)
     for k in range(0, 2 * iters - 1):
@@ -232,7 +246,13 @@ def _sinkhorn_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: tl.cons
     """dlogits from dH_res on BT tokens. The forward again from the logits, writing each step's divisor d_k (n floats
     a token) to Scratch; then back through the steps, last first: with out = M_k / d_k, dM_k = (dout - sums(dout
     out)) / d_k over step k's axis, and M_k = out d_k restores step k's input (a multiplication: no cancellation);
-    last the softmax's, dlogits = P (dP - <dP, P>_row). Padded entries (n < NP) stay 0."""
+    last the softmax's, dlogits = P (dP - <dP, P>_row). Padded entries (n < NP) stay 0 (`_sinkhorn_block_bwd`)."""
+    _sinkhorn_block_bwd(L=L, G=G, DL=DL, Scratch=Scratch, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BT)
+
+
+@jit
+def _sinkhorn_block_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
+    """_sinkhorn_bwd's work on the program's BT tokens: also the fused read's backward (`_mhc_read_bwd`)."""
     P, idx, mask, cell = _load_softmax(L, N, n=n, NP=NP, BT=BT)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     i = tl.arange(0, NP)
@@ -412,15 +432,24 @@ def _depth_bwd(DOut, Post, Y, DPost, DY, D, n: tl.constexpr, NP: tl.constexpr, B
     tl.store(DPost + t * n + s, dpost, mask=s < n)
 
 
+def storage_dtype(streams):
+    """The dtype the streams are written in: autocast's (bf16) when autocast is on for their device (the issue's "bf16
+    in and out, fp32 inside"; triton_attnres.storage_dtype's rule for its bank), else their own. The model starts
+    the streams in fp32 (residuals.HC.init_stream); from the first write on they are bf16 under autocast."""
+    if torch.is_autocast_enabled(streams.device.type):
+        return torch.get_autocast_dtype(streams.device.type)
+    return streams.dtype
+
+
 class DepthConnection(torch.autograd.Function):
-    """ops.depth_connection: mixed (..., n, D), post (..., n), y (..., D) -> mixed + post (x) y in mixed's dtype
-    (`_depth_fwd`, `_depth_bwd`)."""
+    """ops.depth_connection: mixed (..., n, D), post (..., n), y (..., D) -> mixed + post (x) y, in mixed's dtype, or
+    bf16 under bf16 autocast (`storage_dtype`) (`_depth_fwd`, `_depth_bwd`)."""
 
     @staticmethod
     def forward(ctx, mixed, post, y):
         N, sizes = stream_sizes(mixed)
         postc, yc = post.contiguous(), y.contiguous()
-        out = torch.empty(mixed.shape, device=mixed.device, dtype=mixed.dtype)
+        out = torch.empty(mixed.shape, device=mixed.device, dtype=storage_dtype(mixed))
         _depth_fwd[(N,)](Mixed=mixed.contiguous(), Post=postc, Y=yc, Out=out, **sizes)
         ctx.save_for_backward(postc, yc)
         ctx.N, ctx.sizes, ctx.dtypes = N, sizes, (mixed.dtype, post.dtype)
@@ -445,48 +474,166 @@ def depth_connection(mixed, post, y):
 
 # ----------------------------------------------------------------------------- traffic, for the roofline estimate
 
-def traffic(design, tokens, d_model, n=4, stream_bytes=4, y_bytes=2, iters=20):
-    """HBM bytes each kernel of one sublayer's connection reads and writes, and its launches, forward and backward:
+def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, recompute=True, fused=True):
+    """HBM bytes each launch of one sublayer's connection reads and writes, and its launches, forward and backward:
     a list of dicts {kernel, pass, launches, read, written}, for scripts/roofline.py. design "hc" or "mhc"; tokens
-    N = B T; stream_bytes: the streams' element size (4: the model keeps them in fp32; 2 for bf16 streams);
-    y_bytes: the branch output's (2 under bf16 autocast). Coefficients are fp32 (4 bytes), W an fp32 parameter.
-    Every tensor a kernel touches is counted once per launch (a kernel reads each input once), the scratch of
-    Sinkhorn's backward too (an upper bound: it is read back by the program that wrote it, mostly from L2):
+    N = B T; stream_bytes: the streams' element size (2, the GPU path's default: bf16 under bf16 autocast,
+    `storage_dtype`; 4 without autocast); y_bytes: the branch output's (2 under bf16 autocast); recompute: residuals.HC's (its default, on): read's maths runs again in the backward.
+    Coefficients are fp32 (4 bytes), W an fp32 parameter. Every tensor a launch touches is counted once per launch
+    (a kernel reads each input once), the scratch of Sinkhorn's backward too (an upper bound: it is read back by the
+    program that wrote it, mostly from L2). What the path runs, residuals.HC's read and write with these bodies:
 
         S = N n D stream_bytes (the n streams), c = N n 4 (pre or post), R = N n^2 4 (res or its logits)
         normed_projection, rows x K, M columns (mHC: N x nD, M = n^2 + 2n; HC: Nn x D, M = n + 2), X = rows K sb:
           forward   _proj_fwd  read X + 4 K M           write 4 rows M + 4 rows            (out, r)
           backward  _proj_bwd  read X + 4 K M + 8 rows M + 4 rows   write X                (dx)
-                    dW (torch: r g, then x^T (r g))  read 8 rows M + 4 rows + 4 rows K  write 4 rows M + 4 K M,
-                    2 launches, +1 (read X, write 4 rows K) when the streams are not fp32 (x.float())
-        sinkhorn (mHC):  forward  read R, write R;  backward  read 2R, write R, scratch 4 N (2 iters - 1) n both ways
+                    dW (torch: r g, then x^T (r g) in x's dtype)  read 4 rows M + 4 rows + X + sb rows M
+                    write 4 rows M + sb K M, 2 launches; when the streams are not fp32, +2: r g cast to x's dtype
+                    (read 4 rows M, write sb rows M) and dW to fp32 (read sb K M, write 4 K M)
+        sinkhorn:  forward  read R, write R;  backward  read 2R, write R, scratch 4 N (2 iters - 1) n both ways
+          (mHC runs it inside the fused read: below)
         width_connection:  forward  read S + c + R, write S + N D sb   (mixed, branch)
                            backward read 2S + N D sb + c + R, write S + c + R
         depth_connection:  forward  read S + c + N D y_bytes, write S
                            backward read S + c + N D y_bytes, write c + N D y_bytes  (dmixed is dout: no kernel)
+        maps (HC: torch glue between the kernels, `glue`): the tanh and affine maps, the copies that make pre and
+          res contiguous for the width kernel; their backward (autograd's select/slice backward, the sums of the
+          scales' gradients, the parameters' gradients)
+        dH (HC): H feeds both normed_projection and width_connection, so autograd adds their two dH: read 2S,
+          write S
+        fused (the default): the read through triton_hc_read.py (ops.hc_read) in place of the projection, the
+          glue, Sinkhorn, the width connection, the branch's norm, the dH add and the recompute (`fused_read`,
+          `width_norm`)
+        recompute (pieces only: ops.hc_read's torch.utils.checkpoint): the backward runs read's forward again first
+          (HC: _proj_fwd, the maps' glue, _width_fwd; mHC: _mhc_read_fwd, _width_fwd) and the branch's RMSNorm but
+          its gain (5 launches, +1 cast when the branch is not fp32), which Pre-LN runs once
     """
     if design not in ("hc", "mhc"):
         raise ValueError(f"traffic: design is 'hc' or 'mhc', got {design!r}")
     N, D, sb = tokens, d_model, stream_bytes
+    S, c = N * n * D * sb, N * n * 4
+    depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
+             row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+    if fused:                                # triton_hc_read.py: the fused read, no checkpoint (nothing recomputed)
+        fwd, bwd = fused_read(design, N=N, n=n, D=D, sb=sb, iters=iters)
+        return fwd + width_norm(N, n, D, sb)[:1] + depth + width_norm(N, n, D, sb)[1:] + bwd
+    fwd, bwd = pieces(design, N=N, n=n, D=D, sb=sb, iters=iters)
+    again = [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
+    return fwd + depth + (again if recompute else []) + bwd
+
+
+def pieces(design, N, n, D, sb, iters):
+    """The read's rows of `traffic` through triton_hc.py's pieces (ops.hc_read on them): the projection, (mHC:
+    Sinkhorn,) the maps' glue, the width connection, dW, and autograd's add of the two dH -> (forward rows, backward
+    rows)."""
     S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
     X = rows * K * sb
-    cast = sb != 4                                            # dW reads x as fp32: a cast first
-
-    def row(kernel, pass_, read, written, launches=1):
-        return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written}
-
-    out = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows),
-           row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X),
-           row("normed_projection.dW", "backward", 8 * rows * M + 4 * rows + 4 * rows * K + cast * X,
-               4 * rows * M + 4 * K * M + cast * 4 * rows * K, launches=2 + cast)]
+    cast = sb != 4                                            # dW's casts: r g to x's dtype, dW back to fp32
+    dW = row("normed_projection.dW", "backward", 4 * rows * M + 4 * rows + cast * 4 * rows * M + X + rows * M * sb
+             + cast * K * M * sb, 4 * rows * M + cast * sb * rows * M + K * M * sb + cast * 4 * K * M,
+             launches=2 + 2 * cast)
+    glue_fwd, glue_bwd = glue(design, N, n, M)
+    sinkhorn = ([], [])
     if design == "mhc":
-        scratch = 4 * N * (2 * iters - 1) * pow2(n)                 # the divisors, n padded to a power of 2
-        out += [row("sinkhorn", "forward", R, R), row("sinkhorn", "backward", 2 * R + scratch, R + scratch)]
-    return out + [row("width_connection", "forward", S + c + R, S + N * D * sb),
-                  row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R),
-                  row("depth_connection", "forward", S + c + N * D * y_bytes, S),
-                  row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+        scratch = 4 * N * (2 * iters - 1) * pow2(n)                 # Sinkhorn's divisors, n padded to a power of 2
+        sinkhorn = ([row("sinkhorn", "forward", R, R)], [row("sinkhorn", "backward", 2 * R + scratch, R + scratch)])
+    fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows)] + sinkhorn[0] + \
+        [glue_fwd, row("width_connection", "forward", S + c + R, S + N * D * sb)]
+    bwd = [row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R), glue_bwd] + sinkhorn[1] + \
+        [row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X), dW,
+         row("dH (autograd's add)", "backward", 2 * S, S)]
+    return fwd, bwd
+
+
+def fused_read(design, N, n, D, sb, iters):
+    """The fused read's rows of `traffic` but its width connection's (`width_norm`), S = N n D sb, c = N n 4,
+    R = N n^2 4, the projection's rows x K and X = rows K sb (mHC: N x nD; HC: N n x D), M its columns:
+      mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
+                    res, m and r (2c + 2R + 4 N M + 4 N)
+          backward  _mhc_read_bwd  read logits, dres, dlogits back (3R), pre, post and their gradients (4c), m and r
+                    (4 N M + 4 N), Sinkhorn's scratch (4 N (2 iters - 1) n, n padded to a power of 2); write dlogits
+                    (R), dm (4 N M), r dm (sb N M), the scratch and per-block partial sums (4 ceil(N / 32) 2 MP);
+                    their torch sum; dphi: one GEMM (read X + sb N M, write sb K M), cast to fp32 when sb != 4
+      HC  forward   W's cat (torch, parameter-sized); _hc_read_fwd  read X + 4 K M, write pre, post, res, m and r
+                    (2c + R + 4 rows M + 4 rows)
+          backward  _hc_read_bwd  read dpre, dpost, dres, m and r; write dm, r dm and the partial sums in the
+                    parameters' layout (4 ceil(rows / 16) (n^2 + 2n + 2)); their torch sum; dW as mHC's dphi, its
+                    two column blocks copied into dynamic_alpha's and dynamic_beta's gradients (parameter-sized)
+      both: _proj_bwd reads the width connection's dH too (+S: no autograd add) -> (forward rows, backward rows)."""
+    S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
+    rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
+    X, MP, cast = rows * K * sb, pow2(M, 16), sb != 4
+    proj = row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows + S, X)
+    dW = row("dW (torch GEMM)", "backward", X + rows * M * sb + cast * K * M * sb, K * M * sb + cast * 4 * K * M,
+             launches=1 + cast)
+    if design == "mhc":
+        scratch = 4 * N * (2 * iters - 1) * pow2(n)
+        part = 4 * triton_cdiv(N, BLOCK_TOKENS) * 2 * MP
+        fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N)]
+        return fwd, [row("mhc_read", "backward", 3 * R + scratch + 4 * c + 4 * N * M + 4 * N,
+                         R + scratch + 4 * N * M + sb * N * M + part),
+                     row("mhc_read.sums (torch)", "backward", part, 8 * MP), proj, dW]
+    part = 4 * triton_cdiv(rows, BLOCK_ROWS) * (n * n + 2 * n + 2)
+    fwd = [row("W's cat (torch)", "forward", 4 * K * M, 4 * K * M),
+           row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows)]
+    return fwd, [row("hc_read", "backward", 2 * c + R + 4 * rows * M + 4 * rows, 4 * rows * M + sb * rows * M + part),
+                 row("hc_read.sums (torch)", "backward", part, 4 * (n * n + 2 * n + 2)), proj, dW,
+                 row("W's gradient into dynamic_alpha's and dynamic_beta's (torch copies)", "backward", 4 * K * M,
+                     4 * K * M, launches=2)]
+
+
+def width_norm(N, n, D, sb, per_program=8):
+    """The fused read's width connection with the branch's norm (triton_hc_read._width_norm_fwd, _bwd; S = N n D sb,
+    c = N n 4, R = N n^2 4; the branch is never stored, its norm's gain w is D floats, rb N):
+        forward   read S + c + R + 4 D, write S (mixed) + N D sb (h) + 4 N (rb)
+        backward  read S (the branch again) + c + R + 4 D + 4 N + N D sb (dh) + S (dmixed), write S (dH) + c + R
+                  + the gain's per-program partial gradients (4 D ceil(N / 8)); their torch sum
+    -> [forward row, backward rows]."""
+    S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
+    part = 4 * D * triton_cdiv(N, per_program)
+    return [row("width_norm", "forward", S + c + R + 4 * D, S + N * D * sb + 4 * N),
+            row("width_norm", "backward", 2 * S + c + R + 4 * D + 4 * N + N * D * sb, S + c + R + part),
+            row("width_norm.gain (torch)", "backward", part, 4 * D)]
+
+
+def triton_cdiv(a, b):
+    """ceil(a / b) (triton.cdiv, which this module may lack)."""
+    return -(-a // b)
+
+
+def row(kernel, pass_, read, written, launches=1):
+    """One line of `traffic`."""
+    return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written}
+
+
+def glue(design, N, n, M):
+    """The torch launches between the pieces' kernels in `maps` (residuals.HC's and MHC's), forward and backward, as
+    rows of `traffic` ("read" holds both ways): per token, the fp32 elements of every (N, ...) tensor each launch
+    reads or writes, counted from the launches the path makes (tests/test_triton_hc.py::
+    test_traffic_counts_every_launch records them); the parameter-sized ones (HC's W cat, its gradient's copies)
+    are launches with no per-token bytes. HC, a = n (n + 1) (A), b = n (n + 2) (the projection), c = n^2 (res):
+        forward  8: tanh 2b, scale and shift of A 4a, of beta 4n, pre's and res' copies 2n + 2c (and W's cat)
+        backward 17: 9n + 13a + 8b + c (select/slice backward, the sums of the scales' and static maps' gradients,
+                 tanh's backward) and W's gradient copied into dynamic_alpha's and dynamic_beta's
+    mHC: forward 9: two sigmoids with their scale and shift 12n, H_post's factor 2 2n, R's scale and shift 4n^2;
+         backward 25: 24n + 8n^2 + 9M. (The fused read runs no glue.)"""
+    a, b, c = n * (n + 1), n * (n + 2), n * n
+    if design == "hc":
+        fwd, bwd = (8, 2 * b + 4 * a + 6 * n + 2 * c), (17, 9 * n + 13 * a + 8 * b + c)
+    else:
+        fwd, bwd = (9, 14 * n + 4 * c), (25, 24 * n + 8 * c + 9 * M)
+    return (row("maps (torch)", "forward", 4 * N * fwd[1], 0, launches=fwd[0]),
+            row("maps (torch)", "backward", 4 * N * bwd[1], 0, launches=bwd[0]))
+
+
+def norm_recompute(N, D, sb):
+    """The branch's RMSNorm again in the backward (ops.rms_norm): its pow, mean, add, rsqrt and x r over (N, D) in
+    fp32, and the cast to fp32 first when the branch is not (sb != 4); the gain's multiplication is not run again
+    (checkpoint's recompute stops once the last saved tensor is back: that op's inputs)."""
+    cast = sb != 4
+    return row("RMSNorm (torch, recompute)", "backward (recompute)", 12 * N * D + 12 * N + cast * N * D * sb,
+               8 * N * D + 12 * N + cast * 4 * N * D, launches=5 + cast)
 
 
 # ----------------------------------------------------------------------------- the same check on a device

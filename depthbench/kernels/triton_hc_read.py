@@ -1,0 +1,419 @@
+"""
+depthbench/kernels/triton_hc_read.py: HC's and mHC's read as one body, `hc_read` (ops.hc_read: the design's maps
+of the streams, the width connection and the branch's norm, which ops.hc_read runs under torch.utils.checkpoint),
+as fused kernels with no checkpoint. triton_hc.py's bodies run each piece as its own kernel, with torch between
+them (the maps' activations and affine maps: HC 8 launches forward and 17 backward, mHC 9 and 25), autograd's add
+of the two dH (the projection's and the width connection's), and the checkpoint's recompute of all of it and of
+the norm in the backward; here, per sublayer:
+
+  forward   mHC `_mhc_read_fwd`: per block of tokens, x (N, nD) read once: m = r (x phi) (the norm and the
+            projection fused, as triton_hc._proj_fwd), then the maps in registers: H_pre = sigmoid(alpha_pre m[:n] +
+            b[:n]), H_post = 2 sigmoid(alpha_post m[n:2n] + b[n:2n]), the logits alpha_res m[2n:] + b[2n:] and
+            Sinkhorn on them (triton_hc._sinkhorn_block: the program's tokens again, read back from the logits it
+            stored). HC `_hc_read_fwd`: per block of rows of (N n, D) (token t's stream s), m = r (x W), z =
+            static[s] + scale tanh(m), H_pre = z[0], H_res[o, s] = z[1 + o], H_post = z[n + 1] (W =
+            [dynamic_alpha | dynamic_beta] concatenated in torch, as residuals.HC.maps does). Then `_width_norm_fwd`: per token, whole in registers, mixed and the branch, and
+            the branch's RMSNorm with its gain: h = w branch rb (the branch is never stored; rb is kept)
+  backward  `_width_norm_bwd`: the branch again from the streams, the norm's backward, the width connection's
+            (its share of dH, dH_pre, dH_res) and per-program shares of the gain's gradient (one torch sum);
+            `_mhc_read_bwd` / `_hc_read_bwd`: per block, (Sinkhorn's backward, recomputed from the logits,) the
+            maps' backward to dm = dL/dm, and per-block partial sums of the static parameters' and scales'
+            gradients, laid out as the parameters (one torch sum), and r dm in x's dtype; then triton_hc._proj_bwd
+            with the width connection's dH added in the same pass (HAS_ACC: no autograd add); dW = x^T (r dm) by
+            cuBLAS in x's dtype
+
+Memory: autograd keeps the streams (as under the checkpoint) and a few floats per token and sublayer for the
+backward (mHC: H_pre, H_post, the logits, H_res, m, r and rb, 66 floats at n = 4; HC: H_pre, H_res, m, r and rb,
+49), 5% and 4% of bf16 streams at d640 (2,560 elements a token). Each output and every gradient (H, every
+connector parameter and the norm's gain) equals ops.hc_read's with ops.py's bodies
+(tests/test_triton_hc.py::test_hc_read_equals_reference, under the interpreter). `hc_read` takes this path for
+residuals.MHC and residuals.HC with its transport mixed (by class name: a subclass could change the maps), with an
+RMSNorm on the branch, on tensors the kernels run on; for any other design or tensor it is ops.hc_read, which
+reaches the design's own bodies (triton_hc.py's on the Triton path).
+"""
+from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: this module imports without triton
+
+import torch
+
+import ops
+from depthbench.kernels import triton_hc as hc
+from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _sinkhorn_block, _sinkhorn_block_bwd, _sum,
+                                          jit, pow2, runs_here, stream_sizes, tl)
+from ops import fp32_maths
+
+EPS = 1e-6      # residuals.MHC.maps' norm eps and ops.sinkhorn's default, the ones its reference uses
+HC_EPS = 1e-8   # residuals.HC.maps' norm eps
+
+
+@jit
+def _mhc_read_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, N, K, M, iters, eps,
+                  n: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """Tokens [pid BN, +BN): m = r (x @ W), r = rsqrt(mean(x^2) + eps); the maps' columns (pre | post | res
+    logits) stored to Pre, Post (N, n) and Logits (N, n, n); m and r kept for the backward; Sinkhorn of the logits
+    into Res (N, n, n)."""
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, MP)
+    acc = tl.full([BN, MP], 0.0, tl.float32)
+    ss = tl.full([BN], 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(X + rows[:, None] * K + ks[None, :], mask=(rows < N)[:, None] & (ks < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(x, w, input_precision="ieee")
+        ss += _sum(x * x, 1)
+    r = 1.0 / tl.sqrt(ss / K + eps)
+    m = acc * r[:, None]
+    live = (rows < N)[:, None]
+    tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
+    tl.store(R + rows, r, mask=rows < N)
+    is_pre, is_post, is_res = cols < n, (cols >= n) & (cols < 2 * n), (cols >= 2 * n) & (cols < M)
+    alpha = tl.where(is_pre, tl.load(Ap), tl.where(is_post, tl.load(Aq), tl.load(Ar)))
+    z = alpha[None, :] * m + tl.load(B + cols, mask=cols < M, other=0.0)[None, :]
+    sig = 1.0 / (1.0 + tl.exp(-z))
+    tl.store(Pre + rows[:, None] * n + tl.where(is_pre, cols, 0)[None, :], sig, mask=live & is_pre[None, :])
+    tl.store(Post + rows[:, None] * n + tl.where(is_post, cols - n, 0)[None, :], 2.0 * sig,
+             mask=live & is_post[None, :])
+    tl.store(Logits + rows[:, None] * n * n + tl.where(is_res, cols - 2 * n, 0)[None, :], z,
+             mask=live & is_res[None, :])
+    tl.debug_barrier()                         # the logits are read back below by other threads of this program
+    _sinkhorn_block(L=Logits, Out=Res, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BN)
+
+
+@jit
+def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, R, Ap, Aq, Ar, G, RG, Part, N, M, iters,
+                  eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, MP: tl.constexpr):
+    """Tokens [pid BT, +BT): dlogits from dH_res (Sinkhorn's backward, into DL), then dz per column (the
+    sigmoids' derivatives: pre (1 - pre), post (1 - post / 2) for post = 2 sigmoid), dm = alpha dz into G (N, M)
+    and r dm into RG (x's dtype: dphi's GEMM input), and this block's sums: Part[pid, :M] = sum dz (b's gradient), Part[pid, MP + 0, 1, 2] = sum dz m over the pre,
+    post and res columns (the alphas')."""
+    _sinkhorn_block_bwd(L=Logits, G=DRes, DL=DL, Scratch=Scratch, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BT)
+    tl.debug_barrier()                         # dlogits are read back in another layout
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, MP)
+    live = (rows < N)[:, None]
+    is_pre, is_post, is_res = cols < n, (cols >= n) & (cols < 2 * n), (cols >= 2 * n) & (cols < M)
+    at_pre = rows[:, None] * n + tl.where(is_pre, cols, 0)[None, :]
+    at_post = rows[:, None] * n + tl.where(is_post, cols - n, 0)[None, :]
+    pre_mask, post_mask = live & is_pre[None, :], live & is_post[None, :]
+    gate = tl.load(Pre + at_pre, mask=pre_mask, other=0.0) + tl.load(Post + at_post, mask=post_mask, other=0.0)
+    dgate = tl.load(DPre + at_pre, mask=pre_mask, other=0.0) + tl.load(DPost + at_post, mask=post_mask, other=0.0)
+    slope = tl.where(is_pre, gate * (1.0 - gate), gate * (1.0 - 0.5 * gate))
+    dl = tl.load(DL + rows[:, None] * n * n + tl.where(is_res, cols - 2 * n, 0)[None, :], mask=live & is_res[None, :],
+                 other=0.0)
+    dz = tl.where(is_res[None, :], dl, dgate * slope)
+    alpha = tl.where(is_pre, tl.load(Ap), tl.where(is_post, tl.load(Aq), tl.load(Ar)))
+    g = alpha[None, :] * dz
+    tl.store(G + rows[:, None] * M + cols[None, :], g, mask=live & (cols < M)[None, :])
+    r = tl.load(R + rows, mask=rows < N, other=0.0)
+    tl.store(RG + rows[:, None] * M + cols[None, :], (g * r[:, None]).to(RG.dtype.element_ty),
+             mask=live & (cols < M)[None, :])
+    m = tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live & (cols < M)[None, :], other=0.0)
+    dzm = _sum(dz * m, 0)                                                    # (MP,)
+    dalpha = tl.where(cols == 0, _sum(tl.where(is_pre, dzm, 0.0), 0),
+                      tl.where(cols == 1, _sum(tl.where(is_post, dzm, 0.0), 0),
+                               _sum(tl.where(is_res, dzm, 0.0), 0)))
+    part = Part + tl.program_id(0).to(tl.int64) * 2 * MP
+    tl.store(part + cols, _sum(dz, 0), mask=cols < M)
+    tl.store(part + MP + cols, dalpha, mask=cols < 3)
+
+
+@jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends (exp's overflow gives 1; its underflow -1)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@jit
+def _hc_read_fwd(X, W, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
+                 n: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """Rows [pid BN, +BN) of HC's (N n, D) streams (row t n + s: token t's stream s): m = r (x @ W), W (D, n + 2);
+    z = static[s] + scale tanh(m) (static = [static_alpha | static_beta], scale alpha_scale on the n + 1 alpha
+    columns, beta_scale on the last); H_pre[t, s] = z[0], H_post[t, s] = z[n + 1], H_res[t, o, s] = z[1 + o]."""
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, MP)
+    acc = tl.full([BN, MP], 0.0, tl.float32)
+    ss = tl.full([BN], 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(X + rows[:, None] * K + ks[None, :], mask=(rows < NR)[:, None] & (ks < K)[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(x, w, input_precision="ieee")
+        ss += _sum(x * x, 1)
+    r = 1.0 / tl.sqrt(ss / K + eps)
+    m = acc * r[:, None]
+    live = (rows < NR)[:, None]
+    tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
+    tl.store(R + rows, r, mask=rows < NR)
+    s, alpha = rows % n, cols < n + 1
+    static = tl.load(Sa + s[:, None] * (n + 1) + tl.where(alpha, cols, 0)[None, :], mask=live & alpha[None, :],
+                     other=0.0) + tl.load(Sb + s[:, None] + 0 * cols[None, :], mask=live & (cols == n + 1)[None, :],
+                                          other=0.0)
+    z = static + tl.where(alpha, tl.load(Asc), tl.load(Bsc))[None, :] * _tanh(m)
+    tl.store(Pre + rows, _sum(tl.where((cols == 0)[None, :], z, 0.0), 1), mask=rows < NR)
+    tl.store(Post + rows, _sum(tl.where((cols == n + 1)[None, :], z, 0.0), 1), mask=rows < NR)
+    is_res = (cols >= 1) & alpha
+    at = (rows // n)[:, None] * n * n + tl.where(is_res, cols - 1, 0)[None, :] * n + s[:, None]
+    tl.store(Res + at, z, mask=live & is_res[None, :])
+
+
+@jit
+def _hc_read_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, Part, NR, M,
+                 n: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr):
+    """Rows [pid BN, +BN): dz from dH_pre, dH_post, dH_res (the forward's layout), dm = dz scale (1 - tanh(m)^2)
+    into G and r dm into RG (x's dtype: dW's GEMM input), and this block's sums into Part[pid] (n^2 + 2n + 2
+    floats, laid out as the parameters: static_alpha (n, n + 1), static_beta (n), alpha_scale, beta_scale): per
+    stream s, the sum over its rows of dz; then sum dz tanh(m) over the alpha columns and over the last."""
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, MP)
+    live = (rows < NR)[:, None]
+    s, alpha = rows % n, cols < n + 1
+    is_res = (cols >= 1) & alpha
+    at = (rows // n)[:, None] * n * n + tl.where(is_res, cols - 1, 0)[None, :] * n + s[:, None]
+    dz = (tl.load(DRes + at, mask=live & is_res[None, :], other=0.0)
+          + tl.where((cols == 0)[None, :], tl.load(DPre + rows, mask=rows < NR, other=0.0)[:, None], 0.0)
+          + tl.where((cols == n + 1)[None, :], tl.load(DPost + rows, mask=rows < NR, other=0.0)[:, None], 0.0))
+    th = _tanh(tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live & (cols < M)[None, :], other=0.0))
+    scale = tl.where(alpha, tl.load(Asc), tl.load(Bsc))
+    g = dz * scale[None, :] * (1.0 - th * th)
+    tl.store(G + rows[:, None] * M + cols[None, :], g, mask=live & (cols < M)[None, :])
+    r = tl.load(R + rows, mask=rows < NR, other=0.0)
+    tl.store(RG + rows[:, None] * M + cols[None, :], (g * r[:, None]).to(RG.dtype.element_ty),
+             mask=live & (cols < M)[None, :])
+    part = Part + tl.program_id(0).to(tl.int64) * (n * n + 2 * n + 2)
+    for stream in tl.static_range(n):
+        sums = _sum(tl.where((s == stream)[:, None], dz, 0.0), 0)                         # (MP,) over its rows
+        tl.store(part + stream * (n + 1) + cols, sums, mask=alpha)
+        tl.store(part + n * (n + 1) + stream + 0 * cols, sums, mask=cols == n + 1)
+    dzt = _sum(dz * th, 0)
+    scales = tl.where(cols == 0, _sum(tl.where(alpha, dzt, 0.0), 0), _sum(tl.where(cols == n + 1, dzt, 0.0), 0))
+    tl.store(part + n * (n + 2) + cols, scales, mask=cols < 2)
+
+
+@jit
+def _width_norm_fwd(H, Pre, Res, Wn, Out, Mixed, Rb, N, D, eps,
+                    n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, TPP: tl.constexpr):
+    """Tokens [pid TPP, +TPP), each whole in registers (BD >= D): branch = sum_s pre[s] h_s and mixed_o =
+    sum_s res[o, s] h_s (triton_hc._width_fwd's), then the branch's RMSNorm with its gain w (ops.rms_norm): out =
+    w branch rb, rb = rsqrt(mean(branch^2) + eps), kept for the backward. The branch itself is never stored."""
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
+    for i in range(0, TPP):
+        t = tl.program_id(0).to(tl.int64) * TPP + i
+        ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
+        pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
+        h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=ms[:, None] & md[None, :],
+                    other=0.0).to(tl.float32)                                                          # (s, D)
+        for o in tl.static_range(n):
+            res_o = tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)                          # (s,)
+            tl.store(Mixed + t * n * D + o * D + d, _sum(res_o[:, None] * h, 0).to(Mixed.dtype.element_ty),
+                     mask=md)
+        branch = _sum(pre[:, None] * h, 0)
+        rb = 1.0 / tl.sqrt(_sum(branch * branch, 0) / D + eps)
+        tl.store(Out + t * D + d, (w * branch * rb).to(Out.dtype.element_ty), mask=md)
+        tl.store(Rb + t + 0 * s, rb + 0.0 * s, mask=ms & (s == 0))
+
+
+@jit
+def _width_norm_bwd(H, Pre, Res, Wn, Rb, DOut, DMixed, DH, DPre, DRes, DWp, N, D,
+                    n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, TPP: tl.constexpr):
+    """Tokens [pid TPP, +TPP): the branch again from the streams; the norm's backward, dbranch = rb w dout -
+    branch rb^3 <w dout, branch> / D; then triton_hc._width_bwd's: dh_s = pre[s] dbranch + sum_o res[o, s]
+    dmixed_o, dpre[s] = <h_s, dbranch>, dres[o, s] = <dmixed_o, h_s>; and this program's share of the gain's
+    gradient, sum over its tokens of dout branch rb, into DWp[pid]."""
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
+    dw = tl.full([BD], 0.0, tl.float32)
+    for i in range(0, TPP):
+        t = tl.program_id(0).to(tl.int64) * TPP + i
+        ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
+        m = ms[:, None] & md[None, :]
+        pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
+        h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        branch = _sum(pre[:, None] * h, 0)
+        rb = _sum(tl.load(Rb + t + 0 * s, mask=ms & (s == 0), other=0.0), 0)
+        dout = tl.load(DOut + t * D + d, mask=md, other=0.0).to(tl.float32)
+        dw += dout * branch * rb
+        gw = dout * w
+        db = rb * gw - branch * (rb * rb * rb) * _sum(gw * branch, 0) / D
+        tl.store(DPre + t * n + s, _sum(h * db[None, :], 1), mask=ms)
+        dh = pre[:, None] * db[None, :]
+        for o in tl.static_range(n):
+            dm_o = tl.load(DMixed + t * n * D + o * D + d, mask=md, other=0.0).to(tl.float32)
+            res_o = tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)
+            dh += res_o[:, None] * dm_o[None, :]
+            tl.store(DRes + t * n * n + o * n + s, _sum(dm_o[None, :] * h, 1), mask=ms)
+        tl.store(DH + t * n * D + s[:, None] * D + d[None, :], dh.to(DH.dtype.element_ty), mask=m)
+    tl.store(DWp + tl.program_id(0).to(tl.int64) * D + d, dw, mask=d < D)
+
+
+TOKENS_PER_PROGRAM = 8   # tokens a width-and-norm program holds in turn (its share of the gain's gradient is one row)
+
+
+def width_forward(x, pre, res, norm):
+    """_width_norm_fwd on x (N, n D): (h = norm(branch) (N, D), mixed (N, n D)) in x's dtype, and rb (N,) fp32;
+    norm = (gain, eps)."""
+    (N, n), (w, eps) = pre.shape, norm
+    D = x.size(1) // n
+    out, mixed = torch.empty(N, D, device=x.device, dtype=x.dtype), torch.empty_like(x)
+    rb = torch.empty(N, device=x.device, dtype=torch.float32)
+    _width_norm_fwd[(hc.triton.cdiv(N, TOKENS_PER_PROGRAM),)](
+        H=x, Pre=pre, Res=res, Wn=w, Out=out, Mixed=mixed, Rb=rb, N=N, D=D, eps=eps, n=n, NP=pow2(n), BD=pow2(D),
+        TPP=TOKENS_PER_PROGRAM)
+    return out, mixed, rb
+
+
+def width_backward(x, saved, grads):
+    """_width_norm_bwd, and the maps' incoming gradients: saved = (pre, res, gain, rb); grads = (dh, dpre, dpost,
+    dres, dmixed) as the Function's backward gets them (None where an output fed nothing) -> (dH (x's layout),
+    dpre, dpost, dres, the gain's gradient)."""
+    pre, res, w, rb = saved
+    dout, dpre_out, dpost_out, dres_out, dmixed = grads
+    N, n = pre.shape
+    D = x.size(1) // n
+    dout = x.new_zeros(N, D) if dout is None else dout.reshape(N, D).contiguous()
+    dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
+    dH, dpre, dres = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res)
+    programs = hc.triton.cdiv(N, TOKENS_PER_PROGRAM)
+    dwp = torch.empty(programs, D, device=x.device, dtype=torch.float32)
+    _width_norm_bwd[(programs,)](H=x, Pre=pre, Res=res, Wn=w, Rb=rb, DOut=dout, DMixed=dmixed, DH=dH, DPre=dpre,
+                                 DRes=dres, DWp=dwp, N=N, D=D, n=n, NP=pow2(n), BD=pow2(D), TPP=TOKENS_PER_PROGRAM)
+    dpre = dpre if dpre_out is None else dpre + dpre_out.reshape(N, n)        # H_pre, H_res used elsewhere too
+    dres = dres if dres_out is None else dres + dres_out.reshape(N, n, n)
+    dpost = torch.zeros_like(pre) if dpost_out is None else dpost_out.reshape(N, n).contiguous().float()
+    return dH, dpre, dpost, dres, dwp.sum(0).to(w.dtype)
+
+
+def projection_backward(x, W, g, m, r, dH):
+    """triton_hc._proj_bwd for the rows of x (rows, K) with dH (x's layout) added in place: no autograd add."""
+    (rows, K), M = x.shape, W.size(1)
+    hc._proj_bwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](X=x, W=W, G=g, Out=m, R=r, DX=dH, Acc=dH, HAS_ACC=True, N=rows,
+                                                      K=K, M=M, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
+
+
+def weight_gradient(x, rg, W):
+    """x^T (r dm) = dW (K, M'): cuBLAS over the tokens, in x's dtype (fp32 accumulation; rg, the kernels' r dm, is
+    in x's dtype), returned in W's (fp32)."""
+    with fp32_maths(rg):
+        return (x.t() @ rg).to(W.dtype)
+
+
+def outputs(branch, pre, post, res, mixed, shape):
+    """The Functions' outputs in the streams' shape (..., n, D): branch (..., D), H_pre, H_post, H_res, mixed."""
+    lead, (n, D) = shape[:-2], shape[-2:]
+    return (branch.view(*lead, D), pre.view(*lead, n), post.view(*lead, n), res.view(*lead, n, n), mixed.view(shape))
+
+
+class MHCRead(torch.autograd.Function):
+    """ops.hc_read for mHC: H (..., n, D), phi (nD, M), b (M,), the three alphas (0-dim), Sinkhorn's iters ->
+    (branch (..., D) and mixed (..., n, D) in H's dtype, H_pre, H_post (..., n), H_res (..., n, n) in fp32)."""
+
+    @staticmethod
+    def forward(ctx, H, phi, b, a_pre, a_post, a_res, gain, eps, iters):
+        n = H.size(-2)
+        K, M = phi.shape
+        x = H.reshape(-1, K).contiguous()
+        N = x.size(0)
+        f32 = dict(device=H.device, dtype=torch.float32)
+        pre, post, logits, res = (torch.empty(N, *shape, **f32) for shape in ((n,), (n,), (n, n), (n, n)))
+        m, r = torch.empty(N, M, **f32), torch.empty(N, **f32)
+        sizes = dict(n=n, NP=pow2(n), MP=pow2(M, 16))
+        _mhc_read_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](
+            X=x, W=phi, B=b, Ap=a_pre, Aq=a_post, Ar=a_res, Pre=pre, Post=post, Logits=logits, Res=res, Mo=m, R=r,
+            N=N, K=K, M=M, iters=iters, eps=EPS, BN=BLOCK_ROWS, BK=BLOCK_K, **sizes)
+        h, mixed, rb = width_forward(x, pre, res, (gain, eps))
+        ctx.save_for_backward(x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb)
+        ctx.iters, ctx.sizes, ctx.shape = iters, sizes, H.shape
+        ctx.set_materialize_grads(False)          # H_pre and H_res feed nothing but the diagnostics: None, not zeros
+        return outputs(h, pre, post, res, mixed=mixed, shape=H.shape)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb = ctx.saved_tensors
+        N, M, MP = x.size(0), phi.size(1), ctx.sizes["MP"]
+        dH, dpre, dpost, dres, dgain = width_backward(x, (pre, res, gain, rb), grads)
+        blocks = hc.triton.cdiv(N, BLOCK_TOKENS)
+        g, dl, rg = torch.empty_like(m), torch.empty_like(logits), torch.empty(m.shape, device=x.device, dtype=x.dtype)
+        part = torch.empty(blocks, 2 * MP, device=x.device, dtype=torch.float32)
+        scratch = torch.empty(N, 2 * ctx.iters - 1, ctx.sizes["NP"], device=x.device, dtype=torch.float32)
+        _mhc_read_bwd[(blocks,)](Logits=logits, DRes=dres, DL=dl, Scratch=scratch, Pre=pre, Post=post, DPre=dpre,
+                                 DPost=dpost, Mo=m, R=r, Ap=a_pre, Aq=a_post, Ar=a_res, G=g, RG=rg, Part=part, N=N,
+                                 M=M,
+                                 iters=ctx.iters, eps=EPS, BT=BLOCK_TOKENS, **ctx.sizes)
+        sums = part.sum(0)
+        projection_backward(x, phi, g, m, r=r, dH=dH)
+        dphi = weight_gradient(x, rg, phi)
+        return dH.view(ctx.shape), dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], dgain, None, None
+
+
+class HCRead(torch.autograd.Function):
+    """ops.hc_read for HC (forward="mixed"): H (..., n, D), dynamic_alpha (D, n + 1), dynamic_beta (D,), the static
+    maps static_alpha (n, n + 1), static_beta (n), the two scales (0-dim), the norm's gain and eps -> as MHCRead's.
+    The projection is per stream (rows N n, K = D) with W = [dynamic_alpha | dynamic_beta] (D, n + 2), concatenated
+    here (residuals.HC.maps' W); the static maps' and scales' gradients are written in their parameters' layout, W's
+    is one GEMM whose two column blocks autograd copies into dynamic_alpha's and dynamic_beta's."""
+
+    @staticmethod
+    def forward(ctx, H, dynamic_alpha, dynamic_beta, static_alpha, static_beta, alpha_scale, beta_scale, gain, eps):
+        n, D = H.shape[-2:]
+        W = torch.cat([dynamic_alpha, dynamic_beta[:, None]], 1)
+        M = W.size(1)
+        x = H.reshape(-1, D).contiguous()                                   # (N n, D): row t n + s
+        rows = x.size(0)
+        f32 = dict(device=H.device, dtype=torch.float32)
+        pre, post, res = torch.empty(rows // n, n, **f32), torch.empty(rows // n, n, **f32), \
+            torch.empty(rows // n, n, n, **f32)
+        m, r = torch.empty(rows, M, **f32), torch.empty(rows, **f32)
+        _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](
+            X=x, W=W, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre, Post=post, Res=res,
+            Mo=m, R=r, NR=rows, K=D, M=M, eps=HC_EPS, n=n, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
+        h, mixed, rb = width_forward(x.view(rows // n, n * D), pre, res, (gain, eps))
+        ctx.save_for_backward(x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
+        ctx.shape = H.shape
+        ctx.set_materialize_grads(False)
+        return outputs(h, pre, post, res, mixed=mixed, shape=H.shape)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = ctx.saved_tensors
+        (rows, D), M, n = x.shape, W.size(1), pre.size(1)
+        dH, dpre, dpost, dres, dgain = width_backward(x.view(rows // n, n * D), (pre, res, gain, rb), grads)
+        blocks = hc.triton.cdiv(rows, BLOCK_ROWS)
+        g, rg = torch.empty_like(m), torch.empty(m.shape, device=x.device, dtype=x.dtype)
+        part = torch.empty(blocks, n * n + 2 * n + 2, device=x.device, dtype=torch.float32)
+        _hc_read_bwd[(blocks,)](DPre=dpre, DPost=dpost, DRes=dres, Mo=m, R=r, Asc=alpha_scale, Bsc=beta_scale, G=g,
+                                RG=rg, Part=part, NR=rows, M=M, n=n, BN=BLOCK_ROWS, MP=pow2(M, 16))
+        sums = part.sum(0)                                   # [static_alpha | static_beta | the scales], contiguous
+        projection_backward(x, W, g, m, r=r, dH=dH.view(rows, D))
+        dW = weight_gradient(x, rg, W)          # one GEMM (x read once); autograd copies its two column blocks
+        return (dH.view(ctx.shape), dW[:, :n + 1], dW[:, n + 1], sums[:n * (n + 1)].view(n, n + 1),
+                sums[n * (n + 1):n * (n + 2)], sums[-2], sums[-1], dgain, None)
+
+
+def fused(design, H, site):
+    """Whether hc_read runs a fused Function: residuals.MHC or residuals.HC itself with its transport mixed (their
+    maps are the kernels'; a subclass could change them) and the branch's norm an RMSNorm (ops.RMSNorm, not centred),
+    on tensors the kernels run on."""
+    kind, norm = type(design).__name__, site.norm
+    rms = type(norm).__name__ == "RMSNorm" and not norm.center
+    return (kind == "MHC" or kind == "HC" and design.mixed) and rms and runs_here(H)
+
+
+def hc_read(design, H, site):
+    """ops.hc_read: mHC's and HC's read (maps, width connection, the branch's norm) as two kernels forward and three
+    backward (MHCRead, HCRead), with no checkpoint: autograd keeps the streams and a few floats per token (the
+    maps, the norms' rsqrt), and the backward recomputes the branch from the streams. Any other design's (or off
+    the kernels' devices) is ops.hc_read, through the design's bodies."""
+    if not fused(design, H, site):
+        return ops.hc_read(design, H, site)
+    c, norm = site.conn, (site.norm.weight, site.norm.eps)
+    if type(design).__name__ == "MHC":
+        return MHCRead.apply(H, c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, *norm, design.sinkhorn_iters)
+    return HCRead.apply(H, c.dynamic_alpha, c.dynamic_beta, c.static_alpha, c.static_beta, c.alpha_scale,
+                        c.beta_scale, *norm)
+
+
+BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
