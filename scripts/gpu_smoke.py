@@ -334,11 +334,13 @@ print(json.dumps({r.residual: r.batch_size for r in train.resolve_grid(args, 1)}
 
 def correctness(s):
     """Every design on CUDA against the CPU reference (scripts/cuda_check.py: fp32, bf16, compiled == eager, each
-    kernels namespace, triton included where it is accepted); --tiny: the CPU against itself, the card's designs."""
+    kernels namespace, triton included where it is accepted); --tiny: the CPU against itself, the designs with
+    Triton bodies (CARD_DESIGNS), their kernels run by Triton's interpreter (TRITON_INTERPRET=1), so the rehearsal
+    runs every kernel the device check runs (without it a Triton body hands CPU tensors to the CPU's)."""
     argv = [sys.executable, "scripts/cuda_check.py", "--json", str(s.work / "check.json")]
     if s.tiny:
-        argv += ["--device", "cpu", "--tiny", "--designs", ",".join(card_designs(s))]
-    res = run(s, argv)
+        argv += ["--device", "cpu", "--tiny", "--designs", ",".join(CARD_DESIGNS)]
+    res = run(s, argv, env={"TRITON_INTERPRET": "1"} if s.tiny else None)
     if not (s.work / "check.json").exists():
         s.summary["correctness"] = {"ok": None, "reason": why(res)}
         return why(res)

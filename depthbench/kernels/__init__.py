@@ -21,10 +21,17 @@ from depthbench.kernels import cpu
 
 
 def triton_bodies():
-    """ops.TWO_BODIES names -> their GPU (Triton) body. Imports the Triton modules (and triton, where installed)."""
+    """ops.TWO_BODIES names -> their GPU (Triton) body. Imports the Triton modules (and triton, where installed).
+    Under Triton's CPU interpreter the function bodies run eagerly inside a compiled graph (torch.compiler.disable):
+    dynamo would trace the interpreter's own numpy code and fail; on a GPU it traces the kernels themselves."""
+    import torch
     from depthbench.kernels import triton_attnres, triton_hc, triton_hc_read, triton_moda
-    return {"DepthBank": triton_attnres.DepthBank, **triton_hc.BODIES, **triton_hc_read.BODIES,
-            "joint_attention": triton_moda.joint_attention, "DepthKV": triton_moda.DepthKV}
+    bodies = {"DepthBank": triton_attnres.DepthBank, **triton_hc.BODIES, **triton_hc_read.BODIES,
+              "joint_attention": triton_moda.joint_attention, "DepthKV": triton_moda.DepthKV}
+    if triton_hc.interpreted():
+        bodies.update({name: torch.compiler.disable(body) for name, body in bodies.items()
+                       if not isinstance(body, type)})
+    return bodies
 
 
 def available():
