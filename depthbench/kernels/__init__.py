@@ -1,7 +1,8 @@
 """
 depthbench/kernels: the fast bodies of ops.py's maths, one file per device and design family: cpu.py (every
 family's fast bodies, the "fast" namespace; they run on any device), triton_attnres.py (Full and Block AttnRes'
-depth mix as Triton kernels), triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes) and triton_moda.py (MoDA's
+depth mix as Triton kernels; triton_attnres_chunk.py, its two-phase mix, serves a chunk of consumers at once: the
+file's 700 lines were full), triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes) and triton_moda.py (MoDA's
 joint attention: the depth half and the merge as Triton kernels, the sequence half PyTorch's fused kernel). A new
 body goes into the file of its device and family: cpu.py, or triton_<family>.py.
 
@@ -21,8 +22,8 @@ from depthbench.kernels import cpu
 
 def triton_bodies():
     """ops.TWO_BODIES names -> their GPU (Triton) body. Imports the Triton modules (and triton, where installed)."""
-    from depthbench.kernels import triton_attnres, triton_hc, triton_moda
-    return {"DepthBank": triton_attnres.DepthBank, **triton_hc.BODIES, "joint_attention": triton_moda.joint_attention,
+    from depthbench.kernels import triton_attnres_chunk, triton_hc, triton_moda
+    return {"DepthBank": triton_attnres_chunk.DepthBank, **triton_hc.BODIES, "joint_attention": triton_moda.joint_attention,
             "DepthKV": triton_moda.DepthKV}
 
 
