@@ -540,12 +540,12 @@ for storage in ("*bf16", "*fp32"):
     build(A._block_backward, storage, consts, A.BACKWARD_WARPS, ("records",))
     build(A._query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
     chunk = {"BLOCK_C": K.CHUNK, "BLOCK_T": 1, "BLOCK_D": 1024}
-    build(K._chunk_forward, storage, chunk, 4, ("o1_ptr",))
-    build(K._chunk_backward, storage, chunk, A.BACKWARD_WARPS, ("records",))
+    build(K._chunk_forward, storage, chunk, K.WARPS, ("o1_ptr",))
+    build(K._chunk_backward, storage, chunk, K.WARPS, ("records",))
     for extra in (False, True):
         consts = {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}
-        build(K._merge_forward, storage, consts, 4, ("o1_ptr",))
-        build(K._merge_backward, storage, consts, A.BACKWARD_WARPS, ("record_ptr",))
+        build(K._merge_forward, storage, consts, K.WARPS, ("o1_ptr",))
+        build(K._merge_backward, storage, consts, K.WARPS, ("record_ptr",))
     build(K._chunk_query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
 print("compiled")
 """

@@ -31,11 +31,13 @@ import torch
 
 from depthbench.kernels import cpu as kernels
 from depthbench.kernels import triton_attnres as attnres
-from depthbench.kernels.triton_attnres import (BACKWARD_WARPS, COLUMNS, ROWS, _key_query, _online_step, _source_gradient,
+from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _key_query, _online_step, _source_gradient,
                                                _source_logit, jit, launch_grid, next_power_of_2, tl, triton)
 from ops import topk_count
 
 CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK running mixes or records in registers
+WARPS = 8     # every kernel here: ptxas sm90 at the card's blocks (d640), Triton 3.9, no spill: _chunk_forward 127
+              # registers (207 at 4 warps), _merge_forward 140 (246-254), _chunk_backward 207, _merge_backward 213
 
 
 def chunk_blocks(BT, D):
@@ -265,7 +267,7 @@ class ChunkPass(torch.autograd.Function):
         _chunk_forward[(triton.cdiv(B * T, BLOCK_T),)](V, queries[chunk.r0], key_gains[chunk.r0], o1_ptr=chunk.o1,
                                                         lse1_ptr=chunk.lse1, logits_ptr=chunk.logits, n1=chunk.n1,
                                                         C=chunk.C, BT=B * T, D=D, eps=bank.norm_eps, BLOCK_C=CHUNK,
-                                                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+                                                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
         ctx.save_for_backward(queries, key_gains)
         ctx.bank, ctx.chunk = bank, chunk
         ctx.set_materialize_grads(False)
@@ -285,7 +287,7 @@ class ChunkPass(torch.autograd.Function):
         _chunk_backward[(P,)](V, queries[chunk.r0], key_gains[chunk.r0], chunk.records, scalars_ptr=chunk.scalars,
                               ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
                               D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-                              num_warps=BACKWARD_WARPS)
+                              num_warps=WARPS)
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
         _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, queries[chunk.r0],
@@ -317,7 +319,7 @@ class Merge(torch.autograd.Function):
         _merge_forward[grid](V[n1] if n2 else V, extra_in, query, key_gain, o1_ptr=chunk.o1[i], lse1_ptr=chunk.lse1[i],
                              logits1_ptr=chunk.logits[i], mix_ptr=mix, lse_ptr=lse, p_ptr=p, n1=n1, n2=n2, m2=m2,
                              BT=B * T, D=D, eps=bank.norm_eps, HAS_EXTRA=extra is not None, BLOCK_T=BLOCK_T,
-                             BLOCK_D=BLOCK_D)
+                             BLOCK_D=BLOCK_D, num_warps=WARPS)
         ctx.save_for_backward(query, key_gain, mix, lse, *([] if extra is None else [extra_in]))
         ctx.bank, ctx.chunk, ctx.i, ctx.n = bank, chunk, i, n
         ctx.extra_dtype = None if extra is None else extra.dtype
@@ -343,7 +345,7 @@ class Merge(torch.autograd.Function):
         _merge_backward[grid](V2, extra_in, query, key_gain, mix_ptr=mix, dmix_ptr=dmix.contiguous(), lse_ptr=lse,
                               dV=dV2, d_extra=d_extra_in, dgq_ptr=dgq_rows, record_ptr=record,
                               scalars_ptr=scalars, ran_ptr=ran, n2=n2, BT=B * T, D=D, eps=bank.norm_eps,
-                              HAS_EXTRA=bool(extra), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=BACKWARD_WARPS)
+                              HAS_EXTRA=bool(extra), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
         dq, dg = attnres.query_gradients(dgq_rows, query, key_gain)
         return None, None, None, None, dq, dg, None, None, d_extra
 
