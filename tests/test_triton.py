@@ -381,9 +381,11 @@ def test_step_traffic_counts_the_launches(pattern, monkeypatch):
 
 # (the bank sources consumer row i = 0, 1, .. reads, in forward order; the extra source; the bank's slots): Full
 # AttnRes' pattern over three chunks (the last cut short), Block AttnRes' (rows 0 .. 3 before the second push, the
-# chunk's later rows reading sources pushed since phase 1), and a deep bank (the card's head, 141 sources, in one chunk)
+# chunk's later rows reading sources pushed since phase 1), a deep bank (the card's head, 141 sources, in one chunk),
+# and consumers of older states (rows 2 and 4 read fewer sources than their chunk's phase 1: triton_attnres's mix,
+# its deferred records, on the same bank)
 CHUNKED = {"full": (list(range(2, 22)), False, 21), "block": ([1, 1, 1, 1, 2, 2, 3, 3, 3, 4], True, 5),
-           "deep": ([139, 140, 141], False, 141)}
+           "deep": ([139, 140, 141], False, 141), "older": ([4, 5, 2, 6, 3, 6, 7, 7, 2, 8], False, 8)}
 
 
 def chunk_inputs(reads, has_extra, seed=0):
@@ -401,10 +403,11 @@ def chunk_step(reads, inputs, fast=True, pick=True):
     vs, per, Q, G = inputs
     extras = [e for q, g, e in per if e is not None]
     state = chunked.DepthBank.start(vs[0], n_max=max(reads), queries=Q, key_gains=G) if fast else ops.DepthBank([vs[0]])
-    outputs, weights = [state.newest()], []
+    outputs, weights, states = [state.newest()], [], [state]          # states[i]: the bank of i + 1 sources
     for r, (n, (query, gain, extra)) in enumerate(zip(reads, per)):
-        while len(state) < n:
-            state = state.push(vs[len(state)])
+        while len(states) < n:
+            states.append(states[-1].push(vs[len(states)]))
+        state = states[n - 1]
         site = Site(r + 1, None, row=r)
         mix, p = state.mix(site.pick(Q) if pick else query, site.pick(G) if pick else gain, 1e-5, extra=extra,
                            site=site)
