@@ -5,7 +5,9 @@ Kimi AttnRes paper's / flash-attn-res' form), the GPU body of `DepthBank.mix` wh
 
 The maths is triton_attnres.py's (ops.depth_mix per consumer). The queries are learnt parameters, not token-dependent,
 so the CHUNK consumers of rows r0 .. r0 + CHUNK - 1 can be served together; consumer k of the chunk reads the bank's
-first n_k sources (and Block AttnRes' open sum `extra`), n_k >= n1, the bank's size at the chunk's first consumer:
+first n_k sources (and Block AttnRes' open sum `extra`), n_k >= n1, the bank's size at the chunk's first consumer
+(a consumer of an older state, n_k < n1, takes triton_attnres.py's mix on the same bank). The row: residuals.py
+hands each mix its Site, whose int `row_index` is read here, in eager code (a compiled block would guard on it):
 
 - phase 1 (`_chunk_forward`, run by the chunk's first consumer): one pass over sources 0 .. n1 - 1, each read once,
   with the chunk's CHUNK queries in the program: per consumer the online softmax over them -> o1_k (the normalised
@@ -21,18 +23,24 @@ Backward with the final lse and delta = <mix, dmix> (flash attention's), as trit
   each source 0 .. n1 - 1 read once, the chunk's records in registers: every consumer's pair gradient summed and
   added into the source's gradient slot (one read-modify-write a chunk), and each consumer's dgq rows, which
   `_chunk_query_gradients` turns into the chunk's rows of dqueries and dkey_gains.
-The pushes' `source_gradient` (triton_attnres.py) hands each source its gradient slot.
+The pushes' `source_gradient` (triton_attnres.py) hands each source its gradient slot. Memory: each chunk's o1
+(CHUNK slots in the bank's dtype) and logits live from its phase 1 to its backward; the records (CHUNK slots) from
+its first consumer's backward to its own; the gradient bank (n_max fp32 slots) from the first backward.
 
-Equal to ops.depth_mix's mix, p and every gradient: tests/test_triton.py's `test_chunked_bank_equals_reference`.
+Equal to ops.depth_mix's mix, p and every gradient: tests/test_triton.py's `test_chunked_bank_equals_reference`
+(Full's and Block's patterns, consumers of older states, the card's depth, bf16), `test_model_equals_reference`
+(two chunks, checkpointed blocks) and `test_compiled_blocks_keep_their_graphs_with_the_chunked_bank`;
+`step_traffic` counts what each launch moves (the roofline's AttnRes rows), its launches counted against the
+code's by `test_chunked_step_traffic_counts_the_launches`. The release's variants (top-k, learnt logit scale) keep
+triton_attnres.py's mix (residuals.py hands their bank no queries).
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations are read as text: no triton, no error
 
 import torch
 
-from depthbench.kernels import cpu as kernels
 from depthbench.kernels import triton_attnres as attnres
 from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _key_query, _online_step, _source_gradient,
-                                               _source_logit, jit, launch_grid, next_power_of_2, tl, triton)
+                                               _source_logit, jit, launch_grid, moved, next_power_of_2, tl, triton)
 from ops import topk_count
 
 CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK running mixes or records in registers
@@ -438,10 +446,6 @@ def chunk_traffic(n1, C, rows, tokens, D, storage_bytes=2):
             moved(0, 8 * R, launches=2),
             moved(4 * P * C * D + 8 * D * C, 8 * D * C),
             moved(16 * R, 8 * R, launches=2)]
-
-
-def moved(read=0, written=0, launches=1):
-    return {"read": read, "written": written, "launches": launches}
 
 
 def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
