@@ -44,8 +44,9 @@ from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _key_query, _onlin
 from ops import topk_count
 
 CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK running mixes or records in registers
-WARPS = 8     # every kernel here: ptxas sm90 at the card's blocks (d640), Triton 3.9, no spill: _chunk_forward 127
-              # registers (207 at 4 warps), _merge_forward 140 (246-254), _chunk_backward 207, _merge_backward 213
+WARPS = 8     # every kernel here. ptxas sm90 at the card's blocks (d640), bf16 or fp32 bank, Triton 3.6.0 and 3.9,
+              # no spill: _chunk_forward 127-128 registers (207 at 4 warps), _merge_forward 128-150 (246-254 at 4),
+              # _chunk_backward 207-247, _merge_backward 213-254
 
 
 def chunk_blocks(BT, D):
