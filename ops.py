@@ -243,9 +243,10 @@ class DepthBank:
         self.sources = list(sources)
 
     @classmethod
-    def start(cls, first, n_max, eps=1e-5):
+    def start(cls, first, n_max, eps=1e-5, queries=None, key_gains=None):
         """A bank holding `first` (the embedding), for at most n_max sources whose keys are normalised with eps (the
-        fast body allocates its storage from these; the list needs neither)."""
+        fast body allocates its storage from these; the list needs neither). queries, key_gains: the design's (2L, D)
+        parameters, for a body that serves several consumers at once (the Triton one); the list ignores them."""
         return cls([first])
 
     @torch.compiler.disable
@@ -253,9 +254,10 @@ class DepthBank:
         return DepthBank(self.sources + [v])
 
     @torch.compiler.disable
-    def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0):
+    def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0, site=None):
         """depth_mix over the sources, and `extra` (a group's open partial sum) after them if given; topk_fraction < 1
-        keeps the topk_count of them per token (the release's AttnRes top-k)."""
+        keeps the topk_count of them per token (the release's AttnRes top-k). site: the consumer's Site (its row of
+        the queries given to `start`, for the Triton body); the list ignores it."""
         sources = self.sources if extra is None else self.sources + [extra]
         return depth_mix(query, key_gain, sources, eps, keep=topk_count(len(sources), topk_fraction))
 

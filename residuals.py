@@ -47,7 +47,8 @@ class Site(nn.Module):
         conn          HC/mHC's connector of sublayer i, or None (DenseFormer, MUDD: `DepthWeightsSite.dense`)
         kv_proj       MoDA's W_kv on an MLP sublayer that writes a depth slot, or None
         scale, alpha  per-sublayer numbers (LNS' 1/sqrt(b + 1), KEEL's skip weight), 0-dim buffers, if given
-        row           (1,) index of sublayer i's row in a parameter stacked over sublayers (`pick`)
+        row           (1,) index of sublayer i's row in a parameter stacked over sublayers (`pick`); row_index, the
+                      same as an int, for eager code only (AttnRes' bank: a compiled block would guard on it)
         opens_group   Block AttnRes: i starts a new group of sources (its write closes the open one)
     Modules are held by reference, not registered: a site adds no parameter and no state_dict key. A design whose
     sublayers have other parts subclasses Site and declares them the same way."""
@@ -63,6 +64,7 @@ class Site(nn.Module):
                 self.register_buffer(name, torch.tensor(float(value)), persistent=False)
         own_row = i if row is None else row
         self.register_buffer("row", torch.tensor([own_row]), persistent=False)
+        self.row_index = own_row
 
     def pick(self, stacked):
         """Row `row` of a tensor stacked over sublayers, (S, ...) -> (...), by a tensor index (stacked[i] with the
@@ -677,14 +679,22 @@ class FullAttnRes(PreLN):
         return Site(k, norm=norm, row=max(k - 1, 0))                  # q_k, g_k: row k - 1 (sublayer 0: unused)
 
     def init_stream(self, x0):
-        return self.ops.DepthBank.start(x0, n_max=self.n_sub + 1, eps=self.eps)      # the sources: [e]
+        return self.ops.DepthBank.start(x0, n_max=self.n_sub + 1, eps=self.eps, **self.stacked())   # the sources: [e]
+
+    def stacked(self):
+        """The (2L, D) queries and key gains for a bank that serves several consumers at once from them (the Triton
+        body's two phases); none for the release's variants, whose queries are not these rows."""
+        if self.logit_scales is not None or self.topk_fraction < 1:
+            return {}
+        return {"queries": self.queries, "key_gains": self.key_gains}
 
     def mix(self, sources, site, extra=None):
         """The raw depth mix (B, T, D) that the site's consumer normalises, and its weights (B, T, sources)."""
         query = site.pick(self.queries)
         if self.logit_scales is not None:                 # the release's learnt logit scale: q_k exp(s_k)
             query = query * site.pick(self.logit_scales).exp()
-        return sources.mix(query, site.pick(self.key_gains), self.eps, extra=extra, topk_fraction=self.topk_fraction)
+        return sources.mix(query, site.pick(self.key_gains), self.eps, extra=extra, topk_fraction=self.topk_fraction,
+                           site=site)
 
     def read(self, s, site):
         if site.first:
@@ -825,7 +835,7 @@ class BlockAttnRes(FullAttnRes):
         return Site(k, norm=norm, row=max(k - 1, 0), opens_group=opens)
 
     def init_stream(self, x0):
-        bank = self.ops.DepthBank.start(x0, n_max=self.n_groups + 1, eps=self.eps)    # [e], N slots for groups
+        bank = self.ops.DepthBank.start(x0, n_max=self.n_groups + 1, eps=self.eps, **self.stacked())   # [e], N groups
         return bank, None
 
     def read(self, s, site):

@@ -25,8 +25,8 @@ Two paths per design:
           Pre-LN (9,155 / its eager count), scaled linearly in depth for other L
   gpu     fused kernels (issue 52's GPU bodies): the backbone is Pre-LN's, plus the mixing's HBM bytes in bf16 at
           the lower bound of the first GPU measurement's notes and a few launches per sublayer (FUSED_LAUNCHES); where
-          depthbench/kernels/triton_attnres.py, triton_hc.py or triton_moda.py import, their traffic() functions replace
-          the analytic bytes and launches (`gpu_traffic`: the plug-in point)
+          depthbench/kernels/triton_attnres_chunk.py, triton_hc.py or triton_moda.py import, their traffic()
+          functions replace the analytic bytes and launches (`gpu_traffic`: the plug-in point)
 
 What it leaves out (so read the errors as the model's): kernel overlap, L2 hits, the mixing's FLOPs (under 1% of
 the step at n = 4), and that a launch-bound step hides some device time behind the host's.
@@ -122,7 +122,7 @@ def gpu_traffic(design, shape):
             return (2 * L * sum(r["read"] + r["written"] for r in rows), 2 * L * sum(r["launches"] for r in rows),
                     "depthbench.kernels.triton_hc.traffic")
         if design in ("attnres", "block_attnres"):
-            return attnres_traffic(design, L, tokens, D) + ("depthbench.kernels.triton_attnres.step_traffic",)
+            return attnres_traffic(design, L, tokens, D) + ("depthbench.kernels.triton_attnres_chunk.step_traffic",)
         if design == "moda":
             return moda_traffic(L, tokens, D, shape["heads"]) + ("depthbench.kernels.triton_moda.traffic",)
     except ImportError:
@@ -145,9 +145,9 @@ def attnres_reads(design, L):
 
 
 def attnres_traffic(design, L, tokens, D):
-    """depthbench.kernels.triton_attnres's step_traffic of the design's bank (its consumers' reads, its size), the
-    bank in bf16 -> (bytes, launches)."""
-    module = importlib.import_module("depthbench.kernels.triton_attnres")
+    """depthbench.kernels.triton_attnres_chunk's step_traffic of the design's bank (its consumers' reads, its size),
+    the bank in bf16: the two-phase mix residuals.py's Full and Block AttnRes run -> (bytes, launches)."""
+    module = importlib.import_module("depthbench.kernels.triton_attnres_chunk")
     reads = [n for k, n in attnres_reads(design, L)[0]]
     n_max = 2 * L + 1 if design == "attnres" else BLOCK_GROUPS + 1         # residuals.py's bank sizes
     rows = module.step_traffic(reads, n_max, tokens, D, extra=design == "block_attnres")

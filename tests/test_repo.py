@@ -153,6 +153,7 @@ MAX_FILE_LINES = 700
 FILE_LINES_ASIDE = ("residuals.py",)                        # grows with its registry
 IFEXP_ASIDE = ("depthbench/kernels/cpu.py",)                  # fused kernels pick their branch inline
 PARAMS_ASIDE = ("depthbench/kernels/triton_attnres.py",        # a Triton kernel takes each pointer, size and block
+                "depthbench/kernels/triton_attnres_chunk.py",
                 "depthbench/kernels/triton_hc.py",             # as an argument
                 "depthbench/kernels/triton_hc_read.py",
                 "depthbench/kernels/triton_moda.py")

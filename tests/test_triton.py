@@ -33,6 +33,8 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from depthbench import kernels as gpu  # noqa: E402
 from depthbench.kernels import triton_attnres as attnres  # noqa: E402
+from depthbench.kernels import triton_attnres_chunk as chunked  # noqa: E402
+from residuals import Site  # noqa: E402
 
 INTERPRETED = isinstance(triton.language.zeros, InterpretedFunction) and attnres.interpreted()
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="triton was imported without TRITON_INTERPRET=1 in this "
@@ -173,9 +175,9 @@ def test_mix_under_bf16_autocast_is_the_reference_to_bf16(name):
         assert cosine(a, b) >= 0.999, i
 
 
-def tiny_model(residual, kernels_name, checkpoint_blocks=False, **options):
+def tiny_model(residual, kernels_name, checkpoint_blocks=False, n_layer=2, **options):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=32, n_layer=2, d_model=32, n_head=2, d_ff=64, residual=residual,
+    cfg = GPTConfig(vocab_size=32, n_layer=n_layer, d_model=32, n_head=2, d_ff=64, residual=residual,
                     residual_args=options, kernels=kernels_name, checkpoint_blocks=checkpoint_blocks)
     model = GPT(cfg)
     g = torch.Generator().manual_seed(7)
@@ -189,20 +191,28 @@ def tiny_model(residual, kernels_name, checkpoint_blocks=False, **options):
 @pytest.mark.parametrize("residual,options", [
     ("attnres", {}), ("block_attnres", {"n_groups": 2}), ("block_attnres", {"checkpoint_blocks": True}),
     ("attnres", {"checkpoint_blocks": True}),
-    ("attnres", {"topk_fraction": 0.5, "learn_logit_scale": True})])
-def test_model_equals_reference(residual, options):
+    ("attnres", {"topk_fraction": 0.5, "learn_logit_scale": True}),
+    ("attnres", {"n_layer": 5}), ("attnres", {"n_layer": 5, "checkpoint_blocks": True}),
+    ("block_attnres", {"n_layer": 5, "n_groups": 4, "checkpoint_blocks": True})])
+def test_model_equals_reference(residual, options, monkeypatch):
     """A tiny GPT (L2, odd T 7) under kernels "triton" has the loss and every parameter gradient of kernels
     "reference" (ops.py's), fp32: loss to 1e-6, gradients to 1e-4 relative of the largest entry each. Also with
-    activation checkpointing (backward recomputes each block, pushing into the bank again) and with the release's
-    top-k (cpu.py's torch mix on the Triton bank)."""
+    activation checkpointing (backward recomputes each block, pushing into the bank again), with the release's
+    top-k (cpu.py's torch mix on the Triton bank), and at L5 (10 query rows: two chunks of the two-phase mix, the
+    second's first consumer inside a block, a chunk spanning blocks that a checkpointed backward recomputes apart).
+    The two-phase mix serves every consumer but the variants' (its phase 1 runs once per chunk, and again per
+    recompute of a chunk's first consumer)."""
     x = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
-    out = {}
+    out, runs = {}, []
+    monkeypatch.setattr(chunked.ChunkPass, "apply", lambda *a, f=chunked.ChunkPass.apply: runs.append(1) or f(*a))
     for name in ("triton", "reference"):
         model = tiny_model(residual, name, **options)
         loss = model(x, x)[1]
         loss.backward()
         out[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
     (l1, g1), (l2, g2) = out["triton"], out["reference"]
+    chunks = -(-2 * options.get("n_layer", 2) // chunked.CHUNK)
+    assert len(runs) == (0 if "topk_fraction" in options else chunks * (1 + options.get("checkpoint_blocks", 0)))
     torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-6)
     assert g1.keys() == g2.keys()
     for n, g in g2.items():
@@ -235,7 +245,7 @@ def test_namespaces(monkeypatch):
     "fast" on a machine without CUDA is cpu.py's alone; a CPU tensor where the kernels cannot run (no interpreter)
     gets cpu.py's bank (the CPU path unchanged)."""
     tri, fast = ops.namespace("triton"), ops.namespace("fast")
-    assert tri.DepthBank is attnres.DepthBank
+    assert tri.DepthBank is chunked.DepthBank and issubclass(chunked.DepthBank, attnres.DepthBank)
     for attr in ops.TWO_BODIES:
         if attr not in gpu.triton_bodies():
             assert getattr(tri, attr) is getattr(kernels, attr), attr
@@ -369,16 +379,150 @@ def test_step_traffic_counts_the_launches(pattern, monkeypatch):
     assert all(v.grad.abs().max() > 0 for v in leaves[:max(reads)])
 
 
+# (the bank sources consumer row i = 0, 1, .. reads, in forward order; the extra source; the bank's slots): Full
+# AttnRes' pattern over three chunks (the last cut short), Block AttnRes' (rows 0 .. 3 before the second push, the
+# chunk's later rows reading sources pushed since phase 1), a deep bank (the card's head, 141 sources, in one chunk),
+# and consumers of older states (rows 2 and 4 read fewer sources than their chunk's phase 1: triton_attnres's mix,
+# its deferred records, on the same bank)
+CHUNKED = {"full": (list(range(2, 22)), False, 21), "block": ([1, 1, 1, 1, 2, 2, 3, 3, 3, 4], True, 5),
+           "deep": ([139, 140, 141], False, 141), "older": ([4, 5, 2, 6, 3, 6, 7, 7, 2, 8], False, 8)}
+
+
+def chunk_inputs(reads, has_extra, seed=0):
+    """`step_inputs`, and the consumers' queries and key gains stacked (rows, D) as new leaves: (vs, per, Q, G)."""
+    vs, per = step_inputs(reads, has_extra, seed)
+    stacked = [torch.stack([row[i] for row in per]).detach().requires_grad_() for i in (0, 1)]
+    return vs, per, *stacked
+
+
+def chunk_step(reads, inputs, fast=True, pick=True):
+    """A step's use of the chunked bank as residuals.py's AttnRes makes it (`bank_step` with the queries and key gains
+    stacked (rows, D), each consumer's row picked, its Site given to the mix); fast False: ops.DepthBank's.
+    pick False: each consumer's query and gain are the leaves of their own equal to its rows (no glue around the
+    bank). -> (outputs, p of each mix, leaves: the sources, the stacked queries and gains, the extras)."""
+    vs, per, Q, G = inputs
+    extras = [e for q, g, e in per if e is not None]
+    state = chunked.DepthBank.start(vs[0], n_max=max(reads), queries=Q, key_gains=G) if fast else ops.DepthBank([vs[0]])
+    outputs, weights, states = [state.newest()], [], [state]          # states[i]: the bank of i + 1 sources
+    for r, (n, (query, gain, extra)) in enumerate(zip(reads, per)):
+        while len(states) < n:
+            states.append(states[-1].push(vs[len(states)]))
+        state = states[n - 1]
+        site = Site(r + 1, None, row=r)
+        mix, p = state.mix(site.pick(Q) if pick else query, site.pick(G) if pick else gain, 1e-5, extra=extra,
+                           site=site)
+        outputs.append(mix)
+        weights.append(p)
+    return outputs, weights, vs + [Q, G] + extras
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pattern", CHUNKED)
+def test_chunked_bank_equals_reference(pattern):
+    """The two-phase mix (chunks of CHUNK consumers: phase 1 over the sources at the chunk's first consumer, phase 2
+    over the ones pushed since and the extra; backward, the consumers' passes and the chunk's) against ops.DepthBank:
+    every mix and weight p to 1e-5, and every gradient (sources, the stacked queries and key gains, the extras) fp32
+    to 1e-5 of its largest entry (1e-5 absolute for one under 1)."""
+    reads, has_extra, n_max = CHUNKED[pattern]
+    inputs = chunk_inputs(reads, has_extra)
+    got, want = chunk_step(reads, inputs), chunk_step(reads, inputs, fast=False)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(got[0])]
+    a = torch.autograd.grad(got[0], got[2], weights)
+    b = torch.autograd.grad(want[0], want[2], weights)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert y.abs().max() > 0, i
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * max(y.abs().max().item(), 1), msg=f"leaf {i}")
+
+
+@needs_interpreter
+def test_chunked_bank_under_bf16_autocast_is_the_reference_to_bf16():
+    """Under bf16 autocast (the bank, o1 and the records in bf16) the two-phase mix of Block AttnRes' pattern is
+    ops.DepthBank's over the same bf16 sources: every gradient's cosine >= 0.999."""
+    reads, has_extra, n_max = CHUNKED["block"]
+    inputs = chunk_inputs(reads, has_extra)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunk_step(reads, inputs)
+    vs, *rest = inputs
+    rounded = ([v.detach().bfloat16().float().requires_grad_() for v in vs], *rest)
+    want = chunk_step(reads, rounded, fast=False)
+    weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(got[0])]
+    a = torch.autograd.grad(got[0], got[2], weights)
+    b = torch.autograd.grad(want[0], want[2], weights)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == torch.float32 and cosine(x, y) >= 0.999, i
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pattern", ["full", "block"])
+def test_chunked_step_traffic_counts_the_launches(pattern, monkeypatch):
+    """The launches triton_attnres_chunk.step_traffic() declares for a bank's step are the ones the code makes, torch
+    glue included, forward and backward together; the consumers' queries and gains are leaves of their own (no
+    pick around the bank), so the stacked ones get only the chunks' gradients: autograd adds all but the first
+    chunk's pair into them, two launches fewer than the model's (where every consumer's pick adds to them too)."""
+    reads, has_extra, n_max = CHUNKED[pattern]
+    monkeypatch.setattr(attnres, "interpreted", lambda: True)
+    names = []
+    for module, kernels_ in ((attnres, ("_query_gradients",)),
+                             (chunked, ("_chunk_forward", "_merge_forward", "_merge_backward", "_chunk_backward",
+                                        "_chunk_query_gradients"))):
+        for name in kernels_:
+            monkeypatch.setattr(module, name, counted(getattr(module, name), names))
+    inputs = chunk_inputs(reads, has_extra)
+    weights = [torch.ones(1, 5, 48) for _ in range(len(reads) + 1)]
+    with Launches(names):
+        outputs, _, leaves = chunk_step(reads, inputs, pick=False)
+        torch.autograd.backward(outputs, weights)
+    expect = chunked.step_traffic(reads, max(reads), 5, 48, extra=has_extra, storage_bytes=4)
+    assert len(names) == sum(row["launches"] for row in expect) - 2, " ".join(names)
+    assert all(v.grad.abs().max() > 0 for v in leaves)
+
+
+@pytest.mark.slow
+@needs_interpreter
+@pytest.mark.parametrize("residual", ["attnres", "block_attnres"])
+def test_compiled_blocks_keep_their_graphs_with_the_chunked_bank(residual, monkeypatch):
+    """Compiled per block (compile_model's "blocks", the "eager" backend counting graphs), kernels "triton": the
+    two-phase mix runs (phase 1 once per chunk of CHUNK rows) and dynamo makes test_train.py's 5 graphs at L4 and L8
+    (the bank reads the consumer's row from its Site in eager code: no graph per depth); loss and gradients are
+    eager's."""
+    from torch._dynamo.utils import counters
+    from depthbench.training.compiled import compile_model
+    runs = []
+    monkeypatch.setattr(chunked.ChunkPass, "apply", lambda *a, f=chunked.ChunkPass.apply: runs.append(1) or f(*a))
+    for L in (4, 8):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, n_layer=L, d_model=32, n_head=4, d_ff=48, residual=residual,
+                              kernels="triton"))
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = model(x, x)[1]
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        runs.clear()
+        loss_c = compile_model(model, "blocks", backend="eager")(x, x)[1]
+        loss_c.backward()
+        assert counters["stats"]["unique_graphs"] == 5 and len(runs) == 2 * L // chunked.CHUNK, L
+        torch.testing.assert_close(loss_c, loss, rtol=0, atol=1e-6)
+        for g, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    torch._dynamo.reset()
+
+
 COMPILE_FOR_H100 = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from depthbench.kernels import triton_attnres as A
+from depthbench.kernels import triton_attnres_chunk as K
 assert not A.interpreted()
 SCALARS = {"n": "i32", "m_sources": "i32", "BT": "i32", "D": "i32", "P": "i32", "eps": "fp32", "j": "i32",
-           "count": "i32", "lo": "i32", "g": "i32"}
-INTS = {"reads": "*i32", "reads_ptr": "*i32"}
+           "count": "i32", "lo": "i32", "g": "i32", "n1": "i32", "n2": "i32", "m2": "i32", "C": "i32"}
+INTS = {"reads": "*i32", "reads_ptr": "*i32", "ran_ptr": "*i32"}
 def build(fn, storage, consts, warps, stored=()):
     names = fn.arg_names
     sig = {a: "constexpr" if a in consts else SCALARS.get(a, INTS.get(a, "*fp32")) for a in names}
@@ -398,6 +542,14 @@ for storage in ("*bf16", "*fp32"):
     consts = {"BLOCK_S": A.BLOCK_SOURCES, "BLOCK_T": 1, "BLOCK_D": 1024}
     build(A._block_backward, storage, consts, A.BACKWARD_WARPS, ("records",))
     build(A._query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
+    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_T": 1, "BLOCK_D": 1024}
+    build(K._chunk_forward, storage, chunk, K.WARPS, ("o1_ptr",))
+    build(K._chunk_backward, storage, chunk, K.WARPS, ("records",))
+    for extra in (False, True):
+        consts = {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}
+        build(K._merge_forward, storage, consts, K.WARPS, ("o1_ptr",))
+        build(K._merge_backward, storage, consts, K.WARPS, ("record_ptr",))
+    build(K._chunk_query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
 print("compiled")
 """
 
@@ -405,9 +557,10 @@ print("compiled")
 @pytest.mark.slow
 def test_kernels_compile_for_an_h100():
     """Every kernel, each variant (bf16 or fp32 bank and records; with or without the extra source; deferred or
-    read-modify-write; the source's pass with or without a gradient slot; the block pass), compiles to an sm90
-    binary with Triton's own compiler and ptxas (no GPU needed): what the interpreter does not
-    check (the GPU's typing of loop-carried values, the branches inside loops)."""
+    read-modify-write; the source's pass with or without a gradient slot; the block pass; the two-phase mix's
+    phase 1 and 2 each way, o1 and the records in the bank's dtype), compiles to an sm90 binary with Triton's own
+    compiler and ptxas (no GPU needed): what the interpreter does not check (the GPU's typing of loop-carried
+    values, the branches inside loops)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,
                           timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,10 +1,11 @@
 """
 depthbench/kernels: the fast bodies of ops.py's maths, one file per device and design family: cpu.py (every
 family's fast bodies, the "fast" namespace; they run on any device), triton_attnres.py (Full and Block AttnRes'
-depth mix as Triton kernels), triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes), triton_hc_read.py
-(HC's and mHC's whole read fused, ops.hc_read: the maps, the width mix and the branch's norm) and triton_moda.py
-(MoDA's joint attention: the depth half and the merge as Triton kernels, the sequence half PyTorch's fused kernel).
-A new body goes into the file of its device and family: cpu.py, or triton_<family>.py.
+depth mix as Triton kernels; triton_attnres_chunk.py, its two-phase mix, serves a chunk of consumers at once: the
+file's 700 lines were full), triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes), triton_hc_read.py (HC's and
+mHC's whole read fused, ops.hc_read: the maps, the width mix and the branch's norm) and triton_moda.py (MoDA's joint
+attention: the depth half and the merge as Triton kernels, the sequence half PyTorch's fused kernel). A new body goes
+into the file of its device and family: cpu.py, or triton_<family>.py.
 
 ops.py imports none of them (they import ops.py): importing this package registers them with ops.register, and
 model.py and residuals.py import it, so every model built has them. `ops.namespace("fast")` is cpu.py's bodies,
@@ -25,8 +26,8 @@ def triton_bodies():
     Under Triton's CPU interpreter the function bodies run eagerly inside a compiled graph (torch.compiler.disable):
     dynamo would trace the interpreter's own numpy code and fail; on a GPU it traces the kernels themselves."""
     import torch
-    from depthbench.kernels import triton_attnres, triton_hc, triton_hc_read, triton_moda
-    bodies = {"DepthBank": triton_attnres.DepthBank, **triton_hc.BODIES, **triton_hc_read.BODIES,
+    from depthbench.kernels import triton_attnres_chunk, triton_hc, triton_hc_read, triton_moda
+    bodies = {"DepthBank": triton_attnres_chunk.DepthBank, **triton_hc.BODIES, **triton_hc_read.BODIES,
               "joint_attention": triton_moda.joint_attention, "DepthKV": triton_moda.DepthKV}
     if triton_hc.interpreted():
         bodies.update({name: torch.compiler.disable(body) for name, body in bodies.items()

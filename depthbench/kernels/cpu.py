@@ -417,8 +417,8 @@ class DepthBank:
         self.bank, self.n, self.token = bank, n, token
 
     @classmethod
-    def start(cls, first, n_max, eps=1e-5):
-        return cls(Bank(n_max, norm_eps=eps), 0, None).push(first)
+    def start(cls, first, n_max, eps=1e-5, queries=None, key_gains=None):
+        return cls(Bank(n_max, norm_eps=eps), 0, None).push(first)          # queries, key_gains: unused here
 
     @torch.compiler.disable
     def push(self, v):
@@ -427,7 +427,7 @@ class DepthBank:
         return DepthBank(bank, self.n + 1, token)
 
     @torch.compiler.disable
-    def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0):
+    def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0, site=None):      # site: unused here
         if eps != self.bank.norm_eps:
             raise ValueError(f"the bank's key norm uses eps {self.bank.norm_eps}, not {eps}")
         keep = topk_count(self.n + (extra is not None), topk_fraction)

@@ -1,0 +1,467 @@
+"""
+depthbench/kernels/triton_attnres_chunk.py: AttnRes' depth mix in two phases, a chunk of consumers at once (the
+Kimi AttnRes paper's / flash-attn-res' form), the GPU body of `DepthBank.mix` when the bank holds the design's
+(2L, D) queries and key gains (`DepthBank.start(..., queries=, key_gains=)`, residuals.FullAttnRes.init_stream).
+
+The maths is triton_attnres.py's (ops.depth_mix per consumer). The queries are learnt parameters, not token-dependent,
+so the CHUNK consumers of rows r0 .. r0 + CHUNK - 1 can be served together; consumer k of the chunk reads the bank's
+first n_k sources (and Block AttnRes' open sum `extra`), n_k >= n1, the bank's size at the chunk's first consumer
+(a consumer of an older state, n_k < n1, takes triton_attnres.py's mix on the same bank). The row: residuals.py
+hands each mix its Site, whose int `row_index` is read here, in eager code (a compiled block would guard on it):
+
+- phase 1 (`_chunk_forward`, run by the chunk's first consumer): one pass over sources 0 .. n1 - 1, each read once,
+  with the chunk's CHUNK queries in the program: per consumer the online softmax over them -> o1_k (the normalised
+  partial mix, in the bank's dtype), lse1_k (fp32) and its logits (fp32, for p);
+- phase 2 (`_merge_forward`, each consumer): the online softmax started from (o1_k, lse1_k) (max lse1_k, sum 1,
+  weighted sum o1_k) over the sources pushed since (n1 .. n_k - 1) and the extra -> mix, lse, p.
+
+Backward with the final lse and delta = <mix, dmix> (flash attention's), as triton_attnres.py's:
+- the consumer's pass (`_merge_backward`): the gradients of its phase-2 sources (read-modify-write of their fp32
+  gradient slots; the extra's written) and its partial dgq rows (`query_gradients`); writes its record (dmix in the
+  bank's dtype, delta, lse) into the chunk;
+- the chunk's pass (`_chunk_backward`, run by autograd after every consumer of the chunk, before any push it read):
+  each source 0 .. n1 - 1 read once, the chunk's records in registers: every consumer's pair gradient summed and
+  added into the source's gradient slot (one read-modify-write a chunk), and each consumer's dgq rows, which
+  `_chunk_query_gradients` turns into the chunk's rows of dqueries and dkey_gains.
+The pushes' `source_gradient` (triton_attnres.py) hands each source its gradient slot. Memory: each chunk's o1
+(CHUNK slots in the bank's dtype) and logits live from its phase 1 to its backward; the records (CHUNK slots) from
+its first consumer's backward to its own; the gradient bank (n_max fp32 slots) from the first backward.
+
+Equal to ops.depth_mix's mix, p and every gradient: tests/test_triton.py's `test_chunked_bank_equals_reference`
+(Full's and Block's patterns, consumers of older states, the card's depth, bf16), `test_model_equals_reference`
+(two chunks, checkpointed blocks) and `test_compiled_blocks_keep_their_graphs_with_the_chunked_bank`;
+`step_traffic` counts what each launch moves (the roofline's AttnRes rows), its launches counted against the
+code's by `test_chunked_step_traffic_counts_the_launches`. The release's variants (top-k, learnt logit scale) keep
+triton_attnres.py's mix (residuals.py hands their bank no queries).
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations are read as text: no triton, no error
+
+import torch
+
+from depthbench.kernels import triton_attnres as attnres
+from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _key_query, _online_step, _source_gradient,
+                                               _source_logit, jit, launch_grid, moved, next_power_of_2, tl, triton)
+from ops import topk_count
+
+CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK running mixes or records in registers
+WARPS = 8     # every kernel here. ptxas sm90 at the card's blocks (d640), bf16 or fp32 bank, Triton 3.6.0 and 3.9,
+              # no spill: _chunk_forward 127-128 registers (207 at 4 warps), _merge_forward 128-150 (246-254 at 4),
+              # _chunk_backward 207-247, _merge_backward 213-254
+
+
+def chunk_blocks(BT, D):
+    """(BLOCK_T, BLOCK_D) of the chunk's kernels: CHUNK tiles of BLOCK_T tokens stay TILE_ELEMENTS wide."""
+    return attnres.blocks(BT, D, CHUNK)
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+@jit
+def _chunk_tile(pid, BT, D, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The indices of a program's tile: rows, cols, consumers, and the masks and offsets of one slot's tile."""
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < BT
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    return rows, cols, tl.arange(0, BLOCK_C), row_ok, mask, rows[:, None] * D + cols[None, :]
+
+
+@jit
+def _chunk_queries(q_ptr, g_ptr, cons, cols, C, D):
+    """gq = g * q of the chunk's C consumers (BLOCK_C, BLOCK_D) fp32, zero in the padding."""
+    ok = (cons < C)[:, None] & (cols < D)[None, :]
+    at = cons[:, None] * D + cols[None, :]
+    q = tl.load(q_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return q * tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
+
+
+@jit
+def _chunk_forward(V, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits_ptr, n1, C, BT, D, eps,
+                   BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Phase 1 for tokens [pid BLOCK_T, (pid + 1) BLOCK_T): the C consumers' (q, g rows from q_ptr, g_ptr) online
+    softmax over sources 0 .. n1 - 1 of V (n_max, BT, D), each loaded once -> o1 (C, BT, D) in o1_ptr's dtype,
+    lse1 (C, BT) fp32 and the logits (C, n1, BT) fp32."""
+    rows, cols, cons, row_ok, mask, offsets = _chunk_tile(tl.program_id(0), BT, D, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T,
+                                                          BLOCK_D=BLOCK_D)
+    gq = _chunk_queries(q_ptr, g_ptr, cons, cols=cols, C=C, D=D)
+    c_rows = (cons < C)[:, None] & row_ok[None, :]
+    m = tl.full((BLOCK_C, BLOCK_T), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
+    acc = tl.zeros((BLOCK_C, BLOCK_T, BLOCK_D), tl.float32)
+    slot = V
+    logits = logits_ptr + cons[:, None] * (n1 * BT) + rows[None, :]
+    for j in range(0, n1):
+        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+        s = r[None, :] * tl.sum(v[None, :, :] * gq[:, None, :], axis=2)              # (BLOCK_C, BLOCK_T)
+        tl.store(logits, s, mask=c_rows)
+        m_new = tl.maximum(m, s)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(s - m_new)
+        l = l * alpha + w
+        acc = acc * alpha[:, :, None] + w[:, :, None] * v[None, :, :]
+        m = m_new
+        slot += BT * D
+        logits += BT
+    at = cons[:, None, None] * (BT * D) + offsets[None, :, :]
+    tl.store(o1_ptr + at, acc / l[:, :, None], mask=(cons < C)[:, None, None] & mask[None, :, :])
+    tl.store(lse1_ptr + cons[:, None] * BT + rows[None, :], m + tl.log(l), mask=c_rows)
+
+
+@jit
+def _merge_forward(V, extra, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits1_ptr, mix_ptr, lse_ptr, p_ptr, n1, n2, m2, BT,
+                   D, eps, HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Phase 2 of one consumer: its online softmax from (o1, lse1) over the n2 sources of V (the bank from slot n1)
+    and, with HAS_EXTRA, the extra (m2 = n2 + 1 sources then, else n2) -> mix (fp32), lse, and the weights p
+    (n1 + m2, BT): exp(s - lse) of phase 1's logits (logits1_ptr (n1, BT)) and of its own."""
+    rows, cols, cons, row_ok, mask, offsets = _chunk_tile(tl.program_id(0), BT, D, BLOCK_C=1, BLOCK_T=BLOCK_T,
+                                                          BLOCK_D=BLOCK_D)
+    gq = _key_query(q_ptr, g_ptr, cols, D)
+    m = tl.load(lse1_ptr + rows, mask=row_ok, other=0.0)
+    l = tl.full((BLOCK_T,), 1.0, tl.float32)
+    acc = tl.load(o1_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    slot = V
+    logits = p_ptr + n1 * BT
+    for j in range(0, n2):
+        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+        r, u, s = _source_logit(v, gq, D, eps)
+        tl.store(logits + rows, s, mask=row_ok)
+        m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
+        slot += BT * D
+        logits += BT
+    if HAS_EXTRA:
+        v = tl.load(extra + offsets, mask=mask, other=0.0).to(tl.float32)
+        r, u, s = _source_logit(v, gq, D, eps)
+        tl.store(logits + rows, s, mask=row_ok)
+        m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
+    tl.store(mix_ptr + offsets, acc / l[:, None], mask=mask)
+    lse = m + tl.log(l)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.debug_barrier()                                   # the logits stored above are visible to every thread
+    for j in range(0, n1):                               # phase 1's logits, then this pass's, as weights
+        s = tl.load(logits1_ptr + j * BT + rows, mask=row_ok, other=0.0)
+        tl.store(p_ptr + j * BT + rows, tl.exp(s - lse), mask=row_ok)
+    weights = p_ptr + n1 * BT
+    for j in range(0, m2):
+        s = tl.load(weights + rows, mask=row_ok, other=0.0)
+        tl.store(weights + rows, tl.exp(s - lse), mask=row_ok)
+        weights += BT
+
+
+@jit
+def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, record_ptr,
+                    scalars_ptr, ran_ptr, n2, BT, D, eps,
+                    HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The consumer's pass: its phase-2 sources' dv added into their gradient slots (dV from slot n1, fp32), the
+    extra's dv to d_extra, its share of dgq to row pid of dgq_ptr; its record for the chunk's pass: dmix (record_ptr,
+    the bank's dtype), delta and lse (scalars_ptr (2, BT)), and 1 at ran_ptr."""
+    pid = tl.program_id(0)
+    rows, cols, cons, row_ok, mask, offsets = _chunk_tile(pid, BT, D, BLOCK_C=1, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+    gq = _key_query(q_ptr, g_ptr, cols, D)
+    dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)    # <mix, dmix> = sum_j p_j dp_j
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    dgq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    slot = V
+    grad = dV
+    for j in range(0, n2):
+        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+        dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
+        tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
+        dgq += b[:, None] * v
+        slot += BT * D
+        grad += BT * D
+    if HAS_EXTRA:
+        v = tl.load(extra + offsets, mask=mask, other=0.0).to(tl.float32)
+        dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
+        tl.store(d_extra + offsets, dv, mask=mask)                   # cast to the extra's dtype by the store
+        dgq += b[:, None] * v
+    tl.store(record_ptr + offsets, dmix, mask=mask)
+    tl.store(scalars_ptr + rows, delta, mask=row_ok)
+    tl.store(scalars_ptr + BT + rows, lse, mask=row_ok)
+    if pid == 0:
+        tl.store(ran_ptr, 1)
+    tl.store(dgq_ptr + pid * D + cols, tl.sum(dgq, axis=0), mask=cols < D)
+
+
+@jit
+def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr, n1, C, P, BT, D, eps,
+                    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The chunk's pass: for each source j < n1 (V, its gradient slot in dV, fp32), the sum over the chunk's consumers
+    that ran their backward (ran_ptr[c] != 0) of the pair's dv, from their records (records (C, BT, D), scalars
+    (C, 2, BT): delta, lse), added into dV[j] once; each consumer's share of dgq to dgq_ptr (C, P, D), row pid."""
+    pid = tl.program_id(0)
+    rows, cols, cons, row_ok, mask, offsets = _chunk_tile(pid, BT, D, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T,
+                                                          BLOCK_D=BLOCK_D)
+    gq = _chunk_queries(q_ptr, g_ptr, cons, cols=cols, C=C, D=D)
+    valid = (cons < C) & (tl.load(ran_ptr + cons, mask=cons < C, other=0) != 0)
+    c_rows = valid[:, None] & row_ok[None, :]
+    dmix = tl.load(records + cons[:, None, None] * (BT * D) + offsets[None, :, :],
+                   mask=valid[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
+    delta = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + rows[None, :], mask=c_rows, other=0.0)
+    lse = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + BT + rows[None, :], mask=c_rows, other=0.0)
+    dgq = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    slot = V
+    grad = dV
+    for j in range(0, n1):
+        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+        u = tl.sum(v[None, :, :] * gq[:, None, :], axis=2)                          # (BLOCK_C, BLOCK_T)
+        p = tl.where(c_rows, tl.exp(r[None, :] * u - lse), 0.0)
+        ds = p * (tl.sum(v[None, :, :] * dmix, axis=2) - delta)
+        b = ds * r[None, :]
+        k = -ds * u * (r * r * r)[None, :] / D                                      # through r: as _source_gradient
+        dv = tl.sum(p[:, :, None] * dmix + b[:, :, None] * gq[:, None, :] + k[:, :, None] * v[None, :, :], axis=0)
+        tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
+        dgq += tl.sum(b[:, :, None] * v[None, :, :], axis=1)
+        slot += BT * D
+        grad += BT * D
+    tl.store(dgq_ptr + cons[:, None] * (P * D) + pid * D + cols[None, :], dgq,
+             mask=(cons < C)[:, None] & (cols < D)[None, :])
+
+
+@jit
+def _chunk_query_gradients(dgq_rows, q_ptr, g_ptr, dq_ptr, dg_ptr, P, D, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """Consumer c = program_id(1) of the chunk: dgq = the sum of its P partial rows (dgq_rows + c P D), dq = dgq g
+    and dg = dgq q into row c of dq_ptr, dg_ptr (the chunk's rows), columns [pid BLOCK_C, (pid + 1) BLOCK_C)."""
+    c = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < D
+    acc = tl.zeros((BLOCK_C,), tl.float32)
+    for start in range(0, P, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        tile = tl.load(dgq_rows + c * P * D + rows[:, None] * D + cols[None, :],
+                       mask=(rows < P)[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(tile, axis=0)
+    q = tl.load(q_ptr + c * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + c * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptr + c * D + cols, acc * g, mask=col_ok)
+    tl.store(dg_ptr + c * D + cols, acc * q, mask=col_ok)
+
+
+# ----------------------------------------------------------------------------- autograd and the bank
+
+class Chunk:
+    """Phase 1 of the consumers of rows r0 .. r0 + C - 1 over the bank's first n1 sources: o1 (C, B, T, D) in the
+    bank's dtype, lse1 (C, B T) and logits (C, n1, B T) fp32, and `token` (what its consumers' mixes take, so that
+    autograd runs the chunk's backward after theirs); their records (`record`), made by the first backward."""
+
+    def __init__(self, r0, C, n1, V):
+        B, T, D = V.shape[1:]
+        self.r0, self.C, self.n1 = r0, C, n1
+        self.o1 = V.new_empty((C, B, T, D))
+        self.lse1 = V.new_empty((C, B * T), dtype=torch.float32)
+        self.logits = V.new_empty((C, n1, B * T), dtype=torch.float32)
+        self.records = self.scalars = self.ran = self.token = None
+
+    def record(self, i):
+        """(dmix slot, scalars (2, B T), ran flag) of consumer i's record: dmix in the bank's dtype, delta and lse."""
+        if self.records is None:
+            self.records = torch.empty_like(self.o1)
+            self.scalars = self.lse1.new_empty((self.C, 2, self.lse1.shape[1]))
+            self.ran = torch.zeros(self.C, dtype=torch.int32, device=self.o1.device)
+        return self.records[i], self.scalars[i], self.ran[i:]
+
+
+class ChunkPass(torch.autograd.Function):
+    """Phase 1 (forward, `_chunk_forward` into the chunk) -> a token; backward, the chunk's pass (`_chunk_backward`,
+    into the bank's gradient slots) -> the chunk's rows of dqueries and dkey_gains (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, bank, chunk, queries, key_gains, token):
+        V = bank.slots[0]
+        B, T, D = V.shape[1:]
+        BLOCK_T, BLOCK_D = chunk_blocks(B * T, D)
+        _chunk_forward[(triton.cdiv(B * T, BLOCK_T),)](V, queries[chunk.r0], key_gains[chunk.r0], o1_ptr=chunk.o1,
+                                                        lse1_ptr=chunk.lse1, logits_ptr=chunk.logits, n1=chunk.n1,
+                                                        C=chunk.C, BT=B * T, D=D, eps=bank.norm_eps, BLOCK_C=CHUNK,
+                                                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
+        ctx.save_for_backward(queries, key_gains)
+        ctx.bank, ctx.chunk = bank, chunk
+        ctx.set_materialize_grads(False)
+        return torch.empty((), dtype=torch.float32, device=V.device)
+
+    @staticmethod
+    def backward(ctx, dtoken):
+        chunk, bank = ctx.chunk, ctx.bank
+        queries, key_gains = ctx.saved_tensors
+        if chunk.records is None:                            # no consumer of the chunk ran its backward
+            return None, None, None, None, None
+        V, dV = bank.slots[0], bank.gradients()[0]
+        B, T, D = V.shape[1:]
+        BLOCK_T, BLOCK_D = chunk_blocks(B * T, D)
+        P = triton.cdiv(B * T, BLOCK_T)
+        dgq_rows = chunk.lse1.new_empty((chunk.C, P, D))
+        _chunk_backward[(P,)](V, queries[chunk.r0], key_gains[chunk.r0], chunk.records, scalars_ptr=chunk.scalars,
+                              ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
+                              D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                              num_warps=WARPS)
+        dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
+        BLOCK_C = min(COLUMNS, next_power_of_2(D))
+        _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, queries[chunk.r0],
+                                                                   key_gains[chunk.r0], dq_ptr=dq[chunk.r0],
+                                                                   dg_ptr=dg[chunk.r0], P=P, D=D, BLOCK_R=ROWS,
+                                                                   BLOCK_C=BLOCK_C)
+        chunk.records = chunk.scalars = chunk.o1 = chunk.logits = None       # the chunk's memory, no longer read,
+        bank.chunks.pop(chunk.r0, None)                 # and a checkpointed block's recomputed phase 1 with it
+        return None, None, dq, dg, None
+
+
+class Merge(torch.autograd.Function):
+    """Phase 2 of consumer i of the chunk over the bank's first n sources and the extra. (bank, chunk, i, n, query,
+    key_gain, token, chunk_token, extra) -> (mix (B, T, D) fp32, p (m, B, T) not differentiable). Backward: dq, dg
+    and the extra's gradient from this pass; its phase-2 sources' gradients into the gradient slots; its record for
+    the chunk's pass. No gradient for the tokens (they order the backward)."""
+
+    @staticmethod
+    def forward(ctx, bank, chunk, i, n, query, key_gain, token, chunk_token, extra):
+        V = bank.slots[0]
+        B, T, D = V.shape[1:]
+        n1, n2 = chunk.n1, n - chunk.n1
+        m2 = n2 + (extra is not None)
+        extra_in = V if extra is None else extra.contiguous()
+        mix = V.new_empty((B, T, D), dtype=torch.float32)
+        lse = V.new_empty((B * T,), dtype=torch.float32)
+        p = V.new_empty((n1 + m2, B, T), dtype=torch.float32)
+        grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
+        _merge_forward[grid](V[n1] if n2 else V, extra_in, query, key_gain, o1_ptr=chunk.o1[i], lse1_ptr=chunk.lse1[i],
+                             logits1_ptr=chunk.logits[i], mix_ptr=mix, lse_ptr=lse, p_ptr=p, n1=n1, n2=n2, m2=m2,
+                             BT=B * T, D=D, eps=bank.norm_eps, HAS_EXTRA=extra is not None, BLOCK_T=BLOCK_T,
+                             BLOCK_D=BLOCK_D, num_warps=WARPS)
+        ctx.save_for_backward(query, key_gain, mix, lse, *([] if extra is None else [extra_in]))
+        ctx.bank, ctx.chunk, ctx.i, ctx.n = bank, chunk, i, n
+        ctx.extra_dtype = None if extra is None else extra.dtype
+        ctx.mark_non_differentiable(p)
+        ctx.set_materialize_grads(False)
+        return mix, p
+
+    @staticmethod
+    def backward(ctx, dmix, _):
+        if dmix is None:
+            return (None,) * 9
+        bank, chunk = ctx.bank, ctx.chunk
+        query, key_gain, mix, lse, *extra = ctx.saved_tensors
+        V, dV = bank.slots[0], bank.gradients()[0]
+        B, T, D = V.shape[1:]
+        n1, n2 = chunk.n1, ctx.n - chunk.n1
+        grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
+        record, scalars, ran = chunk.record(ctx.i)
+        d_extra = torch.empty(mix.shape, dtype=ctx.extra_dtype, device=mix.device) if extra else None
+        dgq_rows = mix.new_empty((grid[0], D))
+        V2, dV2 = (V[n1], dV[n1]) if n2 else (V, dV)                 # from slot n1 (placeholders without sources)
+        extra_in, d_extra_in = (extra[0], d_extra) if extra else (V, dV)
+        _merge_backward[grid](V2, extra_in, query, key_gain, mix_ptr=mix, dmix_ptr=dmix.contiguous(), lse_ptr=lse,
+                              dV=dV2, d_extra=d_extra_in, dgq_ptr=dgq_rows, record_ptr=record,
+                              scalars_ptr=scalars, ran_ptr=ran, n2=n2, BT=B * T, D=D, eps=bank.norm_eps,
+                              HAS_EXTRA=bool(extra), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
+        dq, dg = attnres.query_gradients(dgq_rows, query, key_gain)
+        return None, None, None, None, dq, dg, None, None, d_extra
+
+
+class DepthBank(attnres.DepthBank):
+    """triton_attnres.DepthBank (the same bank, pushes and backward) whose `mix`, given the consumer's row of the
+    queries the bank was started with (its Site), runs the two phases: the chunk's first consumer (row r0, a multiple of
+    CHUNK) runs phase 1, each consumer phase 2. Without queries (the release's variants, DenseFormer's and MUDD's
+    banks), without a row, or for a consumer of a state older than its chunk's phase 1: triton_attnres's mix."""
+
+    @classmethod
+    def start(cls, first, n_max, eps=1e-5, queries=None, key_gains=None):
+        bank = attnres.DepthBank.start(first, n_max, eps)
+        if not isinstance(bank, attnres.DepthBank):           # kernels.py's bank (no key norm, no kernel here)
+            return bank
+        bank.bank.queries = None if queries is None else (queries, key_gains)
+        bank.bank.chunks = {}                                 # first row -> its Chunk
+        return cls(bank.bank, bank.n, bank.token)
+
+    @torch.compiler.disable
+    def push(self, v):
+        pushed = super().push(v)
+        return DepthBank(pushed.bank, pushed.n, pushed.token)
+
+    @torch.compiler.disable
+    def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0, site=None):
+        """triton_attnres.DepthBank's mix; site: the consumer's Site, whose `row_index` (an int, read here in eager
+        code: a compiled block would guard on it) is its row of the bank's queries."""
+        m = self.n + (extra is not None)
+        params = getattr(self.bank, "queries", None)
+        if site is None or params is None or topk_count(m, topk_fraction) < m:
+            return super().mix(query, key_gain, eps, extra=extra, topk_fraction=topk_fraction)
+        if eps != self.bank.norm_eps:
+            raise ValueError(f"the bank's key norm uses eps {self.bank.norm_eps}, not {eps}")
+        row = site.row_index
+        chunk = self.chunk(row, *params)
+        if chunk is None:
+            return super().mix(query, key_gain, eps, extra=extra)
+        mix, p = Merge.apply(self.bank, chunk, row - chunk.r0, self.n, query.contiguous(), key_gain.contiguous(),
+                             self.token, chunk.token, extra)
+        return mix, p.movedim(0, -1)
+
+    def chunk(self, row, queries, key_gains):
+        """The Chunk serving `row`: phase 1 runs at the chunk's first row (again, when a checkpointed block recomputes
+        it), or for a row whose chunk has not run; None when the chunk read more sources than this state holds."""
+        r0 = row - row % CHUNK
+        chunk = self.bank.chunks.get(r0)
+        if row == r0 or chunk is None:
+            chunk = Chunk(r0, min(CHUNK, len(queries) - r0), self.n, self.bank.slots[0])
+            chunk.token = ChunkPass.apply(self.bank, chunk, queries, key_gains, self.token)
+            self.bank.chunks[r0] = chunk
+        return chunk if chunk.n1 <= self.n else None
+
+
+# ----------------------------------------------------------------------------- what a step moves (the roofline)
+
+def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
+    """[moved] of one consumer's two launches each way over phase 1's n1 sources and its n: phase 2's forward
+    (`_merge_forward`) and backward (`_merge_backward`, `_query_gradients`). With S = tokens D, n2 = n - n1 sources
+    pushed since phase 1, m2 = n2 + extra, E = 4 S if extra else 0, P = the programs of a launch:
+
+        forward   read     S sb (o1) + 4 tokens (lse1, phase 1's logits n1 times, its own logits m2 times)
+                           + n2 S sb + E + 8 D (q, g)
+                  written  4 S (mix) + 4 tokens (lse, p: n1 + m2, its logits first: m2)
+        backward  read     8 S (mix, dmix) + 4 tokens (lse) + 8 D + n2 S sb + E + 4 n2 S (the gradient slots)
+                  written  4 n2 S + E (the extra's dv) + S sb + 8 tokens + 4 (its record: dmix, delta, lse, ran)
+                           + 4 P D (dgq's rows); then _query_gradients reads 4 P D + 8 D and writes 8 D (dq, dg)."""
+    S, n2 = tokens * D, n - n1
+    m2, E = n2 + int(extra), 4 * S * int(extra)
+    P = -(-tokens // attnres.blocks(tokens, D)[0])
+    return [moved(S * storage_bytes + 4 * tokens * (1 + n1 + m2) + n2 * S * storage_bytes + E + 8 * D,
+                  4 * S + 4 * tokens * (1 + n1 + 2 * m2)),
+            moved(8 * S + 4 * tokens + 8 * D + n2 * S * storage_bytes + E + 4 * n2 * S,
+                  4 * n2 * S + E + S * storage_bytes + 8 * tokens + 4 + 4 * P * D),
+            moved(4 * P * D + 8 * D, 8 * D)]
+
+
+def chunk_traffic(n1, C, rows, tokens, D, storage_bytes=2):
+    """[moved] of a chunk's phase 1 over n1 sources for C consumers, the queries and key gains (rows, D):
+    forward `_chunk_forward` (read the sources once, q and g; write o1 in the bank's dtype, lse1 and the logits);
+    backward, the ran flags' zeroing (at its first consumer's backward), `_chunk_backward` (the sources once, the C
+    records, the gradient slots read and written once), dqueries' and dkey_gains' zeros, `_chunk_query_gradients`,
+    and autograd's two adds of them into the parameters' other gradients."""
+    S, R = tokens * D, rows * D
+    P = -(-tokens // chunk_blocks(tokens, D)[0])
+    return [moved(n1 * S * storage_bytes + 8 * D * C, C * S * storage_bytes + 4 * tokens * C * (1 + n1)),
+            moved(0, 4 * C),
+            moved(n1 * S * storage_bytes + C * (S * storage_bytes + 8 * tokens + 4 + 8 * D) + 4 * n1 * S,
+                  4 * n1 * S + 4 * P * C * D),
+            moved(0, 8 * R, launches=2),
+            moved(4 * P * C * D + 8 * D * C, 8 * D * C),
+            moved(16 * R, 8 * R, launches=2)]
+
+
+def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
+    """[moved] of a whole step of one bank served by chunks: `reads` = the bank sources consumer row i = 0, 1, ...
+    reads (forward order; each reads every source pushed before it), the bank n_max slots; rows r0 = 0, CHUNK, ...
+    start a chunk over the sources their consumer reads. Also: the read of sublayer 0's source (`read_traffic`),
+    each push's copy in (forward; its backward hands on its gradient slot: no launch), and the gradient bank's
+    zeroing (at the first backward)."""
+    S = tokens * D
+    rows = list(attnres.read_traffic(tokens, D, storage_bytes).values())
+    rows += [moved(4 * S, S * storage_bytes)] * max(reads)                       # the pushes' copies
+    rows.append(moved(0, 4 * n_max * S))                                         # the gradient bank's zeros
+    for r0 in range(0, len(reads), CHUNK):
+        chunk = reads[r0:r0 + CHUNK]
+        rows += chunk_traffic(chunk[0], len(chunk), len(reads), tokens, D=D, storage_bytes=storage_bytes)
+        for n in chunk:
+            rows += phase_traffic(chunk[0], n, tokens, D, extra=extra, storage_bytes=storage_bytes)
+    return rows
