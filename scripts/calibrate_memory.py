@@ -11,6 +11,7 @@ and d_kv terms and V (the one-chunk loss's logits). Prints the constants as Pyth
 
     python scripts/calibrate_memory.py                    # every design, every mode: ~20 minutes on 1 core
     python scripts/calibrate_memory.py --designs mhc --modes bf16
+    TRITON_INTERPRET=1 python scripts/calibrate_memory.py --designs mhc --modes bf16 --kernels triton   # the GPU path
 """
 import argparse
 import os
@@ -29,12 +30,13 @@ BACKBONE_SHAPES = [  # (L, d, d_ff, n_head, n_kv_head, V)
     (2, 64, 176, 4, 4, 64), (4, 64, 176, 4, 4, 64), (2, 128, 352, 8, 8, 64), (4, 128, 352, 8, 8, 64),
     (4, 64, 352, 4, 4, 64), (4, 64, 176, 4, 2, 64), (4, 64, 176, 2, 2, 64), (2, 64, 176, 4, 4, 128)]
 DESIGN_SHAPES = [(2, 64, 176, 4, 4, 64), (4, 64, 176, 4, 4, 64), (2, 128, 352, 8, 8, 64), (4, 128, 352, 8, 8, 64)]
-MEASURED = {}  # (residual, shape, mode, options) -> bytes per token: Pre-LN's are measured once
+MEASURED = {}  # (residual, shape, mode, options, kernels) -> bytes per token: Pre-LN's are measured once
+KERNELS = "fast"  # GPTConfig.kernels of every model measured (--kernels)
 
 
 def per_token(residual, shape, mode, options=None):
     """Bytes kept per token at (L, d, d_ff, n_head, n_kv_head, V): (kept at micro-batch 2 - at 1) / T."""
-    key = (residual, shape, mode, repr(options))
+    key = (residual, shape, mode, repr(options), KERNELS)
     if key not in MEASURED:
         MEASURED[key] = measure(residual, shape, mode, options)
     return MEASURED[key]
@@ -44,7 +46,7 @@ def measure(residual, shape, mode, options):
     L, d, d_ff, n_head, n_kv, V = shape
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=V, n_layer=L, d_model=d, n_head=n_head, n_kv_head=n_kv, d_ff=d_ff,
-                    residual=residual, residual_args=options or {})
+                    residual=residual, residual_args=options or {}, kernels=KERNELS)
     model = GPT(cfg)
     if mode == "compiled":
         torch._dynamo.reset()
@@ -88,7 +90,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--designs", default=",".join(RESIDUALS))
     p.add_argument("--modes", default="compiled,bf16,fp32")
+    p.add_argument("--kernels", default="fast", choices=("fast", "reference", "triton"),
+                   help="the bodies measured (triton on the CPU: under TRITON_INTERPRET=1, the kept bytes of the GPU "
+                        "path; its constants are not the plan's, which are fast's)")
     args = p.parse_args(argv)
+    global KERNELS
+    KERNELS = args.kernels
     torch.set_num_threads(1)
     modes = args.modes.split(",")
     for mode in modes:

@@ -393,6 +393,7 @@ def card_rows(s, measured, batch):
                      "roofline_today_ms": round(est["today_ms"], 1), "roofline_gpu_ms": round(est["gpu_ms"], 1),
                      "tok_per_s": r.get("tok_per_s"), "busy_share": r.get("busy_share"), "kernels": r.get("kernels"),
                      "kernels_x_preln": ratio("kernels"), "peak_train_gb": gb(r.get("peak_mem_train_bytes")),
+                     "roofline_peak_gb": None if est["gpu_peak_gb"] is None else round(est["gpu_peak_gb"], 1),
                      "fwd_ms": r.get("fwd_ms"), "error": r.get("error")})
     return rows
 
@@ -448,6 +449,11 @@ def fmt(value, spec, scale=1):
     return "" if value is None else format(value * scale, spec)
 
 
+def predicted(gb_value):
+    """' (x.x)': the roofline's peak beside a measured one, where it has one (the card's micro-batch)."""
+    return "" if gb_value is None else f" ({gb_value:.1f})"
+
+
 def write_table(s):
     """$OUT/table.md: the card's rows in docs/speed.md's "GPU runs" format, to paste there under its heading."""
     env = s.summary["environment"]
@@ -457,13 +463,13 @@ def write_table(s):
              f"{where}; `bash scripts/gpu_smoke.sh` at {env.get('commit') or 'an unknown commit'}. Roofline: "
              "scripts/roofline.py's H200 estimate at L70 d640 T2048 (today's path / the fused GPU path).", "",
              "| design | micro-batch | step ms | x Pre-LN | roofline ms | tok/s | GPU busy | kernels / step "
-             "| x Pre-LN | peak train GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| x Pre-LN | peak train GB (roofline) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in s.summary["card"]["rows"]:
         lines.append(f"| {r['design']} | {r['batch']} | {fmt(r['step_ms'], '.1f')} | {fmt(r['x_preln'], '.2f')} | "
                      f"{r['roofline_today_ms']:.0f} / {r['roofline_gpu_ms']:.0f} | {fmt(r['tok_per_s'], ',.0f')} | "
                      f"{fmt(r['busy_share'], '.0f', 100)}{'%' * (r['busy_share'] is not None)} | "
                      f"{fmt(r['kernels'], ',')} | {fmt(r['kernels_x_preln'], '.2f')} | "
-                     f"{fmt(r['peak_train_gb'], '.1f')} |")
+                     f"{fmt(r['peak_train_gb'], '.1f')}{predicted(r['roofline_peak_gb'])} |")
     text = "\n".join(lines) + "\n"
     tmp = s.out / "table.md.tmp"
     tmp.write_text(text)
