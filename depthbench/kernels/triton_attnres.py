@@ -139,6 +139,28 @@ def _online_step(v, s, m, l, acc):
 
 
 @jit
+def _source_pass(V, extra, logits, n, offsets, mask, rows, row_ok, gq, m, l, acc, BT, D, eps,
+                 HAS_EXTRA: tl.constexpr):
+    """The online softmax from (m, l, acc) over the n sources of V (a slot of BT x D each) and, with HAS_EXTRA, the
+    extra source -> (m, l, acc); each source's logits stored to `logits`, a row of BT a source. The forward of a
+    consumer's mix (_mix_forward) and of a chunk's phase 2 (triton_attnres_chunk._merge_forward)."""
+    slot = V                                                 # advanced one slot (BT * D) per source: no int32 overflow
+    for j in range(0, n):
+        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+        r, u, s = _source_logit(v, gq, D, eps)
+        tl.store(logits + rows, s, mask=row_ok)
+        m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
+        slot += BT * D
+        logits += BT
+    if HAS_EXTRA:
+        v = tl.load(extra + offsets, mask=mask, other=0.0).to(tl.float32)
+        r, u, s = _source_logit(v, gq, D, eps)
+        tl.store(logits + rows, s, mask=row_ok)
+        m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
+    return m, l, acc
+
+
+@jit
 def _key_query(q_ptr, g_ptr, cols, D):
     """gq = g * q (BLOCK_D,) in fp32, zero in the padding, from the query row and key gain in their own dtypes."""
     q = tl.load(q_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
@@ -161,20 +183,7 @@ def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, 
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_T,), tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    slot = V                                                 # advanced one slot (BT * D) per source: no int32 overflow
-    logits = p_ptr
-    for j in range(0, n):
-        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
-        r, u, s = _source_logit(v, gq, D, eps)
-        tl.store(logits + rows, s, mask=row_ok)
-        m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
-        slot += BT * D
-        logits += BT
-    if HAS_EXTRA:
-        v = tl.load(extra + offsets, mask=mask, other=0.0).to(tl.float32)
-        r, u, s = _source_logit(v, gq, D, eps)
-        tl.store(logits + rows, s, mask=row_ok)
-        m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
+    m, l, acc = _source_pass(V, extra, p_ptr, n, offsets, mask, rows, row_ok, gq, m, l, acc, BT, D, eps, HAS_EXTRA)
     tl.store(mix_ptr + offsets, acc / l[:, None], mask=mask)
     lse = m + tl.log(l)
     tl.store(lse_ptr + rows, lse, mask=row_ok)

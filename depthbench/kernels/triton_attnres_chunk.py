@@ -39,8 +39,8 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations ar
 import torch
 
 from depthbench.kernels import triton_attnres as attnres
-from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _key_query, _online_step, _source_gradient,
-                                               _source_logit, jit, launch_grid, moved, next_power_of_2, tl, triton)
+from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _key_query, _source_gradient, _source_pass, jit,
+                                               launch_grid, moved, next_power_of_2, tl, triton)
 from ops import topk_count
 
 CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK running mixes or records in registers
@@ -120,20 +120,8 @@ def _merge_forward(V, extra, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits1_ptr, mix_pt
     m = tl.load(lse1_ptr + rows, mask=row_ok, other=0.0)
     l = tl.full((BLOCK_T,), 1.0, tl.float32)
     acc = tl.load(o1_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    slot = V
-    logits = p_ptr + n1 * BT
-    for j in range(0, n2):
-        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
-        r, u, s = _source_logit(v, gq, D, eps)
-        tl.store(logits + rows, s, mask=row_ok)
-        m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
-        slot += BT * D
-        logits += BT
-    if HAS_EXTRA:
-        v = tl.load(extra + offsets, mask=mask, other=0.0).to(tl.float32)
-        r, u, s = _source_logit(v, gq, D, eps)
-        tl.store(logits + rows, s, mask=row_ok)
-        m, l, acc = _online_step(v, s, m=m, l=l, acc=acc)
+    m, l, acc = _source_pass(V, extra, p_ptr + n1 * BT, n2, offsets, mask, rows, row_ok, gq, m, l, acc, BT, D, eps,
+                             HAS_EXTRA)
     tl.store(mix_ptr + offsets, acc / l[:, None], mask=mask)
     lse = m + tl.log(l)
     tl.store(lse_ptr + rows, lse, mask=row_ok)

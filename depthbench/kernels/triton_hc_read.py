@@ -37,8 +37,8 @@ import torch
 
 import ops
 from depthbench.kernels import triton_hc as hc
-from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _sinkhorn_block, _sinkhorn_block_bwd, _sum,
-                                          jit, pow2, runs_here, stream_sizes, tl)
+from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _normed_rows, _sinkhorn_block,
+                                          _sinkhorn_block_bwd, _sum, jit, pow2, runs_here, stream_sizes, tl)
 from ops import fp32_maths
 
 EPS = 1e-6      # residuals.MHC.maps' norm eps and ops.sinkhorn's default, the ones its reference uses
@@ -53,18 +53,7 @@ def _mhc_read_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, N, K, M, i
     into Res (N, n, n)."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
-    acc = tl.full([BN, MP], 0.0, tl.float32)
-    ss = tl.full([BN], 0.0, tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        x = tl.load(X + rows[:, None] * K + ks[None, :], mask=(rows < N)[:, None] & (ks < K)[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
-        ss += _sum(x * x, 1)
-    r = 1.0 / tl.sqrt(ss / K + eps)
-    m = acc * r[:, None]
+    m, r = _normed_rows(X, W, rows, cols, N, K, M, eps, BN, BK, MP)
     live = (rows < N)[:, None]
     tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
     tl.store(R + rows, r, mask=rows < N)
@@ -133,18 +122,7 @@ def _hc_read_fwd(X, W, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
     columns, beta_scale on the last); H_pre[t, s] = z[0], H_post[t, s] = z[n + 1], H_res[t, o, s] = z[1 + o]."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
-    acc = tl.full([BN, MP], 0.0, tl.float32)
-    ss = tl.full([BN], 0.0, tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        x = tl.load(X + rows[:, None] * K + ks[None, :], mask=(rows < NR)[:, None] & (ks < K)[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
-        ss += _sum(x * x, 1)
-    r = 1.0 / tl.sqrt(ss / K + eps)
-    m = acc * r[:, None]
+    m, r = _normed_rows(X, W, rows, cols, NR, K, M, eps, BN, BK, MP)
     live = (rows < NR)[:, None]
     tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
     tl.store(R + rows, r, mask=rows < NR)
