@@ -1,5 +1,6 @@
 """
-gpu/attnres.py: Full and Block AttnRes' depth mix as Triton kernels, the GPU body of `DepthBank.mix`.
+depthbench/kernels/triton_attnres.py: Full and Block AttnRes' depth mix as Triton kernels, the GPU body of
+`DepthBank.mix` (triton_attnres_chunk.py serves a chunk of consumers at once on top of it).
 
 The maths is ops.depth_mix, for one consumer with the query row q, the key gain g and the sources v_0 .. v_(m-1)
 (the bank's n sources, then Block AttnRes' open partial sum `extra` if given), per token:
@@ -8,55 +9,37 @@ The maths is ops.depth_mix, for one consumer with the query row q, the key gain 
     r_j = rsqrt(mean(v_j^2) + eps),  u_j = <v_j, gq>,  s_j = r_j u_j          (the logit: <q, g * RMSNorm(v_j)>)
     p_j = softmax_j(s),  mix = sum_j p_j v_j,  lse = log sum_j exp(s_j)
 
-The consumer's output norm, RMSNorm_k(mix), stays outside (residuals.py applies it, as with the other bodies).
-
-Launches: one per consumer forward, two per consumer backward, one per push forward and at most one per push
-backward, with no torch glue between them (each kernel reads q and g, writes p, its record and its outputs itself).
+The output norm, RMSNorm_k(mix), stays outside (residuals.py applies it). Launches: one per consumer forward, two
+backward, one per push forward and at most one backward, no torch glue (each kernel reads q and g itself).
 
 Kernels (each equals the named reference, proved by the named test of tests/test_triton.py):
-- `_mix_forward`: one program per block of BLOCK_T tokens, the whole width D in registers (padded to a power of 2
-  and masked). One pass over the sources with an online softmax (running max m, running sum l, running weighted
-  sum acc, rescaled by exp(m_old - m_new) when the max grows): r_j, u_j, s_j, p_j and mix in fp32 from sources
-  stored in bf16 or fp32. Writes mix (fp32), lse (fp32), and the weights p (fp32, m x tokens: the logits s first,
-  then, once lse is known, exp(s - lse) over them; telemetry reads p). Equals ops.depth_mix's (mix, p):
-  `test_mix_forward_equals_reference`.
-- `_mix_backward`, the consumer's pass: the same blocks of tokens, one pass over its sources again. It recomputes
-  r_j, u_j, s_j from the source and p_j = exp(s_j - lse) from the saved lse (nothing per source is kept from the
-  forward), and with delta = <mix, dmix> = sum_j p_j dp_j (as flash attention's rowsum(dO * O)):
+- `_mix_forward`: a program per BLOCK_T tokens, the width D in registers; one pass over the sources with an online
+  softmax (`_source_pass`), fp32 inside; writes mix, lse and the weights p (fp32; telemetry reads p):
+  ops.depth_mix's (mix, p), `test_mix_forward_equals_reference`.
+- `_mix_backward`, the consumer's pass (`_backward_pass`): its sources again, p_j = exp(s_j - lse) from the saved
+  lse, delta = <mix, dmix> = sum_j p_j dp_j (flash attention's rowsum(dO * O)):
 
       dp_j = <v_j, dmix>,   ds_j = p_j (dp_j - delta)
       dv_j = p_j dmix + ds_j r_j gq - ds_j u_j r_j^3 / D  v_j          (the last term: through r_j)
       dgq  = sum_tokens sum_j ds_j r_j v_j                              (one partial row per program)
 
-  It writes the extra source's dv (in the extra's dtype) and the partial rows of dgq; `_query_gradients` sums
-  those rows and writes dq = dgq g and dg = dgq q (the second launch). The bank sources' dv_j, two ways:
+  `_query_gradients` sums dgq's rows into dq = dgq g and dg = dgq q (the second launch). The sources' dv_j:
   * deferred (the default): the consumer's pass writes its record (dmix in the bank's storage dtype, delta, lse, gq
-    and how many sources it read, `Deferred`) and computes no dv_j; the sources' passes, run by their pushes when
-    backward reaches them (after every consumer that read them, as autograd orders the bank's tokens), sum dv_j over
-    the recorded consumers that read j and write it once, no gradient bank. By blocks of BLOCK_SOURCES sources: the
-    top source's push runs `_block_backward`, which holds the block's sources in registers and reads each record
-    once for all of them (the top's gradient, the others' sums so far); each source below adds the records written
-    since (`_source_backward`). Per (consumer, source) pair the backward reads v_j (the consumer's pass) and about
-    1 / BLOCK_SOURCES of a record. A bank keeps n_max records (the memory of its slots, allocated at the first
-    backward): Full AttnRes (2L consumers, 2L + 1 slots) defers every consumer.
-  * read-modify-write (a consumer past that room: Block AttnRes, with more consumers than slots, from its
-    (N+2)-th backward on): dv_j is added into the bank's fp32 gradient slot j in the same pass, one read
-    and one write of each slot this consumer read, never of the rest of the bank; the push's pass starts from it.
-  Both equal the gradients autograd takes through ops.depth_mix (query, key gain, every source):
-  `test_mix_gradients_equal_reference` (each way), `test_consumers_of_several_depths_share_a_bank` (consumers that
-  read different prefixes of one bank); a whole model: `test_model_equals_reference` (Block AttnRes there mixes
-  the two ways), and under bf16 autocast `test_model_under_bf16_autocast_is_the_reference_to_bf16`.
-- `_block_backward` and `_source_backward`: the deferred passes above, one program per block of tokens, looping over
-  the records; a whole step's bank (`test_a_steps_bank_equals_reference`: Full AttnRes' pattern over two blocks,
-  Block AttnRes' with both ways).
+    and how many sources it read, `Deferred`) and no dv_j; the sources' passes, run by their pushes when backward
+    reaches them (after every consumer that read them), sum dv_j over the records and write it once, no gradient
+    bank. By blocks of BLOCK_SOURCES sources: the top source's push runs `_block_backward` (the block's sources in
+    registers, each record read once for all of them), each source below adds the records written since
+    (`_source_backward`). A bank keeps n_max records (the memory of its slots): Full AttnRes defers every consumer.
+  * read-modify-write (a consumer past that room: Block AttnRes from its (N+2)-th backward on): dv_j is added into
+    the bank's fp32 gradient slot j in the same pass, one read and one write of each slot this consumer read.
+  Both equal autograd's through ops.depth_mix: `test_mix_gradients_equal_reference`,
+  `test_a_steps_bank_equals_reference`, `test_consumers_of_several_depths_share_a_bank`; whole models:
+  `test_model_equals_reference`, `test_model_under_bf16_autocast_is_the_reference_to_bf16`.
 
-Storage: the bank (depthbench/kernels/cpu.py's `Bank`, reused) keeps its sources in bf16 when the model runs under
-autocast to bf16 on the bank's device, else in the dtype of the first source; gradients accumulate in fp32. The
-release's top-k variant (topk_fraction < 1) runs kernels.py's torch mix on the same bank (its gradients join
-through the gradient bank, which it allocates, and the r_j it reads are computed when it first runs). DenseFormer's
-and MUDD's banks (no key norm: eps None), and any bank on a device where no kernel can run (a CPU tensor without
-the interpreter), are kernels.py's own (`DepthBank.start`): their path, and the CPU's, is unchanged. `traffic` and
-`step_traffic` count what each launch moves; `test_step_traffic_counts_the_launches` counts a step's launches.
+Storage (`storage_dtype`): the sources in bf16 under bf16 autocast, else the first source's dtype; gradients in
+fp32. The release's top-k variant runs cpu.py's mix on the same bank; DenseFormer's and MUDD's banks (eps None) and
+a bank where no kernel runs are cpu.py's own (`DepthBank.start`). `traffic` and `step_traffic` count what each
+launch moves (`test_step_traffic_counts_the_launches` counts the launches).
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations are read as text: no triton, no error
 
@@ -141,9 +124,8 @@ def _online_step(v, s, m, l, acc):
 @jit
 def _source_pass(V, extra, logits, n, offsets, mask, rows, row_ok, gq, m, l, acc, BT, D, eps,
                  HAS_EXTRA: tl.constexpr):
-    """The online softmax from (m, l, acc) over the n sources of V (a slot of BT x D each) and, with HAS_EXTRA, the
-    extra source -> (m, l, acc); each source's logits stored to `logits`, a row of BT a source. The forward of a
-    consumer's mix (_mix_forward) and of a chunk's phase 2 (triton_attnres_chunk._merge_forward)."""
+    """The online softmax from (m, l, acc) over the n sources of V (BT x D each), then (HAS_EXTRA) the extra ->
+    (m, l, acc); each source's logits to `logits`, a row of BT each. Of _mix_forward and a chunk's phase 2."""
     slot = V                                                 # advanced one slot (BT * D) per source: no int32 overflow
     for j in range(0, n):
         v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -170,9 +152,8 @@ def _key_query(q_ptr, g_ptr, cols, D):
 @jit
 def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, BT, D, eps,
                  HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """mix and lse for tokens [pid BLOCK_T, (pid + 1) BLOCK_T) over the n bank sources V (n_max, BT, D) and, with
-    HAS_EXTRA, the extra source (BT, D) after them (m_sources in all); the weights p (m_sources, BT): the logits
-    first, then exp(s - lse)."""
+    """mix and lse of tokens [pid BLOCK_T, +BLOCK_T) over the n sources V (n_max, BT, D), then (HAS_EXTRA) the extra
+    (BT, D): m_sources in all; the weights p (m_sources, BT): the logits first, then exp(s - lse)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
@@ -183,7 +164,8 @@ def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, 
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_T,), tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    m, l, acc = _source_pass(V, extra, p_ptr, n, offsets, mask, rows, row_ok, gq, m, l, acc, BT, D, eps, HAS_EXTRA)
+    m, l, acc = _source_pass(V, extra, p_ptr, n, offsets=offsets, mask=mask, rows=rows, row_ok=row_ok, gq=gq, m=m,
+                             l=l, acc=acc, BT=BT, D=D, eps=eps, HAS_EXTRA=HAS_EXTRA)
     tl.store(mix_ptr + offsets, acc / l[:, None], mask=mask)
     lse = m + tl.log(l)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
@@ -210,24 +192,11 @@ def _source_gradient(v, gq, dmix, lse, delta, D, eps):
 
 
 @jit
-def _mix_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, scalars_ptr, gq_row,
-                  reads_ptr, n, BT, D, eps,
-                  HAS_EXTRA: tl.constexpr, DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The consumer's pass. Its share of dgq to row pid of dgq_ptr (programs, D); the extra source's dv to d_extra.
-    The bank sources' dv: DEFER False, added into the gradient bank dV (n_max, BT, D) fp32, one read-modify-write of
-    each slot read; DEFER True, not computed here: the consumer's record gets dmix (dV: (BT, D) in the bank's
-    storage dtype), delta and lse (scalars_ptr: (2, BT) fp32), gq (gq_row) and n (reads_ptr), from which
-    `_source_backward` computes dv when it reaches the source."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < BT
-    mask = row_ok[:, None] & (cols[None, :] < D)
-    offsets = rows[:, None] * D + cols[None, :]
-    gq = _key_query(q_ptr, g_ptr, cols, D)
-    dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)    # <mix, dmix> = sum_j p_j dp_j
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+def _backward_pass(V, extra, dV, d_extra, n, offsets, mask, gq, dmix, lse, delta, BT, D, eps, DEFER: tl.constexpr,
+                   HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A consumer's backward over the n sources of V and the extra -> its dgq share (BLOCK_T, BLOCK_D); the extra's
+    dv to d_extra; each source's dv, DEFER False, added into its fp32 gradient slot of dV (its one read-modify-write),
+    DEFER True, not kept (the record's). Of _mix_backward and a chunk's phase 2 (triton_attnres_chunk)."""
     dgq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     slot = V
     grad = dV
@@ -245,6 +214,29 @@ def _mix_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extr
         dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
         tl.store(d_extra + offsets, dv, mask=mask)                   # cast to the extra's dtype by the store
         dgq += b[:, None] * v
+    return dgq
+
+
+@jit
+def _mix_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, scalars_ptr, gq_row,
+                  reads_ptr, n, BT, D, eps,
+                  HAS_EXTRA: tl.constexpr, DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The consumer's pass (`_backward_pass`): its share of dgq to row pid of dgq_ptr (programs, D); DEFER False,
+    the sources' dv into the gradient bank dV (n_max, BT, D) fp32; DEFER True, its record: dmix (dV: (BT, D), the
+    bank's dtype), delta and lse (scalars_ptr (2, BT) fp32), gq (gq_row) and n (reads_ptr)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < BT
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    offsets = rows[:, None] * D + cols[None, :]
+    gq = _key_query(q_ptr, g_ptr, cols, D)
+    dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)    # <mix, dmix> = sum_j p_j dp_j
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    dgq = _backward_pass(V, extra, dV, d_extra, n=n, offsets=offsets, mask=mask, gq=gq, dmix=dmix, lse=lse,
+                         delta=delta, BT=BT, D=D, eps=eps, DEFER=DEFER, HAS_EXTRA=HAS_EXTRA, BLOCK_T=BLOCK_T,
+                         BLOCK_D=BLOCK_D)
     if DEFER:
         tl.store(dV + offsets, dmix, mask=mask)                      # the record, dmix in the bank's dtype
         tl.store(scalars_ptr + rows, delta, mask=row_ok)

@@ -39,7 +39,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations ar
 import torch
 
 from depthbench.kernels import triton_attnres as attnres
-from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _key_query, _source_gradient, _source_pass, jit,
+from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _backward_pass, _key_query, _source_pass, jit,
                                                launch_grid, moved, next_power_of_2, tl, triton)
 from ops import topk_count
 
@@ -120,8 +120,8 @@ def _merge_forward(V, extra, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits1_ptr, mix_pt
     m = tl.load(lse1_ptr + rows, mask=row_ok, other=0.0)
     l = tl.full((BLOCK_T,), 1.0, tl.float32)
     acc = tl.load(o1_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m, l, acc = _source_pass(V, extra, p_ptr + n1 * BT, n2, offsets, mask, rows, row_ok, gq, m, l, acc, BT, D, eps,
-                             HAS_EXTRA)
+    m, l, acc = _source_pass(V, extra, p_ptr + n1 * BT, n2, offsets=offsets, mask=mask, rows=rows, row_ok=row_ok,
+                             gq=gq, m=m, l=l, acc=acc, BT=BT, D=D, eps=eps, HAS_EXTRA=HAS_EXTRA)
     tl.store(mix_ptr + offsets, acc / l[:, None], mask=mask)
     lse = m + tl.log(l)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
@@ -149,21 +149,9 @@ def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_ex
     dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)    # <mix, dmix> = sum_j p_j dp_j
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    dgq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    slot = V
-    grad = dV
-    for j in range(0, n2):
-        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
-        dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
-        tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
-        dgq += b[:, None] * v
-        slot += BT * D
-        grad += BT * D
-    if HAS_EXTRA:
-        v = tl.load(extra + offsets, mask=mask, other=0.0).to(tl.float32)
-        dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
-        tl.store(d_extra + offsets, dv, mask=mask)                   # cast to the extra's dtype by the store
-        dgq += b[:, None] * v
+    dgq = _backward_pass(V, extra, dV, d_extra, n=n2, offsets=offsets, mask=mask, gq=gq, dmix=dmix, lse=lse,
+                         delta=delta, BT=BT, D=D, eps=eps, DEFER=False, HAS_EXTRA=HAS_EXTRA, BLOCK_T=BLOCK_T,
+                         BLOCK_D=BLOCK_D)
     tl.store(record_ptr + offsets, dmix, mask=mask)
     tl.store(scalars_ptr + rows, delta, mask=row_ok)
     tl.store(scalars_ptr + BT + rows, lse, mask=row_ok)

@@ -137,7 +137,7 @@ def _proj_fwd(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP
     """Rows [pid BN, +BN) of x (N, K): out = r (x @ W) (N, M), r = rsqrt(mean(x^2) + eps) (N,), one pass over x."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
-    out, r = _normed_rows(X, W, rows, cols, N, K, M, eps, BN, BK, MP)
+    out, r = _normed_rows(X, W, rows, cols, N=N, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)
     tl.store(Out + rows[:, None] * M + cols[None, :], out, mask=(rows < N)[:, None] & (cols < M)[None, :])
     tl.store(R + rows, r, mask=rows < N)
 

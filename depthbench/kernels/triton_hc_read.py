@@ -53,7 +53,7 @@ def _mhc_read_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, N, K, M, i
     into Res (N, n, n)."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
-    m, r = _normed_rows(X, W, rows, cols, N, K, M, eps, BN, BK, MP)
+    m, r = _normed_rows(X, W, rows, cols, N=N, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)
     live = (rows < N)[:, None]
     tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
     tl.store(R + rows, r, mask=rows < N)
@@ -122,7 +122,7 @@ def _hc_read_fwd(X, W, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
     columns, beta_scale on the last); H_pre[t, s] = z[0], H_post[t, s] = z[n + 1], H_res[t, o, s] = z[1 + o]."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
-    m, r = _normed_rows(X, W, rows, cols, NR, K, M, eps, BN, BK, MP)
+    m, r = _normed_rows(X, W, rows, cols, N=NR, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)
     live = (rows < NR)[:, None]
     tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
     tl.store(R + rows, r, mask=rows < NR)
