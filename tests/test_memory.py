@@ -24,13 +24,21 @@ def run_config(model, B, T, mode, ckpt=False):
                            compile=mode == "compiled", device="cuda")
 
 
-def kept(model, B, T, bf16):
-    """What a training forward keeps, the least of two measurements: the profiler's count can only gain from what
+def kept(model, B, T, bf16, tries=1):
+    """What a training forward keeps, the least of `tries` measurements: the profiler's count can only gain from what
     the process does beside the forward (a cache built, an earlier test's state), never lose the forward's tensors.
     Once, the whole suite's run measured 2.6x the bytes per token at the first design of this file, which no run of
-    the file alone or with its neighbours reproduced."""
+    the file alone or with its neighbours reproduced; so a check that finds a measurement off takes it again as the
+    least of two (`within_or_again`). Repeated measurements agree to the byte otherwise."""
     idx = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    return min(costs.kept_bytes(model, idx, bf16=bf16) for _ in range(2))
+    return min(costs.kept_bytes(model, idx, bf16=bf16) for _ in range(tries))
+
+
+def within_or_again(measure, ok):
+    """measure(tries) -> a result ok() accepts: one measurement each, and only where that one fails ok, the least of
+    two each (`kept`) -> the result ok() is finally asked of."""
+    result = measure(1)
+    return result if ok(result) else measure(2)
 
 
 def model_at(residual, L, d, heads, **options):
@@ -39,10 +47,10 @@ def model_at(residual, L, d, heads, **options):
                          residual=residual, residual_args=options))
 
 
-def plan_against_measured(model, T, mode):
+def plan_against_measured(model, T, mode, tries=1):
     """(planned, measured) bytes per token, and (planned, measured) activations at micro-batch 2."""
     bf16 = mode != "fp32"
-    one, two = kept(model, 1, T, bf16), kept(model, 2, T, bf16)
+    one, two = kept(model, 1, T, bf16, tries), kept(model, 2, T, bf16, tries)
     block, edge = costs.token_bytes(run_config(model, 2, T, mode), mode)
     plan = costs.memory_plan(run_config(model, 2, T, mode), model.num_params(), bf16)
     return (model.cfg.n_layer * block + edge, (two - one) / T), (plan["activations"], two)
@@ -56,10 +64,16 @@ def test_the_plan_equals_the_kept_bytes_eager(residual):
     weights) are each within 5% of what a training forward keeps."""
     wrong = []
     for (L, d, T, heads), mode in itertools.product(SHAPES, ("bf16", "fp32")):
-        for planned, measured in plan_against_measured(model_at(residual, L, d, heads), T, mode):
-            if abs(planned / measured - 1) > 0.05:
-                wrong.append((L, d, T, mode, round(planned), round(measured)))
+        model = model_at(residual, L, d, heads)
+        pairs = within_or_again(lambda tries: plan_against_measured(model, T, mode, tries), close)
+        wrong += [(L, d, T, mode, round(planned), round(measured)) for planned, measured in pairs
+                  if abs(planned / measured - 1) > 0.05]
     assert not wrong, wrong
+
+
+def close(pairs):
+    """Every (planned, measured) within 5%."""
+    return all(abs(planned / measured - 1) <= 0.05 for planned, measured in pairs)
 
 
 @pytest.mark.slow
@@ -74,8 +88,14 @@ def test_the_plan_equals_the_kept_bytes_compiled(residual):
     model = compile_model(model_at(residual, L, d, heads), "blocks", backend="aot_eager_decomp_partition")
     for B in (1, 2):
         kept(model, B, T, bf16=True)  # compiles this batch's graphs
-    for planned, measured in plan_against_measured(model, T, "compiled"):
+    pairs = within_or_again(lambda tries: plan_against_measured(model, T, "compiled", tries), close)
+    for planned, measured in pairs:
         assert abs(planned / measured - 1) <= 0.05, (planned, measured)
+
+
+def block_bytes(model, tries):
+    """Bytes per token of micro-batch 2 less 1 that an fp32 forward of `model` (T 32) keeps."""
+    return kept(model, 2, 32, bf16=False, tries=tries) - kept(model, 1, 32, bf16=False, tries=tries)
 
 
 @pytest.mark.slow
@@ -86,16 +106,17 @@ def test_checkpointed_blocks_keep_what_the_plan_bounds():
     the CPU's RNG state, 5 kB a block whatever the batch)."""
     wrong = []
     for residual in recipe.RESIDUALS:
-        per_block = {}
+        planned, models = {}, {}
         for L in (2, 6):
             torch.manual_seed(0)
-            model = GPT(GPTConfig(vocab_size=64, n_layer=L, d_model=128, n_head=8, d_ff=352, residual=residual,
-                                  checkpoint_blocks=True))
-            plans = [costs.memory_plan(run_config(model, B, 32, "fp32", ckpt=True), model.num_params(), bf16=False)
-                     for B in (1, 2)]
-            per_block[L] = (plans[1]["activations"] - plans[0]["activations"],
-                            kept(model, 2, 32, bf16=False) - kept(model, 1, 32, bf16=False))
-        plan, measured = ((per_block[6][k] - per_block[2][k]) / 4 / 32 for k in (0, 1))
+            models[L] = GPT(GPTConfig(vocab_size=64, n_layer=L, d_model=128, n_head=8, d_ff=352, residual=residual,
+                                      checkpoint_blocks=True))
+            plans = [costs.memory_plan(run_config(models[L], B, 32, "fp32", ckpt=True), models[L].num_params(),
+                                       bf16=False) for B in (1, 2)]
+            planned[L] = plans[1]["activations"] - plans[0]["activations"]
+        plan = (planned[6] - planned[2]) / 4 / 32
+        measured = within_or_again(lambda tries: (block_bytes(models[6], tries) - block_bytes(models[2], tries)) / 128,
+                                   lambda m: m <= plan <= 1.6 * m)
         if not measured <= plan <= 1.6 * measured:
             wrong.append((residual, measured, plan))
     assert not wrong, wrong
@@ -130,7 +151,9 @@ def test_recompute_keeps_less_and_changes_nothing(residual, kernels):
         assert torch.equal(losses[0], losses[1])
         for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
             assert torch.equal(p.grad, q.grad), name
-        plain, recomputed = (kept(m, 2, 32, bf16) - kept(m, 1, 32, bf16) for m in models)
+        plain, recomputed = within_or_again(
+            lambda tries: [kept(m, 2, 32, bf16, tries) - kept(m, 1, 32, bf16, tries) for m in models],
+            lambda pr: pr[1] <= 0.7 * pr[0])
         assert recomputed <= 0.7 * plain, (plain, recomputed)
     from depthbench.evaluation import observe
     with torch.no_grad():
