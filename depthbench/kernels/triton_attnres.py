@@ -103,6 +103,16 @@ def next_power_of_2(x):
 # ----------------------------------------------------------------------------- the kernels
 
 @jit
+def _token_tile(pid, BT, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program pid's tile of a (BT, D) slot: rows (BLOCK_T,), cols (BLOCK_D,), row_ok, the mask and the elements'
+    offsets within a slot (BLOCK_T, BLOCK_D)."""
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < BT
+    return rows, cols, row_ok, row_ok[:, None] & (cols[None, :] < D), rows[:, None] * D + cols[None, :]
+
+
+@jit
 def _source_logit(v, gq, D, eps):
     """For a tile of one source v (BLOCK_T, BLOCK_D) in fp32, its padding zero: r = rsqrt(mean(v^2) + eps),
     u = <v, gq>, s = r u, each (BLOCK_T,)."""
@@ -155,11 +165,7 @@ def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, 
     """mix and lse of tokens [pid BLOCK_T, +BLOCK_T) over the n sources V (n_max, BT, D), then (HAS_EXTRA) the extra
     (BT, D): m_sources in all; the weights p (m_sources, BT): the logits first, then exp(s - lse)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < BT
-    mask = row_ok[:, None] & (cols[None, :] < D)
-    offsets = rows[:, None] * D + cols[None, :]                  # within one source slot
+    rows, cols, row_ok, mask, offsets = _token_tile(pid, BT, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     gq = _key_query(q_ptr, g_ptr, cols, D)
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_T,), tl.float32)
@@ -225,11 +231,7 @@ def _mix_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extr
     the sources' dv into the gradient bank dV (n_max, BT, D) fp32; DEFER True, its record: dmix (dV: (BT, D), the
     bank's dtype), delta and lse (scalars_ptr (2, BT) fp32), gq (gq_row) and n (reads_ptr)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < BT
-    mask = row_ok[:, None] & (cols[None, :] < D)
-    offsets = rows[:, None] * D + cols[None, :]
+    rows, cols, row_ok, mask, offsets = _token_tile(pid, BT, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     gq = _key_query(q_ptr, g_ptr, cols, D)
     dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)    # <mix, dmix> = sum_j p_j dp_j
@@ -273,12 +275,8 @@ def _block_backward(V, lo, g, records, scalars_ptr, gq_ptr, reads, count, out_pt
     (reads[c] > its index) of the pair's dv, each record's dmix read once for the whole block; written to out_ptr
     (g, BT, D) fp32 (the top source's whole gradient; the others' sums so far, which `_source_backward` completes)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
+    rows, cols, row_ok, mask, offsets = _token_tile(pid, BT, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     srcs = tl.arange(0, BLOCK_S)
-    row_ok = rows < BT
-    mask = row_ok[:, None] & (cols[None, :] < D)
-    offsets = rows[:, None] * D + cols[None, :]
     in_block = (srcs < g)[:, None, None] & mask[None, :, :]
     block_offsets = srcs[:, None, None] * (BT * D) + offsets[None, :, :]
     v = tl.load(V + block_offsets, mask=in_block, other=0.0).to(tl.float32)          # (BLOCK_S, BLOCK_T, BLOCK_D)
@@ -314,11 +312,7 @@ def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, parti
     + 2 c BT) and gq (gq_ptr + c D), + with HAS_BASE the read-modify-write sum (base_ptr (BT, D) fp32); written once
     to dv_ptr (BT, D) fp32."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < BT
-    mask = row_ok[:, None] & (cols[None, :] < D)
-    offsets = rows[:, None] * D + cols[None, :]
+    rows, cols, row_ok, mask, offsets = _token_tile(pid, BT, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dv = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
     if HAS_BASE:
