@@ -12,12 +12,14 @@ What a first-day user hits (issue 51): every script's --help, and every file a s
     python -m pytest -q tests/test_first_day.py -m "not slow"
 """
 import importlib
+import itertools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -70,15 +72,19 @@ def test_every_help_formats(capsys, rel, module, flag):
 @pytest.mark.slow
 def test_every_help_runs_as_typed():
     """`python SCRIPT --help` and `-h` (depthbench's modules: `python -m`), each a process of its own as a user
-    types it (what the imports at its top do included): exit 0, the usage, no traceback."""
-    failed = []
-    for rel, module in SCRIPTS:
+    types it (what the imports at its top do included): exit 0, the usage, no traceback. Two processes at a time
+    (each is one thread importing)."""
+    def run(case):
+        (rel, module), flag = case
         command = ["-m", module] if rel.startswith("depthbench") else [rel]
-        for flag in ("--help", "-h"):
-            p = subprocess.run([sys.executable, "-B", *command, flag], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if p.returncode != 0 or "Traceback" in p.stderr or not p.stdout.startswith("usage: "):
-                failed.append(f"{rel} {flag}: exit {p.returncode}: {p.stderr[-300:]}")
+        p = subprocess.run([sys.executable, "-B", *command, flag], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if p.returncode != 0 or "Traceback" in p.stderr or not p.stdout.startswith("usage: "):
+            return f"{rel} {flag}: exit {p.returncode}: {p.stderr[-300:]}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failed = [f for f in pool.map(run, itertools.product(SCRIPTS, ("--help", "-h"))) if f]
     assert not failed, "\n".join(failed)
 
 
