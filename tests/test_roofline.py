@@ -70,12 +70,16 @@ def test_calibration_reproduces_the_rows_it_was_fitted_on(fit_on):
     assert 0 < c["eta"] <= 1  # a physical fraction of HBM bandwidth (block_attnres' row gives none: see --loo)
 
 
-def test_a_gpu_module_traffic_replaces_the_analytic_bound(monkeypatch):
+def test_a_gpu_module_traffic_replaces_the_analytic_bound(monkeypatch, capsys):
     """Where depthbench.kernels.triton_hc imports, its per-sublayer traffic() rows (x 2L sublayers) are the HC path's
-    bytes and extra launches; where it does not, the analytic bound is used and named."""
+    bytes and extra launches; where it does not, the analytic bound is used, named, and said once on stderr."""
     monkeypatch.setitem(sys.modules, "depthbench.kernels.triton_hc", None)  # import fails: the analytic bound
+    monkeypatch.setattr(roofline, "FALLBACKS", set())
     shape = {**ONE, "layers": 3}
     assert roofline.gpu_traffic("hc", shape) == (6 * 24 * 3 * 2, 6 * 6, "analytic bound")
+    assert roofline.gpu_traffic("hc", shape)[2] == "analytic bound"
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].startswith("roofline: hc's GPU path from the analytic bound ("), said
     fake = types.ModuleType("depthbench.kernels.triton_hc")
     fake.traffic = lambda design, tokens, d_model: [{"read": 10 * tokens, "written": d_model, "launches": 2}]
     monkeypatch.setitem(sys.modules, "depthbench.kernels.triton_hc", fake)
