@@ -115,9 +115,12 @@ def _max(x, axis: tl.constexpr):
 # ----------------------------------------------------------------------------- normed_projection
 
 @jit
-def _normed_rows(X, W, rows, cols, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
-    """The rows `rows` of x (N, K) -> (r (x @ W) (BN, MP), r (BN,)), r = rsqrt(mean(x^2) + eps): one pass over x,
-    fp32 inside; W (K, M), its columns padded to MP. The projection of _proj_fwd and of triton_hc_read's reads."""
+def _normed_rows(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """Rows [pid BN, +BN) of x (N, K): out = r (x @ W) (N, M) stored to Out, r = rsqrt(mean(x^2) + eps) (N,) to R,
+    one pass over x, fp32 inside; W (K, M), its columns padded to MP -> (rows, cols, out (BN, MP)), for the fused
+    reads (triton_hc_read.py) to go on from."""
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.arange(0, MP)
     acc = tl.full([BN, MP], 0.0, tl.float32)
     ss = tl.full([BN], 0.0, tl.float32)
     for k0 in range(0, K, BK):
@@ -129,17 +132,16 @@ def _normed_rows(X, W, rows, cols, N, K, M, eps, BN: tl.constexpr, BK: tl.conste
         acc += tl.dot(x, w, input_precision="ieee")
         ss += _sum(x * x, 1)
     r = 1.0 / tl.sqrt(ss / K + eps)
-    return acc * r[:, None], r
+    out = acc * r[:, None]
+    tl.store(Out + rows[:, None] * M + cols[None, :], out, mask=(rows < N)[:, None] & (cols < M)[None, :])
+    tl.store(R + rows, r, mask=rows < N)
+    return rows, cols, out
 
 
 @jit
 def _proj_fwd(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
     """Rows [pid BN, +BN) of x (N, K): out = r (x @ W) (N, M), r = rsqrt(mean(x^2) + eps) (N,), one pass over x."""
-    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
-    cols = tl.arange(0, MP)
-    out, r = _normed_rows(X, W, rows, cols, N=N, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)
-    tl.store(Out + rows[:, None] * M + cols[None, :], out, mask=(rows < N)[:, None] & (cols < M)[None, :])
-    tl.store(R + rows, r, mask=rows < N)
+    _normed_rows(X, W, Out, R, N=N, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)
 
 
 @jit

@@ -51,12 +51,8 @@ def _mhc_read_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, N, K, M, i
     """Tokens [pid BN, +BN): m = r (x @ W), r = rsqrt(mean(x^2) + eps); the maps' columns (pre | post | res
     logits) stored to Pre, Post (N, n) and Logits (N, n, n); m and r kept for the backward; Sinkhorn of the logits
     into Res (N, n, n)."""
-    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
-    cols = tl.arange(0, MP)
-    m, r = _normed_rows(X, W, rows, cols, N=N, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)
+    rows, cols, m = _normed_rows(X, W, Mo, R, N=N, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)   # m and r kept
     live = (rows < N)[:, None]
-    tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
-    tl.store(R + rows, r, mask=rows < N)
     is_pre, is_post, is_res = cols < n, (cols >= n) & (cols < 2 * n), (cols >= 2 * n) & (cols < M)
     alpha = tl.where(is_pre, tl.load(Ap), tl.where(is_post, tl.load(Aq), tl.load(Ar)))
     z = alpha[None, :] * m + tl.load(B + cols, mask=cols < M, other=0.0)[None, :]
@@ -120,12 +116,8 @@ def _hc_read_fwd(X, W, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
     """Rows [pid BN, +BN) of HC's (N n, D) streams (row t n + s: token t's stream s): m = r (x @ W), W (D, n + 2);
     z = static[s] + scale tanh(m) (static = [static_alpha | static_beta], scale alpha_scale on the n + 1 alpha
     columns, beta_scale on the last); H_pre[t, s] = z[0], H_post[t, s] = z[n + 1], H_res[t, o, s] = z[1 + o]."""
-    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
-    cols = tl.arange(0, MP)
-    m, r = _normed_rows(X, W, rows, cols, N=NR, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)
+    rows, cols, m = _normed_rows(X, W, Mo, R, N=NR, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)   # m and r kept
     live = (rows < NR)[:, None]
-    tl.store(Mo + rows[:, None] * M + cols[None, :], m, mask=live & (cols < M)[None, :])
-    tl.store(R + rows, r, mask=rows < NR)
     s, alpha = rows % n, cols < n + 1
     static = tl.load(Sa + s[:, None] * (n + 1) + tl.where(alpha, cols, 0)[None, :], mask=live & alpha[None, :],
                      other=0.0) + tl.load(Sb + s[:, None] + 0 * cols[None, :], mask=live & (cols == n + 1)[None, :],
