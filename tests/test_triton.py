@@ -437,6 +437,25 @@ def test_chunked_bank_equals_reference(pattern):
 
 
 @needs_interpreter
+def test_chunked_bank_with_consumers_outside_the_loss():
+    """Consumers whose mix the loss does not take (a chunk's first, one in its middle, and every one of the third
+    chunk) run no backward: the chunk's pass leaves their records and phase-2 rows out, and every gradient is still
+    ops.DepthBank's (fp32, 1e-5 of its largest entry)."""
+    reads, has_extra, n_max = CHUNKED["full"]
+    inputs = chunk_inputs(reads, has_extra)
+    got, want = chunk_step(reads, inputs), chunk_step(reads, inputs, fast=False)
+    taken = [i for i in range(len(got[0])) if i not in (1, 5) and not 17 <= i <= 20]
+    weights = [torch.randn(got[0][i].shape, generator=torch.Generator().manual_seed(i)) for i in taken]
+    a = torch.autograd.grad([got[0][i] for i in taken], got[2], weights, allow_unused=True)
+    b = torch.autograd.grad([want[0][i] for i in taken], want[2], weights, allow_unused=True)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if y is None:
+            assert x is None or not x.any(), i
+            continue
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * max(y.abs().max().item(), 1), msg=f"leaf {i}")
+
+
+@needs_interpreter
 def test_chunked_bank_under_bf16_autocast_is_the_reference_to_bf16():
     """Under bf16 autocast (the bank, o1 and the records in bf16) the two-phase mix of Block AttnRes' pattern is
     ops.DepthBank's over the same bf16 sources: every gradient's cosine >= 0.999."""
@@ -459,8 +478,9 @@ def test_chunked_bank_under_bf16_autocast_is_the_reference_to_bf16():
 def test_chunked_step_traffic_counts_the_launches(pattern, monkeypatch):
     """The launches triton_attnres_chunk.step_traffic() declares for a bank's step are the ones the code makes, torch
     glue included, forward and backward together; the consumers' queries and gains are leaves of their own (no
-    pick around the bank), so the stacked ones get only the chunks' gradients: autograd adds all but the first
-    chunk's pair into them, two launches fewer than the model's (where every consumer's pick adds to them too)."""
+    pick around the bank), so the stacked ones get only the chunks' gradients (phase 2's included: its dgq rows are
+    summed by the chunk's pass): autograd adds all but the first chunk's pair into them, two launches fewer than
+    step_traffic counts."""
     reads, has_extra, n_max = CHUNKED[pattern]
     monkeypatch.setattr(attnres, "interpreted", lambda: True)
     names = []
@@ -521,7 +541,7 @@ from depthbench.kernels import triton_attnres as A
 from depthbench.kernels import triton_attnres_chunk as K
 assert not A.interpreted()
 SCALARS = {"n": "i32", "m_sources": "i32", "BT": "i32", "D": "i32", "P": "i32", "eps": "fp32", "j": "i32",
-           "count": "i32", "lo": "i32", "g": "i32", "n1": "i32", "n2": "i32", "m2": "i32", "C": "i32"}
+           "count": "i32", "lo": "i32", "g": "i32", "n1": "i32", "n2": "i32", "m2": "i32", "C": "i32", "P2": "i32"}
 INTS = {"reads": "*i32", "reads_ptr": "*i32", "ran_ptr": "*i32"}
 def build(fn, storage, consts, warps, stored=()):
     names = fn.arg_names

@@ -17,12 +17,13 @@ hands each mix its Site, whose int `row_index` is read here, in eager code (a co
 
 Backward with the final lse and delta = <mix, dmix> (flash attention's), as triton_attnres.py's:
 - the consumer's pass (`_merge_backward`): the gradients of its phase-2 sources (read-modify-write of their fp32
-  gradient slots; the extra's written) and its partial dgq rows (`query_gradients`); writes its record (dmix in the
-  bank's dtype, delta, lse) into the chunk;
+  gradient slots; the extra's written); writes its record (dmix in the bank's dtype, delta, lse) and its partial
+  dgq rows into the chunk;
 - the chunk's pass (`_chunk_backward`, run by autograd after every consumer of the chunk, before any push it read):
   each source 0 .. n1 - 1 read once, the chunk's records in registers: every consumer's pair gradient summed and
   added into the source's gradient slot (one read-modify-write a chunk), and each consumer's dgq rows, which
-  `_chunk_query_gradients` turns into the chunk's rows of dqueries and dkey_gains.
+  `_chunk_query_gradients` adds to its phase-2 ones and turns into the chunk's rows of dqueries and dkey_gains
+  (one launch a chunk for every consumer's dq and dg).
 The pushes' `source_gradient` (triton_attnres.py) hands each source its gradient slot. Memory: each chunk's o1
 (CHUNK slots in the bank's dtype) and logits live from its phase 1 to its backward; the records (CHUNK slots) from
 its first consumer's backward to its own; the gradient bank (n_max fp32 slots) from the first backward.
@@ -197,10 +198,11 @@ def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr,
 
 
 @jit
-def _chunk_query_gradients(dgq_rows, q_ptr, g_ptr, dq_ptr, dg_ptr, P, D, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-    """Consumer c = program_id(1) of the chunk: dgq = the sum of its P partial rows (dgq_rows + c P D), dq = dgq g
-    and dg = dgq q into row c of dq_ptr, dg_ptr (the chunk's rows), columns [pid BLOCK_C, (pid + 1) BLOCK_C)."""
+def _chunk_query_gradients(dgq_rows, merge_rows, ran_ptr, q_ptr, g_ptr, dq_ptr, dg_ptr, P, P2, D,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Consumer c = program_id(1) of the chunk: dgq = the sum of its P partial rows from the chunk's pass
+    (dgq_rows + c P D) and, where its backward ran (ran_ptr[c] != 0), of its phase-2 pass's P2 (merge_rows + c P2 D);
+    dq = dgq g and dg = dgq q into row c of dq_ptr, dg_ptr (the chunk's rows), columns [pid BLOCK_C, +BLOCK_C)."""
     c = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < D
@@ -209,6 +211,12 @@ def _chunk_query_gradients(dgq_rows, q_ptr, g_ptr, dq_ptr, dg_ptr, P, D, BLOCK_R
         rows = start + tl.arange(0, BLOCK_R)
         tile = tl.load(dgq_rows + c * P * D + rows[:, None] * D + cols[None, :],
                        mask=(rows < P)[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(tile, axis=0)
+    ran_rows = P2 * (tl.load(ran_ptr + c) != 0).to(tl.int32)           # no phase-2 rows where it did not run
+    for start in range(0, P2, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        tile = tl.load(merge_rows + c * P2 * D + rows[:, None] * D + cols[None, :],
+                       mask=(rows < ran_rows)[:, None] & col_ok[None, :], other=0.0)
         acc += tl.sum(tile, axis=0)
     q = tl.load(q_ptr + c * D + cols, mask=col_ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + c * D + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -221,7 +229,8 @@ def _chunk_query_gradients(dgq_rows, q_ptr, g_ptr, dq_ptr, dg_ptr, P, D, BLOCK_R
 class Chunk:
     """Phase 1 of the consumers of rows r0 .. r0 + C - 1 over the bank's first n1 sources: o1 (C, B, T, D) in the
     bank's dtype, lse1 (C, B T) and logits (C, n1, B T) fp32, and `token` (what its consumers' mixes take, so that
-    autograd runs the chunk's backward after theirs); their records (`record`), made by the first backward."""
+    autograd runs the chunk's backward after theirs); their records and phase-2 query rows (`record`), made by the
+    first backward."""
 
     def __init__(self, r0, C, n1, V):
         B, T, D = V.shape[1:]
@@ -229,15 +238,18 @@ class Chunk:
         self.o1 = V.new_empty((C, B, T, D))
         self.lse1 = V.new_empty((C, B * T), dtype=torch.float32)
         self.logits = V.new_empty((C, n1, B * T), dtype=torch.float32)
-        self.records = self.scalars = self.ran = self.token = None
+        self.records = self.scalars = self.ran = self.merge_rows = self.token = None
 
-    def record(self, i):
-        """(dmix slot, scalars (2, B T), ran flag) of consumer i's record: dmix in the bank's dtype, delta and lse."""
+    def record(self, i, programs):
+        """(dmix slot, scalars (2, B T), ran flag, dgq rows (programs, D)) of consumer i's record: dmix in the bank's
+        dtype, delta and lse; its phase-2 pass's partial dgq rows (fp32), which the chunk's pass turns into its rows
+        of dqueries and dkey_gains with its own (one launch a chunk, none a consumer)."""
         if self.records is None:
             self.records = torch.empty_like(self.o1)
             self.scalars = self.lse1.new_empty((self.C, 2, self.lse1.shape[1]))
             self.ran = torch.zeros(self.C, dtype=torch.int32, device=self.o1.device)
-        return self.records[i], self.scalars[i], self.ran[i:]
+            self.merge_rows = self.lse1.new_empty((self.C, programs, self.o1.shape[-1]))
+        return self.records[i], self.scalars[i], self.ran[i:], self.merge_rows[i]
 
 
 class ChunkPass(torch.autograd.Function):
@@ -275,20 +287,25 @@ class ChunkPass(torch.autograd.Function):
                               num_warps=WARPS)
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
-        _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, queries[chunk.r0],
-                                                                   key_gains[chunk.r0], dq_ptr=dq[chunk.r0],
-                                                                   dg_ptr=dg[chunk.r0], P=P, D=D, BLOCK_R=ROWS,
+        _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, chunk.merge_rows, chunk.ran,
+                                                                   queries[chunk.r0], key_gains[chunk.r0],
+                                                                   dq_ptr=dq[chunk.r0], dg_ptr=dg[chunk.r0], P=P,
+                                                                   P2=chunk.merge_rows.shape[1], D=D, BLOCK_R=ROWS,
                                                                    BLOCK_C=BLOCK_C)
-        chunk.records = chunk.scalars = chunk.o1 = chunk.logits = None       # the chunk's memory, no longer read,
-        bank.chunks.pop(chunk.r0, None)                 # and a checkpointed block's recomputed phase 1 with it
+        # the chunk's memory, no longer read, and a checkpointed block's recomputed phase 1 with it
+        chunk.records = chunk.scalars = chunk.o1 = chunk.logits = chunk.merge_rows = None
+        bank.chunks.pop(chunk.r0, None)
         return None, None, dq, dg, None
 
 
 class Merge(torch.autograd.Function):
     """Phase 2 of consumer i of the chunk over the bank's first n sources and the extra. (bank, chunk, i, n, query,
-    key_gain, token, chunk_token, extra) -> (mix (B, T, D) fp32, p (m, B, T) not differentiable). Backward: dq, dg
-    and the extra's gradient from this pass; its phase-2 sources' gradients into the gradient slots; its record for
-    the chunk's pass. No gradient for the tokens (they order the backward)."""
+    key_gain, token, chunk_token, extra) -> (mix (B, T, D) fp32, p (m, B, T) not differentiable); query and
+    key_gain are row r0 + i of the queries and key gains the chunk's phase 1 took, detached.
+    Backward: the extra's gradient; its phase-2 sources' gradients into the gradient slots; its record for the
+    chunk's pass, with its partial dgq rows: the chunk's pass hands the queries and key gains this pass's share
+    of their gradients with its own (so none here: no launch per consumer for dq, dg). No gradient for the tokens
+    (they order the backward)."""
 
     @staticmethod
     def forward(ctx, bank, chunk, i, n, query, key_gain, token, chunk_token, extra):
@@ -322,17 +339,15 @@ class Merge(torch.autograd.Function):
         B, T, D = V.shape[1:]
         n1, n2 = chunk.n1, ctx.n - chunk.n1
         grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
-        record, scalars, ran = chunk.record(ctx.i)
+        record, scalars, ran, dgq_rows = chunk.record(ctx.i, programs=grid[0])
         d_extra = torch.empty(mix.shape, dtype=ctx.extra_dtype, device=mix.device) if extra else None
-        dgq_rows = mix.new_empty((grid[0], D))
         V2, dV2 = (V[n1], dV[n1]) if n2 else (V, dV)                 # from slot n1 (placeholders without sources)
         extra_in, d_extra_in = (extra[0], d_extra) if extra else (V, dV)
         _merge_backward[grid](V2, extra_in, query, key_gain, mix_ptr=mix, dmix_ptr=dmix.contiguous(), lse_ptr=lse,
                               dV=dV2, d_extra=d_extra_in, dgq_ptr=dgq_rows, record_ptr=record,
                               scalars_ptr=scalars, ran_ptr=ran, n2=n2, BT=B * T, D=D, eps=bank.norm_eps,
                               HAS_EXTRA=bool(extra), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
-        dq, dg = attnres.query_gradients(dgq_rows, query, key_gain)
-        return None, None, None, None, dq, dg, None, None, d_extra
+        return None, None, None, None, None, None, None, None, d_extra       # dq, dg: by the chunk's pass
 
 
 class DepthBank(attnres.DepthBank):
@@ -358,7 +373,9 @@ class DepthBank(attnres.DepthBank):
     @torch.compiler.disable
     def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0, site=None):
         """triton_attnres.DepthBank's mix; site: the consumer's Site, whose `row_index` (an int, read here in eager
-        code: a compiled block would guard on it) is its row of the bank's queries."""
+        code: a compiled block would guard on it) is its row of the bank's queries. The two phases read that row of
+        the queries and key gains the bank was started with (query and key_gain are those rows: residuals.py's
+        Site.pick) and hand them their gradients in the chunk's pass, not through query and key_gain."""
         m = self.n + (extra is not None)
         params = getattr(self.bank, "queries", None)
         if site is None or params is None or topk_count(m, topk_fraction) < m:
@@ -369,8 +386,9 @@ class DepthBank(attnres.DepthBank):
         chunk = self.chunk(row, *params)
         if chunk is None:
             return super().mix(query, key_gain, eps, extra=extra)
-        mix, p = Merge.apply(self.bank, chunk, row - chunk.r0, self.n, query.contiguous(), key_gain.contiguous(),
-                             self.token, chunk.token, extra)
+        queries, key_gains = params
+        mix, p = Merge.apply(self.bank, chunk, row - chunk.r0, self.n, queries[row].detach(),
+                             key_gains[row].detach(), self.token, chunk.token, extra)
         return mix, p.movedim(0, -1)
 
     def chunk(self, row, queries, key_gains):
@@ -388,40 +406,42 @@ class DepthBank(attnres.DepthBank):
 # ----------------------------------------------------------------------------- what a step moves (the roofline)
 
 def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
-    """[moved] of one consumer's two launches each way over phase 1's n1 sources and its n: phase 2's forward
-    (`_merge_forward`) and backward (`_merge_backward`, `_query_gradients`). With S = tokens D, n2 = n - n1 sources
-    pushed since phase 1, m2 = n2 + extra, E = 4 S if extra else 0, P = the programs of a launch:
+    """[moved] of one consumer's launch each way over phase 1's n1 sources and its n: phase 2's forward
+    (`_merge_forward`) and backward (`_merge_backward`; its dgq rows are summed by the chunk's pass, `chunk_traffic`).
+    With S = tokens D, n2 = n - n1 sources pushed since phase 1, m2 = n2 + extra, E = 4 S if extra else 0, P = the
+    programs of a launch:
 
         forward   read     S sb (o1) + 4 tokens (lse1, phase 1's logits n1 times, its own logits m2 times)
                            + n2 S sb + E + 8 D (q, g)
                   written  4 S (mix) + 4 tokens (lse, p: n1 + m2, its logits first: m2)
         backward  read     8 S (mix, dmix) + 4 tokens (lse) + 8 D + n2 S sb + E + 4 n2 S (the gradient slots)
                   written  4 n2 S + E (the extra's dv) + S sb + 8 tokens + 4 (its record: dmix, delta, lse, ran)
-                           + 4 P D (dgq's rows); then _query_gradients reads 4 P D + 8 D and writes 8 D (dq, dg)."""
+                           + 4 P D (dgq's rows)."""
     S, n2 = tokens * D, n - n1
     m2, E = n2 + int(extra), 4 * S * int(extra)
     P = -(-tokens // attnres.blocks(tokens, D)[0])
     return [moved(S * storage_bytes + 4 * tokens * (1 + n1 + m2) + n2 * S * storage_bytes + E + 8 * D,
                   4 * S + 4 * tokens * (1 + n1 + 2 * m2)),
             moved(8 * S + 4 * tokens + 8 * D + n2 * S * storage_bytes + E + 4 * n2 * S,
-                  4 * n2 * S + E + S * storage_bytes + 8 * tokens + 4 + 4 * P * D),
-            moved(4 * P * D + 8 * D, 8 * D)]
+                  4 * n2 * S + E + S * storage_bytes + 8 * tokens + 4 + 4 * P * D)]
 
 
 def chunk_traffic(n1, C, rows, tokens, D, storage_bytes=2):
     """[moved] of a chunk's phase 1 over n1 sources for C consumers, the queries and key gains (rows, D):
     forward `_chunk_forward` (read the sources once, q and g; write o1 in the bank's dtype, lse1 and the logits);
     backward, the ran flags' zeroing (at its first consumer's backward), `_chunk_backward` (the sources once, the C
-    records, the gradient slots read and written once), dqueries' and dkey_gains' zeros, `_chunk_query_gradients`,
-    and autograd's two adds of them into the parameters' other gradients."""
+    records, the gradient slots read and written once), dqueries' and dkey_gains' zeros, `_chunk_query_gradients`
+    (the chunk pass's P dgq rows and each consumer's phase-2 P2, the ran flags), and autograd's two adds of them
+    into the parameters' other gradients."""
     S, R = tokens * D, rows * D
     P = -(-tokens // chunk_blocks(tokens, D)[0])
+    P2 = -(-tokens // attnres.blocks(tokens, D)[0])
     return [moved(n1 * S * storage_bytes + 8 * D * C, C * S * storage_bytes + 4 * tokens * C * (1 + n1)),
             moved(0, 4 * C),
             moved(n1 * S * storage_bytes + C * (S * storage_bytes + 8 * tokens + 4 + 8 * D) + 4 * n1 * S,
                   4 * n1 * S + 4 * P * C * D),
             moved(0, 8 * R, launches=2),
-            moved(4 * P * C * D + 8 * D * C, 8 * D * C),
+            moved(4 * (P + P2) * C * D + 4 * C + 8 * D * C, 8 * D * C),
             moved(16 * R, 8 * R, launches=2)]
 
 
