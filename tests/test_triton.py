@@ -423,6 +423,24 @@ def test_chunked_bank_equals_reference(pattern):
     over the ones pushed since and the extra; backward, the consumers' passes and the chunk's) against ops.DepthBank:
     every mix and weight p to 1e-5, and every gradient (sources, the stacked queries and key gains, the extras) fp32
     to 1e-5 of its largest entry (1e-5 absolute for one under 1)."""
+    assert_chunked_equals_reference(pattern)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pattern", ["full", "block"])
+def test_backward_programs_over_several_tiles(pattern, monkeypatch):
+    """The chunk's and each consumer's backward with fewer programs than tiles of tokens (2 programs over 5
+    one-token tiles: each sums its consumers' dgq over 2 or 3 tiles, as at the card's shape, where 264 programs
+    share 4,096 or 1,024 tiles) are still ops.DepthBank's, every mix and gradient to 1e-5."""
+    monkeypatch.setattr(chunked, "PROGRAMS", 2)
+    monkeypatch.setattr(attnres, "blocks", lambda BT, D, sources=1: (1, attnres.next_power_of_2(D)))
+    assert chunked.chunk_programs(5, 48) == chunked.merge_programs(5, 48) == 2
+    assert_chunked_equals_reference(pattern)
+
+
+def assert_chunked_equals_reference(pattern):
+    """The chunked bank's mixes, weights and every gradient on CHUNKED[pattern] are ops.DepthBank's: 1e-5, the
+    gradients' of their largest entry (1e-5 absolute for one under 1); every reference gradient non-zero."""
     reads, has_extra, n_max = CHUNKED[pattern]
     inputs = chunk_inputs(reads, has_extra)
     got, want = chunk_step(reads, inputs), chunk_step(reads, inputs, fast=False)

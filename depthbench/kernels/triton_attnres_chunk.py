@@ -45,14 +45,30 @@ from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _backward_pass, _k
 from ops import topk_count
 
 CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK running mixes or records in registers
+PROGRAMS = 264  # a backward pass's programs at most (the chunk's, a consumer's phase 2): 2 a streaming
+                # multiprocessor of an H100 or H200 (132), 1 program resident on each at its registers; the chunk's
+                # dgq rows (CHUNK D fp32 a program): 84 MB -> 5.4 MB a chunk at the card's shape, micro-batch 2
 WARPS = 8     # every kernel here. ptxas sm90 at the card's blocks (d640), bf16 or fp32 bank, Triton 3.6.0 and 3.9,
               # no spill: _chunk_forward 127-128 registers (207 at 4 warps), _merge_forward 128-150 (246-254 at 4),
-              # _chunk_backward 207-247, _merge_backward 213-254
+              # _chunk_backward 207-247, _merge_backward 213-254; their loops over tiles (2026-12-06, bf16 bank,
+              # Triton 3.9's ptxas): 183 and 222-255, no spill
 
 
 def chunk_blocks(BT, D):
     """(BLOCK_T, BLOCK_D) of the chunk's kernels: CHUNK tiles of BLOCK_T tokens stay TILE_ELEMENTS wide."""
     return attnres.blocks(BT, D, CHUNK)
+
+
+def chunk_programs(BT, D):
+    """The programs of the chunk's backward pass: one a tile of tokens, at most PROGRAMS (each then sums its
+    consumers' dgq over several tiles: fewer partial rows to write and read back)."""
+    return min(-(-BT // chunk_blocks(BT, D)[0]), PROGRAMS)
+
+
+def merge_programs(BT, D):
+    """The programs of a consumer's phase-2 backward pass: one a tile of tokens (triton_attnres.launch_grid's), at
+    most PROGRAMS (each sums the consumer's dgq over its tiles)."""
+    return min(-(-BT // attnres.blocks(BT, D)[0]), PROGRAMS)
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -139,60 +155,68 @@ def _merge_forward(V, extra, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits1_ptr, mix_pt
 
 @jit
 def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, record_ptr,
-                    scalars_ptr, ran_ptr, n2, BT, D, eps,
+                    scalars_ptr, ran_ptr, n2, P, BT, D, eps,
                     HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The consumer's pass: its phase-2 sources' dv added into their gradient slots (dV from slot n1, fp32), the
-    extra's dv to d_extra, its share of dgq to row pid of dgq_ptr; its record for the chunk's pass: dmix (record_ptr,
-    the bank's dtype), delta and lse (scalars_ptr (2, BT)), and 1 at ran_ptr."""
+    """The consumer's pass, P programs each over the token tiles pid, pid + P, ...: its phase-2 sources' dv added
+    into their gradient slots (dV from slot n1, fp32), the extra's dv to d_extra, its share of dgq over the program's
+    tiles to row pid of dgq_ptr; its record for the chunk's pass: dmix (record_ptr, the bank's dtype), delta and lse
+    (scalars_ptr (2, BT)), and 1 at ran_ptr."""
     pid = tl.program_id(0)
-    rows, cols, cons, row_ok, mask, offsets = _chunk_tile(pid, BT, D, BLOCK_C=1, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+    cols = tl.arange(0, BLOCK_D)
     gq = _key_query(q_ptr, g_ptr, cols, D)
-    dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)    # <mix, dmix> = sum_j p_j dp_j
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    dgq = _backward_pass(V, extra, dV, d_extra, n=n2, offsets=offsets, mask=mask, gq=gq, dmix=dmix, lse=lse,
-                         delta=delta, BT=BT, D=D, eps=eps, DEFER=False, HAS_EXTRA=HAS_EXTRA, BLOCK_T=BLOCK_T,
-                         BLOCK_D=BLOCK_D)
-    tl.store(record_ptr + offsets, dmix, mask=mask)
-    tl.store(scalars_ptr + rows, delta, mask=row_ok)
-    tl.store(scalars_ptr + BT + rows, lse, mask=row_ok)
+    dgq = tl.zeros((BLOCK_D,), tl.float32)
+    for tile in range(pid, tl.cdiv(BT, BLOCK_T), P):
+        rows, cols, cons, row_ok, mask, offsets = _chunk_tile(tile, BT, D, BLOCK_C=1, BLOCK_T=BLOCK_T,
+                                                              BLOCK_D=BLOCK_D)
+        dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)   # <mix, dmix> = sum p_j dp_j
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        dgq += tl.sum(_backward_pass(V, extra, dV, d_extra, n=n2, offsets=offsets, mask=mask, gq=gq, dmix=dmix,
+                                     lse=lse, delta=delta, BT=BT, D=D, eps=eps, DEFER=False, HAS_EXTRA=HAS_EXTRA,
+                                     BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D), axis=0)
+        tl.store(record_ptr + offsets, dmix, mask=mask)
+        tl.store(scalars_ptr + rows, delta, mask=row_ok)
+        tl.store(scalars_ptr + BT + rows, lse, mask=row_ok)
     if pid == 0:
         tl.store(ran_ptr, 1)
-    tl.store(dgq_ptr + pid * D + cols, tl.sum(dgq, axis=0), mask=cols < D)
+    tl.store(dgq_ptr + pid * D + cols, dgq, mask=cols < D)
 
 
 @jit
 def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr, n1, C, P, BT, D, eps,
                     BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The chunk's pass: for each source j < n1 (V, its gradient slot in dV, fp32), the sum over the chunk's consumers
-    that ran their backward (ran_ptr[c] != 0) of the pair's dv, from their records (records (C, BT, D), scalars
-    (C, 2, BT): delta, lse), added into dV[j] once; each consumer's share of dgq to dgq_ptr (C, P, D), row pid."""
+    """The chunk's pass, P programs each over the token tiles pid, pid + P, ...: for each source j < n1 (V, its
+    gradient slot in dV, fp32), the sum over the chunk's consumers that ran their backward (ran_ptr[c] != 0) of the
+    pair's dv, from their records (records (C, BT, D), scalars (C, 2, BT): delta, lse), added into dV[j] once; each
+    consumer's share of dgq over the program's tiles to dgq_ptr (C, P, D), row pid."""
     pid = tl.program_id(0)
-    rows, cols, cons, row_ok, mask, offsets = _chunk_tile(pid, BT, D, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T,
-                                                          BLOCK_D=BLOCK_D)
+    cols, cons = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_C)
     gq = _chunk_queries(q_ptr, g_ptr, cons, cols=cols, C=C, D=D)
     valid = (cons < C) & (tl.load(ran_ptr + cons, mask=cons < C, other=0) != 0)
-    c_rows = valid[:, None] & row_ok[None, :]
-    dmix = tl.load(records + cons[:, None, None] * (BT * D) + offsets[None, :, :],
-                   mask=valid[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
-    delta = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + rows[None, :], mask=c_rows, other=0.0)
-    lse = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + BT + rows[None, :], mask=c_rows, other=0.0)
     dgq = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    slot = V
-    grad = dV
-    for j in range(0, n1):
-        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-        u = tl.sum(v[None, :, :] * gq[:, None, :], axis=2)                          # (BLOCK_C, BLOCK_T)
-        p = tl.where(c_rows, tl.exp(r[None, :] * u - lse), 0.0)
-        ds = p * (tl.sum(v[None, :, :] * dmix, axis=2) - delta)
-        b = ds * r[None, :]
-        k = -ds * u * (r * r * r)[None, :] / D                                      # through r: as _source_gradient
-        dv = tl.sum(p[:, :, None] * dmix + b[:, :, None] * gq[:, None, :] + k[:, :, None] * v[None, :, :], axis=0)
-        tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
-        dgq += tl.sum(b[:, :, None] * v[None, :, :], axis=1)
-        slot += BT * D
-        grad += BT * D
+    for tile in range(pid, tl.cdiv(BT, BLOCK_T), P):
+        rows, cols, cons, row_ok, mask, offsets = _chunk_tile(tile, BT, D, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T,
+                                                              BLOCK_D=BLOCK_D)
+        c_rows = valid[:, None] & row_ok[None, :]
+        dmix = tl.load(records + cons[:, None, None] * (BT * D) + offsets[None, :, :],
+                       mask=valid[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
+        delta = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + rows[None, :], mask=c_rows, other=0.0)
+        lse = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + BT + rows[None, :], mask=c_rows, other=0.0)
+        slot = V
+        grad = dV
+        for j in range(0, n1):
+            v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+            u = tl.sum(v[None, :, :] * gq[:, None, :], axis=2)                          # (BLOCK_C, BLOCK_T)
+            p = tl.where(c_rows, tl.exp(r[None, :] * u - lse), 0.0)
+            ds = p * (tl.sum(v[None, :, :] * dmix, axis=2) - delta)
+            b = ds * r[None, :]
+            k = -ds * u * (r * r * r)[None, :] / D                                  # through r: as _source_gradient
+            dv = tl.sum(p[:, :, None] * dmix + b[:, :, None] * gq[:, None, :] + k[:, :, None] * v[None, :, :], axis=0)
+            tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
+            dgq += tl.sum(b[:, :, None] * v[None, :, :], axis=1)
+            slot += BT * D
+            grad += BT * D
     tl.store(dgq_ptr + cons[:, None] * (P * D) + pid * D + cols[None, :], dgq,
              mask=(cons < C)[:, None] & (cols < D)[None, :])
 
@@ -279,7 +303,7 @@ class ChunkPass(torch.autograd.Function):
         V, dV = bank.slots[0], bank.gradients()[0]
         B, T, D = V.shape[1:]
         BLOCK_T, BLOCK_D = chunk_blocks(B * T, D)
-        P = triton.cdiv(B * T, BLOCK_T)
+        P = chunk_programs(B * T, D)
         dgq_rows = chunk.lse1.new_empty((chunk.C, P, D))
         _chunk_backward[(P,)](V, queries[chunk.r0], key_gains[chunk.r0], chunk.records, scalars_ptr=chunk.scalars,
                               ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
@@ -338,15 +362,17 @@ class Merge(torch.autograd.Function):
         V, dV = bank.slots[0], bank.gradients()[0]
         B, T, D = V.shape[1:]
         n1, n2 = chunk.n1, ctx.n - chunk.n1
-        grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
-        record, scalars, ran, dgq_rows = chunk.record(ctx.i, programs=grid[0])
+        BLOCK_T, BLOCK_D = attnres.blocks(B * T, D)                  # launch_grid's tiles, fewer programs
+        programs = merge_programs(B * T, D)
+        record, scalars, ran, dgq_rows = chunk.record(ctx.i, programs=programs)
         d_extra = torch.empty(mix.shape, dtype=ctx.extra_dtype, device=mix.device) if extra else None
         V2, dV2 = (V[n1], dV[n1]) if n2 else (V, dV)                 # from slot n1 (placeholders without sources)
         extra_in, d_extra_in = (extra[0], d_extra) if extra else (V, dV)
-        _merge_backward[grid](V2, extra_in, query, key_gain, mix_ptr=mix, dmix_ptr=dmix.contiguous(), lse_ptr=lse,
-                              dV=dV2, d_extra=d_extra_in, dgq_ptr=dgq_rows, record_ptr=record,
-                              scalars_ptr=scalars, ran_ptr=ran, n2=n2, BT=B * T, D=D, eps=bank.norm_eps,
-                              HAS_EXTRA=bool(extra), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
+        _merge_backward[(programs,)](V2, extra_in, query, key_gain, mix_ptr=mix, dmix_ptr=dmix.contiguous(),
+                                     lse_ptr=lse, dV=dV2, d_extra=d_extra_in, dgq_ptr=dgq_rows, record_ptr=record,
+                                     scalars_ptr=scalars, ran_ptr=ran, n2=n2, P=programs, BT=B * T, D=D,
+                                     eps=bank.norm_eps, HAS_EXTRA=bool(extra), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                                     num_warps=WARPS)
         return None, None, None, None, None, None, None, None, d_extra       # dq, dg: by the chunk's pass
 
 
@@ -409,7 +435,7 @@ def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
     """[moved] of one consumer's launch each way over phase 1's n1 sources and its n: phase 2's forward
     (`_merge_forward`) and backward (`_merge_backward`; its dgq rows are summed by the chunk's pass, `chunk_traffic`).
     With S = tokens D, n2 = n - n1 sources pushed since phase 1, m2 = n2 + extra, E = 4 S if extra else 0, P = the
-    programs of a launch:
+    backward's programs (`merge_programs`):
 
         forward   read     S sb (o1) + 4 tokens (lse1, phase 1's logits n1 times, its own logits m2 times)
                            + n2 S sb + E + 8 D (q, g)
@@ -419,7 +445,7 @@ def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
                            + 4 P D (dgq's rows)."""
     S, n2 = tokens * D, n - n1
     m2, E = n2 + int(extra), 4 * S * int(extra)
-    P = -(-tokens // attnres.blocks(tokens, D)[0])
+    P = merge_programs(tokens, D)
     return [moved(S * storage_bytes + 4 * tokens * (1 + n1 + m2) + n2 * S * storage_bytes + E + 8 * D,
                   4 * S + 4 * tokens * (1 + n1 + 2 * m2)),
             moved(8 * S + 4 * tokens + 8 * D + n2 * S * storage_bytes + E + 4 * n2 * S,
@@ -434,8 +460,7 @@ def chunk_traffic(n1, C, rows, tokens, D, storage_bytes=2):
     (the chunk pass's P dgq rows and each consumer's phase-2 P2, the ran flags), and autograd's two adds of them
     into the parameters' other gradients."""
     S, R = tokens * D, rows * D
-    P = -(-tokens // chunk_blocks(tokens, D)[0])
-    P2 = -(-tokens // attnres.blocks(tokens, D)[0])
+    P, P2 = chunk_programs(tokens, D), merge_programs(tokens, D)
     return [moved(n1 * S * storage_bytes + 8 * D * C, C * S * storage_bytes + 4 * tokens * C * (1 + n1)),
             moved(0, 4 * C),
             moved(n1 * S * storage_bytes + C * (S * storage_bytes + 8 * tokens + 4 + 8 * D) + 4 * n1 * S,
