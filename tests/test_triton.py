@@ -498,7 +498,8 @@ def test_chunked_step_traffic_counts_the_launches(pattern, monkeypatch):
     glue included, forward and backward together; the consumers' queries and gains are leaves of their own (no
     pick around the bank), so the stacked ones get only the chunks' gradients (phase 2's included: its dgq rows are
     summed by the chunk's pass): autograd adds all but the first chunk's pair into them, two launches fewer than
-    step_traffic counts."""
+    step_traffic counts. Each extra source but the last has a second use, as Block AttnRes' open sum has (the next
+    write's sum or a push): autograd adds its two gradients, a launch step_traffic counts."""
     reads, has_extra, n_max = CHUNKED[pattern]
     monkeypatch.setattr(attnres, "interpreted", lambda: True)
     names = []
@@ -509,9 +510,11 @@ def test_chunked_step_traffic_counts_the_launches(pattern, monkeypatch):
             monkeypatch.setattr(module, name, counted(getattr(module, name), names))
     inputs = chunk_inputs(reads, has_extra)
     weights = [torch.ones(1, 5, 48) for _ in range(len(reads) + 1)]
+    reused = [e for q, g, e in inputs[1] if e is not None][:-1]                   # the open sums' other use
+    weights += [torch.ones_like(e) for e in reused]
     with Launches(names):
         outputs, _, leaves = chunk_step(reads, inputs, pick=False)
-        torch.autograd.backward(outputs, weights)
+        torch.autograd.backward(outputs + reused, weights)
     expect = chunked.step_traffic(reads, max(reads), 5, 48, extra=has_extra, storage_bytes=4)
     assert len(names) == sum(row["launches"] for row in expect) - 2, " ".join(names)
     assert all(v.grad.abs().max() > 0 for v in leaves)

@@ -474,12 +474,17 @@ def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
     """[moved] of a whole step of one bank served by chunks: `reads` = the bank sources consumer row i = 0, 1, ...
     reads (forward order; each reads every source pushed before it), the bank n_max slots; rows r0 = 0, CHUNK, ...
     start a chunk over the sources their consumer reads. Also: the read of sublayer 0's source (`read_traffic`),
-    each push's copy in (forward; its backward hands on its gradient slot: no launch), and the gradient bank's
-    zeroing (at the first backward)."""
+    each push's copy in (forward; its backward hands on its gradient slot: no launch), the gradient bank's zeroing
+    (at the first backward), and with an extra source (Block AttnRes' open sum, fp32), autograd's add of its two
+    gradients for every consumer but the last (the head): the mix's (`_merge_backward`'s d_extra) and that of its
+    other use (the next write's sum, or the push that closes its group), outside any compiled graph, where Pre-LN's
+    stream sums its two inside its norm's fused backward (read 8 S, written 4 S, a launch)."""
     S = tokens * D
     rows = list(attnres.read_traffic(tokens, D, storage_bytes).values())
     rows += [moved(4 * S, S * storage_bytes)] * max(reads)                       # the pushes' copies
     rows.append(moved(0, 4 * n_max * S))                                         # the gradient bank's zeros
+    if extra:
+        rows += [moved(8 * S, 4 * S)] * (len(reads) - 1)                         # the open sum's two gradients
     for r0 in range(0, len(reads), CHUNK):
         chunk = reads[r0:r0 + CHUNK]
         rows += chunk_traffic(chunk[0], len(chunk), len(reads), tokens, D=D, storage_bytes=storage_bytes)
