@@ -312,7 +312,7 @@ class ChunkPass(torch.autograd.Function):
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
         _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, chunk.merge_rows, chunk.ran,
-                                                                   queries[chunk.r0], key_gains[chunk.r0],
+                                                                   q_ptr=queries[chunk.r0], g_ptr=key_gains[chunk.r0],
                                                                    dq_ptr=dq[chunk.r0], dg_ptr=dg[chunk.r0], P=P,
                                                                    P2=chunk.merge_rows.shape[1], D=D, BLOCK_R=ROWS,
                                                                    BLOCK_C=BLOCK_C)
