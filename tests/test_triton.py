@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import ops  # noqa: E402
 from depthbench.kernels import cpu as kernels  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from test_all import assert_step_equal, assert_step_equal_to_bf16, cosine, loss_and_grads  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton does not import: `pip install triton` runs these tests")
 
@@ -149,10 +150,6 @@ def test_consumers_of_several_depths_share_a_bank(mode, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=f"leaf {i}")
 
 
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
 @needs_interpreter
 @pytest.mark.parametrize("name", ["odd_T", "extra"])
 def test_mix_under_bf16_autocast_is_the_reference_to_bf16(name):
@@ -206,18 +203,10 @@ def test_model_equals_reference(residual, options, monkeypatch):
     out, runs = {}, []
     monkeypatch.setattr(chunked.ChunkPass, "apply", lambda *a, f=chunked.ChunkPass.apply: runs.append(1) or f(*a))
     for name in ("triton", "reference"):
-        model = tiny_model(residual, name, **options)
-        loss = model(x, x)[1]
-        loss.backward()
-        out[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-    (l1, g1), (l2, g2) = out["triton"], out["reference"]
+        out[name] = loss_and_grads(tiny_model(residual, name, **options), x)
     chunks = -(-2 * options.get("n_layer", 2) // chunked.CHUNK)
     assert len(runs) == (0 if "topk_fraction" in options else chunks * (1 + options.get("checkpoint_blocks", 0)))
-    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-6)
-    assert g1.keys() == g2.keys()
-    for n, g in g2.items():
-        assert g.abs().max() > 0, n
-        torch.testing.assert_close(g1[n], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=n)
+    assert_step_equal(out["triton"], out["reference"])
 
 
 @needs_interpreter
@@ -228,16 +217,8 @@ def test_model_under_bf16_autocast_is_the_reference_to_bf16(residual):
     x = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
     out = {}
     for name in ("triton", "reference"):
-        model = tiny_model(residual, name)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x, x)[1]
-        loss.backward()
-        out[name] = loss.float(), {n: p.grad for n, p in model.named_parameters()}
-    (l1, g1), (l2, g2) = out["triton"], out["reference"]
-    torch.testing.assert_close(l1, l2, rtol=2e-2, atol=2e-2)
-    for n, g in g2.items():
-        assert g1[n].dtype == g.dtype == torch.float32, n
-        assert (g1[n] - g).norm() <= 0.1 * g.norm() + 1e-3, n
+        out[name] = loss_and_grads(tiny_model(residual, name), x, bf16=True)
+    assert_step_equal_to_bf16(out["triton"], out["reference"])
 
 
 def test_namespaces(monkeypatch):
