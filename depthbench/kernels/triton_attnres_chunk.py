@@ -26,7 +26,9 @@ Backward with the final lse and delta = <mix, dmix> (flash attention's), as trit
   (one launch a chunk for every consumer's dq and dg).
 The pushes' `source_gradient` (triton_attnres.py) hands each source its gradient slot. Memory: each chunk's o1
 (CHUNK slots in the bank's dtype) and logits live from its phase 1 to its backward; the records (CHUNK slots) from
-its first consumer's backward to its own; the gradient bank (n_max fp32 slots) from the first backward.
+its first consumer's backward to its own, with their phase-2 dgq rows (CHUNK x at most PROGRAMS rows of D fp32); the
+gradient bank (n_max fp32 slots) from the first backward. The two backward passes run at most PROGRAMS programs,
+each over several tiles of tokens (`chunk_programs`, `merge_programs`): fewer partial dgq rows to write and sum.
 
 Equal to ops.depth_mix's mix, p and every gradient: tests/test_triton.py's `test_chunked_bank_equals_reference`
 (Full's and Block's patterns, consumers of older states, the card's depth, bf16), `test_model_equals_reference`
