@@ -526,6 +526,26 @@ def is_norm(name, shapes, N, D):
     return name != "copy_" and all(s in {(1, N, D), (1, N, 1), (D,), (1, 1, D), ()} for s in shapes)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["dW", "dW^T"])
+def test_weight_gradient_on_the_gpu_is_one_fp32_gemm(transposed, monkeypatch):
+    """The fused read's dW where torch.mm writes fp32 from bf16 (CUDA; here the meta device stands in for it): one
+    launch, aten mm's out_dtype overload, fp32 out in dW's (or dW^T's) shape, as traffic(gemm_fp32_out=True)
+    counts it; on the CPU, the product in bf16 and a cast, the same numbers to bf16's rounding of dW."""
+    rows, K, M = 12, 8, 6
+    monkeypatch.setattr(hcr, "GEMM_FP32_OUT", {"meta"})
+    x, rg = torch.empty(rows, K, device="meta", dtype=torch.bfloat16), torch.empty(rows, M, device="meta",
+                                                                                    dtype=torch.bfloat16)
+    with Launches() as rec:
+        dW = hcr.weight_gradient(x, rg, torch.empty(K, M), transposed=transposed)
+    assert [name for name, _, _ in rec.ops] == ["mm"] and dW.dtype == torch.float32
+    assert dW.shape == ((M, K) if transposed else (K, M))
+    x, rg = randn(rows, K, seed=3).bfloat16(), randn(rows, M, seed=4).bfloat16()
+    exact = x.float().t() @ rg.float()
+    got = hcr.weight_gradient(x, rg, torch.empty(K, M), transposed=transposed)
+    torch.testing.assert_close(got.t() if transposed else got, exact, rtol=2 ** -7, atol=1e-6)
+    assert got.dtype == torch.float32 and got.is_contiguous()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("design,fused", [("hc", True), ("mhc", True), ("hc", False), ("mhc", False)],
                          ids=["hc", "mhc", "hc-pieces", "mhc-pieces"])
@@ -553,11 +573,12 @@ def test_traffic_counts_every_launch(design, fused, dtype, monkeypatch):
 
     def counted(N, rc, passes):
         """(torch launches, their bytes) of traffic's rows of those passes: every row that is not a Triton kernel."""
-        kept = [r for r in hc.traffic(design, N, D, n=n, stream_bytes=sb, recompute=rc, fused=fused) if r["pass"] in passes and not kernel_of(r)]
+        kept = [r for r in hc.traffic(design, N, D, n=n, stream_bytes=sb, recompute=rc, fused=fused,
+                                      gemm_fp32_out=False) if r["pass"] in passes and not kernel_of(r)]
         return sum(r["launches"] for r in kept), sum(r["read"] + r["written"] for r in kept)
 
     for rc in (False, True):
-        rows = hc.traffic(design, 8, D, n=n, stream_bytes=sb, recompute=rc, fused=fused)
+        rows = hc.traffic(design, 8, D, n=n, stream_bytes=sb, recompute=rc, fused=fused, gemm_fp32_out=False)
         assert runs[8, rc]["forward"][1] == [kernel_of(r) for r in rows if r["pass"] == "forward" and kernel_of(r)]
         assert sorted(runs[8, rc]["backward"][1]) == sorted(kernel_of(r) for r in rows
                                                              if r["pass"] != "forward" and kernel_of(r))

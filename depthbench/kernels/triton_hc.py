@@ -484,11 +484,14 @@ def depth_connection(mixed, post, y):
 
 # ----------------------------------------------------------------------------- traffic, for the roofline estimate
 
-def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, recompute=True, fused=True):
+def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, recompute=True, fused=True,
+            gemm_fp32_out=True):
     """HBM bytes each launch of one sublayer's connection reads and writes, and its launches, forward and backward:
     a list of dicts {kernel, pass, launches, read, written}, for scripts/roofline.py. design "hc" or "mhc"; tokens
     N = B T; stream_bytes: the streams' element size (2, the GPU path's default: bf16 under bf16 autocast,
-    `storage_dtype`; 4 without autocast); y_bytes: the branch output's (2 under bf16 autocast); recompute: residuals.HC's (its default, on): read's maths runs again in the backward.
+    `storage_dtype`; 4 without autocast); y_bytes: the branch output's (2 under bf16 autocast); recompute: residuals.HC's (its default, on): read's maths runs again in the backward;
+    gemm_fp32_out: the fused read's dW GEMM writes fp32 from bf16 itself (torch.mm's out_dtype, on CUDA:
+    triton_hc_read.GEMM_FP32_OUT), else it writes the streams' dtype and a cast follows (the CPU).
     Coefficients are fp32 (4 bytes), W an fp32 parameter. Every tensor a launch touches is counted once per launch
     (a kernel reads each input once), the scratch of Sinkhorn's backward too (an upper bound: it is read back by the
     program that wrote it, mostly from L2). What the path runs, residuals.HC's read and write with these bodies:
@@ -525,7 +528,7 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
     depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
              row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
     if fused:                                # triton_hc_read.py: the fused read, no checkpoint (nothing recomputed)
-        fwd, bwd = fused_read(design, N=N, n=n, D=D, sb=sb, iters=iters)
+        fwd, bwd = fused_read(design, N=N, n=n, D=D, sb=sb, iters=iters, gemm_fp32_out=gemm_fp32_out)
         return fwd + width_norm(N, n, D, sb)[:1] + depth + width_norm(N, n, D, sb)[1:] + bwd
     fwd, bwd = pieces(design, N=N, n=n, D=D, sb=sb, iters=iters)
     again = [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
@@ -556,7 +559,7 @@ def pieces(design, N, n, D, sb, iters):
     return fwd, bwd
 
 
-def fused_read(design, N, n, D, sb, iters):
+def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
     """The fused read's rows of `traffic` but its width connection's (`width_norm`), S = N n D sb, c = N n 4,
     R = N n^2 4, the projection's rows x K and X = rows K sb (mHC: N x nD; HC: N n x D), M its columns:
       mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
@@ -564,18 +567,20 @@ def fused_read(design, N, n, D, sb, iters):
           backward  _mhc_read_bwd  read logits, dres, dlogits back (3R), pre, post and their gradients (4c), m and r
                     (4 N M + 4 N), Sinkhorn's scratch (4 N (2 iters - 1) n, n padded to a power of 2); write dlogits
                     (R), dm (4 N M), r dm (sb N M), the scratch and per-block partial sums (4 ceil(N / 32) 2 MP);
-                    their torch sum; dphi: one GEMM (read X + sb N M, write sb K M), cast to fp32 when sb != 4
+                    their torch sum; dphi: one GEMM (read X + sb N M, write 4 K M; without gemm_fp32_out, write sb K M
+                    and, when sb != 4, a cast to fp32)
       HC  forward   W's cat (torch, parameter-sized); _hc_read_fwd  read X + 4 K M, write pre, post, res, m and r
                     (2c + R + 4 rows M + 4 rows)
           backward  _hc_read_bwd  read dpre, dpost, dres, m and r; write dm, r dm and the partial sums in the
-                    parameters' layout (4 ceil(rows / 16) (n^2 + 2n + 2)); their torch sum; dW as mHC's dphi, its
-                    two column blocks copied into dynamic_alpha's and dynamic_beta's gradients (parameter-sized)
+                    parameters' layout (4 ceil(rows / 16) (n^2 + 2n + 2)); their torch sum; dW^T as mHC's dphi, its
+                    first n + 1 rows copied into dynamic_alpha's gradient's layout (its last row is dynamic_beta's)
       both: _proj_bwd reads the width connection's dH too (+S: no autograd add) -> (forward rows, backward rows)."""
     S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
-    X, MP, cast = rows * K * sb, pow2(M, 16), sb != 4
+    X, MP, cast = rows * K * sb, pow2(M, 16), sb != 4 and not gemm_fp32_out
+    out = 4 if gemm_fp32_out else sb                                   # the GEMM's output element
     proj = row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows + S, X)
-    dW = row("dW (torch GEMM)", "backward", X + rows * M * sb + cast * K * M * sb, K * M * sb + cast * 4 * K * M,
+    dW = row("dW (torch GEMM)", "backward", X + rows * M * sb + cast * K * M * sb, K * M * out + cast * 4 * K * M,
              launches=1 + cast)
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)
@@ -589,8 +594,8 @@ def fused_read(design, N, n, D, sb, iters):
            row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows)]
     return fwd, [row("hc_read", "backward", 2 * c + R + 4 * rows * M + 4 * rows, 4 * rows * M + sb * rows * M + part),
                  row("hc_read.sums (torch)", "backward", part, 4 * (n * n + 2 * n + 2)), proj, dW,
-                 row("W's gradient into dynamic_alpha's and dynamic_beta's (torch copies)", "backward", 4 * K * M,
-                     4 * K * M, launches=2)]
+                 row("dW^T's rows into dynamic_alpha's gradient (a torch copy)", "backward", 4 * K * (n + 1),
+                     4 * K * (n + 1))]
 
 
 def width_norm(N, n, D, sb, per_program=8):

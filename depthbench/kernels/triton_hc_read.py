@@ -264,11 +264,20 @@ def projection_backward(x, W, g, m, r, dH):
                                                       K=K, M=M, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
 
 
-def weight_gradient(x, rg, W):
-    """x^T (r dm) = dW (K, M'): cuBLAS over the tokens, in x's dtype (fp32 accumulation; rg, the kernels' r dm, is
-    in x's dtype), returned in W's (fp32)."""
+GEMM_FP32_OUT = {"cuda"}   # devices where torch.mm takes out_dtype=float32 for bf16/fp16 inputs (cuBLAS, torch >= 2.8)
+
+
+def weight_gradient(x, rg, W, transposed=False):
+    """x^T (r dm) = dW (K, M'): cuBLAS over the tokens in x's dtype with fp32 accumulation (rg, the kernels' r dm, is
+    in x's dtype), in W's dtype (fp32). Where torch.mm writes fp32 from bf16 itself (GEMM_FP32_OUT) that is one
+    launch and dW is never rounded to bf16; elsewhere the product in x's dtype and a cast. transposed: dW^T (M', K)
+    instead, contiguous, so that a row of it (HC's dynamic_beta's gradient) is a contiguous (K,) its parameter takes
+    as it is."""
+    a, b = (rg.t(), x) if transposed else (x.t(), rg)
+    if x.device.type in GEMM_FP32_OUT and x.dtype != W.dtype:
+        return torch.mm(a, b, out_dtype=W.dtype)
     with fp32_maths(rg):
-        return (x.t() @ rg).to(W.dtype)
+        return (a @ b).to(W.dtype)
 
 
 def outputs(branch, pre, post, res, mixed, shape):
@@ -324,7 +333,8 @@ class HCRead(torch.autograd.Function):
     maps static_alpha (n, n + 1), static_beta (n), the two scales (0-dim), the norm's gain and eps -> as MHCRead's.
     The projection is per stream (rows N n, K = D) with W = [dynamic_alpha | dynamic_beta] (D, n + 2), concatenated
     here (residuals.HC.maps' W); the static maps' and scales' gradients are written in their parameters' layout, W's
-    is one GEMM whose two column blocks autograd copies into dynamic_alpha's and dynamic_beta's."""
+    is one GEMM, dW^T: its last row is dynamic_beta's gradient as it is (contiguous), the rest transposed
+    dynamic_alpha's, which autograd copies into the parameter's layout."""
 
     @staticmethod
     def forward(ctx, H, dynamic_alpha, dynamic_beta, static_alpha, static_beta, alpha_scale, beta_scale, gain, eps):
@@ -358,8 +368,8 @@ class HCRead(torch.autograd.Function):
                                 RG=rg, Part=part, NR=rows, M=M, n=n, BN=BLOCK_ROWS, MP=pow2(M, 16))
         sums = part.sum(0)                                   # [static_alpha | static_beta | the scales], contiguous
         projection_backward(x, W, g, m, r=r, dH=dH.view(rows, D))
-        dW = weight_gradient(x, rg, W)          # one GEMM (x read once); autograd copies its two column blocks
-        return (dH.view(ctx.shape), dW[:, :n + 1], dW[:, n + 1], sums[:n * (n + 1)].view(n, n + 1),
+        dWt = weight_gradient(x, rg, W, transposed=True)       # one GEMM (x read once), dW^T (n + 2, D)
+        return (dH.view(ctx.shape), dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1),
                 sums[n * (n + 1):n * (n + 2)], sums[-2], sums[-1], dgain, None)
 
 
