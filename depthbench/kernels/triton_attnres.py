@@ -255,19 +255,9 @@ def _row_sum(rows_ptr, n_rows, cols, col_ok, D, BLOCK_R: tl.constexpr):
     acc = tl.zeros(cols.shape, tl.float32)
     for start in range(0, n_rows, BLOCK_R):
         rows = start + tl.arange(0, BLOCK_R)
-        tile = tl.load(rows_ptr + rows[:, None] * D + cols[None, :], mask=(rows < n_rows)[:, None] & col_ok[None, :],
-                       other=0.0)
-        acc += tl.sum(tile, axis=0)
+        acc += tl.sum(tl.load(rows_ptr + rows[:, None] * D + cols[None, :],
+                              mask=(rows < n_rows)[:, None] & col_ok[None, :], other=0.0), axis=0)
     return acc
-
-
-@jit
-def _store_query_gradients(dgq, q_ptr, g_ptr, dq_ptr, dg_ptr, cols, col_ok):
-    """dq = dgq g and dg = dgq q for columns `cols`, stored in the query's and the gain's dtypes."""
-    q = tl.load(q_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(dq_ptr + cols, dgq * g, mask=col_ok)
-    tl.store(dg_ptr + cols, dgq * q, mask=col_ok)
 
 
 @jit
@@ -276,8 +266,11 @@ def _query_gradients(dgq_rows, q_ptr, g_ptr, dq_ptr, dg_ptr, P, D, BLOCK_R: tl.c
     dg = dgq q, stored in the query's and the gain's dtypes."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < D
-    _store_query_gradients(_row_sum(dgq_rows, P, cols, col_ok, D, BLOCK_R), q_ptr, g_ptr, dq_ptr, dg_ptr, cols,
-                           col_ok)
+    dgq = _row_sum(dgq_rows, n_rows=P, cols=cols, col_ok=col_ok, D=D, BLOCK_R=BLOCK_R)
+    q = tl.load(q_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptr + cols, dgq * g, mask=col_ok)
+    tl.store(dg_ptr + cols, dgq * q, mask=col_ok)
 
 
 @jit

@@ -43,8 +43,7 @@ import torch
 
 from depthbench.kernels import triton_attnres as attnres
 from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _backward_pass, _key_query, _row_sum, _source_pass,
-                                               _store_query_gradients, jit, launch_grid, moved, next_power_of_2, tl,
-                                               triton)
+                                               jit, launch_grid, moved, next_power_of_2, tl, triton)
 from ops import topk_count
 
 CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK running mixes or records in registers
@@ -234,9 +233,12 @@ def _chunk_query_gradients(dgq_rows, merge_rows, ran_ptr, q_ptr, g_ptr, dq_ptr, 
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < D
     ran_rows = P2 * (tl.load(ran_ptr + c) != 0).to(tl.int32)           # no phase-2 rows where it did not run
-    dgq = (_row_sum(dgq_rows + c * P * D, P, cols, col_ok, D, BLOCK_R)
-           + _row_sum(merge_rows + c * P2 * D, ran_rows, cols, col_ok, D, BLOCK_R))
-    _store_query_gradients(dgq, q_ptr + c * D, g_ptr + c * D, dq_ptr + c * D, dg_ptr + c * D, cols, col_ok)
+    dgq = (_row_sum(dgq_rows + c * P * D, n_rows=P, cols=cols, col_ok=col_ok, D=D, BLOCK_R=BLOCK_R)
+           + _row_sum(merge_rows + c * P2 * D, n_rows=ran_rows, cols=cols, col_ok=col_ok, D=D, BLOCK_R=BLOCK_R))
+    q = tl.load(q_ptr + c * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + c * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptr + c * D + cols, dgq * g, mask=col_ok)
+    tl.store(dg_ptr + c * D + cols, dgq * q, mask=col_ok)
 
 
 # ----------------------------------------------------------------------------- autograd and the bank
