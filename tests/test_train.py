@@ -279,7 +279,7 @@ def test_verdict_sorts_gaps_by_accuracy():
     assert "not learnt" in verdict({"1": {"acc": 0.05}, "2": {"acc": 0.04}}, 1 / 24, 2)
 
 
-@pytest.mark.parametrize("ar", [100, 30, 9.1, 4])
+@pytest.mark.parametrize("ar", [pytest.param(100, marks=pytest.mark.slow), 30, 9.1, pytest.param(4, marks=pytest.mark.slow)])
 def test_mini_preset_reaches_every_aspect_ratio(tmp_path, capsys, ar):
     """--preset mini resolves AR 100 ... 4 within 10%, at a backbone within 10% of its 0.8M budget, and runs."""
     code, out, err = run_main(["--preset", "mini", "--ar", str(ar), "--max-steps", "1", "--eval-iters", "1",

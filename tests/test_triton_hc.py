@@ -123,7 +123,7 @@ def test_normed_projection_equals_reference(design, n, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n,iters", [(4, 20), (3, 20), (4, 1)])
+@pytest.mark.parametrize("n,iters", [pytest.param(4, 20, marks=pytest.mark.slow), (3, 20), (4, 1)])
 def test_sinkhorn_equals_reference(n, iters, dtype):
     """Sinkhorn's 2 iters - 1 normalisations and its backward through all of them (recomputed from the logits), on 71
     tokens (three blocks of 32, the last partial), logits from near-uniform to peaked (scale 4), gap-8-like ones (the
@@ -189,8 +189,10 @@ def tiny_model(residual, d_model=16, **options):
     return model
 
 
-@pytest.mark.parametrize("residual,options", [("hc", {}), ("hc", {"forward": "unmixed", "collapse": "norm_each"}),
-                                              ("mhc", {}), ("mhc", {"init": "uniform", "n_streams": 3})],
+@pytest.mark.parametrize("residual,options", [("hc", {}), pytest.param("hc", {"forward": "unmixed", "collapse":
+                                                                                "norm_each"}, marks=pytest.mark.slow),
+                                              ("mhc", {}), pytest.param("mhc", {"init": "uniform", "n_streams": 3},
+                                                                        marks=pytest.mark.slow)],
                          ids=["hc", "hc-unmixed", "mhc", "mhc-uniform-n3"])
 def test_model_with_triton_bodies(residual, options):
     """A tiny GPT (L1, fp32, B2 T7) with the Triton bodies gives kernels "reference"'s loss (to 1e-5 relative), and
@@ -262,8 +264,9 @@ def read_both_ways(model, H, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("design,n,options", [("mhc", 4, {"init": "uniform"}), ("mhc", 3, {}), ("mhc", 4, {}),
-                                              ("hc", 4, {}), ("hc", 3, {})])
+@pytest.mark.parametrize("design,n,options", [pytest.param("mhc", 4, {"init": "uniform"}, marks=pytest.mark.slow),
+                                              ("mhc", 3, {}), pytest.param("mhc", 4, {}, marks=pytest.mark.slow),
+                                              ("hc", 4, {}), pytest.param("hc", 3, {}, marks=pytest.mark.slow)])
 def test_hc_read_equals_reference(design, n, options, dtype):
     """mHC's and HC's fused reads (MHCRead, HCRead: the projection with the maps (and Sinkhorn) in one kernel, the
     width connection with the branch's norm in another, their backwards, the projection's with dH added in) against
@@ -547,7 +550,8 @@ def test_weight_gradient_on_the_gpu_is_one_fp32_gemm(transposed, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("design,fused", [("hc", True), ("mhc", True), ("hc", False), ("mhc", False)],
+@pytest.mark.parametrize("design,fused", [("hc", True), ("mhc", True), pytest.param("hc", False, marks=pytest.mark.slow),
+                                          pytest.param("mhc", False, marks=pytest.mark.slow)],
                          ids=["hc", "mhc", "hc-pieces", "mhc-pieces"])
 def test_traffic_counts_every_launch(design, fused, dtype, monkeypatch):
     """traffic's rows are the launches one sublayer really makes with these bodies, fp32 streams, and bf16 ones
