@@ -247,9 +247,10 @@ def test_model_under_bf16_autocast_is_the_reference_to_bf16(residual):
 
 # ----------------------------------------------------------------------------- the fused read (triton_hc_read.py)
 
-def read_both_ways(model, H, dtype, seed=0):
+def read_both_ways(model, H, dtype, seed=0, used=(0, 1, 2, 3, 4)):
     """ops.hc_read (ops.py's bodies) and triton_hc_read.hc_read on the same design, site 1 and streams H in dtype:
-    [(outputs, gradients of H and the connector's parameters)] for each, from the same random upstream gradients."""
+    [(outputs, gradients of H and the connector's parameters)] for each, from the same random upstream gradients of
+    the outputs `used` (h, H_pre, H_post, H_res, mixed: all; a model uses h, H_post and mixed alone)."""
     res, site = model.res, model.res.site(1)
     results = []
     for read in (ops.hc_read, hcr.hc_read):
@@ -257,7 +258,7 @@ def read_both_ways(model, H, dtype, seed=0):
         params = list(site.conn.parameters()) + [site.norm.weight]
         outs = read(res, leaf, site)
         g = torch.Generator().manual_seed(seed)
-        live = [o for o in outs if o.requires_grad]                   # HC's H_res = I (unmixed) has no gradient
+        live = [o for i, o in enumerate(outs) if o.requires_grad and i in used]  # HC's unmixed H_res has none
         ups = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in live]
         results.append(([o.detach() for o in outs], torch.autograd.grad(live, [leaf] + params, ups)))
     return results
@@ -287,6 +288,31 @@ def test_hc_read_equals_reference(design, n, options, dtype):
             assert rel_err(a, b) <= 1e-5 or (a - b).abs().max() <= 1e-6 * top, (what, rel_err(a, b))
         else:
             assert cosine(a, b) >= 0.999, (what, cosine(a, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,D", [(4, 80), (3, 24)])
+def test_mhc_backward_in_one_launch_equals_reference(n, D, dtype, monkeypatch):
+    """Where H_pre and H_res feed nothing but the read (a model's case: upstream gradients of h, H_post and mixed
+    alone), mHC's read backward is one kernel, _mhc_bwd (the width connection and the branch norm per token, the
+    maps and Sinkhorn, then dH by tiles of channels with the projection's share), equal to ops.hc_read's: the
+    gradients of H, phi, b, the alphas and the norm's gain, fp32 to test_hc_read_equals_reference's bounds, bf16 to
+    cosine >= 0.999; on 39 tokens (a partial block of 16), D = 80 (two tiles of 64 channels, the second partial)
+    and 24 with n = 3 (padded streams)."""
+    launches = []
+    kernel = hcr._mhc_bwd
+    monkeypatch.setattr(hcr, "_mhc_bwd", type("Launch", (), {"__getitem__": lambda self, grid: (
+        launches.append(grid), kernel[grid])[1]})())
+    model = tiny_model("mhc", d_model=D, n_streams=n)
+    (_, grad_ref), (_, grad_new) = read_both_ways(model, randn(3, 13, n, D, seed=23), dtype, used=(0, 2, 4))
+    assert launches == [(3,)]
+    top = max(g.abs().max().item() for g in grad_ref)
+    for a, b in zip(grad_new, grad_ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if dtype == torch.float32:
+            assert rel_err(a, b) <= 1e-5 or (a - b).abs().max() <= 1e-6 * top, rel_err(a, b)
+        else:
+            assert cosine(a, b) >= 0.999, cosine(a, b)
 
 
 def test_hc_read_is_the_composition_for_other_designs(monkeypatch):
@@ -391,7 +417,11 @@ def kernel_signatures(stream, module):
         ("_width_norm_fwd", dict(H=s, Pre=f, Res=f, Wn=f, Out=s, Mixed=s, Rb=f, N="i32", D="i32", eps="fp32"),
          dict(n=4, NP=4, BD=1024, TPP=8)),                                                  # the card's d640, whole
         ("_width_norm_bwd", dict(H=s, Pre=f, Res=f, Wn=f, Rb=f, DOut=s, DMixed=s, DH=s, DPre=f, DRes=f, DWp=f,
-                                 N="i32", D="i32"), dict(n=4, NP=4, BD=1024, TPP=8))]
+                                 N="i32", D="i32"), dict(n=4, NP=4, BD=1024, TPP=8)),
+        ("_mhc_bwd", dict(H=s, W=f, Pre=f, Post=f, Res=f, Logits=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f,
+                          DH=s, DPre=f, DRes=f, DL=f, Scratch=f, Cb=f, RG=s, Sums=f, Ap=f, Aq=f, Ar=f, N="i32",
+                          D="i32", M="i32", iters="i32", eps="fp32"),
+         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=32))]                # the card's
 
 
 @pytest.mark.slow
@@ -499,7 +529,7 @@ def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.floa
     with monkeypatch.context() as patch:
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
-            module = hcr if name.startswith(("_mhc_read", "_hc_read", "_width_norm")) else hc
+            module = hcr if name.startswith(("_mhc_read", "_mhc_bwd", "_hc_read", "_width_norm")) else hc
             patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
                                                             nm=name: rec.launcher(nm, k[grid])})())
         with rec, autocast:
@@ -519,6 +549,7 @@ KERNEL_OF = {("normed_projection", "forward"): "_proj_fwd", ("normed_projection"
              ("width_connection", "forward"): "_width_fwd", ("width_connection", "backward"): "_width_bwd",
              ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd",
              ("mhc_read", "forward"): "_mhc_read_fwd", ("mhc_read", "backward"): "_mhc_read_bwd",
+             ("mhc_bwd", "backward"): "_mhc_bwd",
              ("hc_read", "forward"): "_hc_read_fwd", ("hc_read", "backward"): "_hc_read_bwd",
              ("width_norm", "forward"): "_width_norm_fwd", ("width_norm", "backward"): "_width_norm_bwd"}
 

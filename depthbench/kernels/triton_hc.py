@@ -6,10 +6,9 @@ their own dtype (bf16 or fp32), computes in fp32 in registers, and stores the re
 in, but depth_connection, the write: in bf16 under bf16 autocast (`storage_dtype`: "bf16 in and out, fp32 inside"),
 so that from the first write on the streams are bf16 on the GPU path (half the bytes); without autocast they stay
 fp32 and every output is what ops.py's body returns. The coefficients are fp32.
-Each body equals ops.py's in forward and every gradient (tests/test_triton_hc.py, under TRITON_INTERPRET=1). A body
-runs its kernels on CUDA tensors (or CPU tensors under the interpreter) and hands any other call to
-depthbench/kernels/cpu.py's body (`runs_here`), so the CPU path does not change; `BODIES` maps the names to the bodies
-for the "triton" namespace (depthbench/kernels), and triton is optional (`HAVE_TRITON`).
+Each body equals ops.py's in forward and every gradient (tests/test_triton_hc.py, under TRITON_INTERPRET=1), runs its
+kernels on CUDA tensors (or CPU ones under the interpreter) and hands any other call to cpu.py's body (`runs_here`):
+the CPU path does not change. `BODIES`: the "triton" namespace's (depthbench/kernels); triton is optional.
 
 The kernels (N tokens, n streams of width D; one program per token or per block of tokens):
 
@@ -17,9 +16,7 @@ The kernels (N tokens, n streams of width D; one program per token or per block 
   (HC, K = D, per stream). `_proj_fwd`: one pass over x per block of rows, accumulating x @ W (tl.dot, fp32 ieee)
   and sum(x^2) together; out = r (x @ W), r = rsqrt(mean(x^2) + eps) -- the norm and the skinny GEMM fused, x read
   once. Backward, `_proj_bwd`: dx = r (g @ W^T) - x r^2 <g, out> / K, one pass over x (out and r kept: M + 1 floats a
-  row); dW = x^T (r g) is a real GEMM over the tokens, left to cuBLAS (torch matmul) in x's dtype (bf16 streams:
-  r g rounded to bf16, fp32 accumulation; no fp32 copy of x).
-  Test: test_normed_projection_equals_reference.
+  row); dW = x^T (r g), a GEMM over the tokens, is cuBLAS's in x's dtype. Test: test_normed_projection_equals_reference.
 - `sinkhorn(logits, iters, eps)`: Liger's Sinkhorn-Knopp (ops.sinkhorn): P = softmax_row(logits), M = P + eps, then
   2 iters - 1 alternating normalisations, columns first, M <- M / (sum + eps). `_sinkhorn_fwd` holds each token's
   n x n matrix in registers for all of them; only the logits come in and H_res goes out. Backward, `_sinkhorn_bwd`
@@ -38,9 +35,8 @@ The kernels (N tokens, n streams of width D; one program per token or per block 
   backward `_depth_bwd`: dy = sum_o post[o] dout_o, dpost[o] = <dout_o, y>; dmixed = dout, no kernel. Test:
   test_depth_connection_equals_reference.
 
-A model with these four bodies gives the loss and gradients of kernels "reference" (test_model_with_triton_bodies);
-every kernel compiles to PTX for sm_90 with no GPU present (test_every_kernel_compiles_for_the_h100_and_h200).
-HBM bytes and launches of each kernel per sublayer: `traffic` (for scripts/roofline.py).
+A model with these bodies is kernels "reference"'s (test_model_with_triton_bodies); every kernel compiles for sm_90
+without a GPU (test_every_kernel_compiles_for_the_h100_and_h200); `traffic`: bytes and launches (scripts/roofline.py).
 
 Why the mixes stay split as ops.py splits them (width: pre and res mixes in one pass; depth: the post add), rather
 than one fused write h'_o = sum_s res[o, s] h_s + post[o] y: with S the bytes of the n streams, the split moves 4S
@@ -529,7 +525,8 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
              row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
     if fused:                                # triton_hc_read.py: the fused read, no checkpoint (nothing recomputed)
         fwd, bwd = fused_read(design, N=N, n=n, D=D, sb=sb, iters=iters, gemm_fp32_out=gemm_fp32_out)
-        return fwd + width_norm(N, n, D, sb)[:1] + depth + width_norm(N, n, D, sb)[1:] + bwd
+        width = width_norm(N, n, D, sb)
+        return fwd + width[:1] + depth + (bwd if design == "mhc" else width[1:] + bwd)
     fwd, bwd = pieces(design, N=N, n=n, D=D, sb=sb, iters=iters)
     again = [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
     return fwd + depth + (again if recompute else []) + bwd
@@ -561,14 +558,16 @@ def pieces(design, N, n, D, sb, iters):
 
 def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
     """The fused read's rows of `traffic` but its width connection's (`width_norm`), S = N n D sb, c = N n 4,
-    R = N n^2 4, the projection's rows x K and X = rows K sb (mHC: N x nD; HC: N n x D), M its columns:
+    R = N n^2 4, the projection's rows x K and X = rows K sb (mHC: N x nD; HC: N n x D), M its columns (mHC's
+    backward is all one kernel, width_norm's rows left out: where H_pre and H_res have no other use, a model's):
       mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
                     res, m and r (2c + 2R + 4 N M + 4 N)
-          backward  _mhc_read_bwd  read logits, dres, dlogits back (3R), pre, post and their gradients (4c), m and r
-                    (4 N M + 4 N), Sinkhorn's scratch (4 N (2 iters - 1) n, n padded to a power of 2); write dlogits
-                    (R), dm (4 N M), r dm (sb N M), the scratch and per-block partial sums (4 ceil(N / 32) 2 MP);
-                    their torch sum; dphi: one GEMM (read X + sb N M, write 4 K M; without gemm_fp32_out, write sb K M
-                    and, when sb != 4, a cast to fp32)
+          backward  _mhc_bwd  per token: read H, dmixed (2S), dout, pre, rb, the gain; write dpre, dres, c; the
+                    maps: read logits, dres, dlogits back (3R), pre, post, their gradients (4c), m, r, Sinkhorn's
+                    scratch (4 N (2 iters - 1) pow2(n)), write dlogits, r dm (sb N M), the scratch; by tiles, the
+                    per-token reads again (from HBM: an upper bound, they are mostly in L2), res, m, r, phi (4 K M),
+                    write dH (S); rows of the maps' and gain's sums (4 ceil(N / 16) (2 MP + D)), one torch sum;
+                    dphi: one GEMM (read X + sb N M, write 4 K M; without gemm_fp32_out sb K M, then a cast)
       HC  forward   W's cat (torch, parameter-sized); _hc_read_fwd  read X + 4 K M, write pre, post, res, m and r
                     (2c + R + 4 rows M + 4 rows)
           backward  _hc_read_bwd  read dpre, dpost, dres, m and r; write dm, r dm and the partial sums in the
@@ -584,11 +583,13 @@ def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
              launches=1 + cast)
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)
-        part = 4 * triton_cdiv(N, BLOCK_TOKENS) * 2 * MP
+        sums = 4 * triton_cdiv(N, BLOCK_ROWS) * (2 * MP + D)
         fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N)]
-        return fwd, [row("mhc_read", "backward", 3 * R + scratch + 4 * c + 4 * N * M + 4 * N,
-                         R + scratch + 4 * N * M + sb * N * M + part),
-                     row("mhc_read.sums (torch)", "backward", part, 8 * MP), proj, dW]
+        width = 2 * S + c + 4 * N + N * D * sb + 4 * D          # H, dmixed, pre, rb or c, dout and the gain, once
+        maps = 3 * R + scratch + 4 * c + 4 * N * M + 4 * N
+        return fwd, [row("mhc_bwd", "backward", 2 * width + maps + R + 4 * N * M + 8 * N + 4 * K * M,
+                         c + R + 4 * N + R + scratch + sb * N * M + sums + S),
+                     row("mhc_bwd.sums (torch)", "backward", sums, 4 * (2 * MP + D)), dW]
     part = 4 * triton_cdiv(rows, BLOCK_ROWS) * (n * n + 2 * n + 2)
     fwd = [row("W's cat (torch)", "forward", 4 * K * M, 4 * K * M),
            row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows)]

@@ -20,7 +20,12 @@ the norm in the backward; here, per sublayer:
             maps' backward to dm = dL/dm, and per-block partial sums of the static parameters' and scales'
             gradients, laid out as the parameters (one torch sum), and r dm in x's dtype; then triton_hc._proj_bwd
             with the width connection's dH added in the same pass (HAS_ACC: no autograd add); dW = x^T (r dm) by
-            cuBLAS in x's dtype
+            cuBLAS (`weight_gradient`). mHC, where H_pre and H_res feed nothing else (a model's case; diagnostics
+            that read them take the three kernels above): all of it in one launch, `_mhc_bwd`, per block of 16
+            tokens: each token whole for the width connection's and the norm's sums (dpre, dres and the norm's
+            <w dout, branch>), the maps' and Sinkhorn's backward with dm kept in registers, then dH by tiles of
+            channels, written once (the width share, r dm phi^T and the norm's), the maps' and the gain's sums in
+            one row a program (one torch sum): 3 launches a sublayer's read backward instead of 6
 
 Memory: autograd keeps the streams (as under the checkpoint) and a few floats per token and sublayer for the
 backward (mHC: H_pre, H_post, the logits, H_res, m, r and rb, 66 floats at n = 4; HC: H_pre, H_res, m, r and rb,
@@ -67,12 +72,13 @@ def _mhc_read_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, N, K, M, i
 
 
 @jit
-def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, R, Ap, Aq, Ar, G, RG, Part, N, M, iters,
-                  eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, MP: tl.constexpr):
+def _mhc_maps_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, R, Ap, Aq, Ar, RG, Part, part_stride, N, M,
+                  iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, MP: tl.constexpr):
     """Tokens [pid BT, +BT): dlogits from dH_res (Sinkhorn's backward, into DL), then dz per column (the
-    sigmoids' derivatives: pre (1 - pre), post (1 - post / 2) for post = 2 sigmoid), dm = alpha dz into G (N, M)
-    and r dm into RG (x's dtype: dphi's GEMM input), and this block's sums: Part[pid, :M] = sum dz (b's gradient), Part[pid, MP + 0, 1, 2] = sum dz m over the pre,
-    post and res columns (the alphas')."""
+    sigmoids' derivatives: pre (1 - pre), post (1 - post / 2) for post = 2 sigmoid), dm = alpha dz, r dm into RG
+    (x's dtype: dphi's GEMM input), and this block's sums into row pid of Part (part_stride floats a row): [:M] =
+    sum dz (b's gradient), [MP + 0, 1, 2] = sum dz m over the pre, post and res columns (the alphas') -> (the
+    block's rows, dm (BT, MP))."""
     _sinkhorn_block_bwd(L=Logits, G=DRes, DL=DL, Scratch=Scratch, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BT)
     tl.debug_barrier()                         # dlogits are read back in another layout
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -90,7 +96,6 @@ def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, R, Ap, 
     dz = tl.where(is_res[None, :], dl, dgate * slope)
     alpha = tl.where(is_pre, tl.load(Ap), tl.where(is_post, tl.load(Aq), tl.load(Ar)))
     g = alpha[None, :] * dz
-    tl.store(G + rows[:, None] * M + cols[None, :], g, mask=live & (cols < M)[None, :])
     r = tl.load(R + rows, mask=rows < N, other=0.0)
     tl.store(RG + rows[:, None] * M + cols[None, :], (g * r[:, None]).to(RG.dtype.element_ty),
              mask=live & (cols < M)[None, :])
@@ -99,9 +104,21 @@ def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, R, Ap, 
     dalpha = tl.where(cols == 0, _sum(tl.where(is_pre, dzm, 0.0), 0),
                       tl.where(cols == 1, _sum(tl.where(is_post, dzm, 0.0), 0),
                                _sum(tl.where(is_res, dzm, 0.0), 0)))
-    part = Part + tl.program_id(0).to(tl.int64) * 2 * MP
+    part = Part + tl.program_id(0).to(tl.int64) * part_stride
     tl.store(part + cols, _sum(dz, 0), mask=cols < M)
     tl.store(part + MP + cols, dalpha, mask=cols < 3)
+    return rows, g
+
+
+@jit
+def _mhc_read_bwd(Logits, DRes, DL, Scratch, Pre, Post, DPre, DPost, Mo, R, Ap, Aq, Ar, G, RG, Part, N, M, iters,
+                  eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, MP: tl.constexpr):
+    """_mhc_maps_bwd on tokens [pid BT, +BT) (Part's rows 2 MP floats), dm stored into G (N, M)."""
+    rows, g = _mhc_maps_bwd(Logits, DRes, DL, Scratch, Pre=Pre, Post=Post, DPre=DPre, DPost=DPost, Mo=Mo, R=R, Ap=Ap,
+                            Aq=Aq, Ar=Ar, RG=RG, Part=Part, part_stride=2 * MP, N=N, M=M, iters=iters, eps=eps, n=n,
+                            NP=NP, BT=BT, MP=MP)
+    cols = tl.arange(0, MP)
+    tl.store(G + rows[:, None] * M + cols[None, :], g, mask=(rows < N)[:, None] & (cols < M)[None, :])
 
 
 @jit
@@ -188,36 +205,103 @@ def _width_norm_fwd(H, Pre, Res, Wn, Out, Mixed, Rb, N, D, eps,
 
 
 @jit
+def _width_token_bwd(H, Pre, Rb, DOut, DMixed, DPre, DRes, t, w, N, D, n: tl.constexpr, NP: tl.constexpr,
+                     BD: tl.constexpr):
+    """Token t, whole in registers (BD >= D), the part of the branch norm's and the width connection's backward that
+    needs its whole row: the branch again from the streams, the norm's backward dbranch = rb w dout - branch c,
+    c = rb^3 <w dout, branch> / D; dpre[s] = <h_s, dbranch> and dres[o, s] = <dmixed_o, h_s> stored to DPre, DRes
+    -> (dout branch rb, its share of the gain's gradient; dbranch; c; the streams h (NP, BD); pre (NP,))."""
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
+    pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
+    h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
+    branch = _sum(pre[:, None] * h, 0)
+    rb = _sum(tl.load(Rb + t + 0 * s, mask=ms & (s == 0), other=0.0), 0)
+    dout = tl.load(DOut + t * D + d, mask=md, other=0.0).to(tl.float32)
+    gw = dout * w
+    c = rb * rb * rb * _sum(gw * branch, 0) / D
+    db = rb * gw - branch * c
+    tl.store(DPre + t * n + s, _sum(h * db[None, :], 1), mask=ms)
+    for o in tl.static_range(n):
+        dm_o = tl.load(DMixed + t * n * D + o * D + d, mask=md, other=0.0).to(tl.float32)
+        tl.store(DRes + t * n * n + o * n + s, _sum(dm_o[None, :] * h, 1), mask=ms)
+    return dout * branch * rb, db, c, h, pre
+
+
+@jit
 def _width_norm_bwd(H, Pre, Res, Wn, Rb, DOut, DMixed, DH, DPre, DRes, DWp, N, D,
                     n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, TPP: tl.constexpr):
-    """Tokens [pid TPP, +TPP): the branch again from the streams; the norm's backward, dbranch = rb w dout -
-    branch rb^3 <w dout, branch> / D; then triton_hc._width_bwd's: dh_s = pre[s] dbranch + sum_o res[o, s]
-    dmixed_o, dpre[s] = <h_s, dbranch>, dres[o, s] = <dmixed_o, h_s>; and this program's share of the gain's
-    gradient, sum over its tokens of dout branch rb, into DWp[pid]."""
+    """Tokens [pid TPP, +TPP): `_width_token_bwd`, then triton_hc._width_bwd's dh_s = pre[s] dbranch + sum_o
+    res[o, s] dmixed_o into DH; and this program's share of the gain's gradient, sum over its tokens of dout branch
+    rb, into DWp[pid]."""
     s, d = tl.arange(0, NP), tl.arange(0, BD)
     w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
     dw = tl.full([BD], 0.0, tl.float32)
     for i in range(0, TPP):
         t = tl.program_id(0).to(tl.int64) * TPP + i
-        ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
-        m = ms[:, None] & md[None, :]
-        pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
-        h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-        branch = _sum(pre[:, None] * h, 0)
-        rb = _sum(tl.load(Rb + t + 0 * s, mask=ms & (s == 0), other=0.0), 0)
-        dout = tl.load(DOut + t * D + d, mask=md, other=0.0).to(tl.float32)
-        dw += dout * branch * rb
-        gw = dout * w
-        db = rb * gw - branch * (rb * rb * rb) * _sum(gw * branch, 0) / D
-        tl.store(DPre + t * n + s, _sum(h * db[None, :], 1), mask=ms)
+        ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)
+        share, db, c, h, pre = _width_token_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, t=t, w=w,
+                                                N=N, D=D, n=n, NP=NP, BD=BD)
+        dw += share
         dh = pre[:, None] * db[None, :]
         for o in tl.static_range(n):
             dm_o = tl.load(DMixed + t * n * D + o * D + d, mask=md, other=0.0).to(tl.float32)
-            res_o = tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)
-            dh += res_o[:, None] * dm_o[None, :]
-            tl.store(DRes + t * n * n + o * n + s, _sum(dm_o[None, :] * h, 1), mask=ms)
-        tl.store(DH + t * n * D + s[:, None] * D + d[None, :], dh.to(DH.dtype.element_ty), mask=m)
+            dh += tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)[:, None] * dm_o[None, :]
+        tl.store(DH + t * n * D + s[:, None] * D + d[None, :], dh.to(DH.dtype.element_ty),
+                 mask=ms[:, None] & md[None, :])
     tl.store(DWp + tl.program_id(0).to(tl.int64) * D + d, dw, mask=d < D)
+
+
+@jit
+def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, DL, Scratch, Cb, RG,
+             Sums, Ap, Aq, Ar, N, D, M, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+             BD: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """mHC's whole read backward on tokens [pid BT, +BT), one launch (in place of _width_norm_bwd, _mhc_read_bwd
+    and _proj_bwd): (1) each token whole (`_width_token_bwd`): dpre, dres, c into Cb, the gain's share; (2) the
+    maps' and Sinkhorn's backward (`_mhc_maps_bwd`), dm kept in registers; (3) by tiles of BK channels of every
+    stream, the branch and dbranch again (rb w dout - branch c) and dH written once: pre[s] dbranch + sum_o
+    res[o, s] dmixed_o (the width connection) + r (dm phi^T) - x r^2 <dm, m> / K (the projection through the
+    norm, K = n D). Row pid of Sums: the maps' sums (2 MP floats), then the gain's (D)."""
+    pid = tl.program_id(0).to(tl.int64)
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
+    dw = tl.full([BD], 0.0, tl.float32)
+    for i in range(0, BT):
+        t = pid * BT + i
+        share, db, c, h, pre = _width_token_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, t=t, w=w,
+                                                N=N, D=D, n=n, NP=NP, BD=BD)
+        dw += share
+        tl.store(Cb + t + 0 * s, c + 0.0 * s, mask=(s == 0) & (t + 0 * s < N))
+    tl.store(Sums + pid * (2 * MP + D) + 2 * MP + d, dw, mask=d < D)
+    tl.debug_barrier()                         # dpre, dres and c are read back below by other threads
+    rows, g = _mhc_maps_bwd(Logits, DRes, DL, Scratch, Pre=Pre, Post=Post, DPre=DPre, DPost=DPost, Mo=Mo, R=R, Ap=Ap,
+                            Aq=Aq, Ar=Ar, RG=RG, Part=Sums, part_stride=2 * MP + D, N=N, M=M, iters=iters, eps=eps,
+                            n=n, NP=NP, BT=BT, MP=MP)
+    live, cols, K = rows < N, tl.arange(0, MP), n * D
+    r = tl.load(R + rows, mask=live, other=0.0)
+    m = tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live[:, None] & (cols < M)[None, :], other=0.0)
+    coef = r * r * _sum(g * m, 1) / K                  # <g, m> = r <g, x phi>: the gradient through r
+    rb, cb = tl.load(Rb + rows, mask=live, other=0.0), tl.load(Cb + rows, mask=live, other=0.0)
+    for d0 in range(0, D, BK):
+        dd = d0 + tl.arange(0, BK)
+        tile = live[:, None] & (dd < D)[None, :]
+        at = rows[:, None] * K + dd[None, :]                                       # stream 0's channels dd
+        dout = tl.load(DOut + rows[:, None] * D + dd[None, :], mask=tile, other=0.0).to(tl.float32)
+        branch = tl.full([BT, BK], 0.0, tl.float32)
+        for j in tl.static_range(n):
+            pre_j = tl.load(Pre + rows * n + j, mask=live, other=0.0)
+            branch += pre_j[:, None] * tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
+        db = rb[:, None] * tl.load(Wn + dd, mask=dd < D, other=0.0).to(tl.float32)[None, :] * dout - branch * cb[:, None]
+        for j in tl.static_range(n):
+            dx = tl.load(Pre + rows * n + j, mask=live, other=0.0)[:, None] * db
+            for o in tl.static_range(n):
+                res_oj = tl.load(Res + rows * n * n + o * n + j, mask=live, other=0.0)
+                dx += res_oj[:, None] * tl.load(DMixed + at + o * D, mask=tile, other=0.0).to(tl.float32)
+            phi = tl.load(W + (j * D + dd)[:, None] * M + cols[None, :], mask=(dd < D)[:, None] & (cols < M)[None, :],
+                          other=0.0).to(tl.float32)
+            x = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
+            dx += r[:, None] * tl.dot(g, tl.trans(phi), input_precision="ieee") - x * coef[:, None]
+            tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
 
 
 TOKENS_PER_PROGRAM = 8   # tokens a width-and-norm program holds in turn (its share of the gain's gradient is one row)
@@ -255,6 +339,36 @@ def width_backward(x, saved, grads):
     dres = dres if dres_out is None else dres + dres_out.reshape(N, n, n)
     dpost = torch.zeros_like(pre) if dpost_out is None else dpost_out.reshape(N, n).contiguous().float()
     return dH, dpre, dpost, dres, dwp.sum(0).to(w.dtype)
+
+
+# _mhc_bwd's warps: at the card's shape (d640: BD 1024, BK 64) ptxas for sm90 gives it 255 registers a thread and no
+# spill with 8 (Triton 3.9; 172 with 3.6, the GPU image's), and spills 0.9-1.1 KB a thread with 4
+BWD_WARPS = 8
+
+
+def mhc_backward(x, saved, grads, iters, sizes):
+    """_mhc_bwd: mHC's read backward in one launch where H_pre and H_res have no other use (grads: dh, None, dpost,
+    None, dmixed) -> (dH in x's layout; the column sums of the per-program rows, [the maps' 2 MP | the gain's D];
+    r dm in x's dtype, dphi's GEMM input)."""
+    _, phi, _, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb = saved
+    dout, _, dpost, _, dmixed = grads
+    (N, K), n, (M, MP) = x.shape, pre.size(1), (phi.size(1), sizes["MP"])
+    D = K // n
+    dout = x.new_zeros(N, D) if dout is None else dout.reshape(N, D).contiguous()
+    dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
+    dpost = torch.zeros_like(pre) if dpost is None else dpost.reshape(N, n).contiguous().float()
+    programs = hc.triton.cdiv(N, BLOCK_ROWS)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dH, dpre, dres, dl = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res), torch.empty_like(logits)
+    scratch = torch.empty(N, 2 * iters - 1, sizes["NP"], **f32)
+    rows = torch.empty(programs, 2 * MP + D, **f32)
+    rg, cb = torch.empty(N, M, device=x.device, dtype=x.dtype), torch.empty(N, **f32)
+    _mhc_bwd[(programs,)](H=x, W=phi, Pre=pre, Post=post, Res=res, Logits=logits, Mo=m, R=r, Rb=rb, Wn=gain,
+                          DOut=dout, DMixed=dmixed, DPost=dpost, DH=dH, DPre=dpre, DRes=dres, DL=dl, Scratch=scratch,
+                          Cb=cb, RG=rg, Sums=rows, Ap=a_pre, Aq=a_post, Ar=a_res, N=N, D=D, M=M, iters=iters,
+                          eps=EPS, BT=BLOCK_ROWS, BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), num_warps=BWD_WARPS,
+                          **sizes)
+    return dH, rows.sum(0), rg
 
 
 def projection_backward(x, W, g, m, r, dH):
@@ -313,6 +427,11 @@ class MHCRead(torch.autograd.Function):
     def backward(ctx, *grads):
         x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb = ctx.saved_tensors
         N, M, MP = x.size(0), phi.size(1), ctx.sizes["MP"]
+        if grads[1] is None and grads[3] is None:     # H_pre and H_res feed nothing else (no diagnostics): one launch
+            dH, sums, rg = mhc_backward(x, ctx.saved_tensors, grads, iters=ctx.iters, sizes=ctx.sizes)
+            dphi = weight_gradient(x, rg, phi)
+            return (dH.view(ctx.shape), dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2],
+                    sums[2 * MP:].to(gain.dtype), None, None)
         dH, dpre, dpost, dres, dgain = width_backward(x, (pre, res, gain, rb), grads)
         blocks = hc.triton.cdiv(N, BLOCK_TOKENS)
         g, dl, rg = torch.empty_like(m), torch.empty_like(logits), torch.empty(m.shape, device=x.device, dtype=x.dtype)
@@ -384,7 +503,7 @@ def fused(design, H, site):
 
 def hc_read(design, H, site):
     """ops.hc_read: mHC's and HC's read (maps, width connection, the branch's norm) as two kernels forward and three
-    backward (MHCRead, HCRead), with no checkpoint: autograd keeps the streams and a few floats per token (the
+    backward, mHC's one in a model (MHCRead, HCRead), with no checkpoint: autograd keeps the streams and a few floats per token (the
     maps, the norms' rsqrt), and the backward recomputes the branch from the streams. Any other design's (or off
     the kernels' devices) is ops.hc_read, through the design's bodies."""
     if not fused(design, H, site):
