@@ -290,20 +290,40 @@ def test_hc_read_equals_reference(design, n, options, dtype):
             assert cosine(a, b) >= 0.999, (what, cosine(a, b))
 
 
+class Poisoned:
+    """torch, but empty and empty_like give tensors filled with NaN (floating dtypes) instead of whatever memory
+    held."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, **kwargs):
+        return torch.empty(*size, **kwargs).fill_(float("nan"))
+
+    @staticmethod
+    def empty_like(t, **kwargs):
+        return torch.empty_like(t, **kwargs).fill_(float("nan"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n,D", [(4, 80), (3, 24)])
-def test_mhc_backward_in_one_launch_equals_reference(n, D, dtype, monkeypatch):
+@pytest.mark.parametrize("design,kernel", [("mhc", "_mhc_bwd"), ("hc", "_hc_bwd")])
+def test_read_backward_in_one_launch_equals_reference(design, kernel, n, D, dtype, monkeypatch):
     """Where H_pre and H_res feed nothing but the read (a model's case: upstream gradients of h, H_post and mixed
-    alone), mHC's read backward is one kernel, _mhc_bwd (the width connection and the branch norm per token, the
-    maps and Sinkhorn, then dH by tiles of channels with the projection's share), equal to ops.hc_read's: the
-    gradients of H, phi, b, the alphas and the norm's gain, fp32 to test_hc_read_equals_reference's bounds, bf16 to
-    cosine >= 0.999; on 39 tokens (a partial block of 16), D = 80 (two tiles of 64 channels, the second partial)
-    and 24 with n = 3 (padded streams)."""
+    alone), mHC's and HC's read backward is one kernel, _mhc_bwd / _hc_bwd (the width connection and the branch
+    norm per token, the maps (and Sinkhorn), then dH by tiles of channels with the projection's share), equal to
+    ops.hc_read's: the gradients of H, every connector parameter and the norm's gain, fp32 to
+    test_hc_read_equals_reference's bounds, bf16 to cosine >= 0.999; on 39 tokens (a partial block of 16),
+    D = 80 (two tiles of 64 channels, the second partial) and 24 with n = 3 (padded streams; HC's 48 rows a block
+    in a tile of 64), the buffers the backward allocates filled with NaN (so no program reads what another, or
+    none, writes: the interpreter runs the programs one after another)."""
     launches = []
-    kernel = hcr._mhc_bwd
-    monkeypatch.setattr(hcr, "_mhc_bwd", type("Launch", (), {"__getitem__": lambda self, grid: (
-        launches.append(grid), kernel[grid])[1]})())
-    model = tiny_model("mhc", d_model=D, n_streams=n)
+    body = getattr(hcr, kernel)
+    monkeypatch.setattr(hcr, kernel, type("Launch", (), {"__getitem__": lambda self, grid: (
+        launches.append(grid), body[grid])[1]})())
+    monkeypatch.setattr(hcr, "torch", Poisoned())          # a read of memory no program wrote gives NaN
+    model = tiny_model(design, d_model=D, n_streams=n)
     (_, grad_ref), (_, grad_new) = read_both_ways(model, randn(3, 13, n, D, seed=23), dtype, used=(0, 2, 4))
     assert launches == [(3,)]
     top = max(g.abs().max().item() for g in grad_ref)
@@ -421,7 +441,10 @@ def kernel_signatures(stream, module):
         ("_mhc_bwd", dict(H=s, W=f, Pre=f, Post=f, Res=f, Logits=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f,
                           DH=s, DPre=f, DRes=f, DL=f, Scratch=f, Cb=f, RG=s, Sums=f, Ap=f, Aq=f, Ar=f, N="i32",
                           D="i32", M="i32", iters="i32", eps="fp32"),
-         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=32))]                # the card's
+         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=32)),                # the card's
+        ("_hc_bwd", dict(H=s, W=f, Pre=f, Res=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f, DH=s, DPre=f,
+                         DRes=f, G=f, Cb=f, RG=s, Sums=f, Asc=f, Bsc=f, N="i32", D="i32", M="i32"),
+         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BR=4 * module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=16))]
 
 
 @pytest.mark.slow
@@ -529,7 +552,7 @@ def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.floa
     with monkeypatch.context() as patch:
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
-            module = hcr if name.startswith(("_mhc_read", "_mhc_bwd", "_hc_read", "_width_norm")) else hc
+            module = hcr if name.startswith(("_mhc_read", "_mhc_bwd", "_hc_read", "_hc_bwd", "_width_norm")) else hc
             patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
                                                             nm=name: rec.launcher(nm, k[grid])})())
         with rec, autocast:
@@ -549,7 +572,7 @@ KERNEL_OF = {("normed_projection", "forward"): "_proj_fwd", ("normed_projection"
              ("width_connection", "forward"): "_width_fwd", ("width_connection", "backward"): "_width_bwd",
              ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd",
              ("mhc_read", "forward"): "_mhc_read_fwd", ("mhc_read", "backward"): "_mhc_read_bwd",
-             ("mhc_bwd", "backward"): "_mhc_bwd",
+             ("mhc_bwd", "backward"): "_mhc_bwd", ("hc_bwd", "backward"): "_hc_bwd",
              ("hc_read", "forward"): "_hc_read_fwd", ("hc_read", "backward"): "_hc_read_bwd",
              ("width_norm", "forward"): "_width_norm_fwd", ("width_norm", "backward"): "_width_norm_bwd"}
 

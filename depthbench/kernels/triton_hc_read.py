@@ -20,12 +20,12 @@ the norm in the backward; here, per sublayer:
             maps' backward to dm = dL/dm, and per-block partial sums of the static parameters' and scales'
             gradients, laid out as the parameters (one torch sum), and r dm in x's dtype; then triton_hc._proj_bwd
             with the width connection's dH added in the same pass (HAS_ACC: no autograd add); dW = x^T (r dm) by
-            cuBLAS (`weight_gradient`). mHC, where H_pre and H_res feed nothing else (a model's case; diagnostics
-            that read them take the three kernels above): all of it in one launch, `_mhc_bwd`, per block of 16
-            tokens: each token whole for the width connection's and the norm's sums (dpre, dres and the norm's
-            <w dout, branch>), the maps' and Sinkhorn's backward with dm kept in registers, then dH by tiles of
-            channels, written once (the width share, r dm phi^T and the norm's), the maps' and the gain's sums in
-            one row a program (one torch sum): 3 launches a sublayer's read backward instead of 6
+            cuBLAS (`weight_gradient`). Where H_pre and H_res feed nothing else (a model's case; diagnostics that
+            read them take the three kernels above): all of it in one launch, `_mhc_bwd` / `_hc_bwd`, per block of
+            16 tokens: each token whole for the width connection's and the norm's sums (dpre, dres and the norm's
+            <w dout, branch>), the maps' (and Sinkhorn's) backward, then dH by tiles of channels, written once (the
+            width share, r dm W^T and the norm's), the maps' and the gain's sums in one row a program (one torch
+            sum): 3 launches a sublayer's read backward instead of 6 (HC: 4 instead of 7)
 
 Memory: autograd keeps the streams (as under the checkpoint) and a few floats per token and sublayer for the
 backward (mHC: H_pre, H_post, the logits, H_res, m, r and rb, 66 floats at n = 4; HC: H_pre, H_res, m, r and rb,
@@ -148,29 +148,26 @@ def _hc_read_fwd(X, W, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
 
 
 @jit
-def _hc_read_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, Part, NR, M,
+def _hc_maps_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, part, row0, count, NR, M,
                  n: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr):
-    """Rows [pid BN, +BN): dz from dH_pre, dH_post, dH_res (the forward's layout), dm = dz scale (1 - tanh(m)^2)
-    into G and r dm into RG (x's dtype: dW's GEMM input), and this block's sums into Part[pid] (n^2 + 2n + 2
-    floats, laid out as the parameters: static_alpha (n, n + 1), static_beta (n), alpha_scale, beta_scale): per
-    stream s, the sum over its rows of dz; then sum dz tanh(m) over the alpha columns and over the last."""
-    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    """_hc_read_bwd's work on rows [row0, row0 + count) (count <= BN), this block's sums at `part`."""
+    rows = row0 + tl.arange(0, BN)
+    ok = (tl.arange(0, BN) < count) & (rows < NR)
+    live = ok[:, None]
     cols = tl.arange(0, MP)
-    live = (rows < NR)[:, None]
     s, alpha = rows % n, cols < n + 1
     is_res = (cols >= 1) & alpha
     at = (rows // n)[:, None] * n * n + tl.where(is_res, cols - 1, 0)[None, :] * n + s[:, None]
     dz = (tl.load(DRes + at, mask=live & is_res[None, :], other=0.0)
-          + tl.where((cols == 0)[None, :], tl.load(DPre + rows, mask=rows < NR, other=0.0)[:, None], 0.0)
-          + tl.where((cols == n + 1)[None, :], tl.load(DPost + rows, mask=rows < NR, other=0.0)[:, None], 0.0))
+          + tl.where((cols == 0)[None, :], tl.load(DPre + rows, mask=ok, other=0.0)[:, None], 0.0)
+          + tl.where((cols == n + 1)[None, :], tl.load(DPost + rows, mask=ok, other=0.0)[:, None], 0.0))
     th = _tanh(tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live & (cols < M)[None, :], other=0.0))
     scale = tl.where(alpha, tl.load(Asc), tl.load(Bsc))
     g = dz * scale[None, :] * (1.0 - th * th)
     tl.store(G + rows[:, None] * M + cols[None, :], g, mask=live & (cols < M)[None, :])
-    r = tl.load(R + rows, mask=rows < NR, other=0.0)
+    r = tl.load(R + rows, mask=ok, other=0.0)
     tl.store(RG + rows[:, None] * M + cols[None, :], (g * r[:, None]).to(RG.dtype.element_ty),
              mask=live & (cols < M)[None, :])
-    part = Part + tl.program_id(0).to(tl.int64) * (n * n + 2 * n + 2)
     for stream in tl.static_range(n):
         sums = _sum(tl.where((s == stream)[:, None], dz, 0.0), 0)                         # (MP,) over its rows
         tl.store(part + stream * (n + 1) + cols, sums, mask=alpha)
@@ -178,6 +175,18 @@ def _hc_read_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, Part, NR, M,
     dzt = _sum(dz * th, 0)
     scales = tl.where(cols == 0, _sum(tl.where(alpha, dzt, 0.0), 0), _sum(tl.where(cols == n + 1, dzt, 0.0), 0))
     tl.store(part + n * (n + 2) + cols, scales, mask=cols < 2)
+
+
+@jit
+def _hc_read_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, Part, NR, M,
+                 n: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr):
+    """Rows [pid BN, +BN): dz from dH_pre, dH_post, dH_res (the forward's layout), dm = dz scale (1 - tanh(m)^2)
+    into G and r dm into RG (x's dtype: dW's GEMM input), and this block's sums into Part[pid] (n^2 + 2n + 2
+    floats, laid out as the parameters: static_alpha (n, n + 1), static_beta (n), alpha_scale, beta_scale): per
+    stream s, the sum over its rows of dz; then sum dz tanh(m) over the alpha columns and over the last."""
+    pid = tl.program_id(0).to(tl.int64)
+    _hc_maps_bwd(DPre, DPost, DRes, Mo, R=R, Asc=Asc, Bsc=Bsc, G=G, RG=RG, part=Part + pid * (n * n + 2 * n + 2),
+                 row0=pid * BN, count=BN, NR=NR, M=M, n=n, BN=BN, MP=MP)
 
 
 @jit
@@ -341,8 +350,64 @@ def width_backward(x, saved, grads):
     return dH, dpre, dpost, dres, dwp.sum(0).to(w.dtype)
 
 
-# _mhc_bwd's warps: at the card's shape (d640: BD 1024, BK 64) ptxas for sm90 gives it 255 registers a thread and no
-# spill with 8 (Triton 3.9; 172 with 3.6, the GPU image's), and spills 0.9-1.1 KB a thread with 4
+@jit
+def _hc_bwd(H, W, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, G, Cb, RG, Sums, Asc, Bsc, N, D, M,
+            n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+            BK: tl.constexpr, MP: tl.constexpr):
+    """HC's whole read backward on tokens [pid BT, +BT), one launch (in place of _width_norm_bwd, _hc_read_bwd and
+    _proj_bwd), _mhc_bwd's three stages: (1) `_width_token_bwd` per token; (2) the maps' backward on the block's
+    BT n rows (`_hc_maps_bwd`, BR >= BT n; dm into G, read back by tiles below); (3) by tiles of BK channels, dH of
+    each stream j written once: pre[j] dbranch + sum_o res[o, j] dmixed_o + r_j (dm_j W^T) - x_j r_j^2 <dm_j, m_j>
+    / D (the projection is per stream row, K = D). Row pid of Sums: the maps' sums (n^2 + 2n + 2), then the gain's
+    (D)."""
+    pid = tl.program_id(0).to(tl.int64)
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
+    dw = tl.full([BD], 0.0, tl.float32)
+    for i in range(0, BT):
+        t = pid * BT + i
+        share, db, c, h, pre = _width_token_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, t=t, w=w,
+                                                N=N, D=D, n=n, NP=NP, BD=BD)
+        dw += share
+        tl.store(Cb + t + 0 * s, c + 0.0 * s, mask=(s == 0) & (t + 0 * s < N))
+    stride = n * n + 2 * n + 2 + D
+    tl.store(Sums + pid * stride + n * n + 2 * n + 2 + d, dw, mask=d < D)
+    tl.debug_barrier()                         # dpre, dres and c are read back below by other threads
+    _hc_maps_bwd(DPre, DPost, DRes, Mo, R=R, Asc=Asc, Bsc=Bsc, G=G, RG=RG, part=Sums + pid * stride,
+                 row0=pid * BT * n, count=BT * n, NR=N * n, M=M, n=n, BN=BR, MP=MP)
+    tl.debug_barrier()                         # dm is read back below by other threads
+    tokens = pid * BT + tl.arange(0, BT)
+    live, cols = tokens < N, tl.arange(0, MP)
+    rb, cb = tl.load(Rb + tokens, mask=live, other=0.0), tl.load(Cb + tokens, mask=live, other=0.0)
+    for d0 in range(0, D, BK):
+        dd = d0 + tl.arange(0, BK)
+        tile = live[:, None] & (dd < D)[None, :]
+        at = tokens[:, None] * n * D + dd[None, :]                                 # stream 0's channels dd
+        dout = tl.load(DOut + tokens[:, None] * D + dd[None, :], mask=tile, other=0.0).to(tl.float32)
+        branch = tl.full([BT, BK], 0.0, tl.float32)
+        for j in tl.static_range(n):
+            pre_j = tl.load(Pre + tokens * n + j, mask=live, other=0.0)
+            branch += pre_j[:, None] * tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
+        db = rb[:, None] * tl.load(Wn + dd, mask=dd < D, other=0.0).to(tl.float32)[None, :] * dout - branch * cb[:, None]
+        wt = tl.load(W + dd[:, None] * M + cols[None, :], mask=(dd < D)[:, None] & (cols < M)[None, :],
+                     other=0.0).to(tl.float32)
+        for j in tl.static_range(n):
+            dx = tl.load(Pre + tokens * n + j, mask=live, other=0.0)[:, None] * db
+            for o in tl.static_range(n):
+                res_oj = tl.load(Res + tokens * n * n + o * n + j, mask=live, other=0.0)
+                dx += res_oj[:, None] * tl.load(DMixed + at + o * D, mask=tile, other=0.0).to(tl.float32)
+            row = tokens * n + j
+            g = tl.load(G + row[:, None] * M + cols[None, :], mask=live[:, None] & (cols < M)[None, :], other=0.0)
+            m = tl.load(Mo + row[:, None] * M + cols[None, :], mask=live[:, None] & (cols < M)[None, :], other=0.0)
+            r = tl.load(R + row, mask=live, other=0.0)
+            x = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
+            dx += r[:, None] * tl.dot(g, tl.trans(wt), input_precision="ieee") - x * (r * r * _sum(g * m, 1) / D)[:, None]
+            tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
+
+
+# _mhc_bwd's and _hc_bwd's warps: at the card's shape (d640: BD 1024, BK 64) ptxas for sm90 gives them 253-255
+# registers a thread and no spill with 8 (Triton 3.9; 3.6, the GPU image's: 172 and 255), where _mhc_bwd spills
+# 0.9-1.1 KB a thread with 4
 BWD_WARPS = 8
 
 
@@ -369,6 +434,28 @@ def mhc_backward(x, saved, grads, iters, sizes):
                           eps=EPS, BT=BLOCK_ROWS, BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), num_warps=BWD_WARPS,
                           **sizes)
     return dH, rows.sum(0), rg
+
+
+def hc_backward(x, saved, grads):
+    """_hc_bwd: HC's read backward in one launch where H_pre and H_res have no other use (grads: dh, None, dpost,
+    None, dmixed) -> (dH in x's (N n, D) layout; the column sums of the per-program rows, [the maps' n^2 + 2n + 2 |
+    the gain's D]; r dm in x's dtype, dW's GEMM input)."""
+    _, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = saved
+    dout, _, dpost, _, dmixed = grads
+    (rows, D), (N, n), M = x.shape, pre.shape, W.size(1)
+    dout = x.new_zeros(N, D) if dout is None else dout.reshape(N, D).contiguous()
+    dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
+    dpost = torch.zeros_like(pre) if dpost is None else dpost.reshape(N, n).contiguous().float()
+    programs = hc.triton.cdiv(N, BLOCK_ROWS)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dH, dpre, dres, g = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res), torch.empty_like(m)
+    sums = torch.empty(programs, n * n + 2 * n + 2 + D, **f32)
+    rg, cb = torch.empty(m.shape, device=x.device, dtype=x.dtype), torch.empty(N, **f32)
+    _hc_bwd[(programs,)](H=x, W=W, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed, DPost=dpost,
+                         DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, RG=rg, Sums=sums, Asc=alpha_scale, Bsc=beta_scale,
+                         N=N, D=D, M=M, n=n, NP=pow2(n), BT=BLOCK_ROWS, BR=pow2(BLOCK_ROWS * n), BD=pow2(D),
+                         BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), num_warps=BWD_WARPS)
+    return dH, sums.sum(0), rg
 
 
 def projection_backward(x, W, g, m, r, dH):
@@ -479,6 +566,21 @@ class HCRead(torch.autograd.Function):
     def backward(ctx, *grads):
         x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = ctx.saved_tensors
         (rows, D), M, n = x.shape, W.size(1), pre.size(1)
+        if grads[1] is None and grads[3] is None:     # H_pre and H_res feed nothing else (no diagnostics): one launch
+            dH, sums, rg = hc_backward(x, ctx.saved_tensors, grads)
+            dgain = sums[n * n + 2 * n + 2:].to(gain.dtype)
+        else:
+            dH, sums, rg, dgain = HCRead.three_kernels(ctx, grads)
+        dWt = weight_gradient(x, rg, W, transposed=True)       # one GEMM (x read once), dW^T (n + 2, D)
+        return (dH.view(ctx.shape), dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1),
+                sums[n * (n + 1):n * (n + 2)], sums[n * (n + 2)], sums[n * (n + 2) + 1], dgain, None)
+
+    @staticmethod
+    def three_kernels(ctx, grads):
+        """The backward where H_pre or H_res has another use (diagnostics): _width_norm_bwd (and the other uses'
+        gradients added), _hc_read_bwd, _proj_bwd -> (dH, the maps' sums, r dm, the gain's gradient)."""
+        x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = ctx.saved_tensors
+        (rows, D), M, n = x.shape, W.size(1), pre.size(1)
         dH, dpre, dpost, dres, dgain = width_backward(x.view(rows // n, n * D), (pre, res, gain, rb), grads)
         blocks = hc.triton.cdiv(rows, BLOCK_ROWS)
         g, rg = torch.empty_like(m), torch.empty(m.shape, device=x.device, dtype=x.dtype)
@@ -487,9 +589,7 @@ class HCRead(torch.autograd.Function):
                                 RG=rg, Part=part, NR=rows, M=M, n=n, BN=BLOCK_ROWS, MP=pow2(M, 16))
         sums = part.sum(0)                                   # [static_alpha | static_beta | the scales], contiguous
         projection_backward(x, W, g, m, r=r, dH=dH.view(rows, D))
-        dWt = weight_gradient(x, rg, W, transposed=True)       # one GEMM (x read once), dW^T (n + 2, D)
-        return (dH.view(ctx.shape), dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1),
-                sums[n * (n + 1):n * (n + 2)], sums[-2], sums[-1], dgain, None)
+        return dH.view(rows, D), sums, rg, dgain
 
 
 def fused(design, H, site):
