@@ -429,7 +429,7 @@ def kernel_signatures(stream, module):
         ("_mhc_read_bwd", dict(Logits=f, DRes=f, DL=f, Scratch=f, Pre=f, Post=f, DPre=f, DPost=f, Mo=f, R=f, Ap=f,
                                Aq=f, Ar=f, G=f, RG=s, Part=f, N="i32", M="i32", iters="i32", eps="fp32"),
          dict(sinkhorn, MP=32)),
-        ("_hc_read_fwd", dict(X=s, W=f, Sa=f, Sb=f, Asc=f, Bsc=f, Pre=f, Post=f, Res=f, Mo=f, R=f, NR="i32", K="i32",
+        ("_hc_read_fwd", dict(X=s, A=f, B=f, Sa=f, Sb=f, Asc=f, Bsc=f, Pre=f, Post=f, Res=f, Mo=f, R=f, NR="i32", K="i32",
                               M="i32", eps="fp32"), dict(n=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16)),
         ("_hc_read_bwd", dict(DPre=f, DPost=f, DRes=f, Mo=f, R=f, Asc=f, Bsc=f, G=f, RG=s, Part=f, NR="i32",
                               M="i32"),
@@ -442,7 +442,7 @@ def kernel_signatures(stream, module):
                           DH=s, DPre=f, DRes=f, DL=f, Scratch=f, Cb=f, RG=s, Sums=f, Ap=f, Aq=f, Ar=f, N="i32",
                           D="i32", M="i32", iters="i32", eps="fp32"),
          dict(n=4, NP=4, BT=module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=32)),                # the card's
-        ("_hc_bwd", dict(H=s, W=f, Pre=f, Res=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f, DH=s, DPre=f,
+        ("_hc_bwd", dict(H=s, A=f, B=f, Pre=f, Res=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f, DH=s, DPre=f,
                          DRes=f, G=f, Cb=f, RG=s, Sums=f, Asc=f, Bsc=f, N="i32", D="i32", M="i32"),
          dict(n=4, NP=4, BT=module.BLOCK_ROWS, BR=4 * module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=16))]
 

@@ -111,10 +111,22 @@ def _max(x, axis: tl.constexpr):
 # ----------------------------------------------------------------------------- normed_projection
 
 @jit
-def _normed_rows(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+def _w_tile(W, Wlast, ks, cols, K, M, SPLIT: tl.constexpr):
+    """Rows ks of W (K, M), columns cols (fp32, zero outside); SPLIT: W is two tensors, its first M - 1 columns
+    (K, M - 1) at W and its last (K,) at Wlast (HC's dynamic_alpha and dynamic_beta, never concatenated)."""
+    at = W + ks[:, None] * M + cols[None, :]
+    if SPLIT:                                           # one load (a pointer a column): the tile stays a plain load
+        at = tl.where((cols == M - 1)[None, :], Wlast + ks[:, None] + 0 * cols[None, :],
+                      W + ks[:, None] * (M - 1) + cols[None, :])
+    return tl.load(at, mask=(ks < K)[:, None] & (cols < M)[None, :], other=0.0).to(tl.float32)
+
+
+@jit
+def _normed_rows(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+                 Wlast=None, SPLIT: tl.constexpr = False):
     """Rows [pid BN, +BN) of x (N, K): out = r (x @ W) (N, M) stored to Out, r = rsqrt(mean(x^2) + eps) (N,) to R,
-    one pass over x, fp32 inside; W (K, M), its columns padded to MP -> (rows, cols, out (BN, MP)), for the fused
-    reads (triton_hc_read.py) to go on from."""
+    one pass over x, fp32 inside; W (K, M) (or, SPLIT, its first M - 1 columns with the last at Wlast: `_w_tile`),
+    its columns padded to MP -> (rows, cols, out (BN, MP)), for the fused reads (triton_hc_read.py) to go on from."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     cols = tl.arange(0, MP)
     acc = tl.full([BN, MP], 0.0, tl.float32)
@@ -123,8 +135,7 @@ def _normed_rows(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr,
         ks = k0 + tl.arange(0, BK)
         x = tl.load(X + rows[:, None] * K + ks[None, :], mask=(rows < N)[:, None] & (ks < K)[None, :],
                     other=0.0).to(tl.float32)
-        w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
-                    other=0.0).to(tl.float32)
+        w = _w_tile(W, Wlast, ks, cols=cols, K=K, M=M, SPLIT=SPLIT)
         acc += tl.dot(x, w, input_precision="ieee")
         ss += _sum(x * x, 1)
     r = 1.0 / tl.sqrt(ss / K + eps)
@@ -485,7 +496,8 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
     """HBM bytes each launch of one sublayer's connection reads and writes, and its launches, forward and backward:
     a list of dicts {kernel, pass, launches, read, written}, for scripts/roofline.py. design "hc" or "mhc"; tokens
     N = B T; stream_bytes: the streams' element size (2, the GPU path's default: bf16 under bf16 autocast,
-    `storage_dtype`; 4 without autocast); y_bytes: the branch output's (2 under bf16 autocast); recompute: residuals.HC's (its default, on): read's maths runs again in the backward;
+    `storage_dtype`; 4 without autocast); y_bytes: the branch output's (2 under bf16 autocast); recompute:
+    residuals.HC's (its default, on): read's maths runs again in the backward;
     gemm_fp32_out: the fused read's dW GEMM writes fp32 from bf16 itself (torch.mm's out_dtype, on CUDA:
     triton_hc_read.GEMM_FP32_OUT), else it writes the streams' dtype and a cast follows (the CPU).
     Coefficients are fp32 (4 bytes), W an fp32 parameter. Every tensor a launch touches is counted once per launch
@@ -567,8 +579,8 @@ def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
                     per-token reads again (from HBM: an upper bound, they are mostly in L2), res, m, r, phi (4 K M),
                     write dH (S); rows of the maps' and gain's sums (4 ceil(N / 16) (2 MP + D)), one torch sum;
                     dphi: one GEMM (read X + sb N M, write 4 K M; without gemm_fp32_out sb K M, then a cast)
-      HC  forward   W's cat (torch, parameter-sized); _hc_read_fwd  read X + 4 K M, write pre, post, res, m and r
-                    (2c + R + 4 rows M + 4 rows)
+      HC  forward   _hc_read_fwd  read X + 4 K M (W from dynamic_alpha and dynamic_beta, no concatenation),
+                    write pre, post, res, m and r (2c + R + 4 rows M + 4 rows)
           backward  _hc_bwd  as _mhc_bwd, with HC's maps (read dpre, dpost, dres, m and r; write dm, read back by the
                     tiles, and r dm) and its sums in the parameters' layout (n^2 + 2n + 2 and D a row); dW^T as mHC's
                     dphi, its first n + 1 rows copied into dynamic_alpha's gradient's layout (the last is beta's)
@@ -589,8 +601,7 @@ def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
                          c + R + 4 * N + R + scratch + sb * N * M + sums + S),
                      row("mhc_bwd.sums (torch)", "backward", sums, 4 * (2 * MP + D)), dW]
     sums = 4 * triton_cdiv(N, BLOCK_ROWS) * (n * n + 2 * n + 2 + D)
-    fwd = [row("W's cat (torch)", "forward", 4 * K * M, 4 * K * M),
-           row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows)]
+    fwd = [row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows)]
     maps = 2 * c + R + 4 * rows * M + 4 * rows                             # dpre, dpost, dres, m and r
     return fwd, [row("hc_bwd", "backward", 2 * width + maps + R + 8 * rows * M + 4 * rows + 4 * K * M,
                      c + R + 4 * N + 4 * rows * M + sb * rows * M + sums + S),

@@ -12,7 +12,8 @@ the norm in the backward; here, per sublayer:
             Sinkhorn on them (triton_hc._sinkhorn_block: the program's tokens again, read back from the logits it
             stored). HC `_hc_read_fwd`: per block of rows of (N n, D) (token t's stream s), m = r (x W), z =
             static[s] + scale tanh(m), H_pre = z[0], H_res[o, s] = z[1 + o], H_post = z[n + 1] (W =
-            [dynamic_alpha | dynamic_beta] concatenated in torch, as residuals.HC.maps does). Then `_width_norm_fwd`: per token, whole in registers, mixed and the branch, and
+            [dynamic_alpha | dynamic_beta], residuals.HC.maps' concatenation, read from the two parameters: no
+            launch to concatenate). Then `_width_norm_fwd`: per token, whole in registers, mixed and the branch, and
             the branch's RMSNorm with its gain: h = w branch rb (the branch is never stored; rb is kept)
   backward  `_width_norm_bwd`: the branch again from the streams, the norm's backward, the width connection's
             (its share of dH, dH_pre, dH_res) and per-program shares of the gain's gradient (one torch sum);
@@ -43,7 +44,7 @@ import torch
 import ops
 from depthbench.kernels import triton_hc as hc
 from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _normed_rows, _sinkhorn_block,
-                                          _sinkhorn_block_bwd, _sum, jit, pow2, runs_here, stream_sizes, tl)
+                                          _sinkhorn_block_bwd, _sum, _w_tile, jit, pow2, runs_here, stream_sizes, tl)
 from ops import fp32_maths
 
 EPS = 1e-6      # residuals.MHC.maps' norm eps and ops.sinkhorn's default, the ones its reference uses
@@ -128,12 +129,14 @@ def _tanh(x):
 
 
 @jit
-def _hc_read_fwd(X, W, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
+def _hc_read_fwd(X, A, B, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
                  n: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
-    """Rows [pid BN, +BN) of HC's (N n, D) streams (row t n + s: token t's stream s): m = r (x @ W), W (D, n + 2);
+    """Rows [pid BN, +BN) of HC's (N n, D) streams (row t n + s: token t's stream s): m = r (x @ W), W = [A | B] =
+    [dynamic_alpha | dynamic_beta] (D, n + 2), read from both (no concatenation);
     z = static[s] + scale tanh(m) (static = [static_alpha | static_beta], scale alpha_scale on the n + 1 alpha
     columns, beta_scale on the last); H_pre[t, s] = z[0], H_post[t, s] = z[n + 1], H_res[t, o, s] = z[1 + o]."""
-    rows, cols, m = _normed_rows(X, W, Mo, R, N=NR, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)   # m and r kept
+    rows, cols, m = _normed_rows(X, A, Mo, R, N=NR, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP, Wlast=B,
+                                 SPLIT=True)                                                 # m and r kept
     live = (rows < NR)[:, None]
     s, alpha = rows % n, cols < n + 1
     static = tl.load(Sa + s[:, None] * (n + 1) + tl.where(alpha, cols, 0)[None, :], mask=live & alpha[None, :],
@@ -351,7 +354,7 @@ def width_backward(x, saved, grads):
 
 
 @jit
-def _hc_bwd(H, W, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, G, Cb, RG, Sums, Asc, Bsc, N, D, M,
+def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, G, Cb, RG, Sums, Asc, Bsc, N, D, M,
             n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
             BK: tl.constexpr, MP: tl.constexpr):
     """HC's whole read backward on tokens [pid BT, +BT), one launch (in place of _width_norm_bwd, _hc_read_bwd and
@@ -389,8 +392,7 @@ def _hc_bwd(H, W, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, 
             pre_j = tl.load(Pre + tokens * n + j, mask=live, other=0.0)
             branch += pre_j[:, None] * tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
         db = rb[:, None] * tl.load(Wn + dd, mask=dd < D, other=0.0).to(tl.float32)[None, :] * dout - branch * cb[:, None]
-        wt = tl.load(W + dd[:, None] * M + cols[None, :], mask=(dd < D)[:, None] & (cols < M)[None, :],
-                     other=0.0).to(tl.float32)
+        wt = _w_tile(A, B, dd, cols=cols, K=D, M=M, SPLIT=True)                # W = [A | B], (BK, MP)
         for j in tl.static_range(n):
             dx = tl.load(Pre + tokens * n + j, mask=live, other=0.0)[:, None] * db
             for o in tl.static_range(n):
@@ -440,9 +442,9 @@ def hc_backward(x, saved, grads):
     """_hc_bwd: HC's read backward in one launch where H_pre and H_res have no other use (grads: dh, None, dpost,
     None, dmixed) -> (dH in x's (N n, D) layout; the column sums of the per-program rows, [the maps' n^2 + 2n + 2 |
     the gain's D]; r dm in x's dtype, dW's GEMM input)."""
-    _, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = saved
+    _, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb = saved
     dout, _, dpost, _, dmixed = grads
-    (rows, D), (N, n), M = x.shape, pre.shape, W.size(1)
+    (rows, D), (N, n), M = x.shape, pre.shape, A.size(1) + 1
     dout = x.new_zeros(N, D) if dout is None else dout.reshape(N, D).contiguous()
     dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
     dpost = torch.zeros_like(pre) if dpost is None else dpost.reshape(N, n).contiguous().float()
@@ -451,7 +453,7 @@ def hc_backward(x, saved, grads):
     dH, dpre, dres, g = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res), torch.empty_like(m)
     sums = torch.empty(programs, n * n + 2 * n + 2 + D, **f32)
     rg, cb = torch.empty(m.shape, device=x.device, dtype=x.dtype), torch.empty(N, **f32)
-    _hc_bwd[(programs,)](H=x, W=W, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed, DPost=dpost,
+    _hc_bwd[(programs,)](H=x, A=A, B=B, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed, DPost=dpost,
                          DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, RG=rg, Sums=sums, Asc=alpha_scale, Bsc=beta_scale,
                          N=N, D=D, M=M, n=n, NP=pow2(n), BT=BLOCK_ROWS, BR=pow2(BLOCK_ROWS * n), BD=pow2(D),
                          BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), num_warps=BWD_WARPS)
@@ -537,16 +539,16 @@ class MHCRead(torch.autograd.Function):
 class HCRead(torch.autograd.Function):
     """ops.hc_read for HC (forward="mixed"): H (..., n, D), dynamic_alpha (D, n + 1), dynamic_beta (D,), the static
     maps static_alpha (n, n + 1), static_beta (n), the two scales (0-dim), the norm's gain and eps -> as MHCRead's.
-    The projection is per stream (rows N n, K = D) with W = [dynamic_alpha | dynamic_beta] (D, n + 2), concatenated
-    here (residuals.HC.maps' W); the static maps' and scales' gradients are written in their parameters' layout, W's
-    is one GEMM, dW^T: its last row is dynamic_beta's gradient as it is (contiguous), the rest transposed
-    dynamic_alpha's, which autograd copies into the parameter's layout."""
+    The projection is per stream (rows N n, K = D) with W = [dynamic_alpha | dynamic_beta] (D, n + 2), residuals.HC
+    .maps' W, which the kernels read from the two parameters (concatenated only in the diagnostics' backward); the
+    static maps' and scales' gradients are written in their parameters' layout, W's is one GEMM, dW^T: its last row
+    is dynamic_beta's gradient as it is (contiguous), the rest transposed dynamic_alpha's, which autograd copies into
+    the parameter's layout."""
 
     @staticmethod
     def forward(ctx, H, dynamic_alpha, dynamic_beta, static_alpha, static_beta, alpha_scale, beta_scale, gain, eps):
         n, D = H.shape[-2:]
-        W = torch.cat([dynamic_alpha, dynamic_beta[:, None]], 1)
-        M = W.size(1)
+        A, B, M = dynamic_alpha.contiguous(), dynamic_beta.contiguous(), dynamic_alpha.size(1) + 1
         x = H.reshape(-1, D).contiguous()                                   # (N n, D): row t n + s
         rows = x.size(0)
         f32 = dict(device=H.device, dtype=torch.float32)
@@ -554,24 +556,24 @@ class HCRead(torch.autograd.Function):
             torch.empty(rows // n, n, n, **f32)
         m, r = torch.empty(rows, M, **f32), torch.empty(rows, **f32)
         _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](
-            X=x, W=W, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre, Post=post, Res=res,
+            X=x, A=A, B=B, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre, Post=post, Res=res,
             Mo=m, R=r, NR=rows, K=D, M=M, eps=HC_EPS, n=n, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
         h, mixed, rb = width_forward(x.view(rows // n, n * D), pre, res, (gain, eps))
-        ctx.save_for_backward(x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
+        ctx.save_for_backward(x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
         ctx.shape = H.shape
         ctx.set_materialize_grads(False)
         return outputs(h, pre, post, res, mixed=mixed, shape=H.shape)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = ctx.saved_tensors
-        (rows, D), M, n = x.shape, W.size(1), pre.size(1)
+        x, A, *_, gain, rb = ctx.saved_tensors
+        n = A.size(1) - 1
         if grads[1] is None and grads[3] is None:     # H_pre and H_res feed nothing else (no diagnostics): one launch
             dH, sums, rg = hc_backward(x, ctx.saved_tensors, grads)
             dgain = sums[n * n + 2 * n + 2:].to(gain.dtype)
         else:
             dH, sums, rg, dgain = HCRead.three_kernels(ctx, grads)
-        dWt = weight_gradient(x, rg, W, transposed=True)       # one GEMM (x read once), dW^T (n + 2, D)
+        dWt = weight_gradient(x, rg, A, transposed=True)       # one GEMM (x read once), dW^T (n + 2, D)
         return (dH.view(ctx.shape), dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1),
                 sums[n * (n + 1):n * (n + 2)], sums[n * (n + 2)], sums[n * (n + 2) + 1], dgain, None)
 
@@ -579,7 +581,8 @@ class HCRead(torch.autograd.Function):
     def three_kernels(ctx, grads):
         """The backward where H_pre or H_res has another use (diagnostics): _width_norm_bwd (and the other uses'
         gradients added), _hc_read_bwd, _proj_bwd -> (dH, the maps' sums, r dm, the gain's gradient)."""
-        x, W, alpha_scale, beta_scale, pre, res, m, r, gain, rb = ctx.saved_tensors
+        x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb = ctx.saved_tensors
+        W = torch.cat([A, B[:, None]], 1)                     # _proj_bwd's one W (D, n + 2): this path alone
         (rows, D), M, n = x.shape, W.size(1), pre.size(1)
         dH, dpre, dpost, dres, dgain = width_backward(x.view(rows // n, n * D), (pre, res, gain, rb), grads)
         blocks = hc.triton.cdiv(rows, BLOCK_ROWS)
