@@ -13,6 +13,9 @@ each as a number or as null with a reason:
                    the memory plan picks (train.py's resolve, depthbench/training/costs.py): step ms, x Pre-LN (at the
                    same micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over the step), GPU kernels per
                    step, peak memory, and scripts/roofline.py's H200 estimate beside each (today's path / GPU path)
+  kernels          HC's and mHC's read and write kernels alone at the card's sublayer (scripts/kernel_bench.py): ms,
+                   GB/s and the roofline's estimate for each pass, and the read's backward in one launch against three
+                   kernels (which stays), their gradients agreeing
   launch_overhead  Pre-LN at the card's shape compiled per block, as the whole model, and under CUDA graphs
                    (profile_gpu.py --compile, each capped at LAUNCH_CAP_S): which is fastest (issue 52 item 2;
                    opt-in until it is measured)
@@ -57,6 +60,7 @@ MEMORY_SHAPES = {False: [(70, "70x640"), (24, "24x1024")], True: [(3, "3x64"), (
 CARD_DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]  # issue 52's table, Pre-LN its base
 TINY_CARD_DESIGNS = ["preln", "hc"]  # --tiny: a process per design on the CPU; HC's plan (4) makes a second table
 DEFAULT_BUDGET_S = "360"
+KERNELS_CAP_S = 120  # scripts/kernel_bench.py: a few Triton compiles and 20 timed calls of each pass
 LAUNCH_CAP_S = 90  # each whole-model compile of the launch-overhead check: its compile time grows with depth
 OLDEST_TORCH = (2, 6)  # the README's supported versions start here
 GB = 1e9
@@ -425,6 +429,20 @@ def card_table(s, planned):
     return "; ".join(failed) or None
 
 
+def kernels(s):
+    """HC's and mHC's connection kernels alone (scripts/kernel_bench.py at the card's sublayer; --tiny: the
+    interpreter at its toy shape): per design and pass, ms, GB/s against the counted bytes, the H200 estimate, and
+    one_launch_over_three, the read backward's one launch against its three kernels."""
+    argv = [sys.executable, "scripts/kernel_bench.py", "--json", str(s.work / "kernels.json")]
+    res = run(s, argv + (["--tiny"] if s.tiny else []), cap=KERNELS_CAP_S)
+    if not (s.work / "kernels.json").exists():
+        s.summary["kernels"] = {"reason": why(res)}
+        return why(res)
+    doc = json.loads((s.work / "kernels.json").read_text())
+    s.summary["kernels"] = {k: doc[k] for k in ("device_name", "triton", "tokens", "d_model", "streams", "designs")}
+    return None if res.rc == 0 else why(res)
+
+
 def launch_overhead(s):
     """Issue 52 item 2: Pre-LN at the card's shape, micro-batch 2, compiled as the whole model and under CUDA graphs,
     against per-block compile (the first table's row): step ms and busy share of each (--tiny: every scope runs eager
@@ -555,11 +573,11 @@ def environment(s):
 
 def sequence(tiny):
     """(name, fn) in the order they run, the most informative first: correctness on the device, the card's table
-    (micro-batch 2, then the plan's), the launch-overhead experiment, then the 400M checks. --tiny leaves out the
+    (micro-batch 2, then the plan's), HC's and mHC's kernels alone, the launch-overhead experiment, then the 400M checks. --tiny leaves out the
     L70 train.py runs, which on the CPU (no compile) would answer nothing."""
     checks = [("environment", environment), ("correctness", correctness),
               ("card_b2", lambda s: card_table(s, planned=False)),
-              ("card_planned", lambda s: card_table(s, planned=True)),
+              ("card_planned", lambda s: card_table(s, planned=True)), ("kernels", kernels),
               ("launch_overhead", launch_overhead), ("throughput", throughput), ("bf16_vs_fp32", bf16_vs_fp32),
               ("ddp_vs_fsdp2", ddp_vs_fsdp2)]
     for design in MEMORY_DESIGNS[1:]:
@@ -585,7 +603,7 @@ def empty_summary(s, budget):
             "memory_plan": {f"L{L}": {"reason": pending} for L, _ in MEMORY_SHAPES[s.tiny]},
             "correctness": {"ok": None, "reason": pending},
             "card": {"shape": card, "rows": [], "planned_batch": None},
-            "launch_overhead": {"fastest": None, "reason": pending},
+            "kernels": {"reason": pending}, "launch_overhead": {"fastest": None, "reason": pending},
             "compile_s": {**dict.fromkeys(["preln_L24", "mhc_L24", "preln_L70", "mhc_L70"]), **compiled},
             "design_step": {"fast": {}, "reference": {}, "use": None, "reason": pending}, "checks": []}
 

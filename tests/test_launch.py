@@ -42,8 +42,8 @@ def test_tiny_smoke_answers_every_question(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smoke.log", "summary.json", "table.md"]
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["mode"] == "tiny" and [c["status"] for c in s["checks"]] == ["ok"] * len(gpu_smoke.sequence(tiny=True))
-    assert [c["check"] for c in s["checks"][:5]] == ["environment", "correctness", "card_b2", "card_planned",
-                                                     "launch_overhead"]  # the most informative first
+    assert [c["check"] for c in s["checks"][:6]] == ["environment", "correctness", "card_b2", "card_planned",
+                                                     "kernels", "launch_overhead"]  # the most informative first
     check = s["correctness"]
     assert check["ok"] and check["designs"] == len(gpu_smoke.CARD_DESIGNS) and "fast" in check["namespaces"]
     assert "triton" in check["namespaces"]  # the Triton bodies, run by the interpreter (gpu_smoke sets it for this)
@@ -56,6 +56,11 @@ def test_tiny_smoke_answers_every_question(tmp_path):
     assert all(r["step_ms"] > 0 and r["kernels"] > 0 and r["roofline_gpu_ms"] > 0 for r in rows.values())
     table = (tmp_path / "table.md").read_text()
     assert table.startswith("### ") and table.count("\n| hc | ") == 2  # docs/speed.md's "GPU runs" format
+    for design, passes in s["kernels"]["designs"].items():     # HC's and mHC's kernels alone (interpreted)
+        assert passes["read_backward"]["kernels"] == [f"_{design}_bwd"] and passes["paths_min_cosine"] >= 0.999
+        assert passes["read_backward_three_kernels"]["kernels"] == ["_width_norm_bwd", f"_{design}_read_bwd",
+                                                                      "_proj_bwd"]
+    assert set(s["kernels"]["designs"]) == {"hc", "mhc"}
     assert s["launch_overhead"]["fastest"] in ("blocks", "model", "graphs")
     assert s["throughput"]["tokens_per_s"] > 0 and 0 < s["throughput"]["mfu"] < 1
     assert s["bf16_vs_fp32"]["max_abs_loss_diff"] is None and s["bf16_vs_fp32"]["reason"]

@@ -23,6 +23,7 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -699,3 +700,37 @@ def test_compare_with_reference_reports_agreement_and_finds_a_wrong_body(dtype, 
     monkeypatch.setattr(hc, "width_connection", lambda H, pre, res: wrong(H, pre, res.transpose(-1, -2)))
     rel, cos = hc.compare_with_reference(device="cpu", dtype=dtype, shape=(1, 3, 4, 20))["width_connection"]
     assert rel > 1e-2 and cos < 0.999
+
+
+@pytest.mark.parametrize("argv,words", [(["--designs", "preln"], "--designs: preln"), (["--tokens", "0"], "--tokens"),
+                                        (["--designs", ","], "none given")])
+def test_kernel_bench_rejects_bad_arguments(argv, words, capsys):
+    """scripts/kernel_bench.py: a design without these kernels, no tokens, no design: one line, exit 2, nothing run."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kernel_bench
+    with pytest.raises(SystemExit) as e:
+        kernel_bench.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and words in err[-1] and "Traceback" not in "".join(err)
+
+
+@pytest.mark.slow
+def test_kernel_bench_rehearses_every_pass(tmp_path):
+    """scripts/kernel_bench.py --tiny (the interpreter, 39 tokens, d80): for HC and mHC, each pass launches the
+    Triton kernels whose rows triton_hc.traffic counts for it (the estimate beside each time is of those launches),
+    the read's backward is one kernel one way and three the other, and the two ways' gradients agree."""
+    out = tmp_path / "k.json"
+    run = subprocess.run([sys.executable, "scripts/kernel_bench.py", "--tiny", "--json", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["designs"]) == {"hc", "mhc"} and doc["tokens"] == 39 and doc["d_model"] == 80
+    for design, passes in doc["designs"].items():
+        for name in ("read_forward", "read_backward", "depth_forward", "depth_backward"):
+            row = passes[name]
+            counted = [KERNEL_OF[(kernel, name.split("_")[1])] for kernel in row["model_rows"] if "torch" not in kernel]
+            assert row["kernels"] == counted and row["launches"] >= len(counted) and row["bytes"] > 0, (design, name)
+        assert passes["read_backward"]["kernels"] == [f"_{design}_bwd"]
+        assert passes["read_backward_three_kernels"]["kernels"] == ["_width_norm_bwd", f"_{design}_read_bwd",
+                                                                      "_proj_bwd"]
+        assert passes["paths_min_cosine"] >= 0.999 and passes["one_launch_over_three"] > 0

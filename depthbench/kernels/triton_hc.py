@@ -537,7 +537,7 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
              row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
     if fused:                                # triton_hc_read.py: the fused read, no checkpoint (nothing recomputed)
         fwd, bwd = fused_read(design, N=N, n=n, D=D, sb=sb, iters=iters, gemm_fp32_out=gemm_fp32_out)
-        return fwd + [width_norm(N, n, D, sb)] + depth + bwd
+        return fwd + depth + bwd
     fwd, bwd = pieces(design, N=N, n=n, D=D, sb=sb, iters=iters)
     again = [dict(r, **{"pass": "backward (recompute)"}) for r in fwd] + [norm_recompute(N, D, sb)]
     return fwd + depth + (again if recompute else []) + bwd
@@ -568,9 +568,10 @@ def pieces(design, N, n, D, sb, iters):
 
 
 def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
-    """The fused read's rows of `traffic` but its width connection's (`width_norm`), S = N n D sb, c = N n 4,
-    R = N n^2 4, the projection's rows x K and X = rows K sb (mHC: N x nD; HC: N n x D), M its columns (the
-    backward is all one kernel, width_norm's rows left out: where H_pre and H_res have no other use, a model's):
+    """The fused read's rows of `traffic`, S = N n D sb, c = N n 4, R = N n^2 4, the projection's rows x K and
+    X = rows K sb (mHC: N x nD; HC: N n x D), M its columns (the backward in one launch: where H_pre and H_res have
+    no other use, a model's). Both forward: then _width_norm_fwd, per token the width connection and the branch's
+    norm (the branch never stored; the gain D floats): read S + c + R + 4 D, write S (mixed) + N D sb (h) + 4 N (rb)
       mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
                     res, m and r (2c + 2R + 4 N M + 4 N)
           backward  _mhc_bwd  per token: read H, dmixed (2S), dout, pre, rb, the gain; write dpre, dres, c; the
@@ -584,7 +585,7 @@ def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
           backward  _hc_bwd  as _mhc_bwd, with HC's maps (read dpre, dpost, dres, m and r; write dm, read back by the
                     tiles, and r dm) and its sums in the parameters' layout (n^2 + 2n + 2 and D a row); dW^T as mHC's
                     dphi, its first n + 1 rows copied into dynamic_alpha's gradient's layout (the last is beta's)
-      both: _proj_bwd reads the width connection's dH too (+S: no autograd add) -> (forward rows, backward rows)."""
+    -> (forward rows, backward rows)."""
     S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
     X, MP, cast = rows * K * sb, pow2(M, 16), sb != 4 and not gemm_fp32_out
@@ -592,30 +593,23 @@ def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
     dW = row("dW (torch GEMM)", "backward", X + rows * M * sb + cast * K * M * sb, K * M * out + cast * 4 * K * M,
              launches=1 + cast)
     width = 2 * S + c + 4 * N + N * D * sb + 4 * D              # H, dmixed, pre, rb or c, dout and the gain, once
+    width_fwd = row("width_norm", "forward", S + c + R + 4 * D, S + N * D * sb + 4 * N)
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)
         sums = 4 * triton_cdiv(N, BLOCK_ROWS) * (2 * MP + D)
-        fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N)]
+        fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N), width_fwd]
         maps = 3 * R + scratch + 4 * c + 4 * N * M + 4 * N
         return fwd, [row("mhc_bwd", "backward", 2 * width + maps + R + 4 * N * M + 8 * N + 4 * K * M,
                          c + R + 4 * N + R + scratch + sb * N * M + sums + S),
                      row("mhc_bwd.sums (torch)", "backward", sums, 4 * (2 * MP + D)), dW]
     sums = 4 * triton_cdiv(N, BLOCK_ROWS) * (n * n + 2 * n + 2 + D)
-    fwd = [row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows)]
+    fwd = [row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows), width_fwd]
     maps = 2 * c + R + 4 * rows * M + 4 * rows                             # dpre, dpost, dres, m and r
     return fwd, [row("hc_bwd", "backward", 2 * width + maps + R + 8 * rows * M + 4 * rows + 4 * K * M,
                      c + R + 4 * N + 4 * rows * M + sb * rows * M + sums + S),
                  row("hc_bwd.sums (torch)", "backward", sums, 4 * (n * n + 2 * n + 2 + D)), dW,
                  row("dW^T's rows into dynamic_alpha's gradient (a torch copy)", "backward", 4 * K * (n + 1),
                      4 * K * (n + 1))]
-
-
-def width_norm(N, n, D, sb):
-    """The fused read's width connection with the branch's norm, forward (triton_hc_read._width_norm_fwd; S = N n D
-    sb, c = N n 4, R = N n^2 4; the branch is never stored, its norm's gain w is D floats, rb N): read S + c + R +
-    4 D, write S (mixed) + N D sb (h) + 4 N (rb). Its backward is the one-launch backward's first stage."""
-    S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
-    return row("width_norm", "forward", S + c + R + 4 * D, S + N * D * sb + 4 * N)
 
 
 def triton_cdiv(a, b):

@@ -411,6 +411,9 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
 # registers a thread and no spill with 8 (Triton 3.9; 3.6, the GPU image's: 172 and 255), where _mhc_bwd spills
 # 0.9-1.1 KB a thread with 4
 BWD_WARPS = 8
+# The read's backward in one launch (_mhc_bwd, _hc_bwd) where it can be; False: always the three kernels. For
+# scripts/kernel_bench.py, which times both ways on the device (a kernel is kept where it measures faster).
+ONE_LAUNCH_BACKWARD = True
 
 
 def mhc_backward(x, saved, grads, iters, sizes):
@@ -516,7 +519,7 @@ class MHCRead(torch.autograd.Function):
     def backward(ctx, *grads):
         x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb = ctx.saved_tensors
         N, M, MP = x.size(0), phi.size(1), ctx.sizes["MP"]
-        if grads[1] is None and grads[3] is None:     # H_pre and H_res feed nothing else (no diagnostics): one launch
+        if ONE_LAUNCH_BACKWARD and grads[1] is None and grads[3] is None:   # H_pre, H_res feed nothing else: one launch
             dH, sums, rg = mhc_backward(x, ctx.saved_tensors, grads, iters=ctx.iters, sizes=ctx.sizes)
             dphi = weight_gradient(x, rg, phi)
             return (dH.view(ctx.shape), dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2],
@@ -568,7 +571,7 @@ class HCRead(torch.autograd.Function):
     def backward(ctx, *grads):
         x, A, *_, gain, rb = ctx.saved_tensors
         n = A.size(1) - 1
-        if grads[1] is None and grads[3] is None:     # H_pre and H_res feed nothing else (no diagnostics): one launch
+        if ONE_LAUNCH_BACKWARD and grads[1] is None and grads[3] is None:   # H_pre, H_res feed nothing else: one launch
             dH, sums, rg = hc_backward(x, ctx.saved_tensors, grads)
             dgain = sums[n * n + 2 * n + 2:].to(gain.dtype)
         else:
@@ -606,9 +609,9 @@ def fused(design, H, site):
 
 def hc_read(design, H, site):
     """ops.hc_read: mHC's and HC's read (maps, width connection, the branch's norm) as two kernels forward and three
-    backward, mHC's one in a model (MHCRead, HCRead), with no checkpoint: autograd keeps the streams and a few floats per token (the
-    maps, the norms' rsqrt), and the backward recomputes the branch from the streams. Any other design's (or off
-    the kernels' devices) is ops.hc_read, through the design's bodies."""
+    backward, one in a model (MHCRead, HCRead), with no checkpoint: autograd keeps the streams and a few floats per
+    token (the maps, the norms' rsqrt), and the backward recomputes the branch from the streams. Any other design's
+    (or off the kernels' devices) is ops.hc_read, through the design's bodies."""
     if not fused(design, H, site):
         return ops.hc_read(design, H, site)
     c, norm = site.conn, (site.norm.weight, site.norm.eps)
