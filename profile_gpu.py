@@ -43,8 +43,9 @@ from residuals import RESIDUALS
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization", "kernels",
-            "kernel_ms", "busy_share"]
+            "kernel_ms", "busy_share", "top_kernels"]
 CPU = torch.device("cpu")
+TOP_KERNELS = 15  # --kernel-profile's top_kernels: the names with the most time in the step
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -236,7 +237,24 @@ def kernel_profile(step, dev):
         if cuda:
             torch.cuda.synchronize()
     kernels, ms = kernels_of(prof, cuda)
-    return {"kernels": kernels, "kernel_ms": ms}
+    return {"kernels": kernels, "kernel_ms": ms, "top_kernels": top_kernels(prof, cuda)}
+
+
+def top_kernels(prof, cuda, k=TOP_KERNELS):
+    """Where the step's time goes, by name: the k names with the most time, each {name, calls, ms}: on CUDA the
+    GPU's kernels and their device time, on the CPU the aten ops (views aside) and their own (self) CPU time."""
+    by_name = {}
+    for e in prof.events():
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.device_time
+        elif not cuda and e.name.startswith("aten::") and e.name not in NO_KERNEL:
+            us = e.self_cpu_time_total                 # its own time: a matmul's, not the leaf ops' it calls
+        else:
+            continue
+        calls, total = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (calls + 1, total + us)
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:k]
+    return [{"name": name[:160], "calls": calls, "ms": round(us / 1e3, 3)} for name, (calls, us) in ranked]
 
 
 def run_measured(jobs, dev):
@@ -492,7 +510,8 @@ def build_parser():
                    "model as one graph; graphs, the whole model under CUDA graphs (mode reduce-overhead): issue 52's "
                    "launch-overhead experiment, opt-in")
     p.add_argument("--kernel-profile", action="store_true", help="one more training step under torch.profiler: "
-                   "kernels per step and the GPU busy share (kernel time over the step; CPU: leaf aten ops, no share)")
+                   "kernels per step, the GPU busy share (kernel time over the step) and the 15 kernels with the "
+                   "most time (CPU: leaf aten ops, no share)")
     return p
 
 

@@ -12,7 +12,8 @@ each as a number or as null with a reason:
   card             issue 52's table at L70 d640 T2048 (bf16, compiled per block), at micro-batch 2 and at the one
                    the memory plan picks (train.py's resolve, depthbench/training/costs.py): step ms, x Pre-LN (at the
                    same micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over the step), GPU kernels per
-                   step, peak memory, and scripts/roofline.py's H200 estimate beside each (today's path / GPU path)
+                   step, peak memory, and scripts/roofline.py's H200 estimate beside each (today's path / GPU path);
+                   the 15 kernels with the most time in each row's step (top_kernels: name, calls, ms)
   kernels          HC's and mHC's read and write kernels alone at the card's sublayer (scripts/kernel_bench.py): ms,
                    GB/s and the roofline's estimate for each pass, and the read's backward in one launch against three
                    kernels (which stays), their gradients agreeing
@@ -398,7 +399,7 @@ def card_rows(s, measured, batch):
                      "tok_per_s": r.get("tok_per_s"), "busy_share": r.get("busy_share"), "kernels": r.get("kernels"),
                      "kernels_x_preln": ratio("kernels"), "peak_train_gb": gb(r.get("peak_mem_train_bytes")),
                      "roofline_peak_gb": None if est["gpu_peak_gb"] is None else round(est["gpu_peak_gb"], 1),
-                     "fwd_ms": r.get("fwd_ms"), "error": r.get("error")})
+                     "fwd_ms": r.get("fwd_ms"), "top_kernels": r.get("top_kernels"), "error": r.get("error")})
     return rows
 
 

@@ -320,4 +320,11 @@ def test_kernel_profile_counts_a_designs_extra_kernels():
     got = {r: profile_gpu.measure({**job, "residual": r}) for r in ("preln", "hc")}
     assert 0 < got["preln"]["kernels"] < got["hc"]["kernels"]
     assert got["preln"]["kernel_ms"] is None and "error" not in got["hc"]
+    for row in got.values():                       # where the time goes: the most first, views aside, within the count
+        top = row["top_kernels"]
+        assert 0 < len(top) <= profile_gpu.TOP_KERNELS and [t["ms"] for t in top] == sorted((t["ms"] for t in top),
+                                                                                            reverse=True)
+        assert all(t["name"].startswith("aten::") and t["name"] not in profile_gpu.NO_KERNEL for t in top)
+        assert all(t["calls"] >= 1 for t in top)
+    assert "aten::mm" in [t["name"] for t in got["preln"]["top_kernels"]]        # its GEMMs, among the most time
 
