@@ -10,10 +10,12 @@ branch's norm) and write (triton_hc.DepthConnection), each timed forward and bac
 streams) with the upstream gradients a model gives (h, H_post and mixed; H_pre and H_res feed nothing else), beside
 the bytes and launches depthbench.kernels.triton_hc.traffic counts for the same launches: the achieved GB/s of each
 and scripts/roofline.py's H200 estimate for it (bytes / (0.8 x 4.8 TB/s) + launches x tau), so the roofline's
-assumptions are checked kernel by kernel where they were only counted. The read's backward runs both ways: in one
+assumptions are checked kernel by kernel where they were only counted. The read runs both ways: its backward in one
 launch (_mhc_bwd / _hc_bwd, the model's path) and as three kernels (_width_norm_bwd, _mhc_read_bwd / _hc_read_bwd,
-_proj_bwd: triton_hc_read.ONE_LAUNCH_BACKWARD off); "one_launch_over_three" < 1 keeps the one launch (a kernel is
-kept where it measures faster), and the two ways' gradients must agree (cosine >= 0.999 each, else exit 1).
+_proj_bwd: triton_hc_read.ONE_LAUNCH_BACKWARD off), its forward in one (_mhc_fwd / _hc_fwd) and as two
+(_mhc_read_fwd / _hc_read_fwd, _width_norm_fwd: ONE_LAUNCH_FORWARD off); "one_launch_over_three" and
+"forward_one_launch_over_two" < 1 keep the one launch (a kernel is kept where it measures faster), and the two
+backwards' gradients must agree (cosine >= 0.999 each, else exit 1).
 
 Timing: CUDA events over --repeat calls after 3 warm-ups (the backward: autograd.grad with retain_graph, so it
 includes autograd's own work and the torch launches the traffic rows count: the sums, dW's GEMM, its copy). The
@@ -34,7 +36,7 @@ DESIGNS = ("hc", "mhc")
 MIN_COSINE = 0.999            # the two backward paths' gradients, each (bf16 outputs, fp32 inside)
 # the kernels the fused read and the depth connection launch from Python (never the @jit helpers they call, which a
 # kernel looks up in its module when it compiles)
-LAUNCHED = ["_mhc_read_fwd", "_mhc_read_bwd", "_hc_read_fwd", "_hc_read_bwd", "_width_norm_fwd", "_width_norm_bwd",
+LAUNCHED = ["_mhc_fwd", "_hc_fwd", "_mhc_read_fwd", "_mhc_read_bwd", "_hc_read_fwd", "_hc_read_bwd", "_width_norm_fwd", "_width_norm_bwd",
             "_mhc_bwd", "_hc_bwd", "_proj_bwd", "_depth_fwd", "_depth_bwd"]
 TINY = {"tokens": 39, "d_model": 80, "repeat": 1}   # a partial block of 16 tokens, two tiles of 64 channels
 
@@ -182,7 +184,8 @@ def passes(design, args, device):
         return torch.autograd.grad(out, [mixed, post, y], dout, retain_graph=True)
 
     return {"read_forward": read_forward, "read_backward": read_backward, "depth_forward": depth_forward,
-            "depth_backward": depth_backward, "read_backward_three_kernels": read_backward}
+            "depth_backward": depth_backward, "read_forward_two_kernels": read_forward,
+            "read_backward_three_kernels": read_backward}
 
 
 def bench(design, args, device, c):
@@ -196,6 +199,7 @@ def bench(design, args, device, c):
     result, grads = {}, {}
     for name, fn in passes(design, args, device).items():
         hcr.ONE_LAUNCH_BACKWARD = name != "read_backward_three_kernels"
+        hcr.ONE_LAUNCH_FORWARD = name != "read_forward_two_kernels"
         try:
             with Recorder([hcr, hc], LAUNCHED) as rec:
                 grads[name] = fn()
@@ -203,7 +207,7 @@ def bench(design, args, device, c):
                 torch.cuda.synchronize()
             ms = timed_ms(torch, fn, args.repeat, device)
         finally:
-            hcr.ONE_LAUNCH_BACKWARD = True
+            hcr.ONE_LAUNCH_BACKWARD = hcr.ONE_LAUNCH_FORWARD = True
         row = {"ms": round(ms, 4), "kernels": rec.launched}
         if name in model:
             m = model[name]
@@ -213,8 +217,9 @@ def bench(design, args, device, c):
         result[name] = row
     cosines = [cosine(torch, a, b) for a, b in zip(grads["read_backward"], grads["read_backward_three_kernels"])]
     result["paths_min_cosine"] = round(min(cosines), 6)
-    result["one_launch_over_three"] = round(result["read_backward"]["ms"] / result["read_backward_three_kernels"]["ms"],
-                                            3)
+    for ratio, one, split in (("one_launch_over_three", "read_backward", "read_backward_three_kernels"),
+                              ("forward_one_launch_over_two", "read_forward", "read_forward_two_kernels")):
+        result[ratio] = round(result[one]["ms"] / result[split]["ms"], 3)
     return result
 
 
@@ -229,8 +234,9 @@ def report(doc):
                 est = row.get("predicted_ms_h200", "")
                 print(f"| {design} | {name} | {row['ms']:.3f} | {est} | {row.get('gb_per_s', '')} | "
                       f"{row.get('launches', '')} | {' '.join(row['kernels'])} |")
-        print(f"{design}: one launch over three kernels {r['one_launch_over_three']:.3f} (keep the one launch where "
-              f"< 1); the two backwards' gradients, min cosine {r['paths_min_cosine']:.6f}")
+        print(f"{design}: one launch over the split, backward {r['one_launch_over_three']:.3f}, forward "
+              f"{r['forward_one_launch_over_two']:.3f} (keep the one launch where < 1); the two backwards' "
+              f"gradients, min cosine {r['paths_min_cosine']:.6f}")
 
 
 def main(argv=None):

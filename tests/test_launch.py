@@ -60,6 +60,7 @@ def test_tiny_smoke_answers_every_question(tmp_path):
         assert passes["read_backward"]["kernels"] == [f"_{design}_bwd"] and passes["paths_min_cosine"] >= 0.999
         assert passes["read_backward_three_kernels"]["kernels"] == ["_width_norm_bwd", f"_{design}_read_bwd",
                                                                       "_proj_bwd"]
+        assert passes["read_forward"]["kernels"] == [f"_{design}_fwd"]
     assert set(s["kernels"]["designs"]) == {"hc", "mhc"}
     assert s["launch_overhead"]["fastest"] in ("blocks", "model", "graphs")
     assert s["throughput"]["tokens_per_s"] > 0 and 0 < s["throughput"]["mfu"] < 1

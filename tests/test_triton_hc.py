@@ -307,6 +307,31 @@ class Poisoned:
         return torch.empty_like(t, **kwargs).fill_(float("nan"))
 
 
+@pytest.mark.parametrize("design,n,kernels", [("mhc", 4, ["_mhc_fwd"]), ("mhc", 3, ["_mhc_fwd"]),
+                                               ("hc", 4, ["_hc_fwd"]), ("hc", 3, ["_hc_read_fwd", "_width_norm_fwd"])])
+def test_read_forward_in_one_launch_equals_two(design, n, kernels, monkeypatch):
+    """The read's forward in one launch (_mhc_fwd, _hc_fwd: the maps, then each token's width connection and branch
+    norm) gives exactly what the two kernels give (the same maths in the same order: every output bitwise equal),
+    on 39 tokens (a partial block), D = 80 (two tiles of 64), bf16 streams; HC with n = 3, whose 16-row blocks
+    straddle tokens, keeps the two; the outputs' buffers NaN-filled so that nothing unwritten is read; the branch
+    norm's eps made large, so that the maps' eps in its place shows."""
+    model = tiny_model(design, d_model=80, n_streams=n)
+    H, site = randn(3, 13, n, 80, seed=29).bfloat16(), model.res.site(1)
+    site.norm.eps = 0.25                                     # the branch norm's eps, unlike the maps' (1e-6, 1e-8)
+    runs, launched = {}, []
+    for name in ("_mhc_fwd", "_hc_fwd", "_mhc_read_fwd", "_hc_read_fwd", "_width_norm_fwd"):
+        monkeypatch.setattr(hcr, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(hcr, name),
+                                                           nm=name: (launched.append(nm), k[grid])[1]})())
+    for one in (True, False):
+        monkeypatch.setattr(hcr, "ONE_LAUNCH_FORWARD", one)
+        with monkeypatch.context() as patch:
+            patch.setattr(hcr, "torch", Poisoned())
+            runs[one] = ([o.detach() for o in hcr.hc_read(model.res, H, site)], list(launched))
+        launched.clear()
+    assert runs[True][1] == kernels and runs[False][1] == [f"_{design}_read_fwd", "_width_norm_fwd"]
+    assert all(torch.equal(a, b) and not a.isnan().any() for a, b in zip(runs[True][0], runs[False][0]))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n,D", [(4, 80), (3, 24)])
 @pytest.mark.parametrize("design,kernel", [("mhc", "_mhc_bwd"), ("hc", "_hc_bwd")])
@@ -443,6 +468,13 @@ def kernel_signatures(stream, module):
                           DH=s, DPre=f, DRes=f, DL=f, Scratch=f, Cb=f, RG=s, Sums=f, Ap=f, Aq=f, Ar=f, N="i32",
                           D="i32", M="i32", iters="i32", eps="fp32"),
          dict(n=4, NP=4, BT=module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=32)),                # the card's
+        ("_mhc_fwd", dict(X=s, W=f, B=f, Ap=f, Aq=f, Ar=f, Pre=f, Post=f, Logits=f, Res=f, Mo=f, R=f, Wn=f, Out=s,
+                          Mixed=s, Rb=f, N="i32", K="i32", M="i32", D="i32", iters="i32", eps="fp32",
+                          eps_norm="fp32"),
+         dict(n=4, NP=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=32, BD=1024)),
+        ("_hc_fwd", dict(X=s, A=f, B=f, Sa=f, Sb=f, Asc=f, Bsc=f, Pre=f, Post=f, Res=f, Mo=f, R=f, Wn=f, Out=s, Mixed=s,
+                         Rb=f, NR="i32", K="i32", M="i32", eps="fp32", eps_norm="fp32"),
+         dict(n=4, NP=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16, BD=1024)),
         ("_hc_bwd", dict(H=s, A=f, B=f, Pre=f, Res=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f, DH=s, DPre=f,
                          DRes=f, G=f, Cb=f, RG=s, Sums=f, Asc=f, Bsc=f, N="i32", D="i32", M="i32"),
          dict(n=4, NP=4, BT=module.BLOCK_ROWS, BR=4 * module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=16))]
@@ -485,8 +517,9 @@ def test_every_kernel_compiles_for_the_h100_and_h200(stream):
 def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     """traffic's forward bytes for width_connection and depth_connection equal the bytes of the tensors a real call
     reads and writes (fp32 streams, bf16 y); HC's projection reads the streams and W, as does its fused read; mHC's
-    fused read reads the streams, phi and the logits it wrote (Sinkhorn's input); neither runs a separate projection
-    or Sinkhorn."""
+    fused read reads the streams, phi and the logits it wrote (Sinkhorn's input); both then the streams again, the
+    maps and the gain for the width connection, in the same launch (HC with n = 3: a second); neither runs a
+    separate projection or Sinkhorn."""
     N, n, D = 6, 4, 16
     H, pre, res = randn(1, N, n, D), randn(1, N, n), randn(1, N, n, n)
     branch, mixed = hc.width_connection(H, pre, res)
@@ -500,11 +533,16 @@ def test_traffic_counts_the_bytes_of_the_tensors_each_forward_touches():
     assert rows["depth_connection", "forward"]["read"] == nbytes(mixed, pre, y)
     assert rows["depth_connection", "forward"]["written"] == nbytes(out)
     assert rows["normed_projection", "forward"]["read"] == nbytes(H) + 4 * D * (n + 2)      # HC's W: (D, n + 2)
+    width = nbytes(H, pre, res) + 4 * D         # the fused forward's second stage: the streams again, the maps, gain
     hc_fused = {(r["kernel"], r["pass"]): r for r in hc.traffic("hc", tokens=N, d_model=D, n=n, stream_bytes=4)}
-    assert hc_fused["hc_read", "forward"]["read"] == nbytes(H) + 4 * D * (n + 2)
+    assert hc_fused["hc_fwd", "forward"]["read"] == nbytes(H) + 4 * D * (n + 2) + width
+    three = {(r["kernel"], r["pass"]): r for r in hc.traffic("hc", tokens=N, d_model=D, n=3, stream_bytes=4)}
+    H3 = H[:, :, :3]                             # n = 3 does not divide a program's 16 rows: two kernels
+    assert three["hc_read", "forward"]["read"] == nbytes(H3) + 4 * D * 5
+    assert three["width_norm", "forward"]["read"] == nbytes(H3, pre[..., :3], res[..., :3, :3]) + 4 * D
     fused = {(r["kernel"], r["pass"]): r for r in hc.traffic("mhc", tokens=N, d_model=D, n=n, stream_bytes=4)}
     logits = randn(1, N, n, n)
-    assert fused["mhc_read", "forward"]["read"] == nbytes(H, logits) + 4 * n * D * (n * n + 2 * n)
+    assert fused["mhc_fwd", "forward"]["read"] == nbytes(H, logits) + 4 * n * D * (n * n + 2 * n) + width
     assert not {"sinkhorn", "normed_projection"} & {kernel for kernel, pass_ in {**fused, **hc_fused}
                                                     if pass_ == "forward"}
 
@@ -553,7 +591,7 @@ def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.floa
     with monkeypatch.context() as patch:
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
-            module = hcr if name.startswith(("_mhc_read", "_mhc_bwd", "_hc_read", "_hc_bwd", "_width_norm")) else hc
+            module = hcr if name.startswith(("_mhc_", "_hc_", "_width_norm")) else hc
             patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
                                                             nm=name: rec.launcher(nm, k[grid])})())
         with rec, autocast:
@@ -574,6 +612,7 @@ KERNEL_OF = {("normed_projection", "forward"): "_proj_fwd", ("normed_projection"
              ("depth_connection", "forward"): "_depth_fwd", ("depth_connection", "backward"): "_depth_bwd",
              ("mhc_read", "forward"): "_mhc_read_fwd", ("mhc_read", "backward"): "_mhc_read_bwd",
              ("mhc_bwd", "backward"): "_mhc_bwd", ("hc_bwd", "backward"): "_hc_bwd",
+             ("mhc_fwd", "forward"): "_mhc_fwd", ("hc_fwd", "forward"): "_hc_fwd",
              ("hc_read", "forward"): "_hc_read_fwd", ("hc_read", "backward"): "_hc_read_bwd",
              ("width_norm", "forward"): "_width_norm_fwd", ("width_norm", "backward"): "_width_norm_bwd"}
 
@@ -718,7 +757,8 @@ def test_kernel_bench_rejects_bad_arguments(argv, words, capsys):
 def test_kernel_bench_rehearses_every_pass(tmp_path):
     """scripts/kernel_bench.py --tiny (the interpreter, 39 tokens, d80): for HC and mHC, each pass launches the
     Triton kernels whose rows triton_hc.traffic counts for it (the estimate beside each time is of those launches),
-    the read's backward is one kernel one way and three the other, and the two ways' gradients agree."""
+    the read's backward is one kernel one way and three the other (its forward one and two), and the two backwards'
+    gradients agree."""
     out = tmp_path / "k.json"
     run = subprocess.run([sys.executable, "scripts/kernel_bench.py", "--tiny", "--json", str(out)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
@@ -733,4 +773,6 @@ def test_kernel_bench_rehearses_every_pass(tmp_path):
         assert passes["read_backward"]["kernels"] == [f"_{design}_bwd"]
         assert passes["read_backward_three_kernels"]["kernels"] == ["_width_norm_bwd", f"_{design}_read_bwd",
                                                                       "_proj_bwd"]
+        assert passes["read_forward_two_kernels"]["kernels"] == [f"_{design}_read_fwd", "_width_norm_fwd"]
         assert passes["paths_min_cosine"] >= 0.999 and passes["one_launch_over_three"] > 0
+        assert passes["forward_one_launch_over_two"] > 0

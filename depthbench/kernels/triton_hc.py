@@ -570,8 +570,10 @@ def pieces(design, N, n, D, sb, iters):
 def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
     """The fused read's rows of `traffic`, S = N n D sb, c = N n 4, R = N n^2 4, the projection's rows x K and
     X = rows K sb (mHC: N x nD; HC: N n x D), M its columns (the backward in one launch: where H_pre and H_res have
-    no other use, a model's). Both forward: then _width_norm_fwd, per token the width connection and the branch's
-    norm (the branch never stored; the gain D floats): read S + c + R + 4 D, write S (mixed) + N D sb (h) + 4 N (rb)
+    no other use, a model's). Both forward: then per token the width connection and the branch's norm (the branch
+    never stored; the gain D floats): read S + c + R + 4 D, write S (mixed) + N D sb (h) + 4 N (rb), in the same
+    launch (_mhc_fwd, _hc_fwd: the streams read twice, counted twice, an upper bound as they are mostly in L2; HC
+    where n divides BLOCK_ROWS, else _width_norm_fwd after _hc_read_fwd). The maps:
       mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
                     res, m and r (2c + 2R + 4 N M + 4 N)
           backward  _mhc_bwd  per token: read H, dmixed (2S), dout, pre, rb, the gain; write dpre, dres, c; the
@@ -593,28 +595,26 @@ def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
     dW = row("dW (torch GEMM)", "backward", X + rows * M * sb + cast * K * M * sb, K * M * out + cast * 4 * K * M,
              launches=1 + cast)
     width = 2 * S + c + 4 * N + N * D * sb + 4 * D              # H, dmixed, pre, rb or c, dout and the gain, once
-    width_fwd = row("width_norm", "forward", S + c + R + 4 * D, S + N * D * sb + 4 * N)
+    wr, ww = S + c + R + 4 * D, S + N * D * sb + 4 * N             # the width connection's and norm's, forward
+    programs = -(-N // BLOCK_ROWS)
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)
-        sums = 4 * triton_cdiv(N, BLOCK_ROWS) * (2 * MP + D)
-        fwd = [row("mhc_read", "forward", X + 4 * K * M + R, 2 * c + 2 * R + 4 * N * M + 4 * N), width_fwd]
+        sums = 4 * programs * (2 * MP + D)
+        fwd = [row("mhc_fwd", "forward", X + 4 * K * M + R + wr, 2 * c + 2 * R + 4 * N * M + 4 * N + ww)]
         maps = 3 * R + scratch + 4 * c + 4 * N * M + 4 * N
         return fwd, [row("mhc_bwd", "backward", 2 * width + maps + R + 4 * N * M + 8 * N + 4 * K * M,
                          c + R + 4 * N + R + scratch + sb * N * M + sums + S),
                      row("mhc_bwd.sums (torch)", "backward", sums, 4 * (2 * MP + D)), dW]
-    sums = 4 * triton_cdiv(N, BLOCK_ROWS) * (n * n + 2 * n + 2 + D)
-    fwd = [row("hc_read", "forward", X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows), width_fwd]
+    sums = 4 * programs * (n * n + 2 * n + 2 + D)
+    read = X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows
+    fwd = [row("hc_fwd", "forward", read[0] + wr, read[1] + ww)] if BLOCK_ROWS % n == 0 else [
+        row("hc_read", "forward", *read), row("width_norm", "forward", wr, ww)]
     maps = 2 * c + R + 4 * rows * M + 4 * rows                             # dpre, dpost, dres, m and r
     return fwd, [row("hc_bwd", "backward", 2 * width + maps + R + 8 * rows * M + 4 * rows + 4 * K * M,
                      c + R + 4 * N + 4 * rows * M + sb * rows * M + sums + S),
                  row("hc_bwd.sums (torch)", "backward", sums, 4 * (n * n + 2 * n + 2 + D)), dW,
                  row("dW^T's rows into dynamic_alpha's gradient (a torch copy)", "backward", 4 * K * (n + 1),
                      4 * K * (n + 1))]
-
-
-def triton_cdiv(a, b):
-    """ceil(a / b) (triton.cdiv, which this module may lack)."""
-    return -(-a // b)
 
 
 def row(kernel, pass_, read, written, launches=1):

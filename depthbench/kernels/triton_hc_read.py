@@ -57,6 +57,30 @@ def _mhc_read_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, N, K, M, i
     """Tokens [pid BN, +BN): m = r (x @ W), r = rsqrt(mean(x^2) + eps); the maps' columns (pre | post | res
     logits) stored to Pre, Post (N, n) and Logits (N, n, n); m and r kept for the backward; Sinkhorn of the logits
     into Res (N, n, n)."""
+    _mhc_maps_fwd(X, W, B, Ap, Aq=Aq, Ar=Ar, Pre=Pre, Post=Post, Logits=Logits, Res=Res, Mo=Mo, R=R, N=N, K=K, M=M,
+                  iters=iters, eps=eps, n=n, NP=NP, BN=BN, BK=BK, MP=MP)
+
+
+@jit
+def _mhc_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, Wn, Out, Mixed, Rb, N, K, M, D, iters, eps,
+             eps_norm, n: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+             BD: tl.constexpr):
+    """mHC's whole read forward on tokens [pid BN, +BN), one launch (in place of _mhc_read_fwd and
+    _width_norm_fwd): the maps and Sinkhorn, then each token's width connection and branch norm
+    (`_width_token_fwd`, its streams read again: this program's, just read, mostly from L2)."""
+    _mhc_maps_fwd(X, W, B, Ap, Aq=Aq, Ar=Ar, Pre=Pre, Post=Post, Logits=Logits, Res=Res, Mo=Mo, R=R, N=N, K=K, M=M,
+                  iters=iters, eps=eps, n=n, NP=NP, BN=BN, BK=BK, MP=MP)
+    tl.debug_barrier()                         # pre and res are read back below by other threads
+    w = tl.load(Wn + tl.arange(0, BD), mask=tl.arange(0, BD) < D, other=0.0).to(tl.float32)
+    for i in range(0, BN):
+        _width_token_fwd(X, Pre, Res, Out, Mixed=Mixed, Rb=Rb, t=tl.program_id(0).to(tl.int64) * BN + i, w=w, N=N,
+                         D=D, eps=eps_norm, n=n, NP=NP, BD=BD)
+
+
+@jit
+def _mhc_maps_fwd(X, W, B, Ap, Aq, Ar, Pre, Post, Logits, Res, Mo, R, N, K, M, iters, eps,
+                  n: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """_mhc_read_fwd's work."""
     rows, cols, m = _normed_rows(X, W, Mo, R, N=N, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP)   # m and r kept
     live = (rows < N)[:, None]
     is_pre, is_post, is_res = cols < n, (cols >= n) & (cols < 2 * n), (cols >= 2 * n) & (cols < M)
@@ -135,6 +159,30 @@ def _hc_read_fwd(X, A, B, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps
     [dynamic_alpha | dynamic_beta] (D, n + 2), read from both (no concatenation);
     z = static[s] + scale tanh(m) (static = [static_alpha | static_beta], scale alpha_scale on the n + 1 alpha
     columns, beta_scale on the last); H_pre[t, s] = z[0], H_post[t, s] = z[n + 1], H_res[t, o, s] = z[1 + o]."""
+    _hc_maps_fwd(X, A, B, Sa, Sb=Sb, Asc=Asc, Bsc=Bsc, Pre=Pre, Post=Post, Res=Res, Mo=Mo, R=R, NR=NR, K=K, M=M,
+                 eps=eps, n=n, BN=BN, BK=BK, MP=MP)
+
+
+@jit
+def _hc_fwd(X, A, B, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, Wn, Out, Mixed, Rb, NR, K, M, eps, eps_norm,
+            n: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+            BD: tl.constexpr):
+    """HC's whole read forward on rows [pid BN, +BN), BN / n whole tokens (n divides BN), one launch (in place of
+    _hc_read_fwd and _width_norm_fwd): the maps, then each token's width connection and branch norm
+    (`_width_token_fwd`, its streams read again: this program's, just read, mostly from L2)."""
+    _hc_maps_fwd(X, A, B, Sa, Sb=Sb, Asc=Asc, Bsc=Bsc, Pre=Pre, Post=Post, Res=Res, Mo=Mo, R=R, NR=NR, K=K, M=M,
+                 eps=eps, n=n, BN=BN, BK=BK, MP=MP)
+    tl.debug_barrier()                         # pre and res are read back below by other threads
+    w = tl.load(Wn + tl.arange(0, BD), mask=tl.arange(0, BD) < K, other=0.0).to(tl.float32)
+    for i in range(0, BN // n):
+        _width_token_fwd(X, Pre, Res, Out, Mixed=Mixed, Rb=Rb, t=tl.program_id(0).to(tl.int64) * (BN // n) + i, w=w,
+                         N=NR // n, D=K, eps=eps_norm, n=n, NP=NP, BD=BD)
+
+
+@jit
+def _hc_maps_fwd(X, A, B, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps,
+                 n: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+    """_hc_read_fwd's work."""
     rows, cols, m = _normed_rows(X, A, Mo, R, N=NR, K=K, M=M, eps=eps, BN=BN, BK=BK, MP=MP, Wlast=B,
                                  SPLIT=True)                                                 # m and r kept
     live = (rows < NR)[:, None]
@@ -198,22 +246,28 @@ def _width_norm_fwd(H, Pre, Res, Wn, Out, Mixed, Rb, N, D, eps,
     """Tokens [pid TPP, +TPP), each whole in registers (BD >= D): branch = sum_s pre[s] h_s and mixed_o =
     sum_s res[o, s] h_s (triton_hc._width_fwd's), then the branch's RMSNorm with its gain w (ops.rms_norm): out =
     w branch rb, rb = rsqrt(mean(branch^2) + eps), kept for the backward. The branch itself is never stored."""
-    s, d = tl.arange(0, NP), tl.arange(0, BD)
-    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
+    w = tl.load(Wn + tl.arange(0, BD), mask=tl.arange(0, BD) < D, other=0.0).to(tl.float32)
     for i in range(0, TPP):
-        t = tl.program_id(0).to(tl.int64) * TPP + i
-        ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
-        pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
-        h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=ms[:, None] & md[None, :],
-                    other=0.0).to(tl.float32)                                                          # (s, D)
-        for o in tl.static_range(n):
-            res_o = tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)                          # (s,)
-            tl.store(Mixed + t * n * D + o * D + d, _sum(res_o[:, None] * h, 0).to(Mixed.dtype.element_ty),
-                     mask=md)
-        branch = _sum(pre[:, None] * h, 0)
-        rb = 1.0 / tl.sqrt(_sum(branch * branch, 0) / D + eps)
-        tl.store(Out + t * D + d, (w * branch * rb).to(Out.dtype.element_ty), mask=md)
-        tl.store(Rb + t + 0 * s, rb + 0.0 * s, mask=ms & (s == 0))
+        _width_token_fwd(H, Pre, Res, Out, Mixed=Mixed, Rb=Rb, t=tl.program_id(0).to(tl.int64) * TPP + i, w=w, N=N,
+                         D=D, eps=eps, n=n, NP=NP, BD=BD)
+
+
+@jit
+def _width_token_fwd(H, Pre, Res, Out, Mixed, Rb, t, w, N, D, eps, n: tl.constexpr, NP: tl.constexpr,
+                     BD: tl.constexpr):
+    """_width_norm_fwd's work on token t (nothing where t >= N), the gain w (BD,) already loaded."""
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
+    pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
+    h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=ms[:, None] & md[None, :],
+                other=0.0).to(tl.float32)                                                              # (s, D)
+    for o in tl.static_range(n):
+        res_o = tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)                              # (s,)
+        tl.store(Mixed + t * n * D + o * D + d, _sum(res_o[:, None] * h, 0).to(Mixed.dtype.element_ty), mask=md)
+    branch = _sum(pre[:, None] * h, 0)
+    rb = 1.0 / tl.sqrt(_sum(branch * branch, 0) / D + eps)
+    tl.store(Out + t * D + d, (w * branch * rb).to(Out.dtype.element_ty), mask=md)
+    tl.store(Rb + t + 0 * s, rb + 0.0 * s, mask=ms & (s == 0))
 
 
 @jit
@@ -319,13 +373,19 @@ def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, D
 TOKENS_PER_PROGRAM = 8   # tokens a width-and-norm program holds in turn (its share of the gain's gradient is one row)
 
 
+def width_outputs(x, n):
+    """The width connection's outputs for x (N, n D), unwritten: h (N, D) and mixed (N, n D) in x's dtype, rb (N,)."""
+    N, D = x.size(0), x.size(1) // n
+    return (torch.empty(N, D, device=x.device, dtype=x.dtype), torch.empty_like(x),
+            torch.empty(N, device=x.device, dtype=torch.float32))
+
+
 def width_forward(x, pre, res, norm):
     """_width_norm_fwd on x (N, n D): (h = norm(branch) (N, D), mixed (N, n D)) in x's dtype, and rb (N,) fp32;
     norm = (gain, eps)."""
     (N, n), (w, eps) = pre.shape, norm
     D = x.size(1) // n
-    out, mixed = torch.empty(N, D, device=x.device, dtype=x.dtype), torch.empty_like(x)
-    rb = torch.empty(N, device=x.device, dtype=torch.float32)
+    out, mixed, rb = width_outputs(x, n)
     _width_norm_fwd[(hc.triton.cdiv(N, TOKENS_PER_PROGRAM),)](
         H=x, Pre=pre, Res=res, Wn=w, Out=out, Mixed=mixed, Rb=rb, N=N, D=D, eps=eps, n=n, NP=pow2(n), BD=pow2(D),
         TPP=TOKENS_PER_PROGRAM)
@@ -414,6 +474,7 @@ BWD_WARPS = 8
 # The read's backward in one launch (_mhc_bwd, _hc_bwd) where it can be; False: always the three kernels. For
 # scripts/kernel_bench.py, which times both ways on the device (a kernel is kept where it measures faster).
 ONE_LAUNCH_BACKWARD = True
+ONE_LAUNCH_FORWARD = True      # the read's forward in one launch (_mhc_fwd, _hc_fwd where n divides BLOCK_ROWS)
 
 
 def mhc_backward(x, saved, grads, iters, sizes):
@@ -506,10 +567,15 @@ class MHCRead(torch.autograd.Function):
         pre, post, logits, res = (torch.empty(N, *shape, **f32) for shape in ((n,), (n,), (n, n), (n, n)))
         m, r = torch.empty(N, M, **f32), torch.empty(N, **f32)
         sizes = dict(n=n, NP=pow2(n), MP=pow2(M, 16))
-        _mhc_read_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](
-            X=x, W=phi, B=b, Ap=a_pre, Aq=a_post, Ar=a_res, Pre=pre, Post=post, Logits=logits, Res=res, Mo=m, R=r,
-            N=N, K=K, M=M, iters=iters, eps=EPS, BN=BLOCK_ROWS, BK=BLOCK_K, **sizes)
-        h, mixed, rb = width_forward(x, pre, res, (gain, eps))
+        maps = dict(X=x, W=phi, B=b, Ap=a_pre, Aq=a_post, Ar=a_res, Pre=pre, Post=post, Logits=logits, Res=res, Mo=m,
+                    R=r, N=N, K=K, M=M, iters=iters, eps=EPS, BN=BLOCK_ROWS, BK=BLOCK_K, **sizes)
+        if ONE_LAUNCH_FORWARD:                                  # the maps, then the width connection and the norm
+            h, mixed, rb = width_outputs(x, n)
+            _mhc_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](Wn=gain, Out=h, Mixed=mixed, Rb=rb, D=K // n, eps_norm=eps,
+                                                       BD=pow2(K // n), **maps)
+        else:
+            _mhc_read_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](**maps)
+            h, mixed, rb = width_forward(x, pre, res, (gain, eps))
         ctx.save_for_backward(x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb)
         ctx.iters, ctx.sizes, ctx.shape = iters, sizes, H.shape
         ctx.set_materialize_grads(False)          # H_pre and H_res feed nothing but the diagnostics: None, not zeros
@@ -558,10 +624,16 @@ class HCRead(torch.autograd.Function):
         pre, post, res = torch.empty(rows // n, n, **f32), torch.empty(rows // n, n, **f32), \
             torch.empty(rows // n, n, n, **f32)
         m, r = torch.empty(rows, M, **f32), torch.empty(rows, **f32)
-        _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](
-            X=x, A=A, B=B, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre, Post=post, Res=res,
-            Mo=m, R=r, NR=rows, K=D, M=M, eps=HC_EPS, n=n, BN=BLOCK_ROWS, BK=BLOCK_K, MP=pow2(M, 16))
-        h, mixed, rb = width_forward(x.view(rows // n, n * D), pre, res, (gain, eps))
+        maps = dict(X=x, A=A, B=B, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre,
+                    Post=post, Res=res, Mo=m, R=r, NR=rows, K=D, M=M, eps=HC_EPS, n=n, BN=BLOCK_ROWS, BK=BLOCK_K,
+                    MP=pow2(M, 16))
+        if ONE_LAUNCH_FORWARD and BLOCK_ROWS % n == 0:          # a program's rows are whole tokens
+            h, mixed, rb = width_outputs(x.view(rows // n, n * D), n)
+            _hc_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](Wn=gain, Out=h, Mixed=mixed, Rb=rb, eps_norm=eps, NP=pow2(n),
+                                                         BD=pow2(D), **maps)
+        else:
+            _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](**maps)
+            h, mixed, rb = width_forward(x.view(rows // n, n * D), pre, res, (gain, eps))
         ctx.save_for_backward(x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
         ctx.shape = H.shape
         ctx.set_materialize_grads(False)
