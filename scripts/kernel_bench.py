@@ -25,7 +25,6 @@ rehearse the path.
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,26 +92,6 @@ class Recorder:
     def __exit__(self, *exc):
         for module, name, kernel in self.saved:
             setattr(module, name, kernel)
-
-
-def timed_ms(torch, fn, repeat, device):
-    """Median of `repeat` calls' milliseconds after 3 warm-ups (CUDA events on the GPU)."""
-    for _ in range(3 if device == "cuda" else 0):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def model_rows(hc, design, args, device):
@@ -194,6 +173,7 @@ def bench(design, args, device, c):
     import torch
     from depthbench.kernels import triton_hc as hc
     from depthbench.kernels import triton_hc_read as hcr
+    import profile_gpu
     import roofline
     model = model_rows(hc, design, args, device)
     result, grads = {}, {}
@@ -205,7 +185,8 @@ def bench(design, args, device, c):
                 grads[name] = fn()
             if device == "cuda":
                 torch.cuda.synchronize()
-            ms = timed_ms(torch, fn, args.repeat, device)
+            ms = statistics.median(profile_gpu.timed(fn, args.repeat, torch.device(device),
+                                                          warmup=3 if device == "cuda" else 0))
         finally:
             hcr.ONE_LAUNCH_BACKWARD = hcr.ONE_LAUNCH_FORWARD = True
         row = {"ms": round(ms, 4), "kernels": rec.launched}

@@ -6,27 +6,23 @@ them (the maps' activations and affine maps: HC 8 launches forward and 17 backwa
 of the two dH (the projection's and the width connection's), and the checkpoint's recompute of all of it and of
 the norm in the backward; here, per sublayer:
 
-  forward   mHC `_mhc_read_fwd`: per block of tokens, x (N, nD) read once: m = r (x phi) (the norm and the
-            projection fused, as triton_hc._proj_fwd), then the maps in registers: H_pre = sigmoid(alpha_pre m[:n] +
-            b[:n]), H_post = 2 sigmoid(alpha_post m[n:2n] + b[n:2n]), the logits alpha_res m[2n:] + b[2n:] and
-            Sinkhorn on them (triton_hc._sinkhorn_block: the program's tokens again, read back from the logits it
-            stored). HC `_hc_read_fwd`: per block of rows of (N n, D) (token t's stream s), m = r (x W), z =
-            static[s] + scale tanh(m), H_pre = z[0], H_res[o, s] = z[1 + o], H_post = z[n + 1] (W =
-            [dynamic_alpha | dynamic_beta], residuals.HC.maps' concatenation, read from the two parameters: no
-            launch to concatenate). Then `_width_norm_fwd`: per token, whole in registers, mixed and the branch, and
-            the branch's RMSNorm with its gain: h = w branch rb (the branch is never stored; rb is kept)
-  backward  `_width_norm_bwd`: the branch again from the streams, the norm's backward, the width connection's
-            (its share of dH, dH_pre, dH_res) and per-program shares of the gain's gradient (one torch sum);
-            `_mhc_read_bwd` / `_hc_read_bwd`: per block, (Sinkhorn's backward, recomputed from the logits,) the
-            maps' backward to dm = dL/dm, and per-block partial sums of the static parameters' and scales'
-            gradients, laid out as the parameters (one torch sum), and r dm in x's dtype; then triton_hc._proj_bwd
-            with the width connection's dH added in the same pass (HAS_ACC: no autograd add); dW = x^T (r dm) by
-            cuBLAS (`weight_gradient`). Where H_pre and H_res feed nothing else (a model's case; diagnostics that
-            read them take the three kernels above): all of it in one launch, `_mhc_bwd` / `_hc_bwd`, per block of
-            16 tokens: each token whole for the width connection's and the norm's sums (dpre, dres and the norm's
-            <w dout, branch>), the maps' (and Sinkhorn's) backward, then dH by tiles of channels, written once (the
-            width share, r dm W^T and the norm's), the maps' and the gain's sums in one row a program (one torch
-            sum): 3 launches a sublayer's read backward instead of 6 (HC: 4 instead of 7)
+  forward   the maps: mHC per block of tokens, x (N, nD) read once: m = r (x phi) (the norm and the projection
+            fused, as triton_hc._proj_fwd), then in registers H_pre = sigmoid(alpha_pre m[:n] + b[:n]), H_post =
+            2 sigmoid(alpha_post m[n:2n] + b[n:2n]), the logits alpha_res m[2n:] + b[2n:] and Sinkhorn on them
+            (triton_hc._sinkhorn_block, from the logits it stored); HC per block of rows of (N n, D) (token t's
+            stream s), m = r (x W), z = static[s] + scale tanh(m), H_pre = z[0], H_res[o, s] = z[1 + o], H_post =
+            z[n + 1] (W = [dynamic_alpha | dynamic_beta], read from the two parameters). Then per token, whole in
+            registers, mixed, the branch and its RMSNorm with the gain: h = w branch rb (the branch never stored;
+            rb kept). One launch, `_mhc_fwd` / `_hc_fwd` (HC where n divides 16), else `_mhc_read_fwd` /
+            `_hc_read_fwd` and `_width_norm_fwd`
+  backward  where H_pre and H_res feed nothing else (a model's case), one launch, `_mhc_bwd` / `_hc_bwd`, per block
+            of 16 tokens: each token whole for the width connection's and the norm's sums (dpre, dres and the norm's
+            <w dout, branch>), the maps' (and Sinkhorn's, recomputed from the logits) backward to dm, then dH by
+            tiles of channels, written once (the width share, r dm W^T, the norm's); the maps' and the gain's sums
+            in one row a program, laid out as the parameters (one torch sum); dW = x^T (r dm) by cuBLAS
+            (`weight_gradient`). Otherwise (diagnostics read them) three: `_width_norm_bwd`, `_mhc_read_bwd` /
+            `_hc_read_bwd`, triton_hc._proj_bwd with the width connection's dH added in (HAS_ACC). With
+            ONE_LAUNCH_FORWARD / ONE_LAUNCH_BACKWARD off, always the split (scripts/kernel_bench.py times both)
 
 Memory: autograd keeps the streams (as under the checkpoint) and a few floats per token and sublayer for the
 backward (mHC: H_pre, H_post, the logits, H_res, m, r and rb, 66 floats at n = 4; HC: H_pre, H_res, m, r and rb,
@@ -271,6 +267,47 @@ def _width_token_fwd(H, Pre, Res, Out, Mixed, Rb, t, w, N, D, eps, n: tl.constex
 
 
 @jit
+def _width_block_bwd(H, Pre, Rb, DOut, DMixed, DPre, DRes, Cb, t0, Wn, N, D, n: tl.constexpr, NP: tl.constexpr,
+                     BD: tl.constexpr, BT: tl.constexpr):
+    """The one-launch backwards' first stage: `_width_token_bwd` on tokens [t0, t0 + BT) with the gain at Wn, each
+    token's c into Cb -> the block's share of the gain's gradient (BD,)."""
+    s, d = tl.arange(0, NP), tl.arange(0, BD)
+    w, dw = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32), tl.full([BD], 0.0, tl.float32)
+    for i in range(0, BT):
+        t = t0 + i
+        share, db, c, h, pre = _width_token_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, t=t, w=w,
+                                                N=N, D=D, n=n, NP=NP, BD=BD)
+        dw += share
+        tl.store(Cb + t + 0 * s, c + 0.0 * s, mask=(s == 0) & (t + 0 * s < N))
+    return dw
+
+
+@jit
+def _dbranch_tile(H, Pre, Wn, DOut, rb, cb, tokens, live, dd, D, n: tl.constexpr):
+    """The one-launch backwards' tile (tokens, channels dd): the branch again from the streams, dbranch = rb w dout -
+    branch c -> (the tile's mask, the offsets of stream 0's channels dd, dbranch)."""
+    tile = live[:, None] & (dd < D)[None, :]
+    at = tokens[:, None] * n * D + dd[None, :]
+    dout = tl.load(DOut + tokens[:, None] * D + dd[None, :], mask=tile, other=0.0).to(tl.float32)
+    branch = tl.zeros_like(dout)
+    for j in tl.static_range(n):
+        pre_j = tl.load(Pre + tokens * n + j, mask=live, other=0.0)
+        branch += pre_j[:, None] * tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
+    w = tl.load(Wn + dd, mask=dd < D, other=0.0).to(tl.float32)
+    return tile, at, rb[:, None] * w[None, :] * dout - branch * cb[:, None]
+
+
+@jit
+def _width_share(Pre, Res, DMixed, db, tokens, live, at, tile, D, j, n: tl.constexpr):
+    """Stream j's share of dH from the width connection on the tile: pre[j] dbranch + sum_o res[o, j] dmixed_o."""
+    dx = tl.load(Pre + tokens * n + j, mask=live, other=0.0)[:, None] * db
+    for o in tl.static_range(n):
+        res_oj = tl.load(Res + tokens * n * n + o * n + j, mask=live, other=0.0)
+        dx += res_oj[:, None] * tl.load(DMixed + at + o * D, mask=tile, other=0.0).to(tl.float32)
+    return dx
+
+
+@jit
 def _width_token_bwd(H, Pre, Rb, DOut, DMixed, DPre, DRes, t, w, N, D, n: tl.constexpr, NP: tl.constexpr,
                      BD: tl.constexpr):
     """Token t, whole in registers (BD >= D), the part of the branch norm's and the width connection's backward that
@@ -329,15 +366,9 @@ def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, D
     res[o, s] dmixed_o (the width connection) + r (dm phi^T) - x r^2 <dm, m> / K (the projection through the
     norm, K = n D). Row pid of Sums: the maps' sums (2 MP floats), then the gain's (D)."""
     pid = tl.program_id(0).to(tl.int64)
-    s, d = tl.arange(0, NP), tl.arange(0, BD)
-    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
-    dw = tl.full([BD], 0.0, tl.float32)
-    for i in range(0, BT):
-        t = pid * BT + i
-        share, db, c, h, pre = _width_token_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, t=t, w=w,
-                                                N=N, D=D, n=n, NP=NP, BD=BD)
-        dw += share
-        tl.store(Cb + t + 0 * s, c + 0.0 * s, mask=(s == 0) & (t + 0 * s < N))
+    d = tl.arange(0, BD)
+    dw = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Cb=Cb, t0=pid * BT, Wn=Wn, N=N, D=D,
+                          n=n, NP=NP, BD=BD, BT=BT)
     tl.store(Sums + pid * (2 * MP + D) + 2 * MP + d, dw, mask=d < D)
     tl.debug_barrier()                         # dpre, dres and c are read back below by other threads
     rows, g = _mhc_maps_bwd(Logits, DRes, DL, Scratch, Pre=Pre, Post=Post, DPre=DPre, DPost=DPost, Mo=Mo, R=R, Ap=Ap,
@@ -350,19 +381,9 @@ def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, D
     rb, cb = tl.load(Rb + rows, mask=live, other=0.0), tl.load(Cb + rows, mask=live, other=0.0)
     for d0 in range(0, D, BK):
         dd = d0 + tl.arange(0, BK)
-        tile = live[:, None] & (dd < D)[None, :]
-        at = rows[:, None] * K + dd[None, :]                                       # stream 0's channels dd
-        dout = tl.load(DOut + rows[:, None] * D + dd[None, :], mask=tile, other=0.0).to(tl.float32)
-        branch = tl.full([BT, BK], 0.0, tl.float32)
+        tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=cb, tokens=rows, live=live, dd=dd, D=D, n=n)
         for j in tl.static_range(n):
-            pre_j = tl.load(Pre + rows * n + j, mask=live, other=0.0)
-            branch += pre_j[:, None] * tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
-        db = rb[:, None] * tl.load(Wn + dd, mask=dd < D, other=0.0).to(tl.float32)[None, :] * dout - branch * cb[:, None]
-        for j in tl.static_range(n):
-            dx = tl.load(Pre + rows * n + j, mask=live, other=0.0)[:, None] * db
-            for o in tl.static_range(n):
-                res_oj = tl.load(Res + rows * n * n + o * n + j, mask=live, other=0.0)
-                dx += res_oj[:, None] * tl.load(DMixed + at + o * D, mask=tile, other=0.0).to(tl.float32)
+            dx = _width_share(Pre, Res, DMixed, db, tokens=rows, live=live, at=at, tile=tile, D=D, j=j, n=n)
             phi = tl.load(W + (j * D + dd)[:, None] * M + cols[None, :], mask=(dd < D)[:, None] & (cols < M)[None, :],
                           other=0.0).to(tl.float32)
             x = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
@@ -397,11 +418,9 @@ def width_backward(x, saved, grads):
     dres, dmixed) as the Function's backward gets them (None where an output fed nothing) -> (dH (x's layout),
     dpre, dpost, dres, the gain's gradient)."""
     pre, res, w, rb = saved
-    dout, dpre_out, dpost_out, dres_out, dmixed = grads
-    N, n = pre.shape
+    (N, n), (_, dpre_out, _, dres_out, _) = pre.shape, grads
     D = x.size(1) // n
-    dout = x.new_zeros(N, D) if dout is None else dout.reshape(N, D).contiguous()
-    dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
+    dout, dpost, dmixed = upstream(x, pre, grads)
     dH, dpre, dres = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res)
     programs = hc.triton.cdiv(N, TOKENS_PER_PROGRAM)
     dwp = torch.empty(programs, D, device=x.device, dtype=torch.float32)
@@ -409,8 +428,16 @@ def width_backward(x, saved, grads):
                                  DRes=dres, DWp=dwp, N=N, D=D, n=n, NP=pow2(n), BD=pow2(D), TPP=TOKENS_PER_PROGRAM)
     dpre = dpre if dpre_out is None else dpre + dpre_out.reshape(N, n)        # H_pre, H_res used elsewhere too
     dres = dres if dres_out is None else dres + dres_out.reshape(N, n, n)
-    dpost = torch.zeros_like(pre) if dpost_out is None else dpost_out.reshape(N, n).contiguous().float()
     return dH, dpre, dpost, dres, dwp.sum(0).to(w.dtype)
+
+
+def upstream(x, pre, grads):
+    """grads' dh, dpost and dmixed made whole (zeros where an output fed nothing), in the kernels' layouts."""
+    (N, n), (dout, _, dpost, _, dmixed) = pre.shape, grads
+    dout = x.new_zeros(N, x.numel() // (N * n)) if dout is None else dout.reshape(N, -1).contiguous()
+    dpost = torch.zeros_like(pre) if dpost is None else dpost.reshape(N, n).contiguous().float()
+    dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
+    return dout, dpost, dmixed
 
 
 @jit
@@ -424,15 +451,9 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
     / D (the projection is per stream row, K = D). Row pid of Sums: the maps' sums (n^2 + 2n + 2), then the gain's
     (D)."""
     pid = tl.program_id(0).to(tl.int64)
-    s, d = tl.arange(0, NP), tl.arange(0, BD)
-    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
-    dw = tl.full([BD], 0.0, tl.float32)
-    for i in range(0, BT):
-        t = pid * BT + i
-        share, db, c, h, pre = _width_token_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, t=t, w=w,
-                                                N=N, D=D, n=n, NP=NP, BD=BD)
-        dw += share
-        tl.store(Cb + t + 0 * s, c + 0.0 * s, mask=(s == 0) & (t + 0 * s < N))
+    d = tl.arange(0, BD)
+    dw = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Cb=Cb, t0=pid * BT, Wn=Wn, N=N, D=D,
+                          n=n, NP=NP, BD=BD, BT=BT)
     stride = n * n + 2 * n + 2 + D
     tl.store(Sums + pid * stride + n * n + 2 * n + 2 + d, dw, mask=d < D)
     tl.debug_barrier()                         # dpre, dres and c are read back below by other threads
@@ -444,26 +465,17 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
     rb, cb = tl.load(Rb + tokens, mask=live, other=0.0), tl.load(Cb + tokens, mask=live, other=0.0)
     for d0 in range(0, D, BK):
         dd = d0 + tl.arange(0, BK)
-        tile = live[:, None] & (dd < D)[None, :]
-        at = tokens[:, None] * n * D + dd[None, :]                                 # stream 0's channels dd
-        dout = tl.load(DOut + tokens[:, None] * D + dd[None, :], mask=tile, other=0.0).to(tl.float32)
-        branch = tl.full([BT, BK], 0.0, tl.float32)
-        for j in tl.static_range(n):
-            pre_j = tl.load(Pre + tokens * n + j, mask=live, other=0.0)
-            branch += pre_j[:, None] * tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
-        db = rb[:, None] * tl.load(Wn + dd, mask=dd < D, other=0.0).to(tl.float32)[None, :] * dout - branch * cb[:, None]
+        tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=cb, tokens=tokens, live=live, dd=dd, D=D, n=n)
         wt = _w_tile(A, B, dd, cols=cols, K=D, M=M, SPLIT=True)                # W = [A | B], (BK, MP)
         for j in tl.static_range(n):
-            dx = tl.load(Pre + tokens * n + j, mask=live, other=0.0)[:, None] * db
-            for o in tl.static_range(n):
-                res_oj = tl.load(Res + tokens * n * n + o * n + j, mask=live, other=0.0)
-                dx += res_oj[:, None] * tl.load(DMixed + at + o * D, mask=tile, other=0.0).to(tl.float32)
+            dx = _width_share(Pre, Res, DMixed, db, tokens=tokens, live=live, at=at, tile=tile, D=D, j=j, n=n)
             row = tokens * n + j
             g = tl.load(G + row[:, None] * M + cols[None, :], mask=live[:, None] & (cols < M)[None, :], other=0.0)
             m = tl.load(Mo + row[:, None] * M + cols[None, :], mask=live[:, None] & (cols < M)[None, :], other=0.0)
             r = tl.load(R + row, mask=live, other=0.0)
             x = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
-            dx += r[:, None] * tl.dot(g, tl.trans(wt), input_precision="ieee") - x * (r * r * _sum(g * m, 1) / D)[:, None]
+            coef = r * r * _sum(g * m, 1) / D
+            dx += r[:, None] * tl.dot(g, tl.trans(wt), input_precision="ieee") - x * coef[:, None]
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
 
 
@@ -471,10 +483,8 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
 # registers a thread and no spill with 8 (Triton 3.9; 3.6, the GPU image's: 172 and 255), where _mhc_bwd spills
 # 0.9-1.1 KB a thread with 4
 BWD_WARPS = 8
-# The read's backward in one launch (_mhc_bwd, _hc_bwd) where it can be; False: always the three kernels. For
-# scripts/kernel_bench.py, which times both ways on the device (a kernel is kept where it measures faster).
-ONE_LAUNCH_BACKWARD = True
-ONE_LAUNCH_FORWARD = True      # the read's forward in one launch (_mhc_fwd, _hc_fwd where n divides BLOCK_ROWS)
+# The read in one launch each way where it can be (False: the split kernels), so that scripts/kernel_bench.py times
+ONE_LAUNCH_BACKWARD = ONE_LAUNCH_FORWARD = True    # both on the device (a kernel is kept where it measures faster)
 
 
 def mhc_backward(x, saved, grads, iters, sizes):
@@ -482,12 +492,9 @@ def mhc_backward(x, saved, grads, iters, sizes):
     None, dmixed) -> (dH in x's layout; the column sums of the per-program rows, [the maps' 2 MP | the gain's D];
     r dm in x's dtype, dphi's GEMM input)."""
     _, phi, _, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb = saved
-    dout, _, dpost, _, dmixed = grads
     (N, K), n, (M, MP) = x.shape, pre.size(1), (phi.size(1), sizes["MP"])
     D = K // n
-    dout = x.new_zeros(N, D) if dout is None else dout.reshape(N, D).contiguous()
-    dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
-    dpost = torch.zeros_like(pre) if dpost is None else dpost.reshape(N, n).contiguous().float()
+    dout, dpost, dmixed = upstream(x, pre, grads)
     programs = hc.triton.cdiv(N, BLOCK_ROWS)
     f32 = dict(device=x.device, dtype=torch.float32)
     dH, dpre, dres, dl = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res), torch.empty_like(logits)
@@ -507,20 +514,17 @@ def hc_backward(x, saved, grads):
     None, dmixed) -> (dH in x's (N n, D) layout; the column sums of the per-program rows, [the maps' n^2 + 2n + 2 |
     the gain's D]; r dm in x's dtype, dW's GEMM input)."""
     _, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb = saved
-    dout, _, dpost, _, dmixed = grads
     (rows, D), (N, n), M = x.shape, pre.shape, A.size(1) + 1
-    dout = x.new_zeros(N, D) if dout is None else dout.reshape(N, D).contiguous()
-    dmixed = torch.zeros_like(x) if dmixed is None else dmixed.reshape(x.shape).contiguous()
-    dpost = torch.zeros_like(pre) if dpost is None else dpost.reshape(N, n).contiguous().float()
+    dout, dpost, dmixed = upstream(x, pre, grads)
     programs = hc.triton.cdiv(N, BLOCK_ROWS)
     f32 = dict(device=x.device, dtype=torch.float32)
     dH, dpre, dres, g = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res), torch.empty_like(m)
     sums = torch.empty(programs, n * n + 2 * n + 2 + D, **f32)
     rg, cb = torch.empty(m.shape, device=x.device, dtype=x.dtype), torch.empty(N, **f32)
-    _hc_bwd[(programs,)](H=x, A=A, B=B, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed, DPost=dpost,
-                         DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, RG=rg, Sums=sums, Asc=alpha_scale, Bsc=beta_scale,
-                         N=N, D=D, M=M, n=n, NP=pow2(n), BT=BLOCK_ROWS, BR=pow2(BLOCK_ROWS * n), BD=pow2(D),
-                         BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), num_warps=BWD_WARPS)
+    _hc_bwd[(programs,)](H=x, A=A, B=B, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed,
+                         DPost=dpost, DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, RG=rg, Sums=sums, Asc=alpha_scale,
+                         Bsc=beta_scale, N=N, D=D, M=M, n=n, NP=pow2(n), BT=BLOCK_ROWS, BR=pow2(BLOCK_ROWS * n),
+                         BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), num_warps=BWD_WARPS)
     return dH, sums.sum(0), rg
 
 
