@@ -307,8 +307,11 @@ class Poisoned:
         return torch.empty_like(t, **kwargs).fill_(float("nan"))
 
 
-@pytest.mark.parametrize("design,n,kernels", [("mhc", 4, ["_mhc_fwd"]), ("mhc", 3, ["_mhc_fwd"]),
-                                               ("hc", 4, ["_hc_fwd"]), ("hc", 3, ["_hc_read_fwd", "_width_norm_fwd"])])
+@pytest.mark.parametrize("design,n,kernels", [("mhc", 4, ["_mhc_fwd"]),
+                                               pytest.param("mhc", 3, ["_mhc_fwd"], marks=pytest.mark.slow),
+                                               ("hc", 4, ["_hc_fwd"]),
+                                               pytest.param("hc", 3, ["_hc_read_fwd", "_width_norm_fwd"],
+                                                            marks=pytest.mark.slow)])
 def test_read_forward_in_one_launch_equals_two(design, n, kernels, monkeypatch):
     """The read's forward in one launch (_mhc_fwd, _hc_fwd: the maps, then each token's width connection and branch
     norm) gives exactly what the two kernels give (the same maths in the same order: every output bitwise equal),
@@ -333,7 +336,7 @@ def test_read_forward_in_one_launch_equals_two(design, n, kernels, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n,D", [(4, 80), (3, 24)])
+@pytest.mark.parametrize("n,D", [(4, 80), pytest.param(3, 24, marks=pytest.mark.slow)])  # slow: the padded streams
 @pytest.mark.parametrize("design,kernel", [("mhc", "_mhc_bwd"), ("hc", "_hc_bwd")])
 def test_read_backward_in_one_launch_equals_reference(design, kernel, n, D, dtype, monkeypatch):
     """Where H_pre and H_res feed nothing but the read (a model's case: upstream gradients of h, H_post and mixed
@@ -643,7 +646,8 @@ def test_weight_gradient_on_the_gpu_is_one_fp32_gemm(transposed, monkeypatch):
     assert got.dtype == torch.float32 and got.is_contiguous()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16],
+                         ids=["fp32", "bf16"])                                     # bf16: the GPU path's streams
 @pytest.mark.parametrize("design,fused", [("hc", True), ("mhc", True), pytest.param("hc", False, marks=pytest.mark.slow),
                                           pytest.param("mhc", False, marks=pytest.mark.slow)],
                          ids=["hc", "mhc", "hc-pieces", "mhc-pieces"])
