@@ -757,6 +757,16 @@ def test_kernel_bench_rejects_bad_arguments(argv, words, capsys):
     assert e.value.code == 2 and words in err[-1] and "Traceback" not in "".join(err)
 
 
+def test_kernel_bench_knows_each_gpus_bandwidth_by_name():
+    """kernel_bench's eta divides by the GPU's HBM peak, found by its device name: an H100 PCIe is not taken for the
+    SXM part (whose name is in its), an H200 is not an H100, an unknown device has none."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kernel_bench
+    peak = kernel_bench.hbm_peak
+    assert peak("NVIDIA H100 PCIe") == 2.0e12 and peak("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert peak("NVIDIA H200") == 4.8e12 and peak("CPU (Triton's interpreter)") is None
+
+
 @pytest.mark.slow
 def test_kernel_bench_rehearses_every_pass(tmp_path):
     """scripts/kernel_bench.py --tiny (the interpreter, 39 tokens, d80): for HC and mHC, each pass launches the
@@ -774,6 +784,7 @@ def test_kernel_bench_rehearses_every_pass(tmp_path):
             row = passes[name]
             counted = [KERNEL_OF[(kernel, name.split("_")[1])] for kernel in row["model_rows"] if "torch" not in kernel]
             assert row["kernels"] == counted and row["launches"] >= len(counted) and row["bytes"] > 0, (design, name)
+            assert row["eta"] is None                                 # no HBM peak for the CPU
         assert passes["read_backward"]["kernels"] == [f"_{design}_bwd"]
         assert passes["read_backward_three_kernels"]["kernels"] == ["_width_norm_bwd", f"_{design}_read_bwd",
                                                                       "_proj_bwd"]
