@@ -256,7 +256,7 @@ def main(argv=None):
            "device_name": torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton's interpreter)",
            "min_cosine": MIN_COSINE, "designs": {}}
     for design in args.designs:
-        doc["designs"][design] = bench(design, args, device, c, hbm_peak(doc["device_name"]))
+        doc["designs"][design] = bench(design, args, device, c, peak=hbm_peak(doc["device_name"]))
     report(doc)
     if args.json:
         write_json(Path(args.json), doc, strict=True)
