@@ -152,11 +152,6 @@ MAX_POSITIONAL_ARGS = 4
 MAX_FILE_LINES = 700
 FILE_LINES_ASIDE = ("residuals.py",)                        # grows with its registry
 IFEXP_ASIDE = ("depthbench/kernels/cpu.py",)                  # fused kernels pick their branch inline
-PARAMS_ASIDE = ("depthbench/kernels/triton_attnres.py",        # a Triton kernel takes each pointer, size and block
-                "depthbench/kernels/triton_attnres_chunk.py",
-                "depthbench/kernels/triton_hc.py",             # as an argument
-                "depthbench/kernels/triton_hc_read.py",
-                "depthbench/kernels/triton_moda.py")
 VARIADIC = ("permute", "view", "reshape", "expand", "repeat",  # tensor methods whose positional arguments are
             "apply", "save_for_backward")                      # the dimensions themselves, and autograd's calls
 #                                                                  that take positional arguments only
@@ -170,6 +165,21 @@ def parsed():
 
 def functions(tree):
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def takes_positional_only(fn):
+    """A function whose parameters are positional by contract, so they may be many: a Triton kernel or jit helper
+    (@triton.jit or @jit: Triton has no struct argument, each pointer, size, stride and block size is a parameter of
+    its own) or an autograd Function's forward (first parameter ctx: Function.apply takes positional arguments
+    only)."""
+    positional = fn.args.posonlyargs + fn.args.args
+    if positional and positional[0].arg == "ctx":
+        return True
+    for decorator in fn.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if ast.unparse(target) in ("triton.jit", "jit"):
+            return True
+    return False
 
 
 def is_parser_builder(fn):
@@ -238,10 +248,10 @@ def shape_offenders(rule, files=None):
                 count = if_expressions(stmt)
                 if count > 1:
                     found.append(f"{name}:{stmt.lineno} {owner} ({count})")
-        elif rule == "required parameters" and name not in PARAMS_ASIDE:
+        elif rule == "required parameters":
             for fn in functions(tree):
                 required = required_params(fn)
-                if len(required) > MAX_REQUIRED_PARAMS:
+                if len(required) > MAX_REQUIRED_PARAMS and not takes_positional_only(fn):
                     found.append(f"{name}:{fn.lineno} {fn.name} ({len(required)}: {', '.join(required)})")
         elif rule == "positional arguments":
             for stmt, owner in statements(tree):
@@ -273,7 +283,7 @@ SHAPE_RULES = {  # rule -> what it says, for the failure message
     "conditional expressions per statement": "statements with more than one conditional expression (depthbench/kernels/cpu.py "
                                              "aside; a compound statement counts its header only)",
     "required parameters": f"functions with more than {MAX_REQUIRED_PARAMS} required parameters (self, cls and the "
-                           f"Triton kernels aside)",
+                           f"@triton.jit functions and autograd's forward(ctx, ...) aside)",
     "positional arguments": f"calls with more than {MAX_POSITIONAL_ARGS} positional arguments (use keywords; "
                             f"{', '.join(VARIADIC)} aside)",
     "SimpleNamespace": "SimpleNamespace used as a record (use a dataclass with commented fields)",
@@ -290,7 +300,8 @@ def test_shape_rules(rule):
 
 def test_the_shape_rules_find_what_they_say():
     """The checker on made-up files: each rule flags exactly its offenders, and what each rule sets aside (an
-    argparse builder, a compound statement's body, self, dimension arguments, residuals.py's length) passes."""
+    argparse builder, a compound statement's body, self, dimension arguments, a Triton kernel and an autograd forward
+    with many parameters, residuals.py's length) passes."""
     body = "\n".join(f"    x{k} = {k}" for k in range(59))
     source = f"""from types import SimpleNamespace
 def long_one():
@@ -310,6 +321,13 @@ def branches(self, a, b, c, d, e, f, g, h=1):
     return y, z, w
 def six(a, b, c, d, e, f, *, g=1):
     return SimpleNamespace(a=a)
+@triton.jit
+def kernel(a, b, c, d, e, f, g):
+    pass
+class Function:
+    @staticmethod
+    def forward(ctx, a, b, c, d, e, f, g):
+        pass
 """
     files = [("made_up.py", ast.parse(source)), ("big.py", ast.parse("x = 1\n" * 701)),
              ("residuals.py", ast.parse("x = 1\n" * 701))]

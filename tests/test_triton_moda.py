@@ -136,8 +136,8 @@ def test_sequence_half_by_the_fused_kernel_equals_the_plain_maths(heads):
     torch.testing.assert_close(o, o_m, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, lse_m, rtol=1e-5, atol=1e-5)
     lse_joint = lse + 0.3                              # as if depth keys took a share: the joint lse is larger
-    fused = moda.sequence_backward(do, q, k, v, o=o, lse=lse_joint, scale=8 ** -0.5, saved=saved)
-    plain = moda.math_backward(do, q, k, v, o, lse_joint, 8 ** -0.5)
+    fused = moda.sequence_backward(do, q, k, v, out=(o, lse_joint), saved=saved)
+    plain = moda.math_backward(do, q, k, v, out=(o, lse_joint), scale=8 ** -0.5)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert moda.fold_heads(fused[1], Hkv).shape == (2, Hkv, 7, 8)
@@ -220,7 +220,7 @@ def test_the_bf16_flash_calls_bind_and_keep_the_query_layout():
     k = torch.empty(2, 16, 8, 40, device="meta", dtype=torch.bfloat16)
     o, lse, saved = moda.flash_forward(q, k, k, scale=40 ** -0.5)
     assert o.stride() == q.stride() and lse.shape == (2, 16, 8) and lse.dtype == torch.float32
-    dq, dk, dv = moda.flash_backward(o, q, k, k, o, lse, 40 ** -0.5, saved)
+    dq, dk, dv = moda.flash_backward(o, q, k, k, out=(o, lse), saved=saved)
     assert dq.stride() == q.stride() and dk.shape == dv.shape == k.shape
 
 

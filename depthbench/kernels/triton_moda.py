@@ -231,9 +231,10 @@ def math_forward(q, k, v, scale):
     return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
 
 
-def math_backward(do, q, k, v, o, lse, scale):
-    """The sequence keys' part of the joint softmax's gradient, given the joint o and lse (flash attention's
+def math_backward(do, q, k, v, out, scale):
+    """The sequence keys' part of the joint softmax's gradient, given out = the joint (o, lse) (flash attention's
     backward in plain maths): (dq, dk, dv) in fp32."""
+    o, lse = out
     T = q.size(2)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
@@ -250,8 +251,10 @@ def flash_forward(q, k, v, scale):
     return out[0], out[1], tuple(out[2:8])
 
 
-def flash_backward(do, q, k, v, o, lse, scale, saved):
-    """Its backward given the joint o and lse: (dq, dk, dv)."""
+def flash_backward(do, q, k, v, out, saved):
+    """Its backward given out = the joint (o, lse) and what flash_forward saved: (dq, dk, dv), at scale 1/sqrt(hd)."""
+    o, lse = out
+    scale = q.size(-1) ** -0.5
     cum_seq_q, cum_seq_k, max_q, max_k, seed, offset = saved
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         do, q, k, v, out=o, logsumexp=lse, cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k, max_q=max_q, max_k=max_k,
@@ -270,16 +273,19 @@ def sequence_forward(q, k, v, scale):
     return (*math_forward(q, k, v, scale), ())
 
 
-def sequence_backward(do, q, k, v, o, lse, scale, saved):
-    """(dq_s, dk, dv) of the sequence half given the joint o and lse (k, v at the query heads)."""
+def sequence_backward(do, q, k, v, out, saved):
+    """(dq_s, dk, dv) of the sequence half given out = the joint (o, lse) (k, v at the query heads) and what
+    sequence_forward saved; at scale 1/sqrt(hd), as sequence_forward's caller sets it."""
+    o, lse = out
+    scale = q.size(-1) ** -0.5
     if flash_on_cuda(q):
-        return flash_backward(do, q, k, v, o=o, lse=lse, scale=scale, saved=saved)
+        return flash_backward(do, q, k, v, out=out, saved=saved)
     if q.device.type == "cpu":
         hd, pad = q.size(-1), cpu.head_pad(q)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *cpu.padded((do, q, k, v, o), pad), logsumexp=lse, dropout_p=0.0, is_causal=True, scale=scale)
         return tuple(g[..., :hd] for g in grads)
-    return math_backward(do, q, k, v, o=o, lse=lse, scale=scale)
+    return math_backward(do, q, k, v, out=out, scale=scale)
 
 
 # ----------------------------------------------------------------------------- autograd and the bank
@@ -365,7 +371,7 @@ class Joint(torch.autograd.Function):
     def backward(ctx, do, _):
         q, ke, ve, o, lse = ctx.saved_tensors
         do = like(do, q.stride())
-        dq_seq, dk, dv = sequence_backward(do, q, ke, ve, o=o, lse=lse, scale=ctx.scale, saved=ctx.sequence)
+        dq_seq, dk, dv = sequence_backward(do, q, ke, ve, out=(o, lse), saved=ctx.sequence)
         bank, K, V = ctx.bank, *ctx.bank.slots
         rec = records(bank, q)
         c = rec.add()
