@@ -11,6 +11,8 @@ The model is additive, one term per resource, each term counted analytically per
     step ms = GEMM FLOPs / F_gemm + attention FLOPs / F_attn + backbone elementwise (per activation element) x c_elem
               + depth-mixing HBM bytes / (eta x 4.8 TB/s) + GPU kernels x tau
 
+(the GPU path of HC and mHC less Pre-LN's norm and residual add, whose work their kernels do: `replaced`)
+
 Calibration (on the first GPU table, docs/speed.md#gpu-runs, copied into MEASURED below): Pre-LN's row gives
 four constants, from its profile: F_gemm (GEMMs were 37% of its 54 ms busy time), F_attn (flash attention 28%),
 c_elem (the other 35%, scaled by L B T d) and tau ((88.3 - 54) ms idle over 9,155 kernels: the launch-bound gap).
@@ -69,6 +71,21 @@ CPU_KERNELS_L70 = {"preln": 5997, "hc": 12860, "mhc": 53603, "attnres": 12230, "
 TODAY_PASSES = {"hc": 12, "mhc": 12, "attnres": 6, "block_attnres": 6, "moda": 9}
 FUSED_PASSES = {"hc": 6, "mhc": 6, "attnres": 2, "block_attnres": 2, "moda": 4}
 FUSED_LAUNCHES = {"hc": 6, "mhc": 8, "attnres": 2, "block_attnres": 2, "moda": 2}  # per sublayer / consumer / block
+# Pre-LN's sublayer norm and residual add, which the backbone's terms hold (calibrated on Pre-LN's step) and which
+# HC's and mHC's kernels replace: their traffic() counts the branch's RMSNorm inside the read and the add inside the
+# write, so the GPU path takes Pre-LN's out of the backbone (`replaced`). What inductor makes of them (its output code
+# for one compiled Pre-LN block, fwd + bwd under bf16 autocast, read on the CPU: the same scheduler's fusions; the
+# stream fp32, y, h and the projections' input gradients bf16), per block: forward the first norm (reads x, writes
+# h: 6 bytes a channel and token), the second with the first add (reads x, y1, writes h: 8), the block's two adds
+# (reads x, y1, y2, writes x: 12); backward the MLP norm's (reads its two input gradients, x, y1 and the stream's
+# gradient, writes that gradient and y1's: 20), the gains' reductions (18) and the attention norm's (three input
+# gradients, x, the stream's gradient in, out: 18): 82 bytes and 6 launches a block, 41 and 3 a sublayer. Of these HC
+# still runs the sum of the input projections' gradients into its read's dh (2 or 3 bf16 reads, a bf16 write: 7 on
+# average, 1 launch), so it replaces 34 bytes and 2 launches a sublayer (the first GPU's top_kernels show the real
+# split at 4,096 tokens, where inductor may split the gains' reductions in two).
+NORM_ADD_BYTES = 34
+NORM_ADD_LAUNCHES = 2
+REPLACES_NORM_ADD = ("hc", "mhc")
 
 
 def d_ff(width):
@@ -232,15 +249,28 @@ def step_today(design, shape, c):
             + today_kernels(design, shape, c["fusion"]) * c["tau"])
 
 
+def replaced(design, shape):
+    """(HBM bytes, launches) of Pre-LN's norms and residual adds that `design`'s GPU kernels replace, for one step:
+    NORM_ADD_BYTES and NORM_ADD_LAUNCHES a sublayer for HC and mHC, (0, 0) for the others."""
+    if design not in REPLACES_NORM_ADD:
+        return 0, 0
+    n_sub = 2 * shape["layers"]
+    return NORM_ADD_BYTES * activations(shape) * 2, NORM_ADD_LAUNCHES * n_sub   # activations: L B T d
+
+
 def estimate(design, shape, c):
-    """{today_ms, gpu_ms, gpu_kernels, ...} of one design at `shape` with the constants c."""
+    """{today_ms, gpu_ms, gpu_kernels, ...} of one design at `shape` with the constants c: the GPU path is Pre-LN's
+    backbone and kernels, less what the design's kernels replace (`replaced`), plus its mixing's bytes and launches."""
     base_kernels = today_kernels("preln", shape, c["fusion"])
     mix, launches, source = gpu_traffic(design, shape)
-    gpu = backbone(shape, c) + (base_kernels + launches) * c["tau"]
-    return {"today_ms": 1e3 * step_today(design, shape, c), "gpu_ms": 1e3 * (gpu + mix / (c["eta_gpu"] * PEAK_HBM)),
-            "gpu_ms_fitted_eta": 1e3 * (gpu + mix / (c["eta"] * PEAK_HBM)),
+    gone_bytes, gone_launches = replaced(design, shape)
+    kernels = base_kernels + launches - gone_launches
+    net = mix - gone_bytes                         # Pre-LN's replaced bytes at the eta of the kernels replacing them
+    gpu = backbone(shape, c) + kernels * c["tau"]
+    return {"today_ms": 1e3 * step_today(design, shape, c), "gpu_ms": 1e3 * (gpu + net / (c["eta_gpu"] * PEAK_HBM)),
+            "gpu_ms_fitted_eta": 1e3 * (gpu + net / (c["eta"] * PEAK_HBM)),
             "today_kernels": round(today_kernels(design, shape, c["fusion"])),
-            "gpu_kernels": round(base_kernels + launches),
+            "gpu_kernels": round(kernels), "replaced_bytes": gone_bytes, "replaced_launches": gone_launches,
             "gpu_mix_bytes": mix, "gpu_traffic": source, "gpu_peak_gb": gpu_peak_gb(design, shape)}
 
 

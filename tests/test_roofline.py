@@ -57,6 +57,26 @@ def test_step_is_the_sum_of_its_terms():
     assert roofline.step_today("attnres", shape, c) == pytest.approx(expect, rel=1e-12)
 
 
+def test_hc_and_mhc_take_pre_lns_norm_and_add_out_of_the_backbone(monkeypatch):
+    """The GPU path of HC and mHC is the backbone and Pre-LN's kernels, less Pre-LN's norm and add (34 bytes a
+    sublayer, token and channel at the GPU path's eta; 2 launches a sublayer), plus their traffic; MoDA, whose kernels
+    keep Pre-LN's norm and add, takes nothing out. Each term here from a fake traffic and the constants by hand."""
+    fake = types.ModuleType("depthbench.kernels.triton_hc")
+    fake.traffic = lambda design, tokens, d_model: [{"read": 1000 * tokens * d_model, "written": 0, "launches": 5}]
+    monkeypatch.setitem(sys.modules, "depthbench.kernels.triton_hc", fake)
+    c = {"F_gemm": 1e15, "F_attn": 5e14, "c_elem": 1e-12, "tau": 1e-5, "fusion": 2.0, "eta": 0.5, "eta_gpu": 0.8}
+    shape = {**roofline.CARD, "layers": 3}
+    tokens, sublayers = shape["batch"] * shape["seq"], 6
+    base = roofline.backbone(shape, c) + roofline.CPU_KERNELS_L70["preln"] * 2.0 * 3 / 70 * 1e-5
+    for design in ("hc", "mhc"):
+        r = roofline.estimate(design, shape, c)
+        moved = sublayers * tokens * 640 * (1000 - 34)
+        expect = base + sublayers * (5 - 2) * 1e-5 + moved / (0.8 * roofline.PEAK_HBM)
+        assert r["gpu_ms"] == pytest.approx(1e3 * expect)
+        assert r["replaced_launches"] == 12 and r["gpu_mix_bytes"] == sublayers * 1000 * tokens * 640
+    assert roofline.replaced("moda", shape) == (0, 0) and roofline.replaced("attnres", shape) == (0, 0)
+
+
 @pytest.mark.parametrize("fit_on", ["hc", "mhc", "attnres", "moda"])
 def test_calibration_reproduces_the_rows_it_was_fitted_on(fit_on):
     """Fitted on Pre-LN's row and one more, the model gives back Pre-LN's step, busy time and kernels, and the other
