@@ -6,7 +6,7 @@ import contextlib
 import torch
 
 
-NESTED_GRAPH_BREAKS_FROM = "2.13"     # the first PyTorch whose nested graph breaks the tests ran on
+NESTED_GRAPH_BREAKS_FROM = "2.11"     # the first PyTorch whose nested graph breaks the tests ran on (the GPU image's)
 
 
 def compile_model(model, scope, backend="inductor"):
@@ -32,7 +32,7 @@ def compile_model(model, scope, backend="inductor"):
             setattr(config, name, max(getattr(config, name), limit))
     # a graph break inside a call the block makes (a bank's read in res.read, in attention) resumes the block's
     # frame once, not once per frame on the way down: ~3x fewer compiled pieces per block (docs/speed.md#compile).
-    # Experimental in dynamo (off by default through 2026); on where it was tested, PyTorch 2.13
+    # Experimental in dynamo (off by default through 2026); on where it was tested, PyTorch 2.11 and 2.13
     if hasattr(config, "nested_graph_breaks") and torch.__version__ >= NESTED_GRAPH_BREAKS_FROM:   # a TorchVersion
         config.nested_graph_breaks = True
     for block in model.blocks:
