@@ -12,8 +12,8 @@ each as a number or as null with a reason:
   card             issue 52's table at L70 d640 T2048 (bf16, compiled per block), at micro-batch 2 and at the one
                    the memory plan picks (train.py's resolve, depthbench/training/costs.py): step ms, x Pre-LN (at the
                    same micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over the step), GPU kernels per
-                   step, peak memory, and scripts/roofline.py's H200 estimate beside each (today's path / GPU path);
-                   the 15 kernels with the most time in each row's step (top_kernels: name, calls, ms)
+                   step, peak memory, and scripts/roofline.py's estimate for this GPU beside each (today's path / GPU
+                   path); the 15 kernels with the most time in each row's step (top_kernels: name, calls, ms)
   kernels          HC's and mHC's read and write kernels alone at the card's sublayer (scripts/kernel_bench.py): ms,
                    GB/s and the roofline's estimate for each pass, and the read's backward in one launch against three
                    kernels (which stays), their gradients agreeing
@@ -384,10 +384,19 @@ def card_run(s, designs, batch, extra=(), cap=None):
     return res, {r["residual"]: r for r in rows}
 
 
+def roofline_gpu(s):
+    """The GPU the roofline estimates beside the measurements: this machine's first where the model has it
+    (roofline.model_gpu: an H200 or an H100 SXM), else the H200 it was calibrated on (and the CPU of --tiny)."""
+    gpus = s.summary["environment"].get("gpus") or ["none"]
+    return roofline.model_gpu(gpus[0]) or "H200"
+
+
 def card_rows(s, measured, batch):
     """The table's rows of one micro-batch: each design against Pre-LN's at the same micro-batch, and the roofline's
-    H200 estimate beside it (today's path and the fused GPU path; an estimate at the card's shape, also in --tiny)."""
-    c = roofline.calibrate()
+    estimate for this GPU beside it (roofline_gpu; today's path and the fused GPU path; an estimate at the card's
+    shape, also in --tiny)."""
+    c = roofline.calibrate(gpu=roofline_gpu(s))
+    s.summary["card"]["roofline_gpu"] = c["gpu"]
     shape = {**roofline.CARD, "batch": batch}
     base = measured.get("preln", {})
     rows = []
@@ -432,7 +441,7 @@ def card_table(s, planned):
 
 def kernels(s):
     """HC's and mHC's connection kernels alone (scripts/kernel_bench.py at the card's sublayer; --tiny: the
-    interpreter at its toy shape): per design and pass, ms, GB/s against the counted bytes, the H200 estimate, and
+    interpreter at its toy shape): per design and pass, ms, GB/s against the counted bytes, the roofline's estimate, and
     one_launch_over_three, the read backward's one launch against its three kernels."""
     argv = [sys.executable, "scripts/kernel_bench.py", "--json", str(s.work / "kernels.json")]
     res = run(s, argv + (["--tiny"] if s.tiny else []), cap=KERNELS_CAP_S)
@@ -480,7 +489,8 @@ def write_table(s):
     lines = [f"### {s.summary['started'][:10]}, {', '.join(env.get('gpus') or ['no GPU'])}, PyTorch {env.get('torch')},"
              f" Triton {env.get('triton') or 'none'}", "",
              f"{where}; `bash scripts/gpu_smoke.sh` at {env.get('commit') or 'an unknown commit'}. Roofline: "
-             "scripts/roofline.py's H200 estimate at L70 d640 T2048 (today's path / the fused GPU path).", "",
+             f"scripts/roofline.py's {roofline_gpu(s)} estimate at L70 d640 T2048 (today's path / the fused GPU "
+             "path).", "",
              "| design | micro-batch | step ms | x Pre-LN | roofline ms | tok/s | GPU busy | kernels / step "
              "| x Pre-LN | peak train GB (roofline) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in s.summary["card"]["rows"]:

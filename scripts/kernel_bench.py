@@ -9,7 +9,8 @@ For each design, one sublayer's read (depthbench/kernels/triton_hc_read.py: the 
 branch's norm) and write (triton_hc.DepthConnection), each timed forward and backward in bf16 (the GPU path's
 streams) with the upstream gradients a model gives (h, H_post and mixed; H_pre and H_res feed nothing else), beside
 the bytes and launches depthbench.kernels.triton_hc.traffic counts for the same launches: the achieved GB/s of each
-(and eta, its fraction of the GPU's HBM peak: HBM_PEAK) and scripts/roofline.py's H200 estimate for it (bytes / (0.8 x 4.8 TB/s) + launches x tau), so the roofline's
+(and eta, its fraction of the GPU's HBM peak: roofline.HBM_PEAK) and scripts/roofline.py's estimate for it on this
+GPU (an H200's or an H100 SXM's, else the H200's: bytes / (0.8 x its HBM peak) + launches x tau), so the roofline's
 assumptions are checked kernel by kernel where they were only counted. The read runs both ways: its backward in one
 launch (_mhc_bwd / _hc_bwd, the model's path) and as three kernels (_width_norm_bwd, _mhc_read_bwd / _hc_read_bwd,
 _proj_bwd: triton_hc_read.ONE_LAUNCH_BACKWARD off), its forward in one (_mhc_fwd / _hc_fwd) and as two
@@ -37,9 +38,6 @@ MIN_COSINE = 0.999            # the two backward paths' gradients, each (bf16 ou
 # kernel looks up in its module when it compiles)
 LAUNCHED = ["_mhc_fwd", "_hc_fwd", "_mhc_read_fwd", "_mhc_read_bwd", "_hc_read_fwd", "_hc_read_bwd", "_width_norm_fwd", "_width_norm_bwd",
             "_mhc_bwd", "_hc_bwd", "_proj_bwd", "_depth_fwd", "_depth_bwd"]
-# HBM bytes/s by device name, the first match wins (the H100's PCIe and NVL variants before the SXM's): a pass's
-# counted bytes over its time over this is its achieved fraction, the roofline's eta (0.8 assumed for the GPU path)
-HBM_PEAK = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 TINY = {"tokens": 39, "d_model": 80, "repeat": 1}   # a partial block of 16 tokens, two tiles of 64 channels
 
 
@@ -170,14 +168,9 @@ def passes(design, args, device):
             "read_backward_three_kernels": read_backward}
 
 
-def hbm_peak(name):
-    """HBM bytes/s of a GPU by its device name (HBM_PEAK), None for one the table lacks (or the CPU)."""
-    return next((value for key, value in HBM_PEAK.items() if key in name), None)
-
-
 def bench(design, args, device, c, peak):
     """One design's passes, timed -> {pass: {ms, kernels, and where traffic counts it: bytes, launches, gb_per_s,
-    predicted_ms_h200}, paths_min_cosine, one_launch_over_three}."""
+    predicted_ms: the roofline's for c's GPU}, paths_min_cosine, one_launch_over_three}."""
     import torch
     from depthbench.kernels import triton_hc as hc
     from depthbench.kernels import triton_hc_read as hcr
@@ -200,9 +193,9 @@ def bench(design, args, device, c, peak):
         row = {"ms": round(ms, 4), "kernels": rec.launched}
         if name in model:
             m = model[name]
-            predicted = m["bytes"] / (roofline.ETA_GPU * roofline.PEAK_HBM) + m["launches"] * c["tau"]
+            predicted = m["bytes"] / (roofline.ETA_GPU * c["hbm"]) + m["launches"] * c["tau"]
             row.update(bytes=m["bytes"], launches=m["launches"], model_rows=m["rows"],
-                       gb_per_s=round(m["bytes"] / ms / 1e6, 1), predicted_ms_h200=round(1e3 * predicted, 4),
+                       gb_per_s=round(m["bytes"] / ms / 1e6, 1), predicted_ms=round(1e3 * predicted, 4),
                        eta=None if peak is None else round(m["bytes"] / ms / 1e-3 / peak, 3))
         result[name] = row
     cosines = [cosine(torch, a, b) for a, b in zip(grads["read_backward"], grads["read_backward_three_kernels"])]
@@ -216,12 +209,13 @@ def bench(design, args, device, c, peak):
 def report(doc):
     print(f"kernel_bench: {doc['device_name']}, torch {doc['torch']}, triton {doc['triton']}; {doc['tokens']} tokens, "
           f"D {doc['d_model']}, n {doc['streams']}, bf16")
-    print("| design | pass | ms | H200 estimate ms | GB/s | eta | launches (counted) | kernels launched |")
+    print(f"| design | pass | ms | {doc['roofline_gpu']} estimate ms | GB/s | eta | launches (counted) | kernels "
+          f"launched |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for design, r in doc["designs"].items():
         for name, row in r.items():
             if isinstance(row, dict):
-                est = row.get("predicted_ms_h200", "")
+                est = row.get("predicted_ms", "")
                 eta = "" if row.get("eta") is None else row["eta"]
                 print(f"| {design} | {name} | {row['ms']:.3f} | {est} | {row.get('gb_per_s', '')} | {eta} | "
                       f"{row.get('launches', '')} | {' '.join(row['kernels'])} |")
@@ -249,14 +243,14 @@ def main(argv=None):
         print("kernel_bench.py --tiny: triton was imported before TRITON_INTERPRET=1 could be set", file=sys.stderr)
         return 2
     import triton
-    c = roofline.calibrate()
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton's interpreter)"
+    c = roofline.calibrate(gpu=roofline.model_gpu(name) or "H200")
     doc = {"schema": "depthbench.kernel_bench/1", "device": device, "torch": torch.__version__,
            "triton": triton.__version__, "tokens": args.tokens, "d_model": args.d_model, "streams": args.streams,
            "repeat": args.repeat, "tau_us": round(1e6 * c["tau"], 3), "eta": roofline.ETA_GPU,
-           "device_name": torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton's interpreter)",
-           "min_cosine": MIN_COSINE, "designs": {}}
+           "device_name": name, "roofline_gpu": c["gpu"], "min_cosine": MIN_COSINE, "designs": {}}
     for design in args.designs:
-        doc["designs"][design] = bench(design, args, device, c, peak=hbm_peak(doc["device_name"]))
+        doc["designs"][design] = bench(design, args, device, c, peak=roofline.hbm_peak(name))
     report(doc)
     if args.json:
         write_json(Path(args.json), doc, strict=True)

@@ -1,15 +1,16 @@
 """
-A roofline estimate of one training step on an H200, without a GPU (issue 52, item 5;
+A roofline estimate of one training step on an H200 (or an H100 SXM: --gpu), without a GPU (issue 52, item 5;
 docs/speed.md#gpu-smoke-and-roofline).
 
     python scripts/roofline.py                          # L70 d640 T2048 B2: every design, today's path and the GPU path
     python scripts/roofline.py --batch 8 --seq 4096     # another shape (--layers, --width, --vocab too)
     python scripts/roofline.py --fit-on mhc --json r.json
+    python scripts/roofline.py --gpu H100               # calibrated on the H200, moved by HBM bandwidth (`calibrate`)
 
 The model is additive, one term per resource, each term counted analytically per design at the asked shape:
 
     step ms = GEMM FLOPs / F_gemm + attention FLOPs / F_attn + backbone elementwise (per activation element) x c_elem
-              + depth-mixing HBM bytes / (eta x 4.8 TB/s) + GPU kernels x tau
+              + depth-mixing HBM bytes / (eta x HBM peak: 4.8 TB/s on the H200) + GPU kernels x tau
 
 (the GPU path of HC and mHC less Pre-LN's norm and residual add, whose work their kernels do: `replaced`)
 
@@ -42,7 +43,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 from depthbench.files.common import ArgParser  # noqa: E402
 
-PEAK_HBM = 4.8e12                  # H200 HBM3e bytes/s
+# HBM bytes/s by device name: the first key a name contains (the longer names first). The model is calibrated on
+# an H200 and moved to an H100 SXM (the same GH100 compute and clocks, 3.35 TB/s of HBM3) by its bandwidth alone
+# (`calibrate`'s gpu); any other GPU differs in compute too, so its estimate stays the H200's
+HBM_PEAK = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+PEAK_HBM = HBM_PEAK["H200"]        # the calibration's GPU
+MODEL_GPUS = ("H200", "H100")      # the GPUs the model estimates
 ETA_GPU = 0.8                      # HBM fraction a streaming fused kernel reaches (the first notes' bound assumes it)
 DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]
 TARGETS = {"preln": 1.0, "hc": 1.15, "mhc": 1.10, "attnres": 1.5, "block_attnres": 1.05, "moda": 1.3}
@@ -214,14 +220,28 @@ def gpu_peak_gb(design, shape):
     return MEASURED[design]["peak_gb"] + tokens * change / 1e9
 
 
-def calibrate(fit_on="attnres", measured=MEASURED, shape=CARD):
-    """The constants from Pre-LN's row and eta from `fit_on`'s (None: eta = 0.8, the notes' assumption)."""
+def hbm_peak(name):
+    """HBM bytes/s of a GPU by its device name (HBM_PEAK), None for one the table lacks (or the CPU)."""
+    return next((value for key, value in HBM_PEAK.items() if key in name), None)
+
+
+def model_gpu(name):
+    """The GPU of MODEL_GPUS a device name is ("NVIDIA H100 80GB HBM3": "H100"; not "NVIDIA H100 PCIe", whose
+    HBM_PEAK differs), None for any other."""
+    return next((gpu for gpu in MODEL_GPUS if hbm_peak(name) == HBM_PEAK[gpu] and gpu in name), None)
+
+
+def calibrate(fit_on="attnres", measured=MEASURED, shape=CARD, gpu="H200"):
+    """The constants from Pre-LN's row and eta from `fit_on`'s (None: eta = 0.8, the notes' assumption), on the
+    H200 the rows were measured on; then moved to `gpu` (MODEL_GPUS): its HBM bandwidth for the mixing's bytes,
+    and the backbone's elementwise work (bandwidth-bound) scaled by the two peaks' ratio. GEMMs, attention and the
+    launch gap stay (the same compute; the host's launches)."""
     base = measured["preln"]
     gemm, attention = flops(shape)
     busy = base["busy_ms"] / 1e3
     c = {"F_gemm": gemm / (PRELN_SHARES["gemm"] * busy), "F_attn": attention / (PRELN_SHARES["attention"] * busy),
          "c_elem": (1 - sum(PRELN_SHARES.values())) * busy / activations(shape),
-         "tau": (base["step_ms"] - base["busy_ms"]) / 1e3 / base["kernels"],
+         "tau": (base["step_ms"] - base["busy_ms"]) / 1e3 / base["kernels"], "hbm": PEAK_HBM, "gpu": "H200",
          "fusion": base["kernels"] / CPU_KERNELS_L70["preln"], "eta": ETA_GPU, "eta_gpu": ETA_GPU, "fit_on": fit_on}
     if fit_on:
         moved = mixing_bytes(fit_on, shape, TODAY_PASSES, 4)
@@ -230,6 +250,10 @@ def calibrate(fit_on="attnres", measured=MEASURED, shape=CARD):
         if left <= 0 or not moved:
             raise ValueError(f"cannot fit eta on {fit_on}: the other terms already predict {1e3 * rest:.1f} ms")
         c["eta"] = moved / PEAK_HBM / left
+    if gpu not in MODEL_GPUS:
+        raise ValueError(f"the roofline models {', '.join(MODEL_GPUS)}, not {gpu!r}")
+    c["hbm"], c["gpu"] = HBM_PEAK[gpu], gpu
+    c["c_elem"] *= PEAK_HBM / c["hbm"]
     return c
 
 
@@ -245,7 +269,7 @@ def backbone(shape, c):
 
 def step_today(design, shape, c):
     """Seconds of one step of today's path: the backbone, the mixing's fp32 bytes and every kernel's launch."""
-    return (backbone(shape, c) + mixing_bytes(design, shape, TODAY_PASSES, 4) / (c["eta"] * PEAK_HBM)
+    return (backbone(shape, c) + mixing_bytes(design, shape, TODAY_PASSES, 4) / (c["eta"] * c["hbm"])
             + today_kernels(design, shape, c["fusion"]) * c["tau"])
 
 
@@ -267,8 +291,8 @@ def estimate(design, shape, c):
     kernels = base_kernels + launches - gone_launches
     net = mix - gone_bytes                         # Pre-LN's replaced bytes at the eta of the kernels replacing them
     gpu = backbone(shape, c) + kernels * c["tau"]
-    return {"today_ms": 1e3 * step_today(design, shape, c), "gpu_ms": 1e3 * (gpu + net / (c["eta_gpu"] * PEAK_HBM)),
-            "gpu_ms_fitted_eta": 1e3 * (gpu + net / (c["eta"] * PEAK_HBM)),
+    return {"today_ms": 1e3 * step_today(design, shape, c), "gpu_ms": 1e3 * (gpu + net / (c["eta_gpu"] * c["hbm"])),
+            "gpu_ms_fitted_eta": 1e3 * (gpu + net / (c["eta"] * c["hbm"])),
             "today_kernels": round(today_kernels(design, shape, c["fusion"])),
             "gpu_kernels": round(kernels), "replaced_bytes": gone_bytes, "replaced_launches": gone_launches,
             "gpu_mix_bytes": mix, "gpu_traffic": source, "gpu_peak_gb": gpu_peak_gb(design, shape)}
@@ -300,11 +324,12 @@ def leave_one_out(shape=CARD):
 def report(rows, c, shape):
     """The table: per design today's predicted step (and the measured one at the card's shape), the GPU path's, and
     its ratio to Pre-LN against issue 52's targets."""
-    card = shape == CARD
-    print(f"roofline at L{shape['layers']} d{shape['width']} T{shape['seq']} B{shape['batch']}: F_gemm "
+    card = shape == CARD and c["gpu"] == "H200"     # the measured rows: the H200's at the card's shape
+    print(f"roofline for an {c['gpu']} ({c['hbm'] / 1e12:.2f} TB/s) at L{shape['layers']} d{shape['width']} "
+          f"T{shape['seq']} B{shape['batch']}: F_gemm "
           f"{c['F_gemm'] / 1e12:.0f} TFLOP/s, F_attn {c['F_attn'] / 1e12:.0f} TFLOP/s, "
           f"tau {1e6 * c['tau']:.2f} us/kernel, eta {c['eta']:.2f} of {PEAK_HBM / 1e12:.1f} TB/s "
-          f"(fitted on preln + {c['fit_on'] or 'nothing'}); the GPU path at "
+          f"(fitted on preln + {c['fit_on'] or 'nothing'}, on the H200); the GPU path at "
           f"eta {c['eta_gpu']:.2f} (and, the last x, at the fitted eta)")
     print(f"| design | today ms (pred) | today ms (measured) | GPU path ms (pred) | x Pre-LN | target | kernels "
           f"(pred) | x Pre-LN | peak GB today (measured) | GPU path (pred) | meets | x Pre-LN, fitted eta | "
@@ -326,6 +351,8 @@ def main(argv=None):
         p.add_argument(f"--{key}", type=int, default=CARD[key], help=f"default {CARD[key]} (the card's)")
     p.add_argument("--fit-on", default="attnres", choices=[d for d in MEASURED if d != "preln"],
                    help="the row eta (HBM fraction) is fitted on, beside Pre-LN's (default attnres)")
+    p.add_argument("--gpu", default="H200", choices=MODEL_GPUS, help="the GPU estimated (default H200, the "
+                   "calibration's; H100: an H100 SXM, the same compute with 3.35 TB/s)")
     p.add_argument("--eta-gpu", type=float, default=ETA_GPU, help=f"HBM fraction of the fused GPU path (default "
                    f"{ETA_GPU}: a streaming kernel's; the fitted eta is today's fp32 read-modify-write pattern's)")
     p.add_argument("--loo", action="store_true", help="also fit eta on each measured row in turn, and print the "
@@ -337,7 +364,7 @@ def main(argv=None):
     shape = {**CARD, **{k: getattr(args, k) for k in ("layers", "width", "seq", "batch", "vocab")}}
     if not 0 < args.eta_gpu <= 1:
         p.error(f"--eta-gpu {args.eta_gpu}: a fraction in (0, 1]")
-    c = {**calibrate(args.fit_on), "eta_gpu": args.eta_gpu}
+    c = {**calibrate(args.fit_on, gpu=args.gpu), "eta_gpu": args.eta_gpu}
     rows = table(shape, c)
     report(rows, c, shape)
     doc = {"shape": shape, "constants": c, "estimates": rows}

@@ -47,7 +47,7 @@ def test_the_card_bound_matches_the_notes():
 def test_step_is_the_sum_of_its_terms():
     """With hand-picked constants, today's step of Full AttnRes at L70 is the backbone's time plus its fp32 bytes over
     eta x peak plus its kernels x tau: each term computed here from the tables, independently of step_today's code."""
-    c = {"F_gemm": 1e15, "F_attn": 5e14, "c_elem": 1e-12, "tau": 1e-5, "fusion": 2.0, "eta": 0.5}
+    c = {"F_gemm": 1e15, "F_attn": 5e14, "c_elem": 1e-12, "tau": 1e-5, "fusion": 2.0, "eta": 0.5, "hbm": 4.8e12}
     shape = {**roofline.CARD, "batch": 1}
     gemm, attention = roofline.flops(shape)
     slot32 = 1 * 2048 * 640 * 4
@@ -64,7 +64,8 @@ def test_hc_and_mhc_take_pre_lns_norm_and_add_out_of_the_backbone(monkeypatch):
     fake = types.ModuleType("depthbench.kernels.triton_hc")
     fake.traffic = lambda design, tokens, d_model: [{"read": 1000 * tokens * d_model, "written": 0, "launches": 5}]
     monkeypatch.setitem(sys.modules, "depthbench.kernels.triton_hc", fake)
-    c = {"F_gemm": 1e15, "F_attn": 5e14, "c_elem": 1e-12, "tau": 1e-5, "fusion": 2.0, "eta": 0.5, "eta_gpu": 0.8}
+    c = {"F_gemm": 1e15, "F_attn": 5e14, "c_elem": 1e-12, "tau": 1e-5, "fusion": 2.0, "eta": 0.5, "eta_gpu": 0.8,
+         "hbm": 4.8e12}
     shape = {**roofline.CARD, "layers": 3}
     tokens, sublayers = shape["batch"] * shape["seq"], 6
     base = roofline.backbone(shape, c) + roofline.CPU_KERNELS_L70["preln"] * 2.0 * 3 / 70 * 1e-5
@@ -75,6 +76,35 @@ def test_hc_and_mhc_take_pre_lns_norm_and_add_out_of_the_backbone(monkeypatch):
         assert r["gpu_ms"] == pytest.approx(1e3 * expect)
         assert r["replaced_launches"] == 12 and r["gpu_mix_bytes"] == sublayers * 1000 * tokens * 640
     assert roofline.replaced("moda", shape) == (0, 0) and roofline.replaced("attnres", shape) == (0, 0)
+
+
+def test_each_gpus_bandwidth_by_name_and_the_gpus_the_model_estimates():
+    """HBM peaks by device name (kernel_bench's eta divides by them): an H100 PCIe is not taken for the SXM part
+    (whose name is in its), an H200 is not an H100, an unknown device has none; the model estimates the H200 and the
+    H100 SXM only (the PCIe part differs in compute too)."""
+    peak, gpu = roofline.hbm_peak, roofline.model_gpu
+    assert peak("NVIDIA H100 PCIe") == 2.0e12 and peak("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert peak("NVIDIA H200") == 4.8e12 and peak("CPU (Triton's interpreter)") is None
+    assert gpu("NVIDIA H100 80GB HBM3") == "H100" and gpu("NVIDIA H200") == "H200"
+    assert gpu("NVIDIA H100 PCIe") is None and gpu("NVIDIA H100 NVL") is None and gpu("none") is None
+
+
+def test_an_h100_is_the_h200_model_with_its_bandwidth():
+    """calibrate(gpu="H100"): the H200's fit (GEMM, attention, tau, eta) kept, the backbone's elementwise term and
+    every HBM term scaled by 4.8 / 3.35 (the bandwidth-bound parts), so at the card a design's step grows by
+    exactly those parts: checked against the H200's terms by hand."""
+    h200, h100 = roofline.calibrate(), roofline.calibrate(gpu="H100")
+    assert all(h100[k] == h200[k] for k in ("F_gemm", "F_attn", "tau", "eta", "fusion"))
+    assert h100["hbm"] == 3.35e12 and h100["c_elem"] == pytest.approx(h200["c_elem"] * 4.8 / 3.35)
+    card, ratio = roofline.CARD, 4.8 / 3.35
+    elem = h200["c_elem"] * roofline.activations(card)
+    for design in ("preln", "hc", "moda"):
+        a, b = roofline.estimate(design, card, h200), roofline.estimate(design, card, h100)
+        net = a["gpu_mix_bytes"] - a["replaced_bytes"]
+        mixing = 0 if design == "preln" else net / (0.8 * roofline.PEAK_HBM)
+        assert b["gpu_ms"] - a["gpu_ms"] == pytest.approx(1e3 * (ratio - 1) * (elem + mixing), rel=1e-9)
+    with pytest.raises(ValueError, match="models H200, H100"):
+        roofline.calibrate(gpu="A100")
 
 
 @pytest.mark.parametrize("fit_on", ["hc", "mhc", "attnres", "moda"])
