@@ -185,13 +185,17 @@ def result_parts(line):
     return re.sub(r"\((\d+)%\)", "(%)", line), [int(p) for p in re.findall(r"\((\d+)%\)", line)]
 
 
+README_CPU = "AVX2"   # torch's CPU capability where the README's quick-start digits were made (a 2-core AVX2 VM)
+
+
 @pytest.mark.slow
 def test_readme_quick_start_prints_the_result_the_readme_quotes(tmp_path):
     """`python train.py` from a clean folder, the whole default run (~3 minutes): its last line is the one the README
-    quotes, up to "(chance": the same words (which gaps are solved, partly solved, not learnt) and each gap's accuracy
-    within 3 points. The run is deterministic on one machine (the README's digits are this machine's); another CPU
-    kind may round its fp32 sums otherwise, which moves an accuracy by a point or two, never a verdict. So a change to
-    the default run updates both."""
+    quotes, up to "(chance": the same words (which gaps are solved, partly solved, not learnt: each verdict is a band
+    of accuracy, >= 90%, >= twice chance, below it) and, on the CPU kind the README's digits come from (README_CPU),
+    each gap's accuracy within 3 points. The run is deterministic on one machine; a CPU with other vector units
+    rounds its fp32 sums otherwise and the run drifts: on an AVX-512 one (2026-12-07) 98/92/43/20% against the
+    README's 98/91/34/19%, the same verdicts. So a change to the default run updates both."""
     started = time.time()
     r = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=1800)
@@ -201,7 +205,8 @@ def test_readme_quick_start_prints_the_result_the_readme_quotes(tmp_path):
     assert last.startswith("result: ")
     (words, got), (quoted_words, quoted) = result_parts(last.split(" (chance ")[0]), result_parts(readme_quoted_result())
     assert words == quoted_words and len(got) == len(quoted) >= 4, (last, readme_quoted_result())
-    assert all(abs(g - q) <= 3 for g, q in zip(got, quoted)), (last, readme_quoted_result())
+    if torch.backends.cpu.get_cpu_capability() == README_CPU:
+        assert all(abs(g - q) <= 3 for g, q in zip(got, quoted)), (last, readme_quoted_result())
 
 
 def test_resume_equals_uninterrupted(tmp_path, capsys):
