@@ -9,6 +9,7 @@ in a real process and under torch.distributed.run (2 gloo ranks). The time from 
     python -m pytest -q -p no:cacheprovider tests/test_stop.py
 """
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -150,9 +151,9 @@ def test_progress_lines_before_and_during_a_step(tmp_path, capsys, monkeypatch):
 # ----------------------------------------------------------------------------- real processes
 
 def stop_mid_step(cmd, out_dir):
-    """Start `cmd` (train.py with LONG), send SIGTERM 0.3 s after step 1's line (step 2 runs: its 128 micro-batches
-    take ~2 s here; the test only needs the signal to land inside some step after the first) -> (exit code, stdout,
-    stderr); prints the seconds from the signal to the exit."""
+    """Start `cmd` (train.py with LONG), send SIGTERM half a step after step 1's line (the step's ms, as that line
+    gives them: so the signal lands inside step 2, away from its ends, on a CPU that runs a step in 0.3 s as on one
+    that takes 2 s) -> (exit code, stdout, stderr); prints the seconds from the signal to the exit."""
     p = subprocess.Popen(cmd + ["--out", str(out_dir)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
@@ -160,7 +161,8 @@ def stop_mid_step(cmd, out_dir):
         seen.append(line)
         if line.startswith("step     1/4 "):
             break
-    time.sleep(0.3)
+    step_ms = float(re.search(r"\| (\d+) ms", seen[-1]).group(1))    # "... | 394 ms (steady 388 ms) | ..."
+    time.sleep(step_ms / 2 / 1e3)
     t = time.time()
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)
