@@ -100,8 +100,7 @@ def test_an_h100_is_the_h200_model_with_its_bandwidth():
     elem = h200["c_elem"] * roofline.activations(card)
     for design in ("preln", "hc", "moda"):
         a, b = roofline.estimate(design, card, h200), roofline.estimate(design, card, h100)
-        net = a["gpu_mix_bytes"] - a["replaced_bytes"]
-        mixing = 0 if design == "preln" else net / (0.8 * roofline.PEAK_HBM)
+        mixing = (a["gpu_mix_bytes"] - a["replaced_bytes"]) / (0.8 * roofline.PEAK_HBM)    # Pre-LN's: none
         assert b["gpu_ms"] - a["gpu_ms"] == pytest.approx(1e3 * (ratio - 1) * (elem + mixing), rel=1e-9)
     with pytest.raises(ValueError, match="models H200, H100"):
         roofline.calibrate(gpu="A100")

@@ -757,8 +757,6 @@ def test_kernel_bench_rejects_bad_arguments(argv, words, capsys):
     assert e.value.code == 2 and words in err[-1] and "Traceback" not in "".join(err)
 
 
-
-
 @pytest.mark.slow
 def test_kernel_bench_rehearses_every_pass(tmp_path):
     """scripts/kernel_bench.py --tiny (the interpreter, 39 tokens, d80): for HC and mHC, each pass launches the
