@@ -342,9 +342,10 @@ class Function:
 
 
 def test_each_design_is_learnt_within_the_learners_path_target():
-    """scripts/learner_path.py (issue 54): HC, mHC, Full AttnRes and MoDA are each read from their class in at most
-    TARGET's files and lines, the fast bodies left out only where the class docstring names the test that proves
-    them equal to ops.py's."""
+    """scripts/learner_path.py (issue 67): from its README row, HC, mHC, Full AttnRes and MoDA are each learnt in at
+    most TARGET's files and lines, the two the row names (the class in residuals.py, the reference forward in
+    tests/test_equations.py); ops.py and the fast bodies are left out only where the class docstring names the test
+    that checks the model against the reference forward."""
     import importlib.util
     import sys
     spec = importlib.util.spec_from_file_location("learner_path", ROOT / "scripts" / "learner_path.py")
@@ -352,8 +353,9 @@ def test_each_design_is_learnt_within_the_learners_path_target():
     spec.loader.exec_module(path)
     files, lines = path.TARGET
     for name in path.TARGETED:
-        read, fast_counted = path.measure(ROOT, path.paths()[name])
-        assert len(read) <= files and sum(read.values()) <= lines, (name, read, fast_counted)
+        door, read = path.measure(ROOT, name)
+        assert set(read) == {"residuals.py", "tests/test_equations.py"}, (name, read)
+        assert len(read) <= files and sum(read.values()) <= lines, (name, door, read)
 
 
 # ----------------------------------------------------------------------------- the import graph
