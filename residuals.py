@@ -5,6 +5,8 @@ Mix-LN, a Pre-LN / cross-layer hybrid), in one registry, RESIDUALS.
 
 Legend (shape comments): B batch, T time, D width (d_model), n streams (HC/mHC), L blocks, 2L sublayers,
 i sublayer index (block b's attention is i = 2b, its MLP i = 2b + 1), N groups (Block AttnRes).
+Indices, the one convention of the code and the docs: every index counts from 0 (sublayers 0 .. 2L - 1, streams
+h_0 .. h_(n-1), sources, slots); s names an input stream, o an output stream, and a matrix over streams is [o, s].
 
 A design is the residual path around the sublayers F_i. GPT's trunk loop (model.py) is its whole contract:
 
@@ -370,14 +372,18 @@ class KEEL(PreLN):
 class HC(PreLN):
     """Hyper-Connections, Zhu et al. (arXiv 2409.19606; docs/designs.md#hc: the decisions and the older official code).
 
-    State: n = 4 streams H (B, T, n, D), stream s is h_s = H[:, :, s]; each starts as a copy of the embedding e.
-    Sublayer i (one connector per sublayer, 2L in all) reads and writes them through three maps per token. Their names
-    are mHC's, one convention for both designs, and the tensors read (ctx, the diagnostics) are laid out as named:
+    State: n = 4 streams H (B, T, n, D), stream s is h_s = H[:, :, s], s = 0 .. n - 1; each starts as a copy of the
+    embedding e. Sublayer i (one connector per sublayer, 2L in all) reads and writes them through three maps per
+    token. Their names are mHC's, one convention for both designs (the module docstring's: [o, s], from 0), and the
+    tensors read (ctx, the diagnostics) are laid out as named:
         H_pre  (B, T, n)       H_pre[s]: the weight of input stream s in the branch input
         H_res  (B, T, n, n)    H_res[o, s]: the weight of input stream s in output stream o (the transport)
         H_post (B, T, n)       H_post[o]: the weight of the branch output in output stream o
-        y    = F_i(RMSNorm_i(sum_s H_pre[s] h_s))            read: ops.width_connection (and the pre-norm)
-        h'_o = sum_s H_res[o, s] h_s + H_post[o] y           write: ops.depth_connection
+        y    = F_i(RMSNorm_i(sum_s H_pre[s] h_s))            read
+        h'_o = sum_s H_res[o, s] h_s + H_post[o] y           write
+    read is `connect` (ops.hc_read only runs it under a checkpoint, below): `maps`, then ops.width_connection's two
+    sums in fp32, branch = sum_s H_pre[s] h_s (B, T, D) and mixed_o = sum_s H_res[o, s] h_s (B, T, n, D), the
+    matmul H_res @ H; then the pre-norm of branch. write is ops.depth_connection: h'_o = mixed_o + H_post[o] y, fp32.
     The maps (`maps`), from the connector's tensors, which keep the release's layout (official checkpoints load as
     they are): with H_bar = H / rms(H) per stream (no gain, eps 1e-8; ops.normed_projection),
         A    = static_alpha + alpha_scale tanh(H_bar dynamic_alpha)    (B, T, n, n + 1): row s = input stream s
@@ -536,8 +542,9 @@ class MHC(HC):
 
     HC's state, read and write (above), in the same names: n streams H (B, T, n, D), each a copy of e at the start;
         y    = F_i(RMSNorm_i(sum_s H_pre[s] h_s)),    h'_o = sum_s H_res[o, s] h_s + H_post[o] y
-    with the three maps made from one projection of all streams. Per token and sublayer, with x = [h_1; ...; h_n] the
-    streams flattened stream-major (B, T, nD) and r = 1/sqrt(mean(x^2) + 1e-6) (no gain; ops.normed_projection):
+    with the three maps made from one projection of all streams. Per token and sublayer, with x = [h_0; ...; h_(n-1)]
+    the streams flattened stream-major (B, T, nD) and r = 1/sqrt(mean(x^2) + 1e-6) (no gain; ops.normed_projection,
+    in fp32), and b laid out as m's columns, flat [pre: n | post: n | res: n^2, row-major]:
         m = r (x phi)                             (B, T, n^2 + 2n), split [pre: n | post: n | res: n^2]
         H_pre[s]  = sigmoid(alpha_pre m[s] + b[s])                       (B, T, n)
         H_post[o] = 2 sigmoid(alpha_post m[n + o] + b[n + o])            (B, T, n)
@@ -551,8 +558,9 @@ class MHC(HC):
     Init (`init=`, `reset_parameters`, which replaces HC's: this connector has no static_alpha), in every case
     alpha_pre = alpha_post = alpha_res = 0.01 and W_o, W_2 divided by sqrt(n) (HC's `scale_sublayer_init`):
     - "gap8" (default, as the official 400M runs): phi = 0; b_pre[s] = +8 at s = i mod n, else -8; b_post = 0;
-      R's bias 0 at o = s, else -8. So H_pre ~ one-hot, H_post = 1 and H_res ~ I (diagonal 0.998995, already doubly
-      stochastic, which Sinkhorn keeps): the transport starts at the identity (effective rank n).
+      R's bias 0 at o = s, else -8. So H_pre ~ one-hot, H_post = 1 and H_res ~ I: diagonal 0.998995 after the row
+      softmax (1 / (1 + 3 e^-8), already doubly stochastic), 0.998991 after Sinkhorn (its eps takes 4e-6 off), off
+      the diagonal 3.36e-4: the transport starts at the identity (effective rank n).
     - "uniform": phi ~ N(0, 0.02^2), b = 0: H_pre ~ 1/2, H_post ~ 1, H_res ~ 11^T / n (Liger's init; erank ~1).
     Params per connector: phi (nD, n^2 + 2n), b (n^2 + 2n), the three alphas: 96d + 27 at n = 4,
     `params(d, L) = 2L(96d + 27)` in all. b and the alphas are not decayed, phi is.
@@ -936,9 +944,13 @@ class MoDA(PreLN):
     Head: the final RMSNorm of x, as Pre-LN's. Init: W_kv truncated normal, std 0.02 (`reset_parameters`).
     Params: W_kv (D -> 2 H_kv hd, no bias, decayed) on blocks 0 .. L - 2, 2 D H_kv hd (L - 1): with as many kv heads
     as heads `params(d, L) = 2d^2(L - 1)`, +12-14% at 400M.
-    Cost: the depth K/V, 4 L d values per token; up to 2L extra keys per query, O(L^2 d) traffic per token.
+    Slots: attention b writes slot 2b, block b's MLP slot 2b + 1 (b < L - 1): `slots(L) = 2L - 1` in all (DepthKV's
+    n_max). Block b's attention reads slots 0 .. 2b - 1, at most `depth_keys(L) = 2L - 2` (block L - 1's); the last
+    attention's slot 2L - 2 is written, never read. Cost: the slots keep `depth_values(d, L) = 2d(2L - 1)` values per
+    token (as many kv heads as heads; `cost` rounds the state up to 4Ld), O(L^2 d) traffic per token.
     Fast bodies: depthbench/kernels/cpu.py's apply_rope, joint_attention (the depth part by hand, the sequence part in
-    fused attention with one "sink" key) and DepthKV; equal to ops.py's by test_all.py::
+    fused attention with one "sink" key whose logit is the depth part's log-sum-exp: the one softmax, split in two
+    and merged exactly) and DepthKV; equal to ops.py's by test_all.py::
     test_fast_kernels_equal_the_reference and test_moda_merge_by_log_sum_exp_equals_the_sink, the model to these
     equations by tests/test_equations.py::test_logits_equal_the_equations (both bodies).
     """
@@ -1004,7 +1016,7 @@ class MoDA(PreLN):
     @classmethod
     def cost(cls, L, d, T, kv_ratio=1.0, **options):
         """W_kv (d x 2d kv_ratio; kv_ratio = kv heads / heads) on blocks 0..L-2; block b's queries see 2b depth
-        keys of 2d + 2d FLOPs each; the state: the stream and the depth K/V."""
+        keys of 2d + 2d FLOPs each; the state: the stream and the depth K/V, its 2L - 1 slots counted as 2L."""
         return 4 * kv_ratio * d * d * (L - 1) * T + 4 * d * L * (L - 1) * T, 1 + 4 * L * kv_ratio
 
     @torch.no_grad()

@@ -192,7 +192,8 @@ def depth_mup(alpha):
 
 def hc_maps(P, i, H, n):
     """HC's maps of sublayer i from the streams H (B, T, n, D): A (B, T, n, n + 1), rows = input stream s, column 0 =
-    the branch input, column 1 + t = output stream t; beta (B, T, n). Hbar = H / rms(H) per stream, eps 1e-8."""
+    the branch input, column 1 + o = output stream o (the release's layout; residuals.HC's H_res[o, s] is A[s, 1 + o]);
+    beta (B, T, n) [o]. Hbar = H / rms(H) per stream, eps 1e-8."""
     c = f"res.conn.{i}."
     Hbar = rmsnorm(H, eps=1e-8)
     A = P[c + "static_alpha"] + P[c + "alpha_scale"] * torch.tanh(torch.einsum("btsd,dk->btsk", Hbar, P[c + "dynamic_alpha"]))
@@ -201,7 +202,7 @@ def hc_maps(P, i, H, n):
 
 
 def hc(collapse="sum", forward="mixed", n=4):
-    """y = F_i(RMSNorm_i(sum_s A[s, 0] h_s)); h'_t = sum_s A[s, 1 + t] h_s + beta_t y (unmixed: h_t + beta_t y)."""
+    """y = F_i(RMSNorm_i(sum_s A[s, 0] h_s)); h'_o = sum_s A[s, 1 + o] h_s + beta_o y (unmixed: h_o + beta_o y)."""
     def run(P, idx, cfg, x0=None):
         e = P["wte.weight"][idx] if x0 is None else x0
         H = e.unsqueeze(2).expand(-1, -1, n, -1)
@@ -210,7 +211,7 @@ def hc(collapse="sum", forward="mixed", n=4):
             branch = torch.einsum("bts,btsd->btd", A[..., 0], H)
             y = sublayer(P, i, rmsnorm(branch, gain(P, f"norms.{i}")), cfg)
             if forward == "mixed":
-                carried = torch.stack([torch.einsum("bts,btsd->btd", A[..., 1 + t], H) for t in range(n)], 2)
+                carried = torch.stack([torch.einsum("bts,btsd->btd", A[..., 1 + o], H) for o in range(n)], 2)
             else:
                 carried = H
             H = carried + beta[..., None] * y[:, :, None]
@@ -238,7 +239,7 @@ def sinkhorn(logits, iters=20, eps=1e-6):
 def mhc_maps(P, i, H, n, iters=20):
     """mHC's maps of sublayer i: H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n) [output, input]."""
     c = f"res.conn.{i}."
-    x = H.flatten(2)                                                           # [h_1; ...; h_n], stream-major
+    x = H.flatten(2)                                                           # [h_0; ...; h_(n-1)], stream-major
     m = rmsnorm(x) @ P[c + "phi"]                                              # r = 1/sqrt(mean(x^2) + 1e-6)
     b = P[c + "b"]
     pre = torch.sigmoid(P[c + "alpha_pre"] * m[..., :n] + b[:n])
@@ -804,8 +805,9 @@ def test_hc_family_divides_the_branch_outputs_by_sqrt_n(residual):
 
 def test_mhc_gap8_init_and_sinkhorn_fixed_point():
     """gap-8: phi = 0; b_pre = -8 but +8 at stream i mod n; b_post = 0; b_res = 0 on the diagonal, -8 off it; the
-    three alphas 0.01. Sinkhorn of that start: diagonal 0.998995 (docs/designs.md#mhc: the row softmax's 1 / (1 + 3 e^-8);
-    Sinkhorn's eps 1e-6 takes 4e-6 off it), and the model's H_res at init is exactly that matrix."""
+    three alphas 0.01. Sinkhorn of that start: diagonal 0.998991 (docs/designs.md#mhc: the row softmax's 1 / (1 + 3 e^-8)
+    = 0.998995, less the 4e-6 that Sinkhorn's eps 1e-6 takes off), and the model's H_res at init is exactly that
+    matrix (tests/test_docs.py checks the docs' numbers)."""
     res = fresh("mhc").res
     for i, c in enumerate(res.conn):
         want_pre = torch.full((4,), -8.0)
