@@ -934,7 +934,7 @@ class MoDA(PreLN):
     `attend`, the depth attention (its whole maths; model.Attention only projects q, k, v and calls it through
     AttentionInputs.attend): for each head and token t, one softmax over the causal sequence logits and the depth
     logits of token t's own slots j, all at scale 1/sqrt(hd) (GQA: query head h reads kv head h // (H / H_kv)):
-        a = softmax([ rope(q_t) . rope(k_s) for s <= t ;  rope(q_t) . dk_j,t for every slot j ])
+        a = softmax([ rope(q_t) . rope(k_s) for s <= t ;  rope(q_t) . dk_j,t for slots j < 2b ])
         o_t = sum_s a_s v_s + sum_j a_j dv_j,t                                     ops.joint_attention
     RoPE: the query and the sequence keys are rotated; the depth keys are not (attention's k is stored pre-RoPE,
     W_kv's key never meets RoPE), as the authors' release does. A depth key sits at its query's own position t, so
