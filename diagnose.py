@@ -455,8 +455,8 @@ METRICS = [
         "not a softmax: rows need not sum to 1")),
     Metric("erank", "transport_erank", transport, protocol=(128, 512), needs=(TRANSPORT,), definition=(
         "erank(M) = exp(H(p)), p = sigma / sum(sigma); M = a connector's token-averaged stream transport H_res as "
-        "[out, in] (HC: the transpose of alpha[:, 1:], whose rows are input streams); product[k] = erank(M_k ... M_0); per_connector_sq uses p = sigma^2 / "
-        "sum(sigma^2)")),
+        "[out, in] (HC: the transpose of alpha[:, 1:], whose rows are input streams); product[k] = erank(M_k ... "
+        "M_0); per_connector_sq uses p = sigma^2 / sum(sigma^2)")),
     Metric("deadzone", "dead_zone", deadzone, protocol=(128, 512), needs=(DEPTH_WEIGHTS,), definition=(
         "schedule[k] = token-averaged weight of sublayer k's depth softmax on non-embedding sources (sublayer 0 reads "
         "only the embedding: 0); dead when < tau; count_blocks = blocks with both dead; Fig. 9 is Block AttnRes', "

@@ -102,7 +102,7 @@ def called(path, start):
     """[start and every module-level function of the file it calls, transitively], in the order first met."""
     functions = {n.name: n for n in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(n, ast.FunctionDef)}
     if start not in functions:
-        raise SystemExit(f"learner_path.py: {path}: no function {start}")
+        raise ValueError(f"{path}: no function {start}")
     order, todo = [], [start]
     while todo:
         name = todo.pop(0)
@@ -139,27 +139,31 @@ def measure(root, design):
     """The design's path ("HC", "mHC", ...) from its README row -> (Door, {file: lines read})."""
     found = doors(root)
     if DESIGNS[design] not in found:
-        raise SystemExit(f"learner_path.py: {root / 'README.md'}: no row | `{DESIGNS[design]}` | `Class`, `reference` |")
+        row = f"| `{DESIGNS[design]}` | `Class`, `reference` |"
+        raise ValueError(f"{root / 'README.md'}: no row {row}")
     door = found[DESIGNS[design]]
     lines = {}
     for name, wanted in reading(root, door):
         table = spans(root / name)
         missing = [w for w in wanted if w not in table]
         if missing:
-            raise SystemExit(f"learner_path.py: {root / name}: no {', '.join(missing)}")
+            raise ValueError(f"{root / name}: no {', '.join(missing)}")
         lines[name] = sum(table[w][1] - table[w][0] + 1 for w in wanted)
     return door, lines
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="learner_path.py", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="learner_path.py", description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="a checkout (default: this one)")
     args = p.parse_args(argv)
     root = Path(args.root)
     if not (root / "README.md").is_file():
         p.error(f"--root {root}: no README.md there")
     for design in DESIGNS:
-        door, lines = measure(root, design)
+        try:
+            door, lines = measure(root, design)
+        except ValueError as err:           # a checkout whose README or files lack what the path names
+            p.error(str(err))
         parts = ", ".join(f"{f} {n}" for f, n in lines.items())
         print(f"{design}: {len(lines)} files, {sum(lines.values())} lines "
               f"(README row `{door.key}`: {door.cls} + {door.reference}; {parts})")

@@ -167,6 +167,9 @@ def sentences(path):
     return re.split(r"(?<=\.)\s+(?=[A-Z(`*])", " ".join((ROOT / path).read_text(encoding="utf-8").split()))
 
 
+A_THEN_OUTPUT_FIRST = r"(A_r\b|\bA\[:, 1:\]|alpha\[:, 1:\])(.{0,40}?)\[out(put)?, in(put)?\]"
+
+
 def convention_offenders(text_sentences):
     """Sentences against the one index convention (residuals.py's module docstring): a stream named from 1 (h_1 ..,
     h_n), or HC's A[:, 1:] (whose rows are input streams) called [output, input] without its transpose."""
@@ -174,8 +177,8 @@ def convention_offenders(text_sentences):
     for sentence in text_sentences:
         one_based = re.search(r"\bh_n\b|\bh_1\s*(\.\.|…|;)", sentence)
         # A (or A_r) named, then [output, input] within a few words, with no transpose between the two
-        a_as_output_first = [m for m in re.finditer(r"(A_r\b|\bA\[:, 1:\]|alpha\[:, 1:\])(.{0,40}?)\[out(put)?, in(put)?\]",
-                                                    sentence) if "ᵀ" not in m.group(2) and "transpose" not in m.group(2)]
+        named_then_output_first = re.finditer(A_THEN_OUTPUT_FIRST, sentence)
+        a_as_output_first = [m for m in named_then_output_first if not re.search("ᵀ|transpose", m.group(2))]
         if one_based or a_as_output_first:
             bad.append(sentence[:160])
     return bad
