@@ -53,6 +53,36 @@ def test_each_readme_row_names_its_class_and_its_reference_forward():
         assert made_by == door.reference, (key, door, REFERENCE[key, None].__qualname__)
 
 
+def readme_rules():
+    """{registry key: the update rule cell} of the README's design rows."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\w+)` \| `\w+`, `\w+` \|[^|]*\|([^|]*)\|", text, flags=re.M)
+    return {key: rule.strip() for key, rule in rows}
+
+
+def sublayer_0_input_rms(key):
+    """The RMS of sublayer 0's input, as the design's read gives it, from an embedding of RMS 0.02 (fresh model)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, n_layer=2, d_model=16, n_head=4, d_ff=40, residual=key))
+    res = model.res
+    with torch.no_grad():
+        x0 = 0.02 * torch.randn(2, 3, 16)
+        h, _ = res.read(res.init_stream(x0), res.sites[0])
+    return float(h.pow(2).mean().sqrt())
+
+
+def test_a_readme_rule_normalises_the_sublayer_input_where_the_design_does():
+    """Each README update rule that writes F_i(...) says whether the sublayer reads a normalised input (RMSNorm( or
+    LN( inside F_i) or the raw stream; the design's read agrees: at sublayer 0 of a fresh model its input has RMS 1
+    (gains 1) after a norm, the embedding's 0.02 without. (HC's row once left the norm out.)"""
+    rules = {key: rule for key, rule in readme_rules().items() if "F_i(" in rule}
+    assert {"preln", "hc", "deepnorm", "postln"} <= set(rules), sorted(rules)
+    for key, rule in rules.items():
+        normed_in_readme = rule.split("F_i(", 1)[1].startswith(("RMSNorm(", "LN(", "N_i("))
+        rms = sublayer_0_input_rms(key)
+        assert (abs(rms - 1) < 1e-2) == normed_in_readme and (rms < 0.1) != normed_in_readme, (key, rule, rms)
+
+
 # ----------------------------------------------------------------------------- MoDA's slots
 
 MODA_COUNTS = ("slots(L)", "depth_keys(L)", "depth_values(d, L)")
