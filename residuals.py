@@ -5,8 +5,9 @@ Mix-LN, a Pre-LN / cross-layer hybrid), in one registry, RESIDUALS.
 
 Legend (shape comments): B batch, T time, D width (d_model), n streams (HC/mHC), L blocks, 2L sublayers,
 i sublayer index (block b's attention is i = 2b, its MLP i = 2b + 1), N groups (Block AttnRes).
-Indices, the one convention of the code and the docs: every index counts from 0 (sublayers 0 .. 2L - 1, streams
-h_0 .. h_(n-1), sources, slots); s names an input stream, o an output stream, and a matrix over streams is [o, s].
+Indices, the one convention of the code and the docs: positions count from 0 (sublayers 0 .. 2L - 1, blocks, streams
+h_0 .. h_(n-1), sources, slots; a paper's names, W_1 or ResFormer's v_1, stay names); s names an input stream, o an
+output stream, and a matrix over streams is [o, s].
 
 A design is the residual path around the sublayers F_i. GPT's trunk loop (model.py) is its whole contract:
 
