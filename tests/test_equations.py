@@ -446,7 +446,9 @@ def hybrid(deep, split):
     return run
 
 
-REFERENCE = {  # (registry key, options) -> the design's forward from its equations
+# (registry key, options) -> the design's forward from its equations. The README's design rows send a learner to the
+# function here that makes each default one ("read these two"; tests/test_docs.py checks the names).
+REFERENCE = {
     ("preln", None): preln, ("sandwich", None): sandwich, ("lns", None): lns, ("deepnorm", None): deepnorm,
     ("keel", None): keel, ("hc", None): hc(), ("mhc", None): mhc(), ("attnres", None): attnres(),
     ("block_attnres", None): attnres(n_groups=8), ("moda", None): moda(), ("postln", None): postln,
