@@ -50,6 +50,10 @@ CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK runnin
 PROGRAMS = 264  # a backward pass's programs at most (the chunk's, a consumer's phase 2): 2 a streaming
                 # multiprocessor of an H100 or H200 (132), 1 program resident on each at its registers; the chunk's
                 # dgq rows (CHUNK D fp32 a program): 84 MB -> 5.4 MB a chunk at the card's shape, micro-batch 2
+PHASE1_TOKENS = 16   # _chunk_forward's tokens a program: the rows of its logits' product (tl.dot), one a thread at
+PHASE1_WARPS = 4     # 4 warps; its CHUNK x PHASE1_TOKENS x COLUMNS_TILE fp32 sums, 64 registers a thread
+COLUMNS_TILE = 64    # the columns of a source a loop step reads (a power of 2: 640 = 10 x 64, no padding)
+STAGES = 2           # the source loops' software pipelining (tl.range's num_stages): loads a source ahead
 WARPS = 8     # every kernel here. ptxas sm90 at the card's blocks (d640), bf16 or fp32 bank, Triton 3.6.0 and 3.9,
               # no spill: _chunk_forward 127-128 registers (207 at 4 warps), _merge_forward 128-150 (246-254 at 4),
               # _chunk_backward 207-247, _merge_backward 213-254; their loops over tiles (2026-12-06, bf16 bank,
@@ -59,6 +63,12 @@ WARPS = 8     # every kernel here. ptxas sm90 at the card's blocks (d640), bf16 
 def chunk_blocks(BT, D):
     """(BLOCK_T, BLOCK_D) of the chunk's kernels: CHUNK tiles of BLOCK_T tokens stay TILE_ELEMENTS wide."""
     return attnres.blocks(BT, D, CHUNK)
+
+
+def phase1_blocks(BT, D):
+    """(BLOCK_T, BLOCK_D) of `_chunk_forward`: PHASE1_TOKENS tokens a program (the last one's masked), its sources
+    read COLUMNS_TILE columns at a time."""
+    return PHASE1_TOKENS, min(COLUMNS_TILE, next_power_of_2(D))
 
 
 def chunk_programs(BT, D):
@@ -95,36 +105,74 @@ def _chunk_queries(q_ptr, g_ptr, cons, cols, C, D):
 
 
 @jit
-def _chunk_forward(V, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits_ptr, n1, C, BT, D, eps,
-                   BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Phase 1 for tokens [pid BLOCK_T, (pid + 1) BLOCK_T): the C consumers' (q, g rows from q_ptr, g_ptr) online
-    softmax over sources 0 .. n1 - 1 of V (n_max, BT, D), each loaded once -> o1 (C, BT, D) in o1_ptr's dtype,
-    lse1 (C, BT) fp32 and the logits (C, n1, BT) fp32."""
-    rows, cols, cons, row_ok, mask, offsets = _chunk_tile(tl.program_id(0), BT, D, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T,
-                                                          BLOCK_D=BLOCK_D)
-    gq = _chunk_queries(q_ptr, g_ptr, cons, cols=cols, C=C, D=D)
-    c_rows = (cons < C)[:, None] & row_ok[None, :]
-    m = tl.full((BLOCK_C, BLOCK_T), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
-    acc = tl.zeros((BLOCK_C, BLOCK_T, BLOCK_D), tl.float32)
-    slot = V
-    logits = logits_ptr + cons[:, None] * (n1 * BT) + rows[None, :]
-    for j in range(0, n1):
-        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-        s = r[None, :] * tl.sum(v[None, :, :] * gq[:, None, :], axis=2)              # (BLOCK_C, BLOCK_T)
-        tl.store(logits, s, mask=c_rows)
+def _chunk_logits(V, q_ptr, g_ptr, logits, rows, row_ok, cons, n1, C, BT, D: tl.constexpr, eps,
+                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Phase 1's first pass, tokens x consumers (BLOCK_T, BLOCK_C): each source's logits s of the C consumers,
+    stored at `logits` (advanced one row of BT a source), their online max m and sum l = sum_j exp(s_j - m) -> lse.
+    A source is read BLOCK_D columns at a time: u = <v, gq> of all C consumers as one fp32 product (`tl.dot`, "ieee":
+    exact fp32, no sum across lanes per consumer), the squares summed per column and over D once a source."""
+    t_rows = row_ok[:, None] & (cons < C)[None, :]
+    m = tl.full((BLOCK_T, cons.shape[0]), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_T, cons.shape[0]), tl.float32)
+    slot = V                                                 # advanced one slot (BT * D) per source: no int32 overflow
+    for j in tl.range(0, n1, num_stages=NUM_STAGES):
+        squares = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+        u = tl.zeros((BLOCK_T, cons.shape[0]), tl.float32)
+        for d0 in tl.static_range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            v = tl.load(slot + rows[:, None] * D + cols[None, :],
+                        mask=row_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+            squares += v * v
+            u = tl.dot(v, _chunk_queries_t(q_ptr, g_ptr, cons, cols=cols, C=C, D=D), u, input_precision="ieee")
+        s = u * (1.0 / tl.sqrt(tl.sum(squares, axis=1) / D + eps))[:, None]
+        tl.store(logits, s, mask=t_rows)
         m_new = tl.maximum(m, s)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(s - m_new)
-        l = l * alpha + w
-        acc = acc * alpha[:, :, None] + w[:, :, None] * v[None, :, :]
+        l = l * tl.exp(m - m_new) + tl.exp(s - m_new)
         m = m_new
         slot += BT * D
         logits += BT
-    at = cons[:, None, None] * (BT * D) + offsets[None, :, :]
-    tl.store(o1_ptr + at, acc / l[:, :, None], mask=(cons < C)[:, None, None] & mask[None, :, :])
-    tl.store(lse1_ptr + cons[:, None] * BT + rows[None, :], m + tl.log(l), mask=c_rows)
+    return m + tl.log(l)
+
+
+@jit
+def _chunk_queries_t(q_ptr, g_ptr, cons, cols, C, D):
+    """gq = g * q of the chunk's C consumers, transposed: (BLOCK_D, BLOCK_C) fp32, zero in the padding."""
+    ok = (cols < D)[:, None] & (cons < C)[None, :]
+    at = cons[None, :] * D + cols[:, None]
+    q = tl.load(q_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return q * tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
+
+
+@jit
+def _chunk_forward(V, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits_ptr, n1, C, BT, D: tl.constexpr, eps,
+                   BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Phase 1 for tokens [pid BLOCK_T, (pid + 1) BLOCK_T): the C consumers' (q, g rows from q_ptr, g_ptr) softmax
+    over sources 0 .. n1 - 1 of V (n_max, BT, D) -> o1 (C, BT, D) in o1_ptr's dtype, lse1 (C, BT) fp32 and the
+    logits (C, n1, BT) fp32. Two passes over the sources: their logits and lse1 (`_chunk_logits`), then for each
+    tile of BLOCK_D columns o1 = sum_j exp(s_j - lse1) v_j (no sum over D in it, so no rescaling and no barrier):
+    each source read twice, the CHUNK running mixes of a token never all in registers at once."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cons = tl.arange(0, BLOCK_C)
+    row_ok = rows < BT
+    t_rows = row_ok[:, None] & (cons < C)[None, :]                                     # (BLOCK_T, BLOCK_C)
+    logits = logits_ptr + cons[None, :] * (n1 * BT) + rows[:, None]
+    lse = _chunk_logits(V, q_ptr, g_ptr, logits, rows, row_ok, cons, n1, C, BT, D=D, eps=eps, BLOCK_T=BLOCK_T,
+                        BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES)
+    tl.store(lse1_ptr + cons[None, :] * BT + rows[:, None], lse, mask=t_rows)
+    tl.debug_barrier()                                   # the logits stored above are visible to every thread
+    for d0 in tl.static_range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask = row_ok[:, None] & (cols < D)[None, :]
+        offsets = rows[:, None] * D + cols[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_C, BLOCK_D), tl.float32)
+        slot = V
+        for j in tl.range(0, n1, num_stages=NUM_STAGES):
+            v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+            w = tl.exp(tl.load(logits + j * BT, mask=t_rows, other=float("-inf")) - lse)
+            acc += w[:, :, None] * v[:, None, :]
+            slot += BT * D
+        tl.store(o1_ptr + cons[None, :, None] * (BT * D) + offsets[:, None, :], acc,
+                 mask=(cons < C)[None, :, None] & mask[:, None, :])
 
 
 @jit
@@ -277,11 +325,12 @@ class ChunkPass(torch.autograd.Function):
     def forward(ctx, bank, chunk, queries, key_gains, token):
         V = bank.slots[0]
         B, T, D = V.shape[1:]
-        BLOCK_T, BLOCK_D = chunk_blocks(B * T, D)
+        BLOCK_T, BLOCK_D = phase1_blocks(B * T, D)
         _chunk_forward[(triton.cdiv(B * T, BLOCK_T),)](V, queries[chunk.r0], key_gains[chunk.r0], o1_ptr=chunk.o1,
                                                         lse1_ptr=chunk.lse1, logits_ptr=chunk.logits, n1=chunk.n1,
                                                         C=chunk.C, BT=B * T, D=D, eps=bank.norm_eps, BLOCK_C=CHUNK,
-                                                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
+                                                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NUM_STAGES=STAGES,
+                                                        num_warps=PHASE1_WARPS)
         ctx.save_for_backward(queries, key_gains)
         ctx.bank, ctx.chunk = bank, chunk
         ctx.set_materialize_grads(False)
@@ -447,14 +496,17 @@ def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
 
 def chunk_traffic(n1, C, rows, tokens, D, storage_bytes=2):
     """[moved] of a chunk's phase 1 over n1 sources for C consumers, the queries and key gains (rows, D):
-    forward `_chunk_forward` (read the sources once, q and g; write o1 in the bank's dtype, lse1 and the logits);
+    forward `_chunk_forward` (read the sources twice, once for the logits and once for o1, q and g, and the logits
+    back (once: its later column tiles' reads of them are the L2's); write o1 in the bank's dtype, lse1 and the
+    logits);
     backward, the ran flags' zeroing (at its first consumer's backward), `_chunk_backward` (the sources once, the C
     records, the gradient slots read and written once), dqueries' and dkey_gains' zeros, `_chunk_query_gradients`
     (the chunk pass's P dgq rows and each consumer's phase-2 P2, the ran flags), and autograd's two adds of them
     into the parameters' other gradients."""
     S, R = tokens * D, rows * D
     P, P2 = chunk_programs(tokens, D), merge_programs(tokens, D)
-    return [moved(n1 * S * storage_bytes + 8 * D * C, C * S * storage_bytes + 4 * tokens * C * (1 + n1)),
+    return [moved(2 * n1 * S * storage_bytes + 8 * D * C + 4 * tokens * C * (1 + n1),
+                  C * S * storage_bytes + 4 * tokens * C * (1 + n1)),
             moved(0, 4 * C),
             moved(n1 * S * storage_bytes + C * (S * storage_bytes + 8 * tokens + 4 + 8 * D) + 4 * n1 * S,
                   4 * n1 * S + 4 * P * C * D),
