@@ -567,9 +567,10 @@ def build(fn, storage, consts, warps, stored=()):
                    options={"num_warps": warps})
 for storage in ("*bf16", "*fp32"):
     for extra in (False, True):
-        build(A._mix_forward, storage, {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}, 4)
+        build(A._mix_forward, storage, {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES,
+                                        "BLOCK_J": A.WEIGHT_ROWS}, 4)
         for defer in (False, True):
-            consts = {"HAS_EXTRA": extra, "DEFER": defer, "BLOCK_T": 4, "BLOCK_D": 1024}
+            consts = {"HAS_EXTRA": extra, "DEFER": defer, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES}
             build(A._mix_backward, storage, consts, A.BACKWARD_WARPS, ("dV",) if defer else ())
     for base in (False, True):
         consts = {"HAS_BASE": base, "BLOCK_T": 4, "BLOCK_D": 1024}
@@ -581,11 +582,11 @@ for storage in ("*bf16", "*fp32"):
     T0, D0 = K.phase1_blocks(4096, 640)
     phase1 = {"BLOCK_C": K.CHUNK, "BLOCK_T": T0, "BLOCK_D": D0, "NUM_STAGES": K.STAGES, "D": 640}
     build(K._chunk_forward, storage, phase1, K.PHASE1_WARPS, ("o1_ptr",))
-    build(K._chunk_backward, storage, chunk, K.WARPS, ("records",))
+    build(K._chunk_backward, storage, {**chunk, "NUM_STAGES": A.STAGES}, K.WARPS, ("records",))
     for extra in (False, True):
-        consts = {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}
-        build(K._merge_forward, storage, consts, K.WARPS, ("o1_ptr",))
-        build(K._merge_backward, storage, consts, K.WARPS, ("record_ptr",))
+        consts = {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES}
+        build(K._merge_forward, storage, {**consts, "BLOCK_J": A.WEIGHT_ROWS}, K.WARPS, ("o1_ptr",))
+        build(K._merge_backward, storage, {**consts, "BLOCK_T": 2}, K.WARPS, ("record_ptr",))
     build(K._chunk_query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
 print("compiled")
 """
