@@ -59,8 +59,7 @@ MAX_BLOCK_T = 16
 BACKWARD_WARPS = 8     # the backward holds ~5 tiles (dmix, v, dv, dgq, the old gradient): more warps, fewer spills
 COLUMNS, ROWS = 64, 32  # _query_gradients: columns per program, partial rows summed per step
 BLOCK_SOURCES = 8      # _block_backward: sources whose gradients one pass over the records sums (a power of 2)
-STAGES = 2             # the source loops' software pipelining (tl.range's num_stages): a source's copy ahead
-WEIGHT_ROWS = 32       # the forwards' rewrite of the logits as weights p: sources a step
+STAGES, WEIGHT_ROWS = 2, 32  # the source loops' pipelining (tl.range's num_stages); the weights p's sources a step
 
 
 def jit(fn):
@@ -137,10 +136,9 @@ def _online_step(v, s, m, l, acc):
 def _source_pass(V, extra, logits, n, offsets, mask, rows, row_ok, gq, m, l, acc, BT, D, eps,
                  HAS_EXTRA: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The online softmax from (m, l, acc) over the n sources of V (BT x D each), then (HAS_EXTRA) the extra ->
-    (m, l, acc); each source's logits to `logits`, a row of BT each. Of _mix_forward and a chunk's phase 2. The
-    loop is software-pipelined (NUM_STAGES): the next source's tile is copied in while this one is used."""
+    (m, l, acc); each source's logits to `logits`, a row of BT each. Of _mix_forward and a chunk's phase 2."""
     slot = V                                                 # advanced one slot (BT * D) per source: no int32 overflow
-    for j in tl.range(0, n, num_stages=NUM_STAGES):
+    for j in tl.range(0, n, num_stages=NUM_STAGES):          # pipelined: the next source's copy in flight
         v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
         r, u, s = _source_logit(v, gq, D, eps)
         tl.store(logits + rows, s, mask=row_ok)
@@ -157,14 +155,11 @@ def _source_pass(V, extra, logits, n, offsets, mask, rows, row_ok, gq, m, l, acc
 
 @jit
 def _weights(logits, p_ptr, count, rows, row_ok, lse, BT, BLOCK_J: tl.constexpr):
-    """p = exp(s - lse) of `count` rows of logits (count, BT) fp32 into p_ptr (count, BT), BLOCK_J rows at a time
-    (one load and one store of a (BLOCK_J, BLOCK_T) tile, not one round trip a source)."""
+    """p = exp(s - lse) of `count` rows of logits (count, BT) into p_ptr (count, BT): (BLOCK_J, BLOCK_T) a step."""
     js = tl.arange(0, BLOCK_J)
     for j0 in range(0, count, BLOCK_J):
-        at = (j0 + js)[:, None] * BT + rows[None, :]
-        ok = (j0 + js < count)[:, None] & row_ok[None, :]
-        s = tl.load(logits + at, mask=ok, other=0.0)
-        tl.store(p_ptr + at, tl.exp(s - lse[None, :]), mask=ok)
+        at, ok = (j0 + js)[:, None] * BT + rows[None, :], (j0 + js < count)[:, None] & row_ok[None, :]
+        tl.store(p_ptr + at, tl.exp(tl.load(logits + at, mask=ok, other=0.0) - lse[None, :]), mask=ok)
 
 
 @jit
@@ -175,16 +170,14 @@ def _key_query(q_ptr, g_ptr, cols, D):
 
 
 @jit
-def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, BT, D, eps,
-                 HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 BLOCK_J: tl.constexpr):
+def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, BT, D, eps, HAS_EXTRA: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_J: tl.constexpr):
     """mix and lse of tokens [pid BLOCK_T, +BLOCK_T) over the n sources V (n_max, BT, D), then (HAS_EXTRA) the extra
     (BT, D): m_sources in all; the weights p (m_sources, BT): the logits first, then exp(s - lse)."""
     pid = tl.program_id(0)
     rows, cols, row_ok, mask, offsets = _token_tile(pid, BT, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     gq = _key_query(q_ptr, g_ptr, cols, D)
-    m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_T,), tl.float32)
+    m, l = tl.full((BLOCK_T,), float("-inf"), tl.float32), tl.zeros((BLOCK_T,), tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     m, l, acc = _source_pass(V, extra, p_ptr, n, offsets=offsets, mask=mask, rows=rows, row_ok=row_ok, gq=gq, m=m,
                              l=l, acc=acc, BT=BT, D=D, eps=eps, HAS_EXTRA=HAS_EXTRA, NUM_STAGES=NUM_STAGES)
@@ -192,7 +185,7 @@ def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, 
     lse = m + tl.log(l)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     tl.debug_barrier()                                   # the logits stored above are visible to every thread
-    _weights(p_ptr, p_ptr, m_sources, rows, row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)    # read back as weights
+    _weights(p_ptr, p_ptr, m_sources, rows=rows, row_ok=row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)   # as weights
 
 
 @jit
@@ -216,8 +209,7 @@ def _backward_pass(V, extra, dV, d_extra, n, offsets, mask, gq, dmix, lse, delta
     dv to d_extra; each source's dv, DEFER False, added into its fp32 gradient slot of dV (its one read-modify-write),
     DEFER True, not kept (the record's). Of _mix_backward and a chunk's phase 2 (triton_attnres_chunk)."""
     dgq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    slot = V
-    grad = dV
+    slot, grad = V, dV
     for j in tl.range(0, n, num_stages=NUM_STAGES):                 # pipelined: the next source's copy in flight
         v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
         dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
@@ -315,9 +307,7 @@ def _block_backward(V, lo, g, records, scalars_ptr, gq_ptr, reads, count, out_pt
             b = ds * r
             k = -ds * u * r * r * r / D                              # through r: as in _source_gradient
             acc += p[:, :, None] * dmix[None, :, :] + b[:, :, None] * gq[None, None, :] + k[:, :, None] * v
-        record += BT * D
-        scalars += 2 * BT
-        gq_row += D
+        record, scalars, gq_row = record + BT * D, scalars + 2 * BT, gq_row + D
     tl.store(out_ptr + block_offsets, acc, mask=in_block)
 
 
@@ -344,9 +334,7 @@ def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, parti
             gq = tl.load(gq_row + cols, mask=cols < D, other=0.0)
             pair, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
             dv += pair
-        record += BT * D
-        scalars += 2 * BT
-        gq_row += D
+        record, scalars, gq_row = record + BT * D, scalars + 2 * BT, gq_row + D
     tl.store(dv_ptr + offsets, dv, mask=mask)
 
 

@@ -164,8 +164,8 @@ def _chunk_forward(V, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits_ptr, n1, C, BT, D: 
     row_ok = rows < BT
     t_rows = row_ok[:, None] & (cons < C)[None, :]                                     # (BLOCK_T, BLOCK_C)
     logits = logits_ptr + cons[None, :] * (n1 * BT) + rows[:, None]
-    lse = _chunk_logits(V, q_ptr, g_ptr, logits, rows, row_ok, cons, n1, C, BT, D=D, eps=eps, BLOCK_T=BLOCK_T,
-                        BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES)
+    lse = _chunk_logits(V, q_ptr, g_ptr, logits, rows=rows, row_ok=row_ok, cons=cons, n1=n1, C=C, BT=BT, D=D, eps=eps,
+                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES)
     tl.store(lse1_ptr + cons[None, :] * BT + rows[:, None], lse, mask=t_rows)
     tl.debug_barrier()                                   # the logits stored above are visible to every thread
     for d0 in tl.static_range(0, D, BLOCK_D):
@@ -203,8 +203,8 @@ def _merge_forward(V, extra, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits1_ptr, mix_pt
     lse = m + tl.log(l)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     tl.debug_barrier()                                   # the logits stored above are visible to every thread
-    _weights(logits1_ptr, p_ptr, n1, rows, row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)    # phase 1's logits as weights
-    _weights(p_ptr + n1 * BT, p_ptr + n1 * BT, m2, rows, row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)   # then this pass's
+    _weights(logits1_ptr, p_ptr, n1, rows=rows, row_ok=row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)   # phase 1's logits
+    _weights(p_ptr + n1 * BT, p_ptr + n1 * BT, m2, rows=rows, row_ok=row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)  # its own
 
 
 @jit
