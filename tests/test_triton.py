@@ -468,11 +468,13 @@ def test_chunked_bank_with_consumers_outside_the_loss():
 
 
 @needs_interpreter
-def test_chunked_bank_under_bf16_autocast_is_the_reference_to_bf16():
+@pytest.mark.parametrize("shape", [(1, 5, 48), pytest.param((2, 19, 160), marks=pytest.mark.slow)])
+def test_chunked_bank_under_bf16_autocast_is_the_reference_to_bf16(shape):
     """Under bf16 autocast (the bank, o1 and the records in bf16) the two-phase mix of Block AttnRes' pattern is
-    ops.DepthBank's over the same bf16 sources: every gradient's cosine >= 0.999."""
+    ops.DepthBank's over the same bf16 sources: every gradient's cosine >= 0.999; small tiles, and the card's
+    (`test_chunked_bank_at_the_cards_tiles`' shape: phase 1's last program and column tile cut short)."""
     reads, has_extra, n_max = CHUNKED["block"]
-    inputs = chunk_inputs(reads, has_extra)
+    inputs = chunk_inputs(reads, has_extra, shape=shape)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = chunk_step(reads, inputs)
     vs, *rest = inputs
