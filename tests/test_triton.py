@@ -411,7 +411,7 @@ def test_chunked_bank_equals_reference(pattern):
 def test_backward_programs_over_several_tiles(monkeypatch):
     """The chunk's and each consumer's backward with fewer programs than tiles of tokens (2 programs over 5
     one-token tiles: each sums its consumers' dgq over 2 or 3 tiles, as at the card's shape, where 264 programs
-    share 4,096 or 1,024 tiles) are still ops.DepthBank's, every mix and gradient to 1e-5: Block AttnRes' pattern
+    share 4,096 or 2,048 tiles) are still ops.DepthBank's, every mix and gradient to 1e-5: Block AttnRes' pattern
     (two chunks, sources pushed inside one, the extra)."""
     monkeypatch.setattr(chunked, "PROGRAMS", 2)
     monkeypatch.setattr(attnres, "blocks", lambda BT, D, sources=1: (1, attnres.next_power_of_2(D)))
