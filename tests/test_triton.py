@@ -268,12 +268,12 @@ def test_traffic_counts_the_notes_bank_reads():
 BANKS = {"full": (list(range(2, 13)), False, 12), "block": ([1, 1, 2, 2, 3, 3, 4], True, 4)}
 
 
-def step_inputs(reads, has_extra, seed=0):
-    """(sources, [(query, gain, extra or None)] per consumer), all leaves."""
+def step_inputs(reads, has_extra, seed=0, shape=(1, 5, 48)):
+    """(sources, [(query, gain, extra or None)] per consumer), all leaves; sources and extras of `shape` (B, T, D)."""
     g = torch.Generator().manual_seed(seed)
-    vs = [torch.randn(1, 5, 48, generator=g).requires_grad_() for _ in range(max(reads))]
-    per = [(torch.randn(48, generator=g).requires_grad_(), torch.randn(48, generator=g).requires_grad_(),
-            torch.randn(1, 5, 48, generator=g).requires_grad_() if has_extra else None) for _ in reads]
+    vs = [torch.randn(shape, generator=g).requires_grad_() for _ in range(max(reads))]
+    per = [(torch.randn(shape[-1], generator=g).requires_grad_(), torch.randn(shape[-1], generator=g).requires_grad_(),
+            torch.randn(shape, generator=g).requires_grad_() if has_extra else None) for _ in reads]
     return vs, per
 
 
@@ -369,9 +369,9 @@ CHUNKED = {"full": (list(range(2, 22)), False, 21), "block": ([1, 1, 1, 1, 2, 2,
            "deep": ([139, 140, 141], False, 141), "older": ([4, 5, 2, 6, 3, 6, 7, 7, 2, 8], False, 8)}
 
 
-def chunk_inputs(reads, has_extra, seed=0):
+def chunk_inputs(reads, has_extra, seed=0, shape=(1, 5, 48)):
     """`step_inputs`, and the consumers' queries and key gains stacked (rows, D) as new leaves: (vs, per, Q, G)."""
-    vs, per = step_inputs(reads, has_extra, seed)
+    vs, per = step_inputs(reads, has_extra, seed, shape=shape)
     stacked = [torch.stack([row[i] for row in per]).detach().requires_grad_() for i in (0, 1)]
     return vs, per, *stacked
 
@@ -411,7 +411,7 @@ def test_chunked_bank_equals_reference(pattern):
 def test_backward_programs_over_several_tiles(monkeypatch):
     """The chunk's and each consumer's backward with fewer programs than tiles of tokens (2 programs over 5
     one-token tiles: each sums its consumers' dgq over 2 or 3 tiles, as at the card's shape, where 264 programs
-    share 4,096 or 1,024 tiles) are still ops.DepthBank's, every mix and gradient to 1e-5: Block AttnRes' pattern
+    share 4,096 or 2,048 tiles) are still ops.DepthBank's, every mix and gradient to 1e-5: Block AttnRes' pattern
     (two chunks, sources pushed inside one, the extra)."""
     monkeypatch.setattr(chunked, "PROGRAMS", 2)
     monkeypatch.setattr(attnres, "blocks", lambda BT, D, sources=1: (1, attnres.next_power_of_2(D)))
@@ -419,11 +419,24 @@ def test_backward_programs_over_several_tiles(monkeypatch):
     assert_chunked_equals_reference("block")
 
 
-def assert_chunked_equals_reference(pattern):
-    """The chunked bank's mixes, weights and every gradient on CHUNKED[pattern] are ops.DepthBank's: 1e-5, the
-    gradients' of their largest entry (1e-5 absolute for one under 1); every reference gradient non-zero."""
+@needs_interpreter
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", ["full", "block"])
+def test_chunked_bank_at_the_cards_tiles(pattern):
+    """At the card's tiles (phase 1: PHASE1_TOKENS tokens a program, COLUMNS_TILE columns a loop step, the tiles of
+    d640 and 4,096 tokens), on 2 x 19 tokens of width 160: the last program's tokens and the last column tile cut
+    short (masked), sources read in several column tiles; every mix, weight and gradient is ops.DepthBank's (1e-5).
+    A column or token mask dropped, or a source loop that starts or steps wrong, changes o1 and fails here."""
+    assert chunked.phase1_blocks(4096, 640) == chunked.phase1_blocks(38, 160) == (16, 64)
+    assert_chunked_equals_reference(pattern, shape=(2, 19, 160))
+
+
+def assert_chunked_equals_reference(pattern, shape=(1, 5, 48)):
+    """The chunked bank's mixes, weights and every gradient on CHUNKED[pattern] (sources of `shape`) are
+    ops.DepthBank's: 1e-5, the gradients' of their largest entry (1e-5 absolute for one under 1); every reference
+    gradient non-zero."""
     reads, has_extra, n_max = CHUNKED[pattern]
-    inputs = chunk_inputs(reads, has_extra)
+    inputs = chunk_inputs(reads, has_extra, shape=shape)
     got, want = chunk_step(reads, inputs), chunk_step(reads, inputs, fast=False)
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -455,11 +468,13 @@ def test_chunked_bank_with_consumers_outside_the_loss():
 
 
 @needs_interpreter
-def test_chunked_bank_under_bf16_autocast_is_the_reference_to_bf16():
+@pytest.mark.parametrize("shape", [(1, 5, 48), pytest.param((2, 19, 160), marks=pytest.mark.slow)])
+def test_chunked_bank_under_bf16_autocast_is_the_reference_to_bf16(shape):
     """Under bf16 autocast (the bank, o1 and the records in bf16) the two-phase mix of Block AttnRes' pattern is
-    ops.DepthBank's over the same bf16 sources: every gradient's cosine >= 0.999."""
+    ops.DepthBank's over the same bf16 sources: every gradient's cosine >= 0.999; small tiles, and the card's
+    (`test_chunked_bank_at_the_cards_tiles`' shape: phase 1's last program and column tile cut short)."""
     reads, has_extra, n_max = CHUNKED["block"]
-    inputs = chunk_inputs(reads, has_extra)
+    inputs = chunk_inputs(reads, has_extra, shape=shape)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = chunk_step(reads, inputs)
     vs, *rest = inputs
@@ -554,9 +569,10 @@ def build(fn, storage, consts, warps, stored=()):
                    options={"num_warps": warps})
 for storage in ("*bf16", "*fp32"):
     for extra in (False, True):
-        build(A._mix_forward, storage, {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}, 4)
+        build(A._mix_forward, storage, {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES,
+                                        "BLOCK_J": A.WEIGHT_ROWS}, 4)
         for defer in (False, True):
-            consts = {"HAS_EXTRA": extra, "DEFER": defer, "BLOCK_T": 4, "BLOCK_D": 1024}
+            consts = {"HAS_EXTRA": extra, "DEFER": defer, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES}
             build(A._mix_backward, storage, consts, A.BACKWARD_WARPS, ("dV",) if defer else ())
     for base in (False, True):
         consts = {"HAS_BASE": base, "BLOCK_T": 4, "BLOCK_D": 1024}
@@ -565,12 +581,14 @@ for storage in ("*bf16", "*fp32"):
     build(A._block_backward, storage, consts, A.BACKWARD_WARPS, ("records",))
     build(A._query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
     chunk = {"BLOCK_C": K.CHUNK, "BLOCK_T": 1, "BLOCK_D": 1024}
-    build(K._chunk_forward, storage, chunk, K.WARPS, ("o1_ptr",))
-    build(K._chunk_backward, storage, chunk, K.WARPS, ("records",))
+    T0, D0 = K.phase1_blocks(4096, 640)
+    phase1 = {"BLOCK_C": K.CHUNK, "BLOCK_T": T0, "BLOCK_D": D0, "NUM_STAGES": K.STAGES, "D": 640}
+    build(K._chunk_forward, storage, phase1, K.PHASE1_WARPS, ("o1_ptr",))
+    build(K._chunk_backward, storage, {**chunk, "NUM_STAGES": A.STAGES}, K.WARPS, ("records",))
     for extra in (False, True):
-        consts = {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024}
-        build(K._merge_forward, storage, consts, K.WARPS, ("o1_ptr",))
-        build(K._merge_backward, storage, consts, K.WARPS, ("record_ptr",))
+        consts = {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES}
+        build(K._merge_forward, storage, {**consts, "BLOCK_J": A.WEIGHT_ROWS}, K.WARPS, ("o1_ptr",))
+        build(K._merge_backward, storage, {**consts, "BLOCK_T": 2}, K.WARPS, ("record_ptr",))
     build(K._chunk_query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
 print("compiled")
 """

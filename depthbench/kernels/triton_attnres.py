@@ -59,6 +59,7 @@ MAX_BLOCK_T = 16
 BACKWARD_WARPS = 8     # the backward holds ~5 tiles (dmix, v, dv, dgq, the old gradient): more warps, fewer spills
 COLUMNS, ROWS = 64, 32  # _query_gradients: columns per program, partial rows summed per step
 BLOCK_SOURCES = 8      # _block_backward: sources whose gradients one pass over the records sums (a power of 2)
+STAGES, WEIGHT_ROWS = 2, 32  # the source loops' pipelining (tl.range's num_stages); the weights p's sources a step
 
 
 def jit(fn):
@@ -133,11 +134,11 @@ def _online_step(v, s, m, l, acc):
 
 @jit
 def _source_pass(V, extra, logits, n, offsets, mask, rows, row_ok, gq, m, l, acc, BT, D, eps,
-                 HAS_EXTRA: tl.constexpr):
+                 HAS_EXTRA: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The online softmax from (m, l, acc) over the n sources of V (BT x D each), then (HAS_EXTRA) the extra ->
     (m, l, acc); each source's logits to `logits`, a row of BT each. Of _mix_forward and a chunk's phase 2."""
     slot = V                                                 # advanced one slot (BT * D) per source: no int32 overflow
-    for j in range(0, n):
+    for j in tl.range(0, n, num_stages=NUM_STAGES):          # pipelined: the next source's copy in flight
         v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
         r, u, s = _source_logit(v, gq, D, eps)
         tl.store(logits + rows, s, mask=row_ok)
@@ -153,6 +154,15 @@ def _source_pass(V, extra, logits, n, offsets, mask, rows, row_ok, gq, m, l, acc
 
 
 @jit
+def _weights(logits, p_ptr, count, rows, row_ok, lse, BT, BLOCK_J: tl.constexpr):
+    """p = exp(s - lse) of `count` rows of logits (count, BT) into p_ptr (count, BT): (BLOCK_J, BLOCK_T) a step."""
+    js = tl.arange(0, BLOCK_J)
+    for j0 in range(0, count, BLOCK_J):
+        at, ok = (j0 + js)[:, None] * BT + rows[None, :], (j0 + js < count)[:, None] & row_ok[None, :]
+        tl.store(p_ptr + at, tl.exp(tl.load(logits + at, mask=ok, other=0.0) - lse[None, :]), mask=ok)
+
+
+@jit
 def _key_query(q_ptr, g_ptr, cols, D):
     """gq = g * q (BLOCK_D,) in fp32, zero in the padding, from the query row and key gain in their own dtypes."""
     q = tl.load(q_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
@@ -160,27 +170,22 @@ def _key_query(q_ptr, g_ptr, cols, D):
 
 
 @jit
-def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, BT, D, eps,
-                 HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _mix_forward(V, extra, q_ptr, g_ptr, mix_ptr, lse_ptr, p_ptr, n, m_sources, BT, D, eps, HAS_EXTRA: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_J: tl.constexpr):
     """mix and lse of tokens [pid BLOCK_T, +BLOCK_T) over the n sources V (n_max, BT, D), then (HAS_EXTRA) the extra
     (BT, D): m_sources in all; the weights p (m_sources, BT): the logits first, then exp(s - lse)."""
     pid = tl.program_id(0)
     rows, cols, row_ok, mask, offsets = _token_tile(pid, BT, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     gq = _key_query(q_ptr, g_ptr, cols, D)
-    m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_T,), tl.float32)
+    m, l = tl.full((BLOCK_T,), float("-inf"), tl.float32), tl.zeros((BLOCK_T,), tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     m, l, acc = _source_pass(V, extra, p_ptr, n, offsets=offsets, mask=mask, rows=rows, row_ok=row_ok, gq=gq, m=m,
-                             l=l, acc=acc, BT=BT, D=D, eps=eps, HAS_EXTRA=HAS_EXTRA)
+                             l=l, acc=acc, BT=BT, D=D, eps=eps, HAS_EXTRA=HAS_EXTRA, NUM_STAGES=NUM_STAGES)
     tl.store(mix_ptr + offsets, acc / l[:, None], mask=mask)
     lse = m + tl.log(l)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     tl.debug_barrier()                                   # the logits stored above are visible to every thread
-    weights = p_ptr
-    for j in range(0, m_sources):                        # each token's logits, written above, read back as weights
-        s = tl.load(weights + rows, mask=row_ok, other=0.0)
-        tl.store(weights + rows, tl.exp(s - lse), mask=row_ok)
-        weights += BT
+    _weights(p_ptr, p_ptr, m_sources, rows=rows, row_ok=row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)   # as weights
 
 
 @jit
@@ -199,14 +204,13 @@ def _source_gradient(v, gq, dmix, lse, delta, D, eps):
 
 @jit
 def _backward_pass(V, extra, dV, d_extra, n, offsets, mask, gq, dmix, lse, delta, BT, D, eps, DEFER: tl.constexpr,
-                   HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
     """A consumer's backward over the n sources of V and the extra -> its dgq share (BLOCK_T, BLOCK_D); the extra's
     dv to d_extra; each source's dv, DEFER False, added into its fp32 gradient slot of dV (its one read-modify-write),
     DEFER True, not kept (the record's). Of _mix_backward and a chunk's phase 2 (triton_attnres_chunk)."""
     dgq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    slot = V
-    grad = dV
-    for j in range(0, n):
+    slot, grad = V, dV
+    for j in tl.range(0, n, num_stages=NUM_STAGES):                 # pipelined: the next source's copy in flight
         v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
         dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
         if not DEFER:
@@ -225,8 +229,8 @@ def _backward_pass(V, extra, dV, d_extra, n, offsets, mask, gq, dmix, lse, delta
 
 @jit
 def _mix_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, scalars_ptr, gq_row,
-                  reads_ptr, n, BT, D, eps,
-                  HAS_EXTRA: tl.constexpr, DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                  reads_ptr, n, BT, D, eps, HAS_EXTRA: tl.constexpr, DEFER: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The consumer's pass (`_backward_pass`): its share of dgq to row pid of dgq_ptr (programs, D); DEFER False,
     the sources' dv into the gradient bank dV (n_max, BT, D) fp32; DEFER True, its record: dmix (dV: (BT, D), the
     bank's dtype), delta and lse (scalars_ptr (2, BT) fp32), gq (gq_row) and n (reads_ptr)."""
@@ -238,7 +242,7 @@ def _mix_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extr
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     dgq = _backward_pass(V, extra, dV, d_extra, n=n, offsets=offsets, mask=mask, gq=gq, dmix=dmix, lse=lse,
                          delta=delta, BT=BT, D=D, eps=eps, DEFER=DEFER, HAS_EXTRA=HAS_EXTRA, BLOCK_T=BLOCK_T,
-                         BLOCK_D=BLOCK_D)
+                         BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES)
     if DEFER:
         tl.store(dV + offsets, dmix, mask=mask)                      # the record, dmix in the bank's dtype
         tl.store(scalars_ptr + rows, delta, mask=row_ok)
@@ -303,9 +307,7 @@ def _block_backward(V, lo, g, records, scalars_ptr, gq_ptr, reads, count, out_pt
             b = ds * r
             k = -ds * u * r * r * r / D                              # through r: as in _source_gradient
             acc += p[:, :, None] * dmix[None, :, :] + b[:, :, None] * gq[None, None, :] + k[:, :, None] * v
-        record += BT * D
-        scalars += 2 * BT
-        gq_row += D
+        record, scalars, gq_row = record + BT * D, scalars + 2 * BT, gq_row + D
     tl.store(out_ptr + block_offsets, acc, mask=in_block)
 
 
@@ -332,9 +334,7 @@ def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, parti
             gq = tl.load(gq_row + cols, mask=cols < D, other=0.0)
             pair, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
             dv += pair
-        record += BT * D
-        scalars += 2 * BT
-        gq_row += D
+        record, scalars, gq_row = record + BT * D, scalars + 2 * BT, gq_row + D
     tl.store(dv_ptr + offsets, dv, mask=mask)
 
 
@@ -412,7 +412,7 @@ class Mix(torch.autograd.Function):
         grid, BLOCK_T, BLOCK_D = launch_grid(B, T, D)
         _mix_forward[grid](V, extra_in, query, key_gain, mix_ptr=mix, lse_ptr=lse, p_ptr=p, n=n, m_sources=m,
                            BT=B * T, D=D, eps=bank.norm_eps, HAS_EXTRA=extra is not None, BLOCK_T=BLOCK_T,
-                           BLOCK_D=BLOCK_D)
+                           BLOCK_D=BLOCK_D, NUM_STAGES=STAGES, BLOCK_J=WEIGHT_ROWS)
         ctx.save_for_backward(query, key_gain, mix, lse, *([] if extra is None else [extra_in]))
         ctx.bank, ctx.n = bank, n
         ctx.extra_dtype = None if extra is None else extra.dtype
@@ -442,7 +442,7 @@ class Mix(torch.autograd.Function):
                             dV=dV, d_extra=d_extra if extra else dV, dgq_ptr=dgq_rows, scalars_ptr=scalars,
                             gq_row=gq_row, reads_ptr=reads, n=n, BT=B * T, D=D, eps=bank.norm_eps,
                             HAS_EXTRA=bool(extra), DEFER=record is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-                            num_warps=BACKWARD_WARPS)
+                            NUM_STAGES=STAGES, num_warps=BACKWARD_WARPS)
         dq, dg = query_gradients(dgq_rows, query, key_gain)
         return None, None, dq, dg, None, d_extra
 

@@ -9,9 +9,10 @@ first n_k sources (and Block AttnRes' open sum `extra`), n_k >= n1, the bank's s
 (a consumer of an older state, n_k < n1, takes triton_attnres.py's mix on the same bank). The row: residuals.py
 hands each mix its Site, whose int `row_index` is read here, in eager code (a compiled block would guard on it):
 
-- phase 1 (`_chunk_forward`, run by the chunk's first consumer): one pass over sources 0 .. n1 - 1, each read once,
-  with the chunk's CHUNK queries in the program: per consumer the online softmax over them -> o1_k (the normalised
-  partial mix, in the bank's dtype), lse1_k (fp32) and its logits (fp32, for p);
+- phase 1 (`_chunk_forward`, run by the chunk's first consumer): two passes over sources 0 .. n1 - 1 with the
+  chunk's CHUNK queries in the program, PHASE1_TOKENS tokens a program, each source read COLUMNS_TILE columns at a
+  time: the logits of every consumer (one fp32 product a tile) and their lse1_k, then o1_k = sum_j exp(s_j - lse1_k)
+  v_j column tile by column tile (the normalised partial mix, in the bank's dtype); the logits kept (fp32, for p);
 - phase 2 (`_merge_forward`, each consumer): the online softmax started from (o1_k, lse1_k) (max lse1_k, sum 1,
   weighted sum o1_k) over the sources pushed since (n1 .. n_k - 1) and the extra -> mix, lse, p.
 
@@ -42,23 +43,33 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations ar
 import torch
 
 from depthbench.kernels import triton_attnres as attnres
-from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, _backward_pass, _key_query, _row_sum, _source_pass,
-                                               jit, launch_grid, moved, next_power_of_2, tl, triton)
+from depthbench.kernels.triton_attnres import (COLUMNS, ROWS, STAGES, WEIGHT_ROWS, _backward_pass, _key_query,
+                                               _row_sum, _source_pass, _weights, jit, launch_grid, moved,
+                                               next_power_of_2, tl, triton)
 from ops import topk_count
 
 CHUNK = 8     # consumers a phase-1 pass serves (a power of 2): its CHUNK running mixes or records in registers
 PROGRAMS = 264  # a backward pass's programs at most (the chunk's, a consumer's phase 2): 2 a streaming
                 # multiprocessor of an H100 or H200 (132), 1 program resident on each at its registers; the chunk's
                 # dgq rows (CHUNK D fp32 a program): 84 MB -> 5.4 MB a chunk at the card's shape, micro-batch 2
-WARPS = 8     # every kernel here. ptxas sm90 at the card's blocks (d640), bf16 or fp32 bank, Triton 3.6.0 and 3.9,
-              # no spill: _chunk_forward 127-128 registers (207 at 4 warps), _merge_forward 128-150 (246-254 at 4),
-              # _chunk_backward 207-247, _merge_backward 213-254; their loops over tiles (2026-12-06, bf16 bank,
-              # Triton 3.9's ptxas): 183 and 222-255, no spill
+PHASE1_TOKENS = 16   # _chunk_forward's tokens a program: the rows of its logits' product (tl.dot), one a thread at
+PHASE1_WARPS = 4     # 4 warps; its CHUNK x PHASE1_TOKENS x COLUMNS_TILE fp32 sums, 64 registers a thread
+COLUMNS_TILE = 64    # the columns of a source a loop step reads (a power of 2: 640 = 10 x 64, no padding)
+WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
+              # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
+              # 179 (x 4 warps: 3 / 2 programs a multiprocessor), _merge_forward 74-76 / 79-101, _merge_backward
+              # 106-117 / 123-124 (2 tokens a tile: 2 programs), _chunk_backward 228 / 243 (1 program)
 
 
 def chunk_blocks(BT, D):
     """(BLOCK_T, BLOCK_D) of the chunk's kernels: CHUNK tiles of BLOCK_T tokens stay TILE_ELEMENTS wide."""
     return attnres.blocks(BT, D, CHUNK)
+
+
+def phase1_blocks(BT, D):
+    """(BLOCK_T, BLOCK_D) of `_chunk_forward`: PHASE1_TOKENS tokens a program (the last one's masked), its sources
+    read COLUMNS_TILE columns at a time."""
+    return PHASE1_TOKENS, min(COLUMNS_TILE, next_power_of_2(D))
 
 
 def chunk_programs(BT, D):
@@ -67,10 +78,17 @@ def chunk_programs(BT, D):
     return min(-(-BT // chunk_blocks(BT, D)[0]), PROGRAMS)
 
 
+def merge_blocks(BT, D):
+    """(BLOCK_T, BLOCK_D) of a consumer's phase-2 backward pass (`_merge_backward`): half the forward's tokens a tile
+    (blocks of 2 sources' width), so that its five tiles (dmix, v, dv, dgq, the gradient slot) fit 2 programs on a
+    streaming multiprocessor (ptxas sm90 at d640, bf16 bank, pipelined: 106 registers x 8 warps; 165 at 4 tokens)."""
+    return attnres.blocks(BT, D, 2)
+
+
 def merge_programs(BT, D):
-    """The programs of a consumer's phase-2 backward pass: one a tile of tokens (triton_attnres.launch_grid's), at
-    most PROGRAMS (each sums the consumer's dgq over its tiles)."""
-    return min(-(-BT // attnres.blocks(BT, D)[0]), PROGRAMS)
+    """The programs of a consumer's phase-2 backward pass: one a tile of tokens (`merge_blocks`), at most PROGRAMS
+    (each sums the consumer's dgq over its tiles)."""
+    return min(-(-BT // merge_blocks(BT, D)[0]), PROGRAMS)
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -95,41 +113,80 @@ def _chunk_queries(q_ptr, g_ptr, cons, cols, C, D):
 
 
 @jit
-def _chunk_forward(V, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits_ptr, n1, C, BT, D, eps,
-                   BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Phase 1 for tokens [pid BLOCK_T, (pid + 1) BLOCK_T): the C consumers' (q, g rows from q_ptr, g_ptr) online
-    softmax over sources 0 .. n1 - 1 of V (n_max, BT, D), each loaded once -> o1 (C, BT, D) in o1_ptr's dtype,
-    lse1 (C, BT) fp32 and the logits (C, n1, BT) fp32."""
-    rows, cols, cons, row_ok, mask, offsets = _chunk_tile(tl.program_id(0), BT, D, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T,
-                                                          BLOCK_D=BLOCK_D)
-    gq = _chunk_queries(q_ptr, g_ptr, cons, cols=cols, C=C, D=D)
-    c_rows = (cons < C)[:, None] & row_ok[None, :]
-    m = tl.full((BLOCK_C, BLOCK_T), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
-    acc = tl.zeros((BLOCK_C, BLOCK_T, BLOCK_D), tl.float32)
-    slot = V
-    logits = logits_ptr + cons[:, None] * (n1 * BT) + rows[None, :]
-    for j in range(0, n1):
-        v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-        s = r[None, :] * tl.sum(v[None, :, :] * gq[:, None, :], axis=2)              # (BLOCK_C, BLOCK_T)
-        tl.store(logits, s, mask=c_rows)
+def _chunk_logits(V, q_ptr, g_ptr, logits, rows, row_ok, cons, n1, C, BT, D: tl.constexpr, eps,
+                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Phase 1's first pass, tokens x consumers (BLOCK_T, BLOCK_C): each source's logits s of the C consumers,
+    stored at `logits` (advanced one row of BT a source), their online max m and sum l = sum_j exp(s_j - m) -> lse.
+    A source is read BLOCK_D columns at a time: u = <v, gq> of all C consumers as one fp32 product (`tl.dot`, "ieee":
+    exact fp32, no sum across lanes per consumer), the squares summed per column and over D once a source."""
+    t_rows = row_ok[:, None] & (cons < C)[None, :]
+    m = tl.full((BLOCK_T, cons.shape[0]), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_T, cons.shape[0]), tl.float32)
+    slot = V                                                 # advanced one slot (BT * D) per source: no int32 overflow
+    for j in tl.range(0, n1, num_stages=NUM_STAGES):
+        squares = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+        u = tl.zeros((BLOCK_T, cons.shape[0]), tl.float32)
+        for d0 in tl.static_range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            v = tl.load(slot + rows[:, None] * D + cols[None, :],
+                        mask=row_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+            squares += v * v
+            u = tl.dot(v, _chunk_queries_t(q_ptr, g_ptr, cons, cols=cols, C=C, D=D), u, input_precision="ieee")
+        s = u * (1.0 / tl.sqrt(tl.sum(squares, axis=1) / D + eps))[:, None]
+        tl.store(logits, s, mask=t_rows)
         m_new = tl.maximum(m, s)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(s - m_new)
-        l = l * alpha + w
-        acc = acc * alpha[:, :, None] + w[:, :, None] * v[None, :, :]
+        l = l * tl.exp(m - m_new) + tl.exp(s - m_new)
         m = m_new
         slot += BT * D
         logits += BT
-    at = cons[:, None, None] * (BT * D) + offsets[None, :, :]
-    tl.store(o1_ptr + at, acc / l[:, :, None], mask=(cons < C)[:, None, None] & mask[None, :, :])
-    tl.store(lse1_ptr + cons[:, None] * BT + rows[None, :], m + tl.log(l), mask=c_rows)
+    return m + tl.log(l)
+
+
+@jit
+def _chunk_queries_t(q_ptr, g_ptr, cons, cols, C, D):
+    """gq = g * q of the chunk's C consumers, transposed: (BLOCK_D, BLOCK_C) fp32, zero in the padding."""
+    ok = (cols < D)[:, None] & (cons < C)[None, :]
+    at = cons[None, :] * D + cols[:, None]
+    q = tl.load(q_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    return q * tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
+
+
+@jit
+def _chunk_forward(V, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits_ptr, n1, C, BT, D: tl.constexpr, eps,
+                   BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Phase 1 for tokens [pid BLOCK_T, (pid + 1) BLOCK_T): the C consumers' (q, g rows from q_ptr, g_ptr) softmax
+    over sources 0 .. n1 - 1 of V (n_max, BT, D) -> o1 (C, BT, D) in o1_ptr's dtype, lse1 (C, BT) fp32 and the
+    logits (C, n1, BT) fp32. Two passes over the sources: their logits and lse1 (`_chunk_logits`), then for each
+    tile of BLOCK_D columns o1 = sum_j exp(s_j - lse1) v_j (no sum over D in it, so no rescaling and no barrier):
+    each source read twice, the CHUNK running mixes of a token never all in registers at once."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cons = tl.arange(0, BLOCK_C)
+    row_ok = rows < BT
+    t_rows = row_ok[:, None] & (cons < C)[None, :]                                     # (BLOCK_T, BLOCK_C)
+    logits = logits_ptr + cons[None, :] * (n1 * BT) + rows[:, None]
+    lse = _chunk_logits(V, q_ptr, g_ptr, logits, rows=rows, row_ok=row_ok, cons=cons, n1=n1, C=C, BT=BT, D=D, eps=eps,
+                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES)
+    tl.store(lse1_ptr + cons[None, :] * BT + rows[:, None], lse, mask=t_rows)
+    tl.debug_barrier()                                   # the logits stored above are visible to every thread
+    for d0 in tl.static_range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask = row_ok[:, None] & (cols < D)[None, :]
+        offsets = rows[:, None] * D + cols[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_C, BLOCK_D), tl.float32)
+        slot = V
+        for j in tl.range(0, n1, num_stages=NUM_STAGES):
+            v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+            w = tl.exp(tl.load(logits + j * BT, mask=t_rows, other=float("-inf")) - lse)
+            acc += w[:, :, None] * v[:, None, :]
+            slot += BT * D
+        tl.store(o1_ptr + cons[None, :, None] * (BT * D) + offsets[:, None, :], acc,
+                 mask=(cons < C)[None, :, None] & mask[:, None, :])
 
 
 @jit
 def _merge_forward(V, extra, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits1_ptr, mix_ptr, lse_ptr, p_ptr, n1, n2, m2, BT,
-                   D, eps, HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                   D, eps, HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, BLOCK_J: tl.constexpr):
     """Phase 2 of one consumer: its online softmax from (o1, lse1) over the n2 sources of V (the bank from slot n1)
     and, with HAS_EXTRA, the extra (m2 = n2 + 1 sources then, else n2) -> mix (fp32), lse, and the weights p
     (n1 + m2, BT): exp(s - lse) of phase 1's logits (logits1_ptr (n1, BT)) and of its own."""
@@ -140,25 +197,20 @@ def _merge_forward(V, extra, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits1_ptr, mix_pt
     l = tl.full((BLOCK_T,), 1.0, tl.float32)
     acc = tl.load(o1_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m, l, acc = _source_pass(V, extra, p_ptr + n1 * BT, n2, offsets=offsets, mask=mask, rows=rows, row_ok=row_ok,
-                             gq=gq, m=m, l=l, acc=acc, BT=BT, D=D, eps=eps, HAS_EXTRA=HAS_EXTRA)
+                             gq=gq, m=m, l=l, acc=acc, BT=BT, D=D, eps=eps, HAS_EXTRA=HAS_EXTRA,
+                             NUM_STAGES=NUM_STAGES)
     tl.store(mix_ptr + offsets, acc / l[:, None], mask=mask)
     lse = m + tl.log(l)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     tl.debug_barrier()                                   # the logits stored above are visible to every thread
-    for j in range(0, n1):                               # phase 1's logits, then this pass's, as weights
-        s = tl.load(logits1_ptr + j * BT + rows, mask=row_ok, other=0.0)
-        tl.store(p_ptr + j * BT + rows, tl.exp(s - lse), mask=row_ok)
-    weights = p_ptr + n1 * BT
-    for j in range(0, m2):
-        s = tl.load(weights + rows, mask=row_ok, other=0.0)
-        tl.store(weights + rows, tl.exp(s - lse), mask=row_ok)
-        weights += BT
+    _weights(logits1_ptr, p_ptr, n1, rows=rows, row_ok=row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)   # phase 1's logits
+    _weights(p_ptr + n1 * BT, p_ptr + n1 * BT, m2, rows=rows, row_ok=row_ok, lse=lse, BT=BT, BLOCK_J=BLOCK_J)  # its own
 
 
 @jit
 def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, record_ptr,
                     scalars_ptr, ran_ptr, n2, P, BT, D, eps,
-                    HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The consumer's pass, P programs each over the token tiles pid, pid + P, ...: its phase-2 sources' dv added
     into their gradient slots (dV from slot n1, fp32), the extra's dv to d_extra, its share of dgq over the program's
     tiles to row pid of dgq_ptr; its record for the chunk's pass: dmix (record_ptr, the bank's dtype), delta and lse
@@ -175,7 +227,7 @@ def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_ex
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         dgq += tl.sum(_backward_pass(V, extra, dV, d_extra, n=n2, offsets=offsets, mask=mask, gq=gq, dmix=dmix,
                                      lse=lse, delta=delta, BT=BT, D=D, eps=eps, DEFER=False, HAS_EXTRA=HAS_EXTRA,
-                                     BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D), axis=0)
+                                     BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES), axis=0)
         tl.store(record_ptr + offsets, dmix, mask=mask)
         tl.store(scalars_ptr + rows, delta, mask=row_ok)
         tl.store(scalars_ptr + BT + rows, lse, mask=row_ok)
@@ -186,7 +238,7 @@ def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_ex
 
 @jit
 def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr, n1, C, P, BT, D, eps,
-                    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The chunk's pass, P programs each over the token tiles pid, pid + P, ...: for each source j < n1 (V, its
     gradient slot in dV, fp32), the sum over the chunk's consumers that ran their backward (ran_ptr[c] != 0) of the
     pair's dv, from their records (records (C, BT, D), scalars (C, 2, BT): delta, lse), added into dV[j] once; each
@@ -206,7 +258,7 @@ def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr,
         lse = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + BT + rows[None, :], mask=c_rows, other=0.0)
         slot = V
         grad = dV
-        for j in range(0, n1):
+        for j in tl.range(0, n1, num_stages=NUM_STAGES):
             v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
             r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
             u = tl.sum(v[None, :, :] * gq[:, None, :], axis=2)                          # (BLOCK_C, BLOCK_T)
@@ -277,11 +329,12 @@ class ChunkPass(torch.autograd.Function):
     def forward(ctx, bank, chunk, queries, key_gains, token):
         V = bank.slots[0]
         B, T, D = V.shape[1:]
-        BLOCK_T, BLOCK_D = chunk_blocks(B * T, D)
+        BLOCK_T, BLOCK_D = phase1_blocks(B * T, D)
         _chunk_forward[(triton.cdiv(B * T, BLOCK_T),)](V, queries[chunk.r0], key_gains[chunk.r0], o1_ptr=chunk.o1,
                                                         lse1_ptr=chunk.lse1, logits_ptr=chunk.logits, n1=chunk.n1,
                                                         C=chunk.C, BT=B * T, D=D, eps=bank.norm_eps, BLOCK_C=CHUNK,
-                                                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=WARPS)
+                                                        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NUM_STAGES=STAGES,
+                                                        num_warps=PHASE1_WARPS)
         ctx.save_for_backward(queries, key_gains)
         ctx.bank, ctx.chunk = bank, chunk
         ctx.set_materialize_grads(False)
@@ -301,7 +354,7 @@ class ChunkPass(torch.autograd.Function):
         _chunk_backward[(P,)](V, queries[chunk.r0], key_gains[chunk.r0], chunk.records, scalars_ptr=chunk.scalars,
                               ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
                               D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-                              num_warps=WARPS)
+                              NUM_STAGES=STAGES, num_warps=WARPS)
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
         _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, chunk.merge_rows, chunk.ran,
@@ -338,7 +391,7 @@ class Merge(torch.autograd.Function):
         _merge_forward[grid](V[n1] if n2 else V, extra_in, query, key_gain, o1_ptr=chunk.o1[i], lse1_ptr=chunk.lse1[i],
                              logits1_ptr=chunk.logits[i], mix_ptr=mix, lse_ptr=lse, p_ptr=p, n1=n1, n2=n2, m2=m2,
                              BT=B * T, D=D, eps=bank.norm_eps, HAS_EXTRA=extra is not None, BLOCK_T=BLOCK_T,
-                             BLOCK_D=BLOCK_D, num_warps=WARPS)
+                             BLOCK_D=BLOCK_D, NUM_STAGES=STAGES, BLOCK_J=WEIGHT_ROWS, num_warps=WARPS)
         ctx.save_for_backward(query, key_gain, mix, lse, *([] if extra is None else [extra_in]))
         ctx.bank, ctx.chunk, ctx.i, ctx.n = bank, chunk, i, n
         ctx.extra_dtype = None if extra is None else extra.dtype
@@ -355,7 +408,7 @@ class Merge(torch.autograd.Function):
         V, dV = bank.slots[0], bank.gradients()[0]
         B, T, D = V.shape[1:]
         n1, n2 = chunk.n1, ctx.n - chunk.n1
-        BLOCK_T, BLOCK_D = attnres.blocks(B * T, D)                  # launch_grid's tiles, fewer programs
+        BLOCK_T, BLOCK_D = merge_blocks(B * T, D)
         programs = merge_programs(B * T, D)
         record, scalars, ran, dgq_rows = chunk.record(ctx.i, programs=programs)
         d_extra = torch.empty(mix.shape, dtype=ctx.extra_dtype, device=mix.device) if extra else None
@@ -365,7 +418,7 @@ class Merge(torch.autograd.Function):
                                      lse_ptr=lse, dV=dV2, d_extra=d_extra_in, dgq_ptr=dgq_rows, record_ptr=record,
                                      scalars_ptr=scalars, ran_ptr=ran, n2=n2, P=programs, BT=B * T, D=D,
                                      eps=bank.norm_eps, HAS_EXTRA=bool(extra), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-                                     num_warps=WARPS)
+                                     NUM_STAGES=STAGES, num_warps=WARPS)
         return None, None, None, None, None, None, None, None, d_extra       # dq, dg: by the chunk's pass
 
 
@@ -447,14 +500,17 @@ def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
 
 def chunk_traffic(n1, C, rows, tokens, D, storage_bytes=2):
     """[moved] of a chunk's phase 1 over n1 sources for C consumers, the queries and key gains (rows, D):
-    forward `_chunk_forward` (read the sources once, q and g; write o1 in the bank's dtype, lse1 and the logits);
+    forward `_chunk_forward` (read the sources twice, once for the logits and once for o1, q and g, and the logits
+    back (once: its later column tiles' reads of them are the L2's); write o1 in the bank's dtype, lse1 and the
+    logits);
     backward, the ran flags' zeroing (at its first consumer's backward), `_chunk_backward` (the sources once, the C
     records, the gradient slots read and written once), dqueries' and dkey_gains' zeros, `_chunk_query_gradients`
     (the chunk pass's P dgq rows and each consumer's phase-2 P2, the ran flags), and autograd's two adds of them
     into the parameters' other gradients."""
     S, R = tokens * D, rows * D
     P, P2 = chunk_programs(tokens, D), merge_programs(tokens, D)
-    return [moved(n1 * S * storage_bytes + 8 * D * C, C * S * storage_bytes + 4 * tokens * C * (1 + n1)),
+    return [moved(2 * n1 * S * storage_bytes + 8 * D * C + 4 * tokens * C * (1 + n1),
+                  C * S * storage_bytes + 4 * tokens * C * (1 + n1)),
             moved(0, 4 * C),
             moved(n1 * S * storage_bytes + C * (S * storage_bytes + 8 * tokens + 4 + 8 * D) + 4 * n1 * S,
                   4 * n1 * S + 4 * P * C * D),
