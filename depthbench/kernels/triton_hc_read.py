@@ -39,7 +39,7 @@ import torch
 
 import ops
 from depthbench.kernels import triton_hc as hc
-from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _normed_rows, _sinkhorn_block,
+from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _dot, _normed_rows, _sinkhorn_block,
                                           _sinkhorn_block_bwd, _sum, _w_tile, jit, pow2, runs_here, stream_sizes, tl)
 from ops import fp32_maths
 
@@ -387,7 +387,7 @@ def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, D
             phi = tl.load(W + (j * D + dd)[:, None] * M + cols[None, :], mask=(dd < D)[:, None] & (cols < M)[None, :],
                           other=0.0).to(tl.float32)
             x = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
-            dx += r[:, None] * tl.dot(g, tl.trans(phi), input_precision="ieee") - x * coef[:, None]
+            dx += r[:, None] * _dot(g, tl.trans(phi), H) - x * coef[:, None]
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
 
 
@@ -475,13 +475,13 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
             r = tl.load(R + row, mask=live, other=0.0)
             x = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
             coef = r * r * _sum(g * m, 1) / D
-            dx += r[:, None] * tl.dot(g, tl.trans(wt), input_precision="ieee") - x * coef[:, None]
+            dx += r[:, None] * _dot(g, tl.trans(wt), H) - x * coef[:, None]
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
 
 
-# _mhc_bwd's and _hc_bwd's warps: at the card's shape (d640: BD 1024, BK 64) ptxas for sm90 gives them 253-255
-# registers a thread and no spill with 8 (Triton 3.9; 3.6, the GPU image's: 172 and 255), where _mhc_bwd spills
-# 0.9-1.1 KB a thread with 4
+# _mhc_bwd's and _hc_bwd's warps: at the card's shape (d640: BD 1024, BK 64, bf16 streams: the projection in tf32,
+# `_dot`) ptxas for sm90 (Triton 3.9) gives them 123 / 128 registers x 8 warps, 2 CTAs an SM: the 256 programs in
+# one wave (ieee fp32: 201 / 168, 1 CTA, two waves); with 4 warps 198 / 179 registers, 2 CTAs, half the warps
 BWD_WARPS = 8
 # The read in one launch each way where it can be (False: the split kernels), so that scripts/kernel_bench.py times
 ONE_LAUNCH_BACKWARD = ONE_LAUNCH_FORWARD = True    # both on the device (a kernel is kept where it measures faster)
