@@ -379,7 +379,7 @@ def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, D
     m = tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live[:, None] & (cols < M)[None, :], other=0.0)
     coef = r * r * _sum(g * m, 1) / K                  # <g, m> = r <g, x phi>: the gradient through r
     rb, cb = tl.load(Rb + rows, mask=live, other=0.0), tl.load(Cb + rows, mask=live, other=0.0)
-    for d0 in range(0, D, BK):
+    for d0 in tl.range(0, D, BK, num_stages=2):      # every tile's loads by cp.async, 1 ahead
         dd = d0 + tl.arange(0, BK)
         tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=cb, tokens=rows, live=live, dd=dd, D=D, n=n)
         for j in tl.static_range(n):
@@ -463,7 +463,7 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
     tokens = pid * BT + tl.arange(0, BT)
     live, cols = tokens < N, tl.arange(0, MP)
     rb, cb = tl.load(Rb + tokens, mask=live, other=0.0), tl.load(Cb + tokens, mask=live, other=0.0)
-    for d0 in range(0, D, BK):
+    for d0 in tl.range(0, D, BK, num_stages=2):
         dd = d0 + tl.arange(0, BK)
         tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=cb, tokens=tokens, live=live, dd=dd, D=D, n=n)
         wt = _w_tile(A, B, dd, cols=cols, K=D, M=M, SPLIT=True)                # W = [A | B], (BK, MP)
@@ -479,10 +479,10 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
 
 
-# _mhc_bwd's and _hc_bwd's warps: at the card's shape (d640: BD 1024, BK 64, bf16 streams: the projection in tf32,
-# `_dot`) ptxas for sm90 (Triton 3.9) gives them 123 / 128 registers x 8 warps, 2 CTAs an SM: the 256 programs in
-# one wave (ieee fp32: 201 / 168, 1 CTA, two waves); with 4 warps 198 / 179 registers, 2 CTAs, half the warps
-BWD_WARPS = 8
+# _mhc_bwd's and _hc_bwd's warps and registers a thread (at most): at the card's shape (d640, BK 64, bf16 streams,
+# the projection in tf32: `_dot`) 128 x 8 warps, 2 CTAs an SM, the 256 programs in one wave (ptxas for sm90, Triton
+# 3.9: no spill; _hc_bwd one register, reloaded once a tile; uncapped 142 / 136, 1 CTA; ieee fp32 201 / 168)
+BWD_LAUNCH = dict(num_warps=8, maxnreg=128)
 # The read in one launch each way where it can be (False: the split kernels), so that scripts/kernel_bench.py times
 ONE_LAUNCH_BACKWARD = ONE_LAUNCH_FORWARD = True    # both on the device (a kernel is kept where it measures faster)
 
@@ -504,7 +504,7 @@ def mhc_backward(x, saved, grads, iters, sizes):
     _mhc_bwd[(programs,)](H=x, W=phi, Pre=pre, Post=post, Res=res, Logits=logits, Mo=m, R=r, Rb=rb, Wn=gain,
                           DOut=dout, DMixed=dmixed, DPost=dpost, DH=dH, DPre=dpre, DRes=dres, DL=dl, Scratch=scratch,
                           Cb=cb, RG=rg, Sums=rows, Ap=a_pre, Aq=a_post, Ar=a_res, N=N, D=D, M=M, iters=iters,
-                          eps=EPS, BT=BLOCK_ROWS, BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), num_warps=BWD_WARPS,
+                          eps=EPS, BT=BLOCK_ROWS, BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), **BWD_LAUNCH,
                           **sizes)
     return dH, rows.sum(0), rg
 
@@ -524,7 +524,7 @@ def hc_backward(x, saved, grads):
     _hc_bwd[(programs,)](H=x, A=A, B=B, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed,
                          DPost=dpost, DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, RG=rg, Sums=sums, Asc=alpha_scale,
                          Bsc=beta_scale, N=N, D=D, M=M, n=n, NP=pow2(n), BT=BLOCK_ROWS, BR=pow2(BLOCK_ROWS * n),
-                         BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), num_warps=BWD_WARPS)
+                         BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), **BWD_LAUNCH)
     return dH, sums.sum(0), rg
 
 
