@@ -495,11 +495,11 @@ def kernel_signatures(stream, module):
         ("_width_norm_fwd", dict(H=s, Pre=f, Res=f, Wn=f, Out=s, Mixed=s, Rb=f, N="i32", D="i32", eps="fp32"),
          dict(n=4, NP=4, BD=1024, TPP=8)),                                                  # the card's d640, whole
         ("_width_norm_bwd", dict(H=s, Pre=f, Res=f, Wn=f, Rb=f, DOut=s, DMixed=s, DH=s, DPre=f, DRes=f, DWp=f,
-                                 N="i32", D="i32"), dict(n=4, NP=4, BD=1024, TPP=8)),
+                                 N="i32", D="i32"), dict(n=4, NP=4, BD=64, TPP=8)),                # tiles of 64
         ("_mhc_bwd", dict(H=s, W=f, Pre=f, Post=f, Res=f, Logits=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f,
                           DH=s, DPre=f, DRes=f, DL=f, Scratch=f, Cb=f, RG=s, Sums=f, Ap=f, Aq=f, Ar=f, N="i32",
                           D="i32", M="i32", iters="i32", eps="fp32"),
-         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=32)),                # the card's
+         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=32)),                         # the card's
         ("_mhc_fwd", dict(X=s, W=f, B=f, Ap=f, Aq=f, Ar=f, Pre=f, Post=f, Logits=f, Res=f, Mo=f, R=f, Wn=f, Out=s,
                           Mixed=s, Rb=f, N="i32", K="i32", M="i32", D="i32", iters="i32", eps="fp32",
                           eps_norm="fp32"),
@@ -509,7 +509,7 @@ def kernel_signatures(stream, module):
          dict(n=4, NP=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16, BD=1024)),
         ("_hc_bwd", dict(H=s, A=f, B=f, Pre=f, Res=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f, DH=s, DPre=f,
                          DRes=f, G=f, Cb=f, RG=s, Sums=f, Asc=f, Bsc=f, N="i32", D="i32", M="i32"),
-         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BR=4 * module.BLOCK_ROWS, BD=1024, BK=module.BLOCK_K, MP=16))]
+         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BR=4 * module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16))]
 
 
 @pytest.mark.slow
