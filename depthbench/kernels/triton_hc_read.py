@@ -16,7 +16,7 @@ the norm in the backward; here, per sublayer:
             rb kept). One launch, `_mhc_fwd` / `_hc_fwd` (HC where n divides 16), else `_mhc_read_fwd` /
             `_hc_read_fwd` and `_width_norm_fwd`
   backward  where H_pre and H_res feed nothing else (a model's case), one launch, `_mhc_bwd` / `_hc_bwd`, per block
-            of 16 tokens: each token whole for the width connection's and the norm's sums (dpre, dres and the norm's
+            of 16 tokens: by tiles of channels the width connection's and the norm's sums (dpre, dres and the norm's
             <w dout, branch>), the maps' (and Sinkhorn's, recomputed from the logits) backward to dm, then dH by
             tiles of channels, written once (the width share, r dm W^T, the norm's); the maps' and the gain's sums
             in one row a program, laid out as the parameters (one torch sum); dW = x^T (r dm) by cuBLAS
