@@ -30,8 +30,10 @@ needs_interpreter = pytest.mark.skipif(not attnres.interpreted(), reason="triton
                                        "repository: conftest.py sets it first)")
 
 # name: (batch, query heads, kv heads, tokens, head width, depth slots)
+# card_tile, card_tile_gqa: the card's head width (40, padded to 64) and tiles (32 tokens a program at G 1, 16 at
+# G 2), the last program partial
 CASES = {"gqa": (2, 4, 2, 5, 8, 3), "odd_T": (1, 2, 2, 7, 8, 4), "one_slot": (2, 2, 1, 6, 8, 1),
-         "wide_head": (1, 3, 3, 4, 12, 2)}
+         "wide_head": (1, 3, 3, 4, 12, 2), "card_tile": (1, 2, 2, 37, 40, 3), "card_tile_gqa": (1, 4, 2, 37, 40, 2)}
 
 
 def inputs(name, dtype=torch.float32, seed=0):
@@ -241,13 +243,15 @@ def test_traffic_counts_the_notes_slot_reads():
 
 
 COMPILE_FOR_H100 = """
+import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from depthbench.kernels import triton_moda as M
 from depthbench.kernels import triton_attnres as A
 assert not A.interpreted()
-INTS = ("n", "slot", "sB", "sH", "sT", "H", "T", "G", "hd", "j", "count")
+INTS = ("n", "slot", "sB", "sH", "sT", "H", "T", "G", "j", "count")
+STAGES = inspect.signature(M._depth_forward.fn).parameters["STAGES"].default   # the kernels' default
 FP32 = ("o_seq", "lse_seq", "lse_ptr", "share_ptr", "dq_seq", "rec_lse", "rec_delta", "dK", "dV")
 def build(fn, storage, consts, warps):
     sig = {}
@@ -257,7 +261,7 @@ def build(fn, storage, consts, warps):
     triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps})
 for storage, G in (("*bf16", 1), ("*fp32", 1), ("*bf16", 4)):
-    blocks = dict(zip(("BLOCK_T", "BLOCK_G", "BLOCK_D"), M.blocks(2048, G, 40)))
+    blocks = dict(zip(("BLOCK_T", "BLOCK_G", "BLOCK_D"), M.blocks(2048, G, 40)), hd=40, STAGES=STAGES)
     build(M._depth_forward, storage, blocks, M.WARPS)
     build(M._depth_backward, storage, blocks, M.WARPS)
     for pair in (False, True):

@@ -13,7 +13,7 @@ the CPU path does not change. `BODIES`: the "triton" namespace's (depthbench/ker
 The kernels (N tokens, n streams of width D; one program per token or per block of tokens):
 
 - `normed_projection(x, W, eps)` = (x / rms(x)) @ W, x (..., K), W (K, M), M = n^2 + 2n (mHC, K = nD) or n + 2
-  (HC, K = D, per stream). `_proj_fwd`: one pass over x per block of rows, accumulating x @ W (tl.dot, fp32 ieee)
+  (HC, K = D, per stream). `_proj_fwd`: one pass over x per block of rows, accumulating x @ W (tl.dot: `_dot`)
   and sum(x^2) together; out = r (x @ W), r = rsqrt(mean(x^2) + eps) -- the norm and the skinny GEMM fused, x read
   once. Backward, `_proj_bwd`: dx = r (g @ W^T) - x r^2 <g, out> / K, one pass over x (out and r kept: M + 1 floats a
   row); dW = x^T (r g), a GEMM over the tokens, is cuBLAS's in x's dtype. Test: test_normed_projection_equals_reference.
@@ -108,6 +108,12 @@ def _max(x, axis: tl.constexpr):
     return tl.reduce(x, axis, tl.standard._elementwise_max)
 
 
+@jit
+def _dot(a, b, X):
+    """tl.dot to fp32: exact ("ieee") on fp32 streams at X; tf32 (tensor cores) on bf16/fp16 ones, coarser anyway."""
+    return tl.dot(a, b, input_precision="ieee" if X.dtype.element_ty == tl.float32 else "tf32")
+
+
 # ----------------------------------------------------------------------------- normed_projection
 
 @jit
@@ -136,7 +142,7 @@ def _normed_rows(X, W, Out, R, N, K, M, eps, BN: tl.constexpr, BK: tl.constexpr,
         x = tl.load(X + rows[:, None] * K + ks[None, :], mask=(rows < N)[:, None] & (ks < K)[None, :],
                     other=0.0).to(tl.float32)
         w = _w_tile(W, Wlast, ks, cols=cols, K=K, M=M, SPLIT=SPLIT)
-        acc += tl.dot(x, w, input_precision="ieee")
+        acc += _dot(x, w, X)
         ss += _sum(x * x, 1)
     r = 1.0 / tl.sqrt(ss / K + eps)
     out = acc * r[:, None]
@@ -169,7 +175,7 @@ def _proj_bwd(X, W, G, Out, R, DX, Acc, N, K, M, BN: tl.constexpr, BK: tl.conste
         x = tl.load(X + rows[:, None] * K + ks[None, :], mask=xmask, other=0.0).to(tl.float32)
         w = tl.load(W + ks[:, None] * M + cols[None, :], mask=(ks < K)[:, None] & (cols < M)[None, :],
                     other=0.0).to(tl.float32)
-        gw = tl.dot(g, tl.trans(w), input_precision="ieee")      # (BN, BK): g @ W^T
+        gw = _dot(g, tl.trans(w), X)                             # (BN, BK): g @ W^T
         dx = r[:, None] * gw - x * coef[:, None]
         if HAS_ACC:
             dx += tl.load(Acc + rows[:, None] * K + ks[None, :], mask=xmask, other=0.0).to(tl.float32)
@@ -215,8 +221,7 @@ def normed_projection(x, W, eps):
 
 @jit
 def _load_softmax(L, N, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
-    """Tokens [pid BT, +BT) of the (N, n, n) logits -> the row softmax P (BT, NP, NP), their offsets and the mask
-    of the real entries (i, j < n). Padded entries (n < NP) are 0 in P."""
+    """Tokens [pid BT, +BT) of the (N, n, n) logits -> row softmax P (BT, NP, NP; 0 where padded), offsets, mask."""
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     i = tl.arange(0, NP)
     cell = (i < n)[None, :, None] & (i < n)[None, None, :]                          # (1, NP, NP)
@@ -230,8 +235,7 @@ def _load_softmax(L, N, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
 
 @jit
 def _axis_sums(M, k):
-    """(BT, NP) sums of M (BT, NP, NP) over Sinkhorn's step k's axis: per column (over the rows i) when k is even,
-    per row when k is odd."""
+    """(BT, NP) sums of M (BT, NP, NP) over step k's axis: per column (over the rows i) for even k, else per row."""
     return tl.where(k % 2 == 0, _sum(M, 1), _sum(M, 2))
 
 
@@ -260,10 +264,8 @@ def _sinkhorn_block(L, Out, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT
 
 @jit
 def _sinkhorn_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
-    """dlogits from dH_res on BT tokens. The forward again from the logits, writing each step's divisor d_k (n floats
-    a token) to Scratch; then back through the steps, last first: with out = M_k / d_k, dM_k = (dout - sums(dout
-    out)) / d_k over step k's axis, and M_k = out d_k restores step k's input (a multiplication: no cancellation);
-    last the softmax's, dlogits = P (dP - <dP, P>_row). Padded entries (n < NP) stay 0 (`_sinkhorn_block_bwd`)."""
+    """dlogits from dH_res on BT tokens, as the module's docstring says (`sinkhorn`): the forward again, each step's
+    divisor to Scratch, then back through the steps; padded entries (n < NP) stay 0 (`_sinkhorn_block_bwd`)."""
     _sinkhorn_block_bwd(L=L, G=G, DL=DL, Scratch=Scratch, N=N, iters=iters, eps=eps, n=n, NP=NP, BT=BT)
 
 
@@ -280,8 +282,7 @@ def _sinkhorn_block_bwd(L, G, DL, Scratch, N, iters, eps, n: tl.constexpr, NP: t
         d = _axis_sums(M, k) + eps
         tl.store(Scratch + at + k * NP, d, mask=(t < N)[:, None])
         M = M / _spread(d, k)
-    # the divisors are read back below in the loads' own layout, possibly by other threads of this program than the
-    # ones that stored them: a barrier makes every store of the loop above visible to them
+    # read back below in the loads' layout, maybe by other threads: a barrier makes the loop's stores visible
     tl.debug_barrier()
     dM = tl.load(G + idx, mask=mask, other=0.0).to(tl.float32)
     for back in range(0, steps):

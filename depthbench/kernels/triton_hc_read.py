@@ -16,7 +16,7 @@ the norm in the backward; here, per sublayer:
             rb kept). One launch, `_mhc_fwd` / `_hc_fwd` (HC where n divides 16), else `_mhc_read_fwd` /
             `_hc_read_fwd` and `_width_norm_fwd`
   backward  where H_pre and H_res feed nothing else (a model's case), one launch, `_mhc_bwd` / `_hc_bwd`, per block
-            of 16 tokens: each token whole for the width connection's and the norm's sums (dpre, dres and the norm's
+            of 16 tokens: by tiles of channels the width connection's and the norm's sums (dpre, dres and the norm's
             <w dout, branch>), the maps' (and Sinkhorn's, recomputed from the logits) backward to dm, then dH by
             tiles of channels, written once (the width share, r dm W^T, the norm's); the maps' and the gain's sums
             in one row a program, laid out as the parameters (one torch sum); dW = x^T (r dm) by cuBLAS
@@ -39,7 +39,7 @@ import torch
 
 import ops
 from depthbench.kernels import triton_hc as hc
-from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _normed_rows, _sinkhorn_block,
+from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _dot, _normed_rows, _sinkhorn_block,
                                           _sinkhorn_block_bwd, _sum, _w_tile, jit, pow2, runs_here, stream_sizes, tl)
 from ops import fp32_maths
 
@@ -267,25 +267,43 @@ def _width_token_fwd(H, Pre, Res, Out, Mixed, Rb, t, w, N, D, eps, n: tl.constex
 
 
 @jit
-def _width_block_bwd(H, Pre, Rb, DOut, DMixed, DPre, DRes, Cb, t0, Wn, N, D, n: tl.constexpr, NP: tl.constexpr,
-                     BD: tl.constexpr, BT: tl.constexpr):
-    """The one-launch backwards' first stage: `_width_token_bwd` on tokens [t0, t0 + BT) with the gain at Wn, each
-    token's c into Cb -> the block's share of the gain's gradient (BD,)."""
-    s, d = tl.arange(0, NP), tl.arange(0, BD)
-    w, dw = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32), tl.full([BD], 0.0, tl.float32)
-    for i in range(0, BT):
-        t = t0 + i
-        share, db, c, h, pre = _width_token_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, t=t, w=w,
-                                                N=N, D=D, n=n, NP=NP, BD=BD)
-        dw += share
-        tl.store(Cb + t + 0 * s, c + 0.0 * s, mask=(s == 0) & (t + 0 * s < N))
-    return dw
+def _width_block_bwd(H, Pre, Rb, DOut, DMixed, DPre, DRes, Dw, t0, Wn, N, D, n: tl.constexpr, NP: tl.constexpr,
+                     BK: tl.constexpr, BT: tl.constexpr):
+    """The one-launch backwards' first stage on tokens [t0, t0 + BT), by tiles of BK channels, each token's sums over
+    D in lanes (no barrier): <w dout, branch>, <h_s, w dout>, <h_s, branch>, dres[o, s] = <dmixed_o, h_s> into DRes;
+    dpre[s] = <h_s, dbranch> = rb <h_s, w dout> - c <h_s, branch> into DPre; each tile's share of the gain's
+    gradient (sum over the tokens of dout branch rb) into Dw at its channels -> c = rb^3 <w dout, branch> / D."""
+    tokens = t0 + tl.arange(0, BT)
+    live, s, cell = tokens < N, tl.arange(0, NP), tl.arange(0, NP * NP)                # cell = o NP + s
+    rb = tl.load(Rb + tokens, mask=live, other=0.0)
+    gb, hg, hb = tl.full([BT], 0.0, tl.float32), tl.full([BT, NP], 0.0, tl.float32), tl.full([BT, NP], 0.0, tl.float32)
+    mh = tl.full([BT, NP * NP], 0.0, tl.float32)
+    for d0 in tl.range(0, D, BK, num_stages=2):
+        dd = d0 + tl.arange(0, BK)
+        tile, at, branch, dout, w = _branch_tile(H, Pre, Wn, DOut, tokens=tokens, live=live, dd=dd, D=D, n=n)
+        gw = dout * w[None, :]
+        gb += _sum(gw * branch, 1)
+        for j in tl.static_range(n):
+            h = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
+            hg += tl.where((s == j)[None, :], _sum(h * gw, 1)[:, None], 0.0)
+            hb += tl.where((s == j)[None, :], _sum(h * branch, 1)[:, None], 0.0)
+            for o in tl.static_range(n):
+                dm = tl.load(DMixed + at + o * D, mask=tile, other=0.0).to(tl.float32)
+                mh += tl.where((cell == o * NP + j)[None, :], _sum(dm * h, 1)[:, None], 0.0)
+        tl.store(Dw + dd, _sum(dout * branch * rb[:, None], 0), mask=dd < D)
+    c = rb * rb * rb * gb / D
+    tl.store(DPre + tokens[:, None] * n + s[None, :], rb[:, None] * hg - c[:, None] * hb,
+             mask=live[:, None] & (s < n)[None, :])
+    o, si = cell // NP, cell % NP
+    tl.store(DRes + tokens[:, None] * n * n + (o * n + si)[None, :], mh,
+             mask=live[:, None] & ((o < n) & (si < n))[None, :])
+    return c
 
 
 @jit
-def _dbranch_tile(H, Pre, Wn, DOut, rb, cb, tokens, live, dd, D, n: tl.constexpr):
-    """The one-launch backwards' tile (tokens, channels dd): the branch again from the streams, dbranch = rb w dout -
-    branch c -> (the tile's mask, the offsets of stream 0's channels dd, dbranch)."""
+def _branch_tile(H, Pre, Wn, DOut, tokens, live, dd, D, n: tl.constexpr):
+    """The tile (tokens, channels dd) of the branch again from the streams -> (the tile's mask, the offsets of
+    stream 0's channels dd, the branch, dout, the gain w (dd,))."""
     tile = live[:, None] & (dd < D)[None, :]
     at = tokens[:, None] * n * D + dd[None, :]
     dout = tl.load(DOut + tokens[:, None] * D + dd[None, :], mask=tile, other=0.0).to(tl.float32)
@@ -293,7 +311,14 @@ def _dbranch_tile(H, Pre, Wn, DOut, rb, cb, tokens, live, dd, D, n: tl.constexpr
     for j in tl.static_range(n):
         pre_j = tl.load(Pre + tokens * n + j, mask=live, other=0.0)
         branch += pre_j[:, None] * tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
-    w = tl.load(Wn + dd, mask=dd < D, other=0.0).to(tl.float32)
+    return tile, at, branch, dout, tl.load(Wn + dd, mask=dd < D, other=0.0).to(tl.float32)
+
+
+@jit
+def _dbranch_tile(H, Pre, Wn, DOut, rb, cb, tokens, live, dd, D, n: tl.constexpr):
+    """The one-launch backwards' tile (tokens, channels dd): dbranch = rb w dout - branch c (`_branch_tile`) ->
+    (the tile's mask, the offsets of stream 0's channels dd, dbranch)."""
+    tile, at, branch, dout, w = _branch_tile(H, Pre, Wn, DOut, tokens=tokens, live=live, dd=dd, D=D, n=n)
     return tile, at, rb[:, None] * w[None, :] * dout - branch * cb[:, None]
 
 
@@ -308,68 +333,39 @@ def _width_share(Pre, Res, DMixed, db, tokens, live, at, tile, D, j, n: tl.const
 
 
 @jit
-def _width_token_bwd(H, Pre, Rb, DOut, DMixed, DPre, DRes, t, w, N, D, n: tl.constexpr, NP: tl.constexpr,
-                     BD: tl.constexpr):
-    """Token t, whole in registers (BD >= D), the part of the branch norm's and the width connection's backward that
-    needs its whole row: the branch again from the streams, the norm's backward dbranch = rb w dout - branch c,
-    c = rb^3 <w dout, branch> / D; dpre[s] = <h_s, dbranch> and dres[o, s] = <dmixed_o, h_s> stored to DPre, DRes
-    -> (dout branch rb, its share of the gain's gradient; dbranch; c; the streams h (NP, BD); pre (NP,))."""
-    s, d = tl.arange(0, NP), tl.arange(0, BD)
-    ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)        # masks as vectors (no scalar mask)
-    pre = tl.load(Pre + t * n + s, mask=ms, other=0.0)
-    h = tl.load(H + t * n * D + s[:, None] * D + d[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
-    branch = _sum(pre[:, None] * h, 0)
-    rb = _sum(tl.load(Rb + t + 0 * s, mask=ms & (s == 0), other=0.0), 0)
-    dout = tl.load(DOut + t * D + d, mask=md, other=0.0).to(tl.float32)
-    gw = dout * w
-    c = rb * rb * rb * _sum(gw * branch, 0) / D
-    db = rb * gw - branch * c
-    tl.store(DPre + t * n + s, _sum(h * db[None, :], 1), mask=ms)
-    for o in tl.static_range(n):
-        dm_o = tl.load(DMixed + t * n * D + o * D + d, mask=md, other=0.0).to(tl.float32)
-        tl.store(DRes + t * n * n + o * n + s, _sum(dm_o[None, :] * h, 1), mask=ms)
-    return dout * branch * rb, db, c, h, pre
-
-
-@jit
 def _width_norm_bwd(H, Pre, Res, Wn, Rb, DOut, DMixed, DH, DPre, DRes, DWp, N, D,
                     n: tl.constexpr, NP: tl.constexpr, BD: tl.constexpr, TPP: tl.constexpr):
-    """Tokens [pid TPP, +TPP): `_width_token_bwd`, then triton_hc._width_bwd's dh_s = pre[s] dbranch + sum_o
-    res[o, s] dmixed_o into DH; and this program's share of the gain's gradient, sum over its tokens of dout branch
-    rb, into DWp[pid]."""
-    s, d = tl.arange(0, NP), tl.arange(0, BD)
-    w = tl.load(Wn + d, mask=d < D, other=0.0).to(tl.float32)
-    dw = tl.full([BD], 0.0, tl.float32)
-    for i in range(0, TPP):
-        t = tl.program_id(0).to(tl.int64) * TPP + i
-        ms, md = (s < n) & (t + 0 * s < N), (d < D) & (t + 0 * d < N)
-        share, db, c, h, pre = _width_token_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, t=t, w=w,
-                                                N=N, D=D, n=n, NP=NP, BD=BD)
-        dw += share
-        dh = pre[:, None] * db[None, :]
-        for o in tl.static_range(n):
-            dm_o = tl.load(DMixed + t * n * D + o * D + d, mask=md, other=0.0).to(tl.float32)
-            dh += tl.load(Res + t * n * n + o * n + s, mask=ms, other=0.0)[:, None] * dm_o[None, :]
-        tl.store(DH + t * n * D + s[:, None] * D + d[None, :], dh.to(DH.dtype.element_ty),
-                 mask=ms[:, None] & md[None, :])
-    tl.store(DWp + tl.program_id(0).to(tl.int64) * D + d, dw, mask=d < D)
+    """Tokens [pid TPP, +TPP): `_width_block_bwd` (dpre, dres; this program's share of the gain's gradient into
+    DWp[pid]), then by tiles of BD channels triton_hc._width_bwd's dh_s = pre[s] dbranch + sum_o res[o, s] dmixed_o
+    into DH."""
+    pid = tl.program_id(0).to(tl.int64)
+    tokens = pid * TPP + tl.arange(0, TPP)
+    live = tokens < N
+    c = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Dw=DWp + pid * D, t0=pid * TPP, Wn=Wn,
+                         N=N, D=D, n=n, NP=NP, BK=BD, BT=TPP)
+    rb = tl.load(Rb + tokens, mask=live, other=0.0)
+    for d0 in tl.range(0, D, BD, num_stages=2):
+        dd = d0 + tl.arange(0, BD)
+        tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=c, tokens=tokens, live=live, dd=dd, D=D, n=n)
+        for j in tl.static_range(n):
+            dx = _width_share(Pre, Res, DMixed, db, tokens=tokens, live=live, at=at, tile=tile, D=D, j=j, n=n)
+            tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
 
 
 @jit
 def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, DL, Scratch, Cb, RG,
              Sums, Ap, Aq, Ar, N, D, M, iters, eps, n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
-             BD: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr):
+             BK: tl.constexpr, MP: tl.constexpr):
     """mHC's whole read backward on tokens [pid BT, +BT), one launch (in place of _width_norm_bwd, _mhc_read_bwd
-    and _proj_bwd): (1) each token whole (`_width_token_bwd`): dpre, dres, c into Cb, the gain's share; (2) the
+    and _proj_bwd): (1) by tiles of BK channels (`_width_block_bwd`): dpre, dres, c into Cb, the gain's; (2) the
     maps' and Sinkhorn's backward (`_mhc_maps_bwd`), dm kept in registers; (3) by tiles of BK channels of every
     stream, the branch and dbranch again (rb w dout - branch c) and dH written once: pre[s] dbranch + sum_o
     res[o, s] dmixed_o (the width connection) + r (dm phi^T) - x r^2 <dm, m> / K (the projection through the
     norm, K = n D). Row pid of Sums: the maps' sums (2 MP floats), then the gain's (D)."""
     pid = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BD)
-    dw = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Cb=Cb, t0=pid * BT, Wn=Wn, N=N, D=D,
-                          n=n, NP=NP, BD=BD, BT=BT)
-    tl.store(Sums + pid * (2 * MP + D) + 2 * MP + d, dw, mask=d < D)
+    c = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Dw=Sums + pid * (2 * MP + D)
+                         + 2 * MP, t0=pid * BT, Wn=Wn, N=N, D=D, n=n, NP=NP, BK=BK, BT=BT)
+    tl.store(Cb + pid * BT + tl.arange(0, BT), c, mask=pid * BT + tl.arange(0, BT) < N)
     tl.debug_barrier()                         # dpre, dres and c are read back below by other threads
     rows, g = _mhc_maps_bwd(Logits, DRes, DL, Scratch, Pre=Pre, Post=Post, DPre=DPre, DPost=DPost, Mo=Mo, R=R, Ap=Ap,
                             Aq=Aq, Ar=Ar, RG=RG, Part=Sums, part_stride=2 * MP + D, N=N, M=M, iters=iters, eps=eps,
@@ -379,7 +375,7 @@ def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, D
     m = tl.load(Mo + rows[:, None] * M + cols[None, :], mask=live[:, None] & (cols < M)[None, :], other=0.0)
     coef = r * r * _sum(g * m, 1) / K                  # <g, m> = r <g, x phi>: the gradient through r
     rb, cb = tl.load(Rb + rows, mask=live, other=0.0), tl.load(Cb + rows, mask=live, other=0.0)
-    for d0 in range(0, D, BK):
+    for d0 in tl.range(0, D, BK, num_stages=2):      # every tile's loads by cp.async, 1 ahead
         dd = d0 + tl.arange(0, BK)
         tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=cb, tokens=rows, live=live, dd=dd, D=D, n=n)
         for j in tl.static_range(n):
@@ -387,7 +383,7 @@ def _mhc_bwd(H, W, Pre, Post, Res, Logits, Mo, R, Rb, Wn, DOut, DMixed, DPost, D
             phi = tl.load(W + (j * D + dd)[:, None] * M + cols[None, :], mask=(dd < D)[:, None] & (cols < M)[None, :],
                           other=0.0).to(tl.float32)
             x = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
-            dx += r[:, None] * tl.dot(g, tl.trans(phi), input_precision="ieee") - x * coef[:, None]
+            dx += r[:, None] * _dot(g, tl.trans(phi), H) - x * coef[:, None]
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
 
 
@@ -425,7 +421,8 @@ def width_backward(x, saved, grads):
     programs = hc.triton.cdiv(N, TOKENS_PER_PROGRAM)
     dwp = torch.empty(programs, D, device=x.device, dtype=torch.float32)
     _width_norm_bwd[(programs,)](H=x, Pre=pre, Res=res, Wn=w, Rb=rb, DOut=dout, DMixed=dmixed, DH=dH, DPre=dpre,
-                                 DRes=dres, DWp=dwp, N=N, D=D, n=n, NP=pow2(n), BD=pow2(D), TPP=TOKENS_PER_PROGRAM)
+                                 DRes=dres, DWp=dwp, N=N, D=D, n=n, NP=pow2(n), BD=min(BLOCK_K, pow2(D)),
+                                 TPP=TOKENS_PER_PROGRAM)
     dpre = dpre if dpre_out is None else dpre + dpre_out.reshape(N, n)        # H_pre, H_res used elsewhere too
     dres = dres if dres_out is None else dres + dres_out.reshape(N, n, n)
     return dH, dpre, dpost, dres, dwp.sum(0).to(w.dtype)
@@ -442,20 +439,19 @@ def upstream(x, pre, grads):
 
 @jit
 def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, G, Cb, RG, Sums, Asc, Bsc, N, D, M,
-            n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-            BK: tl.constexpr, MP: tl.constexpr):
+            n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+            MP: tl.constexpr):
     """HC's whole read backward on tokens [pid BT, +BT), one launch (in place of _width_norm_bwd, _hc_read_bwd and
-    _proj_bwd), _mhc_bwd's three stages: (1) `_width_token_bwd` per token; (2) the maps' backward on the block's
+    _proj_bwd), _mhc_bwd's three stages: (1) `_width_block_bwd`; (2) the maps' backward on the block's
     BT n rows (`_hc_maps_bwd`, BR >= BT n; dm into G, read back by tiles below); (3) by tiles of BK channels, dH of
     each stream j written once: pre[j] dbranch + sum_o res[o, j] dmixed_o + r_j (dm_j W^T) - x_j r_j^2 <dm_j, m_j>
     / D (the projection is per stream row, K = D). Row pid of Sums: the maps' sums (n^2 + 2n + 2), then the gain's
     (D)."""
     pid = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BD)
-    dw = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Cb=Cb, t0=pid * BT, Wn=Wn, N=N, D=D,
-                          n=n, NP=NP, BD=BD, BT=BT)
     stride = n * n + 2 * n + 2 + D
-    tl.store(Sums + pid * stride + n * n + 2 * n + 2 + d, dw, mask=d < D)
+    c = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Dw=Sums + pid * stride + n * n
+                         + 2 * n + 2, t0=pid * BT, Wn=Wn, N=N, D=D, n=n, NP=NP, BK=BK, BT=BT)
+    tl.store(Cb + pid * BT + tl.arange(0, BT), c, mask=pid * BT + tl.arange(0, BT) < N)
     tl.debug_barrier()                         # dpre, dres and c are read back below by other threads
     _hc_maps_bwd(DPre, DPost, DRes, Mo, R=R, Asc=Asc, Bsc=Bsc, G=G, RG=RG, part=Sums + pid * stride,
                  row0=pid * BT * n, count=BT * n, NR=N * n, M=M, n=n, BN=BR, MP=MP)
@@ -463,7 +459,7 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
     tokens = pid * BT + tl.arange(0, BT)
     live, cols = tokens < N, tl.arange(0, MP)
     rb, cb = tl.load(Rb + tokens, mask=live, other=0.0), tl.load(Cb + tokens, mask=live, other=0.0)
-    for d0 in range(0, D, BK):
+    for d0 in tl.range(0, D, BK, num_stages=2):
         dd = d0 + tl.arange(0, BK)
         tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=cb, tokens=tokens, live=live, dd=dd, D=D, n=n)
         wt = _w_tile(A, B, dd, cols=cols, K=D, M=M, SPLIT=True)                # W = [A | B], (BK, MP)
@@ -475,14 +471,17 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
             r = tl.load(R + row, mask=live, other=0.0)
             x = tl.load(H + at + j * D, mask=tile, other=0.0).to(tl.float32)
             coef = r * r * _sum(g * m, 1) / D
-            dx += r[:, None] * tl.dot(g, tl.trans(wt), input_precision="ieee") - x * coef[:, None]
+            dx += r[:, None] * _dot(g, tl.trans(wt), H) - x * coef[:, None]
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
 
 
-# _mhc_bwd's and _hc_bwd's warps: at the card's shape (d640: BD 1024, BK 64) ptxas for sm90 gives them 253-255
-# registers a thread and no spill with 8 (Triton 3.9; 3.6, the GPU image's: 172 and 255), where _mhc_bwd spills
-# 0.9-1.1 KB a thread with 4
-BWD_WARPS = 8
+def bwd_launch(x):
+    """_mhc_bwd's and _hc_bwd's warps and registers a thread: at the card's shape (d640, BK 64, bf16 streams, the
+    projection in tf32: `_dot`) capped at 128 x 8 warps, 2 CTAs an SM, the 256 programs in one wave, no spill (ptxas
+    for sm90, Triton 3.9 and 3.6; uncapped 142 / 136: 1 CTA); on fp32 streams (ieee) the cap would spill: none."""
+    return dict(num_warps=8, maxnreg=None if x.dtype == torch.float32 else 128)
+
+
 # The read in one launch each way where it can be (False: the split kernels), so that scripts/kernel_bench.py times
 ONE_LAUNCH_BACKWARD = ONE_LAUNCH_FORWARD = True    # both on the device (a kernel is kept where it measures faster)
 
@@ -504,7 +503,7 @@ def mhc_backward(x, saved, grads, iters, sizes):
     _mhc_bwd[(programs,)](H=x, W=phi, Pre=pre, Post=post, Res=res, Logits=logits, Mo=m, R=r, Rb=rb, Wn=gain,
                           DOut=dout, DMixed=dmixed, DPost=dpost, DH=dH, DPre=dpre, DRes=dres, DL=dl, Scratch=scratch,
                           Cb=cb, RG=rg, Sums=rows, Ap=a_pre, Aq=a_post, Ar=a_res, N=N, D=D, M=M, iters=iters,
-                          eps=EPS, BT=BLOCK_ROWS, BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), num_warps=BWD_WARPS,
+                          eps=EPS, BT=BLOCK_ROWS, BK=min(BLOCK_K, pow2(D, 16)), **bwd_launch(x),
                           **sizes)
     return dH, rows.sum(0), rg
 
@@ -524,7 +523,7 @@ def hc_backward(x, saved, grads):
     _hc_bwd[(programs,)](H=x, A=A, B=B, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed,
                          DPost=dpost, DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, RG=rg, Sums=sums, Asc=alpha_scale,
                          Bsc=beta_scale, N=N, D=D, M=M, n=n, NP=pow2(n), BT=BLOCK_ROWS, BR=pow2(BLOCK_ROWS * n),
-                         BD=pow2(D), BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), num_warps=BWD_WARPS)
+                         BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), **bwd_launch(x))
     return dH, sums.sum(0), rg
 
 

@@ -42,166 +42,201 @@ from depthbench.kernels import cpu
 from depthbench.kernels.triton_attnres import jit, next_power_of_2, runs_here, storage_dtype, tl, triton
 from ops import fp32_maths
 
-# tokens x query heads x padded head width one program holds per tensor, and its warps: at the card's shape (hd 40
-# padded to 64, 16 tokens) ptxas for sm90 gives 64 / 73 / 128 registers a thread to the forward / consumer / paired
-# slot pass and no spill; 4096 elements spilled 904 / 56 / 1780 bytes (4 / 8 / 8 warps)
-TILE_ELEMENTS = 1024
-WARPS = 8
-MAX_BLOCK_T = 64
+# Rows (query tokens x the G query heads of a kv head) one program holds, and its warps. Each row's head width,
+# padded to a power of 2, lies in the lanes of one warp (8 bf16 a lane: 16-byte loads, hd a constexpr), so every
+# reduction over hd is shuffles, never a barrier; each loop over slots or records is software-pipelined (`STAGES`,
+# a constexpr with its default in the kernels: cp.async, STAGES - 1 tiles in flight). At the card's shape (hd 40
+# padded to 64, G 1, 32 tokens a program) ptxas for sm_90 (Triton 3.9) gives the forward / consumer / slot / paired
+# slot pass 64 / 119 / 127 / 220 registers x 4 warps, 8 / 4 / 4 / 2 CTAs an SM, no spill, 173 / 184 / 249 / 354
+# instructions and 2 barriers per iteration (per row and slot 22 / 23 / 31 / 44 warp-instructions; 16 tokens a
+# program, 8 warps, scalar loads before: 86 / 96 / 120 / 198). 64 rows: the same per row, 140-255 registers, spills.
+ROWS = 32
+WARPS = 4
 
 
 def blocks(T, G, hd):
-    """(BLOCK_T, BLOCK_G, BLOCK_D): the padded group and head width, and tokens per program (a tile of at most
-    TILE_ELEMENTS; fewer tokens for a short sequence)."""
+    """(BLOCK_T, BLOCK_G, BLOCK_D): tokens per program, the padded group and the padded head width; a program's
+    BLOCK_T BLOCK_G rows are at most ROWS (fewer tokens for a short sequence)."""
     BLOCK_G, BLOCK_D = next_power_of_2(G), next_power_of_2(hd)
-    BLOCK_T = max(1, min(MAX_BLOCK_T, TILE_ELEMENTS // (BLOCK_G * BLOCK_D), next_power_of_2(T)))
+    BLOCK_T = max(1, min(ROWS // BLOCK_G, next_power_of_2(T)))
     return BLOCK_T, BLOCK_G, BLOCK_D
 
 
 # ----------------------------------------------------------------------------- the kernels
 
 @jit
-def _tiles(sB, sH, sT, H, T, G, hd, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's offsets: into a query-side tensor (B, H, T, hd) whose batch, head and token strides are
-    sB, sH, sT (its channels contiguous; q_off (BLOCK_T, BLOCK_G, BLOCK_D)), into a contiguous (B, H, T) one
-    (rows (BLOCK_T, BLOCK_G)), into a contiguous (B, Hkv, T, hd) slot (kv_off (BLOCK_T, BLOCK_D)), and the masks."""
+def _tiles(sB, sH, sT, H, T, G, hd: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    """This program's rows, r = token BLOCK_G + query head, of BLOCK_T tokens and the G query heads of kv head bh:
+    offsets into a query-side tensor (B, H, T, hd) whose batch, head and token strides are sB, sH, sT (channels
+    contiguous, the tensor dense: every stride a multiple of hd), into a contiguous (B, H, T) one (`rows`), into a
+    contiguous (B, Hkv, T, hd) slot (`kv_off`: each row at its token's key; a kv head's G rows read the same one),
+    and the mask of the real rows' real channels -> (rows, row_ok, q_off, kv_off, mask), the tiles (R, BLOCK_D)."""
     pid_t, bh = tl.program_id(0), tl.program_id(1)                    # bh = b Hkv + kv head
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    g = tl.arange(0, BLOCK_G)
+    r = tl.arange(0, BLOCK_T * BLOCK_G)
+    t = pid_t * BLOCK_T + r // BLOCK_G
+    g = r % BLOCK_G
     c = tl.arange(0, BLOCK_D)
-    row_ok = (t[:, None] < T) & (g[None, :] < G)
-    head = bh * G + g[None, :]                                        # b H + h, h = kv head G + g
-    rows = head * T + t[:, None]                                      # (b H + h) T + t
-    q_rows = (head // H) * sB + (head % H) * sH + t[:, None] * sT
-    q_off = q_rows[:, :, None] + c[None, None, :]
-    q_mask = row_ok[:, :, None] & (c[None, None, :] < hd)
-    kv_off = (bh * T + t[:, None]) * hd + c[None, :]
-    kv_mask = (t[:, None] < T) & (c[None, :] < hd)
-    return rows, row_ok, q_off, q_mask, kv_off, kv_mask
+    row_ok = (t < T) & (g < G)
+    head = bh * G + g                                                 # b H + h, h = kv head G + g
+    rows = head * T + t                                               # (b H + h) T + t
+    # in units of hd, then times hd: the compiler sees each row start at a multiple of hd (16-byte loads at hd 40)
+    q_rows = ((head // H) * (sB // hd) + (head % H) * (sH // hd) + t * (sT // hd)) * hd
+    q_off = q_rows[:, None] + c[None, :]
+    kv_off = ((bh * T + t) * hd)[:, None] + c[None, :]
+    mask = row_ok[:, None] & (c < hd)[None, :]
+    return rows, row_ok, q_off, kv_off, mask
 
 
 @jit
-def _depth_forward(Q, K, V, o_seq, lse_seq, O, lse_ptr, share_ptr, n, slot, sB, sH, sT, H, T, G, hd, scale,
-                   BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+def _group_sum(x, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x (BLOCK_T BLOCK_G, BLOCK_D) summed over each token's BLOCK_G rows -> (BLOCK_T, BLOCK_D); x itself at G 1."""
+    if BLOCK_G == 1:
+        return x
+    return tl.sum(tl.reshape(x, (BLOCK_T, BLOCK_G, BLOCK_D)), axis=1)
+
+
+@jit
+def _token_tile(T, hd: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Offsets of this program's BLOCK_T tokens into a contiguous (B, Hkv, T, hd) slot, and their mask."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.arange(0, BLOCK_D)
+    return ((tl.program_id(1) * T + t) * hd)[:, None] + c[None, :], (t < T)[:, None] & (c < hd)[None, :]
+
+
+@jit
+def _depth_forward(Q, K, V, o_seq, lse_seq, O, lse_ptr, share_ptr, n, slot, sB, sH, sT, H, T, G, hd: tl.constexpr,
+                   scale, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                   STAGES: tl.constexpr = 3):
     """The depth half over slots [0, n) of K, V (n_max, B, Hkv, T, hd; `slot` elements apart) for queries Q
     (B, H, T, hd), merged with the sequence half (o_seq in Q's layout, lse_seq (B, H, T)): o, the joint lse and
-    the depth share."""
-    rows, row_ok, q_off, q_mask, kv_off, kv_mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T,
-                                                          BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
-    q = tl.load(Q + q_off, mask=q_mask, other=0.0).to(tl.float32)
-    m = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_T, BLOCK_G), tl.float32)
-    acc = tl.zeros((BLOCK_T, BLOCK_G, BLOCK_D), tl.float32)
+    the depth share. Logits in base 2 (scale log2(e) folded into q), the online softmax per row in registers."""
+    rows, row_ok, q_off, kv_off, mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
+                                               BLOCK_D=BLOCK_D)
+    q = tl.load(Q + q_off, mask=mask, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
+    m = tl.full((BLOCK_T * BLOCK_G,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_T * BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)
     k_ptr, v_ptr = K, V                                               # advanced one slot per step
-    for j in range(0, n):
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q * k[:, None, :], axis=2) * scale
+    for j in tl.range(0, n, num_stages=STAGES):
+        k = tl.load(k_ptr + kv_off, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sum(q * k, axis=1)                                     # log2(e) scale <q, k_j>
         m_new = tl.maximum(m, s)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(s - m_new)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(s - m_new)
         l = l * alpha + w
-        acc = acc * alpha[:, :, None] + w[:, :, None] * v[:, None, :]
+        acc = acc * alpha[:, None] + w[:, None] * v
         m = m_new
         k_ptr += slot
         v_ptr += slot
-    lse_d = m + tl.log(l)
+    lse_d = (m + tl.log2(l)) * 0.6931471805599453
     lse_s = tl.load(lse_seq + rows, mask=row_ok, other=0.0)
     top = tl.maximum(lse_s, lse_d)
     lse = top + tl.log(tl.exp(lse_s - top) + tl.exp(lse_d - top))
     share = tl.exp(lse_d - lse)
-    o_s = tl.load(o_seq + q_off, mask=q_mask, other=0.0).to(tl.float32)
-    o = o_s + share[:, :, None] * (acc / l[:, :, None] - o_s)
-    tl.store(O + q_off, o.to(O.dtype.element_ty), mask=q_mask)
+    o_s = tl.load(o_seq + q_off, mask=mask, other=0.0).to(tl.float32)
+    o = o_s + share[:, None] * (acc / l[:, None] - o_s)
+    tl.store(O + q_off, o.to(O.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     tl.store(share_ptr + rows, share, mask=row_ok)
 
 
 @jit
 def _depth_backward(Q, K, V, O, dO, lse_ptr, dq_seq, dQ, rec_q, rec_do, rec_lse, rec_delta, rec_reads, n, slot, sB,
-                    sH, sT, H, T, G, hd, scale, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                    sH, sT, H, T, G, hd: tl.constexpr, scale, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_D: tl.constexpr, STAGES: tl.constexpr = 3):
     """The consumer's pass: dQ = dq_seq + scale sum_j ds_j k_j over slots [0, n); its record (q, do, lse,
     Delta = <do, o>, and n) to rec_* (the consumer's rows of the bank's Records)."""
-    rows, row_ok, q_off, q_mask, kv_off, kv_mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T,
-                                                          BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
-    q_in = tl.load(Q + q_off, mask=q_mask, other=0.0)
-    do_in = tl.load(dO + q_off, mask=q_mask, other=0.0)
-    q, do = q_in.to(tl.float32), do_in.to(tl.float32)
-    delta = tl.sum(do * tl.load(O + q_off, mask=q_mask, other=0.0).to(tl.float32), axis=2)
+    rows, row_ok, q_off, kv_off, mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
+                                               BLOCK_D=BLOCK_D)
+    q_in = tl.load(Q + q_off, mask=mask, other=0.0)
+    do_in = tl.load(dO + q_off, mask=mask, other=0.0)
+    do = do_in.to(tl.float32)
+    q2 = q_in.to(tl.float32) * (scale * 1.4426950408889634)          # base-2 logits
+    delta = tl.sum(do * tl.load(O + q_off, mask=mask, other=0.0).to(tl.float32), axis=1)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros((BLOCK_T, BLOCK_G, BLOCK_D), tl.float32)
+    lse2 = lse * 1.4426950408889634
+    dq = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)
     k_ptr, v_ptr = K, V
-    for j in range(0, n):
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        p = tl.exp(tl.sum(q * k[:, None, :], axis=2) * scale - lse)
-        ds = p * (tl.sum(do * v[:, None, :], axis=2) - delta)
-        dq += ds[:, :, None] * k[:, None, :]
+    for j in tl.range(0, n, num_stages=STAGES):
+        k = tl.load(k_ptr + kv_off, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp2(tl.sum(q2 * k, axis=1) - lse2)
+        ds = p * (tl.sum(do * v, axis=1) - delta)
+        dq += ds[:, None] * k
         k_ptr += slot
         v_ptr += slot
-    dq = dq * scale + tl.load(dq_seq + q_off, mask=q_mask, other=0.0).to(tl.float32)
-    tl.store(dQ + q_off, dq.to(dQ.dtype.element_ty), mask=q_mask)
-    tl.store(rec_q + q_off, q_in.to(rec_q.dtype.element_ty), mask=q_mask)
-    tl.store(rec_do + q_off, do_in.to(rec_do.dtype.element_ty), mask=q_mask)
+    dq = dq * scale + tl.load(dq_seq + q_off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dQ + q_off, dq.to(dQ.dtype.element_ty), mask=mask)
+    tl.store(rec_q + q_off, q_in.to(rec_q.dtype.element_ty), mask=mask)
+    tl.store(rec_do + q_off, do_in.to(rec_do.dtype.element_ty), mask=mask)
     tl.store(rec_lse + rows, lse, mask=row_ok)
     tl.store(rec_delta + rows, delta, mask=row_ok)
     tl.store(rec_reads, n)                                            # every program stores the same n
 
 
 @jit
-def _pair_gradient(q, do, lse, delta, k, v, scale):
-    """One (consumer, slot) pair: (the slot's key gradient, its value gradient), each (BLOCK_T, BLOCK_D), the G query
-    heads summed."""
-    p = tl.exp(tl.sum(q * k[:, None, :], axis=2) * scale - lse)
-    ds = p * (tl.sum(do * v[:, None, :], axis=2) - delta)
-    return tl.sum(ds[:, :, None] * q, axis=1) * scale, tl.sum(p[:, :, None] * do, axis=1)
+def _pair_gradient(q, do, lse2, delta, k2, v):
+    """One (consumer, slot) pair, per row: (ds q, p do), each (R, BLOCK_D), k2 the slot's key at log2(e) scale."""
+    p = tl.exp2(tl.sum(q * k2, axis=1) - lse2)
+    ds = p * (tl.sum(do * v, axis=1) - delta)
+    return ds[:, None] * q, p[:, None] * do
 
 
 @jit
-def _slot_backward(K, V, j, reads, count, rec_q, rec_do, rec_lse, rec_delta, dK, dV, slot, sB, sH, sT, H, T, G, hd,
-                   scale,
-                   PAIR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+def _slot_backward(K, V, j, reads, count, rec_q, rec_do, rec_lse, rec_delta, dK, dV, slot, sB, sH, sT, H, T, G,
+                   hd: tl.constexpr, scale, PAIR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_D: tl.constexpr, STAGES: tl.constexpr = 3):
     """Slot j's key and value gradients summed over the recorded consumers c < count that read it (reads[c] > j),
     in fp32, written once to dK, dV ((1 + PAIR), B, Hkv, T, hd) in their dtype (the pushed tensors'). K, V point at
     the slot (PAIR False) or at slot j - 1, which has the same readers, and the kernel makes both (PAIR True: dK, dV
-    hold slot j - 1's, then slot j's, `slot` elements apart). Each record is read once for both."""
-    rows, row_ok, q_off, q_mask, kv_off, kv_mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T,
-                                                          BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
-    k = tl.load(K + PAIR * slot + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-    v = tl.load(V + PAIR * slot + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-    k2 = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)                    # slot j - 1 (PAIR only)
-    v2 = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    hold slot j - 1's, then slot j's, `slot` elements apart). Each record is read once for both; a consumer that did
+    not read the slot is loaded under a false mask (no bytes) and adds zeros. Per row (a query head's), summed over
+    the G rows of each token once, at the end."""
+    rows, row_ok, q_off, kv_off, mask = _tiles(sB, sH, sT, H, T=T, G=G, hd=hd, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G,
+                                               BLOCK_D=BLOCK_D)
+    log2e = 1.4426950408889634
+    k = tl.load(K + PAIR * slot + kv_off, mask=mask, other=0.0).to(tl.float32) * (scale * log2e)
+    v = tl.load(V + PAIR * slot + kv_off, mask=mask, other=0.0).to(tl.float32)
+    k2 = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)          # slot j - 1 (PAIR only)
+    v2 = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)
     if PAIR:
-        k2 = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        v2 = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-    dk = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    dk2 = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-    dv2 = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+        k2 = tl.load(K + kv_off, mask=mask, other=0.0).to(tl.float32) * (scale * log2e)
+        v2 = tl.load(V + kv_off, mask=mask, other=0.0).to(tl.float32)
+    dk = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)
+    dk2 = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)
+    dv2 = tl.zeros((BLOCK_T * BLOCK_G, BLOCK_D), tl.float32)
     queries = G * (slot // hd)                                        # one record's rows, B H T (its q: B H T hd)
     r_q, r_do, r_lse, r_delta = rec_q, rec_do, rec_lse, rec_delta     # advanced one consumer per step
-    for c in range(0, count):
-        if tl.load(reads + c) > j:
-            q = tl.load(r_q + q_off, mask=q_mask, other=0.0).to(tl.float32)
-            do = tl.load(r_do + q_off, mask=q_mask, other=0.0).to(tl.float32)
-            lse = tl.load(r_lse + rows, mask=row_ok, other=0.0)
-            delta = tl.load(r_delta + rows, mask=row_ok, other=0.0)
-            a, b = _pair_gradient(q, do, lse, delta, k=k, v=v, scale=scale)
-            dk += a
-            dv += b
-            if PAIR:
-                a, b = _pair_gradient(q, do, lse, delta, k=k2, v=v2, scale=scale)
-                dk2 += a
-                dv2 += b
+    for c in tl.range(0, count, num_stages=STAGES):
+        read = tl.where(tl.load(reads + c) > j, row_ok, False)        # (not `&`: the interpreter's mask dtype)
+        q = tl.load(r_q + q_off, mask=mask & read[:, None], other=0.0).to(tl.float32)
+        do = tl.load(r_do + q_off, mask=mask & read[:, None], other=0.0).to(tl.float32)
+        lse2 = tl.load(r_lse + rows, mask=read, other=0.0) * log2e    # not read: q = do = 0, so ds q = p do = 0
+        delta = tl.load(r_delta + rows, mask=read, other=0.0)
+        a, b = _pair_gradient(q, do, lse2, delta, k2=k, v=v)
+        dk += a
+        dv += b
+        if PAIR:
+            a, b = _pair_gradient(q, do, lse2, delta, k2=k2, v=v2)
+            dk2 += a
+            dv2 += b
         r_q += queries * hd
         r_do += queries * hd
         r_lse += queries
         r_delta += queries
-    tl.store(dK + PAIR * slot + kv_off, dk.to(dK.dtype.element_ty), mask=kv_mask)
-    tl.store(dV + PAIR * slot + kv_off, dv.to(dV.dtype.element_ty), mask=kv_mask)
+    kv_off_t, mask_t = _token_tile(T, hd=hd, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)       # the G rows summed: tokens
+    dk_t = _group_sum(dk, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D) * scale
+    tl.store(dK + PAIR * slot + kv_off_t, dk_t.to(dK.dtype.element_ty), mask=mask_t)
+    tl.store(dV + PAIR * slot + kv_off_t, _group_sum(dv, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+             .to(dV.dtype.element_ty), mask=mask_t)
     if PAIR:
-        tl.store(dK + kv_off, dk2.to(dK.dtype.element_ty), mask=kv_mask)
-        tl.store(dV + kv_off, dv2.to(dV.dtype.element_ty), mask=kv_mask)
+        dk2_t = _group_sum(dk2, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D) * scale
+        tl.store(dK + kv_off_t, dk2_t.to(dK.dtype.element_ty), mask=mask_t)
+        tl.store(dV + kv_off_t, _group_sum(dv2, BLOCK_T=BLOCK_T, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+                 .to(dV.dtype.element_ty), mask=mask_t)
 
 
 # ----------------------------------------------------------------------------- the sequence half
