@@ -248,22 +248,22 @@ def hc_reference(design, args, device):
     return {"forward": depth.agreement(a_out, b_out), "gradients": depth.agreement(a_grad, b_grad)}
 
 
-def depth_sections(args, device, peak):
-    """kernel_bench_depth's section of each AttnRes / MoDA design asked for -> {design: section or {reason}}."""
+def depth_sections(args, device, peak, doc, save):
+    """kernel_bench_depth's section of each AttnRes / MoDA design asked for, into doc["depth"][design] (the section,
+    or {reason}), saved after each."""
     import kernel_bench_depth as depth
-    out = {}
     for design in args.designs:
         if design not in DEPTH_DESIGNS:
             continue
         try:
             if design == "moda":
-                out[design] = depth.moda_bench(args, device, peak)
+                doc["depth"][design] = depth.moda_bench(args, device, peak)
             else:
-                out[design] = depth.attnres_bench(design, args, device, peak)
+                doc["depth"][design] = depth.attnres_bench(design, args, device, peak)
         except Exception as e:  # one family's failure (a kernel re-tiled elsewhere) must not lose the others
-            out[design] = {"reason": f"{type(e).__name__}: {e}"[:300]}
+            doc["depth"][design] = {"reason": f"{type(e).__name__}: {e}"[:300]}
+        save()
         print(f"kernel_bench: {design} done", file=sys.stderr, flush=True)
-    return out
 
 
 def checks_below(doc):
@@ -320,16 +320,21 @@ def report_depth(doc):
     print(f"liger: {doc['liger']}")
 
 
-def run_sections(args, device, doc, c, peak):
-    """Every section asked for, in the docstring's order, each saved into doc as it ends."""
+def run_sections(args, device, doc, c, save):
+    """Every section asked for, in the docstring's order, into doc; save() after each (--json: a run killed at its
+    time limit leaves what it measured)."""
     import kernel_bench_depth as depth
     import kernel_bench_liger
+    import roofline
+    peak = roofline.hbm_peak(doc["device_name"])
     for design in args.designs:
         if design in HC_DESIGNS:
             doc["designs"][design] = bench(design, args, device, c, peak=peak)
             doc["designs"][design]["vs_reference"] = hc_reference(design, args, device)
-    doc["depth"] = depth_sections(args, device, peak)
+            save()
+    depth_sections(args, device, peak, doc, save)
     doc["host"] = {"bare_launch": depth.bare_launch(device, LAUNCHES[args.tiny])}
+    save()
     if args.no_liger:
         doc["liger"] = {"reason": "--no-liger"}
     else:
@@ -342,6 +347,7 @@ def run_sections(args, device, doc, c, peak):
         doc["probe"] = {"file": args.probe, "kernels": len(records)}
         for section in list(doc["designs"].values()) + list(doc["depth"].values()):
             depth.attach_probe(section, records)
+    save()
 
 
 def main(argv=None):
@@ -369,11 +375,10 @@ def main(argv=None):
            "repeat": args.repeat, "tau_us": round(1e6 * c["tau"], 3), "eta": roofline.ETA_GPU,
            "device_name": name, "roofline_gpu": c["gpu"], "min_cosine": MIN_COSINE, "designs": {}, "depth": {},
            "host": {}, "liger": {}, "probe": None}
-    try:
-        run_sections(args, device, doc, c, peak=roofline.hbm_peak(name))
-    finally:
-        if args.json:                                  # what was measured, also when a section raised
+    def save():
+        if args.json:
             write_json(Path(args.json), doc, strict=True)
+    run_sections(args, device, doc, c, save)
     report(doc)
     bad = checks_below(doc)
     if bad:
