@@ -143,7 +143,8 @@ def sublayer(design, args, device):
     y = torch.randn(1, args.tokens, D, device=device, generator=g).to(torch.bfloat16).requires_grad_()
     if not hcr.fused(res, H, site):
         raise SystemExit(f"kernel_bench.py: {design}'s read is not the fused one on {device} (triton missing?)")
-    return Sublayer(res, site, list(site.conn.parameters()) + [site.norm.weight], H, y, g)
+    return Sublayer(res=res, site=site, params=list(site.conn.parameters()) + [site.norm.weight], H=H, y=y,
+                    generator=g)
 
 
 def passes(design, args, device):
@@ -332,7 +333,7 @@ def run_sections(args, device, doc, c, save):
             doc["designs"][design] = bench(design, args, device, c, peak=peak)
             doc["designs"][design]["vs_reference"] = hc_reference(design, args, device)
             save()
-    depth_sections(args, device, peak, doc, save)
+    depth_sections(args, device, peak=peak, doc=doc, save=save)
     doc["host"] = {"bare_launch": depth.bare_launch(device, LAUNCHES[args.tiny])}
     save()
     if args.no_liger:
@@ -378,7 +379,7 @@ def main(argv=None):
     def save():
         if args.json:
             write_json(Path(args.json), doc, strict=True)
-    run_sections(args, device, doc, c, save)
+    run_sections(args, device, doc=doc, c=c, save=save)
     report(doc)
     bad = checks_below(doc)
     if bad:

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-ATTNRES_DESIGNS = ("attnres", "block_attnres")
+from depthbench.kernels.triton_attnres import jit, tl  # triton.jit and triton.language where triton imports
+
 TINY_LAYERS = 3              # --tiny: the card's patterns at L3 (6 consumers, a chunk of them)
 MODA_HEADS, MODA_HEAD_DIM = 16, 40   # the card's: d640 = 16 heads of 40
 TINY_MODA = {"heads": 2, "head_dim": 8, "batch": 1, "seq": 8}
@@ -186,7 +187,8 @@ def attnres_case(design, tokens, D, tiny):
     from depthbench.kernels.triton_attnres_chunk import CHUNK
     reads = [n for _, n in roofline.attnres_reads(design, TINY_LAYERS if tiny else roofline.CARD["layers"])[0]]
     chunk = reads[-CHUNK:]
-    return AttnResCase(design, chunk, max(chunk), design == "block_attnres", tokens, D)
+    return AttnResCase(design=design, reads=chunk, n_max=max(chunk), extra=design == "block_attnres", tokens=tokens,
+                       D=D)
 
 
 def attnres_inputs(case, device):
@@ -243,7 +245,7 @@ def attnres_moved(case):
     backward (`chunk_traffic`), each consumer's phase 2 both ways (`phase_traffic`), the gradient bank's zeroing."""
     from depthbench.kernels import triton_attnres_chunk as chunked
     n1, C, S = case.reads[0], len(case.reads), case.tokens * case.D
-    chunk = chunked.chunk_traffic(n1, C, C, case.tokens, case.D)
+    chunk = chunked.chunk_traffic(n1, C, rows=C, tokens=case.tokens, D=case.D)
     phases = [chunked.phase_traffic(n1, n, case.tokens, case.D, extra=case.extra) for n in case.reads]
     forward = [chunk[0]] + [p[0] for p in phases]
     backward = chunk[1:] + [p[1] for p in phases] + [{"read": 0, "written": 4 * case.n_max * S, "launches": 1}]
@@ -266,7 +268,7 @@ def attnres_bench(design, args, device, peak):
            "tokens": case.tokens, "d_model": case.D, "forward_vs_reference": agreement(outs, ref),
            "gradients_vs_reference": agreement(grads, ref_grads)}
     moved = counted(lambda: attnres_moved(case), doc)
-    doc.update(pass_rows(numbers, kernels, moved, len(case.reads), peak))
+    doc.update(pass_rows(numbers, kernels, moved=moved, consumers=len(case.reads), peak=peak))
     doc["push_host_us"] = numbers.get("push_host_us")
     return doc
 
@@ -296,10 +298,10 @@ def moda_case(tokens, tiny):
     """Block L - 1's attention at the card's shape (micro-batch 2 of 2048 tokens when tokens = 4096)."""
     import roofline
     if tiny:
-        return ModaCase(2 * (TINY_LAYERS - 1), TINY_MODA["batch"], TINY_MODA["seq"], TINY_MODA["heads"],
-                        TINY_MODA["head_dim"])
+        return ModaCase(slots=2 * (TINY_LAYERS - 1), **TINY_MODA)
     seq = roofline.CARD["seq"]
-    return ModaCase(2 * (roofline.CARD["layers"] - 1), max(1, tokens // seq), seq, MODA_HEADS, MODA_HEAD_DIM)
+    return ModaCase(slots=2 * (roofline.CARD["layers"] - 1), batch=max(1, tokens // seq), seq=seq, heads=MODA_HEADS,
+                    head_dim=MODA_HEAD_DIM)
 
 
 def moda_inputs(case, device):
@@ -344,7 +346,8 @@ def moda_moved(case):
     """{forward, backward: {bytes, launches}} of the consumer as triton_moda.traffic counts it (the backward with its
     share of the slot passes, `deferred`)."""
     from depthbench.kernels import triton_moda
-    parts = triton_moda.traffic(case.slots, case.batch * case.seq, case.heads, case.heads, case.head_dim)
+    parts = triton_moda.traffic(case.slots, case.batch * case.seq, heads=case.heads, kv_heads=case.heads,
+                                head_dim=case.head_dim)
     return {"forward": totals([parts["forward"]]), "backward": totals([parts["backward"], parts["deferred"]])}
 
 
@@ -364,7 +367,7 @@ def moda_bench(args, device, peak):
            "head_dim": case.head_dim, "forward_vs_reference": agreement(outs, ref),
            "gradients_vs_reference": agreement(grads, ref_grads)}
     moved = counted(lambda: moda_moved(case), doc)
-    doc.update(pass_rows(numbers, kernels, moved, 1, peak))
+    doc.update(pass_rows(numbers, kernels, moved=moved, consumers=1, peak=peak))
     doc["push_host_us"] = numbers.get("push_host_us")
     return doc
 
@@ -372,23 +375,18 @@ def moda_bench(args, device, peak):
 # ----------------------------------------------------------------------------- a bare launch
 
 
-def bare_kernel():
+@jit
+def _bare(p0, p1, p2, p3, p4, p5, p6, p7, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, BLOCK: tl.constexpr):
     """A Triton kernel of 19 arguments (8 pointers, 10 integers, one constexpr) that stores one number: its launch
     is the host's cost of a launch of our kernels' size, nothing else."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _bare(p0, p1, p2, p3, p4, p5, p6, p7, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(p0 + offs, (n0 + n9).to(tl.float32), mask=offs < n1)
-    return _bare
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(p0 + offs, (n0 + n9).to(tl.float32), mask=offs < n1)
 
 
 def bare_launch(device, launches):
-    """Host microseconds per launch of `bare_kernel` (launches back to back, after a warm-up that compiles it), and
+    """Host microseconds per launch of `_bare` (launches back to back, after a warm-up that compiles it), and
     per launch of a torch op on a tiny tensor (x.add_(1)), for scale -> {us_per_launch, torch_op_us, launches}."""
-    kernel = bare_kernel()
+    kernel = _bare
     x = torch.zeros(128, device=device)
     pointers = [x] * 8
     numbers = [0, 128] + list(range(2, 10))

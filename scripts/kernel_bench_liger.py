@@ -59,7 +59,8 @@ def mhc_sides(functional, sub, device):
 
     def theirs():
         with autocast:
-            pre, post, res = functional.liger_mhc_coeffs(sub.H, c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res,
+            pre, post, res = functional.liger_mhc_coeffs(sub.H, c.phi, c.b, alpha_pre=c.alpha_pre,
+                                                         alpha_post=c.alpha_post, alpha_res=c.alpha_res,
                                                          tmax=sub.res.sinkhorn_iters, rms_eps=1e-6)
             h = sub.site.norm(functional.liger_mhc_pre(sub.H, pre))
             return [h, functional.liger_mhc_post_res(sub.H, sub.y, post, res)]
@@ -123,7 +124,7 @@ def section(args, device, sublayer, ours_block):
                                            "(256 at the card's 141); documented for up to 16 blocks"}}
     warmup = 0 if args.tiny else 2
     ours, theirs = mhc_sides(functional, sublayer("mhc", args, device), device)
-    out["mhc"] = compare(ours, theirs, device, args.repeat, warmup)
+    out["mhc"] = compare(ours, theirs, device, repeat=args.repeat, warmup=warmup)
     theirs_block = block_attnres_theirs(functional, args, device)
     if ours_block is not None:
         for key in ("forward", "backward"):
