@@ -29,6 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -415,7 +416,7 @@ def probe_records(path):
     Accepted: {"kernels": [{"kernel": name, ...}]}, {"kernels": {name: {...}}}, or a list of records; the fields are
     the probe's (registers, spills, ctas_per_sm, issue_floor_ms, ...) and kernel_bench copies them as they are."""
     import json
-    doc = json.loads(open(path).read())
+    doc = json.loads(Path(path).read_text())
     rows = doc.get("kernels", doc) if isinstance(doc, dict) else doc
     if isinstance(rows, dict):
         return {name: record for name, record in rows.items() if isinstance(record, dict)}

@@ -105,6 +105,33 @@ def test_smoke_stops_at_its_budget_with_what_it_has(tmp_path):
     assert s["elapsed_s"] < 20 + 30  # the killed check's grace period, not a speed claim
 
 
+def test_gpu_smoke_runs_the_kernel_level_first_within_stage_budgets():
+    """Issue 68 item 5's order on a GPU: the kernels (kernel_bench) before any model, then Pre-LN and Full AttnRes,
+    then the other designs; the card's stages together fit the 8 minutes with room for the 400M checks."""
+    names = [name for name, _ in gpu_smoke.sequence(tiny=False)]
+    assert names[:5] == ["environment", "kernels", "card_first", "card_rest", "correctness"]
+    assert gpu_smoke.FIRST_CARD == ["preln", "attnres"] and set(gpu_smoke.STAGE_CAPS) <= set(names)
+    assert sum(gpu_smoke.STAGE_CAPS.values()) < float(gpu_smoke.DEFAULT_BUDGET_S) + 200  # a cap is a ceiling
+
+
+def test_probe_records_sit_beside_the_kernels_a_pass_launched(tmp_path):
+    """kernel_bench --probe: each pass gets the probe's record of exactly the kernels it launched, and its issue
+    floor is the sum over its launches (a kernel launched twice counts twice); a kernel the probe lacks adds none."""
+    import kernel_bench_depth
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"kernels": [{"kernel": "_merge_forward", "registers": 128, "issue_floor_ms": 0.5},
+                                             {"kernel": "_chunk_forward", "registers": 200, "issue_floor_ms": 2.0},
+                                             {"kernel": "_unused", "issue_floor_ms": 9.0}]}))
+    records = kernel_bench_depth.probe_records(probe)
+    section = {"forward": {"ms": 1.0, "kernels": ["_chunk_forward", "_merge_forward", "_merge_forward"]},
+               "backward": {"ms": 2.0, "kernels": ["_merge_backward"]}, "reads": [1, 2]}
+    kernel_bench_depth.attach_probe(section, records)
+    assert set(section["forward"]["probe"]) == {"_chunk_forward", "_merge_forward"}
+    assert section["forward"]["issue_floor_ms"] == 3.0 and section["forward"]["probe"]["_chunk_forward"][
+        "registers"] == 200
+    assert section["backward"]["probe"] == {} and "issue_floor_ms" not in section["backward"]
+
+
 @pytest.mark.slow
 def test_gpu_smoke_train_commands_fit_an_80gb_plan():
     """Every 400M run the smoke trains on a GPU fits an 80 GB GPU by train.py's own memory plan."""
