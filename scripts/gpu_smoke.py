@@ -365,21 +365,22 @@ def gb(value):
 
 
 def card_table(s, planned, designs=None):
-    """The card's table: `designs` at micro-batch 2 (planned=False; Pre-LN's row, measured first, is the ratio's
-    base of every later one), or every design at the micro-batch the memory plan picks (planned=True: one run per
-    distinct micro-batch other than 2, Pre-LN in each as the ratio's base)."""
+    """The card's table: `designs` at micro-batch 2 (planned=False: a process per design, so that a stage killed at
+    its budget keeps the rows before; Pre-LN's row, measured first, is the ratio's base of every later one), or
+    every design at the micro-batch the memory plan picks (planned=True: one run per distinct micro-batch other than
+    2, Pre-LN in each as the ratio's base)."""
     card = s.summary["card"]
-    if not planned:
-        groups = {2: designs}
-    else:
+    runs = [(2, [design]) for design in designs or []]
+    if planned:
         card["planned_batch"] = planned_batches(s)
         groups = {}
         for design, batch in card["planned_batch"].items():
             if batch != 2:  # micro-batch 2 is the first table's row
                 groups.setdefault(batch, ["preln"]).extend([design] * (design != "preln"))
+        runs = sorted(groups.items())
     failed = []
-    for batch, designs in sorted(groups.items()):
-        res, measured = card_run(s, designs, batch)
+    for batch, group in runs:
+        res, measured = card_run(s, group, batch)
         card["rows"] += card_rows(s, measured, batch)
         write_table(s)
         save(s)
