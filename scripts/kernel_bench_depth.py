@@ -16,7 +16,8 @@ source passes the pushes run), each with CUDA events (the GPU's time) and with t
 call (it returns when the launches are queued: the host's time; host > GPU means the call is launch-bound). The
 first repeat's outputs and gradients are compared with the reference's (cosine and max error over the largest
 entry: a race on the GPU shows here). The bytes beside each time are the modules' own counts (`chunk_traffic` /
-`phase_traffic`, `traffic`); a module whose counting functions changed leaves "bytes_reason" instead.
+`phase_traffic`, `traffic`); a module whose counting functions changed leaves "bytes_reason" instead. On CUDA one
+more build runs under torch.profiler: "kernel_profile", each GPU kernel's own time by name (profile_gpu's).
 
 `bare_launch`: a trivial Triton kernel with 19 arguments (8 pointers, 10 integers, a constexpr), launched many times
 back to back: the host's microseconds per launch (issue 68: ~10-15 us measured on a busy CPU, 3.75 us booked).
@@ -148,6 +149,21 @@ def measure(build, device, repeat, warmup):
     return numbers, first, kernels
 
 
+def profiled(build, device):
+    """One more fresh build's forward + backward under torch.profiler (profile_gpu.kernel_profile) on CUDA: the
+    GPU's kernels by name, each {name, calls, ms}: each kernel's own time beside the pass's; None on the CPU (the
+    interpreter's kernels are no GPU's)."""
+    if device != "cuda":
+        return None
+    import profile_gpu
+    run = build()
+
+    def step():
+        outs = run.forward()
+        torch.autograd.grad(outs, run.leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
+    return profile_gpu.kernel_profile(step, torch.device(device))
+
+
 def pass_rows(numbers, kernels, moved, consumers, peak):
     """{forward, backward: {ms, host_ms, host_us_per_consumer, bytes, launches, gb_per_s, eta, kernels}}."""
     rows = {}
@@ -271,6 +287,7 @@ def attnres_bench(design, args, device, peak):
     moved = counted(lambda: attnres_moved(case), doc)
     doc.update(pass_rows(numbers, kernels, moved=moved, consumers=len(case.reads), peak=peak))
     doc["push_host_us"] = numbers.get("push_host_us")
+    doc["kernel_profile"] = profiled(attnres_build(case, inputs, device, fast=True), device)
     return doc
 
 
@@ -370,6 +387,7 @@ def moda_bench(args, device, peak):
     moved = counted(lambda: moda_moved(case), doc)
     doc.update(pass_rows(numbers, kernels, moved=moved, consumers=1, peak=peak))
     doc["push_host_us"] = numbers.get("push_host_us")
+    doc["kernel_profile"] = profiled(moda_build(case, inputs, device, fast=True), device)
     return doc
 
 
@@ -427,7 +445,7 @@ def attach_probe(section, records):
     """Puts the probe's record of each kernel a pass launched beside its time (row["probe"]), and the sum of their
     issue floors (row["issue_floor_ms"], where the probe gives issue_floor_ms per launch)."""
     for row in section.values():
-        if not isinstance(row, dict) or "kernels" not in row:
+        if not isinstance(row, dict) or not isinstance(row.get("kernels"), list):   # a pass's row names its kernels
             continue
         found = {name: records[name] for name in dict.fromkeys(row["kernels"]) if name in records}
         row["probe"] = found
