@@ -413,11 +413,11 @@ def kernel_digest(doc):
     digest = {k: doc.get(k) for k in ("device_name", "triton", "tokens", "d_model", "streams", "designs", "host")}
     digest["depth"] = {}
     for design, r in doc.get("depth", {}).items():
-        keep = {k: r[k] for k in ("forward_vs_reference", "gradients_vs_reference", "push_host_us", "reason")
-                if k in r}
+        keep = {k: r[k] for k in ("forward_vs_reference", "gradients_vs_reference", "push_host_us",
+                                  "host_over_kernels", "reason") if k in r}
         for name in ("forward", "backward"):
             if name in r:
-                keep[name] = {k: r[name].get(k) for k in ("ms", "host_ms", "gb_per_s", "eta", "host_bound")}
+                keep[name] = {k: r[name].get(k) for k in ("ms", "host_ms", "gb_per_s", "eta")}
         digest["depth"][design] = keep
     liger = doc.get("liger") or {}
     digest["liger"] = {k: ({key: v[key] for key in v if key.startswith("theirs_over_ours") or key.endswith(

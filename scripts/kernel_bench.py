@@ -22,8 +22,9 @@ Sections of the JSON (--json) and of the printed tables, most informative first:
 - depth (Full AttnRes, Block AttnRes, MoDA; scripts/kernel_bench_depth.py): the deepest chunk of AttnRes consumers
   on triton_attnres_chunk's DepthBank, MoDA's deepest consumer on triton_moda's joint attention, against ops.py's
   DepthBank and joint_attention on the same inputs; forward and backward with CUDA events and with the host's clock
-  around the Python call (host_ms > ms: launch-bound), the bytes the modules count, GB/s and eta, the host's
-  microseconds per push and per consumer.
+  around the Python call, the bytes the modules count, GB/s and eta, the host's microseconds per push and per
+  consumer; on CUDA each GPU kernel's own time (torch.profiler) and the host's time over the kernels' (> 1:
+  launch-bound).
 - host: a bare Triton launch with 19 arguments, 1,000 times (--tiny: 20): microseconds per launch.
 - liger (when liger_kernel imports; scripts/kernel_bench_liger.py): liger-kernel 0.8.5's mHC and Block AttnRes ops
   beside ours on the same inputs (outputs and gradients agreeing, ms, theirs over ours). The GPU machine gets the
@@ -316,7 +317,8 @@ def report_depth(doc):
                   f"{row.get('gb_per_s', '')} | {'' if row.get('eta') is None else row['eta']} | "
                   f"{row.get('launches', '')} | {' '.join(dict.fromkeys(row['kernels']))} |")
         print(f"{design}: against ops.py, forward {r['forward_vs_reference']}, gradients "
-              f"{r['gradients_vs_reference']}; a push {r['push_host_us']} us of host time")
+              f"{r['gradients_vs_reference']}; a push {r['push_host_us']} us of host time; host over kernels "
+              f"{r['host_over_kernels']}")
     print(f"bare launch: {doc['host']}")
     print(f"liger: {doc['liger']}")
 

@@ -13,11 +13,12 @@ Python body, and the same inputs through ops.py's reference:
 Every repeat builds its bank afresh (untimed: a bank keeps records and chunks between calls), then times the
 consumers' forward and the backward of all their outputs (autograd.grad: the consumers' passes and the deferred
 source passes the pushes run), each with CUDA events (the GPU's time) and with the host's clock around the Python
-call (it returns when the launches are queued: the host's time; host > GPU means the call is launch-bound). The
+call (it returns when the launches are queued: the host's time). The
 first repeat's outputs and gradients are compared with the reference's (cosine and max error over the largest
 entry: a race on the GPU shows here). The bytes beside each time are the modules' own counts (`chunk_traffic` /
 `phase_traffic`, `traffic`); a module whose counting functions changed leaves "bytes_reason" instead. On CUDA one
-more build runs under torch.profiler: "kernel_profile", each GPU kernel's own time by name (profile_gpu's).
+more build runs under torch.profiler: "kernel_profile", each GPU kernel's own time by name (profile_gpu's), and
+"host_over_kernels", the host's time over the kernels' (> 1: launch-bound, the events then time the host's pace).
 
 `bare_launch`: a trivial Triton kernel with 19 arguments (8 pointers, 10 integers, a constexpr), launched many times
 back to back: the host's microseconds per launch (issue 68: ~10-15 us measured on a busy CPU, 3.75 us booked).
@@ -164,13 +165,22 @@ def profiled(build, device):
     return profile_gpu.kernel_profile(step, torch.device(device))
 
 
+def host_over_kernels(doc):
+    """doc["host_over_kernels"]: the host's time of forward + backward (the Python calls, not waiting for the GPU)
+    over the GPU kernels' summed time (kernel_profile): > 1, the calls are launch-bound (the events' ms then measure
+    the host's pace, not the kernels'); None without a profile (the CPU)."""
+    profile = doc.get("kernel_profile") or {}
+    host = doc["forward"]["host_ms"] + doc["backward"]["host_ms"]
+    doc["host_over_kernels"] = round(host / profile["kernel_ms"], 3) if profile.get("kernel_ms") else None
+
+
 def pass_rows(numbers, kernels, moved, consumers, peak):
     """{forward, backward: {ms, host_ms, host_us_per_consumer, bytes, launches, gb_per_s, eta, kernels}}."""
     rows = {}
     for name in ("forward", "backward"):
         ms, host = numbers[f"{name}_ms"], numbers[f"{name}_host_ms"]
         row = {"ms": ms, "host_ms": host, "host_us_per_consumer": round(1e3 * host / consumers, 1),
-               "host_bound": host > ms, "kernels": kernels.get(name, [])}
+               "kernels": kernels.get(name, [])}
         if moved is not None:
             got = moved[name]
             row.update(bytes=got["bytes"], launches=got["launches"], gb_per_s=round(got["bytes"] / ms / 1e6, 1),
@@ -288,6 +298,7 @@ def attnres_bench(design, args, device, peak):
     doc.update(pass_rows(numbers, kernels, moved=moved, consumers=len(case.reads), peak=peak))
     doc["push_host_us"] = numbers.get("push_host_us")
     doc["kernel_profile"] = profiled(attnres_build(case, inputs, device, fast=True), device)
+    host_over_kernels(doc)
     return doc
 
 
@@ -388,6 +399,7 @@ def moda_bench(args, device, peak):
     doc.update(pass_rows(numbers, kernels, moved=moved, consumers=1, peak=peak))
     doc["push_host_us"] = numbers.get("push_host_us")
     doc["kernel_profile"] = profiled(moda_build(case, inputs, device, fast=True), device)
+    host_over_kernels(doc)
     return doc
 
 
