@@ -552,6 +552,27 @@ def environment(s):
         return "no GPU: run with --tiny for the CPU rehearsal"
     if version < OLDEST_TORCH:
         return f"torch {env['torch']} is older than the oldest supported, {'.'.join(map(str, OLDEST_TORCH))}"
+    s.summary["environment"]["liger_kernel"] = liger_wheel(s)
+
+
+LIGER_IMPORT = "import importlib.metadata as m, liger_kernel; print(m.version('liger-kernel'))"
+
+
+def liger_wheel(s):
+    """liger-kernel for kernel_bench's optional section (issue 68 item 7): its version where it imports; else the
+    wheel carried in .whl/ (git ignores the folder; the device tool's carry brings it) installed without its
+    dependencies (the GPU image's torch and triton stay as they are); else None with the reason. --tiny installs
+    nothing (a shared environment stays as it is)."""
+    if s.tiny:
+        return {"version": None, "reason": "tiny: nothing is installed"}
+    probe = run(s, [sys.executable, "-c", LIGER_IMPORT])
+    wheels = sorted((ROOT / ".whl").glob("liger_kernel-*.whl"))
+    if probe.rc != 0 and wheels:
+        run(s, [sys.executable, "-m", "pip", "install", "-q", "--no-deps", str(wheels[-1])])
+        probe = run(s, [sys.executable, "-c", LIGER_IMPORT])
+    if probe.rc != 0:
+        return {"version": None, "reason": why(probe) if wheels else "not installed, and no .whl/liger_kernel-*.whl"}
+    return {"version": probe.text.strip().splitlines()[-1]}
 
 
 def sequence(tiny):

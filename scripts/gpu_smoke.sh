@@ -7,11 +7,11 @@
 # bytes, and the host's cost per call and per launch (scripts/kernel_bench.py); then Pre-LN and Full AttnRes at
 # L70 d640 micro-batch 2 with the kernel profile, then the other designs, then correctness on CUDA, the plan's
 # micro-batch, whole-model compile and CUDA graphs, the 400M checks. What each number means: scripts/gpu_smoke.py,
-# whose options this passes on (its --tiny rehearses it on a CPU).
+# whose options this passes on (its tiny flag rehearses it on a CPU).
 #
 # liger-kernel beside ours (optional): a wheel in .whl/ (ignored by git; the device tool carries it with
-# carry=[".whl"]) is installed with --no-deps before the smoke, on a GPU run only:
-#     pip download liger-kernel==0.8.5 --no-deps -d .whl
+# carry=[".whl"]), fetched beforehand with pip's download command (liger-kernel==0.8.5, no dependencies, into .whl),
+# is installed by the environment check of a GPU run without its dependencies (scripts/gpu_smoke.py, liger_wheel).
 #
 #   bash scripts/gpu_smoke.sh                  # OUT=/tmp/depthbench-smoke SMOKE_BUDGET_S=480 by default
 set -u
@@ -20,14 +20,4 @@ cd "$(dirname "$0")/.."
 if ! python -c "import torch, numpy, tiktoken" 2> /dev/null; then
     python -m pip install -q -r requirements.txt || exit 1
 fi
-case " $* " in
-    *" --tiny "*) ;;  # the CPU rehearsal installs nothing (a shared environment stays as it is)
-    *)
-        for wheel in .whl/liger_kernel-*.whl; do
-            if [ -f "$wheel" ] && ! python -c "import liger_kernel" 2> /dev/null; then
-                python -m pip install -q --no-deps "$wheel" || echo "gpu_smoke.sh: $wheel did not install"
-            fi
-        done
-        ;;
-esac
 exec python scripts/gpu_smoke.py "$@"

@@ -28,8 +28,8 @@ Sections of the JSON (--json) and of the printed tables, most informative first:
 - host: a bare Triton launch with 19 arguments, 1,000 times (--tiny: 20): microseconds per launch.
 - liger (when liger_kernel imports; scripts/kernel_bench_liger.py): liger-kernel 0.8.5's mHC and Block AttnRes ops
   beside ours on the same inputs (outputs and gradients agreeing, ms, theirs over ours). The GPU machine gets the
-  wheel as the ignored folder .whl/ (carried by the device tool), which scripts/gpu_smoke.sh installs with
-  `pip install --no-deps .whl/liger_kernel-0.8.5-*.whl`; here: `pip download liger-kernel==0.8.5 --no-deps -d .whl`.
+  wheel as the ignored folder .whl/ (carried by the device tool), which scripts/gpu_smoke.py's environment check
+  installs with `pip install --no-deps` (`liger_wheel`); here: `pip download liger-kernel==0.8.5 --no-deps -d .whl`.
 - probe (--probe FILE): scripts/kernel_probe.py's JSON (issue 68 item 1, written on its own branch): each pass's
   launched kernels get the probe's record beside their time (registers, spills, CTAs per SM, issue floor, as the
   probe names them; `kernel_bench_depth.probe_records` says the shapes it reads), and "issue_floor_ms", their sum,

@@ -18,7 +18,8 @@ project does not depend on it. Not run on its own.
   card's 141 sources (the docstring says up to 16 blocks).
 
 On the GPU machine: the wheel is carried as an ignored path (.whl/, which .gitignore ignores) and installed by
-scripts/gpu_smoke.sh with `pip install --no-deps .whl/liger_kernel-0.8.5-*.whl` when present:
+scripts/gpu_smoke.py's environment check (`liger_wheel`: `pip install --no-deps .whl/liger_kernel-*.whl`, on a GPU
+run, when liger_kernel does not import already):
     pip download liger-kernel==0.8.5 --no-deps -d .whl        # here, then run(carry=[".whl"]) on the device
 On the CPU (--tiny): unzip the wheel into a private folder and put it on PYTHONPATH.
 """
