@@ -1,22 +1,30 @@
 """The first contact with a GPU machine, as numbers: scripts/gpu_smoke.sh runs this driver.
 
-Each check runs the project's own scripts as subprocesses (cuda_check.py, profile_gpu.py, train.py, torchrun), most
-informative first, each with what is left of the time budget (SMOKE_BUDGET_S, default 360 s) as its timeout. After
-every check $OUT/summary.json is rewritten (atomically), so a kill leaves everything measured so far; $OUT/smoke.log
-holds every command and its output; $OUT/table.md the card's table in docs/speed.md's "GPU runs" format (paste it
-there). Scratch run folders live in a temporary folder, removed as each check ends. summary.json answers, in order,
-each as a number or as null with a reason:
+Each check runs the project's own scripts as subprocesses (kernel_bench.py, profile_gpu.py, cuda_check.py, train.py,
+torchrun), most informative first (issue 68 item 5: the kernel level before any model is compiled), each within its
+own time budget (STAGE_CAPS) and what is left of the whole one (SMOKE_BUDGET_S, default 480 s). After every check
+$OUT/summary.json is rewritten (atomically), so a kill leaves everything measured so far; $OUT/smoke.log holds every
+command and its output; $OUT/kernels.json kernel_bench's whole JSON (rewritten after each of its sections);
+$OUT/table.md the card's table in docs/speed.md's "GPU runs" format (paste it there). Nothing else is left in $OUT
+(the device tool brings back at most 8 files). Scratch run folders live in a temporary folder, removed as each check
+ends. summary.json answers, in order, each as a number or as null with a reason:
 
+  kernels          the kernel level (scripts/kernel_bench.py; what each number means: its docstring): HC's, mHC's,
+                   Full and Block AttnRes' and MoDA's hot kernels at the card's consumer or sublayer (L70 d640, 4,096
+                   tokens, bf16) against ops.py's reference (cosine, max error: races show only on a GPU); each alone
+                   with CUDA events beside its counted bytes (GB/s, eta of the HBM peak; registers, spills and issue
+                   floor where kernel_bench gets scripts/kernel_probe.py's JSON, --probe); the host's microseconds
+                   per mix + push (the Python call's wall time beside its kernels' time) and per bare 19-argument
+                   launch; liger-kernel's mHC and Block AttnRes ops beside ours where the wheel is installed
+  card             issue 52's table at L70 d640 T2048 (bf16, compiled per block, with the kernel profile): Pre-LN and
+                   Full AttnRes at micro-batch 2 first (card_first), then the other designs (card_rest), then the
+                   micro-batch the memory plan picks (card_planned; train.py's resolve, depthbench/training/costs.py):
+                   step ms, x Pre-LN (at the same micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over
+                   the step), GPU kernels per step, peak memory, and scripts/roofline.py's estimate for this GPU
+                   beside each (today's path / GPU path); the 15 kernels with the most time in each row's step
+                   (top_kernels: name, calls, ms)
   correctness      every design on CUDA against the CPU reference (scripts/cuda_check.py): fp32, bf16, compiled ==
                    eager, each kernels namespace ("fast", and "triton" where the model accepts it)
-  card             issue 52's table at L70 d640 T2048 (bf16, compiled per block), at micro-batch 2 and at the one
-                   the memory plan picks (train.py's resolve, depthbench/training/costs.py): step ms, x Pre-LN (at the
-                   same micro-batch), tok/s, GPU busy share (torch.profiler: kernel time over the step), GPU kernels per
-                   step, peak memory, and scripts/roofline.py's estimate for this GPU beside each (today's path / GPU
-                   path); the 15 kernels with the most time in each row's step (top_kernels: name, calls, ms)
-  kernels          HC's and mHC's read and write kernels alone at the card's sublayer (scripts/kernel_bench.py): ms,
-                   GB/s and the roofline's estimate for each pass, and the read's backward in one launch against three
-                   kernels (which stays), their gradients agreeing
   launch_overhead  Pre-LN at the card's shape compiled per block, as the whole model, and under CUDA graphs
                    (profile_gpu.py --compile, each capped at LAUNCH_CAP_S): which is fastest (issue 52 item 2;
                    opt-in until it is measured)
@@ -38,20 +46,19 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from depthbench.files.common import ArgParser, cannot_write, write_json  # noqa: E402  (the repository root, on the path above)
+from depthbench.files.common import ArgParser, cannot_write  # noqa: E402  (the repository root, on the path above)
 sys.path.insert(0, str(ROOT / "scripts"))
 import roofline  # noqa: E402  (scripts/ is not a package; the estimate printed beside each measurement)
+from smoke_run import Smoke, check, left, run, save, why  # noqa: E402  (how each check runs; Smoke for the tests)
 
 DESIGNS = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda"]
 FIRST_DESIGNS = ["preln", "hc", "mhc", "attnres"]  # measured first (with both kernels) when the budget is short
@@ -60,86 +67,15 @@ MEMORY_DESIGNS = ["preln", "mhc", "attnres"]
 MEMORY_SHAPES = {False: [(70, "70x640"), (24, "24x1024")], True: [(3, "3x64"), (2, "2x64")]}  # by --tiny
 CARD_DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]  # issue 52's table, Pre-LN its base
 TINY_CARD_DESIGNS = ["preln", "hc"]  # --tiny: a process per design on the CPU; HC's plan (4) makes a second table
-DEFAULT_BUDGET_S = "360"
-KERNELS_CAP_S = 120  # scripts/kernel_bench.py: a few Triton compiles and 20 timed calls of each pass
+DEFAULT_BUDGET_S = "480"
+# each stage's own time budget in seconds on a GPU (x TINY_CAP_SCALE with --tiny), within the whole budget: a stage
+# past it is killed and the next one starts with what is left; none named: the whole budget's rest
+STAGE_CAPS = {"kernels": 150, "card_first": 120, "card_rest": 150, "correctness": 90, "card_planned": 120}
+TINY_CAP_SCALE = 4
+FIRST_CARD = ["preln", "attnres"]  # the card's first table rows (Pre-LN the ratio's base); the others come next
 LAUNCH_CAP_S = 90  # each whole-model compile of the launch-overhead check: its compile time grows with depth
 OLDEST_TORCH = (2, 6)  # the README's supported versions start here
 GB = 1e9
-
-
-@dataclass
-class Smoke:
-    out: Path                  # $OUT: summary.json and smoke.log, nothing else
-    work: Path                 # scratch run folders, removed at the end
-    tiny: bool                 # CPU, toy shapes, no compile
-    ngpu: int                  # GPUs detected (0 with --tiny)
-    deadline: float            # time.monotonic() at which the budget is spent
-    summary: dict = field(default_factory=dict)  # what summary.json holds, rewritten after every check
-
-
-@dataclass
-class Result:
-    rc: int | None             # exit status; None: killed at the budget
-    text: str                  # stdout and stderr together
-    seconds: float             # wall time of the command
-
-
-def left(s):
-    return s.deadline - time.monotonic()
-
-
-def log(s, text):
-    with open(s.out / "smoke.log", "a") as f:
-        f.write(text)
-
-
-def save(s):
-    s.summary["elapsed_s"] = round(s.summary["budget_s"] - left(s), 1)
-    write_json(s.out / "summary.json", s.summary, strict=True)
-
-
-def run(s, argv, env=None, cap=None):
-    """argv from the repository root, its own process group, killed (TERM, then KILL) when the budget ends (or
-    after cap seconds, where given)."""
-    t0 = time.monotonic()
-    log(s, f"\n$ {' '.join(argv)}\n")
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        text, rc = proc.communicate(timeout=max(min(left(s), cap or float("inf")), 1))[0], proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # train.py saves and exits; torchrun passes it on
-        try:
-            text = proc.communicate(timeout=15)[0]
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            text = proc.communicate()[0]
-        text, rc = text + "\n[killed: the smoke budget (or the command's cap) is spent]\n", None
-    log(s, text)
-    return Result(rc, text, time.monotonic() - t0)
-
-
-def why(res):
-    """A null's reason from a failed command: the budget, or its last line."""
-    if res.rc is None:
-        return f"killed after {res.seconds:.0f} s (the budget or the command's cap)"
-    lines = [line for line in res.text.strip().splitlines() if line.strip()] or ["no output"]
-    return f"exit {res.rc}: {lines[-1][:300]}"
-
-
-def check(s, name, fn):
-    """Run one check, record its status and time, and write summary.json."""
-    t0 = time.monotonic()
-    try:
-        status = fn(s) or "ok"
-    except Exception as e:  # one broken check must not lose the others
-        status = f"error: {type(e).__name__}: {e}"[:300]
-    s.summary["checks"].append({"check": name, "status": status, "seconds": round(time.monotonic() - t0, 1)})
-    save(s)
-    line = f"ok    {name:<14} {time.monotonic() - t0:6.0f} s"
-    if status != "ok":
-        line = f"FAIL  {name:<14} {time.monotonic() - t0:6.0f} s  {status}"
-    print(line, flush=True)
 
 
 # ----------------------------------------------------------------------------- train.py runs and what they tell
@@ -363,6 +299,16 @@ def card_designs(s):
     return TINY_CARD_DESIGNS if s.tiny else CARD_DESIGNS
 
 
+def card_first(s):
+    """The card's first rows at micro-batch 2: Pre-LN and Full AttnRes (--tiny: Pre-LN), with the kernel profile."""
+    return card_table(s, planned=False, designs=[d for d in card_designs(s) if d in FIRST_CARD])
+
+
+def card_rest(s):
+    """The other designs of the card's table at micro-batch 2, over the Pre-LN row card_first measured."""
+    return card_table(s, planned=False, designs=[d for d in card_designs(s) if d not in FIRST_CARD])
+
+
 def planned_batches(s):
     """{design: micro-batch} the memory plan picks for the card's command (train.py's resolve, costs' plan)."""
     argv = ["--suite", "400m", "--ar", "9.1", "--residual", ",".join(card_designs(s)), "--data", "synthetic",
@@ -398,7 +344,9 @@ def card_rows(s, measured, batch):
     c = roofline.calibrate(gpu=roofline_gpu(s))
     s.summary["card"]["roofline_gpu"] = c["gpu"]
     shape = {**roofline.CARD, "batch": batch}
-    base = measured.get("preln", {})
+    if "preln" in measured:
+        s.bases[batch] = measured["preln"]
+    base = s.bases.get(batch, {})
     rows = []
     for design, r in measured.items():
         est = roofline.estimate(design, shape, c)
@@ -416,21 +364,23 @@ def gb(value):
     return None if value is None else round(value / GB, 2)
 
 
-def card_table(s, planned):
-    """The card's table: every design at micro-batch 2 (planned=False), or at the micro-batch the memory plan picks
-    (planned=True: one run per distinct micro-batch other than 2, Pre-LN in each as the ratio's base)."""
+def card_table(s, planned, designs=None):
+    """The card's table: `designs` at micro-batch 2 (planned=False: a process per design, so that a stage killed at
+    its budget keeps the rows before; Pre-LN's row, measured first, is the ratio's base of every later one), or
+    every design at the micro-batch the memory plan picks (planned=True: one run per distinct micro-batch other than
+    2, Pre-LN in each as the ratio's base)."""
     card = s.summary["card"]
-    if not planned:
-        groups = {2: card_designs(s)}
-    else:
+    runs = [(2, [design]) for design in designs or []]
+    if planned:
         card["planned_batch"] = planned_batches(s)
         groups = {}
         for design, batch in card["planned_batch"].items():
             if batch != 2:  # micro-batch 2 is the first table's row
                 groups.setdefault(batch, ["preln"]).extend([design] * (design != "preln"))
+        runs = sorted(groups.items())
     failed = []
-    for batch, designs in sorted(groups.items()):
-        res, measured = card_run(s, designs, batch)
+    for batch, group in runs:
+        res, measured = card_run(s, group, batch)
         card["rows"] += card_rows(s, measured, batch)
         write_table(s)
         save(s)
@@ -440,17 +390,39 @@ def card_table(s, planned):
 
 
 def kernels(s):
-    """HC's and mHC's connection kernels alone (scripts/kernel_bench.py at the card's sublayer; --tiny: the
-    interpreter at its toy shape): per design and pass, ms, GB/s against the counted bytes, the roofline's estimate, and
-    one_launch_over_three, the read backward's one launch against its three kernels."""
-    argv = [sys.executable, "scripts/kernel_bench.py", "--json", str(s.work / "kernels.json")]
-    res = run(s, argv + (["--tiny"] if s.tiny else []), cap=KERNELS_CAP_S)
-    if not (s.work / "kernels.json").exists():
+    """The kernel level, first (scripts/kernel_bench.py at the card's consumer or sublayer; --tiny: the interpreter
+    at its toy shapes): every family's hot kernels against ops.py (a race shows here), each alone with CUDA events
+    beside its counted bytes (GB/s, eta), the host's microseconds per mix + push and per bare launch, and
+    liger-kernel's ops beside ours where it imports. Its JSON is $OUT/kernels.json, rewritten after each of its
+    sections (a stage killed at its budget leaves what it measured); summary.json gets the digest (`kernel_digest`)."""
+    out = s.out / "kernels.json"
+    argv = [sys.executable, "scripts/kernel_bench.py", "--json", str(out)] + (["--tiny"] if s.tiny else [])
+    res = run(s, argv, env={"TRITON_INTERPRET": "1"} if s.tiny else None)
+    if not out.exists():
         s.summary["kernels"] = {"reason": why(res)}
         return why(res)
-    doc = json.loads((s.work / "kernels.json").read_text())
-    s.summary["kernels"] = {k: doc[k] for k in ("device_name", "triton", "tokens", "d_model", "streams", "designs")}
+    doc = json.loads(out.read_text())
+    s.summary["kernels"] = {**kernel_digest(doc), "file": "kernels.json"}
     return None if res.rc == 0 else why(res)
+
+
+def kernel_digest(doc):
+    """summary.json's part of kernel_bench's JSON: the device, HC's and mHC's passes as they were (`designs`), and
+    per AttnRes / MoDA section its checks against the reference, ms, host ms and GB/s each way; the bare launch;
+    liger's ratios."""
+    digest = {k: doc.get(k) for k in ("device_name", "triton", "tokens", "d_model", "streams", "designs", "host")}
+    digest["depth"] = {}
+    for design, r in doc.get("depth", {}).items():
+        keep = {k: r[k] for k in ("forward_vs_reference", "gradients_vs_reference", "push_host_us",
+                                  "host_over_kernels", "reason") if k in r}
+        for name in ("forward", "backward"):
+            if name in r:
+                keep[name] = {k: r[name].get(k) for k in ("ms", "host_ms", "gb_per_s", "eta")}
+        digest["depth"][design] = keep
+    liger = doc.get("liger") or {}
+    digest["liger"] = {k: ({key: v[key] for key in v if key.startswith("theirs_over_ours") or key.endswith(
+        ("_agree", "_vs_reference"))} if isinstance(v, dict) and "reason" not in v else v) for k, v in liger.items()}
+    return digest
 
 
 def launch_overhead(s):
@@ -580,15 +552,38 @@ def environment(s):
         return "no GPU: run with --tiny for the CPU rehearsal"
     if version < OLDEST_TORCH:
         return f"torch {env['torch']} is older than the oldest supported, {'.'.join(map(str, OLDEST_TORCH))}"
+    s.summary["environment"]["liger_kernel"] = liger_wheel(s)
+
+
+LIGER_IMPORT = "import importlib.metadata as m, liger_kernel; print(m.version('liger-kernel'))"
+
+
+def liger_wheel(s):
+    """liger-kernel for kernel_bench's optional section (issue 68 item 7): its version where it imports; else the
+    wheel carried in .whl/ (git ignores the folder; the device tool's carry brings it) installed without its
+    dependencies (the GPU image's torch and triton stay as they are); else None with the reason. --tiny installs
+    nothing (a shared environment stays as it is)."""
+    if s.tiny:
+        return {"version": None, "reason": "tiny: nothing is installed"}
+    probe = run(s, [sys.executable, "-c", LIGER_IMPORT])
+    wheels = sorted((ROOT / ".whl").glob("liger_kernel-*.whl"))
+    if probe.rc != 0 and wheels:
+        run(s, [sys.executable, "-m", "pip", "install", "-q", "--no-deps", str(wheels[-1])])
+        probe = run(s, [sys.executable, "-c", LIGER_IMPORT])
+    if probe.rc != 0:
+        return {"version": None, "reason": why(probe) if wheels else "not installed, and no .whl/liger_kernel-*.whl"}
+    return {"version": probe.text.strip().splitlines()[-1]}
 
 
 def sequence(tiny):
-    """(name, fn) in the order they run, the most informative first: correctness on the device, the card's table
-    (micro-batch 2, then the plan's), HC's and mHC's kernels alone, the launch-overhead experiment, then the 400M checks. --tiny leaves out the
-    L70 train.py runs, which on the CPU (no compile) would answer nothing."""
-    checks = [("environment", environment), ("correctness", correctness),
-              ("card_b2", lambda s: card_table(s, planned=False)),
-              ("card_planned", lambda s: card_table(s, planned=True)), ("kernels", kernels),
+    """(name, fn) in the order they run, the most informative first (issue 68 item 5): the kernel level (every hot
+    kernel against the reference at the card's shape, each alone, the host's costs: scripts/kernel_bench.py), then
+    Pre-LN and Full AttnRes at micro-batch 2 with the kernel profile, then the card's other designs, whole-model
+    correctness on the device, the plan's micro-batch, the launch-overhead experiment, then the 400M checks. --tiny
+    leaves out the L70 train.py runs, which on the CPU (no compile) would answer nothing."""
+    checks = [("environment", environment), ("kernels", kernels), ("card_first", card_first),
+              ("card_rest", card_rest), ("correctness", correctness),
+              ("card_planned", lambda s: card_table(s, planned=True)),
               ("launch_overhead", launch_overhead), ("throughput", throughput), ("bf16_vs_fp32", bf16_vs_fp32),
               ("ddp_vs_fsdp2", ddp_vs_fsdp2)]
     for design in MEMORY_DESIGNS[1:]:
@@ -660,11 +655,12 @@ def main(argv=None):
                 s.summary["checks"].append({"check": name, "status": "skipped: budget spent", "seconds": 0})
                 print(f"skip  {name:<14} budget spent", flush=True)
                 continue
-            check(s, name, fn)
+            check(s, name, fn, cap=STAGE_CAPS.get(name, float("inf")) * (TINY_CAP_SCALE if s.tiny else 1))
             if name == "environment" and not s.tiny and not s.ngpu:
                 break
         save(s)
-    written = [str(out / "summary.json"), str(out / "smoke.log")]
+    written = [str(out / "summary.json"), str(out / "smoke.log")] + [str(out / "kernels.json")] * (
+        out / "kernels.json").exists()
     if (out / "table.md").exists():  # the card's table, on stdout too (to paste into docs/speed.md)
         print((out / "table.md").read_text(), end="")
         written.append(str(out / "table.md"))

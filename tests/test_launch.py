@@ -34,16 +34,17 @@ def smoke(out, budget, timeout):
 def test_tiny_smoke_answers_every_question(tmp_path):
     """--tiny runs every check on the CPU: each question's key holds a number, or null with a reason where a CPU
     cannot answer; the exact equivalences hold (the fast kernels against the reference, resumed fp32 twice, DDP vs
-    FSDP2 at 2 gloo ranks); the card's table comes at micro-batch 2 and at the plan's, with the roofline beside each
-    row; the correctness check runs the Triton kernels (interpreted); only summary.json, smoke.log and table.md are
-    left in $OUT."""
+    FSDP2 at 2 gloo ranks); the kernel level comes first (every family's kernels against ops.py, interpreted, the
+    host's costs), then the card's table (Pre-LN first, at micro-batch 2 and at the plan's, with the roofline beside
+    each row); the correctness check runs the Triton kernels (interpreted); only summary.json, smoke.log,
+    kernels.json and table.md are left in $OUT."""
     r = smoke(tmp_path, 900, 1200)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["smoke.log", "summary.json", "table.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.json", "smoke.log", "summary.json", "table.md"]
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["mode"] == "tiny" and [c["status"] for c in s["checks"]] == ["ok"] * len(gpu_smoke.sequence(tiny=True))
-    assert [c["check"] for c in s["checks"][:6]] == ["environment", "correctness", "card_b2", "card_planned",
-                                                     "kernels", "launch_overhead"]  # the most informative first
+    assert [c["check"] for c in s["checks"][:6]] == ["environment", "kernels", "card_first", "card_rest",
+                                                     "correctness", "card_planned"]  # the kernel level first
     check = s["correctness"]
     assert check["ok"] and check["designs"] == len(gpu_smoke.CARD_DESIGNS) and "fast" in check["namespaces"]
     assert "triton" in check["namespaces"]  # the Triton bodies, run by the interpreter (gpu_smoke sets it for this)
@@ -62,6 +63,15 @@ def test_tiny_smoke_answers_every_question(tmp_path):
                                                                       "_proj_bwd"]
         assert passes["read_forward"]["kernels"] == [f"_{design}_fwd"]
     assert set(s["kernels"]["designs"]) == {"hc", "mhc"}
+    assert all(p["vs_reference"]["gradients"]["min_cosine"] >= 0.999 for p in s["kernels"]["designs"].values())
+    families = s["kernels"]["depth"]                            # AttnRes' chunk and MoDA against ops.py
+    assert set(families) == {"attnres", "block_attnres", "moda"}
+    for design, r in families.items():
+        assert r["forward_vs_reference"]["min_cosine"] >= 0.999 and r["gradients_vs_reference"]["min_cosine"] >= 0.999
+        assert r["forward"]["ms"] > 0 and r["backward"]["gb_per_s"] >= 0 and r["push_host_us"] > 0, design
+    assert s["kernels"]["host"]["bare_launch"]["us_per_launch"] > 0
+    whole = json.loads((tmp_path / "kernels.json").read_text())
+    assert "_chunk_forward" in whole["depth"]["attnres"]["forward"]["kernels"]  # the chunked bank's two phases
     assert s["launch_overhead"]["fastest"] in ("blocks", "model", "graphs")
     assert s["throughput"]["tokens_per_s"] > 0 and 0 < s["throughput"]["mfu"] < 1
     assert s["bf16_vs_fp32"]["max_abs_loss_diff"] is None and s["bf16_vs_fp32"]["reason"]
@@ -90,9 +100,36 @@ def test_smoke_stops_at_its_budget_with_what_it_has(tmp_path):
     statuses = [c["status"] for c in s["checks"]]
     assert len(statuses) == len(gpu_smoke.sequence(tiny=True)) and statuses[-1] == "skipped: budget spent"
     assert s["design_step"]["use"] is None and "reason" in s["design_step"]
-    assert sorted(p.name for p in tmp_path.iterdir()) in (["smoke.log", "summary.json"],
-                                                          ["smoke.log", "summary.json", "table.md"])
+    assert {"smoke.log", "summary.json"} <= {p.name for p in tmp_path.iterdir()} <= {
+        "smoke.log", "summary.json", "kernels.json", "table.md"}
     assert s["elapsed_s"] < 20 + 30  # the killed check's grace period, not a speed claim
+
+
+def test_gpu_smoke_runs_the_kernel_level_first_within_stage_budgets():
+    """Issue 68 item 5's order on a GPU: the kernels (kernel_bench) before any model, then Pre-LN and Full AttnRes,
+    then the other designs; the card's stages together fit the 8 minutes with room for the 400M checks."""
+    names = [name for name, _ in gpu_smoke.sequence(tiny=False)]
+    assert names[:5] == ["environment", "kernels", "card_first", "card_rest", "correctness"]
+    assert gpu_smoke.FIRST_CARD == ["preln", "attnres"] and set(gpu_smoke.STAGE_CAPS) <= set(names)
+    assert sum(gpu_smoke.STAGE_CAPS.values()) < float(gpu_smoke.DEFAULT_BUDGET_S) + 200  # a cap is a ceiling
+
+
+def test_probe_records_sit_beside_the_kernels_a_pass_launched(tmp_path):
+    """kernel_bench --probe: each pass gets the probe's record of exactly the kernels it launched, and its issue
+    floor is the sum over its launches (a kernel launched twice counts twice); a kernel the probe lacks adds none."""
+    import kernel_bench_depth
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"kernels": [{"kernel": "_merge_forward", "registers": 128, "issue_floor_ms": 0.5},
+                                             {"kernel": "_chunk_forward", "registers": 200, "issue_floor_ms": 2.0},
+                                             {"kernel": "_unused", "issue_floor_ms": 9.0}]}))
+    records = kernel_bench_depth.probe_records(probe)
+    section = {"forward": {"ms": 1.0, "kernels": ["_chunk_forward", "_merge_forward", "_merge_forward"]},
+               "backward": {"ms": 2.0, "kernels": ["_merge_backward"]}, "reads": [1, 2]}
+    kernel_bench_depth.attach_probe(section, records)
+    assert set(section["forward"]["probe"]) == {"_chunk_forward", "_merge_forward"}
+    assert section["forward"]["issue_floor_ms"] == 3.0 and section["forward"]["probe"]["_chunk_forward"][
+        "registers"] == 200
+    assert section["backward"]["probe"] == {} and "issue_floor_ms" not in section["backward"]
 
 
 @pytest.mark.slow
