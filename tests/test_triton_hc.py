@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import ops
+from depthbench.kernels import graph_ops
 from model import GPT, GPTConfig
 from test_all import assert_step_equal_to_bf16, cosine, loss_and_grads
 
@@ -62,6 +63,7 @@ def interpreted_hc():
 
 hc = interpreted_hc()
 hcr = importlib.import_module("depthbench.kernels.triton_hc_read")    # mHC's fused read, on hc's kernels
+hcro = importlib.import_module("depthbench.kernels.triton_hc_read_ops")   # ... as ops, launching hcr's kernels
 
 
 def rel_err(a, b):
@@ -323,12 +325,16 @@ def test_read_forward_in_one_launch_equals_two(design, n, kernels, monkeypatch):
     site.norm.eps = 0.25                                     # the branch norm's eps, unlike the maps' (1e-6, 1e-8)
     runs, launched = {}, []
     for name in ("_mhc_fwd", "_hc_fwd", "_mhc_read_fwd", "_hc_read_fwd", "_width_norm_fwd"):
-        monkeypatch.setattr(hcr, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(hcr, name),
-                                                           nm=name: (launched.append(nm), k[grid])[1]})())
+        launch = type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(hcr, name), nm=name:
+                                     (launched.append(nm), k[grid])[1]})()
+        for module in (hcr, hcro):                         # the ops' module launches the kernels it imported
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, launch)
     for one in (True, False):
         monkeypatch.setattr(hcr, "ONE_LAUNCH_FORWARD", one)
         with monkeypatch.context() as patch:
             patch.setattr(hcr, "torch", Poisoned())
+            patch.setattr(hcro, "torch", Poisoned())
             runs[one] = ([o.detach() for o in hcr.hc_read(model.res, H, site)], list(launched))
         launched.clear()
     assert runs[True][1] == kernels and runs[False][1] == [f"_{design}_read_fwd", "_width_norm_fwd"]
@@ -562,10 +568,15 @@ class Launches(torch.utils._python_dispatch.TorchDispatchMode):
         self.ops, self.kernels, self.inside = [], [], False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "depthbench":     # a Triton body as an op (graph_ops.py): record what runs inside it
+            with self:
+                return graph_ops.host_function(func)(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if not self.inside and func.overloadpacket.__name__ not in self.FREE:
+        name = func.overloadpacket.__name__
+        free = name in self.FREE or name == "to" and out is args[0]      # a `.to` that is no copy: no launch
+        if not self.inside and not free:
             tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            self.ops.append((func.overloadpacket.__name__, [tuple(t.shape) for t in tensors],
+            self.ops.append((name, [tuple(t.shape) for t in tensors],
                              sum(t.numel() * t.element_size() for t in tensors)))
         return out
 
@@ -595,8 +606,10 @@ def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.floa
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
             module = hcr if name.startswith(("_mhc_", "_hc_", "_width_norm")) else hc
-            patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
-                                                            nm=name: rec.launcher(nm, k[grid])})())
+            launch = type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
+                                         nm=name: rec.launcher(nm, k[grid])})()
+            for where in [module] + [hcro] * hasattr(hcro, name):    # the ops' module launches what it imported
+                patch.setattr(where, name, launch)
         with rec, autocast:
             h, ctx = res.read(H, site)
             out = res.write(H, site, h, ctx)                         # the branch output y = h: no sublayer between

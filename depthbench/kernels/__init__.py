@@ -21,17 +21,22 @@ import ops
 from depthbench.kernels import cpu
 
 
+# The function bodies whose launches are ops (graph_ops.py): dynamo puts each as one node in the block's graph, on a
+# GPU and under the interpreter alike, so a compiled block does not break there (tests/test_graphs.py)
+IN_GRAPH = ("hc_read", "depth_connection")
+
+
 def triton_bodies():
     """ops.TWO_BODIES names -> their GPU (Triton) body. Imports the Triton modules (and triton, where installed).
-    Under Triton's CPU interpreter the function bodies run eagerly inside a compiled graph (torch.compiler.disable):
-    dynamo would trace the interpreter's own numpy code and fail; on a GPU it traces the kernels themselves."""
+    Under Triton's CPU interpreter the function bodies not IN_GRAPH run eagerly inside a compiled graph
+    (torch.compiler.disable): dynamo would trace the interpreter's own numpy code and fail."""
     import torch
     from depthbench.kernels import triton_attnres_chunk, triton_hc, triton_hc_read, triton_moda
     bodies = {"DepthBank": triton_attnres_chunk.DepthBank, **triton_hc.BODIES, **triton_hc_read.BODIES,
               "joint_attention": triton_moda.joint_attention, "DepthKV": triton_moda.DepthKV}
     if triton_hc.interpreted():
         bodies.update({name: torch.compiler.disable(body) for name, body in bodies.items()
-                       if not isinstance(body, type)})
+                       if not isinstance(body, type) and name not in IN_GRAPH})
     return bodies
 
 
