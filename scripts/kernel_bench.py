@@ -123,6 +123,7 @@ def passes(design, args, device):
     import torch
     from depthbench.kernels import triton_hc as hc
     from depthbench.kernels import triton_hc_read as hcr
+    from depthbench.kernels import triton_hc_read_ops as hcro
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     D, n = args.d_model, args.streams
@@ -141,7 +142,7 @@ def passes(design, args, device):
         raise SystemExit(f"kernel_bench.py: {design}'s read is not the fused one on {device} (triton missing?)")
     autocast = torch.autocast(device, dtype=torch.bfloat16)
     with autocast:
-        outs = hcr.hc_read(res, H, site)
+        outs = hcro.hc_read(res, H, site)
     used = [outs[0], outs[2], outs[4]]                                   # h, H_post, mixed: a model's
     ups = [torch.randn(o.shape, device=device, generator=g).to(o.dtype) for o in used]
     with autocast:
@@ -151,7 +152,7 @@ def passes(design, args, device):
 
     def read_forward():
         with autocast:
-            hcr.hc_read(res, H, site)
+            hcro.hc_read(res, H, site)
 
     def read_backward():
         return torch.autograd.grad(used, [H] + params, ups, retain_graph=True)

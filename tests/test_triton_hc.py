@@ -174,7 +174,7 @@ def with_triton_bodies(model):
     bodies.name = f"{bodies.name}+triton-hc"
     for name in hc.NAMES:
         setattr(bodies, name, getattr(hc, name))
-    bodies.hc_read = hcr.hc_read
+    bodies.hc_read = hcro.hc_read
     model.res.ops = bodies
     return model
 
@@ -256,7 +256,7 @@ def read_both_ways(model, H, dtype, seed=0, used=(0, 1, 2, 3, 4)):
     the outputs `used` (h, H_pre, H_post, H_res, mixed: all; a model uses h, H_post and mixed alone)."""
     res, site = model.res, model.res.site(1)
     results = []
-    for read in (ops.hc_read, hcr.hc_read):
+    for read in (ops.hc_read, hcro.hc_read):
         leaf = H.to(dtype).requires_grad_()
         params = list(site.conn.parameters()) + [site.norm.weight]
         outs = read(res, leaf, site)
@@ -335,7 +335,7 @@ def test_read_forward_in_one_launch_equals_two(design, n, kernels, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(hcr, "torch", Poisoned())
             patch.setattr(hcro, "torch", Poisoned())
-            runs[one] = ([o.detach() for o in hcr.hc_read(model.res, H, site)], list(launched))
+            runs[one] = ([o.detach() for o in hcro.hc_read(model.res, H, site)], list(launched))
         launched.clear()
     assert runs[True][1] == kernels and runs[False][1] == [f"_{design}_read_fwd", "_width_norm_fwd"]
     assert all(torch.equal(a, b) and not a.isnan().any() for a, b in zip(runs[True][0], runs[False][0]))

@@ -31,8 +31,8 @@ def triton_bodies():
     Under Triton's CPU interpreter the function bodies not IN_GRAPH run eagerly inside a compiled graph
     (torch.compiler.disable): dynamo would trace the interpreter's own numpy code and fail."""
     import torch
-    from depthbench.kernels import triton_attnres_chunk, triton_hc, triton_hc_read, triton_moda
-    bodies = {"DepthBank": triton_attnres_chunk.DepthBank, **triton_hc.BODIES, **triton_hc_read.BODIES,
+    from depthbench.kernels import triton_attnres_chunk, triton_hc, triton_hc_read_ops, triton_moda
+    bodies = {"DepthBank": triton_attnres_chunk.DepthBank, **triton_hc.BODIES, **triton_hc_read_ops.BODIES,
               "joint_attention": triton_moda.joint_attention, "DepthKV": triton_moda.DepthKV}
     if triton_hc.interpreted():
         bodies.update({name: torch.compiler.disable(body) for name, body in bodies.items()

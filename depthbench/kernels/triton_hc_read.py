@@ -558,8 +558,3 @@ def fused(design, H, site):
     kind, norm = type(design).__name__, site.norm
     rms = type(norm).__name__ == "RMSNorm" and not norm.center
     return (kind == "MHC" or kind == "HC" and design.mixed) and rms and runs_here(H)
-
-
-from depthbench.kernels.triton_hc_read_ops import hc_read  # noqa: E402  (the ops: this module's kernels, defined above)
-
-BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)

@@ -4,7 +4,7 @@ ops (graph_ops.py), so that a compiled block holds its read in its graph: `mhc_r
 maps, the width connection and the branch's norm: one launch, or two) and their backward ops (one launch where H_pre
 and H_res feed nothing else, a model's case; else three), joined by `register_autograd`. What the backward needs
 beyond the inputs (the logits, m, r, rb) leaves the forward op as outputs, so no Python state spans the two. `hc_read`
-is ops.hc_read's body (triton_hc_read.BODIES). The file's 700 lines were full: the kernels and their launch helpers
+is ops.hc_read's body (BODIES). The file's 700 lines were full: the kernels and their launch helpers
 stay in triton_hc_read.py.
 """
 import torch
@@ -40,13 +40,13 @@ def read_fake(H, rows, M, logits=True):
 READ_OUT = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor" # h, pre, post, res, mixed, kept
 
 
-@graph_op("mhc_read", "(Tensor H, Tensor phi, Tensor b, Tensor a_pre, Tensor a_post, Tensor a_res, Tensor gain, "
-          f"float eps, int iters) -> {READ_OUT}, Tensor)",
-          lambda H, phi, *_: read_fake(H, H.numel() // phi.size(0), phi.size(1)))
-def mhc_read_forward(H, phi, b, a_pre, a_post, a_res, gain, eps, iters):
-    """ops.hc_read for mHC: H (..., n, D), phi (nD, M), b (M,), the three alphas (0-dim), the norm's gain and eps,
-    Sinkhorn's iters -> (branch (..., D) and mixed (..., n, D) in H's dtype, H_pre, H_post (..., n), H_res (..., n,
-    n) in fp32) and what the backward keeps: the logits, m, r and rb."""
+@graph_op("mhc_read", f"(Tensor H, Tensor[] params, float eps, int iters) -> {READ_OUT}, Tensor)",
+          lambda H, params, *_: read_fake(H, H.numel() // params[0].size(0), params[0].size(1)))
+def mhc_read_forward(H, params, eps, iters):
+    """ops.hc_read for mHC: H (..., n, D), params = [phi (nD, M), b (M,), the three alphas (0-dim), the norm's gain],
+    the norm's eps, Sinkhorn's iters -> (branch (..., D) and mixed (..., n, D) in H's dtype, H_pre, H_post (..., n),
+    H_res (..., n, n) in fp32) and what the backward keeps: the logits, m, r and rb."""
+    phi, b, a_pre, a_post, a_res, gain = params
     n = H.size(-2)
     K, M = phi.shape
     x = H.reshape(-1, K).contiguous()
@@ -67,20 +67,18 @@ def mhc_read_forward(H, phi, b, a_pre, a_post, a_res, gain, eps, iters):
     return (*outputs(h, pre, post, res, mixed=mixed, shape=H.shape), logits, m, r, rb)
 
 
-@graph_op("mhc_read_bwd", "(Tensor H, Tensor phi, Tensor b, Tensor a_pre, Tensor a_post, Tensor a_res, Tensor gain, "
-          "Tensor pre, Tensor post, Tensor res, Tensor logits, Tensor m, Tensor r, Tensor rb, Tensor? dh, Tensor? dpre, "
-          "Tensor? dpost, Tensor? dres, Tensor? dmixed, int iters) -> (Tensor, Tensor, Tensor)",
-          lambda H, phi, *_: (H.new_empty(H.shape), phi.new_empty(phi.shape),
-                              phi.new_empty(2 * pow2(phi.size(1), 16) + H.size(-1))))
-def mhc_read_backward(H, phi, b, a_pre, a_post, a_res, gain, pre, post, res, logits, m, r, rb, dh, dpre, dpost, dres,
-                      dmixed, iters):
-    """The gradients of mhc_read_forward's outputs (None where one fed nothing) -> (dH, dphi, the sums [b's M,
-    padded to MP | a_pre, a_post, a_res, padded to MP | the gain's D]): one launch where H_pre and H_res feed nothing
-    else (a model's case), else three."""
-    (K, M), n = phi.shape, H.size(-2)
+@graph_op("mhc_read_bwd", "(Tensor H, Tensor[] params, Tensor[] kept, Tensor?[] grads, int iters) -> (Tensor, "
+          "Tensor, Tensor)", lambda H, params, *_: (H.new_empty(H.shape), params[0].new_empty(params[0].shape),
+                                                    H.new_empty(2 * pow2(params[0].size(1), 16) + H.size(-1))))
+def mhc_read_backward(H, params, kept, grads, iters):
+    """The gradients (dh, dpre, dpost, dres, dmixed: None where an output fed nothing) of mhc_read_forward's outputs,
+    kept = [pre, post, res, logits, m, r, rb] -> (dH, dphi, the sums [b's M, padded to MP | a_pre, a_post, a_res,
+    padded to MP | the gain's D]): one launch where H_pre and H_res feed nothing else (a model's case), else three."""
+    (phi, b, a_pre, a_post, a_res, gain), (pre, post, res, logits, m, r, rb) = params, kept
+    (dh, dpre, dpost, dres, dmixed), (K, M), n = grads, phi.shape, H.size(-2)
     x = H.reshape(-1, K).contiguous()
     N, MP = x.size(0), pow2(M, 16)
-    sizes, grads = dict(n=n, NP=pow2(n), MP=MP), (dh, dpre, dpost, dres, dmixed)
+    sizes = dict(n=n, NP=pow2(n), MP=MP)
     pre, post, res = pre.reshape(N, n), post.reshape(N, n), res.reshape(N, n, n)
     if hcr.ONE_LAUNCH_BACKWARD and dpre is None and dres is None:   # H_pre, H_res feed nothing else: one launch
         saved = (x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb)
@@ -100,30 +98,32 @@ def mhc_read_backward(H, phi, b, a_pre, a_post, a_res, gain, pre, post, res, log
 
 
 def _mhc_setup(ctx, inputs, output):
-    H, phi, b, a_pre, a_post, a_res, gain, _, ctx.iters = inputs
+    H, params, _, ctx.iters = inputs
     _, pre, post, res, _, logits, m, r, rb = output
-    ctx.save_for_backward(H, phi, b, a_pre, a_post, a_res, gain, pre, post, res, logits, m, r, rb)
+    ctx.save_for_backward(H, *params, pre, post, res, logits, m, r, rb)
     ctx.set_materialize_grads(False)          # H_pre and H_res feed nothing but the diagnostics: None, not zeros
 
 
-def _mhc_gradients(ctx, dh, dpre, dpost, dres, dmixed, *_):
-    dH, dphi, sums = mhc_read_backward(*ctx.saved_tensors, dh, dpre, dpost, dres, dmixed, ctx.iters)
-    M, gain = dphi.size(1), ctx.saved_tensors[6]
+def _mhc_gradients(ctx, *grads):
+    H, *saved = ctx.saved_tensors
+    params, kept = saved[:6], saved[6:]
+    dH, dphi, sums = mhc_read_backward(H, params, kept, grads=list(grads[:5]), iters=ctx.iters)
+    M, gain = dphi.size(1), params[5]
     MP = pow2(M, 16)
-    return dH, dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], sums[2 * MP:].to(gain.dtype), None, None
+    return dH, [dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], sums[2 * MP:].to(gain.dtype)], None, None
 
 
 mhc_read_forward.register_autograd(_mhc_gradients, setup_context=_mhc_setup)
 
 
-@graph_op("hc_read", "(Tensor H, Tensor dynamic_alpha, Tensor dynamic_beta, Tensor static_alpha, Tensor static_beta, "
-          f"Tensor alpha_scale, Tensor beta_scale, Tensor gain, float eps) -> {READ_OUT})",
-          lambda H, A, *_: read_fake(H, H.numel() // H.size(-1), A.size(1) + 1, logits=False))
-def hc_read_forward(H, dynamic_alpha, dynamic_beta, static_alpha, static_beta, alpha_scale, beta_scale, gain, eps):
-    """ops.hc_read for HC (forward="mixed"): H (..., n, D), dynamic_alpha (D, n + 1), dynamic_beta (D,), the static
-    maps static_alpha (n, n + 1), static_beta (n), the two scales (0-dim), the norm's gain and eps -> as
-    mhc_read_forward's, without logits. The projection is per stream (rows N n, K = D) with W = [dynamic_alpha |
+@graph_op("hc_read", f"(Tensor H, Tensor[] params, float eps) -> {READ_OUT})",
+          lambda H, params, eps: read_fake(H, H.numel() // H.size(-1), params[0].size(1) + 1, logits=False))
+def hc_read_forward(H, params, eps):
+    """ops.hc_read for HC (forward="mixed"): H (..., n, D), params = [dynamic_alpha (D, n + 1), dynamic_beta (D,),
+    the static maps static_alpha (n, n + 1), static_beta (n), the two scales (0-dim), the norm's gain], the norm's
+    eps -> as mhc_read_forward's, without logits. The projection is per stream (rows N n, K = D) with W = [dynamic_alpha |
     dynamic_beta] (D, n + 2), residuals.HC.maps' W, which the kernels read from the two parameters."""
+    dynamic_alpha, dynamic_beta, static_alpha, static_beta, alpha_scale, beta_scale, gain = params
     n, D = H.shape[-2:]
     A, B, M = dynamic_alpha.contiguous(), dynamic_beta.contiguous(), dynamic_alpha.size(1) + 1
     x = H.reshape(-1, D).contiguous()                                   # (N n, D): row t n + s
@@ -145,19 +145,19 @@ def hc_read_forward(H, dynamic_alpha, dynamic_beta, static_alpha, static_beta, a
     return (*outputs(h, pre, post, res, mixed=mixed, shape=H.shape), m, r, rb)
 
 
-@graph_op("hc_read_bwd", "(Tensor H, Tensor A, Tensor B, Tensor alpha_scale, Tensor beta_scale, Tensor gain, "
-          "Tensor pre, Tensor res, Tensor m, Tensor r, Tensor rb, Tensor? dh, Tensor? dpre, Tensor? dpost, "
-          "Tensor? dres, Tensor? dmixed) -> (Tensor, Tensor, Tensor)",
-          lambda H, A, B, asc, bsc, gain, pre, *_: (H.new_empty(H.shape), A.new_empty(A.size(1) + 1, A.size(0)),
-                                                   A.new_empty(pre.size(-1) * (pre.size(-1) + 2) + 2 + H.size(-1))))
-def hc_read_backward(H, A, B, alpha_scale, beta_scale, gain, pre, res, m, r, rb, dh, dpre, dpost, dres, dmixed):
-    """The gradients of hc_read_forward's outputs (None where one fed nothing) -> (dH, dW^T (n + 2, D): one GEMM,
-    x read once; its last row dynamic_beta's gradient, the rest transposed dynamic_alpha's; the maps' sums
+@graph_op("hc_read_bwd", "(Tensor H, Tensor[] params, Tensor[] kept, Tensor?[] grads) -> (Tensor, Tensor, Tensor)",
+          lambda H, params, *_: (H.new_empty(H.shape), H.new_empty(params[0].size(1) + 1, H.size(-1)),
+                                 H.new_empty(H.size(-2) * (H.size(-2) + 2) + 2 + H.size(-1))))
+def hc_read_backward(H, params, kept, grads):
+    """The gradients (dh, dpre, dpost, dres, dmixed: None where an output fed nothing) of hc_read_forward's outputs;
+    params = [dynamic_alpha, dynamic_beta, the two scales, the gain], kept = [pre, res, m, r, rb] -> (dH, dW^T (n + 2,
+    D): one GEMM, x read once; its last row dynamic_beta's gradient, the rest transposed dynamic_alpha's; the sums
     [static_alpha | static_beta | the scales | the gain's D]): one launch where H_pre and H_res feed nothing else."""
-    n, D = H.shape[-2:]
+    (A, B, alpha_scale, beta_scale, gain), (pre, res, m, r, rb) = [p.contiguous() for p in params], kept
+    (dh, dpre, dpost, dres, dmixed), (n, D) = grads, H.shape[-2:]
     x = H.reshape(-1, D).contiguous()
     pre, res = pre.reshape(-1, n), res.reshape(-1, n, n)
-    saved, grads = (x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb), (dh, dpre, dpost, dres, dmixed)
+    saved = (x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
     if hcr.ONE_LAUNCH_BACKWARD and dpre is None and dres is None:   # H_pre, H_res feed nothing else: one launch
         dH, sums, rg = hc_backward(x, saved, grads)
     else:
@@ -184,17 +184,18 @@ def three_kernels(saved, grads):
 
 
 def _hc_setup(ctx, inputs, output):
-    H, A, B, _, _, alpha_scale, beta_scale, gain, _ = inputs
+    H, (A, B, _, _, alpha_scale, beta_scale, gain), _ = inputs
     _, pre, _, res, _, m, r, rb = output
     ctx.save_for_backward(H, A, B, alpha_scale, beta_scale, gain, pre, res, m, r, rb)
     ctx.set_materialize_grads(False)
 
 
-def _hc_gradients(ctx, dh, dpre, dpost, dres, dmixed, *_):
-    dH, dWt, sums = hc_read_backward(*ctx.saved_tensors, dh, dpre, dpost, dres, dmixed)
-    n, gain = dWt.size(0) - 2, ctx.saved_tensors[5]
-    return (dH, dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)],
-            sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[n * (n + 2) + 2:].to(gain.dtype), None)
+def _hc_gradients(ctx, *grads):
+    H, *saved = ctx.saved_tensors
+    dH, dWt, sums = hc_read_backward(H, params=saved[:5], kept=saved[5:], grads=list(grads[:5]))
+    n, gain = dWt.size(0) - 2, saved[4]
+    return dH, [dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)],
+                sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[n * (n + 2) + 2:].to(gain.dtype)], None
 
 
 hc_read_forward.register_autograd(_hc_gradients, setup_context=_hc_setup)
@@ -202,15 +203,18 @@ hc_read_forward.register_autograd(_hc_gradients, setup_context=_hc_setup)
 
 def hc_read(design, H, site):
     """ops.hc_read: mHC's and HC's read (maps, width connection, the branch's norm) as two kernels forward and three
-    backward, one in a model (mhc_read_forward, hc_read_forward: ops), with no checkpoint: autograd keeps the streams and a few floats per
-    token (the maps, the norms' rsqrt), and the backward recomputes the branch from the streams. Any other design's
+    backward, one in a model (mhc_read_forward, hc_read_forward: ops), with no checkpoint: autograd keeps the
+    streams and a few floats per token (the maps, the norms' rsqrt), and the backward recomputes the branch from the
+    streams. Any other design's
     (or off the kernels' devices) is ops.hc_read, through the design's bodies."""
     if not fused(design, H, site):
         return ops.hc_read(design, H, site)
-    c, norm = site.conn, (site.norm.weight, site.norm.eps)
+    c, gain, eps = site.conn, site.norm.weight, site.norm.eps
     if type(design).__name__ == "MHC":
-        outs = mhc_read_forward(H, c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, *norm, design.sinkhorn_iters)
-    else:
-        outs = hc_read_forward(H, c.dynamic_alpha, c.dynamic_beta, c.static_alpha, c.static_beta, c.alpha_scale,
-                               c.beta_scale, *norm)
-    return outs[:5]
+        params = [c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, gain]
+        return mhc_read_forward(H, params, eps, design.sinkhorn_iters)[:5]
+    params = [c.dynamic_alpha, c.dynamic_beta, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale, gain]
+    return hc_read_forward(H, params, eps)[:5]
+
+
+BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
