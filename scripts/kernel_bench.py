@@ -175,6 +175,7 @@ def bench(design, args, device, c, peak):
     import torch
     from depthbench.kernels import triton_hc as hc
     from depthbench.kernels import triton_hc_read as hcr
+    from depthbench.kernels import triton_hc_read_ops as hcro
     import profile_gpu
     import roofline
     model = model_rows(hc, design, args, device)
@@ -183,7 +184,7 @@ def bench(design, args, device, c, peak):
         hcr.ONE_LAUNCH_BACKWARD = name != "read_backward_three_kernels"
         hcr.ONE_LAUNCH_FORWARD = name != "read_forward_two_kernels"
         try:
-            with Recorder([hcr, hc], LAUNCHED) as rec:
+            with Recorder([hcr, hcro, hc], LAUNCHED) as rec:   # hcro launches the kernels it imported
                 grads[name] = fn()
             if device == "cuda":
                 torch.cuda.synchronize()
