@@ -3,9 +3,10 @@ depthbench/kernels: the fast bodies of ops.py's maths, one file per device and d
 family's fast bodies, the "fast" namespace; they run on any device), triton_attnres.py (Full and Block AttnRes'
 depth mix as Triton kernels; triton_attnres_chunk.py, its two-phase mix, serves a chunk of consumers at once: the
 file's 700 lines were full), triton_hc.py (HC's and mHC's maps, Sinkhorn and both mixes), triton_hc_read.py (HC's and
-mHC's whole read fused, ops.hc_read: the maps, the width mix and the branch's norm) and triton_moda.py (MoDA's joint
-attention: the depth half and the merge as Triton kernels, the sequence half PyTorch's fused kernel). A new body goes
-into the file of its device and family: cpu.py, or triton_<family>.py.
+mHC's whole read fused, ops.hc_read: the maps, the width mix and the branch's norm; triton_hc_read_ops.py, the same
+as ops) and triton_moda.py (MoDA's joint attention: the depth half and the merge as Triton kernels, the sequence half
+PyTorch's fused kernel). graph_ops.py makes a body's launches torch.library ops, which a compiled graph holds (IN_GRAPH
+below). A new body goes into the file of its device and family: cpu.py, or triton_<family>.py.
 
 ops.py imports none of them (they import ops.py): importing this package registers them with ops.register, and
 model.py and residuals.py import it, so every model built has them. `ops.namespace("fast")` is cpu.py's bodies,
