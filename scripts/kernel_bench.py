@@ -129,6 +129,7 @@ def sublayer(design, args, device):
     (zero-initialised maps would hide a difference between two backwards)."""
     import torch
     from depthbench.kernels import triton_hc_read as hcr
+    from depthbench.kernels import triton_hc_read_ops as hcro
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     D, n = args.d_model, args.streams
@@ -158,7 +159,7 @@ def passes(design, args, device):
     res, site, params, H, y, g = sub.res, sub.site, sub.params, sub.H, sub.y, sub.generator
     autocast = torch.autocast(device, dtype=torch.bfloat16)
     with autocast:
-        outs = hcr.hc_read(res, H, site)
+        outs = hcro.hc_read(res, H, site)
     used = [outs[0], outs[2], outs[4]]                                   # h, H_post, mixed: a model's
     ups = [torch.randn(o.shape, device=device, generator=g).to(o.dtype) for o in used]
     with autocast:
@@ -168,7 +169,7 @@ def passes(design, args, device):
 
     def read_forward():
         with autocast:
-            hcr.hc_read(res, H, site)
+            hcro.hc_read(res, H, site)
 
     def read_backward():
         return torch.autograd.grad(used, [H] + params, ups, retain_graph=True)

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 import ops
+from depthbench.kernels import graph_ops
 from model import GPT, GPTConfig
 from test_all import assert_step_equal_to_bf16, cosine, loss_and_grads
 
@@ -63,6 +64,7 @@ def interpreted_hc():
 
 hc = interpreted_hc()
 hcr = importlib.import_module("depthbench.kernels.triton_hc_read")    # mHC's fused read, on hc's kernels
+hcro = importlib.import_module("depthbench.kernels.triton_hc_read_ops")   # ... as ops, launching hcr's kernels
 
 
 def rel_err(a, b):
@@ -201,7 +203,7 @@ def with_triton_bodies(model):
     bodies.name = f"{bodies.name}+triton-hc"
     for name in hc.NAMES:
         setattr(bodies, name, getattr(hc, name))
-    bodies.hc_read = hcr.hc_read
+    bodies.hc_read = hcro.hc_read
     model.res.ops = bodies
     return model
 
@@ -283,7 +285,7 @@ def read_both_ways(model, H, dtype, seed=0, used=(0, 1, 2, 3, 4)):
     the outputs `used` (h, H_pre, H_post, H_res, mixed: all; a model uses h, H_post and mixed alone)."""
     res, site = model.res, model.res.site(1)
     results = []
-    for read in (ops.hc_read, hcr.hc_read):
+    for read in (ops.hc_read, hcro.hc_read):
         leaf = H.to(dtype).requires_grad_()
         params = list(site.conn.parameters()) + [site.norm.weight]
         outs = read(res, leaf, site)
@@ -352,13 +354,17 @@ def test_read_forward_in_one_launch_equals_two(design, n, kernels, monkeypatch):
     site.norm.eps = 0.25                                     # the branch norm's eps, unlike the maps' (1e-6, 1e-8)
     runs, launched = {}, []
     for name in ("_mhc_fwd", "_hc_fwd", "_mhc_read_fwd", "_hc_read_fwd", "_width_norm_fwd"):
-        monkeypatch.setattr(hcr, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(hcr, name),
-                                                           nm=name: (launched.append(nm), k[grid])[1]})())
+        launch = type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(hcr, name), nm=name:
+                                     (launched.append(nm), k[grid])[1]})()
+        for module in (hcr, hcro):                         # the ops' module launches the kernels it imported
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, launch)
     for one in (True, False):
         monkeypatch.setattr(hcr, "ONE_LAUNCH_FORWARD", one)
         with monkeypatch.context() as patch:
             patch.setattr(hcr, "torch", Poisoned())
-            runs[one] = ([o.detach() for o in hcr.hc_read(model.res, H, site)], list(launched))
+            patch.setattr(hcro, "torch", Poisoned())
+            runs[one] = ([o.detach() for o in hcro.hc_read(model.res, H, site)], list(launched))
         launched.clear()
     assert runs[True][1] == kernels and runs[False][1] == [f"_{design}_read_fwd", "_width_norm_fwd"]
     assert all(torch.equal(a, b) and not a.isnan().any() for a, b in zip(runs[True][0], runs[False][0]))
@@ -593,10 +599,15 @@ class Launches(torch.utils._python_dispatch.TorchDispatchMode):
         self.ops, self.kernels, self.inside = [], [], False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "depthbench":     # a Triton body as an op (graph_ops.py): record what runs inside it
+            with self:
+                return graph_ops.host_function(func)(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if not self.inside and func.overloadpacket.__name__ not in self.FREE:
+        name = func.overloadpacket.__name__
+        free = name in self.FREE or name == "to" and out is args[0]      # a `.to` that is no copy: no launch
+        if not self.inside and not free:
             tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            self.ops.append((func.overloadpacket.__name__, [tuple(t.shape) for t in tensors],
+            self.ops.append((name, [tuple(t.shape) for t in tensors],
                              sum(t.numel() * t.element_size() for t in tensors)))
         return out
 
@@ -626,8 +637,10 @@ def path_launches(design, N, recompute, monkeypatch, n=4, D=32, dtype=torch.floa
         patch.setattr(hc, "interpreted", lambda: True)        # it looks at a kernel's type, wrapped below
         for name in KERNEL_OF.values():
             module = hcr if name.startswith(("_mhc_", "_hc_", "_width_norm")) else hc
-            patch.setattr(module, name, type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
-                                                            nm=name: rec.launcher(nm, k[grid])})())
+            launch = type("Launch", (), {"__getitem__": lambda self, grid, k=getattr(module, name),
+                                         nm=name: rec.launcher(nm, k[grid])})()
+            for where in [module] + [hcro] * hasattr(hcro, name):    # the ops' module launches what it imported
+                patch.setattr(where, name, launch)
         with rec, autocast:
             h, ctx = res.read(H, site)
             out = res.write(H, site, h, ctx)                         # the branch output y = h: no sublayer between

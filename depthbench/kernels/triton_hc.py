@@ -37,20 +37,14 @@ The kernels (N tokens, n streams of width D; one program per token or per block 
 
 A model with these bodies is kernels "reference"'s (test_model_with_triton_bodies); every kernel compiles for sm_90
 without a GPU (test_every_kernel_compiles_for_the_h100_and_h200); `traffic`: bytes and launches (scripts/roofline.py).
-
-Why the mixes stay split as ops.py splits them (width: pre and res mixes in one pass; depth: the post add), rather
-than one fused write h'_o = sum_s res[o, s] h_s + post[o] y: with S the bytes of the n streams, the split moves 4S
-forward (read H, write mixed; read mixed, write h') and 4S backward (read dout; read H and dmixed = dout, write dH),
-8S a sublayer. A fused write saves the forward's mixed (3S), but its backward must produce dH before the sublayer's
-backward has produced dbranch, so the pre-mix's share of dH comes from a second node and autograd adds the two
-(read 2S, write S): 8S backward, 11S in all. Only a write whose backward hands dout on as the pre-mix's dmixed
-(7S) would beat the split, which needs residuals.py's read/write to pass H and H_res to the write instead of mixed.
+Why the mixes stay split, not one fused write: docs/speed.md#kernels. depth_connection's launches are ops (graph_ops).
 """
 from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: this module imports without triton
 
 import torch
 
 from depthbench.kernels import cpu as cpu_bodies
+from depthbench.kernels.graph_ops import graph_op, keep
 from ops import fp32_maths
 
 try:
@@ -459,35 +453,40 @@ def storage_dtype(streams):
     return streams.dtype
 
 
-class DepthConnection(torch.autograd.Function):
-    """ops.depth_connection: mixed (..., n, D), post (..., n), y (..., D) -> mixed + post (x) y, in mixed's dtype, or
-    bf16 under bf16 autocast (`storage_dtype`) (`_depth_fwd`, `_depth_bwd`)."""
+@graph_op("hc_depth", "(Tensor mixed, Tensor post, Tensor y, ScalarType dtype) -> Tensor",
+          lambda mixed, post, y, dtype: mixed.new_empty(mixed.shape, dtype=dtype))
+def depth_forward(mixed, post, y, dtype):
+    """ops.depth_connection: mixed (..., n, D), post (..., n), y (..., D) -> mixed + post (x) y in dtype."""
+    N, sizes = stream_sizes(mixed)
+    postc, yc = post.contiguous(), y.contiguous()
+    out = torch.empty(mixed.shape, device=mixed.device, dtype=dtype)
+    _depth_fwd[(N,)](Mixed=mixed.contiguous(), Post=postc, Y=yc, Out=out, **sizes)
+    return out
 
-    @staticmethod
-    def forward(ctx, mixed, post, y):
-        N, sizes = stream_sizes(mixed)
-        postc, yc = post.contiguous(), y.contiguous()
-        out = torch.empty(mixed.shape, device=mixed.device, dtype=storage_dtype(mixed))
-        _depth_fwd[(N,)](Mixed=mixed.contiguous(), Post=postc, Y=yc, Out=out, **sizes)
-        ctx.save_for_backward(postc, yc)
-        ctx.N, ctx.sizes, ctx.dtypes = N, sizes, (mixed.dtype, post.dtype)
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        postc, yc = ctx.saved_tensors
-        dout = dout.contiguous()
-        dpost = torch.empty(postc.shape, device=dout.device, dtype=torch.float32)
-        dy = torch.empty_like(yc)
-        _depth_bwd[(ctx.N,)](DOut=dout, Post=postc, Y=yc, DPost=dpost, DY=dy, **ctx.sizes)
-        return dout.to(ctx.dtypes[0]), dpost.to(ctx.dtypes[1]), dy
+@graph_op("hc_depth_bwd", "(Tensor dout, Tensor post, Tensor y) -> (Tensor, Tensor)",
+          lambda dout, post, y: (post.new_empty(post.shape, dtype=torch.float32), y.new_empty(y.shape)))
+def depth_backward(dout, post, y):                       # `_depth_bwd` -> (dpost fp32, dy); dmixed = dout, no kernel
+    (N, sizes), postc, yc, dout = stream_sizes(dout), post.contiguous(), y.contiguous(), dout.contiguous()
+    dpost, dy = torch.empty(postc.shape, device=dout.device, dtype=torch.float32), torch.empty_like(yc)
+    _depth_bwd[(N,)](DOut=dout, Post=postc, Y=yc, DPost=dpost, DY=dy, **sizes)
+    return dpost, dy
+
+
+def _depth_gradients(ctx, dout):
+    dpost, dy = depth_backward(dout, *ctx.saved_tensors)
+    return dout.to(ctx.dtypes[0]), dpost.to(ctx.dtypes[1]), dy, None
+
+
+depth_forward.register_autograd(_depth_gradients, setup_context=lambda ctx, inputs, output: keep(
+    ctx, inputs[1:3], dtypes=(inputs[0].dtype, inputs[1].dtype)))          # post and y; mixed's and post's dtypes
 
 
 def depth_connection(mixed, post, y):
-    """HC's depth connection, ops.depth_connection, as one pass over the streams (DepthConnection)."""
+    """HC's depth connection, ops.depth_connection, as one pass over the streams (`depth_forward`, in storage_dtype)."""
     if not runs_here(mixed):
         return cpu_bodies.depth_connection(mixed, post, y)
-    return DepthConnection.apply(mixed, post, y)
+    return depth_forward(mixed, post, y, storage_dtype(mixed))
 
 
 # ----------------------------------------------------------------------------- traffic, for the roofline estimate

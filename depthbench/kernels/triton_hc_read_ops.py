@@ -1,0 +1,220 @@
+"""
+depthbench/kernels/triton_hc_read_ops.py: HC's and mHC's fused read (triton_hc_read.py's kernels) as torch.library
+ops (graph_ops.py), so that a compiled block holds its read in its graph: `mhc_read_forward` / `hc_read_forward` (the
+maps, the width connection and the branch's norm: one launch, or two) and their backward ops (one launch where H_pre
+and H_res feed nothing else, a model's case; else three), joined by `register_autograd`. What the backward needs
+beyond the inputs (the logits, m, r, rb) leaves the forward op as outputs, so no Python state spans the two. `hc_read`
+is ops.hc_read's body (BODIES). The file's 700 lines were full: the kernels and their launch helpers
+stay in triton_hc_read.py.
+"""
+import torch
+
+import ops
+from depthbench.kernels import triton_hc as hc
+from depthbench.kernels import triton_hc_read as hcr
+from depthbench.kernels.graph_ops import graph_op
+from depthbench.kernels.triton_hc import BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, pow2
+from depthbench.kernels.triton_hc_read import (EPS, HC_EPS, _hc_fwd, _hc_read_bwd, _hc_read_fwd, _mhc_fwd,
+                                               _mhc_read_bwd, _mhc_read_fwd, fused, hc_backward, mhc_backward,
+                                               projection_backward, weight_gradient, width_backward, width_forward,
+                                               width_outputs)
+
+
+def outputs(branch, pre, post, res, mixed, shape):
+    """The Functions' outputs in the streams' shape (..., n, D): branch (..., D), H_pre, H_post, H_res, mixed."""
+    lead, (n, D) = shape[:-2], shape[-2:]
+    return (branch.view(*lead, D), pre.view(*lead, n), post.view(*lead, n), res.view(*lead, n, n), mixed.view(shape))
+
+
+def read_fake(H, rows, M, logits=True):
+    """The read ops' outputs, empty: h, H_pre, H_post, H_res, mixed (`outputs`), then (mHC) the logits (N, n, n), m
+    (rows, M), r (rows,) and rb (N,) for the backward; all fp32 but h and mixed (H's dtype)."""
+    (n, D), lead = H.shape[-2:], H.shape[:-2]
+    N, f32 = H.numel() // (n * D), dict(dtype=torch.float32)
+    coefficients = (H.new_empty(*lead, n, **f32), H.new_empty(*lead, n, **f32), H.new_empty(*lead, n, n, **f32))
+    kept = (H.new_empty(rows, M, **f32), H.new_empty(rows, **f32), H.new_empty(N, **f32))
+    first = (H.new_empty(N, n, n, **f32),) if logits else ()
+    return (H.new_empty(*lead, D), *coefficients, H.new_empty(H.shape), *first, *kept)
+
+
+READ_OUT = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor" # h, pre, post, res, mixed, kept
+
+
+@graph_op("mhc_read", f"(Tensor H, Tensor[] params, float eps, int iters) -> {READ_OUT}, Tensor)",
+          lambda H, params, *_: read_fake(H, H.numel() // params[0].size(0), params[0].size(1)))
+def mhc_read_forward(H, params, eps, iters):
+    """ops.hc_read for mHC: H (..., n, D), params = [phi (nD, M), b (M,), the three alphas (0-dim), the norm's gain],
+    the norm's eps, Sinkhorn's iters -> (branch (..., D) and mixed (..., n, D) in H's dtype, H_pre, H_post (..., n),
+    H_res (..., n, n) in fp32) and what the backward keeps: the logits, m, r and rb."""
+    phi, b, a_pre, a_post, a_res, gain = params
+    n = H.size(-2)
+    K, M = phi.shape
+    x = H.reshape(-1, K).contiguous()
+    N = x.size(0)
+    f32 = dict(device=H.device, dtype=torch.float32)
+    pre, post, logits, res = (torch.empty(N, *shape, **f32) for shape in ((n,), (n,), (n, n), (n, n)))
+    m, r = torch.empty(N, M, **f32), torch.empty(N, **f32)
+    sizes = dict(n=n, NP=pow2(n), MP=pow2(M, 16))
+    maps = dict(X=x, W=phi, B=b, Ap=a_pre, Aq=a_post, Ar=a_res, Pre=pre, Post=post, Logits=logits, Res=res, Mo=m,
+                R=r, N=N, K=K, M=M, iters=iters, eps=EPS, BN=BLOCK_ROWS, BK=BLOCK_K, **sizes)
+    if hcr.ONE_LAUNCH_FORWARD:                                  # the maps, then the width connection and the norm
+        h, mixed, rb = width_outputs(x, n)
+        _mhc_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](Wn=gain, Out=h, Mixed=mixed, Rb=rb, D=K // n, eps_norm=eps,
+                                                   BD=pow2(K // n), **maps)
+    else:
+        _mhc_read_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](**maps)
+        h, mixed, rb = width_forward(x, pre, res, (gain, eps))
+    return (*outputs(h, pre, post, res, mixed=mixed, shape=H.shape), logits, m, r, rb)
+
+
+@graph_op("mhc_read_bwd", "(Tensor H, Tensor[] params, Tensor[] kept, Tensor?[] grads, int iters) -> (Tensor, "
+          "Tensor, Tensor)", lambda H, params, *_: (H.new_empty(H.shape), params[0].new_empty(params[0].shape),
+                                                    H.new_empty(2 * pow2(params[0].size(1), 16) + H.size(-1))))
+def mhc_read_backward(H, params, kept, grads, iters):
+    """The gradients (dh, dpre, dpost, dres, dmixed: None where an output fed nothing) of mhc_read_forward's outputs,
+    kept = [pre, post, res, logits, m, r, rb] -> (dH, dphi, the sums [b's M, padded to MP | a_pre, a_post, a_res,
+    padded to MP | the gain's D]): one launch where H_pre and H_res feed nothing else (a model's case), else three."""
+    (phi, b, a_pre, a_post, a_res, gain), (pre, post, res, logits, m, r, rb) = params, kept
+    (dh, dpre, dpost, dres, dmixed), (K, M), n = grads, phi.shape, H.size(-2)
+    x = H.reshape(-1, K).contiguous()
+    N, MP = x.size(0), pow2(M, 16)
+    sizes = dict(n=n, NP=pow2(n), MP=MP)
+    pre, post, res = pre.reshape(N, n), post.reshape(N, n), res.reshape(N, n, n)
+    if hcr.ONE_LAUNCH_BACKWARD and dpre is None and dres is None:   # H_pre, H_res feed nothing else: one launch
+        saved = (x, phi, b, a_pre, a_post, a_res, pre, post, logits, res, m, r, gain, rb)
+        dH, sums, rg = mhc_backward(x, saved, grads, iters=iters, sizes=sizes)
+        return dH.view(H.shape), weight_gradient(x, rg, phi), sums
+    dH, dpre, dpost, dres, dgain = width_backward(x, (pre, res, gain, rb), grads)
+    blocks = hc.triton.cdiv(N, BLOCK_TOKENS)
+    g, dl, rg = torch.empty_like(m), torch.empty_like(logits), torch.empty(m.shape, device=x.device, dtype=x.dtype)
+    part = torch.empty(blocks, 2 * MP, device=x.device, dtype=torch.float32)
+    scratch = torch.empty(N, 2 * iters - 1, sizes["NP"], device=x.device, dtype=torch.float32)
+    _mhc_read_bwd[(blocks,)](Logits=logits, DRes=dres, DL=dl, Scratch=scratch, Pre=pre, Post=post, DPre=dpre,
+                             DPost=dpost, Mo=m, R=r, Ap=a_pre, Aq=a_post, Ar=a_res, G=g, RG=rg, Part=part, N=N,
+                             M=M,
+                             iters=iters, eps=EPS, BT=BLOCK_TOKENS, **sizes)
+    projection_backward(x, phi, g, m, r=r, dH=dH)
+    return dH.view(H.shape), weight_gradient(x, rg, phi), torch.cat([part.sum(0), dgain.float()])
+
+
+def _mhc_setup(ctx, inputs, output):
+    H, params, _, ctx.iters = inputs
+    _, pre, post, res, _, logits, m, r, rb = output
+    ctx.save_for_backward(H, *params, pre, post, res, logits, m, r, rb)
+    ctx.set_materialize_grads(False)          # H_pre and H_res feed nothing but the diagnostics: None, not zeros
+
+
+def _mhc_gradients(ctx, *grads):
+    H, *saved = ctx.saved_tensors
+    params, kept = saved[:6], saved[6:]
+    dH, dphi, sums = mhc_read_backward(H, params, kept, grads=list(grads[:5]), iters=ctx.iters)
+    M, gain = dphi.size(1), params[5]
+    MP = pow2(M, 16)
+    return dH, [dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], sums[2 * MP:].to(gain.dtype)], None, None
+
+
+mhc_read_forward.register_autograd(_mhc_gradients, setup_context=_mhc_setup)
+
+
+@graph_op("hc_read", f"(Tensor H, Tensor[] params, float eps) -> {READ_OUT})",
+          lambda H, params, eps: read_fake(H, H.numel() // H.size(-1), params[0].size(1) + 1, logits=False))
+def hc_read_forward(H, params, eps):
+    """ops.hc_read for HC (forward="mixed"): H (..., n, D), params = [dynamic_alpha (D, n + 1), dynamic_beta (D,),
+    the static maps static_alpha (n, n + 1), static_beta (n), the two scales (0-dim), the norm's gain], the norm's
+    eps -> as mhc_read_forward's, without logits. The projection is per stream (rows N n, K = D) with W = [dynamic_alpha |
+    dynamic_beta] (D, n + 2), residuals.HC.maps' W, which the kernels read from the two parameters."""
+    dynamic_alpha, dynamic_beta, static_alpha, static_beta, alpha_scale, beta_scale, gain = params
+    n, D = H.shape[-2:]
+    A, B, M = dynamic_alpha.contiguous(), dynamic_beta.contiguous(), dynamic_alpha.size(1) + 1
+    x = H.reshape(-1, D).contiguous()                                   # (N n, D): row t n + s
+    rows = x.size(0)
+    f32 = dict(device=H.device, dtype=torch.float32)
+    pre, post, res = torch.empty(rows // n, n, **f32), torch.empty(rows // n, n, **f32), \
+        torch.empty(rows // n, n, n, **f32)
+    m, r = torch.empty(rows, M, **f32), torch.empty(rows, **f32)
+    maps = dict(X=x, A=A, B=B, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre,
+                Post=post, Res=res, Mo=m, R=r, NR=rows, K=D, M=M, eps=HC_EPS, n=n, BN=BLOCK_ROWS, BK=BLOCK_K,
+                MP=pow2(M, 16))
+    if hcr.ONE_LAUNCH_FORWARD and BLOCK_ROWS % n == 0:          # a program's rows are whole tokens
+        h, mixed, rb = width_outputs(x.view(rows // n, n * D), n)
+        _hc_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](Wn=gain, Out=h, Mixed=mixed, Rb=rb, eps_norm=eps, NP=pow2(n),
+                                                     BD=pow2(D), **maps)
+    else:
+        _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](**maps)
+        h, mixed, rb = width_forward(x.view(rows // n, n * D), pre, res, (gain, eps))
+    return (*outputs(h, pre, post, res, mixed=mixed, shape=H.shape), m, r, rb)
+
+
+@graph_op("hc_read_bwd", "(Tensor H, Tensor[] params, Tensor[] kept, Tensor?[] grads) -> (Tensor, Tensor, Tensor)",
+          lambda H, params, *_: (H.new_empty(H.shape), H.new_empty(params[0].size(1) + 1, H.size(-1)),
+                                 H.new_empty(H.size(-2) * (H.size(-2) + 2) + 2 + H.size(-1))))
+def hc_read_backward(H, params, kept, grads):
+    """The gradients (dh, dpre, dpost, dres, dmixed: None where an output fed nothing) of hc_read_forward's outputs;
+    params = [dynamic_alpha, dynamic_beta, the two scales, the gain], kept = [pre, res, m, r, rb] -> (dH, dW^T (n + 2,
+    D): one GEMM, x read once; its last row dynamic_beta's gradient, the rest transposed dynamic_alpha's; the sums
+    [static_alpha | static_beta | the scales | the gain's D]): one launch where H_pre and H_res feed nothing else."""
+    (A, B, alpha_scale, beta_scale, gain), (pre, res, m, r, rb) = [p.contiguous() for p in params], kept
+    (dh, dpre, dpost, dres, dmixed), (n, D) = grads, H.shape[-2:]
+    x = H.reshape(-1, D).contiguous()
+    pre, res = pre.reshape(-1, n), res.reshape(-1, n, n)
+    saved = (x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
+    if hcr.ONE_LAUNCH_BACKWARD and dpre is None and dres is None:   # H_pre, H_res feed nothing else: one launch
+        dH, sums, rg = hc_backward(x, saved, grads)
+    else:
+        dH, sums, rg, dgain = three_kernels(saved, grads)
+        sums = torch.cat([sums, dgain.float()])
+    return dH.view(H.shape), weight_gradient(x, rg, A, transposed=True), sums
+
+
+def three_kernels(saved, grads):
+    """HC's read backward where H_pre or H_res has another use (diagnostics): _width_norm_bwd (and the other uses'
+    gradients added), _hc_read_bwd, _proj_bwd -> (dH, the maps' sums, r dm, the gain's gradient)."""
+    x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb = saved
+    W = torch.cat([A, B[:, None]], 1)                     # _proj_bwd's one W (D, n + 2): this path alone
+    (rows, D), M, n = x.shape, W.size(1), pre.size(1)
+    dH, dpre, dpost, dres, dgain = width_backward(x.view(rows // n, n * D), (pre, res, gain, rb), grads)
+    blocks = hc.triton.cdiv(rows, BLOCK_ROWS)
+    g, rg = torch.empty_like(m), torch.empty(m.shape, device=x.device, dtype=x.dtype)
+    part = torch.empty(blocks, n * n + 2 * n + 2, device=x.device, dtype=torch.float32)
+    _hc_read_bwd[(blocks,)](DPre=dpre, DPost=dpost, DRes=dres, Mo=m, R=r, Asc=alpha_scale, Bsc=beta_scale, G=g,
+                            RG=rg, Part=part, NR=rows, M=M, n=n, BN=BLOCK_ROWS, MP=pow2(M, 16))
+    sums = part.sum(0)                                   # [static_alpha | static_beta | the scales], contiguous
+    projection_backward(x, W, g, m, r=r, dH=dH.view(rows, D))
+    return dH.view(rows, D), sums, rg, dgain
+
+
+def _hc_setup(ctx, inputs, output):
+    H, (A, B, _, _, alpha_scale, beta_scale, gain), _ = inputs
+    _, pre, _, res, _, m, r, rb = output
+    ctx.save_for_backward(H, A, B, alpha_scale, beta_scale, gain, pre, res, m, r, rb)
+    ctx.set_materialize_grads(False)
+
+
+def _hc_gradients(ctx, *grads):
+    H, *saved = ctx.saved_tensors
+    dH, dWt, sums = hc_read_backward(H, params=saved[:5], kept=saved[5:], grads=list(grads[:5]))
+    n, gain = dWt.size(0) - 2, saved[4]
+    return dH, [dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)],
+                sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[n * (n + 2) + 2:].to(gain.dtype)], None
+
+
+hc_read_forward.register_autograd(_hc_gradients, setup_context=_hc_setup)
+
+
+def hc_read(design, H, site):
+    """ops.hc_read: mHC's and HC's read (maps, width connection, the branch's norm) as two kernels forward and three
+    backward, one in a model (mhc_read_forward, hc_read_forward: ops), with no checkpoint: autograd keeps the
+    streams and a few floats per token (the maps, the norms' rsqrt), and the backward recomputes the branch from the
+    streams. Any other design's
+    (or off the kernels' devices) is ops.hc_read, through the design's bodies."""
+    if not fused(design, H, site):
+        return ops.hc_read(design, H, site)
+    c, gain, eps = site.conn, site.norm.weight, site.norm.eps
+    if type(design).__name__ == "MHC":
+        params = [c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, gain]
+        return mhc_read_forward(H, params, eps, design.sinkhorn_iters)[:5]
+    params = [c.dynamic_alpha, c.dynamic_beta, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale, gain]
+    return hc_read_forward(H, params, eps)[:5]
+
+
+BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
