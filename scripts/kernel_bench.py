@@ -129,7 +129,6 @@ def sublayer(design, args, device):
     (zero-initialised maps would hide a difference between two backwards)."""
     import torch
     from depthbench.kernels import triton_hc_read as hcr
-    from depthbench.kernels import triton_hc_read_ops as hcro
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     D, n = args.d_model, args.streams
@@ -154,7 +153,7 @@ def passes(design, args, device):
     the gradients)}."""
     import torch
     from depthbench.kernels import triton_hc as hc
-    from depthbench.kernels import triton_hc_read as hcr
+    from depthbench.kernels import triton_hc_read_ops as hcro
     sub = sublayer(design, args, device)
     res, site, params, H, y, g = sub.res, sub.site, sub.params, sub.H, sub.y, sub.generator
     autocast = torch.autocast(device, dtype=torch.bfloat16)
