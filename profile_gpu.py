@@ -461,11 +461,13 @@ def parse_shapes(p, args):
                 p.error(f"--shapes: {text!r} is not a shape LxD like 16x1216")
         return [(int(m[1]), int(m[2])) for m in dims]
     try:
-        budget, ars = shapes.parse_count(args.params or "405M"), comma_list(positive(float))(args.ar or PAPER_AR)
+        budget = shapes.parse_count(args.params or "405M")  # a count from 1 to shapes.MAX_PARAMS
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        ars = comma_list(positive(float))(args.ar or PAPER_AR)
     except ValueError:
-        p.error(f"--params {args.params!r} / --ar {args.ar!r}: expected a count like 405M and numbers like 76,9.1")
-    if budget <= 0:
-        p.error("--params must be positive")
+        p.error(f"--ar {args.ar!r}: expected positive numbers like 76,9.1")
     try:
         return [(s["n_layer"], s["d_model"]) for s in (shapes.solve(budget, ar=ar, vocab=args.vocab) for ar in ars)]
     except ValueError as e:
@@ -539,6 +541,8 @@ def checked_args(p, args):
             p.error(f"d={d} must split into {args.heads} heads of an even head_dim (RoPE rotates pairs)")
         if L > shapes.MAX_LAYERS:
             p.error(f"L={L:,}: more than the {shapes.MAX_LAYERS} blocks this code builds a model of")
+        if d > shapes.MAX_PARAMS or shapes.preln_params(L, d, shapes.ffn_dim(d), vocab=args.vocab) > shapes.MAX_PARAMS:
+            p.error(f"{L}x{d}: more than the {shapes.MAX_PARAMS:,} parameters (1T) a budget may have (shapes.py)")
     try:
         dev = torch.device(pick_device(args.device))
     except ValueError as e:

@@ -108,7 +108,7 @@ CASES = [
     ("diagnose.py", "--causal-threshold nan", [*INIT, "--causal-threshold", "nan"], {}, 2, "--causal-threshold"),
     ("diagnose.py", "an unknown zero-shot task in --tasks", [*INIT, "--metrics", "zeroshot", "--tasks", "piqa,mmlu"], {},
      2, "--tasks: choose from openbookqa, winogrande"),
-    ("profile_gpu.py", "--ar nan", ["--analytic-only", "--ar", "nan"], {}, 2, "expected a count like 405M"),
+    ("profile_gpu.py", "--ar nan", ["--analytic-only", "--ar", "nan"], {}, 2, "--ar 'nan': expected positive numbers"),
     ("shapes.py", "--ar inf", ["--ar", "inf"], {}, 2, "argument --ar: invalid"),
     ("train.py", "--max-gap 100000 (no answer fits a sequence)", [*TRAIN, "--max-gap", "100000"], {}, 2,
      "a sequence could hold no answer"),
@@ -143,7 +143,7 @@ CASES = [
     ("train.py", "--seq-len 100000000", [*TRAIN, "--seq-len", "100000000"], {}, 2, "needs at least"),
     ("profile_gpu.py", "10^8 layers, --analytic-only", ["--analytic-only", "--shapes", "100000000x64"], {}, 2,
      "more than the 1024 blocks"),
-    ("shapes.py", "10^5 layers of 10^15 parameters", ["--params", "1e15", "--layers", "100000"], {}, 2,
+    ("shapes.py", "10^5 layers of 10^11 parameters", ["--params", "1e11", "--layers", "100000"], {}, 2,
      "more than the 1024 blocks"),
     ("mini.py", "an empty item in --ar", ["--ar", "92,,9.1", "--out", "{tmp}/m"], {}, 2, "argument --ar: invalid"),
     ("mini.py", "a trailing comma in --designs", ["--designs", "preln,", "--out", "{tmp}/m"], {}, 2,
@@ -596,7 +596,7 @@ def test_mini_redoes_a_corrupt_diagnosis(tmp_path, monkeypatch):
     (run / "diagnose.json").write_text('{"causal_score": ')
     pools = []
     monkeypatch.setattr(mini, "run_pool", lambda jobs, n, what, log_dir, took=None: pools.append((what, jobs)) or [])
-    monkeypatch.setattr(mini.subprocess, "run", lambda *a, **k: None)
+    monkeypatch.setattr(mini.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))  # every figure drawn
     assert mini.main(["--designs", "preln", "--ar", "32", "--seeds", "0", "--out", str(tmp_path)]) == 0
     assert pools[-1][0] == "diagnose" and [label for label, _ in pools[-1][1]] == ["diagnose preln_ar32"]
     assert "| preln | 2 | 64 |" in (tmp_path / "summary.md").read_text()

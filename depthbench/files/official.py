@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from depthbench.files.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, part_of, pick_device, positive
+from depthbench.files.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, load_json, part_of, pick_device, positive
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -114,13 +114,13 @@ def sections(step_dir):
     """config.json -> Sections; a file that is not an OLMo-core experiment config is a CheckpointError."""
     path = Path(step_dir) / "config.json"
     try:
-        exp = json.loads(path.read_text())
-        m = exp["model"]
-        blk = m["block"]
+        exp = load_json(path)  # the project's one JSON reader (a JsonError is a ValueError)
+        m, blk = exp["model"], exp["model"]["block"]
         att = blk.get("sequence_mixer") or blk.get("attention")
         int(m["d_model"]), int(m["n_layers"]), int(att["n_heads"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a block no object
-        raise CheckpointError(f"{path}: not an OLMo-core experiment config ({type(e).__name__}: {e})") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:  # int(1e999), a block no object
+        why = getattr(e, "cause", None) or f"{type(e).__name__}: {e}"  # a JsonError says its reader's exception
+        raise CheckpointError(f"{path}: not an OLMo-core experiment config ({why})") from None
     head, part = part_of(m, "lm_head", path), lambda section, key: part_of(section, key, path)  # objects, or {}
     return Sections(experiment=exp, model=m, block=blk, attention=att, feed_forward=part(blk, "feed_forward"),
                     rope=part(att, "rope"), norm=part(blk, "layer_norm"), head=head,

@@ -240,7 +240,7 @@ def build_parser():
         "(FSDP2: each block, then the root) instead of a DDP replica on each")
     add("--dry-run", action="store_true", help="print each run's memory plan per GPU and exit: 0 if it fits, 2 with "
         "one line naming the fix if not (for the ranks of torchrun, or of WORLD_SIZE if set)")
-    add("--gpu-mem", type=positive(float), help="--dry-run: GB per GPU to plan for (default: this GPU's memory; "
+    add("--gpu-mem", type=positive(float, below=1025, name="GB per GPU, at most 1,024,"), help="--dry-run: GB per GPU to plan for (default: this GPU's memory; "
         "without one, the host's, in fp32)")
     telemetry.add_flags(p)
     p.add_kernels()
@@ -343,10 +343,9 @@ def check_run_args(parser, args):
     if missing:
         parser.error(missing)
     try:
-        if not parse_count(args.params) > 0:
-            raise ValueError(args.params)
-    except ValueError:  # not an assert: python -O would skip it
-        parser.error(f"--params {args.params!r} is not a count like 405M")
+        parse_count(args.params)  # a count from 1 to shapes.MAX_PARAMS
+    except ValueError as e:  # not an assert: python -O would skip it
+        parser.error(str(e))
     held = [name for name in ("run.json", "ckpt.pt") if (Path(args.out) / name).exists()]
     if held:  # the runs would nest inside another run's folder
         parser.error(f"--out {args.out} is a run folder (it holds {held[0]}); --out is the folder the run folders go "
