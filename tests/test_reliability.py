@@ -347,6 +347,55 @@ CASES += [
 ]
 
 
+# ----------------------------------------------------------------------------- issue 66: every size bounded, every
+#                                                                                reader of JSON one line
+
+def nan_weights(ckpt):
+    """The first weight of a checkpoint all NaN (what a diverged run's weights become)."""
+    first = next(iter(ckpt["model"]))
+    ckpt["model"][first] = torch.full_like(ckpt["model"][first], float("nan"))
+
+
+NESTED = "[" * 100_000 + "]" * 100_000  # a JSON text nested deeper than Python's json reads (a RecursionError)
+NLL = [*INIT, "--tokenizer", "bytes", "--metrics", "nll", "--nll-data", "{tmp}/n", "--nll-tasks", "gsm8k"]
+GSM8K = '{"question": "1 + 1?", "answer": "2"}\n'
+ANGULAR = ["--metrics", "angular"]
+CASES += [
+    ("shapes.py", "--params 1e40 (the width search never returned)", ["--params", "1e40", "--ar", "9.1"], {}, 2,
+     "--params '1e40': a budget from 1 to 1,000,000,000,000 parameters (1T; the paper's largest model has 1.6B)"),
+    ("train.py", "--params 1e40", [*TRAIN, "--params", "1e40"], {}, 2,
+     "--params '1e40': a budget from 1 to 1,000,000,000,000 parameters"),
+    ("profile_gpu.py", "--params 1e40", ["--analytic-only", "--params", "1e40"], {}, 2,
+     "--params '1e40': a budget from 1 to 1,000,000,000,000 parameters"),
+    ("profile_gpu.py", "a shape of 10^19 parameters", ["--analytic-only", "--shapes", "2x1000000000"], {}, 2,
+     "2x1000000000: more than the 1,000,000,000,000 parameters (1T) a budget may have"),
+    ("train.py", "--gpu-mem 1e30 (was planned as fitting)", [*TRAIN, "--dry-run", "--gpu-mem", "1e30"], {}, 2,
+     "argument --gpu-mem: invalid GB per GPU, at most 1,024, value: '1e30'"),
+    ("diagnose.py", "--seq-len 10^8 on a run of seq_len 16 (was used: the kernel's OOM kill at 23 GB)",
+     ["{tmp}/run", *ANGULAR, "--seq-len", "100000000"], run_folder("preln"), 2,
+     "--seq-len 100,000,000: at most the run's own seq_len, 16 tokens"),
+    ("diagnose.py", "--seq-len 10^8 with --init", [*INIT, *ANGULAR, "--seq-len", "100000000"], {}, 2,
+     "--seq-len 100,000,000: at most what a model without a run's seq_len (--init) is read at, 8,192 tokens"),
+    ("diagnose.py", "--num-samples 10^6 windows of 512 tokens", [*INIT, *ANGULAR, "--num-samples", "1000000",
+     "--seq-len", "512"], {}, 2, "--num-samples 1,000,000 x --seq-len 512 = 512,000,000 tokens: at most 16,777,216"),
+    ("diagnose.py", "--init at a width of 10^5", ["--init", "preln", "--width", "100000", "--heads", "2"], {}, 2,
+     "parameters; a fresh model has at most 2,000,000,000 and 1024 blocks"),
+    ("diagnose.py", "--step on a run folder (was ignored)", ["{tmp}/run", "--step", "3"], run_folder("preln"), 2,
+     "--step 3: picks an official checkpoint's stepN folder; {tmp}/run has one step"),
+    ("diagnose.py", "--step -1", ["{tmp}/run", "--step", "-1"], {}, 2, "argument --step: invalid"),
+    ("diagnose.py", "a ckpt.pt of NaN weights (was diagnosed, exit 0)", ["{tmp}/run"], edited_run("preln", nan_weights),
+     2, "run/ckpt.pt: 1 of its 30 weight tensors hold NaN or inf (the first: wte.weight)"),
+    ("diagnose.py", "--nll-data rows without their fields (was a KeyError)", NLL, {"n/gsm8k.jsonl": '{"question": 1}\n'},
+     2, "--nll-data: {tmp}/n/gsm8k.jsonl:1: no field 'answer' (each item needs question, answer: the hub dataset's"),
+    ("diagnose.py", "--nll-data with a field of another type", NLL, {"n/gsm8k.jsonl": GSM8K.replace('"2"', "2")}, 2,
+     "--nll-data: {tmp}/n/gsm8k.jsonl:1: field 'answer' is a number, not a string"),
+    ("train.py", "run.json of 100,000 nested brackets (was a RecursionError)", TRAIN, {f"{RUN}/run.json": NESTED}, 2,
+     "run.json: not a run log of train.py: it is not JSON (RecursionError: nested deeper than Python's json reads)"),
+    ("mini.py", "--report over a run.json of 100,000 nested brackets", ["--report", *MINI],
+     {"m/synthetic/a/run.json": NESTED}, 2, "a/run.json: not a run log of train.py: it is not JSON (RecursionError"),
+]
+
+
 FAULTS = []  # (fault, what it gives, test), in the page's order
 
 

@@ -87,10 +87,11 @@ def refuse_non_finite(model, where):
 def check_setting(N, T, run):
     """A DiagError unless N windows of T tokens can be read: T at most the run's seq_len (INIT_SEQ_LEN without
     one), N x T at most WINDOW_TOKENS."""
-    limit = run.get("seq_len") or INIT_SEQ_LEN
+    limit, whose = run.get("seq_len"), "the run's own seq_len"
+    if not limit:
+        limit, whose = INIT_SEQ_LEN, "what a model without a run's seq_len (--init) is read at"
     if T > limit:
-        raise DiagError(f"--seq-len {T:,}: at most the run's own seq_len, {limit:,} tokens (without a run's, "
-                        f"{INIT_SEQ_LEN:,})")
+        raise DiagError(f"--seq-len {T:,}: at most {whose}, {limit:,} tokens")
     if N * T > WINDOW_TOKENS:
         raise DiagError(f"--num-samples {N:,} x --seq-len {T:,} = {N * T:,} tokens: at most {WINDOW_TOKENS:,} are read "
                         f"at once; lower one of them")

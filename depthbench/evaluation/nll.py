@@ -68,13 +68,21 @@ def encode_pair(tok, prompt, target):
     return list(ctx), list(whole[len(ctx):])
 
 
+def local_rows(nll_data, task):
+    """{task}.jsonl under nll_data, every row holding the fields nll_pair reads, of their types (FIELDS) -> the rows;
+    None when there is no such file; a damaged one: a JsonError naming the file and the line."""
+    path = Path(nll_data) / f"{task}.jsonl"
+    if not path.exists():
+        return None
+    return json_lines(path, FIELDS[task], hint=": the hub dataset's layout, as in fixtures/nll")
+
+
 def nll_rows(task, nll_data, limit):
     """The task's rows: from {task}.jsonl under nll_data (None if there is none), else from the hub."""
     if nll_data:
-        path = Path(nll_data) / f"{task}.jsonl"
-        if not path.exists():
+        rows = local_rows(nll_data, task)
+        if rows is None:
             return None
-        rows = json_lines(path, FIELDS[task], hint=": the hub dataset's layout, as in fixtures/nll")
     else:
         import datasets
         rows = datasets.load_dataset(*TASKS[task][1:3], split=TASKS[task][3])
@@ -115,11 +123,14 @@ def evaluate(model, tok, tasks, nll_data=None, limit=None, max_len=2048, batch_s
     """Every task's pooled NLL, then per category and over all (pooled over tokens, not a mean of the task means);
     a task without data (no {task}.jsonl in nll_data, a gated hub set) is {"skipped": why}, the others go on."""
     results = {}
+    for task in tasks if nll_data else []:  # a damaged local file is the user's to fix, not a task to skip
+        try:
+            local_rows(nll_data, task)
+        except JsonError as e:  # one line, exit 2 (diagnose.py), before any task is scored
+            raise data.DataError(f"--nll-data: {e}") from None
     for task in tqdm(tasks, desc="nll", unit="task"):
         try:
             rows = nll_rows(task, nll_data, limit) or f"no {task}.jsonl in {nll_data}"
-        except JsonError as e:  # a damaged local file is the user's to fix, not a task to skip: one line, exit 2
-            raise data.DataError(f"--nll-data: {e}") from None
         except Exception as e:  # a gated or missing dataset costs that task only (the hub itself was checked)
             rows = f"{type(e).__name__}: {first_line(e)}"
         if isinstance(rows, str):

@@ -40,6 +40,7 @@ TASKS = {
                        ("context", "question", "answerA", "answerB", "answerC", "label")),
     "piqa": Task("piqa/piqa.yaml", "baber/piqa", "validation", ("goal", "sol1", "sol2", "label")),
 }
+FIELD_TYPES = {"choices": dict, "endings": list, "label": (int, str)}  # the others are text (str)
 METRICS = ("acc", "acc_norm")  # what lm-eval reports for these tasks (WinoGrande and SIQA: acc only)
 
 
@@ -82,8 +83,9 @@ def check_data(data_dir, tasks, skip_missing=False):
 
 def check_task_file(path, fields):
     """A ValueError (common.JsonError, one line naming the file and the line) unless path's every non-blank line is
-    a JSON object holding `fields`, and there is at least one."""
-    json_lines(path, dict.fromkeys(fields), hint=": the hub dataset's layout, as in fixtures/zeroshot")
+    a JSON object holding `fields`, each of its type (FIELD_TYPES; text otherwise), and there is at least one."""
+    json_lines(path, {name: FIELD_TYPES.get(name, str) for name in fields}, hint=": the hub dataset's layout, as in "
+               "fixtures/zeroshot")
 
 
 # ----------------------------------------------------------------------------- our GPT, scored

@@ -370,7 +370,7 @@ def load_json(path):
 
 def json_lines(path, fields, hint=""):
     """The items of a JSON Lines file (one JSON object a line; blank lines skipped) -> [dict], each holding `fields`
-    ({name: the type its value must have, or None for any}); else a JsonError naming the file and the line: unreadable,
+    ({name: the type its value must have, a tuple of types, or None for any}); else a JsonError naming the file and the line: unreadable,
     not JSON, not an object, a field missing or of another type, or no item at all. hint: what the message adds
     after the fields an item needs (where a right file is found). Every task file is read through here."""
     path = Path(path)
@@ -386,9 +386,10 @@ def json_lines(path, fields, hint=""):
         lacks = [f for f in fields if not isinstance(item, dict) or f not in item]
         if lacks:
             raise JsonError(f"{path}:{n}", f"no field {lacks[0]!r} (each item needs {', '.join(fields)}{hint})")
-        for name, kind in fields.items():
+        for name, kind in fields.items():  # kind: a type, a tuple of types, or None
             if kind is not None and not isinstance(item[name], kind):
-                raise JsonError(f"{path}:{n}", f"field {name!r} is {json_name(item[name])}, not {JSON_NAMES[kind]}")
+                wanted = " or ".join(JSON_NAMES[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+                raise JsonError(f"{path}:{n}", f"field {name!r} is {json_name(item[name])}, not {wanted}")
         items.append(item)
     if not items:
         raise JsonError(path, "no items (one JSON object per line)")
