@@ -648,7 +648,7 @@ def report(args):
     failed = draw_figures(args)
     write_atomic(args.out / "summary.md", text)
     if failed:  # never "wrote the figures" when one was not drawn: one line naming each, exit 1
-        sys.exit(f"mini.py: error: --report: {', '.join(failed)} failed (its lines above); wrote {args.out / 'summary.md'}")
+        fail("mini.py", f"--report: {', '.join(failed)} failed (its lines above); wrote {args.out / 'summary.md'}", code=1)
     print(f"wrote {args.out / 'summary.md'} and the figures in {args.out / 'figs'} from the runs done so far")
 
 

@@ -1262,6 +1262,99 @@ def test_a_smoke_budget_is_a_number_of_seconds(tmp_path, capsys, monkeypatch, bu
     assert (tmp_path / "s" / "smoke.log").read_text().startswith("gpu_smoke.py: budget 1 s, tiny")
 
 
+# ----------------------------------------------------------------------------- 11. issue 66: the environment, exits
+#                                                                                that say what happened, a pending stop
+
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+BAD_LAUNCHES = [
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not an integer from 1 to 65,536"),
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer from 1 to 65,536"),
+    ({"WORLD_SIZE": str(10**9)}, "WORLD_SIZE='1000000000' is not an integer from 1 to 65,536"),
+    ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together"),
+    ({"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK='2' is not an integer from 0 to 1"),
+    ({"RANK": "1", "LOCAL_RANK": "x", "WORLD_SIZE": "2"}, "LOCAL_RANK='x' is not an integer from 0 to 1"),
+]
+
+
+@fault("the launcher's variables of no sense, with train.py --dry-run or a run (WORLD_SIZE=0, abc or 10^9; RANK "
+       "without WORLD_SIZE; RANK or LOCAL_RANK outside the world)", "one line naming the variable and what it may be, "
+       "exit 2, printed by every process whatever its RANK (was a ZeroDivisionError or ValueError traceback); "
+       "WORLD_SIZE=2 without RANK plans --dry-run for 2 ranks, as before")
+@pytest.mark.parametrize("env, says", BAD_LAUNCHES, ids=[" ".join(f"{k}={v}" for k, v in e.items())
+                                                         for e, _ in BAD_LAUNCHES])
+def test_the_launchers_variables_are_checked_like_flags(capsys, monkeypatch, env, says):
+    for name in LAUNCHER:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for argv in (["--preset", "mini", "--dry-run"], ["--preset", "mini", "--steps", "1", "--out", "/nonexistent/x"]):
+        with pytest.raises(SystemExit) as e:
+            train.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"train.py: error: {says}"), err
+
+
+def test_a_world_size_without_rank_is_what_dry_run_plans_for(capsys, monkeypatch):
+    for name in LAUNCHER:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.init_distributed(False, plan_only=True).world_size == 2
+    assert train.init_distributed(False).world_size == 1  # a plain run: no process group without RANK
+
+
+@fault("train.py --resume over a ckpt.pt whose model_config.n_layer is the string \"2\" (diagnose.py and export.py "
+       "refused it; --resume trained on)", "every reader of a checkpoint reads model_config by GPTConfig's types "
+       "(checkpoints.check_model_config): one line naming the file and the field, exit 2, nothing written")
+def test_resume_reads_the_model_config_by_type(tmp_path, capsys):
+    args = TINY + ["--steps", "2", "--max-steps", "1", "--out", str(tmp_path)]
+    assert run_main(args, capsys)[0] == 0
+    (path,) = tmp_path.glob("*/ckpt.pt")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model_config"]["n_layer"] = "2"
+    torch.save(ckpt, path)
+    before = files(tmp_path)
+    code, _, err = run_main(args[:-4] + ["--resume", "--out", str(tmp_path)], capsys)
+    assert code == 2 and err.splitlines() == [
+        f"train.py: error: cannot resume: {path}: field 'model_config.n_layer' is '2', not a count (an integer >= 1)"]
+    assert files(tmp_path) == before
+
+
+@fault("mini.py --report when a figure command fails (simulated: plot.py exits 1)", "summary.md is written, then one "
+       "line naming each failed command and its exit code, exit 1 (was exit 0 and `wrote ... the figures`)")
+def test_a_report_whose_figure_failed_says_so(tmp_path, capsys, monkeypatch):
+    common.write_json(tmp_path / "synthetic" / "a" / "run.json", run_json())
+
+    def figure(command, **_):
+        return subprocess.CompletedProcess(command, 1 if command[1].endswith("plot.py") else 0)
+    monkeypatch.setattr(mini.subprocess, "run", figure)
+    with pytest.raises(SystemExit) as e:
+        mini.main(["--report", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and err.splitlines() == [
+        f"mini.py: error: --report: plot.py synthetic (exit 1) failed (its lines above); wrote {tmp_path / 'summary.md'}"]
+    assert "the figures in" not in out and (tmp_path / "summary.md").is_file()
+
+
+@fault("a signal that comes after the loop's check between steps (here: during the save before step 2; the same "
+       "check guards an evaluation's first micro-batch)", "the step never starts: no micro-batch runs, so no first "
+       "compile begins while a signal is pending (`step 2 dropped after micro-batch 0 of 2`); ckpt.pt at step 1, "
+       "exit 143. A signal during a compile is answered when that micro-batch ends (docs/training.md#stopping)")
+def test_a_pending_signal_never_starts_a_step(tmp_path, capsys, monkeypatch):
+    save, batches = train.maybe_save, []
+
+    def signalled_save(run, last, force=False):
+        save(run, last, force)
+        if run.step == 1 and not batches:
+            batches.append(run.train_loader.state_dict())
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(train, "maybe_save", signalled_save)
+    code, out, err = run_main(TINY + ["--steps", "4", "--ckpt-every", "1", "--out", str(tmp_path)], capsys)
+    assert code == 143 and "step 2 dropped after micro-batch 0 of 2" in out and "step 2: micro-batch" not in out
+    assert load_run(tmp_path)["stopped"] == {"signal": "SIGTERM", "step": 1, "dropped_step": 2,
+                                             "micro_batches_done": 0, "micro_batches": 2, "after_signal": 0}
+    assert torch.load(next(tmp_path.glob("*/ckpt.pt")), weights_only=True)["loader"] == batches[0]
+
+
 # ----------------------------------------------------------------------------- the page
 
 def ticked(names):

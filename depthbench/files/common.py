@@ -143,10 +143,10 @@ def print0(*a, **kw):
         print(*a, **kw, flush=True)
 
 
-def fail(prog, message):
-    """Bad input: one line on stderr (from rank 0) and exit code 2."""
+def fail(prog, message, code=2):
+    """Bad input: one line on stderr (from rank 0) and exit code 2 (or `code`: 1 for a command that failed)."""
     print0(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def first_line(e, width=200):
