@@ -1355,6 +1355,139 @@ def test_a_pending_signal_never_starts_a_step(tmp_path, capsys, monkeypatch):
     assert torch.load(next(tmp_path.glob("*/ckpt.pt")), weights_only=True)["loader"] == batches[0]
 
 
+# ----------------------------------------------------------------------------- 12. issue 66: every reader of JSON, fed
+#                                                                                randomly damaged files of its format
+
+DAMAGES = ("truncated", "nested", "wrong type", "huge number")
+HUGE = "1" + "0" * 5000  # an integer of 5,001 digits: more than the 4,300 that Python's int() reads from text
+
+
+def get_field(obj, path):
+    """The value at path ('steps[0].step', 'model.block') of a JSON value."""
+    for key in re.findall(r"[^.\[\]]+", path):
+        obj = obj[int(key)] if isinstance(obj, list) else obj[key]
+    return obj
+
+
+def other_type(value):
+    """A JSON value of another type than `value`'s, and not null (a number for text, a list for a number, else text)."""
+    if isinstance(value, str):
+        return 5
+    if isinstance(value, (bool, int, float)):
+        return [1]
+    return "x"
+
+
+def damaged(text, kind, fields, rng):
+    """One JSON object's text (a file, or one line of a JSON Lines file) damaged as `kind`, at a field drawn from
+    `fields` (the fields its reader checks): cut off at a random character; the field nested 100,000 deep; the field
+    of another type; the field a number of 5,001 digits."""
+    if kind == "truncated":
+        return text.strip()[:rng.randrange(1, len(text.strip()))]
+    obj, path = json.loads(text), rng.choice(fields)
+    set_field(obj, path, other_type(get_field(obj, path)) if kind == "wrong type" else "<damage>")
+    return json.dumps(obj).replace('"<damage>"', NESTED if kind == "nested" else HUGE)
+
+
+def reader_run_json(tmp, finished_run, capsys, monkeypatch):
+    """train.py over its own run folder: the undamaged run.json is skipped as finished (exit 0)."""
+    shutil.copytree(finished_run, tmp / finished_run.name)
+    return tmp / finished_run.name / "run.json", lambda: run_main(TINY + ["--steps", "2", "--out", str(tmp)], capsys)
+
+
+def reader_report(tmp, finished_run, capsys, monkeypatch):
+    """mini.py --report over a suite holding the run (the figure commands simulated)."""
+    shutil.copytree(finished_run, tmp / "synthetic" / finished_run.name)
+    monkeypatch.setattr(mini.subprocess, "run", lambda command, **_: subprocess.CompletedProcess(command, 0))
+    return tmp / "synthetic" / finished_run.name / "run.json", lambda: called(mini.main, ["--report", "--out",
+                                                                                         str(tmp)], capsys)
+
+
+def reader_zeroshot(tmp, finished_run, capsys, monkeypatch):
+    """diagnose.py --zeroshot-data: a piqa.jsonl of two items, checked before any work."""
+    (tmp / "z").mkdir()
+    argv = [a.replace("{tmp}", str(tmp)) for a in ZEROSHOT]
+    return tmp / "z" / "piqa.jsonl", lambda: called(importlib.import_module("diagnose").main, argv, capsys)
+
+
+def reader_nll(tmp, finished_run, capsys, monkeypatch):
+    """diagnose.py --nll-data: a gsm8k.jsonl of two items, checked before any task is scored."""
+    (tmp / "n").mkdir()
+    argv = [a.replace("{tmp}", str(tmp)) for a in NLL]
+    return tmp / "n" / "gsm8k.jsonl", lambda: called(importlib.import_module("diagnose").main, argv, capsys)
+
+
+def reader_official(tmp, finished_run, capsys, monkeypatch):
+    """depthbench.files.official info over a step folder's config.json (tests/test_official.py's)."""
+    from depthbench.files import official
+    from test_official import ours, write_checkpoint
+    step = write_checkpoint(tmp / "step1", ours("preln"))
+    return step / "config.json", lambda: called(official.main, ["info", str(step)], capsys)
+
+
+def reader_text(tmp, finished_run, capsys, monkeypatch):
+    """data.py over a .jsonl source of two documents."""
+    argv = ["--source", str(tmp / "a.jsonl"), "--tokenizer", "bytes", "--out", str(tmp / "o")]
+    return tmp / "a.jsonl", lambda: called(data.main, argv, capsys)
+
+
+def called(main, argv, capsys):
+    """main(argv) in-process -> (exit code, stdout, stderr)."""
+    try:
+        code = main(argv) or 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+RUN_FIELDS = [path for path, *_ in READ_FIELDS]
+# reader -> (script, its setup, the fields it checks, a valid line of a JSON Lines file or None for a file of one object)
+READERS = {"train.py run.json": ("train.py", reader_run_json, RUN_FIELDS, None),
+           "mini.py --report run.json": ("mini.py", reader_report, RUN_FIELDS, None),
+           "diagnose.py --zeroshot-data": ("diagnose.py", reader_zeroshot, ["goal", "sol1", "sol2", "label"], PIQA),
+           "diagnose.py --nll-data": ("diagnose.py", reader_nll, ["question", "answer"], GSM8K),
+           "official config.json": ("depthbench.files.official", reader_official,
+                                    ["model", "model.block", "model.d_model", "model.n_layers"], None),
+           "data.py .jsonl source": ("data.py", reader_text, ["text"], '{"text": "a document"}\n')}
+
+
+@fault("every reader of JSON (run.json: train.py, mini.py --report; --zeroshot-data and --nll-data task files; an "
+       "official config.json; data.py's .jsonl sources) fed randomly damaged files of its own format, seeded: cut "
+       "off, a field nested 100,000 deep, a field of another type, a number of 5,001 digits",
+       "one line naming the file, exit 2, for each (common.parse_json / load_json / json_lines: the one reader of "
+       "JSON text, RecursionError and int()'s digit limit included); plot.py skips such a run.json in one line")
+@pytest.mark.parametrize("kind", DAMAGES)
+@pytest.mark.parametrize("reader", READERS)
+def test_every_reader_refuses_damaged_files_in_one_line(tmp_path, capsys, monkeypatch, finished_run, reader, kind):
+    import random
+    script, setup, fields, line = READERS[reader]
+    rng = random.Random(f"{reader} {kind}")
+    for draw in range(2):
+        tmp = tmp_path / str(draw)
+        tmp.mkdir()
+        path, run = setup(tmp, finished_run, capsys, monkeypatch)
+        valid = line or path.read_text()
+        bad = damaged(valid, kind, fields, rng)
+        path.write_text(line + bad + "\n" if line else bad)  # a JSON Lines file: its second line damaged
+        code, _, err = run()
+        assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"{script}: error: "), (bad[:300], err)
+        assert str(path) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("kind", DAMAGES)
+def test_plot_skips_a_damaged_run_json_in_one_line(tmp_path, capsys, finished_run, kind):
+    import random
+    import plot
+    shutil.copytree(finished_run, tmp_path / "runs" / "a")
+    path = tmp_path / "runs" / "a" / "run.json"
+    path.write_text(damaged(path.read_text(), kind, RUN_FIELDS, random.Random(kind)))
+    assert plot.main([str(tmp_path / "runs"), "--out", str(tmp_path / "figs")]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("  skipped ")] == [
+        line for line in out.splitlines() if line.startswith("  skipped a/run.json: ")] and "  skipped a/run.json" in out
+
+
 # ----------------------------------------------------------------------------- the page
 
 def ticked(names):
