@@ -485,8 +485,9 @@ def build_parser():
                    help="attention heads (default 16; head_dim must be even)")
     p.add_argument("--kv-heads", type=positive(), help="key/value heads, dividing --heads (default: --heads; the "
                    "1.6b suite's GQA: 8)")
-    p.add_argument("--seq", type=positive(), default=4096, help="sequence length T (default 4096, as in Fig. 11)")
-    p.add_argument("--batch", type=positive(), default=8,
+    p.add_argument("--seq", type=positive(int, below=2**20 + 1, name="sequence length from 1 to 1,048,576"), default=4096,
+                   help="sequence length T (default 4096, as in Fig. 11)")
+    p.add_argument("--batch", type=positive(int, below=2**16 + 1, name="batch from 1 to 65,536"), default=8,
                    help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
     p.add_argument("--vocab", type=positive(), default=shapes.VOCAB,
                    help="vocabulary size (default 50280, the paper's)")

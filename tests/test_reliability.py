@@ -391,6 +391,10 @@ CASES += [
      "--nll-data: {tmp}/n/gsm8k.jsonl:1: field 'answer' is a number, not a string"),
     ("train.py", "run.json of 100,000 nested brackets (was a RecursionError)", TRAIN, {f"{RUN}/run.json": NESTED}, 2,
      "run.json: not a run log of train.py: it is not JSON (RecursionError: nested deeper than Python's json reads)"),
+    ("train.py", "--steps 10^29 (planned as fitting)", [*TRAIN, "--steps", str(10**29)], {}, 2,
+     "argument --steps: invalid count from 1 to 10^9 value"),
+    ("profile_gpu.py", "--seq 10^23 (its analytic numbers printed as such)", ["--analytic-only", "--shapes", "2x64",
+     "--seq", str(10**23)], {}, 2, "argument --seq: invalid sequence length from 1 to 1,048,576 value"),
     ("mini.py", "--report over a run.json of 100,000 nested brackets", ["--report", *MINI],
      {"m/synthetic/a/run.json": NESTED}, 2, "a/run.json: not a run log of train.py: it is not JSON (RecursionError"),
 ]

@@ -170,7 +170,7 @@ GRID_OPTIONS = ("--suite", "--preset", "--residual", "--row", "--layers", "--ar"
 
 def build_parser():
     p = ArgParser(prog="train.py", description="Train DepthBench models: one run, or a grid of comma-separated values.")
-    add, pint = p.add_argument, positive(int)
+    add, pint = p.add_argument, positive(int, below=10**9 + 1, name="count from 1 to 10^9")  # no count above 10^9
     # what to train (comma-separated values make a grid)
     add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's shapes: 4 "
         "heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); default: 400m with CUDA, cpu without. Flags below "
