@@ -40,6 +40,7 @@ from depthbench.files.common import (ArgParser, check_options, comma_list, desig
                     positive, write_json)
 from residuals import RESIDUALS
 
+MAX_SEQ, MAX_BATCH = 2**20, 2**16  # --seq and --batch: a million tokens (256 x Fig. 11's 4,096), 65,536 sequences
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization", "kernels",
@@ -485,9 +486,10 @@ def build_parser():
                    help="attention heads (default 16; head_dim must be even)")
     p.add_argument("--kv-heads", type=positive(), help="key/value heads, dividing --heads (default: --heads; the "
                    "1.6b suite's GQA: 8)")
-    p.add_argument("--seq", type=positive(int, below=2**20 + 1, name="sequence length from 1 to 1,048,576"), default=4096,
+    p.add_argument("--seq", type=positive(int, below=MAX_SEQ + 1, name=f"sequence length from 1 to {MAX_SEQ:,}"),
+                   default=4096,
                    help="sequence length T (default 4096, as in Fig. 11)")
-    p.add_argument("--batch", type=positive(int, below=2**16 + 1, name="batch from 1 to 65,536"), default=8,
+    p.add_argument("--batch", type=positive(int, below=MAX_BATCH + 1, name=f"batch from 1 to {MAX_BATCH:,}"), default=8,
                    help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
     p.add_argument("--vocab", type=positive(), default=shapes.VOCAB,
                    help="vocabulary size (default 50280, the paper's)")

@@ -1530,6 +1530,7 @@ def rules():
         "checkpoint's config) and plot.py: a field missing, null where it may not be, or of another type (`\"finished\""
         ": \"no\"`) is one line naming the file and the field, never read by truthiness. train.py --resume writes such "
         "a run.json again from ckpt.pt's log, and says so.", "",
+        *bounds(),
         "## Process lifetime", "",
         "- mini.py's children (train.py, diagnose.py, plot.py) end when it ends, however it ends. On Linux each asks "
         "the kernel for SIGTERM at its parent's death (`prctl(PR_SET_PDEATHSIG)`: common.end_with_parent), kill -9 "
@@ -1543,6 +1544,32 @@ def rules():
         "their end, and a rerun waits for them or says so.",
         "- The same command again resumes each stopped run from its ckpt.pt, to the losses of an uninterrupted run.",
         ""]
+
+
+def bounds():
+    """The page's section on the sizes a user gives and the JSON the scripts read, its numbers from the code."""
+    import shapes
+    from depthbench.evaluation import calibration
+    from depthbench.training import distributed, recipe
+    return [
+        "## Sizes and JSON", "",
+        "Every size a user gives is bounded where it is parsed, the message saying the largest value that makes "
+        f"sense: a parameter budget (`--params` of shapes.py, train.py, profile_gpu.py) from 1 to "
+        f"{shapes.MAX_PARAMS:,} (1T), a model of at most {shapes.MAX_LAYERS:,} blocks (`--layers`, `--shapes`, a "
+        f"checkpoint's model_config), every count of train.py at most {recipe.MAX_COUNT:,}, `--gpu-mem` at most "
+        f"{recipe.MAX_GPU_GB:,} GB, profile_gpu.py's `--seq` at most {profile_gpu.MAX_SEQ:,} and `--batch` at most "
+        f"{profile_gpu.MAX_BATCH:,}, diagnose.py's `--seq-len` at most the run's own seq_len "
+        f"({calibration.INIT_SEQ_LEN:,} for `--init`), `--num-samples` x `--seq-len` at most "
+        f"{calibration.WINDOW_TOKENS:,} tokens and an `--init` model at most {calibration.INIT_PARAMS:,} parameters. "
+        f"The launcher's variables are checked like flags: WORLD_SIZE from 1 to {distributed.MAX_WORLD_SIZE:,}, RANK "
+        "and LOCAL_RANK below it, all three together.", "",
+        "Every JSON a user gives a script (run.json, a checkpoint's config files, task files, .jsonl sources, an option's "
+        "JSON) goes through one function, depthbench/files/common.py's `parse_json` (`load_json` for a file, "
+        "`json_lines` for JSON Lines with each item's fields and types): a cut-off file, brackets nested deeper than "
+        "Python's json reads (its RecursionError), a number of more than 4,300 digits, a field of another type are "
+        "one line naming the file (and line), exit 2. A command that runs others says which failed: mini.py --report "
+        "exits 1 naming each figure command that did. Weights holding NaN or inf are refused by diagnose.py, an "
+        "option that does not apply (`--step` on a run folder) too.", ""]
 
 
 def render():
