@@ -1479,6 +1479,30 @@ def test_every_reader_refuses_damaged_files_in_one_line(tmp_path, capsys, monkey
         assert str(path) in err and "Traceback" not in err, err
 
 
+def test_the_width_bisection_is_the_scan_it_replaced():
+    """shapes.solve's width per depth, bisected (a scan of 2 x n_head steps took minutes at 10^13 params): the width
+    the scan found, the smaller of two equally close, for seeded random budgets, depths, heads and families; a 1T
+    budget is solved over all 256 depths of the AR search."""
+    import random
+    import shapes
+
+    def scanned(budget, L, n_head, fixed):
+        widths, d = [], 0
+        while not widths or widths[-1][1] <= budget:
+            d += 2 * n_head
+            size = shapes.backbone_params(L, d, shapes.ffn_dim(d))
+            if fixed == "total":
+                size = shapes.preln_params(L, d, shapes.ffn_dim(d))
+            widths.append((d, size))
+        return min(widths, key=lambda w: abs(w[1] - budget))[0]
+    rng = random.Random(66)
+    for _ in range(100):
+        budget, L = int(10 ** rng.uniform(3, 9)), rng.randint(1, 256)
+        n_head, fixed = rng.choice([4, 16]), rng.choice(["total", "backbone"])
+        got = shapes.solve(budget, layers=L, fixed=fixed, n_head=n_head, tolerance=None)["d_model"]
+        assert got == scanned(budget, L, n_head, fixed), (budget, L, n_head, fixed)
+    assert shapes.solve(shapes.MAX_PARAMS, ar=9.1, tolerance=None)["n_layer"] == 256  # returns (the scan did not)
+
 @pytest.mark.parametrize("kind", DAMAGES)
 def test_plot_skips_a_damaged_run_json_in_one_line(tmp_path, capsys, finished_run, kind):
     import random
