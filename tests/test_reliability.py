@@ -360,6 +360,19 @@ NESTED = "[" * 100_000 + "]" * 100_000  # a JSON text nested deeper than Python'
 NLL = [*INIT, "--tokenizer", "bytes", "--metrics", "nll", "--nll-data", "{tmp}/n", "--nll-tasks", "gsm8k"]
 GSM8K = '{"question": "1 + 1?", "answer": "2"}\n'
 ANGULAR = ["--metrics", "angular"]
+
+
+def official_width(d_model):
+    """An official step folder {tmp}/step1 whose config.json says d_model (its weights those of d_model 32)."""
+    def make_it(tmp):
+        from test_official import ours, write_checkpoint
+        step = write_checkpoint(tmp / "step1", ours("preln"))
+        config = json.loads((step / "config.json").read_text())
+        config["model"]["d_model"] = d_model
+        (step / "config.json").write_text(json.dumps(config))
+    return make_it
+
+
 CASES += [
     ("shapes.py", "--params 1e40 (the width search never returned)", ["--params", "1e40", "--ar", "9.1"], {}, 2,
      "--params '1e40': a budget from 1 to 1,000,000,000,000 parameters (1T; the paper's largest model has 1.6B)"),
@@ -391,6 +404,9 @@ CASES += [
      "--nll-data: {tmp}/n/gsm8k.jsonl:1: field 'answer' is a number, not a string"),
     ("train.py", "run.json of 100,000 nested brackets (was a RecursionError)", TRAIN, {f"{RUN}/run.json": NESTED}, 2,
      "run.json: not a run log of train.py: it is not JSON (RecursionError: nested deeper than Python's json reads)"),
+    ("depthbench.files.official", "a config.json of width 1.6 x 10^7 (the model would be built: the OOM kill)",
+     ["info", "{tmp}/step1"], official_width(16 * 10**6), 2, "step1/config.json: a model of 3 blocks of width "
+     "16,000,000 (3,072,010,864,000,000 parameters): more than the 1024 blocks or 1,000,000,000,000 parameters"),
     ("train.py", "--steps 10^29 (planned as fitting)", [*TRAIN, "--steps", str(10**29)], {}, 2,
      "argument --steps: invalid count from 1 to 10^9 value"),
     ("profile_gpu.py", "--seq 10^23 (its analytic numbers printed as such)", ["--analytic-only", "--shapes", "2x64",

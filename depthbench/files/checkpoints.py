@@ -67,9 +67,10 @@ def check_model_config(settings, path):
         if spec.type in (str, dict, bool) and type(value) is not spec.type:
             raise CheckpointError(f"{path}: field {where!r} is {json_name(value)}, not {JSON_NAMES[spec.type]}")
     L, d, d_ff = (settings.get(k, 1) for k in ("n_layer", "d_model", "d_ff"))
-    if L > shapes.MAX_LAYERS or shapes.preln_params(L, d, d_ff, vocab=settings.get("vocab_size", 1)) > shapes.MAX_PARAMS:
-        raise CheckpointError(f"{path}: field 'model_config' makes a model of {L:,} blocks of width {d:,}: more than "
-                              f"the {shapes.MAX_LAYERS} blocks or {shapes.MAX_PARAMS:,} parameters this code builds")
+    size = shapes.preln_params(L, d, d_ff, vocab=settings.get("vocab_size", 1))
+    if L > shapes.MAX_LAYERS or size > shapes.MAX_PARAMS:
+        raise CheckpointError(f"{path}: a model of {L:,} blocks of width {d:,} ({size:,} parameters): more than the "
+                              f"{shapes.MAX_LAYERS} blocks or {shapes.MAX_PARAMS:,} parameters this code builds")
 
 
 def check_design(name, path, field):
