@@ -1495,6 +1495,17 @@ def test_every_reader_refuses_damaged_files_in_one_line(tmp_path, capsys, monkey
         assert str(path) in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("kind", DAMAGES)
+def test_an_options_json_damaged_is_one_line(tmp_path, capsys, kind):
+    """--residual-args, the JSON a command line gives (common.json_object through parse_json), damaged as the files
+    above: one line, exit 2, without echoing the text (200,000 brackets would be the line)."""
+    import random
+    bad = damaged('{"n_groups": 4}', kind, ["n_groups"], random.Random(kind))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in TRAIN] + ["--residual", "block_attnres", "--residual-args", bad]
+    code, _, err = run_main(argv, capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("train.py: error: ") and len(err) < 300, err
+    assert "--residual-args" in err and not list(tmp_path.iterdir())
+
 def test_the_width_bisection_is_the_scan_it_replaced():
     """shapes.solve's width per depth, bisected (a scan of 2 x n_head steps took minutes at 10^13 params): the width
     the scan found, the smaller of two equally close, for seeded random budgets, depths, heads and families; a 1T

@@ -125,10 +125,14 @@ def duration(seconds):
 
 
 def json_object(text):
-    """argparse type: a JSON object, e.g. --residual-args '{"n_groups": 4}' (a design's `options`)."""
-    value = parse_json(text, "the option")  # a JsonError is a ValueError: argparse's one line
+    """argparse type: a JSON object, e.g. --residual-args '{"n_groups": 4}' (a design's `options`). Anything else is
+    argparse's one line, saying why without echoing the text (it may be 200,000 brackets)."""
+    try:
+        value = parse_json(text, "the option")
+    except JsonError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.cause})") from None
     if not isinstance(value, dict):
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"{json_name(value)}, not a JSON object like '{{\"n_groups\": 4}}'")
     return value
 
 
