@@ -14,15 +14,14 @@ the synthetic task, its choice of group and its loss floor: docs/training.md#the
 import glob
 import hashlib
 import itertools
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 
 # common first: its sys.excepthook makes a Ctrl-C while torch is imported one line
-from depthbench.files.common import (ArgParser, fail, first_line, hub_unreachable, one_line_faults, positive, read_json, seed_number,
-                    unreachable, why_failed, write_atomic, write_json, VAL_SEED, WriteError)
+from depthbench.files.common import (ArgParser, fail, first_line, hub_unreachable, one_line_faults, parse_json, positive, read_json,
+                    seed_number, unreachable, why_failed, write_atomic, write_json, VAL_SEED, WriteError)
 import numpy as np
 import torch
 
@@ -216,7 +215,7 @@ def file_documents(path, text_field):
                 for lineno, line in enumerate(f, 1):
                     where = f"{path}:{lineno}"
                     if line.strip():
-                        row = json.loads(line)
+                        row = parse_json(line, where)  # the project's one JSON reader
                         if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
                             raise DataError(f"{where}: no field {text_field!r} holding text (data.py's --text-field)")
                         yield row[text_field]
@@ -231,7 +230,7 @@ def file_documents(path, text_field):
     except DataError:
         raise
     except Exception as e:  # not UTF-8, malformed JSON, not a parquet file, unreadable
-        why = f"{type(e).__name__}: {first_line(e, 120)}"
+        why = getattr(e, "cause", None) or f"{type(e).__name__}: {first_line(e, 120)}"  # a JsonError: json's own
         raise DataError(f"{where}: cannot read it as {path.suffix[1:]} ({why})") from None
 
 

@@ -504,10 +504,10 @@ def protocol_help():
 
 def build_parser():
     p = ArgParser(prog="diagnose.py", description="Layer-wise diagnostics of one DepthBench model -> JSON.")
-    pos, share = positive(int), positive(float, zero=True)
+    pos, share, whole = positive(int), positive(float, zero=True), positive(int, zero=True)
     p.add_argument("checkpoint", nargs="?", help="a run folder holding ckpt.pt, a .pt file, or an official "
                    "checkpoint: hub id, folder with stepN/ folders or a step folder (depthbench/files/official.py); or use --init")
-    p.add_argument("--step", type=int, help="official checkpoint: the stepN folder (default: the highest)")
+    p.add_argument("--step", type=whole, help="official checkpoint: the stepN folder (default: the highest)")
     p.add_argument("--metrics", type=comma_list(str), default="all", help=f"comma list of {', '.join(BY_NAME)}, or all (default)")
     p.add_argument("--out", help="output JSON (default: diagnose.json in the checkpoint's folder, or here for --init)")
     g = p.add_argument_group("a fresh model instead of a checkpoint")

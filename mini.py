@@ -617,26 +617,25 @@ def run_suite(args):
 
 
 def draw_figures(args):
-    """plot.py and depthbench/reports/plot_suite.py per probe, into figs/<probe>/ (a figure that fails costs itself, not
-    the suite)."""
+    """plot.py and plot_suite per probe, into figs/<probe>/ -> those that failed (each costs itself, not the suite)."""
     scripts = ([str(HERE / "plot.py")], ["-m", "depthbench.reports.plot_suite"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    failed = []  # each figure command that failed: 'plot.py synthetic (exit 1)' (--report exits 1 naming them)
     for probe_name in args.probes:
         if not (args.out / probe_name).is_dir():      # a report while the sweep runs
             print(f"figures of the {probe_name} probe: none yet (no seed run has started)")
             continue
         for script in scripts:
             # plot_suite: the figures across designs (Fig. 2 left with Δ vs Pre-LN paired, Fig. 6a/c at the deepest)
-            subprocess.run([sys.executable, *script, str(args.out / probe_name), "--out",
-                            str(args.out / "figs" / probe_name)], check=False, env=env,
-                           preexec_fn=common.end_with_parent())
+            command = [sys.executable, *script, str(args.out / probe_name), "--out", str(args.out / "figs" / probe_name)]
+            code = subprocess.run(command, check=False, env=env, preexec_fn=common.end_with_parent()).returncode
+            failed += [f"{Path(script[-1]).name} {probe_name} (exit {code})"] if code else []
+    return failed
 
 
 def report(args):
-    """--report: summary.md and the figures of the runs done so far; trains, tokenizes and locks nothing. All or
-    nothing: the table is made first, reading every run.json by type, and the figures are drawn only when it could
-    be, so both come from the same runs. A folder without a run of the probes (an empty or mistyped --out), or a
-    run.json the table cannot read: one line, exit 2, nothing written."""
+    """--report: summary.md and figures of the runs done so far, training nothing. No run, or a run.json the table cannot
+    read: one line, exit 2, nothing written; then the figures: one that fails gives one line naming it, exit 1."""
     runs = [path for p in args.probes for sub in (p, f"{p}-lr") for path in (args.out / sub).glob("**/run.json")]
     if not runs:
         fail("mini.py", f"--report: {args.out} holds no run of the {' and '.join(args.probes)} probe (is --out the "
@@ -646,10 +645,11 @@ def report(args):
     except runlog.RunLogError as e:
         fail("mini.py", f"--report: {e}; nothing written (no figure, summary.md as it was): move the run folder "
              "away, or fix the field")
-    draw_figures(args)
+    failed = draw_figures(args)
     write_atomic(args.out / "summary.md", text)
+    if failed:  # never "wrote the figures" when one was not drawn: one line naming each, exit 1
+        fail("mini.py", f"--report: {', '.join(failed)} failed (its lines above); wrote {args.out / 'summary.md'}", code=1)
     print(f"wrote {args.out / 'summary.md'} and the figures in {args.out / 'figs'} from the runs done so far")
-    return 0
 
 
 def suite(args):

@@ -40,6 +40,7 @@ from depthbench.files.common import (ArgParser, check_options, comma_list, desig
                     positive, write_json)
 from residuals import RESIDUALS
 
+MAX_SEQ, MAX_BATCH = 2**20, 2**16  # --seq and --batch: a million tokens (256 x Fig. 11's 4,096), 65,536 sequences
 PAPER_AR = "76,42.67,28,9.1"  # the 400M points of Fig. 11: L16, L24, L32, L70
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEASURED = ["fwd_ms", "fwdbwd_ms", "tok_per_s", "peak_mem_bytes", "peak_mem_kind", "utilization", "kernels",
@@ -461,11 +462,13 @@ def parse_shapes(p, args):
                 p.error(f"--shapes: {text!r} is not a shape LxD like 16x1216")
         return [(int(m[1]), int(m[2])) for m in dims]
     try:
-        budget, ars = shapes.parse_count(args.params or "405M"), comma_list(positive(float))(args.ar or PAPER_AR)
+        budget = shapes.parse_count(args.params or "405M")  # a count from 1 to shapes.MAX_PARAMS
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        ars = comma_list(positive(float))(args.ar or PAPER_AR)
     except ValueError:
-        p.error(f"--params {args.params!r} / --ar {args.ar!r}: expected a count like 405M and numbers like 76,9.1")
-    if budget <= 0:
-        p.error("--params must be positive")
+        p.error(f"--ar {args.ar!r}: expected positive numbers like 76,9.1")
     try:
         return [(s["n_layer"], s["d_model"]) for s in (shapes.solve(budget, ar=ar, vocab=args.vocab) for ar in ars)]
     except ValueError as e:
@@ -483,8 +486,10 @@ def build_parser():
                    help="attention heads (default 16; head_dim must be even)")
     p.add_argument("--kv-heads", type=positive(), help="key/value heads, dividing --heads (default: --heads; the "
                    "1.6b suite's GQA: 8)")
-    p.add_argument("--seq", type=positive(), default=4096, help="sequence length T (default 4096, as in Fig. 11)")
-    p.add_argument("--batch", type=positive(), default=8,
+    p.add_argument("--seq", type=positive(int, below=MAX_SEQ + 1, name=f"sequence length from 1 to {MAX_SEQ:,}"),
+                   default=4096,
+                   help="sequence length T (default 4096, as in Fig. 11)")
+    p.add_argument("--batch", type=positive(int, below=MAX_BATCH + 1, name=f"batch from 1 to {MAX_BATCH:,}"), default=8,
                    help="batch of the measured runs and of kv_cache_bytes_batch (default 8)")
     p.add_argument("--vocab", type=positive(), default=shapes.VOCAB,
                    help="vocabulary size (default 50280, the paper's)")
@@ -539,6 +544,8 @@ def checked_args(p, args):
             p.error(f"d={d} must split into {args.heads} heads of an even head_dim (RoPE rotates pairs)")
         if L > shapes.MAX_LAYERS:
             p.error(f"L={L:,}: more than the {shapes.MAX_LAYERS} blocks this code builds a model of")
+        if d > shapes.MAX_PARAMS or shapes.preln_params(L, d, shapes.ffn_dim(d), vocab=args.vocab) > shapes.MAX_PARAMS:
+            p.error(f"{L}x{d}: more than the {shapes.MAX_PARAMS:,} parameters (1T) a budget may have (shapes.py)")
     try:
         dev = torch.device(pick_device(args.device))
     except ValueError as e:

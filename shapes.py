@@ -14,7 +14,6 @@ come on top and are counted exactly by building the model on the meta device.
     python shapes.py --table                           # the solver at 13 depths (7 of them are the paper's 400m)
     python shapes.py --params 300M --fixed backbone --ar 9.1 --json
 """
-import itertools
 import json
 import math
 
@@ -25,6 +24,7 @@ VOCAB = 50280
 # depths of `--table`, the solver's family for a budget; only L16, 20, 24, 28, 32, 42, 70 are paper rows (SUITES)
 TABLE_LAYERS = [16, 20, 24, 26, 28, 30, 32, 36, 42, 50, 56, 62, 70]
 MAX_LAYERS = 1024  # the paper's deepest model has 84 blocks
+MAX_PARAMS = 10**12  # the largest budget a count is read as: 1T parameters, 600 x the paper's largest model (1.6B)
 
 
 def _rows(shapes, steps, label, n_kv_head=N_HEAD, lr=None, designs=None):
@@ -135,12 +135,18 @@ def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=2
         return backbone_params(L, d, ffn_dim(d)) if fixed == "backbone" else preln_params(L, d, ffn_dim(d), vocab)
 
     def best_width(L):
-        # the count grows monotonically in d, so scan head_dim upward until it passes the budget
-        widths = []
-        for d in itertools.count(2 * n_head, 2 * n_head):
-            widths.append((d, count(L, d)))
-            if widths[-1][1] > budget:
-                return min(widths, key=lambda w: abs(w[1] - budget))  # the first of equally close ones
+        # the count grows monotonically in d = k * step: bisect for the first k whose count passes the budget (a
+        # scan took 10^5 steps per depth at 10^13 params), then the closer of it and the one before (the smaller
+        # of equally close ones)
+        step, high = 2 * n_head, 1
+        while count(L, high * step) <= budget:
+            high *= 2
+        low = high // 2  # count(L, low * step) <= budget, or low = 0
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if count(L, mid * step) <= budget else (low, mid)
+        widths = [(k * step, count(L, k * step)) for k in (low, high) if k > 0]
+        return min(widths, key=lambda w: abs(w[1] - budget))
 
     depths = [layers] if layers is not None else range(1, max_layers + 1)
     candidates = [(L, *best_width(L)) for L in depths]
@@ -159,14 +165,21 @@ def solve(budget, ar=None, layers=None, fixed="total", vocab=VOCAB, max_layers=2
             "ar": d / L, "params": preln_params(L, d, d_ff, vocab), "backbone_params": backbone_params(L, d, d_ff)}
 
 
-def parse_count(text):
-    """'405M' -> 405_000_000; '1.6B', '300k', '12345' also work."""
-    units = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
+def parse_count(text, flag="--params"):
+    """'405M' -> 405_000_000; '1.6B', '300k', '1T', '12345' also work. A ValueError naming `flag` (one line) for text that
+    is no count, a count below 1 or one above MAX_PARAMS: every --params of the project is read here."""
+    units = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
     t = text.strip().lower().replace("_", "").replace(",", "")
     mult = units.get(t[-1:], 1)
-    value = float(t[:-1] if t[-1:] in units else t) * mult
+    try:
+        value = float(t[:-1] if t[-1:] in units else t) * mult
+    except ValueError:
+        value = math.nan
     if not math.isfinite(value):
-        raise ValueError(text)
+        raise ValueError(f"{flag} {text!r} is not a count like 405M")
+    if not 1 <= value <= MAX_PARAMS:
+        raise ValueError(f"{flag} {text!r}: a budget from 1 to {MAX_PARAMS:,} parameters (1T; the paper's largest "
+                         f"model has 1.6B)")
     return int(round(value))
 
 
@@ -228,10 +241,8 @@ def main(argv=None):
     fail = p.error
     try:
         budget = parse_count(args.params)
-    except ValueError:
-        fail(f"--params {args.params!r} is not a count like 405M")
-    if budget <= 0:
-        fail(f"--params must be positive, got {args.params}")
+    except ValueError as e:
+        fail(str(e))
     if args.residual not in RESIDUALS:
         fail(f"unknown residual {args.residual!r}; choose from {', '.join(RESIDUALS)}")
 

@@ -19,7 +19,6 @@ it costs), distributed.py (the torchrun ranks and FSDP2 state); this file builds
 import dataclasses
 import itertools
 import math
-import os
 import resource
 import shlex
 import signal
@@ -58,11 +57,14 @@ def forward_backward(model, loader, autocast=nullcontext(), device="cpu", after_
     """Gradients of one optimizer step: loader.accum_steps micro-batches of equal size, each loss the mean over
     its tokens, divided by their number, so the summed gradient is the mean over the whole batch (DDP then
     averages the ranks' equal shares). Under DDP only the last micro-step all-reduces (no_sync on the others).
-    after_micro(done), called after each micro-batch, says whether to stop there: the step is then cut short and
-    None returned (its gradients partial: the caller drops them)."""
+    after_micro(done), called after each micro-batch and before the first (done 0: a signal pending then never
+    starts the step, nor a first compile), says whether to stop there: the step is then cut short and None returned
+    (its gradients partial: the caller drops them)."""
     accum = loader.accum_steps
     ddp = isinstance(model, DDP)
     total = torch.zeros((), device=device)
+    if after_micro is not None and after_micro(0):
+        return None
     for micro in range(accum):
         x, y, _ = loader.next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -80,12 +82,16 @@ def forward_backward(model, loader, autocast=nullcontext(), device="cpu", after_
 def evaluate(model, loader, iters, *, autocast, device, max_gap, stop=None):
     """Mean token CE over `iters` fixed global batches of validation data, and for the synthetic task the
     answer-only loss/accuracy overall and per level. Sums are all-reduced, so every rank gets the same. stop(),
-    asked after each micro-batch, cuts the evaluation short when true (every rank alike): None then."""
+    asked before each micro-batch (a signal pending never starts one, nor the first eval's compile), cuts the
+    evaluation short when true (every rank alike): None then."""
     model.eval()
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # summed CE, tokens (fp64: exact counts past 2^24)
     answers = torch.zeros(max_gap, 3, device=device)      # per level: summed CE, correct, count
     for it in range(iters):
         for micro in range(loader.accum_steps):
+            if stop is not None and stop():
+                model.train()
+                return None
             x, y, level = loader.get_batch(it, micro)
             x, y = x.to(device), y.to(device)
             with autocast:
@@ -95,9 +101,6 @@ def evaluate(model, loader, iters, *, autocast, device, max_gap, stop=None):
             sums[1] += n
             if level is not None:
                 answers += answer_metrics(logits, y, level, max_gap)
-            if stop is not None and stop():
-                model.train()
-                return None
     if dist.is_initialized():
         dist.all_reduce(sums)
         dist.all_reduce(answers)
@@ -659,10 +662,7 @@ def main(argv=None):
     if args.print_grid:
         return print_grid(args)
 
-    if args.dry_run:
-        ranks = Ranks(world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    else:
-        ranks = init_distributed(cuda)
+    ranks = init_distributed(cuda, plan_only=args.dry_run)  # --dry-run: the ranks it plans for, no process group
     runs = resolve_grid(args, ranks.world_size)
     try:
         check_memory(runs, args, cuda)

@@ -108,7 +108,7 @@ CASES = [
     ("diagnose.py", "--causal-threshold nan", [*INIT, "--causal-threshold", "nan"], {}, 2, "--causal-threshold"),
     ("diagnose.py", "an unknown zero-shot task in --tasks", [*INIT, "--metrics", "zeroshot", "--tasks", "piqa,mmlu"], {},
      2, "--tasks: choose from openbookqa, winogrande"),
-    ("profile_gpu.py", "--ar nan", ["--analytic-only", "--ar", "nan"], {}, 2, "expected a count like 405M"),
+    ("profile_gpu.py", "--ar nan", ["--analytic-only", "--ar", "nan"], {}, 2, "--ar 'nan': expected positive numbers"),
     ("shapes.py", "--ar inf", ["--ar", "inf"], {}, 2, "argument --ar: invalid"),
     ("train.py", "--max-gap 100000 (no answer fits a sequence)", [*TRAIN, "--max-gap", "100000"], {}, 2,
      "a sequence could hold no answer"),
@@ -143,7 +143,7 @@ CASES = [
     ("train.py", "--seq-len 100000000", [*TRAIN, "--seq-len", "100000000"], {}, 2, "needs at least"),
     ("profile_gpu.py", "10^8 layers, --analytic-only", ["--analytic-only", "--shapes", "100000000x64"], {}, 2,
      "more than the 1024 blocks"),
-    ("shapes.py", "10^5 layers of 10^15 parameters", ["--params", "1e15", "--layers", "100000"], {}, 2,
+    ("shapes.py", "10^5 layers of 10^11 parameters", ["--params", "1e11", "--layers", "100000"], {}, 2,
      "more than the 1024 blocks"),
     ("mini.py", "an empty item in --ar", ["--ar", "92,,9.1", "--out", "{tmp}/m"], {}, 2, "argument --ar: invalid"),
     ("mini.py", "a trailing comma in --designs", ["--designs", "preln,", "--out", "{tmp}/m"], {}, 2,
@@ -344,6 +344,75 @@ CASES += [
      "--report: {tmp}/m/synthetic/b/run.json: not a run log of train.py: it is not JSON (JSONDecodeError: Expecting "
      "property name enclosed in double quotes: line 1 column 2 (char 1)); nothing written (no figure, summary.md as "
      "it was)"),
+]
+
+
+# ----------------------------------------------------------------------------- issue 66: every size bounded, every
+#                                                                                reader of JSON one line
+
+def nan_weights(ckpt):
+    """The first weight of a checkpoint all NaN (what a diverged run's weights become)."""
+    first = next(iter(ckpt["model"]))
+    ckpt["model"][first] = torch.full_like(ckpt["model"][first], float("nan"))
+
+
+NESTED = "[" * 100_000 + "]" * 100_000  # a JSON text nested deeper than Python's json reads (a RecursionError)
+NLL = [*INIT, "--tokenizer", "bytes", "--metrics", "nll", "--nll-data", "{tmp}/n", "--nll-tasks", "gsm8k"]
+GSM8K = '{"question": "1 + 1?", "answer": "2"}\n'
+ANGULAR = ["--metrics", "angular"]
+
+
+def official_width(d_model):
+    """An official step folder {tmp}/step1 whose config.json says d_model (its weights those of d_model 32)."""
+    def make_it(tmp):
+        from test_official import ours, write_checkpoint
+        step = write_checkpoint(tmp / "step1", ours("preln"))
+        config = json.loads((step / "config.json").read_text())
+        config["model"]["d_model"] = d_model
+        (step / "config.json").write_text(json.dumps(config))
+    return make_it
+
+
+CASES += [
+    ("shapes.py", "--params 1e40 (the width search never returned)", ["--params", "1e40", "--ar", "9.1"], {}, 2,
+     "--params '1e40': a budget from 1 to 1,000,000,000,000 parameters (1T; the paper's largest model has 1.6B)"),
+    ("train.py", "--params 1e40", [*TRAIN, "--params", "1e40"], {}, 2,
+     "--params '1e40': a budget from 1 to 1,000,000,000,000 parameters"),
+    ("profile_gpu.py", "--params 1e40", ["--analytic-only", "--params", "1e40"], {}, 2,
+     "--params '1e40': a budget from 1 to 1,000,000,000,000 parameters"),
+    ("profile_gpu.py", "a shape of 10^19 parameters", ["--analytic-only", "--shapes", "2x1000000000"], {}, 2,
+     "2x1000000000: more than the 1,000,000,000,000 parameters (1T) a budget may have"),
+    ("train.py", "--gpu-mem 1e30 (was planned as fitting)", [*TRAIN, "--dry-run", "--gpu-mem", "1e30"], {}, 2,
+     "argument --gpu-mem: invalid GB per GPU, at most 1,024, value: '1e30'"),
+    ("diagnose.py", "--seq-len 10^8 on a run of seq_len 16 (was used: the kernel's OOM kill at 23 GB)",
+     ["{tmp}/run", *ANGULAR, "--seq-len", "100000000"], run_folder("preln"), 2,
+     "--seq-len 100,000,000: at most the run's own seq_len, 16 tokens"),
+    ("diagnose.py", "--seq-len 10^8 with --init", [*INIT, *ANGULAR, "--seq-len", "100000000"], {}, 2,
+     "--seq-len 100,000,000: at most what a model without a run's seq_len (--init) is read at, 8,192 tokens"),
+    ("diagnose.py", "--num-samples 10^6 windows of 512 tokens", [*INIT, *ANGULAR, "--num-samples", "1000000",
+     "--seq-len", "512"], {}, 2, "--num-samples 1,000,000 x --seq-len 512 = 512,000,000 tokens: at most 16,777,216"),
+    ("diagnose.py", "--init at a width of 10^5", ["--init", "preln", "--width", "100000", "--heads", "2"], {}, 2,
+     "parameters; a fresh model has at most 2,000,000,000 and 1024 blocks"),
+    ("diagnose.py", "--step on a run folder (was ignored)", ["{tmp}/run", "--step", "3"], run_folder("preln"), 2,
+     "--step 3: picks an official checkpoint's stepN folder; {tmp}/run has one step"),
+    ("diagnose.py", "--step -1", ["{tmp}/run", "--step", "-1"], {}, 2, "argument --step: invalid"),
+    ("diagnose.py", "a ckpt.pt of NaN weights (was diagnosed, exit 0)", ["{tmp}/run"], edited_run("preln", nan_weights),
+     2, "run/ckpt.pt: 1 of its 30 weight tensors hold NaN or inf (the first: wte.weight)"),
+    ("diagnose.py", "--nll-data rows without their fields (was a KeyError)", NLL, {"n/gsm8k.jsonl": '{"question": 1}\n'},
+     2, "--nll-data: {tmp}/n/gsm8k.jsonl:1: no field 'answer' (each item needs question, answer: the hub dataset's"),
+    ("diagnose.py", "--nll-data with a field of another type", NLL, {"n/gsm8k.jsonl": GSM8K.replace('"2"', "2")}, 2,
+     "--nll-data: {tmp}/n/gsm8k.jsonl:1: field 'answer' is a number, not a string"),
+    ("train.py", "run.json of 100,000 nested brackets (was a RecursionError)", TRAIN, {f"{RUN}/run.json": NESTED}, 2,
+     "run.json: not a run log of train.py: it is not JSON (RecursionError: nested deeper than Python's json reads)"),
+    ("depthbench.files.official", "a config.json of width 1.6 x 10^7 (the model would be built: the OOM kill)",
+     ["info", "{tmp}/step1"], official_width(16 * 10**6), 2, "step1/config.json: a model of 3 blocks of width "
+     "16,000,000 (3,072,010,864,000,000 parameters): more than the 1024 blocks or 1,000,000,000,000 parameters"),
+    ("train.py", "--steps 10^29 (planned as fitting)", [*TRAIN, "--steps", str(10**29)], {}, 2,
+     "argument --steps: invalid count from 1 to 10^9 value"),
+    ("profile_gpu.py", "--seq 10^23 (its analytic numbers printed as such)", ["--analytic-only", "--shapes", "2x64",
+     "--seq", str(10**23)], {}, 2, "argument --seq: invalid sequence length from 1 to 1,048,576 value"),
+    ("mini.py", "--report over a run.json of 100,000 nested brackets", ["--report", *MINI],
+     {"m/synthetic/a/run.json": NESTED}, 2, "a/run.json: not a run log of train.py: it is not JSON (RecursionError"),
 ]
 
 
@@ -596,7 +665,7 @@ def test_mini_redoes_a_corrupt_diagnosis(tmp_path, monkeypatch):
     (run / "diagnose.json").write_text('{"causal_score": ')
     pools = []
     monkeypatch.setattr(mini, "run_pool", lambda jobs, n, what, log_dir, took=None: pools.append((what, jobs)) or [])
-    monkeypatch.setattr(mini.subprocess, "run", lambda *a, **k: None)
+    monkeypatch.setattr(mini.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))  # every figure drawn
     assert mini.main(["--designs", "preln", "--ar", "32", "--seeds", "0", "--out", str(tmp_path)]) == 0
     assert pools[-1][0] == "diagnose" and [label for label, _ in pools[-1][1]] == ["diagnose preln_ar32"]
     assert "| preln | 2 | 64 |" in (tmp_path / "summary.md").read_text()
@@ -1213,6 +1282,267 @@ def test_a_smoke_budget_is_a_number_of_seconds(tmp_path, capsys, monkeypatch, bu
     assert (tmp_path / "s" / "smoke.log").read_text().startswith("gpu_smoke.py: budget 1 s, tiny")
 
 
+# ----------------------------------------------------------------------------- 11. issue 66: the environment, exits
+#                                                                                that say what happened, a pending stop
+
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+BAD_LAUNCHES = [
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not an integer from 1 to 65,536"),
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer from 1 to 65,536"),
+    ({"WORLD_SIZE": str(10**9)}, "WORLD_SIZE='1000000000' is not an integer from 1 to 65,536"),
+    ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together"),
+    ({"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK='2' is not an integer from 0 to 1"),
+    ({"RANK": "1", "LOCAL_RANK": "x", "WORLD_SIZE": "2"}, "LOCAL_RANK='x' is not an integer from 0 to 1"),
+]
+
+
+@fault("the launcher's variables of no sense, with train.py --dry-run or a run (WORLD_SIZE=0, abc or 10^9; RANK "
+       "without WORLD_SIZE; RANK or LOCAL_RANK outside the world)", "one line naming the variable and what it may be, "
+       "exit 2, printed by every process whatever its RANK (was a ZeroDivisionError or ValueError traceback); "
+       "WORLD_SIZE=2 without RANK plans --dry-run for 2 ranks, as before")
+@pytest.mark.parametrize("env, says", BAD_LAUNCHES, ids=[" ".join(f"{k}={v}" for k, v in e.items())
+                                                         for e, _ in BAD_LAUNCHES])
+def test_the_launchers_variables_are_checked_like_flags(capsys, monkeypatch, env, says):
+    for name in LAUNCHER:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for argv in (["--preset", "mini", "--dry-run"], ["--preset", "mini", "--steps", "1", "--out", "/nonexistent/x"]):
+        with pytest.raises(SystemExit) as e:
+            train.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"train.py: error: {says}"), err
+
+
+def test_a_world_size_without_rank_is_what_dry_run_plans_for(capsys, monkeypatch):
+    for name in LAUNCHER:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.init_distributed(False, plan_only=True).world_size == 2
+    assert train.init_distributed(False).world_size == 1  # a plain run: no process group without RANK
+
+
+@fault("train.py --resume over a ckpt.pt whose model_config.n_layer is the string \"2\" (diagnose.py and export.py "
+       "refused it; --resume trained on)", "every reader of a checkpoint reads model_config by GPTConfig's types "
+       "(checkpoints.check_model_config): one line naming the file and the field, exit 2, nothing written")
+def test_resume_reads_the_model_config_by_type(tmp_path, capsys):
+    args = TINY + ["--steps", "2", "--max-steps", "1", "--out", str(tmp_path)]
+    assert run_main(args, capsys)[0] == 0
+    (path,) = tmp_path.glob("*/ckpt.pt")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model_config"]["n_layer"] = "2"
+    torch.save(ckpt, path)
+    before = files(tmp_path)
+    code, _, err = run_main(args[:-4] + ["--resume", "--out", str(tmp_path)], capsys)
+    assert code == 2 and err.splitlines() == [
+        f"train.py: error: cannot resume: {path}: field 'model_config.n_layer' is '2', not a count (an integer >= 1)"]
+    assert files(tmp_path) == before
+
+
+@fault("mini.py --report when a figure command fails (simulated: plot.py exits 1)", "summary.md is written, then one "
+       "line naming each failed command and its exit code, exit 1 (was exit 0 and `wrote ... the figures`)")
+def test_a_report_whose_figure_failed_says_so(tmp_path, capsys, monkeypatch):
+    common.write_json(tmp_path / "synthetic" / "a" / "run.json", run_json())
+
+    def figure(command, **_):
+        return subprocess.CompletedProcess(command, 1 if command[1].endswith("plot.py") else 0)
+    monkeypatch.setattr(mini.subprocess, "run", figure)
+    with pytest.raises(SystemExit) as e:
+        mini.main(["--report", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and err.splitlines() == [
+        f"mini.py: error: --report: plot.py synthetic (exit 1) failed (its lines above); wrote {tmp_path / 'summary.md'}"]
+    assert "the figures in" not in out and (tmp_path / "summary.md").is_file()
+
+
+@fault("a signal that comes after the loop's check between steps (here: during the save before step 2; the same "
+       "check guards an evaluation's first micro-batch)", "the step never starts: no micro-batch runs, so no first "
+       "compile begins while a signal is pending (`step 2 dropped after micro-batch 0 of 2`); ckpt.pt at step 1, "
+       "exit 143. A signal during a compile is answered when that micro-batch ends (docs/training.md#stopping)")
+def test_a_pending_signal_never_starts_a_step(tmp_path, capsys, monkeypatch):
+    save, batches = train.maybe_save, []
+
+    def signalled_save(run, last, force=False):
+        save(run, last, force)
+        if run.step == 1 and not batches:
+            batches.append(run.train_loader.state_dict())
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(train, "maybe_save", signalled_save)
+    code, out, err = run_main(TINY + ["--steps", "4", "--ckpt-every", "1", "--out", str(tmp_path)], capsys)
+    assert code == 143 and "step 2 dropped after micro-batch 0 of 2" in out and "step 2: micro-batch" not in out
+    assert load_run(tmp_path)["stopped"] == {"signal": "SIGTERM", "step": 1, "dropped_step": 2,
+                                             "micro_batches_done": 0, "micro_batches": 2, "after_signal": 0}
+    assert torch.load(next(tmp_path.glob("*/ckpt.pt")), weights_only=True)["loader"] == batches[0]
+
+
+# ----------------------------------------------------------------------------- 12. issue 66: every reader of JSON, fed
+#                                                                                randomly damaged files of its format
+
+DAMAGES = ("truncated", "nested", "wrong type", "huge number")
+HUGE = "1" + "0" * 5000  # an integer of 5,001 digits: more than the 4,300 that Python's int() reads from text
+
+
+def get_field(obj, path):
+    """The value at path ('steps[0].step', 'model.block') of a JSON value."""
+    for key in re.findall(r"[^.\[\]]+", path):
+        obj = obj[int(key)] if isinstance(obj, list) else obj[key]
+    return obj
+
+
+def other_type(value):
+    """A JSON value of another type than `value`'s, and not null (a number for text, a list for a number, else text)."""
+    if isinstance(value, str):
+        return 5
+    if isinstance(value, (bool, int, float)):
+        return [1]
+    return "x"
+
+
+def damaged(text, kind, fields, rng):
+    """One JSON object's text (a file, or one line of a JSON Lines file) damaged as `kind`, at a field drawn from
+    `fields` (the fields its reader checks): cut off at a random character; the field nested 100,000 deep; the field
+    of another type; the field a number of 5,001 digits."""
+    if kind == "truncated":
+        return text.strip()[:rng.randrange(1, len(text.strip()))]
+    obj, path = json.loads(text), rng.choice(fields)
+    set_field(obj, path, other_type(get_field(obj, path)) if kind == "wrong type" else "<damage>")
+    return json.dumps(obj).replace('"<damage>"', NESTED if kind == "nested" else HUGE)
+
+
+def reader_run_json(tmp, finished_run, capsys, monkeypatch):
+    """train.py over its own run folder: the undamaged run.json is skipped as finished (exit 0)."""
+    shutil.copytree(finished_run, tmp / finished_run.name)
+    return tmp / finished_run.name / "run.json", lambda: run_main(TINY + ["--steps", "2", "--out", str(tmp)], capsys)
+
+
+def reader_report(tmp, finished_run, capsys, monkeypatch):
+    """mini.py --report over a suite holding the run (the figure commands simulated)."""
+    shutil.copytree(finished_run, tmp / "synthetic" / finished_run.name)
+    monkeypatch.setattr(mini.subprocess, "run", lambda command, **_: subprocess.CompletedProcess(command, 0))
+    return tmp / "synthetic" / finished_run.name / "run.json", lambda: called(mini.main, ["--report", "--out",
+                                                                                         str(tmp)], capsys)
+
+
+def reader_zeroshot(tmp, finished_run, capsys, monkeypatch):
+    """diagnose.py --zeroshot-data: a piqa.jsonl of two items, checked before any work."""
+    (tmp / "z").mkdir()
+    argv = [a.replace("{tmp}", str(tmp)) for a in ZEROSHOT]
+    return tmp / "z" / "piqa.jsonl", lambda: called(importlib.import_module("diagnose").main, argv, capsys)
+
+
+def reader_nll(tmp, finished_run, capsys, monkeypatch):
+    """diagnose.py --nll-data: a gsm8k.jsonl of two items, checked before any task is scored."""
+    (tmp / "n").mkdir()
+    argv = [a.replace("{tmp}", str(tmp)) for a in NLL]
+    return tmp / "n" / "gsm8k.jsonl", lambda: called(importlib.import_module("diagnose").main, argv, capsys)
+
+
+def reader_official(tmp, finished_run, capsys, monkeypatch):
+    """depthbench.files.official info over a step folder's config.json (tests/test_official.py's)."""
+    from depthbench.files import official
+    from test_official import ours, write_checkpoint
+    step = write_checkpoint(tmp / "step1", ours("preln"))
+    return step / "config.json", lambda: called(official.main, ["info", str(step)], capsys)
+
+
+def reader_text(tmp, finished_run, capsys, monkeypatch):
+    """data.py over a .jsonl source of two documents."""
+    argv = ["--source", str(tmp / "a.jsonl"), "--tokenizer", "bytes", "--out", str(tmp / "o")]
+    return tmp / "a.jsonl", lambda: called(data.main, argv, capsys)
+
+
+def called(main, argv, capsys):
+    """main(argv) in-process -> (exit code, stdout, stderr)."""
+    try:
+        code = main(argv) or 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+RUN_FIELDS = [path for path, *_ in READ_FIELDS]
+# reader -> (script, its setup, the fields it checks, a valid line of a JSON Lines file or None for a file of one object)
+READERS = {"train.py run.json": ("train.py", reader_run_json, RUN_FIELDS, None),
+           "mini.py --report run.json": ("mini.py", reader_report, RUN_FIELDS, None),
+           "diagnose.py --zeroshot-data": ("diagnose.py", reader_zeroshot, ["goal", "sol1", "sol2", "label"], PIQA),
+           "diagnose.py --nll-data": ("diagnose.py", reader_nll, ["question", "answer"], GSM8K),
+           "official config.json": ("depthbench.files.official", reader_official,
+                                    ["model", "model.block", "model.d_model", "model.n_layers"], None),
+           "data.py .jsonl source": ("data.py", reader_text, ["text"], '{"text": "a document"}\n')}
+
+
+@fault("every reader of JSON (run.json: train.py, mini.py --report; --zeroshot-data and --nll-data task files; an "
+       "official config.json; data.py's .jsonl sources) fed randomly damaged files of its own format, seeded: cut "
+       "off, a field nested 100,000 deep, a field of another type, a number of 5,001 digits",
+       "one line naming the file, exit 2, for each (common.parse_json / load_json / json_lines: the one reader of "
+       "JSON text, RecursionError and int()'s digit limit included); plot.py skips such a run.json in one line")
+@pytest.mark.parametrize("kind", DAMAGES)
+@pytest.mark.parametrize("reader", READERS)
+def test_every_reader_refuses_damaged_files_in_one_line(tmp_path, capsys, monkeypatch, finished_run, reader, kind):
+    import random
+    script, setup, fields, line = READERS[reader]
+    rng = random.Random(f"{reader} {kind}")
+    for draw in range(2):
+        tmp = tmp_path / str(draw)
+        tmp.mkdir()
+        path, run = setup(tmp, finished_run, capsys, monkeypatch)
+        valid = line or path.read_text()
+        bad = damaged(valid, kind, fields, rng)
+        path.write_text(line + bad + "\n" if line else bad)  # a JSON Lines file: its second line damaged
+        code, _, err = run()
+        assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"{script}: error: "), (bad[:300], err)
+        assert str(path) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("kind", DAMAGES)
+def test_an_options_json_damaged_is_one_line(tmp_path, capsys, kind):
+    """--residual-args, the JSON a command line gives (common.json_object through parse_json), damaged as the files
+    above: one line, exit 2, without echoing the text (200,000 brackets would be the line)."""
+    import random
+    bad = damaged('{"n_groups": 4}', kind, ["n_groups"], random.Random(kind))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in TRAIN] + ["--residual", "block_attnres", "--residual-args", bad]
+    code, _, err = run_main(argv, capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("train.py: error: ") and len(err) < 300, err
+    assert "--residual-args" in err and not list(tmp_path.iterdir())
+
+def test_the_width_bisection_is_the_scan_it_replaced():
+    """shapes.solve's width per depth, bisected (a scan of 2 x n_head steps took minutes at 10^13 params): the width
+    the scan found, the smaller of two equally close, for seeded random budgets, depths, heads and families; a 1T
+    budget is solved over all 256 depths of the AR search."""
+    import random
+    import shapes
+
+    def scanned(budget, L, n_head, fixed):
+        widths, d = [], 0
+        while not widths or widths[-1][1] <= budget:
+            d += 2 * n_head
+            size = shapes.backbone_params(L, d, shapes.ffn_dim(d))
+            if fixed == "total":
+                size = shapes.preln_params(L, d, shapes.ffn_dim(d))
+            widths.append((d, size))
+        return min(widths, key=lambda w: abs(w[1] - budget))[0]
+    rng = random.Random(66)
+    for _ in range(100):
+        budget, L = int(10 ** rng.uniform(3, 9)), rng.randint(1, 256)
+        n_head, fixed = rng.choice([4, 16]), rng.choice(["total", "backbone"])
+        got = shapes.solve(budget, layers=L, fixed=fixed, n_head=n_head, tolerance=None)["d_model"]
+        assert got == scanned(budget, L, n_head, fixed), (budget, L, n_head, fixed)
+    assert shapes.solve(shapes.MAX_PARAMS, ar=9.1, tolerance=None)["n_layer"] == 256  # returns (the scan did not)
+
+@pytest.mark.parametrize("kind", DAMAGES)
+def test_plot_skips_a_damaged_run_json_in_one_line(tmp_path, capsys, finished_run, kind):
+    import random
+    import plot
+    shutil.copytree(finished_run, tmp_path / "runs" / "a")
+    path = tmp_path / "runs" / "a" / "run.json"
+    path.write_text(damaged(path.read_text(), kind, RUN_FIELDS, random.Random(kind)))
+    assert plot.main([str(tmp_path / "runs"), "--out", str(tmp_path / "figs")]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("  skipped ")] == [
+        line for line in out.splitlines() if line.startswith("  skipped a/run.json: ")] and "  skipped a/run.json" in out
+
+
 # ----------------------------------------------------------------------------- the page
 
 def ticked(names):
@@ -1251,6 +1581,7 @@ def rules():
         "checkpoint's config) and plot.py: a field missing, null where it may not be, or of another type (`\"finished\""
         ": \"no\"`) is one line naming the file and the field, never read by truthiness. train.py --resume writes such "
         "a run.json again from ckpt.pt's log, and says so.", "",
+        *bounds(),
         "## Process lifetime", "",
         "- mini.py's children (train.py, diagnose.py, plot.py) end when it ends, however it ends. On Linux each asks "
         "the kernel for SIGTERM at its parent's death (`prctl(PR_SET_PDEATHSIG)`: common.end_with_parent), kill -9 "
@@ -1264,6 +1595,32 @@ def rules():
         "their end, and a rerun waits for them or says so.",
         "- The same command again resumes each stopped run from its ckpt.pt, to the losses of an uninterrupted run.",
         ""]
+
+
+def bounds():
+    """The page's section on the sizes a user gives and the JSON the scripts read, its numbers from the code."""
+    import shapes
+    from depthbench.evaluation import calibration
+    from depthbench.training import distributed, recipe
+    return [
+        "## Sizes and JSON", "",
+        "Every size a user gives is bounded where it is parsed, the message saying the largest value that makes "
+        f"sense: a parameter budget (`--params` of shapes.py, train.py, profile_gpu.py) from 1 to "
+        f"{shapes.MAX_PARAMS:,} (1T), a model of at most {shapes.MAX_LAYERS:,} blocks (`--layers`, `--shapes`, a "
+        f"checkpoint's model_config), every count of train.py at most {recipe.MAX_COUNT:,}, `--gpu-mem` at most "
+        f"{recipe.MAX_GPU_GB:,} GB, profile_gpu.py's `--seq` at most {profile_gpu.MAX_SEQ:,} and `--batch` at most "
+        f"{profile_gpu.MAX_BATCH:,}, diagnose.py's `--seq-len` at most the run's own seq_len "
+        f"({calibration.INIT_SEQ_LEN:,} for `--init`), `--num-samples` x `--seq-len` at most "
+        f"{calibration.WINDOW_TOKENS:,} tokens and an `--init` model at most {calibration.INIT_PARAMS:,} parameters. "
+        f"The launcher's variables are checked like flags: WORLD_SIZE from 1 to {distributed.MAX_WORLD_SIZE:,}, RANK "
+        "and LOCAL_RANK below it, all three together.", "",
+        "Every JSON a user gives a script (run.json, a checkpoint's config files, task files, .jsonl sources, an option's "
+        "JSON) goes through one function, depthbench/files/common.py's `parse_json` (`load_json` for a file, "
+        "`json_lines` for JSON Lines with each item's fields and types): a cut-off file, brackets nested deeper than "
+        "Python's json reads (its RecursionError), a number of more than 4,300 digits, a field of another type are "
+        "one line naming the file (and line), exit 2. A command that runs others says which failed: mini.py --report "
+        "exits 1 naming each figure command that did. Weights holding NaN or inf are refused by diagnose.py, an "
+        "option that does not apply (`--step` on a run folder) too.", ""]
 
 
 def render():

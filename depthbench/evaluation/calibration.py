@@ -18,31 +18,51 @@ from depthbench.files.common import design_options, first_line, pick_device
 from model import GPT, GPTConfig
 
 
+# the sizes a user gives diagnose.py, bounded where they are known (a larger one ended in the kernel's OOM kill)
+INIT_PARAMS = 2 * 10**9       # --init's model: at most 2B parameters (the paper's largest model has 1.6B)
+INIT_SEQ_LEN = 8192           # --seq-len without a run's seq_len (--init): 4 x the paper's 2,048
+WINDOW_TOKENS = 2**24         # --num-samples x --seq-len, read at once: 16.8M tokens (the release's most: 256 x 512)
+
+
 class DiagError(ValueError):
     """A problem the user can fix; diagnose.py prints it (and a CheckpointError) as one line and exits with 2."""
 
 
+def init_model(args, st):
+    """--init: a fresh model of the command line's shape, at most INIT_PARAMS -> (model, its 'run' settings)."""
+    vocab = args.vocab or {"gpt2": data.padded_vocab_size(50257), "bytes": 257}.get(args.tokenizer)
+    vocab = vocab or synthetic.SyntheticTask(args.max_gap).vocab_size
+    size = shapes.preln_params(args.layers, args.width, shapes.ffn_dim(args.width), vocab=vocab)
+    if args.layers > shapes.MAX_LAYERS or size > INIT_PARAMS:
+        raise DiagError(f"--init with --layers {args.layers:,} --width {args.width:,} (vocab {vocab:,}): {size:,} "
+                        f"parameters; a fresh model has at most {INIT_PARAMS:,} and {shapes.MAX_LAYERS} blocks")
+    torch.manual_seed(st.seed)
+    cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
+                    d_ff=shapes.ffn_dim(args.width), residual=args.init,
+                    residual_args=design_options(args.init, args.residual_args), kernels=args.kernels)
+    run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
+           "max_gap": args.max_gap, "seed": st.seed}
+    try:
+        return GPT(cfg), run
+    except ValueError as e:        # an option value the design refuses (Block AttnRes' grouping, ...): one line
+        raise DiagError(f"--residual-args: {first_line(e)}") from None
+
+
 def load_model(args, st):
-    """-> (model, the run's train config, checkpoint path or None, step or None)."""
+    """-> (model, the run's train config, checkpoint path or None, step or None). --step with anything but an
+    official checkpoint, and weights holding NaN or inf, are refused (DiagError), never diagnosed in silence."""
+    if args.step is not None and (args.init or not official.is_official(args.checkpoint)):
+        raise DiagError(f"--step {args.step}: picks an official checkpoint's stepN folder; "
+                        f"{'--init' if args.init else args.checkpoint} has one step")
     if args.init:  # the vocab follows the text: the tokenizer's, else the synthetic task's
-        vocab = args.vocab or {"gpt2": data.padded_vocab_size(50257), "bytes": 257}.get(args.tokenizer)
-        vocab = vocab or synthetic.SyntheticTask(args.max_gap).vocab_size
-        torch.manual_seed(st.seed)
-        cfg = GPTConfig(vocab_size=vocab, n_layer=args.layers, d_model=args.width, n_head=args.heads,
-                        d_ff=shapes.ffn_dim(args.width), residual=args.init,
-                        residual_args=design_options(args.init, args.residual_args), kernels=args.kernels)
-        run = {"data": "synthetic" if args.tokenizer is None else None, "tokenizer": args.tokenizer,
-               "max_gap": args.max_gap, "seed": st.seed}
-        try:
-            return GPT(cfg), run, None, None
-        except ValueError as e:        # an option value the design refuses (Block AttnRes' grouping, ...): one line
-            raise DiagError(f"--residual-args: {first_line(e)}") from None
+        return (*init_model(args, st), None, None)
     if official.is_official(args.checkpoint):  # the authors' released OLMo-core checkpoints (depthbench/files/official.py)
         model, info = official.load(args.checkpoint, args.step, args.kernels, args.residual_args)
         if st.out is None and not Path(args.checkpoint).is_dir():  # not into the hub cache
             st.out = f"diagnose_{args.checkpoint.split('/')[-1]}_step{info['step']}.json"
-        return (model, {"tokenizer": info["tokenizer"], "seq_len": info["seq_len"]},
-                str(Path(info["step_dir"]) / "config.json"), info["step"])
+        config = str(Path(info["step_dir"]) / "config.json")
+        refuse_non_finite(model, config)
+        return model, {"tokenizer": info["tokenizer"], "seq_len": info["seq_len"]}, config, info["step"]
     if args.residual_args:
         raise DiagError("--residual-args: for --init or an official checkpoint (a run's ckpt.pt records its own)")
     path = Path(args.checkpoint)
@@ -51,7 +71,30 @@ def load_model(args, st):
         raise DiagError(f"{args.checkpoint}: no checkpoint (give a run folder holding ckpt.pt, a .pt file, or --init)")
     ckpt = read_checkpoint(path)  # read by type: the run's settings, its step, its design, its weights' names
     model = checkpoint_model(ckpt, path, kernels=args.kernels)
+    refuse_non_finite(model, path)
     return model, ckpt["config"], str(path), ckpt.get("step")
+
+
+def refuse_non_finite(model, where):
+    """A DiagError naming the first weight that holds NaN or inf and how many do: every metric of such a model is
+    NaN (a diverged run's weights; train.py never saves them, but a file can hold them)."""
+    bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise DiagError(f"{where}: {len(bad)} of its {len(model.state_dict())} weight tensors hold NaN or inf (the "
+                        f"first: {bad[0]}); there is nothing to diagnose in them")
+
+
+def check_setting(N, T, run):
+    """A DiagError unless N windows of T tokens can be read: T at most the run's seq_len (INIT_SEQ_LEN without
+    one), N x T at most WINDOW_TOKENS."""
+    limit, whose = run.get("seq_len"), "the run's own seq_len"
+    if not limit:
+        limit, whose = INIT_SEQ_LEN, "what a model without a run's seq_len (--init) is read at"
+    if T > limit:
+        raise DiagError(f"--seq-len {T:,}: at most {whose}, {limit:,} tokens")
+    if N * T > WINDOW_TOKENS:
+        raise DiagError(f"--num-samples {N:,} x --seq-len {T:,} = {N * T:,} tokens: at most {WINDOW_TOKENS:,} are read "
+                        f"at once; lower one of them")
 
 
 def calibration(args, st, run, N, T):
@@ -109,6 +152,7 @@ def calibration_groups(args, st, run, model, device):
         groups.setdefault(setting, []).append(m)
     out = {}
     for (N, T), metrics in groups.items():
+        check_setting(N, T, run)
         x, y, what = calibration(args, st, run, N=N, T=T)
         vocab = model.cfg.vocab_size
         if int(x.max()) >= vocab or int(y.max()) >= vocab:

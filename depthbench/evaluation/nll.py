@@ -4,7 +4,6 @@ becomes a prompt and a target in the reference's formats, and the summed log-lik
 scored teacher-forced. Offline, `{task}.jsonl` files in each set's own fields (fixtures/nll) stand in for the hub.
 """
 import hashlib
-import json
 import math
 import random
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from depthbench.files.common import first_line
+from depthbench.files.common import JsonError, first_line, json_lines
 
 # task -> (category, hub dataset, config, split), as the reference's NLL script
 TASKS = {"mbpp": ("coding", "google-research-datasets/mbpp", "full", "test"),
@@ -22,6 +21,11 @@ TASKS = {"mbpp": ("coding", "google-research-datasets/mbpp", "full", "test"),
          "gpqa_diamond": ("stem", "Idavidrein/gpqa", "gpqa_diamond", "train"),
          "gsm8k": ("math", "openai/gsm8k", "main", "test"),
          "math500": ("math", "HuggingFaceH4/MATH-500", None, "test")}
+# task -> the fields nll_pair reads of a row, and their types (a local {task}.jsonl is checked against them)
+FIELDS = {"mbpp": {"text": str, "code": str, "test_list": list}, "humaneval": {"prompt": str, "canonical_solution": str},
+          "sciq": {"question": str, "correct_answer": str, "support": str},
+          "gpqa_diamond": {"Question": str, "Correct Answer": str, **{f"Incorrect Answer {k}": str for k in (1, 2, 3)}},
+          "gsm8k": {"question": str, "answer": str}, "math500": {"problem": str, "answer": str}}
 
 
 def nll_pair(task, row):
@@ -64,13 +68,21 @@ def encode_pair(tok, prompt, target):
     return list(ctx), list(whole[len(ctx):])
 
 
+def local_rows(nll_data, task):
+    """{task}.jsonl under nll_data, every row holding the fields nll_pair reads, of their types (FIELDS) -> the rows;
+    None when there is no such file; a damaged one: a JsonError naming the file and the line."""
+    path = Path(nll_data) / f"{task}.jsonl"
+    if not path.exists():
+        return None
+    return json_lines(path, FIELDS[task], hint=": the hub dataset's layout, as in fixtures/nll")
+
+
 def nll_rows(task, nll_data, limit):
     """The task's rows: from {task}.jsonl under nll_data (None if there is none), else from the hub."""
     if nll_data:
-        path = Path(nll_data) / f"{task}.jsonl"
-        if not path.exists():
+        rows = local_rows(nll_data, task)
+        if rows is None:
             return None
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     else:
         import datasets
         rows = datasets.load_dataset(*TASKS[task][1:3], split=TASKS[task][3])
@@ -111,6 +123,11 @@ def evaluate(model, tok, tasks, nll_data=None, limit=None, max_len=2048, batch_s
     """Every task's pooled NLL, then per category and over all (pooled over tokens, not a mean of the task means);
     a task without data (no {task}.jsonl in nll_data, a gated hub set) is {"skipped": why}, the others go on."""
     results = {}
+    for task in tasks if nll_data else []:  # a damaged local file is the user's to fix, not a task to skip
+        try:
+            local_rows(nll_data, task)
+        except JsonError as e:  # one line, exit 2 (diagnose.py), before any task is scored
+            raise data.DataError(f"--nll-data: {e}") from None
     for task in tqdm(tasks, desc="nll", unit="task"):
         try:
             rows = nll_rows(task, nll_data, limit) or f"no {task}.jsonl in {nll_data}"

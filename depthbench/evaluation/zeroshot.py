@@ -7,12 +7,13 @@ answer choices, its acc and acc_norm. Offline, one `<task>.jsonl` per task in th
 
 lm-eval is optional: this module imports it inside the functions that need it (`missing()` says when it is absent).
 """
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from depthbench.files.common import json_lines
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ TASKS = {
                        ("context", "question", "answerA", "answerB", "answerC", "label")),
     "piqa": Task("piqa/piqa.yaml", "baber/piqa", "validation", ("goal", "sol1", "sol2", "label")),
 }
+FIELD_TYPES = {"choices": dict, "endings": list, "label": (int, str)}  # the others are text (str)
 METRICS = ("acc", "acc_norm")  # what lm-eval reports for these tasks (WinoGrande and SIQA: acc only)
 
 
@@ -80,27 +82,10 @@ def check_data(data_dir, tasks, skip_missing=False):
 
 
 def check_task_file(path, fields):
-    """A ValueError (one line) unless path's every non-blank line is a JSON object holding `fields`, and there is
-    at least one."""
-    items = 0
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read it ({type(e).__name__})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({type(e).__name__}: {e})") from None
-        lacks = [f for f in fields if f not in item] if isinstance(item, dict) else list(fields)
-        if lacks:
-            raise ValueError(f"{path}:{n}: no field {lacks[0]!r} (each item needs {', '.join(fields)}: the hub "
-                             f"dataset's layout, as in fixtures/zeroshot)")
-        items += 1
-    if not items:
-        raise ValueError(f"{path}: no items (one JSON object per line)")
+    """A ValueError (common.JsonError, one line naming the file and the line) unless path's every non-blank line is
+    a JSON object holding `fields`, each of its type (FIELD_TYPES; text otherwise), and there is at least one."""
+    json_lines(path, {name: FIELD_TYPES.get(name, str) for name in fields}, hint=": the hub dataset's layout, as in "
+               "fixtures/zeroshot")
 
 
 # ----------------------------------------------------------------------------- our GPT, scored

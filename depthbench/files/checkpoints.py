@@ -7,7 +7,7 @@ field (a CheckpointError). train.py --resume, diagnose.py and export.py read che
 module level.
 """
 from depthbench.files import runlog
-from depthbench.files.common import CheckpointError, first_line, json_name, load_checkpoint
+from depthbench.files.common import JSON_NAMES, CheckpointError, first_line, json_name, load_checkpoint
 
 
 def read_checkpoint(path, keys=("model", "model_config", "config")):
@@ -39,9 +39,38 @@ def check_checkpoint(ckpt, path):
             raise CheckpointError(f"{path}: field {field!r} is {json_name(value)}, not an object")
         if field == "model_config" or "residual" in value:
             check_design(value.get("residual"), path, f"{field}.residual")
+    check_model_config(ckpt.get("model_config", {}), path)
     weights = ckpt.get("model", {})
     if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
         raise CheckpointError(f"{path}: field 'model' is not a state dict (names to tensors)")
+
+
+def check_model_config(settings, path):
+    """A CheckpointError (one line naming the field) unless each field of model_config that GPTConfig has is of
+    its type: a count (vocab_size, n_layer, d_model, n_head, d_ff; n_kv_head or null) an integer >= 1, a float a
+    finite number, a text a string, the options an object, a switch true or false; and the model no larger than
+    shapes.py's bounds (MAX_LAYERS blocks, MAX_PARAMS parameters), which building it would not survive. Every
+    reader checks it, train.py --resume too (it builds from its command line, and must not take a "2" for 2)."""
+    import dataclasses
+    import math
+    import shapes
+    from model import GPTConfig
+    for spec in dataclasses.fields(GPTConfig):
+        value, where = settings.get(spec.name), f"model_config.{spec.name}"
+        if spec.name not in settings or (value is None and spec.default is None):
+            continue
+        if spec.type is int and not (type(value) is int and value >= 1):
+            raise CheckpointError(f"{path}: field {where!r} is {value!r}, not a count (an integer >= 1)")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if spec.type is float and not number:
+            raise CheckpointError(f"{path}: field {where!r} is {value!r}, not a finite number")
+        if spec.type in (str, dict, bool) and type(value) is not spec.type:
+            raise CheckpointError(f"{path}: field {where!r} is {json_name(value)}, not {JSON_NAMES[spec.type]}")
+    L, d, d_ff = (settings.get(k, 1) for k in ("n_layer", "d_model", "d_ff"))
+    size = shapes.preln_params(L, d, d_ff, vocab=settings.get("vocab_size", 1))
+    if L > shapes.MAX_LAYERS or size > shapes.MAX_PARAMS:
+        raise CheckpointError(f"{path}: a model of {L:,} blocks of width {d:,} ({size:,} parameters): more than the "
+                              f"{shapes.MAX_LAYERS} blocks or {shapes.MAX_PARAMS:,} parameters this code builds")
 
 
 def check_design(name, path, field):

@@ -72,20 +72,20 @@ class ArgParser(argparse.ArgumentParser):
                           "reference: ops.py's plain PyTorch, the same maths; triton: fast with depthbench/kernels' Triton bodies")
 
 
-def positive(kind=int, zero=False, below=math.inf):
+def positive(kind=int, zero=False, below=math.inf, name=None):
     """argparse type: a finite number of `kind` > 0 (>= 0 with zero) and < below; nan and inf are refused too
-    (argparse turns the ValueError into a one-line error)."""
+    (argparse turns the ValueError into a one-line error, `invalid <name> value: '1e30'`). name: what the value is,
+    saying its bound (argparse's message names only the type)."""
     def parse(text):
         value = kind(text)
         if not ((value >= 0) if zero else (value > 0)) or not value < below:
             raise ValueError(text)
         return value
-    parse.__name__ = f"{'non-negative' if zero else 'positive'} {kind.__name__}"  # seed_number names its bound
+    parse.__name__ = name or f"{'non-negative' if zero else 'positive'} {kind.__name__}"
     return parse
 
 
-seed_number = positive(int, zero=True, below=2**63)  # argparse type of every --seed: what torch and numpy take
-seed_number.__name__ = "seed (an int from 0 to 2^63 - 1)"
+seed_number = positive(int, zero=True, below=2**63, name="seed (an int from 0 to 2^63 - 1)")  # every --seed's
 
 
 def comma_list(kind, empty=False):
@@ -125,23 +125,32 @@ def duration(seconds):
 
 
 def json_object(text):
-    """argparse type: a JSON object, e.g. --residual-args '{"n_groups": 4}' (a design's `options`)."""
-    value = json.loads(text)
+    """argparse type: a JSON object, e.g. --residual-args '{"n_groups": 4}' (a design's `options`). Anything else is
+    argparse's one line, saying why without echoing the text (it may be 200,000 brackets)."""
+    try:
+        value = parse_json(text, "the option")
+    except JsonError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.cause})") from None
     if not isinstance(value, dict):
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"{json_name(value)}, not a JSON object like '{{\"n_groups\": 4}}'")
     return value
 
 
 def print0(*a, **kw):
-    """print, flushed, from rank 0 only (torchrun sets RANK; a plain process is rank 0)."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    """print, flushed, from rank 0 only (torchrun sets RANK; a plain process is rank 0, and so is one whose RANK is
+    no number: it prints the line that refuses it, depthbench/training/distributed.py's launcher_ranks)."""
+    try:
+        rank = int(os.environ.get("RANK", 0))
+    except ValueError:
+        rank = 0
+    if rank == 0:
         print(*a, **kw, flush=True)
 
 
-def fail(prog, message):
-    """Bad input: one line on stderr (from rank 0) and exit code 2."""
+def fail(prog, message, code=2):
+    """Bad input: one line on stderr (from rank 0) and exit code 2 (or `code`: 1 for a command that failed)."""
     print0(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def first_line(e, width=200):
@@ -327,11 +336,75 @@ def cannot_write(path):
     return None
 
 
-def read_json(path):
-    """The JSON object in path, or None when it is missing, unreadable or not an object."""
+class JsonError(ValueError):
+    """JSON that cannot be read: str() is one line, `where` (a file, a file's line, an option): `problem` ('not JSON
+    (JSONDecodeError: ...)'); `cause`, the reader's exception in words ('JSONDecodeError: ...'), or None."""
+
+    def __init__(self, where, problem, cause=None):
+        self.where, self.problem, self.cause = str(where), problem, cause
+        super().__init__(f"{where}: {problem}")
+
+
+def parse_json(text, where):
+    """text -> its JSON value, or a JsonError naming `where`. Every JSON the project reads comes through here
+    (load_json for a file): malformed JSON, and what Python's json raises past its own limits, a RecursionError for
+    brackets nested deeper than the interpreter's stack (a run.json of 100,000 '[') and a ValueError for an integer
+    of over 4,300 digits, all become one line. Python's json also takes the NaN/Infinity that train.py writes."""
     try:
-        obj = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        return json.loads(text)
+    except (RecursionError, ValueError) as e:  # ValueError: json's JSONDecodeError, int()'s digit limit
+        cause = f"{type(e).__name__}: {first_line(e, 120)}"
+        if isinstance(e, RecursionError):
+            cause = "RecursionError: nested deeper than Python's json reads"
+        raise JsonError(where, f"not JSON ({cause})", cause) from None
+
+
+def load_json(path):
+    """The JSON value in file `path`, or a JsonError naming it (unreadable, not UTF-8, not JSON: parse_json's); a
+    missing file is a FileNotFoundError, which a reader may take as 'none yet'."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as e:
+        raise JsonError(path, f"unreadable ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    return parse_json(text, path)
+
+
+def json_lines(path, fields, hint=""):
+    """The items of a JSON Lines file (one JSON object a line; blank lines skipped) -> [dict], each holding `fields`
+    ({name: the type its value must have, a tuple of types, or None for any}); else a JsonError naming the file and the line: unreadable,
+    not JSON, not an object, a field missing or of another type, or no item at all. hint: what the message adds
+    after the fields an item needs (where a right file is found). Every task file is read through here."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JsonError(path, f"unreadable ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    items = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        item = parse_json(line, f"{path}:{n}")
+        lacks = [f for f in fields if not isinstance(item, dict) or f not in item]
+        if lacks:
+            raise JsonError(f"{path}:{n}", f"no field {lacks[0]!r} (each item needs {', '.join(fields)}{hint})")
+        for name, kind in fields.items():  # kind: a type, a tuple of types, or None
+            if kind is not None and not isinstance(item[name], kind):
+                wanted = " or ".join(JSON_NAMES[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+                raise JsonError(f"{path}:{n}", f"field {name!r} is {json_name(item[name])}, not {wanted}")
+        items.append(item)
+    if not items:
+        raise JsonError(path, "no items (one JSON object per line)")
+    return items
+
+
+def read_json(path):
+    """The JSON object in path, or None when it is missing, unreadable, not JSON or not an object."""
+    try:
+        obj = load_json(path)
+    except (FileNotFoundError, JsonError):
         return None
     return obj if isinstance(obj, dict) else None
 

@@ -4,8 +4,8 @@ Load the DepthBench authors' released OLMo-core checkpoints into our GPT, and ev
 A step folder holds `config.json` (sections `model` and `dataset.tokenizer`) and `model_and_optim/`, a torch
 distributed checkpoint (DCP) of {"model": ..., "optim": ...}. We read only the `model.*` tensors, with
 torch's own DCP reader (no OLMo-core), map every official name onto ours (`layout`), and refuse, in one
-line, any setting our model would compute differently. Where the official names and layouts were read:
-docs/official.md#provenance.
+line, any setting our model would compute differently (or a model too large to build: checkpoints.py's bounds).
+Where the official names and layouts were read: docs/official.md#provenance.
 
     python -m depthbench.files.official info  SOURCE [--step N]                 # design, shape and what was mapped
     python -m depthbench.files.official evaluate SOURCE --text FILES [--step N] [--seq-len 2048] [--max-tokens N]
@@ -21,14 +21,15 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import data
-from depthbench.files.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, part_of, pick_device, positive
+from depthbench.files.checkpoints import check_model_config
+from depthbench.files.common import ArgParser, CheckpointError, fail, first_line, hub_unreachable, json_object, load_json, part_of, pick_device, positive
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -80,8 +81,7 @@ class Sections:
 # What our model computes, as data: (section, key, the values we reproduce, what it is). A missing key reads None.
 ALLOWED = [
     ("attention", "name", (None, "default"), "attention type (only split w_q/w_k/w_v)"),
-    ("attention", "qk_norm", (None,), "attention qk_norm"),
-    ("attention", "gate", (None,), "attention gate"),
+    ("attention", "qk_norm", (None,), "attention qk_norm"), ("attention", "gate", (None,), "attention gate"),
     ("attention", "clip_qkv", (None,), "attention clip_qkv"),
     ("attention", "sliding_window", (None,), "attention sliding_window"),
     ("attention", "bias", (None, False), "linear biases"),
@@ -114,13 +114,13 @@ def sections(step_dir):
     """config.json -> Sections; a file that is not an OLMo-core experiment config is a CheckpointError."""
     path = Path(step_dir) / "config.json"
     try:
-        exp = json.loads(path.read_text())
-        m = exp["model"]
-        blk = m["block"]
+        exp = load_json(path)  # the project's one JSON reader (a JsonError is a ValueError)
+        m, blk = exp["model"], exp["model"]["block"]
         att = blk.get("sequence_mixer") or blk.get("attention")
         int(m["d_model"]), int(m["n_layers"]), int(att["n_heads"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a block no object
-        raise CheckpointError(f"{path}: not an OLMo-core experiment config ({type(e).__name__}: {e})") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:  # int(1e999), a block no object
+        why = getattr(e, "cause", None) or f"{type(e).__name__}: {e}"  # a JsonError says its reader's exception
+        raise CheckpointError(f"{path}: not an OLMo-core experiment config ({why})") from None
     head, part = part_of(m, "lm_head", path), lambda section, key: part_of(section, key, path)  # objects, or {}
     return Sections(experiment=exp, model=m, block=blk, attention=att, feed_forward=part(blk, "feed_forward"),
                     rope=part(att, "rope"), norm=part(blk, "layer_norm"), head=head,
@@ -589,8 +589,7 @@ def hub_layout(files, step, repo_id):
 
 
 def download(repo_id, step, timeout=5.0):
-    """A hub repository's checkpoint (a step folder, or the root's) and tokenizer/ -> local folder (huggingface_hub's
-    cache)."""
+    """A hub repository's checkpoint (a step folder, or the root's) and tokenizer/ -> local folder (the hub's cache)."""
     if down := hub_unreachable(timeout):
         raise CheckpointError(f"{repo_id}: no checkpoint here, and the hub at {down[0]} cannot be reached "
                               f"({down[1]}); offline, download it elsewhere and give its folder")
@@ -632,6 +631,7 @@ def load(source, step=None, kernels="fast", forced=None):
     step_dir, tok = resolve(source, step)
     cfg, notes = read_config(step_dir, forced)
     cfg.kernels = kernels
+    check_model_config(asdict(cfg), step_dir / "config.json")  # GPTConfig's types, and a size this code builds
     model = from_official(read_dcp(step_dir), GPT(cfg)).float().eval()
     mt = re.fullmatch(r"step(\d+)", step_dir.name)
     return model, {"step_dir": str(step_dir), "step": int(mt[1]) if mt else None, "tokenizer": tok, **notes}

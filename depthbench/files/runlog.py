@@ -16,14 +16,13 @@ RunConfig is one run's settings, resolved (depthbench/training/recipe.py makes i
 No torch here: plot.py reads run.json without it (common.design_options imports the design registry when called).
 """
 import dataclasses
-import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from depthbench.files.common import (JSON_NAMES, CheckpointError, design_options, json_name, load_checkpoint, print0,
-                                     write_json)
+from depthbench.files.common import (JSON_NAMES, CheckpointError, JsonError, design_options, json_name, load_checkpoint,
+                                     load_json, print0, write_json)
 
 SCHEMA = "depthbench.train/1"
 IDENTITY = {"identity": "always"}     # part of the run's identity
@@ -307,17 +306,10 @@ def read_run_log(path):
     """run.json at path -> its dict, every field a reader uses of its type. A file that is not JSON, not train.py's
     run log, or has a field missing or of another type: a RunLogError (one line naming the file and the field). A
     missing file: FileNotFoundError."""
-    path = Path(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise
-    except (OSError, UnicodeDecodeError) as e:
-        raise RunLogError(path, None, f"cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
-    try:
-        obj = json.loads(text)  # Python's json also takes the NaN that train.py writes for a non-finite eval
-    except ValueError as e:
-        raise RunLogError(path, None, f"is not JSON ({type(e).__name__}: {e})") from None  # json: a short message
+        obj = load_json(path)  # the project's one JSON reader; FileNotFoundError passes through
+    except JsonError as e:
+        raise RunLogError(path, None, f"is {e.problem}") from None
     return check_run_log(obj, path)
 
 

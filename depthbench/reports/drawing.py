@@ -5,7 +5,6 @@ panel helpers (grid, save, heatmap, the aspect-ratio axis, per_model and overlay
 draws a list of figures from a folder (main). A new figure is a fig_xxx(data, out_path, svg=False) in one of those
 files, drawn with these. No torch here: plotting works on any machine that has the JSON, numpy and matplotlib.
 """
-import json
 import math
 import os
 from pathlib import Path
@@ -17,7 +16,7 @@ import matplotlib.pyplot as plt
 from matplotlib import colors, ticker
 
 from depthbench.files import common, runlog
-from depthbench.files.common import ArgParser
+from depthbench.files.common import ArgParser, JsonError, first_line, load_json
 
 # ----------------------------------------------------------------------------- the contract and the look
 
@@ -134,9 +133,9 @@ def load_folder(folder):
         seen.add(path.resolve())
         rel = str(path.relative_to(folder))
         try:
-            obj = json.loads(path.read_text())  # Python's json also takes the NaN/Infinity torch code writes
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            skipped.append((rel, f"not valid JSON ({e})"))
+            obj = load_json(path)  # the project's one JSON reader: every fault one line, deep nesting included
+        except (OSError, JsonError) as e:
+            skipped.append((rel, f"not valid JSON ({first_line(e)})"))
             continue
         kind, reason = check_schema(obj)
         if kind is None:

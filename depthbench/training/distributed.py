@@ -5,6 +5,7 @@ state that ckpt.pt holds, saved and loaded with any engine at any number of rank
 """
 import dataclasses
 import os
+import sys
 import warnings
 
 import torch
@@ -32,13 +33,52 @@ class Ranks:
         return self.world_size > 1
 
 
-def init_distributed(cuda):
-    """torchrun sets RANK/LOCAL_RANK/WORLD_SIZE: one process per GPU (nccl), or per CPU worker (gloo) -> Ranks."""
-    ranks = Ranks(device="cuda" if cuda else "cpu")
+MAX_WORLD_SIZE = 65536  # processes of one job: more than any cluster runs one training job on
+
+
+def launcher_value(name, low, high, default=None):
+    """The launcher's environment variable `name`, checked like a flag: an integer from low to high (or `default`
+    when it is unset and default is not None) -> int; else one line naming it and exit 2, printed by every process
+    (its RANK may be what is wrong, so print0's rank-0 rule cannot pick the printer)."""
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    problem = f"RANK is set but {name} is not: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together (unset RANK " \
+              "for a plain run)"
+    if text is not None:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is not None and low <= value <= high:
+            return value
+        problem = f"{name}={text!r} is not an integer from {low} to {high:,} (torchrun sets it; a plain run leaves " \
+                  "it unset)"
+    print(f"train.py: error: {problem}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def launcher_ranks(plan_only=False):
+    """Who this process is by the launcher's variables, each checked like a flag (launcher_value): WORLD_SIZE
+    processes, RANK and LOCAL_RANK among them, when RANK is set -> Ranks (on the CPU). Without RANK a plain
+    process, rank 0 of 1; plan_only (--dry-run) plans for WORLD_SIZE's ranks even then."""
+    torchrun = "RANK" in os.environ
+    world_size = launcher_value("WORLD_SIZE", 1, MAX_WORLD_SIZE, default=None if torchrun else 1)
+    if not torchrun:
+        return Ranks(world_size=world_size if plan_only else 1)
+    return Ranks(world_size=world_size, rank=launcher_value("RANK", 0, world_size - 1),
+                 local_rank=launcher_value("LOCAL_RANK", 0, world_size - 1))
+
+
+def init_distributed(cuda, plan_only=False):
+    """torchrun sets RANK/LOCAL_RANK/WORLD_SIZE: one process per GPU (nccl), or per CPU worker (gloo) -> Ranks. The
+    variables are checked first (launcher_ranks: one line and exit 2). plan_only (--dry-run): the ranks a plan is
+    made for, WORLD_SIZE's even without RANK, and no process group."""
+    ranks = launcher_ranks(plan_only)
+    ranks.device = "cuda" if cuda else "cpu"
+    if plan_only:
+        return ranks
     if "RANK" in os.environ:
-        ranks.rank = int(os.environ["RANK"])
-        ranks.local_rank = int(os.environ["LOCAL_RANK"])
-        ranks.world_size = int(os.environ["WORLD_SIZE"])
         if cuda:
             ranks.device = f"cuda:{ranks.local_rank}"
             torch.cuda.set_device(ranks.device)

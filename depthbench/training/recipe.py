@@ -168,9 +168,13 @@ def print_grid(args):
 GRID_OPTIONS = ("--suite", "--preset", "--residual", "--row", "--layers", "--ar", "--lr")  # what --print-grid reads
 
 
+MAX_COUNT = 10**9   # every count train.py takes (steps, batch, tokens, ...): 10^9, 30,000 x the paper's longest run
+MAX_GPU_GB = 1024   # --gpu-mem: a terabyte, 5 x the largest GPU memory sold (192 GB)
+
+
 def build_parser():
     p = ArgParser(prog="train.py", description="Train DepthBench models: one run, or a grid of comma-separated values.")
-    add, pint = p.add_argument, positive(int)
+    add, pint = p.add_argument, positive(int, below=MAX_COUNT + 1, name="count from 1 to 10^9")
     # what to train (comma-separated values make a grid)
     add("--preset", choices=list(PRESETS), help="cpu (a lesson in minutes), mini (the one-machine suite's shapes: 4 "
         "heads, AR 100..4 at 0.8M) or 400m (the paper's recipe); default: 400m with CUDA, cpu without. Flags below "
@@ -240,7 +244,7 @@ def build_parser():
         "(FSDP2: each block, then the root) instead of a DDP replica on each")
     add("--dry-run", action="store_true", help="print each run's memory plan per GPU and exit: 0 if it fits, 2 with "
         "one line naming the fix if not (for the ranks of torchrun, or of WORLD_SIZE if set)")
-    add("--gpu-mem", type=positive(float), help="--dry-run: GB per GPU to plan for (default: this GPU's memory; "
+    add("--gpu-mem", type=positive(float, below=MAX_GPU_GB + 1, name=f"GB per GPU, at most {MAX_GPU_GB:,},"), help="--dry-run: GB per GPU to plan for (default: this GPU's memory; "
         "without one, the host's, in fp32)")
     telemetry.add_flags(p)
     p.add_kernels()
@@ -343,10 +347,9 @@ def check_run_args(parser, args):
     if missing:
         parser.error(missing)
     try:
-        if not parse_count(args.params) > 0:
-            raise ValueError(args.params)
-    except ValueError:  # not an assert: python -O would skip it
-        parser.error(f"--params {args.params!r} is not a count like 405M")
+        parse_count(args.params)  # a count from 1 to shapes.MAX_PARAMS
+    except ValueError as e:  # not an assert: python -O would skip it
+        parser.error(str(e))
     held = [name for name in ("run.json", "ckpt.pt") if (Path(args.out) / name).exists()]
     if held:  # the runs would nest inside another run's folder
         parser.error(f"--out {args.out} is a run folder (it holds {held[0]}); --out is the folder the run folders go "

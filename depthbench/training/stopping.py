@@ -91,10 +91,13 @@ STOP = StopFlag()  # train.py's: SIGINT/SIGTERM stop its loop at the next micro-
 
 
 def after_micro_batch(run, done):
-    """After micro-batch `done` of a train.py step: the progress line, and whether a signal stops the step there,
-    every rank agreeing (StopFlag.agreed). Never after the step's last micro-batch: that step is complete, and the
-    loop's check before the next step stops the run."""
-    run.meter.micro_batch(done)
+    """After micro-batch `done` of a train.py step (0: before the first): the progress line, and whether a signal
+    stops the step there, every rank agreeing (StopFlag.agreed). Asked before the first, so a signal that came
+    during a save (after the loop's check between steps) never starts the step, nor its compile: a compile once
+    begun is not cut (docs/training.md#stopping). Never after the step's last micro-batch: that step is complete,
+    and the loop's check before the next step stops the run."""
+    if done:
+        run.meter.micro_batch(done)
     if done == run.train_loader.accum_steps:
         STOP.micro_done = 0  # the step is complete: a signal now comes between steps
         return False
