@@ -38,8 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root
-from depthbench.compiled_code import (H100, Loop, Variant, ctas_per_sm, dot_flops, executions, loop_trips,  # noqa: E402
-                                      match_loops, per_thread, read_sass, read_ttir, resource_usage, waves)
+from depthbench.reports.compiled_code import (H100, Loop, Variant, ctas_per_sm, dot_flops,  # noqa: E402
+                                              executions, loop_trips, match_loops, per_thread, read_sass, read_ttir,
+                                              resource_usage, waves)
 from depthbench.files.common import ArgParser  # noqa: E402
 
 DESIGNS = ["hc", "mhc", "attnres", "block_attnres", "moda"]
@@ -69,12 +70,20 @@ class Launch:
                           sort_keys=True, default=str)
 
 
-def describe(fn, args, kwargs):
-    """A Launch's arguments from a kernel's Python function and a launch's args: what triton's JIT would
-    specialise (native_specialize_impl, the JIT's own function), with the int values kept."""
-    import inspect
+def jit_specialisation():
+    """triton's JIT's own per-argument specialisation: value -> (type, "D" where divisible by 16 | "" | None)."""
+    import functools
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
+    specialise = functools.partial(native_specialize_impl, BaseBackend)
+    return lambda value: specialise(value, False, True, True)      # not const, specialised, aligned
+
+
+def describe(fn, args, kwargs):
+    """A Launch's arguments from a kernel's Python function and a launch's args: what triton's JIT would
+    specialise (jit_specialisation), with the int values kept."""
+    import inspect
+    specialise = jit_specialisation()
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -84,7 +93,7 @@ def describe(fn, args, kwargs):
         if "constexpr" in annotation:
             signature[name], constexprs[name] = "constexpr", value
             continue
-        kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+        kind, attr = specialise(value)
         signature[name] = kind
         if kind == "constexpr":
             constexprs[name] = value
@@ -121,7 +130,8 @@ class Stubbed:
             grid = list(grid(kwargs) if callable(grid) else grid)
             sig, const, aligned, ints, options = describe(kernel.fn, args, dict(kwargs))
             name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
-            self.launches.append(Launch(name, grid, sig, const, aligned, ints, options))
+            self.launches.append(Launch(kernel=name, grid=grid, signature=sig, constexprs=const, aligned=aligned,
+                                        ints=ints, options=options))
 
     def __enter__(self):
         import model
@@ -209,6 +219,8 @@ def compile_for_sm90(launch, tools):
     os.environ["TRITON_PTXAS_PATH"] = str(tools["ptxas"])
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     fn = load_kernel(launch.kernel)
+    if not hasattr(fn, "params"):                 # an InterpretedFunction: this process imported triton interpreted
+        raise ProbeError("TRITON_INTERPRET=1 in the compiling process: unset it (the recording child sets its own)")
     names = [p.name for p in fn.params]
     constexprs = {(names.index(k),): v for k, v in launch.constexprs.items()}
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in launch.aligned}
@@ -231,10 +243,12 @@ def probe_variant(launch, tools):
     resources = resource_usage(usage)
     sass = read_sass(sass_text)
     loops, dots, definitions = read_ttir(compiled.asm["ttir"])
-    return Variant(launch.kernel, resources.get("REG", 0), resources.get("STACK", 0), resources.get("LOCAL", 0),
-                   compiled.metadata.shared, compiled.metadata.num_warps, compiled.metadata.num_stages, sass,
-                   loops, dots, definitions, match_loops(sass, loops, definitions),
-                   compiled.asm["ttgir"].count("async_copy_global_to_local"))
+    return Variant(kernel=launch.kernel, registers=resources.get("REG", 0), stack=resources.get("STACK", 0),
+                   local=resources.get("LOCAL", 0), shared=compiled.metadata.shared,
+                   warps=compiled.metadata.num_warps, stages=compiled.metadata.num_stages, sass=sass,
+                   ttir_loops=loops, ttir_dots=dots, definitions=definitions,
+                   matched=match_loops(sass, loops, definitions),
+                   async_ttgir=compiled.asm["ttgir"].count("async_copy_global_to_local"))
 
 
 # ----------------------------------------------------------------------------- per kernel and step
@@ -297,13 +311,16 @@ def kernel_row(design, name, launches, variants):
     hot = variants[hot_launch.key()]
     loop = hottest_loop(hot, hot_launch.ints)
     body = hot.sass.loops[loop] if loop >= 0 else Loop(0, 0)
-    return KernelRow(design, name.split(":")[1], len({x.key() for x in launches}), len(launches),
-                     max(v.registers for v in used), max(v.local + v.stack for v in used), max(v.shared for v in used),
-                     max(v.warps for v in used), min(ctas_per_sm(v.registers, v.warps, v.shared) for v in used),
-                     total["programs"], total["waves"], max(v.async_ttgir + v.sass.async_copies for v in used),
-                     hot.sass.loads, body.instructions, body.barriers, total["instructions"], total["flops"],
-                     total["dots"], total["memory"], total["known"],
-                     sum(kind != "constexpr" for kind in hot_launch.signature.values()))
+    return KernelRow(
+        design=design, kernel=name.split(":")[1], variants=len({x.key() for x in launches}), launches=len(launches),
+        registers=max(v.registers for v in used), spills=max(v.local + v.stack for v in used),
+        shared=max(v.shared for v in used), warps=max(v.warps for v in used),
+        ctas_per_sm=min(ctas_per_sm(v.registers, v.warps, v.shared) for v in used), programs=total["programs"],
+        waves=total["waves"], async_copies=max(v.async_ttgir + v.sass.async_copies for v in used),
+        loads=hot.sass.loads, loop_instructions=body.instructions, loop_barriers=body.barriers,
+        warp_instructions=total["instructions"], fp32_flops=total["flops"], dot_flops=total["dots"],
+        access_bytes=total["memory"], trips_known=total["known"],
+        arguments=sum(kind != "constexpr" for kind in hot_launch.signature.values()))
 
 
 def probe_design(design, shape, tools, variants, log=print):
@@ -356,12 +373,10 @@ def graphs_per_block(design, shape):
 
 def launch_costs(repeats=20000):
     """(us a launch's Python path takes with a no-op kernel, us the JIT's specialisation of one argument takes):
-    the two host costs of a launch measurable without a GPU (native_specialize_impl is what JITFunction.run's binder
+    the two host costs of a launch measurable without a GPU (jit_specialisation is what JITFunction.run's binder
     calls per argument)."""
     import time
     import torch
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import KernelInterface
 
     class NoOp(KernelInterface):
@@ -373,10 +388,11 @@ def launch_costs(repeats=20000):
     for _ in range(repeats):
         kernel[(1,)](t, 16, x=t)
     launch = (time.process_time() - start) / repeats
+    specialise = jit_specialisation()
     start = time.process_time()
     for _ in range(repeats):
-        native_specialize_impl(BaseBackend, t, False, True, True)
-        native_specialize_impl(BaseBackend, 4096, False, True, True)
+        specialise(t)
+        specialise(4096)
     return 1e6 * launch, 1e6 * (time.process_time() - start) / (2 * repeats)
 
 
@@ -562,6 +578,8 @@ def probe_rows(designs, shape, args):
 
 def main(argv=None):
     args = parse(argv)
+    if not (args.record_child or args.host_child):
+        os.environ["TRITON_INTERPRET"] = "0"      # this process compiles (triton not imported yet); children record
     shape = {k: getattr(args, k) for k in CARD}
     if args.record_child:
         return record_child(args.record_child.split(","), shape, args.json)

@@ -31,6 +31,11 @@ Two paths per design:
           depthbench/kernels/triton_attnres_chunk.py, triton_hc.py or triton_moda.py import, their traffic()
           functions replace the analytic bytes and launches (`gpu_traffic`: the plug-in point)
 
+The time model (issue 68; docs/speed.md#the-time-model), printed after the table where scripts/kernel_probe.py's
+JSON is at hand (--probe, default docs/kernel_probe.json) for this shape, on an H100 SXM: per Triton kernel
+max(bytes / (eta_gpu x HBM peak), issue floor, FLOPs / peak) with the binding term named, plus the host time the
+probe measured, over Pre-LN's step, against issue 68's targets (TIME_TARGETS).
+
 What it leaves out (so read the errors as the model's): kernel overlap, L2 hits, the mixing's FLOPs (under 1% of
 the step at n = 4), and that a launch-bound step hides some device time behind the host's.
 """
@@ -41,7 +46,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-from depthbench.compiled_code import H100  # noqa: E402  (the probe's GPU: its issue rate)
+from depthbench.reports.compiled_code import H100  # noqa: E402  (the probe's GPU: its issue rate)
 from depthbench.files.common import ArgParser  # noqa: E402
 
 # HBM bytes/s by device name: the first key a name contains (the longer names first). The model is calibrated on

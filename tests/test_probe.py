@@ -1,10 +1,12 @@
-"""scripts/kernel_probe.py and depthbench/compiled_code.py: the compiler's account of the Triton kernels, read on a
+"""scripts/kernel_probe.py and depthbench/reports/compiled_code.py: the compiler's account of the Triton kernels, read on a
 CPU. The readers on hand-written SASS and TTIR (loops, trips from a launch's ints, occupancy by hand), the
 extrapolation in depth, the exit 2 where the tools are missing; slow: a real compile of HC's kernels at a tiny shape.
 
     python -m pytest -q -m "not slow" tests/test_probe.py       # ~5 s: nothing compiled
 """
+import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import kernel_probe  # noqa: E402  (scripts/ is not a package)
-from depthbench import compiled_code as cc  # noqa: E402
+from depthbench.reports import compiled_code as cc  # noqa: E402
 
 # a kernel of 3 instructions, a loop over n of 4 (a barrier, a 128-bit load, an FFMA), a nested loop of 2 (an FADD),
 # then a 16-bit load, a store and EXIT; the trailing self-branch and NOP are padding
@@ -138,31 +140,45 @@ def test_missing_tools_exit_2_in_one_line(tmp_path):
 
 
 TINY = {"layers": 1, "width": 64, "heads": 4, "batch": 1, "seq": 16}
+# run where triton compiles (not interpreted: conftest sets TRITON_INTERPRET=1 for this process): HC at TINY probed,
+# and the facts of _depth_fwd's variant the test checks
+COMPILE = f"""
+import json, math, sys
+sys.path.insert(0, {str(ROOT / "scripts")!r})
+import kernel_probe as kp
+from dataclasses import asdict
+from depthbench.reports import compiled_code as cc
+launches = kp.record("hc", {TINY})
+variants = {{}}
+rows = kp.probe_design("hc", {TINY}, kp.find_tools(), variants, log=lambda line: None)
+depth = next(x for x in launches if x.kernel.endswith(":_depth_fwd"))
+v = variants[depth.key()]
+per_tile = [cc.per_thread(v, {{**depth.ints, "D": tiles * depth.constexprs["BD"]}})[0] for tiles in (1, 2)]
+print(json.dumps({{"rows": [asdict(r) for r in rows], "kernels": sorted({{x.kernel.split(":")[1] for x in launches}}),
+                  "programs": math.prod(depth.grid), "registers": v.registers, "warps": v.warps, "shared": v.shared,
+                  "loops": [x.instructions for x in v.sass.loops], "matched": v.matched, "per_tile": per_tile,
+                  "arguments": sum(k != "constexpr" for k in depth.signature.values())}}))
+"""
 
 
 @pytest.mark.slow
 def test_hcs_kernels_compiled_for_sm90_at_a_tiny_shape():
     """HC at L1 d64 (16 tokens) compiled for sm_90: each of its four kernels launches once a sublayer (2 a step, as
-    triton_hc.traffic counts launches of the Triton rows), uses registers and spills none; CTAs per SM and waves
-    follow the formulas from its own registers, warps and shared memory; _depth_fwd's loop over D by BD runs
-    cdiv(D, BD) times: one more D tile adds exactly its loop body to each thread's instructions."""
+    triton_hc.traffic counts its Triton rows), uses registers and spills none; _depth_fwd's CTAs per SM and waves
+    follow the formulas from its own registers, warps and shared memory; its one loop, over D by BD, runs cdiv(D, BD)
+    times: one more D tile adds exactly the loop's body to each thread's instructions. ~1-2 min (4 compiles)."""
     pytest.importorskip("triton")
-    tools = kernel_probe.find_tools()
-    launches = kernel_probe.record("hc", TINY)
-    kernels = {x.kernel.split(":")[1] for x in launches}
-    assert kernels == {"_hc_fwd", "_hc_bwd", "_depth_fwd", "_depth_bwd"}
-    variants = {}
-    rows = kernel_probe.probe_design("hc", TINY, tools, variants, log=lambda line: None)
-    for r in rows:
-        assert r.launches == 2 * TINY["layers"] and r.registers > 0 and r.spills == 0 and r.trips_known
-        assert r.warp_instructions > 0 and r.issue_floor_s() > 0
-    depth = next(x for x in launches if x.kernel.endswith(":_depth_fwd"))
-    v = variants[depth.key()]
-    row_ = next(r for r in rows if r.kernel == "_depth_fwd")
-    assert row_.ctas_per_sm == cc.ctas_per_sm(v.registers, v.warps, v.shared)
-    assert row_.waves == cc.waves(math.prod(depth.grid), row_.ctas_per_sm)
-    assert row_.arguments == sum(kind != "constexpr" for kind in depth.signature.values())
-    assert len(v.sass.loops) == 1 and v.matched == {0: 0}       # its one loop, over D
-    block = depth.constexprs["BD"]
-    one, two = (cc.per_thread(v, {**depth.ints, "D": tiles * block})[0] for tiles in (1, 2))
-    assert two - one == v.sass.loops[0].instructions > 0
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["kernels"] == ["_depth_bwd", "_depth_fwd", "_hc_bwd", "_hc_fwd"]
+    for r in got["rows"]:
+        assert r["launches"] == 2 * TINY["layers"] and r["registers"] > 0 and r["spills"] == 0 and r["trips_known"]
+        assert r["warp_instructions"] > 0
+    row = next(r for r in got["rows"] if r["kernel"] == "_depth_fwd")
+    assert row["ctas_per_sm"] == cc.ctas_per_sm(got["registers"], got["warps"], got["shared"])
+    assert row["waves"] == cc.waves(got["programs"], row["ctas_per_sm"]) and row["arguments"] == got["arguments"]
+    assert len(got["loops"]) == 1 and got["matched"] == {"0": 0}
+    assert got["per_tile"][1] - got["per_tile"][0] == got["loops"][0] > 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 # clock each, at the ~1.755 GHz an H100 SXM holds under load)
 H100 = {"sms": 132, "schedulers": 4, "clock_hz": 1.755e9, "registers": 65536, "shared": 228 * 1024,
         "shared_reserved": 1024, "warps": 64, "ctas": 32}
+DOT_KIND = {"bf16": "bf16", "f16": "bf16", True: "fp32", False: "tf32"}  # a dot's inputs (fp32: by its precision)
 FLOP_WEIGHT = {"FFMA": 2, "FADD": 1, "FMUL": 1, "HFMA2": 4, "HADD2": 2, "HMUL2": 2}   # fp32 / packed-16-bit lanes
 
 
@@ -91,7 +92,7 @@ def read_sass(text):
         if base in FLOP_WEIGHT:
             flops.setdefault(where, {}).setdefault(base, 0)
             flops[where][base] += 1
-    return Sass(outside, loops, loads, async_copies, flops, memory)
+    return Sass(outside=outside, loops=loops, loads=loads, async_copies=async_copies, flops=flops, memory=memory)
 
 
 def width_bits(opcode):
@@ -274,6 +275,6 @@ def dot_flops(variant, ints):
         sites.append((loop.dots, count))
     for dots, count in sites:
         for M, N, K, dtype, precision in dots:
-            kind = "bf16" if dtype in ("bf16", "f16") else ("fp32" if precision == "ieee" else "tf32")
+            kind = DOT_KIND.get(dtype) or DOT_KIND[precision == "ieee"]
             out[kind] = out.get(kind, 0) + 2 * M * N * K * count
     return out
