@@ -32,7 +32,7 @@ Two paths per design:
           functions replace the analytic bytes and launches (`gpu_traffic`: the plug-in point)
 
 The time model (issue 68; docs/speed.md#the-time-model), printed after the table where scripts/kernel_probe.py's
-JSON is at hand (--probe, default docs/kernel_probe.json) for this shape, on an H100 SXM: per Triton kernel
+JSON is at hand (--probe, default docs/kernel_probe*.json) for this shape, on an H100 SXM: per Triton kernel
 max(bytes / (eta_gpu x HBM peak), issue floor, FLOPs / peak) with the binding term named, plus the host time the
 probe measured, over Pre-LN's step, against issue 68's targets (TIME_TARGETS).
 
@@ -103,7 +103,7 @@ REPLACES_NORM_ADD = ("hc", "mhc")
 # 989 TFLOP/s, tf32 495, fp32 on CUDA cores 67 (its boost clock; the issue floor uses 1.755 GHz)
 PEAK_FLOPS = {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}
 TIME_TARGETS = {"preln": 1.0, "hc": 1.15, "mhc": 1.15, "attnres": 1.5, "block_attnres": 1.10, "moda": 1.5}
-PROBE = Path(__file__).resolve().parents[1] / "docs" / "kernel_probe.json"   # scripts/kernel_probe.py's card run
+DOCS = Path(__file__).resolve().parents[1] / "docs"   # docs/kernel_probe*.json: scripts/kernel_probe.py's card runs
 
 
 def d_ff(width):
@@ -454,10 +454,13 @@ def main(argv=None):
                    f"{ETA_GPU}: a streaming kernel's; the fitted eta is today's fp32 read-modify-write pattern's)")
     p.add_argument("--loo", action="store_true", help="also fit eta on each measured row in turn, and print the "
                    "error of today's prediction on every other (leave-one-out)")
-    p.add_argument("--probe", action="append", help=f"scripts/kernel_probe.py's JSON (repeatable; default "
-                   f"{PROBE.relative_to(PROBE.parents[1])} where it exists): the time model's table, at its shape")
+    p.add_argument("--probe", action="append", help="scripts/kernel_probe.py's JSON (repeatable; default "
+                   "docs/kernel_probe*.json): the time model's table, at its shape")
     p.add_argument("--json", help="write the estimates and constants here")
     args = p.parse_args(argv)
+    missing = [path for path in args.probe or [] if not Path(path).is_file()]
+    if missing:
+        p.error(f"--probe {', '.join(missing)}: no such file (scripts/kernel_probe.py --json writes one)")
     if min([args.layers, args.width, args.seq, args.batch, args.vocab]) < 1:
         p.error("--layers, --width, --seq, --batch and --vocab must be >= 1")
     shape = {**CARD, **{k: getattr(args, k) for k in ("layers", "width", "seq", "batch", "vocab")}}
@@ -467,9 +470,7 @@ def main(argv=None):
     rows = table(shape, c)
     report(rows, c, shape)
     doc = {"shape": shape, "constants": c, "estimates": rows}
-    probe = load_probe(args.probe or [PROBE])
-    if args.probe and probe is None:
-        p.error(f"--probe {', '.join(args.probe)}: no such file (scripts/kernel_probe.py --json writes one)")
+    probe = load_probe(args.probe or sorted(DOCS.glob("kernel_probe*.json")))
     if probe and all(probe["shape"][k] == shape[k] for k in probe["shape"] if k in shape):
         doc["time_model"] = time_report(shape, probe, args.eta_gpu)
     elif probe:
