@@ -45,6 +45,9 @@ from depthbench.files.common import ArgParser  # noqa: E402
 
 DESIGNS = ["hc", "mhc", "attnres", "block_attnres", "moda"]
 CARD = {"layers": 70, "width": 640, "heads": 16, "batch": 2, "seq": 2048}
+# the host-time runs' width: the host's Python and dispatch do not depend on it, while a CPU's work on the weights does
+# (bf16 casts and weight-gradient GEMMs that take microseconds on a GPU: at d640, MoDA's W_kv alone ~4 ms a block)
+HOST_SHAPE = {"width": 64, "heads": 4}
 TOOLS = ("ptxas", "cuobjdump")
 
 
@@ -490,7 +493,7 @@ def extrapolate(rows_at, layers):
 
 def report(rows, host=None):
     """The probe's table (one row per design and kernel) and, with `host`, the host-time lines."""
-    print("| design | kernel | launches | regs x warps | spills B | shared KB | CTAs/SM | programs | waves | async "
+    print("| design | kernel | launches | regs x warps | stack+local B | shared KB | CTAs/SM | programs | waves | async "
           "copies | loads (bits: LDGs) | loop instr / barriers | warp-instr / step | issue floor ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
@@ -515,7 +518,7 @@ def parse(argv):
     for key, value in CARD.items():
         p.add_argument(f"--{key}", type=int, default=value, help=f"default {value} (the card's)")
     p.add_argument("--host-seq", type=int, default=8, help="tokens a sequence for the host-time runs (default 8: "
-                   "the host's work, not the tensors')")
+                   "the host's work, not the tensors'; their width is 64, 4 heads: HOST_SHAPE)")
     p.add_argument("--no-host", action="store_true", help="skip the host-time runs")
     p.add_argument("--host-only", action="store_true", help="only the host-time runs (no recording, no compiling)")
     p.add_argument("--fit-depths", help="record at these depths (comma-separated, e.g. 2,3,4) and extrapolate each "
@@ -558,7 +561,7 @@ def run(args):
     if not args.host_only:
         doc["rows"] = [asdict(r) for r in probe_rows(designs, shape, args)]
     if not args.no_host:
-        doc["host"] = in_child("--host-child", designs, {**shape, "seq": args.host_seq})
+        doc["host"] = in_child("--host-child", designs, {**shape, **HOST_SHAPE, "seq": args.host_seq})
     return doc
 
 

@@ -106,7 +106,11 @@ def test_evaluate_follows_scalar_arithmetic_and_stops_at_the_unknown():
     defs = {"%a": ("constant", "10"), "%b": ("ceildivsi", "%N, %a"), "%c": ("minsi", "%b, %a"),
             "%p": ("muli", "%pid, %a")}
     assert cc.evaluate("%b", defs, {"N": 95}) == 10 and cc.evaluate("%c", defs, {"N": 500}) == 10
-    assert cc.evaluate("%p", defs, {"N": 1}) is None                      # a program id: not an argument
+    assert cc.evaluate("%p", defs, {"N": 1}) is None                      # not defined: not known
+    loops, _, found = cc.read_ttir("    %pid = tt.get_program_id x : i32 loc(#loc1)\n"
+                                   "    %c1_i32 = arith.constant 1 : i32 loc(#loc1)\n"
+                                   "    scf.for %t = %pid to %N step %P  : i32 {\n    } loc(#loc2)\n")
+    assert cc.trip_count(loops[0], found, {"N": 100, "P": 8}) == 13      # a grid-stride loop: program 0's trips
 
 
 def row(design="hc", kernel="k", **fields):

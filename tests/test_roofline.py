@@ -144,6 +144,11 @@ def test_the_command_prints_every_design_and_refuses_bad_shapes():
     bad = subprocess.run([sys.executable, "scripts/roofline.py", "--batch", "0"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    timed = ok.stdout.split("time model, H100 SXM")[1]          # docs/kernel_probe*.json: every design, its terms
+    assert all(f"| {d} | " in timed for d in roofline.DESIGNS) and "(issue)" in timed and "(bytes)" in timed
+    gone = subprocess.run([sys.executable, "scripts/roofline.py", "--probe", "nowhere.json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1
 
 
 def test_the_gpu_path_peak_is_the_measured_peak_moved_by_what_the_paths_keep(monkeypatch):

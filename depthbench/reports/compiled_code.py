@@ -106,6 +106,7 @@ def width_bits(opcode):
 # ----------------------------------------------------------------------------- the TTIR: loop bounds and dots
 
 SCALAR = re.compile(r"^\s*(%[\w.#]+) = arith\.(\w+) (.*?) : (i32|i64)(?: to i(?:32|64))?\s+loc")
+PROGRAM = re.compile(r"^\s*(%[\w.#]+) = tt\.get_program_id")
 FOR = re.compile(r"scf\.for (%[\w.]+) = (%[\w.]+) to (%[\w.]+) step (%[\w.]+)")
 DOT = re.compile(r"tt\.dot .*?: tensor<(\d+)x(\d+)x(\w+)> \* tensor<\d+x(\d+)x\w+> -> tensor<[^>]*>")
 BINARY = {"addi": lambda a, b: a + b, "subi": lambda a, b: a - b, "muli": lambda a, b: a * b,
@@ -127,6 +128,9 @@ def read_ttir(text):
         scalar = SCALAR.match(line)
         if scalar:
             definitions[scalar.group(1)] = (scalar.group(2), scalar.group(3))
+        program = PROGRAM.match(line)
+        if program:                               # the first program's: a grid-stride loop's most trips
+            definitions[program.group(1)] = ("constant", "0")
         loop = FOR.search(line)
         dot = DOT.search(line)
         if dot:
@@ -149,8 +153,9 @@ def read_ttir(text):
 
 
 def evaluate(name, definitions, ints, depth=0):
-    """The integer value of SSA `name` from the kernel's int arguments (`%D` is parameter D), constants and scalar
-    arithmetic; None where it depends on anything else (a load, a program id, an induction variable)."""
+    """The integer value of SSA `name` from the kernel's int arguments (`%D` is parameter D), constants, program ids
+    (read_ttir takes them as 0: the first program, which a grid-stride loop gives the most trips) and scalar
+    arithmetic; None where it depends on anything else (a load, an induction variable)."""
     if name[1:] in ints:
         return ints[name[1:]]
     if name not in definitions or depth > 50:
