@@ -65,7 +65,7 @@ class Launch:
     constexprs: dict            # parameter -> value (declared constexprs, ints equal to 1, None)
     aligned: list               # parameters the JIT marks tt.divisibility 16 (pointers and ints)
     ints: dict                  # parameter -> value of every int argument (loop bounds are evaluated at these)
-    options: dict               # num_warps, num_stages where the launch passes them
+    options: dict               # the launch's keywords that are not parameters (num_warps, num_stages, ...)
 
     def key(self):
         """The compilation a launch selects: two launches with the same key run the same binary."""
@@ -87,12 +87,13 @@ def describe(fn, args, kwargs):
     specialise (jit_specialisation), with the int values kept."""
     import inspect
     specialise = jit_specialisation()
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    parameters = inspect.signature(fn).parameters
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in parameters}   # num_warps, num_stages, ...
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     signature, constexprs, aligned, ints = {}, {}, [], {}
     for name, value in bound.arguments.items():
-        annotation = str(inspect.signature(fn).parameters[name].annotation)
+        annotation = str(parameters[name].annotation)
         if "constexpr" in annotation:
             signature[name], constexprs[name] = "constexpr", value
             continue
