@@ -2,7 +2,8 @@
 The Triton kernels as the compiler builds them for an H100 (sm_90), judged on a CPU (issue 68, item 1;
 docs/speed.md#the-time-model).
 
-    python scripts/kernel_probe.py                       # every design at L70 d640 B2 T2048 (minutes)
+    python scripts/kernel_probe.py                       # every design at L70 d640 B2 T2048 (minutes; MoDA's step
+                                                         # at L70 needs > 12 GB here: --fit-depths 2,3,4 for it)
     python scripts/kernel_probe.py --designs hc --layers 2 --seq 64 --json probe.json
     python scripts/kernel_probe.py --tools /nowhere      # where ptxas / cuobjdump are looked for (exit 2 if absent)
 
@@ -25,7 +26,10 @@ Three steps, each generic over the kernels (no kernel is named here):
 Per kernel and step: CTAs per SM = min(65,536 registers / (registers rounded to 8 x 32 x warps), 228 KB / (shared
 + 1 KB), 64 warps / warps, 32); waves = ceil(programs / (132 SMs x CTAs per SM)); warp-instructions = SASS
 instructions a thread executes (outside loops once, a loop's body x its trips) x warps x programs, summed over the
-step's launches. Exit 2, one line, where the tools or triton are missing.
+step's launches. Host (a child under the interpreter, launches no-ops, at the card's depth and HOST_SHAPE's width): the
+eager step of each design and Pre-LN, graphs and breaks per block (torch._dynamo.explain), a launch's Python path, one
+argument's specialisation and one graph break, in this process's CPU time. Exit 2, one line, where the tools or
+triton are missing.
 """
 import json
 import math
@@ -43,8 +47,11 @@ from depthbench.reports.compiled_code import (H100, Loop, Variant, ctas_per_sm, 
                                               resource_usage, waves)
 from depthbench.files.common import ArgParser  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import roofline  # noqa: E402  (scripts/ is not a package; the card's shape)
+
 DESIGNS = ["hc", "mhc", "attnres", "block_attnres", "moda"]
-CARD = {"layers": 70, "width": 640, "heads": 16, "batch": 2, "seq": 2048}
+CARD = {key: roofline.CARD[key] for key in ("layers", "width", "heads", "batch", "seq")}   # L70 d640 B2 T2048
 # the host-time runs' width: the host's Python and dispatch do not depend on it, while a CPU's work on the weights does
 # (bf16 casts and weight-gradient GEMMs that take microseconds on a GPU: at d640, MoDA's W_kv alone ~4 ms a block)
 HOST_SHAPE = {"width": 64, "heads": 4}
