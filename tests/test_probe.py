@@ -186,3 +186,33 @@ def test_hcs_kernels_compiled_for_sm90_at_a_tiny_shape():
     assert row["waves"] == cc.waves(got["programs"], row["ctas_per_sm"]) and row["arguments"] == got["arguments"]
     assert len(got["loops"]) == 1 and got["matched"] == {"0": 0}
     assert got["per_tile"][1] - got["per_tile"][0] == got["loops"][0] > 0
+
+
+FIT = f"""
+import json, sys
+sys.path.insert(0, {str(ROOT / "scripts")!r})
+import kernel_probe as kp
+tools, variants = kp.find_tools(), {{}}
+rows_at = {{L: kp.probe_design("moda", {{**{TINY}, "layers": L}}, tools, variants, log=lambda line: None)
+           for L in (2, 3, 4)}}
+fit = kp.extrapolate(rows_at, 6)
+direct = kp.probe_design("moda", {{**{TINY}, "layers": 6}}, tools, variants, log=lambda line: None)
+print(json.dumps({{r.kernel: [r.launches, r.warp_instructions] for r in fit}}))
+print(json.dumps({{r.kernel: [r.launches, r.warp_instructions] for r in direct}}))
+"""
+
+
+@pytest.mark.slow
+def test_modas_step_extrapolated_in_depth_equals_its_recording():
+    """MoDA's consumer b reads 2b slots, so its kernels' step totals are quadratics in L: the quadratic through L2, 3
+    and 4 gives L6's launches and warp-instructions as a recording at L6 does (what the card's table relies on, at
+    L70). ~1-2 min."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", FIT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fit, direct = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert sorted(fit) == sorted(direct) == ["_depth_backward", "_depth_forward", "_slot_backward"]
+    for kernel, (launches, instructions) in direct.items():
+        assert fit[kernel][0] == launches == 5 and fit[kernel][1] == pytest.approx(instructions, rel=1e-9)
