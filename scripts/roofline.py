@@ -31,6 +31,11 @@ Two paths per design:
           depthbench/kernels/triton_attnres_chunk.py, triton_hc.py or triton_moda.py import, their traffic()
           functions replace the analytic bytes and launches (`gpu_traffic`: the plug-in point)
 
+The time model (issue 68; docs/speed.md#the-time-model), printed after the table where scripts/kernel_probe.py's
+JSON is at hand (--probe, default docs/kernel_probe*.json) for this shape, on an H100 SXM: per Triton kernel
+max(bytes / (eta_gpu x HBM peak), issue floor, FLOPs / peak) with the binding term named, plus the host time the
+probe measured, over Pre-LN's step, against issue 68's targets (TIME_TARGETS).
+
 What it leaves out (so read the errors as the model's): kernel overlap, L2 hits, the mixing's FLOPs (under 1% of
 the step at n = 4), and that a launch-bound step hides some device time behind the host's.
 """
@@ -41,6 +46,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from depthbench.reports.compiled_code import H100  # noqa: E402  (the probe's GPU: its issue rate)
 from depthbench.files.common import ArgParser  # noqa: E402
 
 # HBM bytes/s by device name: the first key a name contains (the longer names first). The model is calibrated on
@@ -92,6 +98,12 @@ FUSED_LAUNCHES = {"hc": 6, "mhc": 8, "attnres": 2, "block_attnres": 2, "moda": 2
 NORM_ADD_BYTES = 34
 NORM_ADD_LAUNCHES = 2
 REPLACES_NORM_ADD = ("hc", "mhc")
+# The time model (issue 68; docs/speed.md#the-time-model): per Triton kernel max(bytes / (eta_gpu x HBM), issue
+# floor, FLOPs / peak) + host time, on an H100 SXM. Dense peaks of NVIDIA's H100 SXM datasheet: bf16 tensor cores
+# 989 TFLOP/s, tf32 495, fp32 on CUDA cores 67 (its boost clock; the issue floor uses 1.755 GHz)
+PEAK_FLOPS = {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}
+TIME_TARGETS = {"preln": 1.0, "hc": 1.15, "mhc": 1.15, "attnres": 1.5, "block_attnres": 1.10, "moda": 1.5}
+DOCS = Path(__file__).resolve().parents[1] / "docs"   # docs/kernel_probe*.json: scripts/kernel_probe.py's card runs
 
 
 def d_ff(width):
@@ -345,6 +357,100 @@ def report(rows, c, shape):
               f"{peak_today} | {peak} | {meets} | {r['gpu_x_preln_fitted_eta']:.2f} | {r['gpu_traffic']} |")
 
 
+def load_probe(paths):
+    """One probe document from scripts/kernel_probe.py's JSON files (rows concatenated, host designs merged; the
+    first file's shape and launch costs), None where none exists."""
+    doc = None
+    for path in [Path(p) for p in paths if Path(p).exists()]:
+        part = json.loads(path.read_text())
+        if doc is None:
+            doc = {**part, "rows": list(part["rows"]), "host": part.get("host")}
+            continue
+        doc["rows"] += part["rows"]
+        if part.get("host"):
+            host = doc["host"] or {**part["host"], "designs": {}}
+            host["designs"] = {**host["designs"], **part["host"]["designs"]}
+            doc["host"] = host
+    return doc
+
+
+def kernel_time(row, nbytes, c):
+    """{bytes, issue, flops: seconds; binds: the largest's name; seconds: the max} of one kernel's step: its bytes
+    over eta_gpu x the HBM peak, its warp-instructions over the issue rate (132 SMs x 4 schedulers x 1.755 GHz),
+    its tl.dot FLOPs (bf16, tf32) and CUDA-core fp32 FLOPs (the SASS' FFMA / FADD / FMUL) over their peaks."""
+    gpu = H100
+    terms = {"bytes": nbytes / (c["eta_gpu"] * c["hbm"]),
+             "issue": row["warp_instructions"] / (gpu["sms"] * gpu["schedulers"] * gpu["clock_hz"]),
+             "flops": row["fp32_flops"] / PEAK_FLOPS["fp32"] + sum(
+                 n / PEAK_FLOPS[kind] for kind, n in row["dot_flops"].items() if kind != "fp32")}
+    binds = max(terms, key=terms.get)
+    return {**terms, "binds": binds, "seconds": terms[binds]}
+
+
+def host_time(design, rows, host, shape):
+    """Seconds of host work a step of `design` adds to Pre-LN's (the probe's host runs): its eager path beyond
+    Pre-LN's (launches no-ops, scaled to shape's depth), each Triton launch's argument specialisation (not in the
+    no-op launches), and its graph breaks beyond Pre-LN's at the measured cost of one."""
+    mine, base = host["designs"][design], host["designs"]["preln"]
+    depth = shape["layers"] / host["shape"]["layers"]
+    eager = (mine["eager_ms"] - base["eager_ms"]) / 1e3 * depth
+    specialise = sum(r["launches"] * r["arguments"] for r in rows) * host["per_argument_us"] / 1e6
+    breaks = (mine["breaks_per_block"] - base["breaks_per_block"]) * shape["layers"] * host["break_us"] / 1e6
+    return {"eager": eager, "specialise": specialise, "breaks": breaks, "total": eager + specialise + breaks}
+
+
+def time_model(design, shape, c, probe):
+    """{step_ms, device_ms, host_ms, kernels: [{kernel, bytes, issue, flops, binds, ...}]} of `design` on the
+    probe's GPU: Pre-LN's backbone and launches (less what HC's and mHC's kernels replace), the torch launches its
+    traffic counts beyond its Triton kernels at tau, each Triton kernel's max(bytes, issue, FLOPs) term, and host
+    time. The design's bytes (traffic(), the honest account) are split among its Triton kernels in proportion to
+    the global bytes their compiled loads and stores name."""
+    base = backbone(shape, c) + today_kernels("preln", shape, c["fusion"]) * c["tau"]
+    if design == "preln":
+        return {"step_ms": 1e3 * base, "device_ms": 1e3 * base, "host_ms": 0.0, "kernels": []}
+    rows = [r for r in probe["rows"] if r["design"] == design]
+    mix, launches, _ = gpu_traffic(design, shape)
+    gone_bytes, gone_launches = replaced(design, shape)
+    named = sum(r["access_bytes"] for r in rows) or 1
+    kernels = [{"kernel": r["kernel"], **kernel_time(r, mix * r["access_bytes"] / named, c)} for r in rows]
+    glue = max(0, launches - sum(r["launches"] for r in rows)) - gone_launches
+    device = base + glue * c["tau"] - gone_bytes / (c["eta_gpu"] * c["hbm"]) + sum(k["seconds"] for k in kernels)
+    host = host_time(design, rows, probe["host"], shape) if probe.get("host") else {"total": 0.0}
+    return {"step_ms": 1e3 * (device + host["total"]), "device_ms": 1e3 * device,
+            "host": {k: 1e3 * v for k, v in host.items()}, "host_ms": 1e3 * host["total"], "kernels": kernels}
+
+
+def host_parts(row):
+    """A time model row's host ms as "total (eager + arguments + breaks)"; Pre-LN's (the base) as 0."""
+    host = row.get("host", {})
+    if "eager" not in host:
+        return f"{row['host_ms']:.1f}"
+    return f"{row['host_ms']:.1f} ({host['eager']:.1f} + {host['specialise']:.1f} + {host['breaks']:.1f})"
+
+
+def time_report(shape, probe, eta_gpu, designs=DESIGNS):
+    """The time model's table on an H100 SXM: per design its step, ratio to Pre-LN against issue 68's targets,
+    device and host ms, and each Triton kernel's ms and the term that binds it."""
+    c = {**calibrate("attnres", gpu="H100"), "eta_gpu": eta_gpu}
+    rows = {d: time_model(d, shape, c, probe) for d in designs if d == "preln" or any(
+        r["design"] == d for r in probe["rows"])}
+    base = rows["preln"]["step_ms"]
+    print(f"\ntime model, H100 SXM (probe: {len(probe['rows'])} kernels at L{probe['shape']['layers']} "
+          f"d{probe['shape']['width']}): per kernel max(bytes / ({eta_gpu:.2f} x {c['hbm'] / 1e12:.2f} TB/s), issue "
+          f"floor, FLOPs / peak) + host")
+    print("| design | step ms | x Pre-LN | target | meets | device ms | host ms (eager + arguments + breaks) | "
+          "kernels: ms (binding term) |")
+    print("|---|---:|---:|---:|---|---:|---:|---|")
+    for d, r in rows.items():
+        ratio = r["step_ms"] / base
+        r["x_preln"], r["meets"] = ratio, ratio <= TIME_TARGETS[d]
+        parts = ", ".join(f"{k['kernel']} {1e3 * k['seconds']:.1f} ({k['binds']})"
+                          for k in sorted(r["kernels"], key=lambda k: -k["seconds"]))
+        print(f"| {d} | {r['step_ms']:.1f} | {ratio:.2f} | {TIME_TARGETS[d]:.2f} | {'yes' if r['meets'] else 'NO'} | "
+              f"{r['device_ms']:.1f} | {host_parts(r)} | {parts or '-'} |")
+    return rows
+
+
 def main(argv=None):
     p = ArgParser(prog="roofline.py", description=__doc__.split("\n\n")[1])
     for key in ("layers", "width", "seq", "batch", "vocab"):
@@ -357,8 +463,13 @@ def main(argv=None):
                    f"{ETA_GPU}: a streaming kernel's; the fitted eta is today's fp32 read-modify-write pattern's)")
     p.add_argument("--loo", action="store_true", help="also fit eta on each measured row in turn, and print the "
                    "error of today's prediction on every other (leave-one-out)")
+    p.add_argument("--probe", action="append", help="scripts/kernel_probe.py's JSON (repeatable; default "
+                   "docs/kernel_probe*.json): the time model's table, at its shape")
     p.add_argument("--json", help="write the estimates and constants here")
     args = p.parse_args(argv)
+    missing = [path for path in args.probe or [] if not Path(path).is_file()]
+    if missing:
+        p.error(f"--probe {', '.join(missing)}: no such file (scripts/kernel_probe.py --json writes one)")
     if min([args.layers, args.width, args.seq, args.batch, args.vocab]) < 1:
         p.error("--layers, --width, --seq, --batch and --vocab must be >= 1")
     shape = {**CARD, **{k: getattr(args, k) for k in ("layers", "width", "seq", "batch", "vocab")}}
@@ -368,6 +479,11 @@ def main(argv=None):
     rows = table(shape, c)
     report(rows, c, shape)
     doc = {"shape": shape, "constants": c, "estimates": rows}
+    probe = load_probe(args.probe or sorted(DOCS.glob("kernel_probe*.json")))
+    if probe and all(probe["shape"][k] == shape[k] for k in probe["shape"] if k in shape):
+        doc["time_model"] = time_report(shape, probe, args.eta_gpu)
+    elif probe:
+        print(f"\ntime model: the probe ran at {probe['shape']}, not this shape (run scripts/kernel_probe.py there)")
     if args.loo:
         doc["leave_one_out"] = leave_one_out()
         for fit_on, errors in doc["leave_one_out"].items():

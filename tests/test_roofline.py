@@ -144,6 +144,11 @@ def test_the_command_prints_every_design_and_refuses_bad_shapes():
     bad = subprocess.run([sys.executable, "scripts/roofline.py", "--batch", "0"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    timed = ok.stdout.split("time model, H100 SXM")[1]          # docs/kernel_probe*.json: every design, its terms
+    assert all(f"| {d} | " in timed for d in roofline.DESIGNS) and "(issue)" in timed and "(bytes)" in timed
+    gone = subprocess.run([sys.executable, "scripts/roofline.py", "--probe", "nowhere.json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1
 
 
 def test_the_gpu_path_peak_is_the_measured_peak_moved_by_what_the_paths_keep(monkeypatch):
@@ -180,3 +185,51 @@ def test_gpu_act_bytes_reproduce_a_fresh_measurement():
     for design in designs:
         predicted = roofline.kept_per_token(roofline.GPU_ACT_BYTES[design], {"layers": 2, "width": 64})
         assert measured[design] == pytest.approx(predicted, abs=1.0), design
+
+
+def probe_row(kernel, **fields):
+    """A kernel row of scripts/kernel_probe.py's JSON with only what the time model reads."""
+    return {"design": "hc", "kernel": kernel, "launches": 2, "arguments": 10, "warp_instructions": 0.0,
+            "fp32_flops": 0.0, "dot_flops": {}, "access_bytes": 1.0, **fields}
+
+
+def test_a_kernels_time_is_the_largest_of_its_terms():
+    """Issue rate 132 x 4 x 1.755 GHz; eta 0.5 of 2 TB/s. 2 ms of warp-instructions, 1 ms of fp32 FLOPs at 67
+    TFLOP/s + 0.5 ms of bf16 dots at 989 (fp32 "ieee" dots are in the SASS' FFMAs: not added), 3 GB = 3 ms of bytes:
+    bytes bind at 3 ms; at 1 GB the issue floor binds at 2 ms."""
+    rate = 132 * 4 * 1.755e9
+    c = {"eta_gpu": 0.5, "hbm": 2e12}
+    row = probe_row("k", warp_instructions=2e-3 * rate, fp32_flops=67e12 * 1e-3,
+                    dot_flops={"bf16": 989e12 * 0.5e-3, "fp32": 1e15})
+    t = roofline.kernel_time(row, 3e9, c)
+    assert t["binds"] == "bytes" and t["seconds"] == pytest.approx(3e-3)
+    assert t["issue"] == pytest.approx(2e-3) and t["flops"] == pytest.approx(1.5e-3)
+    t = roofline.kernel_time(row, 1e9, c)
+    assert t["binds"] == "issue" and t["seconds"] == pytest.approx(2e-3)
+
+
+def test_the_time_model_adds_each_kernels_max_and_the_host(monkeypatch):
+    """HC with two Triton kernels whose loads and stores name 1 : 3 of the bytes: traffic()'s 8 GB split 2 : 6 GB;
+    its 10 traffic launches less the 4 Triton ones are torch launches at tau, less the 2L norm-and-add launches and
+    bytes HC replaces; host: the eager step beyond Pre-LN's (scaled by depth), 4 launches x 10 arguments x the
+    per-argument cost, and 1 break a block beyond Pre-LN's x L x the break's cost."""
+    rate = 132 * 4 * 1.755e9
+    c = {**roofline.calibrate("attnres", gpu="H100"), "eta_gpu": 0.5}
+    shape = {**roofline.CARD, "layers": 2}
+    monkeypatch.setattr(roofline, "gpu_traffic", lambda design, shape: (8e9, 10, "fake"))
+    host = {"shape": {"layers": 1}, "per_argument_us": 2.0, "break_us": 100.0,
+            "designs": {"preln": {"eager_ms": 10.0, "breaks_per_block": 0}, "hc": {"eager_ms": 15.0,
+                                                                                   "breaks_per_block": 1}}}
+    probe = {"rows": [probe_row("a", access_bytes=1.0, warp_instructions=1e-3 * rate),
+                      probe_row("b", access_bytes=3.0)], "host": host}
+    got = roofline.time_model("hc", shape, c, probe)
+    bw = 0.5 * c["hbm"]
+    base = roofline.backbone(shape, c) + roofline.today_kernels("preln", shape, c["fusion"]) * c["tau"]
+    gone_bytes, gone_launches = roofline.replaced("hc", shape)
+    kernels = max(2e9 / bw, 1e-3) + 6e9 / bw
+    device = base + (10 - 4 - gone_launches) * c["tau"] - gone_bytes / bw + kernels
+    host_s = (15.0 - 10.0) / 1e3 * 2 + 4 * 10 * 2e-6 + 1 * 2 * 100e-6
+    assert got["device_ms"] == pytest.approx(1e3 * device) and got["host_ms"] == pytest.approx(1e3 * host_s)
+    assert got["step_ms"] == pytest.approx(1e3 * (device + host_s))
+    assert [k["binds"] for k in got["kernels"]] == ["issue" if 1e-3 > 2e9 / bw else "bytes", "bytes"]
+    assert roofline.time_model("preln", shape, c, probe)["step_ms"] == pytest.approx(1e3 * base)
