@@ -14,7 +14,7 @@ from depthbench.files import common
 from depthbench.files.common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
 from depthbench.training import schedules, telemetry, trackers
 from depthbench.files.runlog import RunConfig  # what resolve makes, defined beside run.json's reader (no torch there)
-from depthbench.training.costs import default_micro_batch
+from depthbench.training.costs import PLAN_BYTES, default_micro_batch, host_bytes, needs_recompute
 from residuals import PAPER_DESIGNS, RESIDUALS
 from shapes import SUITES, count_params, parse_count, solve, suite_row, suite_rows
 
@@ -109,7 +109,26 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
     if args.global_batch % (B * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {B} x world size "
                          f"{world_size}")
-    return dataclasses.replace(cfg, batch_size=B, grad_accum=args.global_batch // (B * world_size))
+    cfg = dataclasses.replace(cfg, batch_size=B, grad_accum=args.global_batch // (B * world_size))
+    return dataclasses.replace(cfg, residual_args=recompute_choice(args, cfg, params))
+
+
+def recompute_choice(args, cfg, params):
+    """The run's design options with HC/mHC's `recompute` (when it has one and --residual-args does not set it)
+    following the memory plan: for the 400m preset's own micro-batch, on where it buys a larger one (the card's L70
+    d640: 8 with it, 4 without; HC at L24: 8 either way, off); else on where the plan without it does not fit
+    (costs.needs_recompute) the memory the run is planned for: an 80 GB GPU in bf16 (400m, a CUDA run), the host's in
+    fp32 (a small preset on the CPU: a mini run fits, off). It names no run folder and is no part of a run's identity
+    (runlog.MEMORY_OPTIONS): the losses are the same."""
+    opts = cfg.residual_args
+    if "recompute" not in opts or "recompute" in args.residual_args:
+        return opts
+    if args.preset == "400m" and not args.batch_size:
+        without = dataclasses.replace(cfg, residual_args={**opts, "recompute": False})
+        return {**opts, "recompute": micro_batch(args, without, params) < cfg.batch_size}
+    on_gpu = args.preset == "400m" or cfg.device.startswith("cuda")
+    limit = PLAN_BYTES if on_gpu else host_bytes()
+    return {**opts, "recompute": needs_recompute(cfg, params, limit, bf16=on_gpu)}
 
 
 def budget_counts(args):
