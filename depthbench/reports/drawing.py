@@ -36,6 +36,10 @@ DESIGNS = {"preln": ("Pre-LN", "#4d4d4d"), "sandwich": ("Sandwich-LN", "#8c564b"
            "attnres": ("Full AttnRes", "#d62728"), "block_attnres": ("Block AttnRes", "#ff7f0e"),
            "moda": ("MoDA", "#2ca02c")}
 STYLES = ["-", "--", ":", "-."]  # line styles tell depths or LRs apart where colour already means design
+# seeds of one design, told apart within its colour: seed k in shade SEED_SHADES[k] (< 0 towards black, > 0 towards
+# white; seed 0 the design's own colour) with marker SEED_MARKERS[k], the same in every figure (seed_look)
+SEED_SHADES = (0.0, -0.45, 0.45, -0.7, 0.7)
+SEED_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 FLOP_UNITS = [(1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1, "FLOP")]
 BYTE_UNITS = [(1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")]
 # the reference heatmaps' colour maps: causal white -> blues, permutation navy -> cream -> dark red
@@ -53,6 +57,23 @@ def colour(res):
 
 def design_order(res):
     return list(DESIGNS).index(res) if res in DESIGNS else len(DESIGNS)
+
+
+def seed_of(meta):
+    """The training seed of a train config or a diagnose meta (load_folder's run_seed: the run.json's beside it; else
+    its own seed, the run's unless diagnose.py was given --seed), or None."""
+    seed = meta.get("run_seed", meta.get("seed"))
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def seed_look(res, seed):
+    """{color, marker} of a design's seed: its colour in the seed's shade, the seed's marker (SEED_SHADES,
+    SEED_MARKERS); a run of no known seed in the design's colour, marker 'o'."""
+    if seed is None:
+        return {"color": colour(res), "marker": "o"}
+    rgb, shade = np.array(colors.to_rgb(colour(res))), SEED_SHADES[seed % len(SEED_SHADES)]
+    target = np.ones(3) if shade > 0 else np.zeros(3)
+    return {"color": tuple(rgb + abs(shade) * (target - rgb)), "marker": SEED_MARKERS[seed % len(SEED_MARKERS)]}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -148,7 +169,18 @@ def load_folder(folder):
             # (a /1 file without R_perm_last34 has no headline: it draws as missing)
             perm["R_perm_all"], perm["R_perm"] = perm["R_perm"], perm.get("R_perm_last34")
         data[kind].append(obj)
+    link_run_seeds(data)
     return data, skipped
+
+
+def link_run_seeds(data):
+    """Each diagnose JSON's meta gets "run_seed", the seed of the train JSON in its folder (the run it diagnosed), for
+    its title (label): its own "seed" seeds the windows, the run's only by default."""
+    seeds = {Path(r["_path"]).parent: r["config"].get("seed") for r in data["train"]}
+    for g in data["diagnose"]:
+        seed = seeds.get(Path(g["_path"]).parent)
+        if seed is not None:
+            g["meta"]["run_seed"] = seed
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -203,8 +235,13 @@ def shape(cfg):
 
 
 def label(meta):
+    """A run's name in a title or a legend: 'Pre-LN L9 d88 seed 0' (design, shape, seed_of), 'Pre-LN' without a
+    shape."""
     res, L, d, ar = shape(meta)
-    return f"{display(res)} L{L} d{d:g}" if L else display(res)
+    if not L:
+        return display(res)
+    seed = seed_of(meta)
+    return f"{display(res)} L{L} d{d:g}" + ("" if seed is None else f" seed {seed}")
 
 
 def grid(n, ncols=4, w=3.8, h=3.2):
@@ -243,7 +280,7 @@ def ar_axis(ax, ars):
     ax.set_xscale("log")
     ars = sorted(set(a for a in ars if math.isfinite(a) and a > 0))
     if ars:
-        ax.set_xticks(ars, [f"{a:g}" for a in ars])
+        ax.set_xticks(ars, [f"{round(a, 2):g}" for a in ars])  # 9.78 (9.777... in the JSON), as a run folder says
         ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xlim(max(ars) * 1.15, min(ars) / 1.15)  # (left, right) = (wide, deep): inverted on purpose
     ax.set_xlabel("aspect ratio d_model / n_layer (log scale; deeper →)")
