@@ -4,7 +4,8 @@ that one machine runs in an afternoon.
 
     python mini.py --text austen                           # the suite on 2 CPU cores -> runs/mini
     python mini.py --gpu --text austen                     # one GPU: a bigger budget, more tokens per param
-    python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
+    python mini.py --designs preln,hc --ar 32,9.1 --seeds 0 --steps 20 --lr 3e-3 --diag-samples 8 --out /tmp/toy
+                                                           # a toy: 4 runs, 4 diagnoses, the figures (README: its time)
     python mini.py --text austen --probes text --designs all   # the paper's ten designs (the synthetic probe: three)
     python mini.py --text austen --probes text --designs all --report   # summary.md and figures of what is done
 
@@ -555,7 +556,7 @@ def suite(args):
             fail("mini.py", e)
     seeds, deep = ",".join(map(str, args.seeds)), ",".join(map(str, args.deep_seeds or args.seeds))
     sweep = ",".join(map(format_lr, args.lr_sweep)) or "the preset"
-    lrs = f"LR {args.lr:g}" if args.lr else f"each at its best LR of {sweep}"
+    lrs = f"LR {format_lr(args.lr)}" if args.lr else f"each at its best LR of {sweep}"
     for name, lr in args.design_lr.items():
         lrs += f", {name} at {format_lr(lr)}"
     designs = " + ".join(f"{p} x {len(designs_of(args, p))} designs" for p in args.probes)

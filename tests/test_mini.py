@@ -38,6 +38,16 @@ def test_seeds_given_alone_apply_at_every_shape():
     assert (mini.seeds_at(both, 32), mini.seeds_at(both, 9.1)) == ([0], [0, 1])
 
 
+def test_the_readmes_toy_is_as_small_as_it_says():
+    """The README's toy line (the one timed there): no LR sweep, one seed per cell at both shapes, its runs as many
+    as its comment says."""
+    (line,) = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("python mini.py")
+               and "# a toy" in line]
+    args = mini.parse_args(line.split("#")[0].split()[2:])
+    runs = len(mini.sweep_jobs(args)) + len(mini.seed_jobs(args))
+    assert mini.sweep_jobs(args) == [] and f"a toy: {runs} runs, {runs} diagnoses" in line and runs == 4
+
+
 def test_the_header_says_each_ar_asked_and_the_shape_it_gave():
     """--ar 9.1 solves to L9 d88, whose AR (9.78) names the run folders: the suite's header says both."""
     args = mini.parse_args(["--designs", "preln", "--ar", "9.1,32", "--seeds", "0"])
