@@ -156,7 +156,8 @@ def fig_suite_loss(data, out_path, svg=False):
         return {"skipped": "no train JSON"}
     pairs = relative(points)
     # the panel relative to Pre-LN only where there is a pair: a suite of Pre-LN alone, or without it, has none
-    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(15 if pairs else 8, 5.5), squeeze=False)
+    panels, width = (2, 15) if pairs else (1, 8)
+    fig, axes = plt.subplots(1, panels, figsize=(width, 5.5), squeeze=False)
     axes = list(axes.flat)
     diverged = draw_losses(axes[0], points)
     drew = draw_relative(axes[1], pairs, points) if pairs else {}
