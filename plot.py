@@ -71,7 +71,7 @@ def fig2_final_loss(data, out_path, svg=False):
             diverged.append(r["_path"])
     if diverged:
         ax.text(0.01, 0.01, "× at top: a run that diverged (any LR) at that shape", transform=ax.transAxes)
-    ar_axis(ax, [ar for _, ar in groups])
+    ar_axis(ax, [ar for _, ar in groups], drawing.asked_ars(runs))
     budgets = {b for b in (num(r["config"].get("params_budget")) for r in runs) if math.isfinite(b)}
     fixed = {r["config"].get("fixed", "total") for r in runs}      # what the budget counts (train.py --fixed)
     what = f"{fixed.pop()} " if len(fixed) == 1 else ""
@@ -119,8 +119,8 @@ def fig2_loss_curves(data, out_path, svg=False):
                 if len(xy):  # where it stopped being finite, clipped into view
                     ax.plot(xy[-1, 0], min(xy[-1, 1], hi), "x", color="black", ms=10, mew=2, clip_on=False)
         ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
-        ax.set(title=f"{display(res)} L{L} d{d:g} (AR {round(ar, 2):g})", xlabel="tokens",
-               ylabel="train loss (nats/token)")
+        ar_name = drawing.ar_text(ar, drawing.asked_ars(rs).get(ar, ()))
+        ax.set(title=f"{display(res)} L{L} d{d:g} (AR {ar_name})", xlabel="tokens", ylabel="train loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     title = "Training loss curves"

@@ -49,9 +49,12 @@ def test_the_readmes_toy_is_as_small_as_it_says():
 
 
 def test_the_header_says_each_ar_asked_and_the_shape_it_gave():
-    """--ar 9.1 solves to L9 d88, whose AR (9.78) names the run folders: the suite's header says both."""
+    """--ar 9.1 solves to L9 d88, whose AR (9.78) names the run folders: the suite's header says both, and the run
+    records the AR asked (RunConfig.ar_asked) for its figures."""
     args = mini.parse_args(["--designs", "preln", "--ar", "9.1,32", "--seeds", "0"])
     assert mini.shapes_line(args).startswith("shapes: --ar 32 -> L4 d128 (AR 32), --ar 9.1 -> L9 d88 (AR 9.78); ")
+    deepest = mini.planned_run(mini.sweep_jobs(args)[0][2])   # the run records both: its figures say both
+    assert (deepest.n_layer, round(deepest.ar, 2), deepest.ar_asked) == (9, 9.78, 9.1)
 
 
 @pytest.mark.slow

@@ -543,7 +543,9 @@ def tiny_suite(tmp_path, designs, seeds):
     for res in designs:
         for n, d in [(4, 128), (9, 88)]:
             for seed in seeds:
-                write(runs, f"{res}_L{n}_s{seed}/run.json", train_json(res, n, d, 2e-3, seed, final=3 - 0.02 * n))
+                run = train_json(res, n, d, 2e-3, seed, final=3 - 0.02 * n)
+                run["config"]["ar_asked"] = {4: 32.0, 9: 9.1}[n]   # what recipe.resolve records of --ar
+                write(runs, f"{res}_L{n}_s{seed}/run.json", run)
                 write(runs, f"{res}_L{n}_s{seed}/diagnose.json", dict(diagnose_json(res, n, d)))
     data, skipped = drawing.load_folder(runs)
     assert skipped == []
@@ -570,7 +572,8 @@ def legend_texts(ax):
 def test_a_tiny_suites_figures_name_each_design_shape_and_seed(tmp_path, monkeypatch, designs, seeds):
     """The figures of a one-design one-seed suite and of a two-design two-seed one, as matplotlib objects: every
     per-run panel titled with its design, shape and (the run's) seed; on the loss curves each seed its own legend
-    entry, shade and marker within its design's colour; the AR ticks as the run folders name the shapes; the suite
+    entry, shade and marker within its design's colour; the AR ticks and titles as the run folders name the shapes,
+    with the --ar asked where it differs (asked 9.1, got 9.78); the suite
     figure relative to Pre-LN only where a design pairs with it; each seed named in the depth-use legend."""
     from matplotlib.figure import Figure
     from depthbench.reports import plot_suite
@@ -581,19 +584,19 @@ def test_a_tiny_suites_figures_name_each_design_shape_and_seed(tmp_path, monkeyp
     assert sorted(ax.get_title() for ax in fig.axes) == sorted(f"{run} (base 3)" for run in runs)
     fig = drawn(monkeypatch, plot.fig2_loss_curves, data, tmp_path / "curves.png")
     assert [ax.get_title() for ax in fig.axes] == [f"{n} {shape}" for n in names for shape in
-                                                   ("L4 d128 (AR 32)", "L9 d88 (AR 9.78)")]
+                                                   ("L4 d128 (AR 32)", "L9 d88 (AR 9.78, asked 9.1)")]
     for ax in fig.axes:
         assert legend_texts(ax) == [f"lr 2e-3 seed {s}" for s in seeds]
         looks = [(line.get_color(), line.get_marker()) for line in ax.get_lines()]
         assert len(set(looks)) == len(seeds) == len({colour for colour, _ in looks})
     fig = drawn(monkeypatch, plot.fig2_final_loss, data, tmp_path / "final.png")
-    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["9.78", "32"]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["9.78\nasked 9.1", "32"]
     assert legend_texts(fig.axes[0]) == names
     fig = drawn(monkeypatch, plot.fig8_logit_lens, data, tmp_path / "lens.png")
     assert sorted(legend_texts(fig.axes[-1])) == sorted(runs)
     fig = drawn(monkeypatch, plot_suite.fig_suite_loss, data, tmp_path / "suite.png")
     assert len(fig.axes) == 1 + ("preln" in designs and len(designs) > 1)
-    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["9.8 (L9)", "32 (L4)"]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["9.8 (L9)\nasked 9.1", "32 (L4)"]
     fig = drawn(monkeypatch, plot_suite.fig_suite_depth_use, data, tmp_path / "depth.png")
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == names
     assert [f"seed {s}" for s in seeds] == [t for t in legend_texts(fig.axes[1]) if t.startswith("seed")]

@@ -111,6 +111,7 @@ class RunConfig:
     stats_every: Optional[int] = None  # depthbench/training/telemetry.py: a record every this many steps and at each eval; 0: off
     log_to: Optional[str] = None    # depthbench/training/trackers.py: tensorboard | wandb mirror the log; None: run.json only
     grad_accum: Optional[int] = None  # micro-steps per optimizer step: global_batch / (batch_size * world_size)
+    ar_asked: Optional[float] = None  # the --ar that solved to this shape (None: --layers, a row): figures say both
 
     @classmethod
     def from_dict(cls, d, where="config"):

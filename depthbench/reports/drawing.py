@@ -234,6 +234,31 @@ def shape(cfg):
     return cfg.get("residual"), L, d, round(ar, 3)  # rounded so 32.0 and 32.0000001 are one point
 
 
+def asked_ars(runs):
+    """{AR as shape() rounds it: the --ar values asked for it (train configs' ar_asked) where they differ from the AR as
+    a run folder names it}: --ar 9.1 solves to L9 d88, AR 9.78, and the figures say both."""
+    out = {}
+    for r in runs:
+        ar, asked = shape(r["config"])[3], num(r["config"].get("ar_asked"))
+        if math.isfinite(asked) and f"{asked:g}" != f"{round(ar, 2):g}":
+            out.setdefault(ar, set()).add(asked)
+    return out
+
+
+def ar_text(ar, asked=(), sep=", "):
+    """'9.78', or '9.78, asked 9.1': an AR as its run folder names it, and the --ar asked where it differs (asked_ars)
+    after `sep`."""
+    text = f"{round(ar, 2):g}"
+    if asked:
+        text += sep + asked_text(asked)
+    return text
+
+
+def asked_text(asked):
+    """'asked 9.1': the --ar values asked for a shape (asked_ars)."""
+    return f"asked {', '.join(f'{a:g}' for a in sorted(asked))}"
+
+
 def label(meta):
     """A run's name in a title or a legend: 'Pre-LN L9 d88 seed 0' (design, shape, seed_of), 'Pre-LN' without a
     shape."""
@@ -275,12 +300,13 @@ def save(fig, out_path, svg, drew, title=None, legend=None, **extra):
     return {"drew": drew, **extra}
 
 
-def ar_axis(ax, ars):
-    """Log x axis of aspect ratio, inverted so wide-shallow is on the left and deep-narrow on the right."""
+def ar_axis(ax, ars, asked=None):
+    """Log x axis of aspect ratio, inverted so wide-shallow is on the left and deep-narrow on the right; each tick the
+    AR as a run folder names it, with the --ar asked beneath where it differs (asked: asked_ars)."""
     ax.set_xscale("log")
     ars = sorted(set(a for a in ars if math.isfinite(a) and a > 0))
     if ars:
-        ax.set_xticks(ars, [f"{round(a, 2):g}" for a in ars])  # 9.78 (9.777... in the JSON), as a run folder says
+        ax.set_xticks(ars, [ar_text(a, (asked or {}).get(a, ()), sep="\n") for a in ars])
         ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xlim(max(ars) * 1.15, min(ars) / 1.15)  # (left, right) = (wide, deep): inverted on purpose
     ax.set_xlabel("aspect ratio d_model / n_layer (log scale; deeper →)")

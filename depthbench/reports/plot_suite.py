@@ -56,11 +56,16 @@ def shape_tick(ar, L):
     return f"{text} (L{L})"
 
 
-def shape_axis(ax, shapes):
-    """drawing.ar_axis (log, inverted: deeper to the right), ticks written as the shapes {ar: L}."""
+def shape_axis(ax, shapes, asked=None):
+    """drawing.ar_axis (log, inverted: deeper to the right), ticks written as the shapes {ar: L}, with the --ar asked
+    beneath where it differs (asked: drawing.asked_ars)."""
     drawing.ar_axis(ax, list(shapes))
-    ars = sorted(shapes)
-    ax.set_xticks(ars, [shape_tick(ar, shapes[ar]) for ar in ars])
+    ars, asked = sorted(shapes), asked or {}
+    ticks = [shape_tick(ar, shapes[ar]) for ar in ars]
+    for k, ar in enumerate(ars):
+        if asked.get(ar):
+            ticks[k] += "\n" + drawing.asked_text(asked[ar])
+    ax.set_xticks(ars, ticks)
     ax.set_xlabel("aspect ratio d_model / n_layer (depth); deeper →")
 
 
@@ -163,7 +168,7 @@ def fig_suite_loss(data, out_path, svg=False):
     drew = draw_relative(axes[1], pairs, points) if pairs else {}
     shapes = {p.ar: p.L for p in points.values()}
     for ax in axes:
-        shape_axis(ax, shapes)
+        shape_axis(ax, shapes, drawing.asked_ars(data.get("train", [])))
     if diverged:
         axes[0].text(0.01, 0.01, "× at top: diverged at every LR at that shape", transform=axes[0].transAxes)
     designs = len({k[0] for k in points})

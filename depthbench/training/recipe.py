@@ -85,6 +85,9 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
     tokens_per_step = args.global_batch * args.seq_len
     tokenizer = None if args.data == "synthetic" else args.tokenizer  # synthetic: none
     dtype = "bfloat16 autocast" if args.device.startswith("cuda") else "float32"
+    asked = None  # the AR asked (--ar 9.1), beside the shape's own (9.78) in the figures
+    if shape[0] == "ar":
+        asked = shape[1]
     schedule_tag = ""
     if args.schedule != schedules.DEFAULT:  # another schedule: a run folder of its own
         schedule_tag = f"_{args.schedule}"
@@ -104,7 +107,7 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
         ckpt_every=args.ckpt_every, log_every=args.log_every, out=args.out, device=args.device,
         compile=args.compile, compile_scope=args.compile_scope, kernels=args.kernels, dtype=dtype,
         stats_every=args.stats_every,
-        log_to=args.log_to)
+        log_to=args.log_to, ar_asked=asked)
     B = micro_batch(args, cfg, params)
     if args.global_batch % (B * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {B} x world size "
