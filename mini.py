@@ -4,7 +4,8 @@ that one machine runs in an afternoon.
 
     python mini.py --text austen                           # the suite on 2 CPU cores -> runs/mini
     python mini.py --gpu --text austen                     # one GPU: a bigger budget, more tokens per param
-    python mini.py --designs preln,hc --ar 92,9.1 --seeds 0 --steps 20 --out /tmp/toy   # a toy, in a minute
+    python mini.py --designs preln,hc --ar 32,9.1 --seeds 0 --steps 20 --lr 3e-3 --diag-samples 8 --out /tmp/toy
+                                                           # a toy: 4 runs, 4 diagnoses, the figures (README: its time)
     python mini.py --text austen --probes text --designs all   # the paper's ten designs (the synthetic probe: three)
     python mini.py --text austen --probes text --designs all --report   # summary.md and figures of what is done
 
@@ -21,19 +22,18 @@ import contextlib
 import io
 import itertools
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from depthbench.files import common  # first, before numpy and torch: its excepthook makes a Ctrl-C during the imports one line
-import numpy as np
-
+from depthbench.files import common  # first, before data.py's numpy and torch: its excepthook makes a Ctrl-C during the imports one line
 import data
 from depthbench.files import runlog
 from depthbench.files.common import ArgParser, comma_list, fail, format_lr, positive, read_json, seed_number, write_atomic
+from depthbench.training import job_pool
+from depthbench.training.job_pool import found_done, log_path  # noqa: F401 (the tests reach them as mini.<name>)
 from depthbench.reports.suite_tables import (Sections, collect, diverged_step, done_runs, finished_runs, probe_report, shape_name,
                                      show_lr)
 
@@ -51,7 +51,8 @@ DIAG_METRICS = "causal,perm,pruning"
 PROBES = ("text", "synthetic")
 # the synthetic probe's designs with --designs all: it showed nothing at this budget (docs/results.md#synthetic-probe)
 SYNTHETIC_DESIGNS = ("preln", "hc", "attnres")
-LOCK_WAIT_S = 60  # how long a job waits for a live process (a train.py of a killed mini.py, saving) to leave its files
+# a suite given neither --seeds nor --deep-seeds: three seeds, five at the deepest shape (where R scores are coarsest)
+SEEDS, DEEP_SEEDS = (0, 1, 2), (0, 1, 2, 3, 4)
 
 
 class Cell(NamedTuple):
@@ -116,9 +117,10 @@ def build_parser():
         "every seed at this LR, no sweep (e.g. deepnorm=1e-3)")
     add("--ar", type=comma_list(positive(float)), default="92,51,32,17,9.1", help="comma list of aspect ratios "
         "(default 92,51,32,17,9.1: L2, 3, 4, 6 and 9, the paper's range 76..9.1)")
-    add("--seeds", type=comma_list(seed_number), default="0,1,2", help="comma list of seeds (default 0,1,2)")
-    add("--deep-seeds", type=comma_list(seed_number, empty=True), default="0,1,2,3,4", help="seeds at the deepest "
-        "shape, where R scores are coarsest (default 0,1,2,3,4; '' for --seeds)")
+    add("--seeds", type=comma_list(seed_number), help="comma list of seeds, at every shape unless --deep-seeds is "
+        "given (default 0,1,2; 0-4 at the deepest)")
+    add("--deep-seeds", type=comma_list(seed_number, empty=True), help="seeds at the deepest shape, where R scores are "
+        "coarsest (default: --seeds when given, else 0,1,2,3,4; '' for --seeds)")
     add("--probes", type=comma_list(probe), help="text,synthetic (default: both when --text is given, else "
         "synthetic)")
     add("--text", help="real text for the text probe: 'austen' (six novels, downloaded once) or a .txt/.jsonl/"
@@ -310,147 +312,11 @@ def check_jobs(jobs):
     return folders
 
 
-def found_done(folder):
-    """'done before' or 'diverged' when runlog.run_state says the job's run folder (check_jobs': of the job's
-    settings) holds a done run; None otherwise (not done, or not a train.py job). Such a job is not started again:
-    train.py would find the same and skip it, after seconds of start-up."""
-    if folder is None:
-        return None
-    return {"finished": "done before", "diverged": "diverged"}.get(runlog.run_state(folder))
-
-
-def holder_of(log, folder):
-    """Who holds a job's files: its log `log` (an open file; flock'd here when free, the lock then shared with the
-    child that writes it, so it lasts while either lives) or its run folder (train.py's lock) -> what is held by
-    whom, in words, or None when both are free."""
-    import fcntl
-    holder = folder and common.lock_holder(folder)
-    if holder:
-        return f"{folder} is in use by {holder}"
-    try:
-        fcntl.flock(log, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return f"{log.name} is held by a live process (a run of an earlier mini.py, ending?)"
-    return None
-
-
-def open_log(path, folder):
-    """The job's log, locked for it and emptied. While a live process holds the log or the run folder (a train.py of
-    a killed mini.py still saving, or one started by hand), one line says so and the job waits, up to LOCK_WAIT_S;
-    then one line and exit 2 (run_pool's clean-up stops this phase's runs): a live run's files are never written."""
-    deadline = None
-    while True:
-        log = open(path, "a+")  # appending: nothing is cut before the lock is ours
-        held = holder_of(log, folder)
-        if not held:
-            log.truncate(0)
-            return log
-        log.close()
-        if deadline is None:
-            deadline = time.time() + LOCK_WAIT_S
-            print(f"mini.py: {held}: waiting up to {LOCK_WAIT_S} s for it to end", flush=True)
-        if time.time() > deadline:
-            fail("mini.py", f"{held}, still after {LOCK_WAIT_S} s: its files are not written while it lives; wait for "
-                 "it to end, or stop it, then run the same command again")
-        time.sleep(0.5)
-
-
-def log_path(log_dir, label):
-    """The log of the job `label` in log_dir: logs/text_preln_ar9.1_seed0_lr3e-3.log."""
-    return log_dir / (label.replace(" ", "_").replace("=", "") + ".log")
-
-
-def outcome(returncode, log_path):
-    """What a finished job came to, from its exit status and log: 'ok', 'done before' (train.py found it finished
-    and skipped it), 'diverged' (a result: train.py exits 1 and says so; also when found diverged before), or
-    'FAILED' (the log says why)."""
-    try:
-        tail = log_path.read_text(errors="replace")[-4000:]
-    except OSError:
-        tail = ""
-    if "diverged already" in tail or (returncode == 1 and " diverged at step " in tail):
-        return "diverged"
-    if returncode != 0:
-        return "FAILED"
-    return "done before" if "finished already" in tail else "ok"
-
-
-class Progress(NamedTuple):
-    """A phase of run_pool, for its progress lines."""
-    what: str       # the phase's name: "sweep", "sweep edge", "train", "diagnose"
-    total: int      # its number of jobs
-    n: int          # jobs at a time
-    t0: float       # when it started (time.time())
-
-
-def progress_line(phase, done, what_came, took):
-    """'[sweep 3/30] <label>: ok in 155 s | elapsed 6.9 min, ETA 62.2 min for this phase': the ETA is the mean time
-    of the runs this mini.py trained so far (in any phase; not the ones found done before) x the phase's jobs left /
-    the jobs at a time. Before a run has trained (a resumed suite skipping what is done) there is no ETA to give."""
-    elapsed = time.time() - phase.t0
-    eta = "ETA after the first run it trains"
-    if took:
-        eta = f"ETA {np.mean(took) * (phase.total - done) / phase.n / 60:.1f} min for this phase"
-    return f"[{phase.what} {done}/{phase.total}] {what_came} | elapsed {elapsed / 60:.1f} min, {eta}"
-
 
 def run_pool(jobs, n, what, log_dir, took=None):
-    """Run (label, argv) jobs, n at a time, one thread each; print the phase's number of runs first, then a progress
-    line per finished job. `took`: the seconds of the runs trained so far (this phase adds to it; the ETA reads it).
-    Returns the labels that failed (their logs say why); a diverged run is a result, not a failure."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    folders = check_jobs(jobs)  # each run folder holds nothing, or a run of the job's settings
-    if jobs:
-        print(f"[{what}] {len(jobs)} runs, {n} at a time (a run found done before is skipped in seconds)", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    phase, pending, running, failed = Progress(what, len(jobs), n, time.time()), list(jobs), {}, []
-    took = [] if took is None else took
-    try:
-        while pending or running:
-            while pending and len(running) < n:
-                label, argv = pending.pop(0)
-                path = log_path(log_dir, label)
-                state = found_done(folders[label])
-                if state:  # done in an earlier call: its log stays as it is
-                    done = len(jobs) - len(pending) - len(running)
-                    print(progress_line(phase, done, f"{label}: {state} (found done)", took), flush=True)
-                    continue
-                log = open_log(path, folders[label])
-                # the child ends with this process, however it dies (on Linux; common.end_with_parent)
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=common.end_with_parent())
-                running[proc] = (label, log, path, time.time())
-            for proc in [p for p in running if p.poll() is not None]:
-                label, log, path, start = running.pop(proc)
-                log.close()
-                state, seconds = outcome(proc.returncode, path), time.time() - start
-                if state == "FAILED":
-                    failed.append(label)
-                if state != "done before":
-                    took.append(seconds)
-                done = len(jobs) - len(pending) - len(running)
-                print(progress_line(phase, done, f"{label}: {state} in {seconds:.0f} s", took), flush=True)
-            time.sleep(0.2)
-    except BaseException:  # Ctrl-C, SIGTERM (common.one_line_faults) or a bug: no run is left behind
-        stop_runs(running)
-        raise
-    return failed
-
-
-def stop_runs(running, grace=300):
-    """Ask each running train.py to stop (SIGTERM: it stops at its next micro-batch and keeps its last step's ckpt.pt,
-    so rerunning the suite resumes it), wait for it up to `grace` seconds, then kill it; close the logs."""
-    for proc in running:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.time() + grace
-    for proc, (_, log, _, _) in running.items():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    """job_pool.run_pool of (label, argv) jobs, their run folders checked first (check_jobs) -> the labels that
+    failed."""
+    return job_pool.run_pool(jobs, check_jobs(jobs), n=n, what=what, log_dir=log_dir, took=took)
 
 
 def sweep_lines(args, probe):
@@ -480,12 +346,31 @@ def sweep_lines(args, probe):
 
 
 def shape_label(args, probe_name, ar):
-    """A table's name for the shape that --ar `ar` gave: 'AR 9.8 (L9)' (suite_tables.shape_name: the AR of the shape
-    solved at the budget, e.g. 9.1 gives L9 d88) read from a done sweep run of that AR; 'AR 9.1' before there is one."""
+    """A table's name for the shape that --ar `ar` gave: 'AR 9.8 (L9, asked 9.1)' (suite_tables.shape_name: the AR of
+    the shape solved at the budget, e.g. 9.1 gives L9 d88; the AR asked where it differs) read from a done sweep run
+    of that AR; 'AR 9.1' before there is one."""
     for name in designs_of(args, probe_name):
         for _, run in done_runs(args.out / cell_folder(Cell(probe_name, ar, name))).values():
-            return shape_name(run["config"]["n_layer"], run["config"]["d_model"])
+            L, d = run["config"]["n_layer"], run["config"]["d_model"]
+            label = shape_name(L, d)
+            if f"{d / L:.2g}" != f"{ar:.2g}":
+                label = f"{label[:-1]}, asked {ar:g})"
+            return label
     return f"AR {ar:g}"
+
+
+def shapes_line(args):
+    """'shapes: --ar 32 -> L4 d128 (AR 32), --ar 9.1 -> L9 d88 (AR 9.78)': each AR asked and the shape solved for it
+    at the budget (train.py's, through planned_run), whose AR the run folders and the figures name."""
+    parts = []
+    for ar in sorted(set(args.ar), reverse=True):
+        cell = Cell(args.probes[0], ar, designs_of(args, args.probes[0])[0])
+        cfg = planned_run(job(args, cell.probe, cell, seed=0, lr=None)[2])
+        got = "train.py's log says why it does not resolve"
+        if cfg:
+            got = f"L{cfg.n_layer} d{cfg.d_model} (AR {round(cfg.ar, 2):g})"
+        parts.append(f"--ar {ar:g} -> {got}")
+    return "shapes: " + ", ".join(parts) + "; the run folders and figures name the shape's AR"
 
 
 def table4(args, probe_name="text"):
@@ -555,6 +440,9 @@ def parse_args(argv):
     if "text" in args.probes and not args.text:
         parser.error("the text probe needs --text ('austen', or a local corpus: a file, folder or quoted glob)")
     args.sweep = [] if args.lr else list(args.lr_sweep)
+    if args.deep_seeds is None:  # --seeds alone: those seeds at every shape; neither: the paper-like five there
+        args.deep_seeds = list(DEEP_SEEDS) if args.seeds is None else []
+    args.seeds = args.seeds or list(SEEDS)
     synthetic = args.synthetic_designs or (SYNTHETIC_DESIGNS if "all" in args.designs else args.designs)
     args.designs, args.synthetic_designs = with_all(args.designs), with_all(synthetic)
     check_applies(parser, args, given)
@@ -656,7 +544,7 @@ def suite(args):
     """The suite, with its folder locked: trained, diagnosed, drawn and summarized -> the exit code."""
     try:
         # One suite per folder, held to the end (released when this process ends, even killed). Each cell's log is
-        # locked too (run_pool's open_log), with the run that writes it: a run of a killed suite keeps its log.
+        # locked too (job_pool.open_log), with the run that writes it: a run of a killed suite keeps its log.
         lock = common.lock_folder(args.out)
     except ValueError as e:
         fail("mini.py", e)
@@ -668,12 +556,13 @@ def suite(args):
             fail("mini.py", e)
     seeds, deep = ",".join(map(str, args.seeds)), ",".join(map(str, args.deep_seeds or args.seeds))
     sweep = ",".join(map(format_lr, args.lr_sweep)) or "the preset"
-    lrs = f"LR {args.lr:g}" if args.lr else f"each at its best LR of {sweep}"
+    lrs = f"LR {format_lr(args.lr)}" if args.lr else f"each at its best LR of {sweep}"
     for name, lr in args.design_lr.items():
         lrs += f", {name} at {format_lr(lr)}"
     designs = " + ".join(f"{p} x {len(designs_of(args, p))} designs" for p in args.probes)
     print(f"mini suite: {designs} x {len(args.ar)} ARs, seeds {seeds} (deepest: {deep}), {lrs}, {args.jobs} runs at a "
           f"time -> {args.out}")
+    print(shapes_line(args), flush=True)
     failed = run_suite(args)
     text = summary(args)
     write_atomic(args.out / "summary.md", text)

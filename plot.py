@@ -71,7 +71,7 @@ def fig2_final_loss(data, out_path, svg=False):
             diverged.append(r["_path"])
     if diverged:
         ax.text(0.01, 0.01, "× at top: a run that diverged (any LR) at that shape", transform=ax.transAxes)
-    ar_axis(ax, [ar for _, ar in groups])
+    ar_axis(ax, [ar for _, ar in groups], drawing.asked_ars(runs))
     budgets = {b for b in (num(r["config"].get("params_budget")) for r in runs) if math.isfinite(b)}
     fixed = {r["config"].get("fixed", "total") for r in runs}      # what the budget counts (train.py --fixed)
     what = f"{fixed.pop()} " if len(fixed) == 1 else ""
@@ -105,18 +105,22 @@ def fig2_loss_curves(data, out_path, svg=False):
         hi = max((c[0, 1] for c in curves if len(c)), default=1.0)
         lo = min((c[:, 1].min() for c in curves if len(c)), default=0.0)
         for r, xy in zip(rs, curves):
-            bad, lr = bool(r.get("diverged")), num(r["config"].get("lr"))
-            name = f"lr {lr:g} seed {r['config'].get('seed', '?')}"
+            bad, lr, seed = bool(r.get("diverged")), num(r["config"].get("lr")), drawing.seed_of(r["config"])
+            lr_text = common.format_lr(lr) if math.isfinite(lr) else "?"   # as the run folder names it: 2e-3
+            name = f"lr {lr_text} seed {'?' if seed is None else seed}"
             if bad:
                 name += " DIVERGED"
             alpha = 0.5 if bad else 0.9
-            ax.plot(xy[:, 0], xy[:, 1], STYLES[lrs.index(lr) % 4], color=colour(res), lw=1, alpha=alpha, label=name)
+            # the LR a line style, the seed a shade and a marker of the design's colour (drawing.seed_look)
+            ax.plot(xy[:, 0], xy[:, 1], STYLES[lrs.index(lr) % 4], lw=1, alpha=alpha, label=name,
+                    markevery=max(1, len(xy) // 6), ms=4, **drawing.seed_look(res, seed))
             if bad:
                 diverged.append(r["_path"])
                 if len(xy):  # where it stopped being finite, clipped into view
                     ax.plot(xy[-1, 0], min(xy[-1, 1], hi), "x", color="black", ms=10, mew=2, clip_on=False)
         ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
-        ax.set(title=f"{display(res)} L{L} d{d:g} (AR {ar:g})", xlabel="tokens", ylabel="train loss (nats/token)")
+        ar_name = drawing.ar_text(ar, drawing.asked_ars(rs).get(ar, ()))
+        ax.set(title=f"{display(res)} L{L} d{d:g} (AR {ar_name})", xlabel="tokens", ylabel="train loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     title = "Training loss curves"
@@ -235,7 +239,7 @@ def fig8_logit_lens(data, out_path, svg=False):
             states, res = [s for s in g["logit_lens"]["states"] if isinstance(s, dict)], g["meta"]["residual"]
             for ax, (key, ylabel) in zip(axes, panels):
                 ax.plot([num(s.get("index")) for s in states], [num(s.get(key)) for s in states], style(g),
-                        marker=".", color=colour(res), label=label(g["meta"]))
+                        ms=4, label=label(g["meta"]), **drawing.seed_look(res, drawing.seed_of(g["meta"])))
                 ax.set(xlabel="depth state ℓ (0 = embedding)", ylabel=ylabel)
                 ax.grid(alpha=0.3)
             # the real output's loss: the lens should come down to it at the last state
@@ -266,8 +270,9 @@ def fig10_transport_erank(data, out_path, svg=False):
     def draw(docs, style, axes):
         for g in docs:
             te = g["transport_erank"]
-            axes[0].plot([num(v) for v in te["per_connector"]], style(g), marker=".", color=colour(
-                g["meta"]["residual"]), label=f"{label(g['meta'])} (mean {num(te.get('mean')):.2f})")
+            look = drawing.seed_look(g["meta"]["residual"], drawing.seed_of(g["meta"]))
+            axes[0].plot([num(v) for v in te["per_connector"]], style(g), ms=4,
+                         label=f"{label(g['meta'])} (mean {num(te.get('mean')):.2f})", **look)
         # n streams give n x n transport matrices, so the effective rank can't exceed n (the paper's n = 4)
         n = max(np.nan_to_num([num(g["meta"].get("n_streams", 4)) for g in docs], nan=4))
         axes[0].axhline(n, color="black", ls="--", lw=0.8, label=f"max = n = {n:g}")

@@ -430,7 +430,7 @@ def test_moda_joint_attention_in_bf16(hd, n_kv):
         assert (a.float() - b).norm() <= 0.03 * b.norm()
 
 
-@pytest.mark.parametrize("n_layer", [9, 20])
+@pytest.mark.parametrize("n_layer", [9, pytest.param(20, marks=pytest.mark.slow)])  # L20: the slow tier (L9 stays quick)
 @pytest.mark.parametrize("residual", ALL)
 def test_fast_kernels_equal_the_reference_deep(residual, n_layer):
     """Deeper, where the depth banks hold many sources (Full AttnRes' 41 at L20, MoDA's 39 slots): the loss and every

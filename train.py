@@ -375,7 +375,7 @@ def describe_device(run):
     threads = ""
     if not cuda:
         threads = f" (threads: {torch.get_num_threads()}; on busy cores OMP_NUM_THREADS=1 can be faster)"
-    recompute = ", activation checkpointing" if cfg.activation_checkpointing else ""
+    recompute = costs.memory_savers(cfg)  # checkpointing, HC/mHC's recompute (on where the memory plan needs it)
     peak = "? (unknown GPU)"
     if run.peak_flops:
         source = "bf16 table" if cuda else "measured fp32 matmul"

@@ -172,3 +172,19 @@ def test_mhc_at_l70_runs_micro_batch_8_on_80gb():
         cfg = recipe.resolve(args, "mhc", recipe.shapes_asked(args)[0], vocab_size=50304, world_size=1)
         picked.append(cfg.batch_size)
     assert picked[0] >= 8 > picked[1], picked
+
+
+def test_recompute_follows_the_memory_plan():
+    """HC/mHC's `recompute`, unless --residual-args sets it (recipe.recompute_choice): on at the card's L70 d640
+    (400m: micro-batch 8 with it, 4 without), off for a mini run on the CPU (its plan fits the host without it), as
+    given where set; it names no run and is no part of its identity (an older folder's run resumes); the header says
+    which (costs.memory_savers, train.py's device line and --dry-run's plan)."""
+    def resolved(residual, *argv):
+        args, _ = recipe.parse_args([*argv, "--residual", residual, "--device", "cpu"])
+        return recipe.resolve(args, residual, recipe.shapes_asked(args)[0], vocab_size=50304, world_size=1)
+    card, mini = resolved("mhc", "--suite", "400m", "--layers", "70"), resolved("mhc", "--preset", "mini", "--ar", "9.1")
+    given = resolved("mhc", "--preset", "mini", "--ar", "9.1", "--residual-args", '{"recompute": true}')
+    assert [cfg.residual_args["recompute"] for cfg in (card, mini, given)] == [True, False, True]
+    assert (card.batch_size, mini.n_layer) == (8, 9) and given.name == mini.name and not mini.identity_changes(given)
+    assert (costs.memory_savers(card), costs.memory_savers(mini)) == (", recompute on", ", recompute off")
+    assert costs.memory_savers(resolved("preln", "--preset", "mini")) == ""   # a design without the option

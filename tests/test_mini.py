@@ -18,11 +18,43 @@ import pytest
 from depthbench.files import common
 import mini
 from depthbench.reports import suite_tables
+from depthbench.training import job_pool
 from test_train import run_json
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 # the paper's ten designs in its order (Figure 2, Table 4): what --designs all must mean
 PAPER_TEN = ["preln", "sandwich", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda"]
+
+
+def test_seeds_given_alone_apply_at_every_shape():
+    """--seeds without --deep-seeds: those seeds at every shape, the deepest too (the README's toy trains one seed
+    per cell); a suite given neither: 0,1,2, and 0-4 at the deepest; --deep-seeds given: it, at the deepest only."""
+    given = mini.parse_args(["--designs", "preln,hc", "--ar", "32,9.1", "--seeds", "0", "--lr", "3e-3"])
+    assert mini.seeds_at(given, 9.1) == mini.seeds_at(given, 32) == [0]
+    assert len(mini.seed_jobs(given)) == 2 * 2 and "4 seed runs" in mini.plan_line(given)
+    neither = mini.parse_args(["--designs", "preln", "--ar", "32,9.1"])
+    assert (mini.seeds_at(neither, 32), mini.seeds_at(neither, 9.1)) == ([0, 1, 2], [0, 1, 2, 3, 4])
+    both = mini.parse_args(["--designs", "preln", "--ar", "32,9.1", "--seeds", "0", "--deep-seeds", "0,1"])
+    assert (mini.seeds_at(both, 32), mini.seeds_at(both, 9.1)) == ([0], [0, 1])
+
+
+def test_the_readmes_toy_is_as_small_as_it_says():
+    """The README's toy line (the one timed there): no LR sweep, one seed per cell at both shapes, its runs as many
+    as its comment says."""
+    (line,) = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("python mini.py")
+               and "# a toy" in line]
+    args = mini.parse_args(line.split("#")[0].split()[2:])
+    runs = len(mini.sweep_jobs(args)) + len(mini.seed_jobs(args))
+    assert mini.sweep_jobs(args) == [] and f"a toy: {runs} runs, {runs} diagnoses" in line and runs == 4
+
+
+def test_the_header_says_each_ar_asked_and_the_shape_it_gave():
+    """--ar 9.1 solves to L9 d88, whose AR (9.78) names the run folders: the suite's header says both, and the run
+    records the AR asked (RunConfig.ar_asked) for its figures."""
+    args = mini.parse_args(["--designs", "preln", "--ar", "9.1,32", "--seeds", "0"])
+    assert mini.shapes_line(args).startswith("shapes: --ar 32 -> L4 d128 (AR 32), --ar 9.1 -> L9 d88 (AR 9.78); ")
+    deepest = mini.planned_run(mini.sweep_jobs(args)[0][2])   # the run records both: its figures say both
+    assert (deepest.n_layer, round(deepest.ar, 2), deepest.ar_asked) == (9, 9.78, 9.1)
 
 
 @pytest.mark.slow
@@ -98,7 +130,7 @@ def test_bad_arguments_are_one_line(capsys, tmp_path):
 def test_the_sweep_covers_every_text_shape_and_the_deepest_synthetic_one():
     """Before any result: the first phase is the sweep, the first seed of every text cell and of the synthetic
     probe's deepest cells at each LR, deepest shapes first, text runs reading the given corpus."""
-    args = mini.build_parser().parse_args(["--designs", "preln,hc", "--ar", "92,4", "--text", "corpus.txt"])
+    args = mini.parse_args(["--designs", "preln,hc", "--ar", "92,4", "--text", "corpus.txt"])
     args.probes, args.sweep = ["text", "synthetic"], [1e-3, 3e-3, 1e-2]
     jobs = mini.sweep_jobs(args)
     cells = {(f.split("/")[0], a[a.index("--residual") + 1], a[a.index("--ar") + 1]) for f, _, a in jobs}
@@ -184,8 +216,8 @@ def test_a_diverged_sweep_run_is_a_result_never_the_choice(tmp_path):
         sweep_run(tmp_path / mini.cell_folder(hc) / name, lr, state="diverged")
     assert mini.sweep_result(args, preln)[0] == {1e-3: 3.1, 3e-3: 3.0, 1e-2: None}
     assert mini.chosen_lr(args, preln) == 3e-3 and mini.extension(args, mini.sweep_result(args, preln)[0]) is None
-    assert mini.sweep_lines(args, "synthetic")[0] == ("- preln, AR 9.8 (L9): 1e-3: 3.1000 · **3e-3: 3.0000** · "
-                                                  "1e-2: diverged at step 2")
+    assert mini.sweep_lines(args, "synthetic")[0] == ("- preln, AR 9.8 (L9, asked 9.1): 1e-3: 3.1000 · "
+                                                  "**3e-3: 3.0000** · 1e-2: diverged at step 2")
     assert mini.chosen_lr(args, hc) is None
     jobs = mini.seed_jobs(args)                           # preln's seed 1 at 3e-3 (seed 0 is its sweep run), no hc
     assert [(label.split()[1], a[a.index("--seed") + 1], a[a.index("--lr") + 1]) for _, label, a in jobs] == [
@@ -251,7 +283,7 @@ def test_a_design_lr_trains_every_seed_there_and_table4_says_so(tmp_path):
     assert sorted(j for j in jobs if j[0] == "deepnorm") == [("deepnorm", "32", "1e3")] * 2 + [("deepnorm", "9.1",
                                                                                                   "1e3")] * 2
     assert mini.table4(args, "synthetic") == [
-        "| design | paper's optimum | AR 32 | AR 9.8 (L9) |", "|---|---|---|---|",  # AR 32: no run yet
+        "| design | paper's optimum | AR 32 | AR 9.8 (L9, asked 9.1) |", "|---|---|---|---|",  # AR 32: no run yet
         "| preln | 2e-3 | — | 1e-2 |", "| lns | 1e-2 | — | all diverged |", "| deepnorm | 1e-3 | 1e3 (set) | 1e3 (set) |"]
 
 
@@ -264,8 +296,8 @@ def test_a_diverged_run_is_a_result_in_the_progress_line(tmp_path):
              (2, "train.py: error: bad input", "FAILED")]
     for rc, text, want in cases:
         (tmp_path / "log").write_text(text + "\n")
-        assert mini.outcome(rc, tmp_path / "log") == want, text
-    assert mini.outcome(0, tmp_path / "missing.log") == "ok"
+        assert job_pool.outcome(rc, tmp_path / "log") == want, text
+    assert job_pool.outcome(0, tmp_path / "missing.log") == "ok"
 
 
 AUSTEN = ROOT.parent / "shared" / "data" / "austen"
@@ -315,9 +347,9 @@ def test_the_eta_counts_trained_runs_only_and_the_plan_counts_the_whole_grid():
     """progress_line: no ETA before a run has trained (a resumed suite skipping what is done), then the mean of the
     trained runs x the phase's jobs left / the jobs at a time. plan_line: the ten-design text grid is 10 designs x 5
     shapes x 3 LRs of sweep, at most one edge run per cell, and 10 x (4 x 3 + 5) seeds less the 50 sweep runs."""
-    phase = mini.Progress("sweep", total=10, n=2, t0=time.time())
-    assert mini.progress_line(phase, 3, "x: done before in 8 s", []).endswith("ETA after the first run it trains")
-    assert mini.progress_line(phase, 4, "x: ok in 60 s", [60.0, 120.0]).endswith("ETA 4.5 min for this phase")
+    phase = job_pool.Progress("sweep", total=10, n=2, t0=time.time())
+    assert job_pool.progress_line(phase, 3, "x: done before in 8 s", []).endswith("ETA after the first run it trains")
+    assert job_pool.progress_line(phase, 4, "x: ok in 60 s", [60.0, 120.0]).endswith("ETA 4.5 min for this phase")
     args = mini.parse_args(["--text", "austen", "--probes", "text", "--designs", "all"])
     assert mini.plan_line(args).startswith("plan: 150 sweep runs, up to 50 edge runs, 120 seed runs")
     args = mini.parse_args(["--designs", "preln,hc", "--design-lr", "hc=1e-3", "--ar", "32,9.1"])  # synthetic

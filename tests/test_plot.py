@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import matplotlib.image
+import matplotlib.pyplot as plt
 import pytest
 
 import plot
@@ -531,3 +532,71 @@ def test_token_collapse_figure_draws_a_line_per_model_and_metric(full_dir, tmp_p
     info = plot_eval.fig_token_collapse(data, tmp_path / "t.png")
     assert info["drew"] == "12 model(s)"
     assert_png(tmp_path / "t.png")
+
+
+# ----------------------------------------------------------------------------- a tiny suite at a glance (issue 67)
+
+def tiny_suite(tmp_path, designs, seeds):
+    """A mini suite's probe folder of `designs` x two shapes (L4 d128: AR 32; L9 d88: AR 9.78, what --ar 9.1 gives)
+    x `seeds` at 2e-3, each run diagnosed, the diagnosis's own seed 7 (diagnose.py --seed): the run's names it."""
+    runs = tmp_path / "text"
+    for res in designs:
+        for n, d in [(4, 128), (9, 88)]:
+            for seed in seeds:
+                run = train_json(res, n, d, 2e-3, seed, final=3 - 0.02 * n)
+                run["config"]["ar_asked"] = {4: 32.0, 9: 9.1}[n]   # what recipe.resolve records of --ar
+                write(runs, f"{res}_L{n}_s{seed}/run.json", run)
+                write(runs, f"{res}_L{n}_s{seed}/diagnose.json", dict(diagnose_json(res, n, d)))
+    data, skipped = drawing.load_folder(runs)
+    assert skipped == []
+    for g in data["diagnose"]:
+        g["meta"]["seed"] = 7
+    return data
+
+
+def drawn(monkeypatch, fn, data, path):
+    """The matplotlib Figure that figure function `fn` draws (drawing.save closes it: kept open here)."""
+    kept, close = [], plt.close
+    monkeypatch.setattr(plt, "close", kept.append)
+    info = fn(data, path)
+    monkeypatch.setattr(plt, "close", close)
+    assert "skipped" not in info and len(kept) == 1, info
+    return kept[0]
+
+
+def legend_texts(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else []
+
+
+@pytest.mark.parametrize("designs, seeds", [(["hc"], [0]), (["preln", "hc"], [0, 1])])
+def test_a_tiny_suites_figures_name_each_design_shape_and_seed(tmp_path, monkeypatch, designs, seeds):
+    """The figures of a one-design one-seed suite and of a two-design two-seed one, as matplotlib objects: every
+    per-run panel titled with its design, shape and (the run's) seed; on the loss curves each seed its own legend
+    entry, shade and marker within its design's colour; the AR ticks and titles as the run folders name the shapes,
+    with the --ar asked where it differs (asked 9.1, got 9.78); the suite
+    figure relative to Pre-LN only where a design pairs with it; each seed named in the depth-use legend."""
+    from matplotlib.figure import Figure
+    from depthbench.reports import plot_suite
+    monkeypatch.setattr(Figure, "savefig", lambda *args, **kwargs: None)  # the objects are checked, not the pixels
+    data, names = tiny_suite(tmp_path, designs, seeds), [drawing.display(r) for r in designs]
+    runs = [f"{name} {shape} seed {s}" for name in names for shape in ("L4 d128", "L9 d88") for s in seeds]
+    fig = drawn(monkeypatch, plot.fig8_pruning, data, tmp_path / "pruning.png")
+    assert sorted(ax.get_title() for ax in fig.axes) == sorted(f"{run} (base 3)" for run in runs)
+    fig = drawn(monkeypatch, plot.fig2_loss_curves, data, tmp_path / "curves.png")
+    assert [ax.get_title() for ax in fig.axes] == [f"{n} {shape}" for n in names for shape in
+                                                   ("L4 d128 (AR 32)", "L9 d88 (AR 9.78, asked 9.1)")]
+    for ax in fig.axes:
+        assert legend_texts(ax) == [f"lr 2e-3 seed {s}" for s in seeds]
+        looks = [(line.get_color(), line.get_marker()) for line in ax.get_lines()]
+        assert len(set(looks)) == len(seeds) == len({colour for colour, _ in looks})
+    fig = drawn(monkeypatch, plot.fig2_final_loss, data, tmp_path / "final.png")
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["9.78\nasked 9.1", "32"]
+    assert legend_texts(fig.axes[0]) == names
+    fig = drawn(monkeypatch, plot.fig8_logit_lens, data, tmp_path / "lens.png")
+    assert sorted(legend_texts(fig.axes[-1])) == sorted(runs)
+    fig = drawn(monkeypatch, plot_suite.fig_suite_loss, data, tmp_path / "suite.png")
+    assert len(fig.axes) == 1 + ("preln" in designs and len(designs) > 1)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["9.8 (L9)\nasked 9.1", "32 (L4)"]
+    fig = drawn(monkeypatch, plot_suite.fig_suite_depth_use, data, tmp_path / "depth.png")
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == names
+    assert [f"seed {s}" for s in seeds] == [t for t in legend_texts(fig.axes[1]) if t.startswith("seed")]

@@ -143,6 +143,7 @@ def test_bad_input_from_the_shell_has_no_traceback():
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "12y34" in p.stderr
 
 
+@pytest.mark.slow  # ~3.4 s on 2 cores (issue 67's quick-tier timing)
 def test_analytic_json_acceptance_and_atomic_write(tmp_path, monkeypatch, capsys):
     """The acceptance command's numbers; the file is complete before it takes the final name."""
     out = tmp_path / "prof.json"

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from depthbench.files import common, runlog
+from depthbench.training import job_pool
 import data
 import mini
 import profile_gpu
@@ -1232,12 +1233,12 @@ def test_kill_9_of_mini_ends_its_runs_and_a_rerun_resumes_them(tmp_path, capsys)
 
 @fault("a live process holding what mini.py would write for a run: its run folder (a train.py started by hand: the "
        "test holds the folder's lock) or its log (a run of a killed mini.py, where the OS keeps it alive)",
-       "one line on the terminal naming what is held (and by whom) and that it waits, up to mini.LOCK_WAIT_S (60 s); "
+       "one line on the terminal naming what is held (and by whom) and that it waits, up to job_pool.LOCK_WAIT_S (60 s); "
        "then one line, exit 2; the log is never opened for writing meanwhile")
 @pytest.mark.parametrize("held", ["folder", "log"])
 def test_mini_never_writes_where_a_live_run_does(tmp_path, capsys, monkeypatch, held):
     import fcntl
-    monkeypatch.setattr(mini, "LOCK_WAIT_S", 1)
+    monkeypatch.setattr(job_pool, "LOCK_WAIT_S", 1)
     argv = ["--designs", "preln", "--ar", "32", "--seeds", "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", "2",
             "--out", str(tmp_path)]
     ((_, label, job),) = mini.seed_jobs(mini.parse_args(argv))
@@ -1564,7 +1565,8 @@ def rules():
         "there, 0.0 here`), exit 2, and nothing is written: use another `--out`, or move the folder away. A grid "
         "checks every folder before its first run trains. Non-default design options and a schedule other than the "
         f"default (`--schedule`) join the run's name: such runs have folders of their own. {ticked(SYNTHETIC_ONLY)} "
-        "count for a synthetic-task run only.",
+        "count for a synthetic-task run only; HC/mHC's `recompute` (the memory plan's choice, the same losses) does "
+        "not count.",
         f"- **Precision**: {ticked(identity_fields('done'))}. Part of a finished or diverged run's identity; "
         "`--resume` may change it (scripts/gpu_smoke.py resumes one checkpoint in fp32 and in bf16 to compare them).",
         f"- **The rest** may differ, and `--resume` may change them: {ticked(rest)}. They are derived from the "

@@ -28,6 +28,9 @@ SCHEMA = "depthbench.train/1"
 IDENTITY = {"identity": "always"}     # part of the run's identity
 PRECISION = {"identity": "done"}      # part of a done (finished or diverged) run's identity; --resume may change it
 SYNTHETIC_ONLY = ("max_gap", "group", "answers_only")  # identity of a synthetic-task run only (real data ignores them)
+# design options that change memory and time, never a loss or gradient (HC/mHC's recompute, chosen by the memory
+# plan: recipe.recompute_choice): no part of a run's identity, so a run resumes or is reused whichever it had
+MEMORY_OPTIONS = ("recompute",)
 # fields a version of train.py added later, and what an older run.json or ckpt.pt that lacks one computed
 LATE_DEFAULTS = {"schedule": "cosine", "val_tokens": None, "compile_scope": "blocks"}
 
@@ -107,6 +110,7 @@ class RunConfig:
     stats_every: Optional[int] = None  # depthbench/training/telemetry.py: a record every this many steps and at each eval; 0: off
     log_to: Optional[str] = None    # depthbench/training/trackers.py: tensorboard | wandb mirror the log; None: run.json only
     grad_accum: Optional[int] = None  # micro-steps per optimizer step: global_batch / (batch_size * world_size)
+    ar_asked: Optional[float] = None  # the --ar that solved to this shape (None: --layers, a row): figures say both
 
     @classmethod
     def from_dict(cls, d, where="config"):
@@ -133,11 +137,19 @@ class RunConfig:
         keys = [f.name for f in dataclasses.fields(self) if f.metadata.get("identity") in kinds]
         if self.data != "synthetic" and other.data != "synthetic":
             keys = [k for k in keys if k not in SYNTHETIC_ONLY]
-        return [k for k in keys if getattr(self, k) != getattr(other, k)]
+        return [k for k in keys if identity_value(self, k) != identity_value(other, k)]
 
     def describe_changes(self, other, keys):
         """'weight_decay 0.1 there, 0.0 here; seq_len 128 there, 64 here' for the keys identity_changes gave."""
         return "; ".join(f"{k} {getattr(self, k)!r} there, {getattr(other, k)!r} here" for k in keys)
+
+
+def identity_value(cfg, key):
+    """A RunConfig's field `key` as its identity compares it: the design options without MEMORY_OPTIONS."""
+    value = getattr(cfg, key)
+    if key == "residual_args":
+        value = {k: v for k, v in value.items() if k not in MEMORY_OPTIONS}
+    return value
 
 
 def identity_fields(kind="always"):

@@ -35,6 +35,10 @@ DESIGNS = {"preln": ("Pre-LN", "#4d4d4d"), "sandwich": ("Sandwich-LN", "#8c564b"
            "attnres": ("Full AttnRes", "#d62728"), "block_attnres": ("Block AttnRes", "#ff7f0e"),
            "moda": ("MoDA", "#2ca02c")}
 STYLES = ["-", "--", ":", "-."]  # line styles tell depths or LRs apart where colour already means design
+# seeds of one design, told apart within its colour: seed k in shade SEED_SHADES[k] (< 0 towards black, > 0 towards
+# white; seed 0 the design's own colour) with marker SEED_MARKERS[k], the same in every figure (seed_look)
+SEED_SHADES = (0.0, -0.45, 0.45, -0.7, 0.7)
+SEED_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 FLOP_UNITS = [(1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1, "FLOP")]
 BYTE_UNITS = [(1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")]
 # the reference heatmaps' colour maps: causal white -> blues, permutation navy -> cream -> dark red
@@ -52,6 +56,23 @@ def colour(res):
 
 def design_order(res):
     return list(DESIGNS).index(res) if res in DESIGNS else len(DESIGNS)
+
+
+def seed_of(meta):
+    """The training seed of a train config or a diagnose meta (load_folder's run_seed: the run.json's beside it; else
+    its own seed, the run's unless diagnose.py was given --seed), or None."""
+    seed = meta.get("run_seed", meta.get("seed"))
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def seed_look(res, seed):
+    """{color, marker} of a design's seed: its colour in the seed's shade, the seed's marker (SEED_SHADES,
+    SEED_MARKERS); a run of no known seed in the design's colour, marker 'o'."""
+    if seed is None:
+        return {"color": colour(res), "marker": "o"}
+    rgb, shade = np.array(colors.to_rgb(colour(res))), SEED_SHADES[seed % len(SEED_SHADES)]
+    target = np.ones(3) if shade > 0 else np.zeros(3)
+    return {"color": tuple(rgb + abs(shade) * (target - rgb)), "marker": SEED_MARKERS[seed % len(SEED_MARKERS)]}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -147,7 +168,18 @@ def load_folder(folder):
             # (a /1 file without R_perm_last34 has no headline: it draws as missing)
             perm["R_perm_all"], perm["R_perm"] = perm["R_perm"], perm.get("R_perm_last34")
         data[kind].append(obj)
+    link_run_seeds(data)
     return data, skipped
+
+
+def link_run_seeds(data):
+    """Each diagnose JSON's meta gets "run_seed", the seed of the train JSON in its folder (the run it diagnosed), for
+    its title (label): its own "seed" seeds the windows, the run's only by default."""
+    seeds = {Path(r["_path"]).parent: r["config"].get("seed") for r in data["train"]}
+    for g in data["diagnose"]:
+        seed = seeds.get(Path(g["_path"]).parent)
+        if seed is not None:
+            g["meta"]["run_seed"] = seed
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -201,9 +233,39 @@ def shape(cfg):
     return cfg.get("residual"), L, d, round(ar, 3)  # rounded so 32.0 and 32.0000001 are one point
 
 
+def asked_ars(runs):
+    """{AR as shape() rounds it: the --ar values asked for it (train configs' ar_asked) where they differ from the AR as
+    a run folder names it}: --ar 9.1 solves to L9 d88, AR 9.78, and the figures say both."""
+    out = {}
+    for r in runs:
+        ar, asked = shape(r["config"])[3], num(r["config"].get("ar_asked"))
+        if math.isfinite(asked) and f"{asked:g}" != f"{round(ar, 2):g}":
+            out.setdefault(ar, set()).add(asked)
+    return out
+
+
+def ar_text(ar, asked=(), sep=", "):
+    """'9.78', or '9.78, asked 9.1': an AR as its run folder names it, and the --ar asked where it differs (asked_ars)
+    after `sep`."""
+    text = f"{round(ar, 2):g}"
+    if asked:
+        text += sep + asked_text(asked)
+    return text
+
+
+def asked_text(asked):
+    """'asked 9.1': the --ar values asked for a shape (asked_ars)."""
+    return f"asked {', '.join(f'{a:g}' for a in sorted(asked))}"
+
+
 def label(meta):
+    """A run's name in a title or a legend: 'Pre-LN L9 d88 seed 0' (design, shape, seed_of), 'Pre-LN' without a
+    shape."""
     res, L, d, ar = shape(meta)
-    return f"{display(res)} L{L} d{d:g}" if L else display(res)
+    if not L:
+        return display(res)
+    seed = seed_of(meta)
+    return f"{display(res)} L{L} d{d:g}" + ("" if seed is None else f" seed {seed}")
 
 
 def grid(n, ncols=4, w=3.8, h=3.2):
@@ -237,12 +299,13 @@ def save(fig, out_path, svg, drew, title=None, legend=None, **extra):
     return {"drew": drew, **extra}
 
 
-def ar_axis(ax, ars):
-    """Log x axis of aspect ratio, inverted so wide-shallow is on the left and deep-narrow on the right."""
+def ar_axis(ax, ars, asked=None):
+    """Log x axis of aspect ratio, inverted so wide-shallow is on the left and deep-narrow on the right; each tick the
+    AR as a run folder names it, with the --ar asked beneath where it differs (asked: asked_ars)."""
     ax.set_xscale("log")
     ars = sorted(set(a for a in ars if math.isfinite(a) and a > 0))
     if ars:
-        ax.set_xticks(ars, [f"{a:g}" for a in ars])
+        ax.set_xticks(ars, [ar_text(a, (asked or {}).get(a, ()), sep="\n") for a in ars])
         ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xlim(max(ars) * 1.15, min(ars) / 1.15)  # (left, right) = (wide, deep): inverted on purpose
     ax.set_xlabel("aspect ratio d_model / n_layer (log scale; deeper →)")

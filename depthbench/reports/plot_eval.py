@@ -58,8 +58,8 @@ def fig_token_collapse(data, out_path, svg=False):
             tc = g["token_collapse"]
             for ax, (key, ylabel) in zip(axes, COLLAPSE):
                 values = [drawing.num(v) for v in tc.get(key) or []] if isinstance(tc.get(key), list) else []
-                ax.plot(range(len(values)), values, style(g), marker=".", color=drawing.colour(g["meta"]["residual"]),
-                        label=drawing.label(g["meta"]))
+                look = drawing.seed_look(g["meta"]["residual"], drawing.seed_of(g["meta"]))
+                ax.plot(range(len(values)), values, style(g), ms=4, label=drawing.label(g["meta"]), **look)
                 ax.set(xlabel="depth state ℓ (0 = embedding)", ylabel=ylabel)
                 ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
                 ax.grid(alpha=0.3)

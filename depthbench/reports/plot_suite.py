@@ -13,7 +13,8 @@ plot.py):
   to the means (depthbench/reports/shape_fit.py, what summary.md's best-AR table reports), the best AR marked with its
   seed bootstrap interval.
 - suite_fig6_depth_use: Figure 6a/c's layout at the deepest shape: R_causal and R_perm (last three quarters), a bar
-  per design (the seeds' mean) with each seed a dot; a design that diverged there is named so.
+  per design (the seeds' mean) with each seed a dot of its marker; a design that diverged there is named so. A suite
+  of one design draws the same figures (suite_fig2 without its panel relative to Pre-LN when nothing pairs).
 
 It reads what plot.py reads (drawing.load_folder), draws in its look (names, colours) and, like it, imports no torch.
 """
@@ -55,11 +56,16 @@ def shape_tick(ar, L):
     return f"{text} (L{L})"
 
 
-def shape_axis(ax, shapes):
-    """drawing.ar_axis (log, inverted: deeper to the right), ticks written as the shapes {ar: L}."""
+def shape_axis(ax, shapes, asked=None):
+    """drawing.ar_axis (log, inverted: deeper to the right), ticks written as the shapes {ar: L}, with the --ar asked
+    beneath where it differs (asked: drawing.asked_ars)."""
     drawing.ar_axis(ax, list(shapes))
-    ars = sorted(shapes)
-    ax.set_xticks(ars, [shape_tick(ar, shapes[ar]) for ar in ars])
+    ars, asked = sorted(shapes), asked or {}
+    ticks = [shape_tick(ar, shapes[ar]) for ar in ars]
+    for k, ar in enumerate(ars):
+        if asked.get(ar):
+            ticks[k] += "\n" + drawing.asked_text(asked[ar])
+    ax.set_xticks(ars, ticks)
     ax.set_xlabel("aspect ratio d_model / n_layer (depth); deeper →")
 
 
@@ -153,17 +159,25 @@ def fig_suite_loss(data, out_path, svg=False):
     points = suite_points(data.get("train", []))
     if not points:
         return {"skipped": "no train JSON"}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5))
-    diverged = draw_losses(left, points)
-    drew = draw_relative(right, relative(points), points)
+    pairs = relative(points)
+    # the panel relative to Pre-LN only where there is a pair: a suite of Pre-LN alone, or without it, has none
+    panels, width = (2, 15) if pairs else (1, 8)
+    fig, axes = plt.subplots(1, panels, figsize=(width, 5.5), squeeze=False)
+    axes = list(axes.flat)
+    diverged = draw_losses(axes[0], points)
+    drew = draw_relative(axes[1], pairs, points) if pairs else {}
     shapes = {p.ar: p.L for p in points.values()}
-    for ax in (left, right):
-        shape_axis(ax, shapes)
+    for ax in axes:
+        shape_axis(ax, shapes, drawing.asked_ars(data.get("train", [])))
     if diverged:
-        left.text(0.01, 0.01, "× at top: diverged at every LR at that shape", transform=left.transAxes)
-    what = f"{len({k[0] for k in points})} designs x {len(shapes)} shapes, {len(drew)} paired points"
-    return drawing.save(fig, out_path, svg, what, title="Loss vs aspect ratio across designs (solid: Pre-LN family, "
-                        "dashed: cross-layer)", legend=(right, [left, right]), relative=drew, diverged=diverged)
+        axes[0].text(0.01, 0.01, "× at top: diverged at every LR at that shape", transform=axes[0].transAxes)
+    designs = len({k[0] for k in points})
+    what = f"{designs} design{'s' * (designs > 1)} x {len(shapes)} shapes, {len(drew)} paired points"
+    title = "Loss vs aspect ratio across designs (solid: Pre-LN family, dashed: cross-layer)"
+    if not pairs:
+        title = "Loss vs aspect ratio (no design beside Pre-LN to pair)"
+    return drawing.save(fig, out_path, svg, what, title=title, legend=(axes[-1], axes), relative=drew,
+                        diverged=diverged)
 
 
 def seeds_and_lrs(data):
@@ -206,7 +220,10 @@ def fig_suite_depth_use(data, out_path, svg=False):
             if values:
                 ax.bar(i, np.mean(values), 0.7, color=drawing.colour(res), alpha=0.75, label=drawing.display(res),
                        hatch=None if res in PRE_LN_FAMILY else "//")
-                ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
+                for seed, v in [(seed, v) for seed, v in scores[res] if math.isfinite(v)]:
+                    # each seed a black dot of its marker (drawing.seed_look), named in the legend
+                    marker = drawing.seed_look(res, seed)["marker"]
+                    ax.scatter([i], [v], color="black", marker=marker, s=14, zorder=3, label=f"seed {seed}")
             else:  # no score: diverged there, or not diagnosed yet
                 point = points.get((res, deep))
                 why = "diverged" if point and point.lr is None else "no score"
@@ -215,11 +232,13 @@ def fig_suite_depth_use(data, out_path, svg=False):
             if paper is not None:
                 ax.plot(i, paper, "_", color="black", ms=18, mew=2, label="paper (L32, 8B tokens)")
         ax.set_xticks(range(len(designs)), [drawing.display(r) for r in designs], rotation=40, ha="right")
+        pad = max(0.0, (4 - len(designs)) / 2)  # a bar of a one- or two-design suite keeps its width
+        ax.set_xlim(-0.5 - pad, len(designs) - 0.5 + pad)
         ax.set(title=f"{title}, L{deep}", ylabel="pairs above threshold (%)")
         ax.grid(axis="y", alpha=0.3)
-    what = f"{len(designs)} designs at L{deep}"
-    return drawing.save(fig, out_path, svg, what, title="Depth use at the deepest shape, each seed a dot (hatched: "
-                        "cross-layer)", legend=(axes[1], axes))
+    what = f"{len(designs)} design{'s' * (len(designs) > 1)} at L{deep}"
+    return drawing.save(fig, out_path, svg, what, title="Depth use at the deepest shape, each seed a "
+                        "dot (hatched: cross-layer)", legend=(axes[1], axes))
 
 
 def design_losses(points):

@@ -95,8 +95,9 @@ def fig_telemetry_design(data, out_path, svg=False):
         for run, series in per_run:
             if key in series:
                 steps = [drawing.num(rec.get("step")) for rec in run["telemetry"]["records"]]
-                ax.plot(steps, series[key], marker=".", color=drawing.colour(run["config"]["residual"]),
-                        ls=styles[drawing.shape(run["config"])[1]], label=run_label(run))
+                look = drawing.seed_look(run["config"]["residual"], drawing.seed_of(run["config"]))
+                ax.plot(steps, series[key], ms=4, ls=styles[drawing.shape(run["config"])[1]], label=run_label(run),
+                        **look)
         ax.set(title=key, xlabel="step")
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)

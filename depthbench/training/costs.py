@@ -141,7 +141,30 @@ def default_micro_batch(cfg, params, limit=PLAN_BYTES, most=None, bf16=True):
     return None
 
 
+def needs_recompute(cfg, params, limit, bf16):
+    """Whether HC/mHC's `recompute` (residuals.HyperConnections) is needed: the memory plan of the run `cfg` (a
+    RunConfig, at its micro-batch) without it over `limit` bytes. Recompute changes no loss or gradient; it trades
+    connector compute (10-17% of an mHC step at L9 on the CPU) for most of their activation memory, so it is worth
+    it only where memory is short (the card's L70 d640 at micro-batch 8 on an 80 GB GPU), not on a CPU's mini run."""
+    without = dataclasses.replace(cfg, residual_args={**cfg.residual_args, "recompute": False})
+    return memory_plan(without, params, bf16)["total"] > limit
+
+
+def memory_savers(cfg):
+    """The header's words for what a run trades compute for memory with: ', activation checkpointing' and HC/mHC's
+    ', recompute on' or ', recompute off' (train.py's device line, --dry-run's plan)."""
+    text = ", activation checkpointing" if cfg.activation_checkpointing else ""
+    if "recompute" in cfg.residual_args:
+        text += f", recompute {'on' if cfg.residual_args['recompute'] else 'off'}"
+    return text
+
+
 # ----------------------------------------------------------------------------- the memory check (costs.memory_plan)
+
+def host_bytes():
+    """This machine's memory, what a CPU run's plan is checked against."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
 
 def device_bytes(args, cuda):
     """The memory a plan is checked against: --gpu-mem with --dry-run, else this GPU's, else the host's."""
@@ -149,7 +172,7 @@ def device_bytes(args, cuda):
         return args.gpu_mem * GB
     if cuda:
         return torch.cuda.get_device_properties(0).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_bytes()
 
 
 def run_params(cfg):
@@ -164,10 +187,9 @@ def print_plan(cfg, params, plan, limit, bf16):
     if cfg.world_size > 1:
         engine = f"{'FSDP2' if cfg.fsdp else 'DDP'} over {cfg.world_size} ranks"
     precision = {"fp32": ", fp32", "bf16": ", bf16 autocast, eager", "compiled": ", bf16 autocast, compiled"}
-    recompute = ", activation checkpointing" if cfg.activation_checkpointing else ""
     print0(f"memory plan per GPU of {cfg.name} (an estimate: docs/training.md#memory)\n  L{cfg.n_layer} "
            f"d{cfg.d_model}, {params:,} params, micro-batch {cfg.batch_size} x {cfg.seq_len}, "
-           f"{engine}{precision[plan['mode']]}{recompute}")
+           f"{engine}{precision[plan['mode']]}{memory_savers(cfg)}")
     verdict_text = "fits" if plan["total"] <= limit else "does NOT fit"
     for key, what in [("fixed", "weights, gradients, AdamW: 20 bytes a parameter (arithmetic)"),
                       ("activations", f"kept for the backward: measured on CPU ({plan['mode']}, L2-4 d64-128, "

@@ -14,7 +14,7 @@ from depthbench.files import common
 from depthbench.files.common import (ArgParser, check_options, comma_list, design_options, format_lr, json_object, positive)
 from depthbench.training import schedules, telemetry, trackers
 from depthbench.files.runlog import RunConfig  # what resolve makes, defined beside run.json's reader (no torch there)
-from depthbench.training.costs import default_micro_batch
+from depthbench.training.costs import PLAN_BYTES, default_micro_batch, host_bytes, needs_recompute
 from residuals import PAPER_DESIGNS, RESIDUALS
 from shapes import SUITES, count_params, parse_count, solve, suite_row, suite_rows
 
@@ -85,6 +85,9 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
     tokens_per_step = args.global_batch * args.seq_len
     tokenizer = None if args.data == "synthetic" else args.tokenizer  # synthetic: none
     dtype = "bfloat16 autocast" if args.device.startswith("cuda") else "float32"
+    asked = None  # the AR asked (--ar 9.1), beside the shape's own (9.78) in the figures
+    if shape[0] == "ar":
+        asked = shape[1]
     schedule_tag = ""
     if args.schedule != schedules.DEFAULT:  # another schedule: a run folder of its own
         schedule_tag = f"_{args.schedule}"
@@ -104,12 +107,31 @@ def resolve(args, residual, shape, lr=None, seed=42, *, vocab_size, world_size):
         ckpt_every=args.ckpt_every, log_every=args.log_every, out=args.out, device=args.device,
         compile=args.compile, compile_scope=args.compile_scope, kernels=args.kernels, dtype=dtype,
         stats_every=args.stats_every,
-        log_to=args.log_to)
+        log_to=args.log_to, ar_asked=asked)
     B = micro_batch(args, cfg, params)
     if args.global_batch % (B * world_size):
         raise ValueError(f"--global-batch {args.global_batch} is not a multiple of micro-batch {B} x world size "
                          f"{world_size}")
-    return dataclasses.replace(cfg, batch_size=B, grad_accum=args.global_batch // (B * world_size))
+    cfg = dataclasses.replace(cfg, batch_size=B, grad_accum=args.global_batch // (B * world_size))
+    return dataclasses.replace(cfg, residual_args=recompute_choice(args, cfg, params))
+
+
+def recompute_choice(args, cfg, params):
+    """The run's design options with HC/mHC's `recompute` (when it has one and --residual-args does not set it)
+    following the memory plan: for the 400m preset's own micro-batch, on where it buys a larger one (the card's L70
+    d640: 8 with it, 4 without; HC at L24: 8 either way, off); else on where the plan without it does not fit
+    (costs.needs_recompute) the memory the run is planned for: an 80 GB GPU in bf16 (400m, a CUDA run), the host's in
+    fp32 (a small preset on the CPU: a mini run fits, off). It names no run folder and is no part of a run's identity
+    (runlog.MEMORY_OPTIONS): the losses are the same."""
+    opts = cfg.residual_args
+    if "recompute" not in opts or "recompute" in args.residual_args:
+        return opts
+    if args.preset == "400m" and not args.batch_size:
+        without = dataclasses.replace(cfg, residual_args={**opts, "recompute": False})
+        return {**opts, "recompute": micro_batch(args, without, params) < cfg.batch_size}
+    on_gpu = args.preset == "400m" or cfg.device.startswith("cuda")
+    limit = PLAN_BYTES if on_gpu else host_bytes()
+    return {**opts, "recompute": needs_recompute(cfg, params, limit, bf16=on_gpu)}
 
 
 def budget_counts(args):
