@@ -61,7 +61,8 @@ BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch, capped at 128 register
 WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
               # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
               # 179 (x 4 warps: 3 / 2 programs a multiprocessor), _merge_forward 74-76 / 79-101, _merge_backward
-              # 106-117 / 123-124 (2 tokens a tile: 2 programs), _chunk_backward 228 / 243 (1 program)
+              # 106-117 / 123-124 (2 tokens a tile: 2 programs), _chunk_backward 128 / 124 (unpipelined, capped at
+              # 128 by `backward_registers`: 2 programs; 228 / 243 and 1 program padded to 1,024 columns)
 
 
 def chunk_blocks(BT, D):
@@ -272,11 +273,14 @@ def _tile_products(v, gq, dmix):
 
 
 @jit
-def _tile_gradient(grad, slot, offsets, mask, gq, dmix, p, b, k):
-    """A column tile of a source (slot + offsets) and its gradient slot (grad + offsets, fp32): dv = the sum over
-    consumers of p dmix + b gq + k v added into the slot -> the tile's share of dgq, the sum over tokens of b v
-    (BLOCK_C, BLOCK_D). v read again (an L1 hit: the loop's first read of it, just before): not live in registers
+def _tile_gradient(grad, slot, offsets, mask, gq, dmix, p, b, k, lo):
+    """A column tile of a source (slot + lo + offsets) and its gradient slot (grad + lo + offsets, fp32), the scalar
+    lo added first (one offsets tensor for every tile: ptxas spills where the tensor is shifted instead): dv = the
+    sum over consumers of p dmix + b gq + k v added into the slot -> the tile's share of dgq, the sum over tokens of
+    b v (BLOCK_C, BLOCK_D). v read again (an L1 hit, the loop's first read of it just before): not live in registers
     across the sums over D."""
+    slot += lo
+    grad += lo
     v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
     dv = tl.sum(p[:, :, None] * dmix + b[:, :, None] * gq[:, None, :] + k[:, :, None] * v[None, :, :], axis=0)
     tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
@@ -293,11 +297,11 @@ def _store_dgq(dgq_rows, dgq, cons, C, D, lo, BLOCK_D: tl.constexpr):
 @jit
 def _store_dgq_tiles(dgq_rows, dgq0, dgq1, dgq2, dgq3, dgq4, cons, C, D, BLOCK_D: tl.constexpr):
     """The COLUMN_TILES column tiles of the consumers' dgq into their rows dgq_rows (C, P, D)."""
-    _store_dgq(dgq_rows, dgq0, cons, C, D, 0, BLOCK_D)
-    _store_dgq(dgq_rows, dgq1, cons, C, D, BLOCK_D, BLOCK_D)
-    _store_dgq(dgq_rows, dgq2, cons, C, D, 2 * BLOCK_D, BLOCK_D)
-    _store_dgq(dgq_rows, dgq3, cons, C, D, 3 * BLOCK_D, BLOCK_D)
-    _store_dgq(dgq_rows, dgq4, cons, C, D, 4 * BLOCK_D, BLOCK_D)
+    _store_dgq(dgq_rows, dgq0, cons, C, D=D, lo=0, BLOCK_D=BLOCK_D)
+    _store_dgq(dgq_rows, dgq1, cons, C, D=D, lo=BLOCK_D, BLOCK_D=BLOCK_D)
+    _store_dgq(dgq_rows, dgq2, cons, C, D=D, lo=2 * BLOCK_D, BLOCK_D=BLOCK_D)
+    _store_dgq(dgq_rows, dgq3, cons, C, D=D, lo=3 * BLOCK_D, BLOCK_D=BLOCK_D)
+    _store_dgq(dgq_rows, dgq4, cons, C, D=D, lo=4 * BLOCK_D, BLOCK_D=BLOCK_D)
 
 
 @jit
@@ -334,11 +338,11 @@ def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr,
         rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         c_rows = valid[:, None] & (rows < BT)[None, :]
         offsets = rows[:, None] * D + tl.arange(0, BLOCK_D)[None, :]
-        mask0, dmix0 = _chunk_column_tile(records, valid, rows, offsets, BT, D, 0, BLOCK_D)
-        mask1, dmix1 = _chunk_column_tile(records, valid, rows, offsets, BT, D, BLOCK_D, BLOCK_D)
-        mask2, dmix2 = _chunk_column_tile(records, valid, rows, offsets, BT, D, 2 * BLOCK_D, BLOCK_D)
-        mask3, dmix3 = _chunk_column_tile(records, valid, rows, offsets, BT, D, 3 * BLOCK_D, BLOCK_D)
-        mask4, dmix4 = _chunk_column_tile(records, valid, rows, offsets, BT, D, 4 * BLOCK_D, BLOCK_D)
+        mask0, dmix0 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=0, BLOCK_D=BLOCK_D)
+        mask1, dmix1 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=BLOCK_D, BLOCK_D=BLOCK_D)
+        mask2, dmix2 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=2 * BLOCK_D, BLOCK_D=BLOCK_D)
+        mask3, dmix3 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=3 * BLOCK_D, BLOCK_D=BLOCK_D)
+        mask4, dmix4 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=4 * BLOCK_D, BLOCK_D=BLOCK_D)
         delta = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + rows[None, :], mask=c_rows, other=0.0)
         lse = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + BT + rows[None, :], mask=c_rows, other=0.0)
         slot = V
@@ -360,15 +364,15 @@ def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr,
             ds = p * (tl.sum(vd + vd1 + vd2 + vd3 + vd4, axis=2) - delta)
             b = ds * r[None, :]
             k = -ds * u * (r * r * r)[None, :] / D                                  # through r: as _source_gradient
-            dgq0 += _tile_gradient(grad, slot, offsets, mask0, gq0, dmix0, p=p, b=b, k=k)
-            dgq1 += _tile_gradient(grad + BLOCK_D, slot + BLOCK_D, offsets, mask1, gq1, dmix1, p=p, b=b, k=k)
-            dgq2 += _tile_gradient(grad + 2 * BLOCK_D, slot + 2 * BLOCK_D, offsets, mask2, gq2, dmix2, p=p, b=b, k=k)
-            dgq3 += _tile_gradient(grad + 3 * BLOCK_D, slot + 3 * BLOCK_D, offsets, mask3, gq3, dmix3, p=p, b=b, k=k)
-            dgq4 += _tile_gradient(grad + 4 * BLOCK_D, slot + 4 * BLOCK_D, offsets, mask4, gq4, dmix4, p=p, b=b, k=k)
+            dgq0 += _tile_gradient(grad, slot, offsets, mask0, gq=gq0, dmix=dmix0, p=p, b=b, k=k, lo=0)
+            dgq1 += _tile_gradient(grad, slot, offsets, mask1, gq=gq1, dmix=dmix1, p=p, b=b, k=k, lo=BLOCK_D)
+            dgq2 += _tile_gradient(grad, slot, offsets, mask2, gq=gq2, dmix=dmix2, p=p, b=b, k=k, lo=2 * BLOCK_D)
+            dgq3 += _tile_gradient(grad, slot, offsets, mask3, gq=gq3, dmix=dmix3, p=p, b=b, k=k, lo=3 * BLOCK_D)
+            dgq4 += _tile_gradient(grad, slot, offsets, mask4, gq=gq4, dmix=dmix4, p=p, b=b, k=k, lo=4 * BLOCK_D)
             slot += BT * D
             grad += BT * D
-    _store_dgq_tiles(dgq_ptr + cons[:, None] * (P * D) + pid * D, dgq0, dgq1, dgq2, dgq3, dgq4, cons=cons, C=C, D=D,
-                     BLOCK_D=BLOCK_D)
+    _store_dgq_tiles(dgq_ptr + cons[:, None] * (P * D) + pid * D, dgq0, dgq1, dgq2, dgq3=dgq3, dgq4=dgq4, cons=cons,
+                     C=C, D=D, BLOCK_D=BLOCK_D)
 
 
 @jit
