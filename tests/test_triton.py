@@ -560,13 +560,13 @@ assert not A.interpreted()
 SCALARS = {"n": "i32", "m_sources": "i32", "BT": "i32", "D": "i32", "P": "i32", "eps": "fp32", "j": "i32",
            "count": "i32", "lo": "i32", "g": "i32", "n1": "i32", "n2": "i32", "m2": "i32", "C": "i32", "P2": "i32"}
 INTS = {"reads": "*i32", "reads_ptr": "*i32", "ran_ptr": "*i32"}
-def build(fn, storage, consts, warps, stored=()):
+def build(fn, storage, consts, warps, stored=(), maxnreg=None):
     names = fn.arg_names
     sig = {a: "constexpr" if a in consts else SCALARS.get(a, INTS.get(a, "*fp32")) for a in names}
     for a in (names[0],) + stored:                           # the bank (or the source slot), and the records' dmix
         sig[a] = storage
     triton.compile(ASTSource(fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": warps})
+                   options={"num_warps": warps, "maxnreg": maxnreg})
 for storage in ("*bf16", "*fp32"):
     for extra in (False, True):
         build(A._mix_forward, storage, {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES,
@@ -580,11 +580,13 @@ for storage in ("*bf16", "*fp32"):
     consts = {"BLOCK_S": A.BLOCK_SOURCES, "BLOCK_T": 1, "BLOCK_D": 1024}
     build(A._block_backward, storage, consts, A.BACKWARD_WARPS, ("records",))
     build(A._query_gradients, "*fp32", {"BLOCK_R": A.ROWS, "BLOCK_C": A.COLUMNS}, 4)
-    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_T": 1, "BLOCK_D": 1024}
     T0, D0 = K.phase1_blocks(4096, 640)
     phase1 = {"BLOCK_C": K.CHUNK, "BLOCK_T": T0, "BLOCK_D": D0, "NUM_STAGES": K.STAGES, "D": 640}
     build(K._chunk_forward, storage, phase1, K.PHASE1_WARPS, ("o1_ptr",))
-    build(K._chunk_backward, storage, {**chunk, "NUM_STAGES": A.STAGES}, K.WARPS, ("records",))
+    T1, D1 = K.backward_blocks(4096, 640)
+    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_T": T1, "BLOCK_D": D1, "NUM_STAGES": K.BACKWARD_STAGES, "D": 640}
+    cap = K.backward_registers(4096, 640, 2 if storage == "*bf16" else 4)
+    build(K._chunk_backward, storage, chunk, K.WARPS, ("records",), maxnreg=cap)
     for extra in (False, True):
         consts = {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES}
         build(K._merge_forward, storage, {**consts, "BLOCK_J": A.WEIGHT_ROWS}, K.WARPS, ("o1_ptr",))

@@ -55,10 +55,14 @@ PROGRAMS = 264  # a backward pass's programs at most (the chunk's, a consumer's 
 PHASE1_TOKENS = 16   # _chunk_forward's tokens a program: the rows of its logits' product (tl.dot), one a thread at
 PHASE1_WARPS = 4     # 4 warps; its CHUNK x PHASE1_TOKENS x COLUMNS_TILE fp32 sums, 64 registers a thread
 COLUMNS_TILE = 64    # the columns of a source a loop step reads (a power of 2: 640 = 10 x 64, no padding)
+COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its source loop not software-pipelined
+BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch, capped at 128 registers: 0 spills unpipelined, 8 bytes
+                      # pipelined; 2 programs of 8 warps a multiprocessor hide the loads' latency instead)
 WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
               # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
               # 179 (x 4 warps: 3 / 2 programs a multiprocessor), _merge_forward 74-76 / 79-101, _merge_backward
-              # 106-117 / 123-124 (2 tokens a tile: 2 programs), _chunk_backward 228 / 243 (1 program)
+              # 106-117 / 123-124 (2 tokens a tile: 2 programs), _chunk_backward 128 / 124 (unpipelined, capped at
+              # 128 by `backward_registers`: 2 programs; 228 / 243 and 1 program padded to 1,024 columns)
 
 
 def chunk_blocks(BT, D):
@@ -76,6 +80,21 @@ def chunk_programs(BT, D):
     """The programs of the chunk's backward pass: one a tile of tokens, at most PROGRAMS (each then sums its
     consumers' dgq over several tiles: fewer partial rows to write and read back)."""
     return min(-(-BT // chunk_blocks(BT, D)[0]), PROGRAMS)
+
+
+def backward_blocks(BT, D):
+    """(BLOCK_T, BLOCK_D) of the chunk's backward pass (`_chunk_backward`): chunk_blocks' tokens a tile, D in
+    COLUMN_TILES tiles of BLOCK_D columns (a power of 2, at least 16): 640 = 5 x 128, no padding."""
+    return chunk_blocks(BT, D)[0], max(16, next_power_of_2(-(-D // COLUMN_TILES)))
+
+
+def backward_registers(BT, D, storage_bytes=2):
+    """`_chunk_backward`'s register cap (maxnreg): 128, 2 programs a multiprocessor at WARPS warps, for a 16-bit
+    bank whose tiles hold no more than the card's (CHUNK x 1 token x COLUMN_TILES x 128 columns: the records,
+    queries and dgq, 60 registers a thread); None (the compiler's choice) otherwise: an fp32 bank's cap spills (32
+    bytes under Triton 3.9), and so would larger tiles'."""
+    BLOCK_T, BLOCK_D = backward_blocks(BT, D)
+    return 128 if storage_bytes == 2 and BLOCK_T * BLOCK_D <= 128 else None
 
 
 def merge_blocks(BT, D):
@@ -237,42 +256,123 @@ def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_ex
 
 
 @jit
-def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr, n1, C, P, BT, D, eps,
+def _chunk_column_tile(records, valid, rows, offsets, BT, D, lo, BLOCK_D: tl.constexpr):
+    """Columns [lo, lo + BLOCK_D) of the token tile `rows` (offsets: its first tile's (BLOCK_T, BLOCK_D)): their mask
+    and the valid consumers' dmix there (BLOCK_C, BLOCK_T, BLOCK_D) fp32."""
+    mask = (rows < BT)[:, None] & (lo + tl.arange(0, BLOCK_D) < D)[None, :]
+    dmix = tl.load(records + lo + tl.arange(0, valid.shape[0])[:, None, None] * (BT * D) + offsets[None, :, :],
+                   mask=valid[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
+    return mask, dmix
+
+
+@jit
+def _tile_products(v, gq, dmix):
+    """A column tile's terms of a source's sums over D, not yet summed: v v (BLOCK_T, BLOCK_D), v gq and v dmix
+    (BLOCK_C, BLOCK_T, BLOCK_D): the tiles' terms are added before one sum over the columns."""
+    return v * v, v[None, :, :] * gq[:, None, :], v[None, :, :] * dmix
+
+
+@jit
+def _tile_gradient(grad, slot, offsets, mask, gq, dmix, p, b, k, lo):
+    """A column tile of a source (slot + lo + offsets) and its gradient slot (grad + lo + offsets, fp32), the scalar
+    lo added first (one offsets tensor for every tile: ptxas spills where the tensor is shifted instead): dv = the
+    sum over consumers of p dmix + b gq + k v added into the slot -> the tile's share of dgq, the sum over tokens of
+    b v (BLOCK_C, BLOCK_D). v read again (an L1 hit, the loop's first read of it just before): not live in registers
+    across the sums over D."""
+    slot += lo
+    grad += lo
+    v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
+    dv = tl.sum(p[:, :, None] * dmix + b[:, :, None] * gq[:, None, :] + k[:, :, None] * v[None, :, :], axis=0)
+    tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
+    return tl.sum(b[:, :, None] * v[None, :, :], axis=1)
+
+
+@jit
+def _store_dgq(dgq_rows, dgq, cons, C, D, lo, BLOCK_D: tl.constexpr):
+    """A column tile [lo, lo + BLOCK_D) of the consumers' dgq (BLOCK_C, BLOCK_D) into their rows dgq_rows (C, P, D)."""
+    cols = lo + tl.arange(0, BLOCK_D)
+    tl.store(dgq_rows + cols[None, :], dgq, mask=(cons < C)[:, None] & (cols < D)[None, :])
+
+
+@jit
+def _store_dgq_tiles(dgq_rows, dgq0, dgq1, dgq2, dgq3, dgq4, cons, C, D, BLOCK_D: tl.constexpr):
+    """The COLUMN_TILES column tiles of the consumers' dgq into their rows dgq_rows (C, P, D)."""
+    _store_dgq(dgq_rows, dgq0, cons, C, D=D, lo=0, BLOCK_D=BLOCK_D)
+    _store_dgq(dgq_rows, dgq1, cons, C, D=D, lo=BLOCK_D, BLOCK_D=BLOCK_D)
+    _store_dgq(dgq_rows, dgq2, cons, C, D=D, lo=2 * BLOCK_D, BLOCK_D=BLOCK_D)
+    _store_dgq(dgq_rows, dgq3, cons, C, D=D, lo=3 * BLOCK_D, BLOCK_D=BLOCK_D)
+    _store_dgq(dgq_rows, dgq4, cons, C, D=D, lo=4 * BLOCK_D, BLOCK_D=BLOCK_D)
+
+
+@jit
+def _chunk_query_tiles(q_ptr, g_ptr, cons, C, D, BLOCK_D: tl.constexpr):
+    """gq = g * q of the chunk's C consumers in COLUMN_TILES column tiles (BLOCK_C, BLOCK_D) fp32, 0 in the padding."""
+    cols = tl.arange(0, BLOCK_D)
+    return (_chunk_queries(q_ptr, g_ptr, cons, cols=cols, C=C, D=D),
+            _chunk_queries(q_ptr, g_ptr, cons, cols=BLOCK_D + cols, C=C, D=D),
+            _chunk_queries(q_ptr, g_ptr, cons, cols=2 * BLOCK_D + cols, C=C, D=D),
+            _chunk_queries(q_ptr, g_ptr, cons, cols=3 * BLOCK_D + cols, C=C, D=D),
+            _chunk_queries(q_ptr, g_ptr, cons, cols=4 * BLOCK_D + cols, C=C, D=D))
+
+
+@jit
+def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr, n1, C, P, BT, D: tl.constexpr, eps,
                     BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The chunk's pass, P programs each over the token tiles pid, pid + P, ...: for each source j < n1 (V, its
     gradient slot in dV, fp32), the sum over the chunk's consumers that ran their backward (ran_ptr[c] != 0) of the
     pair's dv, from their records (records (C, BT, D), scalars (C, 2, BT): delta, lse), added into dV[j] once; each
-    consumer's share of dgq over the program's tiles to dgq_ptr (C, P, D), row pid."""
+    consumer's share of dgq over the program's tiles to dgq_ptr (C, P, D), row pid. D in COLUMN_TILES = 5 tiles of
+    BLOCK_D columns (`backward_blocks`: 640 = 5 x 128, where one tile padded to 1,024 held 37.5% masked lanes of the
+    records, queries and dgq in registers); the tiles' terms added before each sum over D (one reduction, as one
+    tile's). Tile i is read at a constant i BLOCK_D past the first tile's offsets (one offsets tensor in registers)."""
     pid = tl.program_id(0)
-    cols, cons = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_C)
-    gq = _chunk_queries(q_ptr, g_ptr, cons, cols=cols, C=C, D=D)
+    cons = tl.arange(0, BLOCK_C)
+    gq0, gq1, gq2, gq3, gq4 = _chunk_query_tiles(q_ptr, g_ptr, cons, C=C, D=D, BLOCK_D=BLOCK_D)
     valid = (cons < C) & (tl.load(ran_ptr + cons, mask=cons < C, other=0) != 0)
-    dgq = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    dgq0 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    dgq1 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    dgq2 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    dgq3 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    dgq4 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
     for tile in range(pid, tl.cdiv(BT, BLOCK_T), P):
-        rows, cols, cons, row_ok, mask, offsets = _chunk_tile(tile, BT, D, BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T,
-                                                              BLOCK_D=BLOCK_D)
-        c_rows = valid[:, None] & row_ok[None, :]
-        dmix = tl.load(records + cons[:, None, None] * (BT * D) + offsets[None, :, :],
-                       mask=valid[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
+        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        c_rows = valid[:, None] & (rows < BT)[None, :]
+        offsets = rows[:, None] * D + tl.arange(0, BLOCK_D)[None, :]
+        mask0, dmix0 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=0, BLOCK_D=BLOCK_D)
+        mask1, dmix1 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=BLOCK_D, BLOCK_D=BLOCK_D)
+        mask2, dmix2 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=2 * BLOCK_D, BLOCK_D=BLOCK_D)
+        mask3, dmix3 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=3 * BLOCK_D, BLOCK_D=BLOCK_D)
+        mask4, dmix4 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=4 * BLOCK_D, BLOCK_D=BLOCK_D)
         delta = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + rows[None, :], mask=c_rows, other=0.0)
         lse = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + BT + rows[None, :], mask=c_rows, other=0.0)
         slot = V
         grad = dV
         for j in tl.range(0, n1, num_stages=NUM_STAGES):
-            v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-            u = tl.sum(v[None, :, :] * gq[:, None, :], axis=2)                          # (BLOCK_C, BLOCK_T)
+            v0 = tl.load(slot + offsets, mask=mask0, other=0.0).to(tl.float32)
+            v1 = tl.load(slot + BLOCK_D + offsets, mask=mask1, other=0.0).to(tl.float32)
+            v2 = tl.load(slot + 2 * BLOCK_D + offsets, mask=mask2, other=0.0).to(tl.float32)
+            v3 = tl.load(slot + 3 * BLOCK_D + offsets, mask=mask3, other=0.0).to(tl.float32)
+            v4 = tl.load(slot + 4 * BLOCK_D + offsets, mask=mask4, other=0.0).to(tl.float32)
+            squares, vq, vd = _tile_products(v0, gq0, dmix0)
+            squares1, vq1, vd1 = _tile_products(v1, gq1, dmix1)
+            squares2, vq2, vd2 = _tile_products(v2, gq2, dmix2)
+            squares3, vq3, vd3 = _tile_products(v3, gq3, dmix3)
+            squares4, vq4, vd4 = _tile_products(v4, gq4, dmix4)
+            r = 1.0 / tl.sqrt(tl.sum(squares + squares1 + squares2 + squares3 + squares4, axis=1) / D + eps)
+            u = tl.sum(vq + vq1 + vq2 + vq3 + vq4, axis=2)                          # (BLOCK_C, BLOCK_T)
             p = tl.where(c_rows, tl.exp(r[None, :] * u - lse), 0.0)
-            ds = p * (tl.sum(v[None, :, :] * dmix, axis=2) - delta)
+            ds = p * (tl.sum(vd + vd1 + vd2 + vd3 + vd4, axis=2) - delta)
             b = ds * r[None, :]
             k = -ds * u * (r * r * r)[None, :] / D                                  # through r: as _source_gradient
-            dv = tl.sum(p[:, :, None] * dmix + b[:, :, None] * gq[:, None, :] + k[:, :, None] * v[None, :, :], axis=0)
-            tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
-            dgq += tl.sum(b[:, :, None] * v[None, :, :], axis=1)
+            dgq0 += _tile_gradient(grad, slot, offsets, mask0, gq=gq0, dmix=dmix0, p=p, b=b, k=k, lo=0)
+            dgq1 += _tile_gradient(grad, slot, offsets, mask1, gq=gq1, dmix=dmix1, p=p, b=b, k=k, lo=BLOCK_D)
+            dgq2 += _tile_gradient(grad, slot, offsets, mask2, gq=gq2, dmix=dmix2, p=p, b=b, k=k, lo=2 * BLOCK_D)
+            dgq3 += _tile_gradient(grad, slot, offsets, mask3, gq=gq3, dmix=dmix3, p=p, b=b, k=k, lo=3 * BLOCK_D)
+            dgq4 += _tile_gradient(grad, slot, offsets, mask4, gq=gq4, dmix=dmix4, p=p, b=b, k=k, lo=4 * BLOCK_D)
             slot += BT * D
             grad += BT * D
-    tl.store(dgq_ptr + cons[:, None] * (P * D) + pid * D + cols[None, :], dgq,
-             mask=(cons < C)[:, None] & (cols < D)[None, :])
+    _store_dgq_tiles(dgq_ptr + cons[:, None] * (P * D) + pid * D, dgq0, dgq1, dgq2, dgq3=dgq3, dgq4=dgq4, cons=cons,
+                     C=C, D=D, BLOCK_D=BLOCK_D)
 
 
 @jit
@@ -348,13 +448,14 @@ class ChunkPass(torch.autograd.Function):
             return None, None, None, None, None
         V, dV = bank.slots[0], bank.gradients()[0]
         B, T, D = V.shape[1:]
-        BLOCK_T, BLOCK_D = chunk_blocks(B * T, D)
+        BLOCK_T, BLOCK_D = backward_blocks(B * T, D)
         P = chunk_programs(B * T, D)
         dgq_rows = chunk.lse1.new_empty((chunk.C, P, D))
         _chunk_backward[(P,)](V, queries[chunk.r0], key_gains[chunk.r0], chunk.records, scalars_ptr=chunk.scalars,
                               ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
                               D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-                              NUM_STAGES=STAGES, num_warps=WARPS)
+                              NUM_STAGES=BACKWARD_STAGES, num_warps=WARPS,
+                              maxnreg=backward_registers(B * T, D, V.element_size()))
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
         _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, chunk.merge_rows, chunk.ran,
