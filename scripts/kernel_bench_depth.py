@@ -279,21 +279,29 @@ def attnres_moved(case):
     return {"forward": totals(forward), "backward": totals(backward)}
 
 
+def checked_against_reference(build, device, args):
+    """The fast body's pass timed (`measure`) and its outputs and gradients against the reference body's on the same
+    inputs and upstream gradients: build(fast) -> a built pass. -> (numbers, kernels, {forward_vs_reference,
+    gradients_vs_reference})."""
+    numbers, (outs, grads), kernels = measure(build(True), device, args.repeat, warmup=0 if args.tiny else 2)
+    reference = build(False)()
+    ref = reference.forward()
+    ups = [torch.randn(o.shape, device=o.device, generator=torch.Generator(o.device).manual_seed(j)).to(o.dtype)
+           for j, o in enumerate(outs)]
+    ref_grads = torch.autograd.grad(ref, reference.leaves, [u.to(r.dtype) for u, r in zip(ups, ref)],
+                                    allow_unused=True)
+    return numbers, kernels, {"forward_vs_reference": agreement(outs, ref),
+                              "gradients_vs_reference": agreement(grads, ref_grads)}
+
+
 def attnres_bench(design, args, device, peak):
     """One AttnRes design's chunk, timed and checked -> its section of kernel_bench's JSON."""
     case = attnres_case(design, args.tokens, args.d_model, args.tiny)
     inputs = attnres_inputs(case, device)
-    numbers, (outs, grads), kernels = measure(attnres_build(case, inputs, device, fast=True), device, args.repeat,
-                                              warmup=0 if args.tiny else 2)
-    want_outs = attnres_build(case, inputs, device, fast=False)()
-    ref = want_outs.forward()
-    ups = [torch.randn(o.shape, device=o.device, generator=torch.Generator(o.device).manual_seed(j)).to(o.dtype)
-           for j, o in enumerate(outs)]
-    ref_grads = torch.autograd.grad(ref, want_outs.leaves, [u.to(r.dtype) for u, r in zip(ups, ref)],
-                                    allow_unused=True)
+    numbers, kernels, checks = checked_against_reference(lambda fast: attnres_build(case, inputs, device, fast),
+                                                         device, args)
     doc = {"consumers": len(case.reads), "reads": case.reads, "n_max": case.n_max, "extra": case.extra,
-           "tokens": case.tokens, "d_model": case.D, "forward_vs_reference": agreement(outs, ref),
-           "gradients_vs_reference": agreement(grads, ref_grads)}
+           "tokens": case.tokens, "d_model": case.D, **checks}
     moved = counted(lambda: attnres_moved(case), doc)
     doc.update(pass_rows(numbers, kernels, moved=moved, consumers=len(case.reads), peak=peak))
     doc["push_host_us"] = numbers.get("push_host_us")
@@ -384,17 +392,10 @@ def moda_bench(args, device, peak):
     """MoDA's deepest consumer, timed and checked -> its section of kernel_bench's JSON."""
     case = moda_case(args.tokens, args.tiny)
     inputs = moda_inputs(case, device)
-    numbers, (outs, grads), kernels = measure(moda_build(case, inputs, device, fast=True), device, args.repeat,
-                                              warmup=0 if args.tiny else 2)
-    reference = moda_build(case, inputs, device, fast=False)()
-    ref = reference.forward()
-    ups = [torch.randn(o.shape, device=o.device, generator=torch.Generator(o.device).manual_seed(j)).to(o.dtype)
-           for j, o in enumerate(outs)]
-    ref_grads = torch.autograd.grad(ref, reference.leaves, [u.to(r.dtype) for u, r in zip(ups, ref)],
-                                    allow_unused=True)
+    numbers, kernels, checks = checked_against_reference(lambda fast: moda_build(case, inputs, device, fast),
+                                                         device, args)
     doc = {"slots": case.slots, "batch": case.batch, "seq": case.seq, "heads": case.heads,
-           "head_dim": case.head_dim, "forward_vs_reference": agreement(outs, ref),
-           "gradients_vs_reference": agreement(grads, ref_grads)}
+           "head_dim": case.head_dim, **checks}
     moved = counted(lambda: moda_moved(case), doc)
     doc.update(pass_rows(numbers, kernels, moved=moved, consumers=1, peak=peak))
     doc["push_host_us"] = numbers.get("push_host_us")
