@@ -27,8 +27,10 @@ Per kernel and step: CTAs per SM = min(65,536 registers / (registers rounded to 
 + 1 KB), 64 warps / warps, 32); waves = ceil(programs / (132 SMs x CTAs per SM)); warp-instructions = SASS
 instructions a thread executes (outside loops once, a loop's body x its trips) x warps x programs, summed over the
 step's launches. Host (a child under the interpreter, launches no-ops, at the card's depth and HOST_SHAPE's width): the
-eager step of each design and Pre-LN, graphs and breaks per block (torch._dynamo.explain), a launch's Python path, one
-argument's specialisation and one graph break, in this process's CPU time. Exit 2, one line, where the tools or
+eager step of each design and Pre-LN, and the step compiled per block as train.py compiles it on a GPU
+(compile_model's "blocks", inductor generating CPU code here: the backbone's tiny CPU work is Pre-LN's too), graphs
+and breaks per block (torch._dynamo.explain), a launch's Python path, one argument's specialisation and one graph
+break, in this process's CPU time. Exit 2, one line, where the tools or
 triton are missing.
 """
 import json
@@ -351,19 +353,52 @@ def probe_design(design, shape, tools, variants, log=print):
 
 # ----------------------------------------------------------------------------- host time (the child process)
 
-def eager_ms(design, shape, repeats=3):
-    """Median ms of one training step of `design` with every Triton launch a no-op and the branches stand-ins:
-    the host's Python and eager torch work of its path (at a tiny token count, where the tensor work is small).
-    Timed in this process's CPU time (time.process_time, one thread): what other work on the machine leaves out."""
+def median_step_ms(net, idx, warmup, repeats):
+    """Median ms of `repeats` training steps of `net` after `warmup` untimed ones (the launches stubbed by the
+    caller), in this process's CPU time (time.process_time, one thread): what other work on the machine leaves out."""
     import time
-    net, idx = build(design, shape)
+    for _ in range(warmup):
+        step(net, idx)
     times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        step(net, idx)
+        times.append(time.process_time() - start)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def eager_ms(design, shape, repeats=3):
+    """Median ms of one eager training step of `design` with every Triton launch a no-op and the branches
+    stand-ins: the host's Python and eager torch work of its path (at a tiny token count, where the tensor work is
+    small)."""
+    net, idx = build(design, shape)
     with Stubbed(record=False):
-        for _ in range(repeats + 1):
-            start = time.process_time()
-            step(net, idx)
-            times.append(time.process_time() - start)
-    return 1e3 * sorted(times[1:])[len(times[1:]) // 2]
+        return median_step_ms(net, idx, warmup=1, repeats=repeats)
+
+
+def compiled_ms(design, shape, repeats=5):
+    """(median ms of one training step of `design` compiled as train.py compiles it on a GPU, CPU seconds the
+    compiling took, graphs dynamo compiled for the step, graph breaks it met): compile_model's per-block scope with inductor (here generating CPU code), the launches no-ops
+    and the branches stand-ins as in eager_ms. Bodies that are ops (kernels.IN_GRAPH) are nodes of the block's
+    graph; the others are torch.compiler.disable under the interpreter, graph breaks as they would be on a GPU. The
+    backbone's remaining torch work (norms, casts, the stand-ins' reshapes, the weights' GEMMs at HOST_SHAPE) runs
+    as inductor's CPU code: tiny, and paid alike by Pre-LN, whose step the model subtracts."""
+    import time
+    import torch
+    from torch._dynamo.utils import counters
+    from depthbench.training.compiled import compile_model
+    net, idx = build(design, shape)
+    torch._dynamo.reset()
+    counters.clear()
+    with Stubbed(record=False):
+        start = time.process_time()
+        compile_model(net, "blocks")
+        step(net, idx)                        # compiles every block's forward and backward (the first reused)
+        compile_s = time.process_time() - start
+        ms = median_step_ms(net, idx, warmup=2, repeats=repeats)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    return ms, compile_s, graphs, breaks
 
 
 def graphs_per_block(design, shape):
@@ -432,15 +467,21 @@ def break_cost_us(repeats=300):
 
 
 def host_child(designs, shape, path):
-    """The host-time child's work (TRITON_INTERPRET=1): eager ms a step per design and Pre-LN at `shape` (the card's
-    depth and width, few tokens), graphs and breaks per block, the launch and break costs -> JSON at `path`."""
+    """The host-time child's work (TRITON_INTERPRET=1): per design and Pre-LN at `shape` (the card's depth, few
+    tokens) the eager and the per-block compiled step's ms, graphs and breaks per block, the launch and break costs
+    -> JSON at `path`. Every design's graphs are counted before anything is compiled (compile_model sets dynamo's
+    nested graph breaks for the process, which would change explain's count for the designs after the first)."""
     import torch
     torch.set_num_threads(1)          # CPU time of this process is the host's work, whatever else the machine runs
     out = {"shape": shape, "designs": {}}
     for design in ["preln", *designs]:
         graphs, breaks = graphs_per_block(design, shape)
-        out["designs"][design] = {"eager_ms": eager_ms(design, shape), "graphs_per_block": graphs,
-                                  "breaks_per_block": breaks}
+        out["designs"][design] = {"graphs_per_block": graphs, "breaks_per_block": breaks}
+    for design in ["preln", *designs]:
+        eager = eager_ms(design, shape)
+        compiled, compile_s, graphs, breaks = compiled_ms(design, shape)
+        out["designs"][design].update(eager_ms=eager, compiled_ms=compiled, compile_s=compile_s,
+                                      compiled_graphs=graphs, compiled_breaks=breaks)
     out["launch_us"], out["per_argument_us"] = launch_costs()
     out["break_us"] = break_cost_us()
     Path(path).write_text(json.dumps(out))
@@ -514,7 +555,9 @@ def report(rows, host=None):
         print(f"host (this CPU, launches no-ops): a launch's Python path {host['launch_us']:.2f} us + "
               f"{host['per_argument_us']:.3f} us an argument specialised; a graph break {host['break_us']:.1f} us")
         for design, h in host["designs"].items():
-            print(f"  {design}: eager step {h['eager_ms']:.1f} ms at L{host['shape']['layers']} "
+            print(f"  {design}: eager step {h['eager_ms']:.1f} ms, compiled per block {h['compiled_ms']:.1f} ms "
+                  f"(compiled in {h['compile_s']:.0f} s: {h['compiled_graphs']} graphs, {h['compiled_breaks']} breaks"
+                  f") at L{host['shape']['layers']} "
                   f"d{host['shape']['width']} B{host['shape']['batch']} T{host['shape']['seq']}; "
                   f"{h['graphs_per_block']} graphs, {h['breaks_per_block']} breaks a block")
 

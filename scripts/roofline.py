@@ -34,7 +34,8 @@ Two paths per design:
 The time model (issue 68; docs/speed.md#the-time-model), printed after the table where scripts/kernel_probe.py's
 JSON is at hand (--probe, default docs/kernel_probe*.json) for this shape, on an H100 SXM: per Triton kernel
 max(bytes / (eta_gpu x HBM peak), issue floor, FLOPs / peak) with the binding term named, plus the host time the
-probe measured, over Pre-LN's step, against issue 68's targets (TIME_TARGETS).
+probe measured beyond Pre-LN's (its training step compiled per block as train.py runs it, where measured; the eager
+step's account beside it), over Pre-LN's step, against issue 68's targets (TIME_TARGETS).
 
 What it leaves out (so read the errors as the model's): kernel overlap, L2 hits, the mixing's FLOPs (under 1% of
 the step at n = 4), and that a launch-bound step hides some device time behind the host's.
@@ -388,15 +389,24 @@ def kernel_time(row, nbytes, c):
 
 
 def host_time(design, rows, host, shape):
-    """Seconds of host work a step of `design` adds to Pre-LN's (the probe's host runs): its eager path beyond
-    Pre-LN's (launches no-ops, scaled to shape's depth), each Triton launch's argument specialisation (not in the
-    no-op launches), and its graph breaks beyond Pre-LN's at the measured cost of one."""
+    """Seconds of host work a step of `design` adds to Pre-LN's (the probe's host runs, launches no-ops, scaled to
+    shape's depth) -> {step, specialise, breaks, total, eager_total, compiled}. Where the probe measured the step
+    compiled per block as train.py runs it on a GPU (compiled_ms, design and Pre-LN): that step beyond Pre-LN's, its
+    graph breaks inside it (breaks 0); else the eager step beyond Pre-LN's plus its graph breaks beyond Pre-LN's at
+    the measured cost of one. Either way plus each Triton launch's argument specialisation (not in the no-op
+    launches). eager_total: the eager account, kept beside the compiled one."""
     mine, base = host["designs"][design], host["designs"]["preln"]
     depth = shape["layers"] / host["shape"]["layers"]
-    eager = (mine["eager_ms"] - base["eager_ms"]) / 1e3 * depth
     specialise = sum(r["launches"] * r["arguments"] for r in rows) * host["per_argument_us"] / 1e6
+    eager = (mine["eager_ms"] - base["eager_ms"]) / 1e3 * depth
     breaks = (mine["breaks_per_block"] - base["breaks_per_block"]) * shape["layers"] * host["break_us"] / 1e6
-    return {"eager": eager, "specialise": specialise, "breaks": breaks, "total": eager + specialise + breaks}
+    eager_total = eager + specialise + breaks
+    if "compiled_ms" not in mine or "compiled_ms" not in base:
+        return {"step": eager, "specialise": specialise, "breaks": breaks, "total": eager_total,
+                "eager_total": eager_total, "compiled": False}
+    compiled = (mine["compiled_ms"] - base["compiled_ms"]) / 1e3 * depth
+    return {"step": compiled, "specialise": specialise, "breaks": 0.0, "total": compiled + specialise,
+            "eager_total": eager_total, "compiled": True}
 
 
 def time_model(design, shape, c, probe):
@@ -416,16 +426,26 @@ def time_model(design, shape, c, probe):
     glue = max(0, launches - sum(r["launches"] for r in rows)) - gone_launches
     device = base + glue * c["tau"] - gone_bytes / (c["eta_gpu"] * c["hbm"]) + sum(k["seconds"] for k in kernels)
     host = host_time(design, rows, probe["host"], shape) if probe.get("host") else {"total": 0.0}
-    return {"step_ms": 1e3 * (device + host["total"]), "device_ms": 1e3 * device,
-            "host": {k: 1e3 * v for k, v in host.items()}, "host_ms": 1e3 * host["total"], "kernels": kernels}
+    return {"step_ms": 1e3 * (device + host["total"]), "device_ms": 1e3 * device, "host_ms": 1e3 * host["total"],
+            "host": {k: 1e3 * v for k, v in host.items() if k != "compiled"}, "kernels": kernels}
 
 
 def host_parts(row):
-    """A time model row's host ms as "total (eager + arguments + breaks)"; Pre-LN's (the base) as 0."""
+    """A time model row's host ms as "total (step + arguments + breaks)" and the eager account's total beside it;
+    Pre-LN's (the base) as 0."""
     host = row.get("host", {})
-    if "eager" not in host:
-        return f"{row['host_ms']:.1f}"
-    return f"{row['host_ms']:.1f} ({host['eager']:.1f} + {host['specialise']:.1f} + {host['breaks']:.1f})"
+    if "step" not in host:
+        return f"{row['host_ms']:.1f} | -"
+    return (f"{row['host_ms']:.1f} ({host['step']:.1f} + {host['specialise']:.1f} + {host['breaks']:.1f}) | "
+            f"{host['eager_total']:.1f}")
+
+
+def host_header(probe):
+    """The time model table's host column: compiled per block where the probe measured it, else eager."""
+    designs = (probe.get("host") or {}).get("designs", {})
+    compiled = bool(designs) and all("compiled_ms" in h for h in designs.values())
+    step = "compiled per block" if compiled else "eager"
+    return f"host ms ({step} + arguments + breaks) | host ms if eager"
 
 
 def time_report(shape, probe, eta_gpu, designs=DESIGNS):
@@ -438,9 +458,9 @@ def time_report(shape, probe, eta_gpu, designs=DESIGNS):
     print(f"\ntime model, H100 SXM (probe: {len(probe['rows'])} kernels at L{probe['shape']['layers']} "
           f"d{probe['shape']['width']}): per kernel max(bytes / ({eta_gpu:.2f} x {c['hbm'] / 1e12:.2f} TB/s), issue "
           f"floor, FLOPs / peak) + host")
-    print("| design | step ms | x Pre-LN | target | meets | device ms | host ms (eager + arguments + breaks) | "
+    print(f"| design | step ms | x Pre-LN | target | meets | device ms | {host_header(probe)} | "
           "kernels: ms (binding term) |")
-    print("|---|---:|---:|---:|---|---:|---:|---|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---|")
     for d, r in rows.items():
         ratio = r["step_ms"] / base
         r["x_preln"], r["meets"] = ratio, ratio <= TIME_TARGETS[d]

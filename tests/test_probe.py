@@ -216,3 +216,31 @@ def test_modas_step_extrapolated_in_depth_equals_its_recording():
     assert sorted(fit) == sorted(direct) == ["_depth_backward", "_depth_forward", "_slot_backward"]
     for kernel, (launches, instructions) in direct.items():
         assert fit[kernel][0] == launches == 5 and fit[kernel][1] == pytest.approx(instructions, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_host_runs_time_the_step_eager_and_compiled_per_block(tmp_path):
+    """--host-only at L3 for Pre-LN, HC and Full AttnRes: every step time is positive; compiled per block (train.py's
+    scope, inductor on this CPU, launches no-ops) HC's read and write are ops in its block's graph, so dynamo meets no
+    graph break compiling it, as for Pre-LN, while Full AttnRes' bank (torch.compiler.disable) breaks it; HC's
+    compiled step, which runs its host functions beside Pre-LN's work, takes longer than Pre-LN's; roofline's host
+    term from the document is the compiled one. ~30-60 s."""
+    pytest.importorskip("triton")
+    path = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_probe.py"), "--host-only", "--designs",
+                           "hc,attnres", "--layers", "3", "--json", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compiled per block" in done.stdout
+    host = json.loads(path.read_text())["host"]
+    designs = host["designs"]
+    assert sorted(designs) == ["attnres", "hc", "preln"]
+    for h in designs.values():
+        assert h["eager_ms"] > 0 and h["compiled_ms"] > 0 and h["compiled_graphs"] >= 1
+    assert designs["preln"]["compiled_breaks"] == designs["hc"]["compiled_breaks"] == 0
+    assert designs["attnres"]["compiled_breaks"] > 0
+    assert designs["hc"]["compiled_ms"] > designs["preln"]["compiled_ms"]
+    import roofline
+    term = roofline.host_time("hc", [], host, {"layers": 3})
+    assert term["compiled"] and term["total"] == pytest.approx(
+        (designs["hc"]["compiled_ms"] - designs["preln"]["compiled_ms"]) / 1e3)

@@ -233,3 +233,25 @@ def test_the_time_model_adds_each_kernels_max_and_the_host(monkeypatch):
     assert got["step_ms"] == pytest.approx(1e3 * (device + host_s))
     assert [k["binds"] for k in got["kernels"]] == ["issue" if 1e-3 > 2e9 / bw else "bytes", "bytes"]
     assert roofline.time_model("preln", shape, c, probe)["step_ms"] == pytest.approx(1e3 * base)
+
+
+def test_the_host_term_is_the_compiled_step_beyond_preln_where_measured():
+    """With compiled_ms for the design and Pre-LN, the host term is (design's compiled step - Pre-LN's) x the depth
+    ratio + each launch's argument specialisation, its breaks inside the measurement (0 added); the eager account
+    ((eager - Pre-LN's eager) x depth + arguments + breaks beyond Pre-LN's x L x a break) stays beside it; and the
+    table's header names which one the model used."""
+    shape = {**roofline.CARD, "layers": 4}
+    host = {"shape": {"layers": 2}, "per_argument_us": 2.0, "break_us": 100.0,
+            "designs": {"preln": {"eager_ms": 10.0, "compiled_ms": 6.0, "breaks_per_block": 0},
+                        "attnres": {"eager_ms": 15.0, "compiled_ms": 9.0, "breaks_per_block": 3}}}
+    rows = [probe_row("a", launches=5, arguments=7)]
+    got = roofline.host_time("attnres", rows, host, shape)
+    arguments = 5 * 7 * 2e-6
+    assert got["compiled"] and got["breaks"] == 0.0
+    assert got["total"] == pytest.approx((9.0 - 6.0) / 1e3 * 2 + arguments)
+    assert got["eager_total"] == pytest.approx((15.0 - 10.0) / 1e3 * 2 + arguments + 3 * 4 * 100e-6)
+    assert "compiled per block" in roofline.host_header({"host": host})
+    del host["designs"]["preln"]["compiled_ms"]          # Pre-LN's compiled step missing: the eager account
+    eager = roofline.host_time("attnres", rows, host, shape)
+    assert not eager["compiled"] and eager["total"] == pytest.approx(got["eager_total"])
+    assert "eager" in roofline.host_header({"host": host}).split("|")[0]
