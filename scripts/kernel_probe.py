@@ -272,11 +272,13 @@ class KernelRow:
     kernel: str                 # the @triton.jit function's name
     variants: int               # distinct specialisations the step compiles
     launches: int               # per step
-    registers: int              # the most any variant uses
+    registers: int              # the bulk variant's (the specialisation that issues most of the step's instructions)
     spills: int                 # local memory bytes a thread (stack included), the most of any variant
-    shared: int                 # bytes a CTA, the most
-    warps: int
-    ctas_per_sm: int            # the fewest of any variant
+    shared: int                 # bytes a CTA, the bulk variant's
+    warps: int                  # the bulk variant's
+    ctas_per_sm: int            # the bulk variant's
+    worst_ctas_per_sm: int      # the fewest of any variant (e.g. HC's sublayer 0, whose streams are still fp32)
+    bulk_launches: int          # the launches of the bulk variant
     programs: int               # the most of any launch
     waves: int                  # the most of any launch
     async_copies: int           # in its loops (TTGIR async copies + SASS LDGSTS), the most of any variant
@@ -307,11 +309,13 @@ def kernel_row(design, name, launches, variants):
     """The KernelRow of one kernel's launches in a step; variants: {launch key: Variant}."""
     used = [variants[x.key()] for x in launches]
     total = {"instructions": 0.0, "flops": 0.0, "memory": 0.0, "known": True, "dots": {}, "waves": 0, "programs": 0}
+    by_variant = {}                                                   # launch key -> warp-instructions in the step
     for launch, variant in zip(launches, used):
         programs = math.prod(launch.grid)
         per_warp = programs * variant.warps * 32
         instructions, flops, memory, known = per_thread(variant, launch.ints)
         total["instructions"] += instructions * programs * variant.warps
+        by_variant[launch.key()] = by_variant.get(launch.key(), 0.0) + instructions * programs * variant.warps
         total["flops"] += flops * per_warp
         total["memory"] += memory * per_warp
         total["known"] = total["known"] and known
@@ -322,13 +326,16 @@ def kernel_row(design, name, launches, variants):
         total["programs"] = max(total["programs"], programs)
     hot_launch = max(launches, key=lambda x: per_thread(variants[x.key()], x.ints)[0])
     hot = variants[hot_launch.key()]
+    bulk_key = max(by_variant, key=by_variant.get)
+    bulk = variants[bulk_key]
     loop = hottest_loop(hot, hot_launch.ints)
     body = hot.sass.loops[loop] if loop >= 0 else Loop(0, 0)
     return KernelRow(
         design=design, kernel=name.split(":")[1], variants=len({x.key() for x in launches}), launches=len(launches),
-        registers=max(v.registers for v in used), spills=max(v.local + v.stack for v in used),
-        shared=max(v.shared for v in used), warps=max(v.warps for v in used),
-        ctas_per_sm=min(ctas_per_sm(v.registers, v.warps, v.shared) for v in used), programs=total["programs"],
+        registers=bulk.registers, spills=max(v.local + v.stack for v in used), shared=bulk.shared, warps=bulk.warps,
+        ctas_per_sm=ctas_per_sm(bulk.registers, bulk.warps, bulk.shared),
+        worst_ctas_per_sm=min(ctas_per_sm(v.registers, v.warps, v.shared) for v in used),
+        bulk_launches=sum(x.key() == bulk_key for x in launches), programs=total["programs"],
         waves=total["waves"], async_copies=max(v.async_ttgir + v.sass.async_copies for v in used),
         loads=hot.sass.loads, loop_instructions=body.instructions, loop_barriers=body.barriers,
         warp_instructions=total["instructions"], fp32_flops=total["flops"], dot_flops=total["dots"],
@@ -531,6 +538,7 @@ def extrapolate(rows_at, layers):
         for name in EXTRAPOLATED:
             fields[name] = through([(d, getattr(r, name) if r else 0) for d, r in seen.items()], layers)
         fields["launches"] = round(fields["launches"])
+        fields["bulk_launches"] = fields["launches"] - (row.launches - row.bulk_launches)   # the others: as recorded
         kinds = {k for r in seen.values() if r for k in r.dot_flops}
         fields["dot_flops"] = {k: through([(d, r.dot_flops.get(k, 0) if r else 0) for d, r in seen.items()], layers)
                                for k in kinds}
@@ -539,6 +547,13 @@ def extrapolate(rows_at, layers):
 
 
 # ----------------------------------------------------------------------------- the command
+
+def ctas_column(row):
+    """CTAs per SM of the bulk variant, and where another variant fits fewer, theirs with its launches: "2 (1 x 1)"."""
+    if row.worst_ctas_per_sm == row.ctas_per_sm:
+        return str(row.ctas_per_sm)
+    return f"{row.ctas_per_sm} ({row.worst_ctas_per_sm} x {row.launches - row.bulk_launches})"
+
 
 def report(rows, host=None):
     """The probe's table (one row per design and kernel) and, with `host`, the host-time lines."""
@@ -549,7 +564,7 @@ def report(rows, host=None):
         loads = " ".join(f"{bits}: {n}" for bits, n in sorted(r.loads.items(), key=lambda x: -int(x[0])))
         floor = f"{1e3 * r.issue_floor_s():.2f}" + ("" if r.trips_known else " (>=)")
         print(f"| {r.design} | {r.kernel} | {r.launches} | {r.registers} x {r.warps} | {r.spills} | "
-              f"{r.shared / 1024:.1f} | {r.ctas_per_sm} | {r.programs:,} | {r.waves} | {r.async_copies} | {loads} | "
+              f"{r.shared / 1024:.1f} | {ctas_column(r)} | {r.programs:,} | {r.waves} | {r.async_copies} | {loads} | "
               f"{r.loop_instructions} / {r.loop_barriers} | {r.warp_instructions / 1e9:.2f} G | {floor} |")
     if host:
         print(f"host (this CPU, launches no-ops): a launch's Python path {host['launch_us']:.2f} us + "

@@ -115,7 +115,7 @@ def test_evaluate_follows_scalar_arithmetic_and_stops_at_the_unknown():
 
 def row(design="hc", kernel="k", **fields):
     base = dict(design=design, kernel=kernel, variants=1, launches=2, registers=32, spills=0, shared=0, warps=4,
-                ctas_per_sm=16, programs=10, waves=1, async_copies=0, loads={}, loop_instructions=0, loop_barriers=0,
+                ctas_per_sm=16, worst_ctas_per_sm=16, bulk_launches=2, programs=10, waves=1, async_copies=0, loads={}, loop_instructions=0, loop_barriers=0,
                 warp_instructions=0.0, fp32_flops=0.0, dot_flops={}, access_bytes=0.0, trips_known=True, arguments=5)
     return kernel_probe.KernelRow(**{**base, **fields})
 
@@ -244,3 +244,12 @@ def test_the_host_runs_time_the_step_eager_and_compiled_per_block(tmp_path):
     term = roofline.host_time("hc", [], host, {"layers": 3})
     assert term["compiled"] and term["total"] == pytest.approx(
         (designs["hc"]["compiled_ms"] - designs["preln"]["compiled_ms"]) / 1e3)
+
+
+def test_the_table_shows_the_bulk_variant_and_the_worst_beside_it():
+    """A kernel whose launches compile to two specialisations (HC's read backward: bf16 streams, and sublayer 0's
+    fp32 ones) is shown at the variant that issues most of the step, the other's fewer CTAs beside it with its
+    launches; one variant: a plain number."""
+    two = row(launches=140, ctas_per_sm=2, worst_ctas_per_sm=1, bulk_launches=139)
+    assert kernel_probe.ctas_column(two) == "2 (1 x 1)"
+    assert kernel_probe.ctas_column(row()) == "16"
