@@ -7,7 +7,8 @@ graph_ops.py) is one node of the block's graph; one still under torch.compiler.d
 
 Counted with compile_model's per-block scope (what train.py runs) and a backend that is AOT autograd without code
 generation ("aot_eager": the forward and the backward are traced, the ops' fake bodies included) wrapped to count
-the graphs each block runs. Skipped, with the reason, where triton does not import.
+the graphs each block runs. Skipped, with the reason, where triton does not import. An eager step runs those
+bodies as plain autograd.Functions and a compiled one as the ops (graph_ops.autograd_op): tested by name here too.
 """
 import importlib
 
@@ -96,7 +97,8 @@ def test_graphs_per_block_with_the_triton_bodies(residual):
 
 
 def profiled_names(fn):
-    """The names of the ops and autograd Functions `fn()` runs, as torch's profiler records them (forward and backward)."""
+    """The names of the ops and autograd Functions `fn()` runs (forward and backward), as torch's profiler records
+    them."""
     with torch.autograd.profiler.profile() as prof:
         fn()
     return {event.name for event in prof.function_events}

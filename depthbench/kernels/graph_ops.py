@@ -18,10 +18,10 @@ host functions, the op stays. Inductor runs such an op as one call into Python (
 triton_op would let it launch the kernels from its own wrapper, a few microseconds less per launch (not measurable
 without a GPU; see docs/speed.md#compile).
 
-Eager calls skip the op (`autograd_op`, `call` in a backward): torch.library's Python layers (argument trees, dispatch, its autograd
-wrapper) cost about as much host time as the body itself (docs/speed.md#compile), so outside dynamo the same host
-function, setup_context and backward run as a plain torch.autograd.Function; inside dynamo the op, so that the graph
-keeps it as one node.
+Eager calls skip the op (`autograd_op`, `call` in a backward): torch.library's Python layers (argument trees,
+dispatch, its autograd wrapper) cost about as much host time as the body itself (docs/speed.md#compile), so outside
+dynamo the same host function, setup_context and backward run as a plain torch.autograd.Function; inside dynamo
+the op, so that the graph keeps it as one node.
 """
 import torch
 
@@ -73,22 +73,22 @@ class EagerOp(torch.autograd.Function):
     op's arguments were lists (their length) and `flatten`/`unflatten` go between the two."""
 
     @staticmethod
-    def forward(ctx, pair, layout, *leaves):
+    def forward(ctx, owner, layout, *leaves):
         args = unflatten(layout, leaves)
-        output = _BODIES[pair.name](*args)
-        pair.setup_context(ctx, args, output)
-        ctx.pair, ctx.layout = pair, layout
+        output = _BODIES[owner.name](*args)
+        owner.setup_context(ctx, args, output)
+        ctx.owner, ctx.layout = owner, layout   # owner: the AutogradOp called
         return output
 
     @staticmethod
     def backward(ctx, *grads):
-        gradients = ctx.pair.backward(ctx, *grads)
+        gradients = ctx.owner.backward(ctx, *grads)
         return (None, None, *flatten(ctx.layout, gradients)[1])
 
 
 def flatten(layout, args):
     """(layout: per argument None, or a list argument's length; the arguments with every list's items in place) for
-    `args`; with `layout` given (not None), args' lists are flattened by it (a list's gradient None: a None per item)."""
+    `args`; with `layout` given (not None), args' lists are flattened by it (a list's gradient None: None per item)."""
     layout = layout or tuple(len(a) if isinstance(a, (list, tuple)) else None for a in args)
     leaves = []
     for length, arg in zip(layout, args):

@@ -2,9 +2,10 @@
 depthbench/kernels/triton_hc_read_ops.py: HC's and mHC's fused read (triton_hc_read.py's kernels) as torch.library
 ops (graph_ops.py), so that a compiled block holds its read in its graph: `mhc_read_forward` / `hc_read_forward` (the
 maps, the width connection and the branch's norm: one launch, or two) and their backward ops (one launch where H_pre
-and H_res feed nothing else, a model's case; else three), joined by `register_autograd`. What the backward needs
-beyond the inputs (the logits, m, r, rb) leaves the forward op as outputs, so no Python state spans the two. `hc_read`
-is ops.hc_read's body (BODIES). The file's 700 lines were full: the kernels and their launch helpers
+and H_res feed nothing else, a model's case; else three), joined by graph_ops.autograd_op (`mhc_read_call`,
+`hc_read_call`: the ops while dynamo traces, an autograd.Function of the same functions in eager). What the
+backward needs beyond the inputs (the logits, m, r, rb) leaves the forward op as outputs, so no Python state spans
+the two. `hc_read` is ops.hc_read's body (BODIES). The file's 700 lines were full: the kernels and their launch helpers
 stay in triton_hc_read.py.
 """
 import torch
@@ -113,7 +114,7 @@ def _mhc_gradients(ctx, *grads):
     return dH, [dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], sums[2 * MP:].to(gain.dtype)], None, None
 
 
-mhc_read_call = autograd_op(mhc_read_forward, _mhc_gradients, _mhc_setup)   # the op compiled, an autograd.Function eager
+mhc_read_call = autograd_op(mhc_read_forward, _mhc_gradients, _mhc_setup)   # compiled: the op; eager: a Function
 
 
 @graph_op("hc_read", f"(Tensor H, Tensor[] params, float eps) -> {READ_OUT})",
@@ -198,7 +199,7 @@ def _hc_gradients(ctx, *grads):
                 sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[n * (n + 2) + 2:].to(gain.dtype)], None
 
 
-hc_read_call = autograd_op(hc_read_forward, _hc_gradients, _hc_setup)   # the op compiled, an autograd.Function eager
+hc_read_call = autograd_op(hc_read_forward, _hc_gradients, _hc_setup)   # compiled: the op; eager: a Function
 
 
 def hc_read(design, H, site):
