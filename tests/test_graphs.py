@@ -7,7 +7,8 @@ graph_ops.py) is one node of the block's graph; one still under torch.compiler.d
 
 Counted with compile_model's per-block scope (what train.py runs) and a backend that is AOT autograd without code
 generation ("aot_eager": the forward and the backward are traced, the ops' fake bodies included) wrapped to count
-the graphs each block runs. Skipped, with the reason, where triton does not import.
+the graphs each block runs. Skipped, with the reason, where triton does not import. An eager step runs those
+bodies as plain autograd.Functions and a compiled one as the ops (graph_ops.autograd_op): tested by name here too.
 """
 import importlib
 
@@ -93,3 +94,36 @@ def test_graphs_per_block_with_the_triton_bodies(residual):
     torch.testing.assert_close(loss_c, loss, rtol=0, atol=1e-6)
     for g_c, g in zip(grads_c, grads):
         torch.testing.assert_close(g_c, g, rtol=1e-5, atol=1e-7)
+
+
+def profiled_names(fn):
+    """The names of the ops and autograd Functions `fn()` runs (forward and backward), as torch's profiler records
+    them."""
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return {event.name for event in prof.function_events}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_eager_runs_the_function_compiled_runs_the_op(residual):
+    """graph_ops.autograd_op's split: an eager step runs the read and write as EagerOp (torch.library's op never
+    dispatched, forward or backward: its Python layers cost host time), a compiled step runs the ops (forward and
+    backward: one node each in the graphs) and never EagerOp; a split collapsed either way fails here."""
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    model = triton_model(residual, layers=1)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    names = {"mhc": ("depthbench::mhc_read", "depthbench::mhc_read_bwd"),
+             "hc": ("depthbench::hc_read", "depthbench::hc_read_bwd")}[residual]
+    ops_run = {*names, "depthbench::hc_depth", "depthbench::hc_depth_bwd"}
+    eager = profiled_names(lambda: model(x, x)[1].backward())
+    assert "EagerOp" in eager and "EagerOpBackward" in eager
+    assert not {name for name in eager if name.startswith("depthbench::")}
+    from depthbench.training.compiled import compile_model
+    compiled = compile_model(model, "blocks", backend="aot_eager")
+    compiled(x, x)[1].backward()                                     # compiles
+    traced = profiled_names(lambda: compiled(x, x)[1].backward())
+    assert ops_run <= traced
+    assert not {name for name in traced if name.startswith("EagerOp")}
+    torch._dynamo.reset()

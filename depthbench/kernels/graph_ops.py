@@ -17,12 +17,18 @@ the newest host function registered under that name (`_BODIES`): a module reload
 host functions, the op stays. Inductor runs such an op as one call into Python (the host function as in eager);
 triton_op would let it launch the kernels from its own wrapper, a few microseconds less per launch (not measurable
 without a GPU; see docs/speed.md#compile).
+
+Eager calls skip the op (`autograd_op`, `call` in a backward): torch.library's Python layers (argument trees,
+dispatch, its autograd wrapper) cost about as much host time as the body itself (docs/speed.md#compile), so outside
+dynamo the same host function, setup_context and backward run as a plain torch.autograd.Function; inside dynamo
+the op, so that the graph keeps it as one node.
 """
 import torch
 
 NAMESPACE = "depthbench"
 _BODIES = {}   # op name -> the host function its op calls now (a reloaded module's replaces the first one's)
 _OPS = {}      # (the host function's module, name) -> (op name, its op: torch.library.custom_op's CustomOpDef)
+_NAMES = {}    # id of an op -> its op name (the key of _BODIES)
 
 
 def graph_op(name, schema, fake):
@@ -40,6 +46,7 @@ def graph_op(name, schema, fake):
             op = torch.library.custom_op(f"{NAMESPACE}::{opname}", run, mutates_args=(), schema=schema)
             op.register_fake(fake)
             _OPS[key] = opname, op
+            _NAMES[id(op)] = opname
         opname, op = _OPS[key]
         _BODIES[opname] = fn
         return op
@@ -58,3 +65,84 @@ def keep(ctx, tensors, **attributes):
     ctx.save_for_backward(*tensors)
     for name, value in attributes.items():
         setattr(ctx, name, value)
+
+
+class EagerOp(torch.autograd.Function):
+    """An op's host function with the op's setup_context and backward as a plain autograd.Function (`autograd_op`'s
+    eager path). Its inputs are flat (autograd sees tensors only as direct arguments): `layout` says which of the
+    op's arguments were lists (their length) and `flatten`/`unflatten` go between the two."""
+
+    @staticmethod
+    def forward(ctx, owner, layout, *leaves):
+        args = unflatten(layout, leaves)
+        output = _BODIES[owner.name](*args)
+        owner.setup_context(ctx, args, output)
+        ctx.owner, ctx.layout = owner, layout   # owner: the AutogradOp called
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gradients = ctx.owner.backward(ctx, *grads)
+        return (None, None, *flatten(ctx.layout, gradients)[1])
+
+
+def flatten(layout, args):
+    """(layout: per argument None, or a list argument's length; the arguments with every list's items in place) for
+    `args`; with `layout` given (not None), args' lists are flattened by it (a list's gradient None: None per item)."""
+    layout = layout or tuple(len(a) if isinstance(a, (list, tuple)) else None for a in args)
+    leaves = []
+    for length, arg in zip(layout, args):
+        if length is None:
+            leaves.append(arg)
+        elif arg is None:
+            leaves.extend([None] * length)
+        else:
+            leaves.extend(arg)
+    return layout, leaves
+
+
+def unflatten(layout, leaves):
+    """`flatten`'s arguments back: each list argument a list again."""
+    args, at = [], 0
+    for length in layout:
+        if length is None:
+            args.append(leaves[at])
+            at += 1
+        else:
+            args.append(list(leaves[at:at + length]))
+            at += length
+    return args
+
+
+class AutogradOp:
+    """An op with its autograd, callable: the op itself while dynamo traces (torch.compiler.is_compiling(): one node
+    in the graph, its backward op in the compiled backward) and EagerOp otherwise (the same host function, setup_context
+    and backward without torch.library's Python layers: about half the host time of an eager call)."""
+    __slots__ = ("op", "name", "backward", "setup_context")
+
+    def __init__(self, op, backward, setup_context):
+        self.op = op                            # the torch.library op (CustomOpDef)
+        self.name = _NAMES[id(op)]              # its name in _BODIES: the host function both paths run
+        self.backward = backward                # register_autograd's backward(ctx, *grads) -> a gradient per input
+        self.setup_context = setup_context      # register_autograd's setup_context(ctx, inputs, output)
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        layout, leaves = flatten(None, args)
+        return EagerOp.apply(self, layout, *leaves)
+
+
+def call(op, *args, **kwargs):
+    """A backward's call of an op of this namespace: the op while compiling (AOT autograd traces the backward on
+    fake tensors: its fake body), else its host function directly (no dispatch, as EagerOp's forward)."""
+    if torch.compiler.is_compiling():
+        return op(*args, **kwargs)
+    return _BODIES[_NAMES[id(op)]](*args, **kwargs)
+
+
+def autograd_op(op, backward, setup_context):
+    """op.register_autograd(backward, setup_context=setup_context) -> AutogradOp: the op under torch.compile, the
+    same functions as an autograd.Function in eager."""
+    op.register_autograd(backward, setup_context=setup_context)
+    return AutogradOp(op, backward, setup_context)

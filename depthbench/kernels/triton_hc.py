@@ -44,7 +44,7 @@ from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: th
 import torch
 
 from depthbench.kernels import cpu as cpu_bodies
-from depthbench.kernels.graph_ops import graph_op, keep
+from depthbench.kernels.graph_ops import autograd_op, call, graph_op, keep
 from ops import fp32_maths
 
 try:
@@ -474,11 +474,11 @@ def depth_backward(dout, post, y):                       # `_depth_bwd` -> (dpos
 
 
 def _depth_gradients(ctx, dout):
-    dpost, dy = depth_backward(dout, *ctx.saved_tensors)
+    dpost, dy = call(depth_backward, dout, *ctx.saved_tensors)
     return dout.to(ctx.dtypes[0]), dpost.to(ctx.dtypes[1]), dy, None
 
 
-depth_forward.register_autograd(_depth_gradients, setup_context=lambda ctx, inputs, output: keep(
+depth_call = autograd_op(depth_forward, _depth_gradients, lambda ctx, inputs, output: keep(
     ctx, inputs[1:3], dtypes=(inputs[0].dtype, inputs[1].dtype)))          # post and y; mixed's and post's dtypes
 
 
@@ -486,7 +486,7 @@ def depth_connection(mixed, post, y):
     """HC's depth connection, ops.depth_connection, as one pass over the streams (`depth_forward`, in storage_dtype)."""
     if not runs_here(mixed):
         return cpu_bodies.depth_connection(mixed, post, y)
-    return depth_forward(mixed, post, y, storage_dtype(mixed))
+    return depth_call(mixed, post, y, storage_dtype(mixed))
 
 
 # ----------------------------------------------------------------------------- traffic, for the roofline estimate

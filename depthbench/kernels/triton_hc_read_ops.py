@@ -2,9 +2,10 @@
 depthbench/kernels/triton_hc_read_ops.py: HC's and mHC's fused read (triton_hc_read.py's kernels) as torch.library
 ops (graph_ops.py), so that a compiled block holds its read in its graph: `mhc_read_forward` / `hc_read_forward` (the
 maps, the width connection and the branch's norm: one launch, or two) and their backward ops (one launch where H_pre
-and H_res feed nothing else, a model's case; else three), joined by `register_autograd`. What the backward needs
-beyond the inputs (the logits, m, r, rb) leaves the forward op as outputs, so no Python state spans the two. `hc_read`
-is ops.hc_read's body (BODIES). The file's 700 lines were full: the kernels and their launch helpers
+and H_res feed nothing else, a model's case; else three), joined by graph_ops.autograd_op (`mhc_read_call`,
+`hc_read_call`: the ops while dynamo traces, an autograd.Function of the same functions in eager). What the
+backward needs beyond the inputs (the logits, m, r, rb) leaves the forward op as outputs, so no Python state spans
+the two. `hc_read` is ops.hc_read's body (BODIES). The file's 700 lines were full: the kernels and their launch helpers
 stay in triton_hc_read.py.
 """
 import torch
@@ -12,7 +13,7 @@ import torch
 import ops
 from depthbench.kernels import triton_hc as hc
 from depthbench.kernels import triton_hc_read as hcr
-from depthbench.kernels.graph_ops import graph_op
+from depthbench.kernels.graph_ops import autograd_op, call, graph_op
 from depthbench.kernels.triton_hc import BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, pow2
 from depthbench.kernels.triton_hc_read import (EPS, HC_EPS, _hc_fwd, _hc_read_bwd, _hc_read_fwd, _mhc_fwd,
                                                _mhc_read_bwd, _mhc_read_fwd, fused, hc_backward, mhc_backward,
@@ -107,13 +108,13 @@ def _mhc_setup(ctx, inputs, output):
 def _mhc_gradients(ctx, *grads):
     H, *saved = ctx.saved_tensors
     params, kept = saved[:6], saved[6:]
-    dH, dphi, sums = mhc_read_backward(H, params, kept, grads=list(grads[:5]), iters=ctx.iters)
+    dH, dphi, sums = call(mhc_read_backward, H, params, kept, grads=list(grads[:5]), iters=ctx.iters)
     M, gain = dphi.size(1), params[5]
     MP = pow2(M, 16)
     return dH, [dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], sums[2 * MP:].to(gain.dtype)], None, None
 
 
-mhc_read_forward.register_autograd(_mhc_gradients, setup_context=_mhc_setup)
+mhc_read_call = autograd_op(mhc_read_forward, _mhc_gradients, _mhc_setup)   # compiled: the op; eager: a Function
 
 
 @graph_op("hc_read", f"(Tensor H, Tensor[] params, float eps) -> {READ_OUT})",
@@ -192,13 +193,13 @@ def _hc_setup(ctx, inputs, output):
 
 def _hc_gradients(ctx, *grads):
     H, *saved = ctx.saved_tensors
-    dH, dWt, sums = hc_read_backward(H, params=saved[:5], kept=saved[5:], grads=list(grads[:5]))
+    dH, dWt, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=list(grads[:5]))
     n, gain = dWt.size(0) - 2, saved[4]
     return dH, [dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)],
                 sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[n * (n + 2) + 2:].to(gain.dtype)], None
 
 
-hc_read_forward.register_autograd(_hc_gradients, setup_context=_hc_setup)
+hc_read_call = autograd_op(hc_read_forward, _hc_gradients, _hc_setup)   # compiled: the op; eager: a Function
 
 
 def hc_read(design, H, site):
@@ -212,9 +213,9 @@ def hc_read(design, H, site):
     c, gain, eps = site.conn, site.norm.weight, site.norm.eps
     if type(design).__name__ == "MHC":
         params = [c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, gain]
-        return mhc_read_forward(H, params, eps, design.sinkhorn_iters)[:5]
+        return mhc_read_call(H, params, eps, design.sinkhorn_iters)[:5]
     params = [c.dynamic_alpha, c.dynamic_beta, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale, gain]
-    return hc_read_forward(H, params, eps)[:5]
+    return hc_read_call(H, params, eps)[:5]
 
 
 BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
