@@ -592,7 +592,7 @@ class Launches(torch.utils._python_dispatch.TorchDispatchMode):
     launched (its name), in `ops` and `kernels`; the interpreter's own torch calls inside a kernel are not ops."""
     FREE = {"empty", "empty_like", "empty_strided", "new_empty_strided", "view", "_unsafe_view", "t", "transpose",
             "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided", "detach", "alias", "unflatten",
-            "permute", "reshape", "zeros_like", "new_zeros"}                    # metadata or allocation: no launch
+            "permute", "reshape", "zeros_like", "new_zeros", "new_empty"}      # metadata or allocation: no launch
 
     def __init__(self):
         super().__init__()

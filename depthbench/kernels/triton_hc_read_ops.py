@@ -17,8 +17,7 @@ from depthbench.kernels.graph_ops import autograd_op, call, graph_op
 from depthbench.kernels.triton_hc import BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, pow2
 from depthbench.kernels.triton_hc_read import (EPS, HC_EPS, _hc_fwd, _hc_read_bwd, _hc_read_fwd, _mhc_fwd,
                                                _mhc_read_bwd, _mhc_read_fwd, fused, hc_backward, mhc_backward,
-                                               projection_backward, weight_gradient, width_backward, width_forward,
-                                               width_outputs)
+                                               projection_backward, weight_gradient, width_backward, width_forward)
 
 
 def outputs(branch, pre, post, res, mixed, shape):
@@ -27,9 +26,11 @@ def outputs(branch, pre, post, res, mixed, shape):
     return (branch.view(*lead, D), pre.view(*lead, n), post.view(*lead, n), res.view(*lead, n, n), mixed.view(shape))
 
 
-def read_fake(H, rows, M, logits=True):
+def read_outputs(H, rows, M, logits=True):
     """The read ops' outputs, empty: h, H_pre, H_post, H_res, mixed (`outputs`), then (mHC) the logits (N, n, n), m
-    (rows, M), r (rows,) and rb (N,) for the backward; all fp32 but h and mixed (H's dtype)."""
+    (rows, M), r (rows,) and rb (N,) for the backward; all fp32 but h and mixed (H's dtype). The ops' fake bodies,
+    and what the forward bodies' kernels write into: allocated in the outputs' shapes, so no views follow (host
+    time: issue 68)."""
     (n, D), lead = H.shape[-2:], H.shape[:-2]
     N, f32 = H.numel() // (n * D), dict(dtype=torch.float32)
     coefficients = (H.new_empty(*lead, n, **f32), H.new_empty(*lead, n, **f32), H.new_empty(*lead, n, n, **f32))
@@ -42,7 +43,7 @@ READ_OUT = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor" # h
 
 
 @graph_op("mhc_read", f"(Tensor H, Tensor[] params, float eps, int iters) -> {READ_OUT}, Tensor)",
-          lambda H, params, *_: read_fake(H, H.numel() // params[0].size(0), params[0].size(1)))
+          lambda H, params, *_: read_outputs(H, H.numel() // params[0].size(0), params[0].size(1)))
 def mhc_read_forward(H, params, eps, iters):
     """ops.hc_read for mHC: H (..., n, D), params = [phi (nD, M), b (M,), the three alphas (0-dim), the norm's gain],
     the norm's eps, Sinkhorn's iters -> (branch (..., D) and mixed (..., n, D) in H's dtype, H_pre, H_post (..., n),
@@ -52,19 +53,16 @@ def mhc_read_forward(H, params, eps, iters):
     K, M = phi.shape
     x = H.reshape(-1, K).contiguous()
     N = x.size(0)
-    f32 = dict(device=H.device, dtype=torch.float32)
-    pre, post, logits, res = (torch.empty(N, *shape, **f32) for shape in ((n,), (n,), (n, n), (n, n)))
-    m, r = torch.empty(N, M, **f32), torch.empty(N, **f32)
+    h, pre, post, res, mixed, logits, m, r, rb = read_outputs(H, N, M)       # in the outputs' shapes: no views after
     sizes = dict(n=n, NP=pow2(n), MP=pow2(M, 16))
     maps = dict(X=x, W=phi, B=b, Ap=a_pre, Aq=a_post, Ar=a_res, Pre=pre, Post=post, Logits=logits, Res=res, Mo=m,
                 R=r, N=N, K=K, M=M, iters=iters, eps=EPS, BN=BLOCK_ROWS, BK=BLOCK_K, **sizes)
     if hcr.ONE_LAUNCH_FORWARD:                                  # the maps, then the width connection and the norm
-        h, mixed, rb = width_outputs(x, n)
         _mhc_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](Wn=gain, Out=h, Mixed=mixed, Rb=rb, D=K // n, eps_norm=eps,
                                                    BD=pow2(K // n), **maps)
-    else:
-        _mhc_read_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](**maps)
-        h, mixed, rb = width_forward(x, pre, res, (gain, eps))
+        return h, pre, post, res, mixed, logits, m, r, rb
+    _mhc_read_fwd[(hc.triton.cdiv(N, BLOCK_ROWS),)](**maps)
+    h, mixed, rb = width_forward(x, pre.view(N, n), res.view(N, n, n), (gain, eps))
     return (*outputs(h, pre, post, res, mixed=mixed, shape=H.shape), logits, m, r, rb)
 
 
@@ -118,7 +116,7 @@ mhc_read_call = autograd_op(mhc_read_forward, _mhc_gradients, _mhc_setup)   # co
 
 
 @graph_op("hc_read", f"(Tensor H, Tensor[] params, float eps) -> {READ_OUT})",
-          lambda H, params, eps: read_fake(H, H.numel() // H.size(-1), params[0].size(1) + 1, logits=False))
+          lambda H, params, eps: read_outputs(H, H.numel() // H.size(-1), params[0].size(1) + 1, logits=False))
 def hc_read_forward(H, params, eps):
     """ops.hc_read for HC (forward="mixed"): H (..., n, D), params = [dynamic_alpha (D, n + 1), dynamic_beta (D,),
     the static maps static_alpha (n, n + 1), static_beta (n), the two scales (0-dim), the norm's gain], the norm's
@@ -129,20 +127,16 @@ def hc_read_forward(H, params, eps):
     A, B, M = dynamic_alpha.contiguous(), dynamic_beta.contiguous(), dynamic_alpha.size(1) + 1
     x = H.reshape(-1, D).contiguous()                                   # (N n, D): row t n + s
     rows = x.size(0)
-    f32 = dict(device=H.device, dtype=torch.float32)
-    pre, post, res = torch.empty(rows // n, n, **f32), torch.empty(rows // n, n, **f32), \
-        torch.empty(rows // n, n, n, **f32)
-    m, r = torch.empty(rows, M, **f32), torch.empty(rows, **f32)
+    h, pre, post, res, mixed, m, r, rb = read_outputs(H, rows, M, logits=False)   # the outputs' shapes: no views after
     maps = dict(X=x, A=A, B=B, Sa=static_alpha, Sb=static_beta, Asc=alpha_scale, Bsc=beta_scale, Pre=pre,
                 Post=post, Res=res, Mo=m, R=r, NR=rows, K=D, M=M, eps=HC_EPS, n=n, BN=BLOCK_ROWS, BK=BLOCK_K,
                 MP=pow2(M, 16))
     if hcr.ONE_LAUNCH_FORWARD and BLOCK_ROWS % n == 0:          # a program's rows are whole tokens
-        h, mixed, rb = width_outputs(x.view(rows // n, n * D), n)
         _hc_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](Wn=gain, Out=h, Mixed=mixed, Rb=rb, eps_norm=eps, NP=pow2(n),
                                                      BD=pow2(D), **maps)
-    else:
-        _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](**maps)
-        h, mixed, rb = width_forward(x.view(rows // n, n * D), pre, res, (gain, eps))
+        return h, pre, post, res, mixed, m, r, rb
+    _hc_read_fwd[(hc.triton.cdiv(rows, BLOCK_ROWS),)](**maps)
+    h, mixed, rb = width_forward(x.view(rows // n, n * D), pre.view(-1, n), res.view(-1, n, n), (gain, eps))
     return (*outputs(h, pre, post, res, mixed=mixed, shape=H.shape), m, r, rb)
 
 
