@@ -205,8 +205,9 @@ print(json.dumps({{r.kernel: [r.launches, r.warp_instructions] for r in direct}}
 @pytest.mark.slow
 def test_modas_step_extrapolated_in_depth_equals_its_recording():
     """MoDA's consumer b reads 2b slots, so its kernels' step totals are quadratics in L: the quadratic through L2, 3
-    and 4 gives L6's launches and warp-instructions as a recording at L6 does (what the card's table relies on, at
-    L70). ~1-2 min."""
+    and 4 gives L6's launches exactly and its warp-instructions within 0.5% of a recording at L6 (what the card's
+    table relies on, at L70). Exactly for the depth passes; the slot pass since its re-tiling (32 rows a program,
+    pipelined) carries a small term the quadratic does not: 48 of 48,608 warp-instructions at L6 here. ~1-2 min."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", FIT], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -215,7 +216,8 @@ def test_modas_step_extrapolated_in_depth_equals_its_recording():
     fit, direct = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
     assert sorted(fit) == sorted(direct) == ["_depth_backward", "_depth_forward", "_slot_backward"]
     for kernel, (launches, instructions) in direct.items():
-        assert fit[kernel][0] == launches == 5 and fit[kernel][1] == pytest.approx(instructions, rel=1e-9)
+        assert fit[kernel][0] == launches == 5 and fit[kernel][1] == pytest.approx(instructions, rel=5e-3)
+    assert fit["_depth_forward"][1] == pytest.approx(direct["_depth_forward"][1], rel=1e-9)
 
 
 @pytest.mark.slow
