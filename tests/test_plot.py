@@ -475,6 +475,7 @@ def test_suite_ticks_name_the_shapes_and_families_differ():
     assert len(set(styles.values())) == 2 and len({drawing.colour(r) for r in drawing.DESIGNS}) == 10
 
 
+@pytest.mark.slow
 def test_plot_suite_main_draws_its_figures(tmp_path, capsys):
     from depthbench.reports import plot_suite
     out = tmp_path / "figs"
@@ -509,6 +510,7 @@ def test_zeroshot_figure_has_a_panel_per_scored_task_and_a_line_per_design(full_
     assert "every one skipped" in plot_eval.fig_zeroshot(skipped, tmp_path / "z3.png")["skipped"]
 
 
+@pytest.mark.slow
 def test_dense_weights_figure_has_a_panel_per_stream(full_dir, tmp_path, monkeypatch):
     """diagnose.py's dense metric as the paper's Fig. 7: per model a row of heatmaps, one per stream (MUDD's Q, K, V,
     R; DenseFormer's mix, the rest of its row blank), each the stream's consumer x source matrix; the other designs'

@@ -398,7 +398,8 @@ def chunk_step(reads, inputs, fast=True, pick=True):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("pattern", CHUNKED)
+@pytest.mark.parametrize("pattern", [pytest.param(name, marks=pytest.mark.slow) if name == "deep" else name
+                                     for name in CHUNKED])   # deep: 141 sources, ~3 s: the slow tier's
 def test_chunked_bank_equals_reference(pattern):
     """The two-phase mix (chunks of CHUNK consumers: phase 1 over the sources at the chunk's first consumer, phase 2
     over the ones pushed since and the extra; backward, the consumers' passes and the chunk's) against ops.DepthBank:
