@@ -48,7 +48,7 @@ def mhc_sides(functional, sub, device):
     """(ours, theirs): builds (kernel_bench_depth.Run factories) of one mHC sublayer's read + write on `sub`
     (kernel_bench.Sublayer)."""
     from depthbench.kernels import triton_hc as hc
-    from depthbench.kernels import triton_hc_read as hcr
+    from depthbench.kernels import triton_hc_read_ops as hcr
     c = sub.site.conn
     autocast = torch.autocast(device, dtype=torch.bfloat16)
     leaves = [sub.H, sub.y] + sub.params

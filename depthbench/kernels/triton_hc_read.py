@@ -37,9 +37,8 @@ from __future__ import annotations  # Triton reads `x: tl.constexpr` as text: th
 
 import torch
 
-import ops
 from depthbench.kernels import triton_hc as hc
-from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, _dot, _normed_rows, _sinkhorn_block,
+from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, _dot, _normed_rows, _sinkhorn_block,
                                           _sinkhorn_block_bwd, _sum, _w_tile, jit, pow2, runs_here, stream_sizes, tl)
 from ops import fp32_maths
 
