@@ -107,23 +107,76 @@ def profiled_names(fn):
 @pytest.mark.slow
 @pytest.mark.parametrize("residual", ["hc", "mhc"])
 def test_eager_runs_the_function_compiled_runs_the_op(residual):
-    """graph_ops.autograd_op's split: an eager step runs the read and write as EagerOp (torch.library's op never
-    dispatched, forward or backward: its Python layers cost host time), a compiled step runs the ops (forward and
-    backward: one node each in the graphs) and never EagerOp; a split collapsed either way fails here."""
+    """graph_ops.autograd_op's split: an eager step runs the read and write as their autograd Functions over the
+    host functions (the ops never dispatched, forward or backward: no dispatch, no host time for it), a compiled step
+    runs the ops (forward and backward: one node each in the graphs), the Functions traced away; a split collapsed
+    either way fails here."""
     torch.set_num_threads(1)
     torch._dynamo.reset()
     model = triton_model(residual, layers=1)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    names = {"mhc": ("depthbench::mhc_read", "depthbench::mhc_read_bwd"),
-             "hc": ("depthbench::hc_read", "depthbench::hc_read_bwd")}[residual]
-    ops_run = {*names, "depthbench::hc_depth", "depthbench::hc_depth_bwd"}
+    names = {"mhc": ("mhc_read", "mhc_read_bwd"), "hc": ("hc_read", "hc_read_bwd")}[residual]
+    ops_run = {f"depthbench::{name}" for name in (*names, "hc_depth", "hc_depth_bwd")}
+    functions = {f"{name}_function{part}" for name in (names[0], "hc_depth") for part in ("", "Backward")}
     eager = profiled_names(lambda: model(x, x)[1].backward())
-    assert "EagerOp" in eager and "EagerOpBackward" in eager
+    assert functions <= eager
     assert not {name for name in eager if name.startswith("depthbench::")}
     from depthbench.training.compiled import compile_model
     compiled = compile_model(model, "blocks", backend="aot_eager")
     compiled(x, x)[1].backward()                                     # compiles
     traced = profiled_names(lambda: compiled(x, x)[1].backward())
     assert ops_run <= traced
-    assert not {name for name in traced if name.startswith("EagerOp")}
+    assert not functions & traced
+    torch._dynamo.reset()
+
+
+def read_loss(model, H, weights):
+    """A loss of HC's / mHC's read at block 1's attention site: the branch, H_post and the mixed streams weighted by
+    `weights` (fixed random numbers of their shapes), and, with two more weights, H_pre and H_res (the diagnostics'
+    case)."""
+    h, ctx = model.res.read(H, model.res.site(2))
+    terms = [h, ctx["H_post"], ctx["mixed"], ctx["H_pre"], ctx["H_res"]][:len(weights)]
+    return sum((t.float() * w).sum() for t, w in zip(terms, weights))
+
+
+def weights_for(model, H, use_maps):
+    """read_loss's weights: N(0, 1) of each term's shape (seeded), the maps' only with use_maps."""
+    with torch.no_grad():
+        h, ctx = model.res.read(H, model.res.site(2))
+    terms = [h, ctx["H_post"], ctx["mixed"]] + ([ctx["H_pre"], ctx["H_res"]] if use_maps else [])
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(t.shape, generator=generator) for t in terms]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_compiled_read_backward_is_one_launch_and_the_maps_gradient_is_whole(residual, monkeypatch):
+    """Compiled, the read's backward takes the one-launch path where H_pre and H_res feed nothing (the three-kernel
+    path never runs: dynamo's traced backward would otherwise get zeros for them, not None), and where they do feed
+    the loss their gradient arrives through maps_gradient's Function: the compiled gradients of the streams and of
+    every parameter equal the eager ones in both cases."""
+    from depthbench.kernels import graph_ops
+    torch.set_num_threads(1)
+    model = triton_model(residual, layers=2)
+    ops_module = importlib.import_module(graph_ops._BODIES[f"{residual}_read_bwd"].__module__)
+    three = []
+    original = ops_module.three_kernels if residual == "hc" else ops_module.width_backward
+    name = "three_kernels" if residual == "hc" else "width_backward"
+    monkeypatch.setattr(ops_module, name, lambda *a, **k: three.append(1) or original(*a, **k))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():                                   # off the init (where the maps hardly depend on H)
+        for parameter in model.res.site(2).conn.parameters():
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    H = torch.randn(2, 8, 4, 32, generator=generator).requires_grad_()
+    wanted = [H, *model.res.site(2).conn.parameters()]
+    for use_maps in (False, True):
+        torch._dynamo.reset()
+        weights = weights_for(model, H, use_maps)
+        eager = torch.autograd.grad(read_loss(model, H, weights), wanted)
+        three.clear()
+        compiled = torch.compile(read_loss, backend="aot_eager", fullgraph=True)
+        grads = torch.autograd.grad(compiled(model, H, weights), wanted)
+        assert bool(three) == use_maps                          # the three-kernel path: only for the maps' gradient
+        for g_c, g in zip(grads, eager):
+            torch.testing.assert_close(g_c, g, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()

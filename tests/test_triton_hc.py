@@ -419,20 +419,22 @@ def test_hc_read_is_the_composition_for_other_designs(monkeypatch):
 def test_fused_read_keeps_the_streams_and_a_few_floats(design, floats):
     """The fused read runs without ops.hc_read's checkpoint, yet autograd keeps, beyond the streams (its input) and
     parameter-sized tensors, `floats` fp32 per token and sublayer (triton_hc_read.py's docstring: mHC 66, HC 49 at
-    n = 4), measured as the difference between 32 and 16 tokens of what its saved-tensor hook sees."""
+    n = 4), measured as the difference between 32 and 16 tokens of what its saved-tensor hook sees (each storage
+    once: the read's Function and maps_gradient's save the same tensors)."""
     model = with_triton_bodies(tiny_model(design, d_model=32))
     site, kept = model.res.site(1), {}
     for N in (16, 32):
         H = randn(1, N, 4, 32, seed=21).requires_grad_()
-        sizes = []
+        sizes = {}
 
         def pack(t):
-            if t.untyped_storage().data_ptr() != H.untyped_storage().data_ptr():
-                sizes.append(t.numel() * t.element_size())
+            storage = t.untyped_storage()
+            if storage.data_ptr() != H.untyped_storage().data_ptr():
+                sizes[storage.data_ptr()] = storage.nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.res.read(H, site)
-        kept[N] = sum(sizes)
+        kept[N] = sum(sizes.values())
     assert kept[32] - kept[16] == 16 * 4 * floats
 
 

@@ -13,7 +13,7 @@ import torch
 import ops
 from depthbench.kernels import triton_hc as hc
 from depthbench.kernels import triton_hc_read as hcr
-from depthbench.kernels.graph_ops import autograd_op, call, graph_op
+from depthbench.kernels.graph_ops import autograd_function, autograd_op, call, graph_op
 from depthbench.kernels.triton_hc import BLOCK_K, BLOCK_ROWS, BLOCK_TOKENS, pow2
 from depthbench.kernels.triton_hc_read import (EPS, HC_EPS, _hc_fwd, _hc_read_bwd, _hc_read_fwd, _mhc_fwd,
                                                _mhc_read_bwd, _mhc_read_fwd, fused, hc_backward, mhc_backward,
@@ -74,7 +74,7 @@ def mhc_read_backward(H, params, kept, grads, iters):
     kept = [pre, post, res, logits, m, r, rb] -> (dH, dphi, the sums [b's M, padded to MP | a_pre, a_post, a_res,
     padded to MP | the gain's D]): one launch where H_pre and H_res feed nothing else (a model's case), else three."""
     (phi, b, a_pre, a_post, a_res, gain), (pre, post, res, logits, m, r, rb) = params, kept
-    (dh, dpre, dpost, dres, dmixed), (K, M), n = grads, phi.shape, H.size(-2)
+    (_, dpre, dpost, dres, _), (K, M), n = grads, phi.shape, H.size(-2)
     x = H.reshape(-1, K).contiguous()
     N, MP = x.size(0), pow2(M, 16)
     sizes = dict(n=n, NP=pow2(n), MP=MP)
@@ -100,19 +100,39 @@ def _mhc_setup(ctx, inputs, output):
     H, params, _, ctx.iters = inputs
     _, pre, post, res, _, logits, m, r, rb = output
     ctx.save_for_backward(H, *params, pre, post, res, logits, m, r, rb)
-    ctx.set_materialize_grads(False)          # H_pre and H_res feed nothing but the diagnostics: None, not zeros
+    split_maps(ctx, (pre, res), kept=(logits, m, r, rb))
 
 
-def _mhc_gradients(ctx, *grads):
+def _mhc_gradients(ctx, dh, dpre, dpost, dres, dmixed, *_kept):
     H, *saved = ctx.saved_tensors
     params, kept = saved[:6], saved[6:]
-    dH, dphi, sums = call(mhc_read_backward, H, params, kept, grads=list(grads[:5]), iters=ctx.iters)
-    M, gain = dphi.size(1), params[5]
+    grads = [dh, None, dpost, None, dmixed] if ctx.split else [dh, dpre, dpost, dres, dmixed]
+    dH, dphi, sums = call(mhc_read_backward, H, params, kept, grads=grads, iters=ctx.iters)
+    return dH, _mhc_parameter_gradients(dphi, sums, params[5]), None, None
+
+
+def _mhc_parameter_gradients(dphi, sums, gain):
+    """mhc_read_backward's (dphi, sums) -> the gradients of params = [phi, b, the three alphas, the gain]."""
+    M = dphi.size(1)
     MP = pow2(M, 16)
-    return dH, [dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], sums[2 * MP:].to(gain.dtype)], None, None
+    return [dphi, sums[:M], sums[MP], sums[MP + 1], sums[MP + 2], sums[2 * MP:].to(gain.dtype)]
 
 
-mhc_read_call = autograd_op(mhc_read_forward, _mhc_gradients, _mhc_setup)   # compiled: the op; eager: a Function
+def _mhc_maps_setup(ctx, inputs, output):
+    (pre, res), H, params, (post, logits, m, r, rb, ctx.iters) = inputs
+    ctx.save_for_backward(H, *params, pre, post, res, logits, m, r, rb)          # as _mhc_setup
+
+
+def _mhc_maps_gradients(ctx, dpre, dres):
+    H, *saved = ctx.saved_tensors
+    params, kept = saved[:6], saved[6:]
+    dH, dphi, sums = call(mhc_read_backward, H, params, kept, grads=[None, dpre, None, dres, None], iters=ctx.iters)
+    return [None, None], dH, _mhc_parameter_gradients(dphi, sums, params[5]), [None] * 6
+
+
+mhc_read_call = autograd_op(mhc_read_forward, _mhc_gradients, _mhc_setup)   # compiled: the op; eager: its body
+mhc_maps_call = autograd_function("mhc_maps", lambda maps, *_: (maps[0].clone(), maps[1].clone()),
+                                  backward=_mhc_maps_gradients, setup_context=_mhc_maps_setup)   # maps_gradient
 
 
 @graph_op("hc_read", f"(Tensor H, Tensor[] params, float eps) -> {READ_OUT})",
@@ -149,7 +169,7 @@ def hc_read_backward(H, params, kept, grads):
     D): one GEMM, x read once; its last row dynamic_beta's gradient, the rest transposed dynamic_alpha's; the sums
     [static_alpha | static_beta | the scales | the gain's D]): one launch where H_pre and H_res feed nothing else."""
     (A, B, alpha_scale, beta_scale, gain), (pre, res, m, r, rb) = [p.contiguous() for p in params], kept
-    (dh, dpre, dpost, dres, dmixed), (n, D) = grads, H.shape[-2:]
+    (_, dpre, _, dres, _), (n, D) = grads, H.shape[-2:]
     x = H.reshape(-1, D).contiguous()
     pre, res = pre.reshape(-1, n), res.reshape(-1, n, n)
     saved = (x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
@@ -182,18 +202,67 @@ def _hc_setup(ctx, inputs, output):
     H, (A, B, _, _, alpha_scale, beta_scale, gain), _ = inputs
     _, pre, _, res, _, m, r, rb = output
     ctx.save_for_backward(H, A, B, alpha_scale, beta_scale, gain, pre, res, m, r, rb)
+    split_maps(ctx, (pre, res), kept=(m, r, rb))
+
+
+def _hc_gradients(ctx, dh, dpre, dpost, dres, dmixed, *_kept):
+    H, *saved = ctx.saved_tensors
+    grads = [dh, None, dpost, None, dmixed] if ctx.split else [dh, dpre, dpost, dres, dmixed]
+    dH, dWt, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=grads)
+    return dH, _hc_parameter_gradients(dWt, sums, gain=saved[4]), None
+
+
+def _hc_parameter_gradients(dWt, sums, gain):
+    """hc_read_backward's (dW^T, sums) -> the gradients of params = [dynamic_alpha, dynamic_beta, static_alpha,
+    static_beta, alpha_scale, beta_scale, the gain]."""
+    n = dWt.size(0) - 2
+    return [dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)],
+            sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[n * (n + 2) + 2:].to(gain.dtype)]
+
+
+def _hc_maps_setup(ctx, inputs, output):
+    (pre, res), H, (A, B, _, _, alpha_scale, beta_scale, gain), (m, r, rb) = inputs
+    ctx.save_for_backward(H, A, B, alpha_scale, beta_scale, gain, pre, res, m, r, rb)     # as _hc_setup
+
+
+def _hc_maps_gradients(ctx, dpre, dres):
+    H, *saved = ctx.saved_tensors
+    dH, dWt, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=[None, dpre, None, dres, None])
+    return [None, None], dH, _hc_parameter_gradients(dWt, sums, gain=saved[4]), [None] * 3
+
+
+hc_read_call = autograd_op(hc_read_forward, _hc_gradients, _hc_setup)   # compiled: the op; eager: its body
+hc_maps_call = autograd_function("hc_maps", lambda maps, *_: (maps[0].clone(), maps[1].clone()),
+                                 backward=_hc_maps_gradients, setup_context=_hc_maps_setup)   # maps_gradient
+
+
+def split_maps(ctx, maps, kept):
+    """A read Function's setup: its outputs `kept` (for the backward only) are not differentiable; while dynamo traces,
+    nor are H_pre and H_res (`maps`: their gradients go through `maps_gradient`'s Function), and ctx.split says so.
+    Eager, None arrives for an output that fed nothing (no materialised zeros), so the backward sees which did."""
+    ctx.split = torch.compiler.is_compiling()
+    if ctx.split:
+        ctx.mark_non_differentiable(*maps, *kept)
+    else:
+        ctx.mark_non_differentiable(*kept)
     ctx.set_materialize_grads(False)
 
 
-def _hc_gradients(ctx, *grads):
-    H, *saved = ctx.saved_tensors
-    dH, dWt, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=list(grads[:5]))
-    n, gain = dWt.size(0) - 2, saved[4]
-    return dH, [dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)],
-                sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[n * (n + 2) + 2:].to(gain.dtype)], None
-
-
-hc_read_call = autograd_op(hc_read_forward, _hc_gradients, _hc_setup)   # compiled: the op; eager: a Function
+def maps_gradient(maps_call, outputs, inputs, rest):
+    """The read's outputs (h, H_pre, H_post, H_res, mixed); while dynamo traces, H_pre's and H_res' gradients go
+    through `maps_call`, a second Function (copies of the two whose backward is the read's backward op for dpre and
+    dres alone), and the read's Function, which marks the two non-differentiable there (`split_maps`), gets dh, dpost
+    and dmixed only and runs the one-launch backward: a backward is linear in the output gradients, so the two
+    Functions' sum is the read's gradient. Why: dynamo traces a Function's backward before it knows which outputs
+    are used, with a gradient for each, so one Function for all five would run the three-launch backward on zeros
+    in every training step; where nothing uses H_pre and H_res the copies are dead and the compiled graph drops
+    them. Eager, one Function sees None for an unused output and no copies are made."""
+    if not torch.compiler.is_compiling():
+        return outputs
+    h, pre, post, res, mixed = outputs
+    H, params = inputs
+    pre, res = maps_call([pre, res], H, params, rest)   # rest: what the backward keeps beyond the two (mHC: iters)
+    return h, pre, post, res, mixed
 
 
 def hc_read(design, H, site):
@@ -207,9 +276,12 @@ def hc_read(design, H, site):
     c, gain, eps = site.conn, site.norm.weight, site.norm.eps
     if type(design).__name__ == "MHC":
         params = [c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, gain]
-        return mhc_read_call(H, params, eps, design.sinkhorn_iters)[:5]
+        h, pre, post, res, mixed, logits, m, r, rb = mhc_read_call(H, params, eps, design.sinkhorn_iters)
+        rest = [post, logits, m, r, rb, design.sinkhorn_iters]
+        return maps_gradient(mhc_maps_call, (h, pre, post, res, mixed), (H, params), rest)
     params = [c.dynamic_alpha, c.dynamic_beta, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale, gain]
-    return hc_read_call(H, params, eps)[:5]
+    h, pre, post, res, mixed, m, r, rb = hc_read_call(H, params, eps)
+    return maps_gradient(hc_maps_call, (h, pre, post, res, mixed), (H, params), [m, r, rb])
 
 
 BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
