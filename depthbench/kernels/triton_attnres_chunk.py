@@ -55,20 +55,16 @@ PROGRAMS = 264  # a backward pass's programs at most (the chunk's, a consumer's 
 PHASE1_TOKENS = 16   # _chunk_forward's tokens a program: the rows of its logits' product (tl.dot), one a thread at
 PHASE1_WARPS = 4     # 4 warps; its CHUNK x PHASE1_TOKENS x COLUMNS_TILE fp32 sums, 64 registers a thread
 COLUMNS_TILE = 64    # the columns of a source a loop step reads (a power of 2: 640 = 10 x 64, no padding)
-SOURCE_BLOCK = 16   # _chunk_backward's sources of a token a loop step (the rows of its tl.dot products)
+SOURCE_BLOCK = 16   # _chunk_backward's sources of a token a loop step: the rows of its tl.dot products
 COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its source loop not software-pipelined
-BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch, capped at 128 registers: 0 spills unpipelined, 8 bytes
-                      # pipelined; 2 programs of 8 warps a multiprocessor hide the loads' latency instead)
+BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch: pipelined, 182 registers and 127 KB of shared memory, 1
+                      # program a multiprocessor; unpipelined and capped at 128, 2 programs hide the loads' latency)
 WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
               # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
               # 179 (x 4 warps: 3 / 2 programs a multiprocessor), _merge_forward 74-76 / 79-101, _merge_backward
-              # 106-117 / 123-124 (2 tokens a tile: 2 programs), _chunk_backward 128 / 124 (unpipelined, capped at
-              # 128 by `backward_registers`: 2 programs; 228 / 243 and 1 program padded to 1,024 columns)
-
-
-def chunk_blocks(BT, D):
-    """(BLOCK_T, BLOCK_D) of the chunk's kernels: CHUNK tiles of BLOCK_T tokens stay TILE_ELEMENTS wide."""
-    return attnres.blocks(BT, D, CHUNK)
+              # 106-117 / 123-124 (2 tokens a tile: 2 programs); _chunk_backward (unpipelined) 178 uncapped, 128
+              # capped by `backward_registers` (2 programs; 16 bytes of stack: 4 values of the program's start
+              # kept for its last store, none spilled in a loop)
 
 
 def phase1_blocks(BT, D):
@@ -88,6 +84,12 @@ def backward_blocks(BT, D):
     step (the rows of its products), D in COLUMN_TILES tiles of BLOCK_D columns (a power of 2, at least 16):
     640 = 5 x 128, no padding."""
     return SOURCE_BLOCK, max(16, next_power_of_2(-(-D // COLUMN_TILES)))
+
+
+def backward_registers(storage_bytes=2):
+    """`_chunk_backward`'s register cap (maxnreg): 128 for a 16-bit bank, 2 programs a multiprocessor at WARPS warps
+    (178 registers uncapped: 1); None (the compiler's choice) for an fp32 one, whose products run on CUDA cores."""
+    return 128 if storage_bytes == 2 else None
 
 
 def backward_precision(dtype):
@@ -264,18 +266,38 @@ def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_ex
 def _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, lo, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     """Columns [lo, lo + BLOCK_D) of the chunk's consumers' gq and dmix at token t, interleaved (2 BLOCK_C, BLOCK_D)
     fp32: row 2c = consumer c's gq (g * q), row 2c + 1 its dmix (0 where its backward did not run); 0 in the padding.
-    One operand serves both products of a source block: <v, gq> and <v, dmix> in one `tl.dot`, and dv's terms."""
+    One operand serves both products of a source block: <v, gq> and <v, dmix> in one `tl.dot`, and dv's two terms.
+    The scalar lo is added to the pointers (one offsets tensor for every tile: fewer registers held)."""
     rows = tl.arange(0, 2 * BLOCK_C)
     c = rows // 2
-    cols = lo + tl.arange(0, BLOCK_D)
-    ok = (c < C)[:, None] & (cols < D)[None, :]
+    cols = tl.arange(0, BLOCK_D)
+    ok = (c < C)[:, None] & (cols < D - lo)[None, :]
     is_q = (rows % 2 == 0)[:, None]
     ran = (tl.load(ran_ptr + c, mask=c < C, other=0) != 0)[:, None]
     at = c[:, None] * D + cols[None, :]
+    q_ptr += lo
+    g_ptr += lo
+    records += t * D + lo
     gq = (tl.load(q_ptr + at, mask=ok & is_q, other=0.0).to(tl.float32)
           * tl.load(g_ptr + at, mask=ok & is_q, other=0.0).to(tl.float32))
-    dmix = tl.load(records + c[:, None] * (BT * D) + t * D + cols[None, :], mask=ok & ran & ~is_q, other=0.0)
+    dmix = tl.load(records + c[:, None] * (BT * D) + cols[None, :], mask=ok & ran & ~is_q, other=0.0)
     return gq + dmix.to(tl.float32)
+
+
+@jit
+def _stacked_tiles(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_stacked_rows` of token t in COLUMN_TILES column tiles, in the bank's dtype (records')."""
+    dtype = records.dtype.element_ty
+    return (_stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=0, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype),
+            _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=BLOCK_D, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype),
+            _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=2 * BLOCK_D, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype),
+            _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=3 * BLOCK_D, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype),
+            _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=4 * BLOCK_D, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype))
 
 
 @jit
@@ -291,35 +313,41 @@ def _product(a, b, acc, dtype: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @jit
-def _block_products(slot, offsets, mask, s, x, squares, PRECISION: tl.constexpr):
-    """A column tile of a block of sources (slot + offsets, (BLOCK_J, BLOCK_D)): x += v s^T (BLOCK_J, 2 BLOCK_C),
-    every consumer's <v, gq> and <v, dmix> (tensor cores for a 16-bit bank), squares += the sum of v v over it."""
-    v = tl.load(slot + offsets, mask=mask, other=0.0)
-    v32 = v.to(tl.float32)
-    return _product(v, tl.trans(s), x, v.dtype, PRECISION), squares + tl.sum(v32 * v32, axis=1)
+def _block_products(slot, offsets, src_ok, s, x, squares, lo, D, PRECISION: tl.constexpr):
+    """Column tile [lo, lo + BLOCK_D) of a block of sources (slot + offsets, (BLOCK_J, BLOCK_D)): x += v s^T
+    (BLOCK_J, 2 BLOCK_C), every consumer's <v, gq> and <v, dmix>, and squares += v v^T (BLOCK_J, BLOCK_J), whose
+    diagonal is each source's sum of squares (v exact in the bank's dtype: its squares exact in fp32)."""
+    mask = src_ok[:, None] & (tl.arange(0, offsets.shape[1]) < D - lo)[None, :]
+    v = tl.load(slot + lo + offsets, mask=mask, other=0.0)
+    return (_product(v, tl.trans(s), x, dtype=v.dtype, PRECISION=PRECISION),
+            _product(v, tl.trans(v), squares, dtype=v.dtype, PRECISION=PRECISION))
 
 
 @jit
-def _block_gradient(grad, slot, offsets, mask, a, s, bt, k, dgq, PRECISION: tl.constexpr):
-    """A column tile of a block of sources and their gradient slots (grad + offsets, fp32): dv = a s + k v (a: b and p
-    interleaved as s' rows are, (BLOCK_J, 2 BLOCK_C); k: the term through the key norm, per source) added into the
-    slots -> dgq + bt v (bt = b^T (BLOCK_C, BLOCK_J)). v read again (an L1 hit: the block's first read just before)."""
-    v = tl.load(slot + offsets, mask=mask, other=0.0)
-    dv = _product(a, s, k[:, None] * v.to(tl.float32), v.dtype, PRECISION)
-    tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
-    return _product(bt, v, dgq, v.dtype, PRECISION)
+def _block_gradient(grad, slot, offsets, src_ok, a, s, bt, k, dgq, lo, D, PRECISION: tl.constexpr):
+    """Column tile [lo, lo + BLOCK_D) of a block of sources and of their gradient slots (grad + offsets, fp32):
+    dv = a s + k v added into the slots (their old values the products' accumulator; a: b and p interleaved as s'
+    rows are (BLOCK_J, 2 BLOCK_C), k (BLOCK_J, BLOCK_J) diagonal) -> dgq^T + v^T bt (BLOCK_D, BLOCK_C; bt = b
+    (BLOCK_J, BLOCK_C)). v read again (an L1 hit: the block's first read just before)."""
+    mask = src_ok[:, None] & (tl.arange(0, offsets.shape[1]) < D - lo)[None, :]
+    v = tl.load(slot + lo + offsets, mask=mask, other=0.0)
+    old = tl.load(grad + lo + offsets, mask=mask, other=0.0)
+    dv = _product(a, s, _product(k, v, old, dtype=v.dtype, PRECISION=PRECISION), dtype=v.dtype, PRECISION=PRECISION)
+    tl.store(grad + lo + offsets, dv, mask=mask)
+    return _product(tl.trans(v), bt, dgq, dtype=v.dtype, PRECISION=PRECISION)
 
 
 @jit
 def _store_dgq(dgq_rows, dgq, cons, C, D, lo, BLOCK_D: tl.constexpr):
-    """A column tile [lo, lo + BLOCK_D) of the consumers' dgq (BLOCK_C, BLOCK_D) into their rows dgq_rows (C, P, D)."""
+    """A column tile [lo, lo + BLOCK_D) of the consumers' dgq^T (BLOCK_D, BLOCK_C) into their rows (C, P, D):
+    dgq_rows points at the program's row with each consumer's stride applied, (1, BLOCK_C)."""
     cols = lo + tl.arange(0, BLOCK_D)
-    tl.store(dgq_rows + cols[None, :], dgq, mask=(cons < C)[:, None] & (cols < D)[None, :])
+    tl.store(dgq_rows + cols[:, None], dgq, mask=(cons < C)[None, :] & (cols < D)[:, None])
 
 
 @jit
 def _store_dgq_tiles(dgq_rows, dgq0, dgq1, dgq2, dgq3, dgq4, cons, C, D, BLOCK_D: tl.constexpr):
-    """The COLUMN_TILES column tiles of the consumers' dgq into their rows dgq_rows (C, P, D)."""
+    """The COLUMN_TILES column tiles of the consumers' dgq^T into their rows (C, P, D)."""
     _store_dgq(dgq_rows, dgq0, cons, C, D=D, lo=0, BLOCK_D=BLOCK_D)
     _store_dgq(dgq_rows, dgq1, cons, C, D=D, lo=BLOCK_D, BLOCK_D=BLOCK_D)
     _store_dgq(dgq_rows, dgq2, cons, C, D=D, lo=2 * BLOCK_D, BLOCK_D=BLOCK_D)
@@ -329,16 +357,19 @@ def _store_dgq_tiles(dgq_rows, dgq0, dgq1, dgq2, dgq3, dgq4, cons, C, D, BLOCK_D
 
 @jit
 def _block_weights(x, squares, src_ok, valid, lse, delta, D: tl.constexpr, eps):
-    """A block's x = [<v, gq>, <v, dmix>] interleaved (BLOCK_J, 2 BLOCK_C) and its sources' squares -> (a, bt, k):
-    a = [b, p] interleaved as x (b = ds r, the gradient through u; p the weights, the gradient through dmix), bt = b^T,
-    k = -sum_c ds u r^3 / D per source (through r: as _source_gradient), 0 for sources past n1 and idle consumers."""
-    r = 1.0 / tl.sqrt(squares / D + eps)
+    """A block's x = [<v, gq>, <v, dmix>] interleaved (BLOCK_J, 2 BLOCK_C) and squares = v v^T -> (a, b, k):
+    a = [b, p] interleaved as x (b = ds r, the gradient through u; p the weights, the gradient through dmix), b
+    (BLOCK_J, BLOCK_C), k = diag(-sum_c ds u r^3 / D) (through r: as _source_gradient; a diagonal matrix, so that
+    k v is a product); p and b 0 for sources past n1 and idle consumers."""
+    diagonal = tl.arange(0, squares.shape[0])
+    on_diagonal = diagonal[:, None] == diagonal[None, :]
+    r = 1.0 / tl.sqrt(tl.sum(tl.where(on_diagonal, squares, 0.0), axis=1) / D + eps)
     u, vd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))              # (BLOCK_J, BLOCK_C) each
     p = tl.where(src_ok[:, None] & valid[None, :], tl.exp(r[:, None] * u - lse[None, :]), 0.0)
     ds = p * (vd - delta[None, :])
     b = ds * r[:, None]
-    k = tl.sum(-ds * u, axis=1) * (r * r * r) / D
-    return tl.reshape(tl.join(b, p), x.shape), tl.trans(b), k
+    k = tl.where(on_diagonal, (tl.sum(-ds * u, axis=1) * (r * r * r) / D)[:, None], 0.0)
+    return tl.reshape(tl.join(b, p), x.shape), b, k
 
 
 @jit
@@ -348,63 +379,51 @@ def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr,
     """The chunk's pass, P programs each over the tokens pid, pid + P, ...: for each source j < n1 (V, its gradient
     slot in dV, fp32), the sum over the chunk's consumers that ran their backward (ran_ptr[c] != 0) of the pair's dv,
     from their records (records (C, BT, D), scalars (C, 2, BT): delta, lse), added into dV[j] once; each consumer's
-    share of dgq over the program's tokens to dgq_ptr (C, P, D), row pid.
-
-    A token's sources in blocks of BLOCK_J: for one token every sum over D or over the consumers is a matrix product
-    (`tl.dot`): x = v s^T (the block's <v, gq> and <v, dmix> at once, s = gq and dmix interleaved, `_stacked_rows`),
-    dv = a s + k v, dgq += b^T v. D in COLUMN_TILES tiles of BLOCK_D columns (640 = 5 x 128). PRECISION: "ieee" for
-    an fp32 bank (exact fp32 products: the fp32 tests' 1e-5 holds), else the bank's 16-bit dtype on tensor cores with
-    fp32 sums: v and dmix exact there, gq, p and b rounded to bf16 (the bf16 tests' cosine 0.999)."""
+    share of dgq over the program's tokens to dgq_ptr (C, P, D), row pid. A token's sources in blocks of BLOCK_J,
+    every sum over D, the consumers or the block's sources a product (`_product`): x = v s^T (<v, gq> and <v, dmix>,
+    `_stacked_rows`), v v^T, dv = a s + k v, dgq^T += v^T b; D in COLUMN_TILES tiles of BLOCK_D columns.
+    PRECISION (`backward_precision`): an fp32 bank's products exact ("ieee"); a 16-bit bank's on tensor cores, fp32
+    sums, the operands in its dtype: v, dmix exact, gq, p, b and k rounded (2^-9 a term; tests: cosine 0.999)."""
     pid = tl.program_id(0)
     cons = tl.arange(0, BLOCK_C)
     srcs = tl.arange(0, BLOCK_J)
-    cols = tl.arange(0, BLOCK_D)
-    dtype = V.dtype.element_ty
     valid = (cons < C) & (tl.load(ran_ptr + cons, mask=cons < C, other=0) != 0)
-    dgq0 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    dgq1 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    dgq2 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    dgq3 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    dgq4 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    offsets = srcs[:, None] * (BT * D) + cols[None, :]       # a block's slots from its first (advanced per block)
+    dgq0 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    dgq1 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    dgq2 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    dgq3 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    dgq4 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    offsets = srcs[:, None] * (BT * D) + tl.arange(0, BLOCK_D)[None, :]     # a block's slots from its first
     for t in range(pid, BT, P):
-        s0 = _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, 0, BLOCK_C, BLOCK_D).to(dtype)
-        s1 = _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, BLOCK_D, BLOCK_C, BLOCK_D).to(dtype)
-        s2 = _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, 2 * BLOCK_D, BLOCK_C, BLOCK_D).to(dtype)
-        s3 = _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, 3 * BLOCK_D, BLOCK_C, BLOCK_D).to(dtype)
-        s4 = _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, 4 * BLOCK_D, BLOCK_C, BLOCK_D).to(dtype)
+        s0, s1, s2, s3, s4 = _stacked_tiles(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, BLOCK_C=BLOCK_C,
+                                            BLOCK_D=BLOCK_D)
         delta = tl.load(scalars_ptr + cons * (2 * BT) + t, mask=valid, other=0.0)
         lse = tl.load(scalars_ptr + cons * (2 * BT) + BT + t, mask=valid, other=0.0)
-        slot = V + t * D
+        slot = V + t * D                                     # advanced BLOCK_J slots a block
         grad = dV + t * D
         for j0 in tl.range(0, n1, BLOCK_J, num_stages=NUM_STAGES):
-            src_ok = j0 + srcs < n1
-            mask0 = src_ok[:, None] & (cols < D)[None, :]
-            mask1 = src_ok[:, None] & (BLOCK_D + cols < D)[None, :]
-            mask2 = src_ok[:, None] & (2 * BLOCK_D + cols < D)[None, :]
-            mask3 = src_ok[:, None] & (3 * BLOCK_D + cols < D)[None, :]
-            mask4 = src_ok[:, None] & (4 * BLOCK_D + cols < D)[None, :]
+            ok = j0 + srcs < n1
             x = tl.zeros((BLOCK_J, 2 * BLOCK_C), tl.float32)
-            squares = tl.zeros((BLOCK_J,), tl.float32)
-            x, squares = _block_products(slot, offsets, mask0, s0, x, squares, PRECISION)
-            x, squares = _block_products(slot + BLOCK_D, offsets, mask1, s1, x, squares, PRECISION)
-            x, squares = _block_products(slot + 2 * BLOCK_D, offsets, mask2, s2, x, squares, PRECISION)
-            x, squares = _block_products(slot + 3 * BLOCK_D, offsets, mask3, s3, x, squares, PRECISION)
-            x, squares = _block_products(slot + 4 * BLOCK_D, offsets, mask4, s4, x, squares, PRECISION)
-            a, bt, k = _block_weights(x, squares, src_ok, valid, lse, delta, D, eps)
-            a = a.to(dtype)
-            bt = bt.to(dtype)
-            dgq0 = _block_gradient(grad, slot, offsets, mask0, a, s0, bt, k, dgq0, PRECISION)
-            dgq1 = _block_gradient(grad + BLOCK_D, slot + BLOCK_D, offsets, mask1, a, s1, bt, k, dgq1, PRECISION)
-            dgq2 = _block_gradient(grad + 2 * BLOCK_D, slot + 2 * BLOCK_D, offsets, mask2, a, s2, bt, k, dgq2,
-                                   PRECISION)
-            dgq3 = _block_gradient(grad + 3 * BLOCK_D, slot + 3 * BLOCK_D, offsets, mask3, a, s3, bt, k, dgq3,
-                                   PRECISION)
-            dgq4 = _block_gradient(grad + 4 * BLOCK_D, slot + 4 * BLOCK_D, offsets, mask4, a, s4, bt, k, dgq4,
-                                   PRECISION)
+            sq = tl.zeros((BLOCK_J, BLOCK_J), tl.float32)
+            x, sq = _block_products(slot, offsets, ok, s0, x=x, squares=sq, lo=0, D=D, PRECISION=PRECISION)
+            x, sq = _block_products(slot, offsets, ok, s1, x=x, squares=sq, lo=BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq = _block_products(slot, offsets, ok, s2, x=x, squares=sq, lo=2 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq = _block_products(slot, offsets, ok, s3, x=x, squares=sq, lo=3 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq = _block_products(slot, offsets, ok, s4, x=x, squares=sq, lo=4 * BLOCK_D, D=D, PRECISION=PRECISION)
+            a, b, k = _block_weights(x, sq, ok, valid, lse=lse, delta=delta, D=D, eps=eps)
+            dgq0 = _block_gradient(grad, slot, offsets, ok, a=a, s=s0, bt=b, k=k, dgq=dgq0, lo=0, D=D,
+                                   PRECISION=PRECISION)
+            dgq1 = _block_gradient(grad, slot, offsets, ok, a=a, s=s1, bt=b, k=k, dgq=dgq1, lo=BLOCK_D, D=D,
+                                   PRECISION=PRECISION)
+            dgq2 = _block_gradient(grad, slot, offsets, ok, a=a, s=s2, bt=b, k=k, dgq=dgq2, lo=2 * BLOCK_D, D=D,
+                                   PRECISION=PRECISION)
+            dgq3 = _block_gradient(grad, slot, offsets, ok, a=a, s=s3, bt=b, k=k, dgq=dgq3, lo=3 * BLOCK_D, D=D,
+                                   PRECISION=PRECISION)
+            dgq4 = _block_gradient(grad, slot, offsets, ok, a=a, s=s4, bt=b, k=k, dgq=dgq4, lo=4 * BLOCK_D, D=D,
+                                   PRECISION=PRECISION)
             slot += BLOCK_J * BT * D
             grad += BLOCK_J * BT * D
-    _store_dgq_tiles(dgq_ptr + cons[:, None] * (P * D) + pid * D, dgq0, dgq1, dgq2, dgq3=dgq3, dgq4=dgq4, cons=cons,
+    _store_dgq_tiles(dgq_ptr + cons[None, :] * (P * D) + pid * D, dgq0, dgq1, dgq2, dgq3=dgq3, dgq4=dgq4, cons=cons,
                      C=C, D=D, BLOCK_D=BLOCK_D)
 
 
@@ -487,7 +506,8 @@ class ChunkPass(torch.autograd.Function):
         _chunk_backward[(P,)](V, queries[chunk.r0], key_gains[chunk.r0], chunk.records, scalars_ptr=chunk.scalars,
                               ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
                               D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
-                              NUM_STAGES=BACKWARD_STAGES, PRECISION=backward_precision(V.dtype), num_warps=WARPS)
+                              NUM_STAGES=BACKWARD_STAGES, PRECISION=backward_precision(V.dtype), num_warps=WARPS,
+                              maxnreg=backward_registers(V.element_size()))
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
         _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, chunk.merge_rows, chunk.ran,
