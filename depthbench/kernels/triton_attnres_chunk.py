@@ -372,7 +372,7 @@ def _block_weights(x, squares, src_ok, valid, lse, delta, D: tl.constexpr, eps):
     return tl.reshape(tl.join(b, p), x.shape), b, k
 
 
-@jit
+@jit(do_not_specialize=["n1"])   # n1 = 1 (Block AttnRes' first chunks) as a constant: the source loop gone, spills
 def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr, n1, C, P, BT, D: tl.constexpr, eps,
                     BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
                     PRECISION: tl.constexpr):
