@@ -318,7 +318,7 @@ def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, parti
     """The pass of source j (its slot v_ptr (BT, D)) below the top of its block: dv_j = its block's partial sum
     (partial_ptr (BT, D) fp32) + the sum over the records written since (records .. + count, from the pointers
     given) that read j (reads[c] > j) of the pair's dv, from c's dmix (the bank's dtype), delta and lse (scalars_ptr
-    + 2 c BT) and gq (gq_ptr + c D), + with HAS_BASE the read-modify-write sum (base_ptr, fp32): once to dv_ptr (BT, D)."""
+    + 2 c BT) and gq (gq_ptr + c D), + with HAS_BASE the read-modify-write sum (base_ptr, fp32): once to dv_ptr."""
     pid = tl.program_id(0)
     rows, cols, row_ok, mask, offsets = _token_tile(pid, BT, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
