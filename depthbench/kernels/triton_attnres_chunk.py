@@ -21,7 +21,8 @@ Backward with the final lse and delta = <mix, dmix> (flash attention's), as trit
   gradient slots; the extra's written); writes its record (dmix in the bank's dtype, delta, lse) and its partial
   dgq rows into the chunk;
 - the chunk's pass (`_chunk_backward`, run by autograd after every consumer of the chunk, before any push it read):
-  each source 0 .. n1 - 1 read once, the chunk's records in registers: every consumer's pair gradient summed and
+  each source 0 .. n1 - 1 read once, a token's records read once (tensor-core products over blocks of 16 of its
+  sources, bf16 operands for a bf16 bank: `_chunk_backward`'s docstring): every consumer's pair gradient summed and
   added into the source's gradient slot (one read-modify-write a chunk), and each consumer's dgq rows, which
   `_chunk_query_gradients` adds to its phase-2 ones and turns into the chunk's rows of dqueries and dkey_gains
   (one launch a chunk for every consumer's dq and dg).
@@ -57,7 +58,7 @@ PHASE1_WARPS = 4     # 4 warps; its CHUNK x PHASE1_TOKENS x COLUMNS_TILE fp32 su
 COLUMNS_TILE = 64    # the columns of a source a loop step reads (a power of 2: 640 = 10 x 64, no padding)
 SOURCE_BLOCK = 16   # _chunk_backward's sources of a token a loop step: the rows of its tl.dot products
 COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its source loop not software-pipelined
-BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch: pipelined, 182 registers and 127 KB of shared memory, 1
+BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch: pipelined, 179 registers and 127 KB of shared memory, 1
                       # program a multiprocessor; unpipelined and capped at 128, 2 programs hide the loads' latency)
 WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
               # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
