@@ -82,20 +82,21 @@ class Launch:
                           sort_keys=True, default=str)
 
 
-def jit_specialisation():
-    """triton's JIT's own per-argument specialisation: value -> (type, "D" where divisible by 16 | "" | None)."""
+def jit_specialisation(values=True):
+    """triton's JIT's own per-argument specialisation: value -> (type, "D" where divisible by 16 | "" | None);
+    values False: that of a parameter the kernel names in `do_not_specialize` (no constexpr 1, no divisibility)."""
     import functools
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     specialise = functools.partial(native_specialize_impl, BaseBackend)
-    return lambda value: specialise(value, False, True, True)      # not const, specialised, aligned
+    return lambda value: specialise(value, False, values, values)      # not const, specialised, aligned
 
 
-def describe(fn, args, kwargs):
+def describe(fn, args, kwargs, unspecialised=()):
     """A Launch's arguments from a kernel's Python function and a launch's args: what triton's JIT would
-    specialise (jit_specialisation), with the int values kept."""
+    specialise (jit_specialisation), with the int values kept; unspecialised: the kernel's do_not_specialize."""
     import inspect
-    specialise = jit_specialisation()
+    specialise, plain = jit_specialisation(), jit_specialisation(values=False)
     parameters = inspect.signature(fn).parameters
     options = {k: kwargs.pop(k) for k in list(kwargs) if k not in parameters}   # num_warps, num_stages, ...
     bound = inspect.signature(fn).bind(*args, **kwargs)
@@ -106,7 +107,7 @@ def describe(fn, args, kwargs):
         if "constexpr" in annotation:
             signature[name], constexprs[name] = "constexpr", value
             continue
-        kind, attr = specialise(value)
+        kind, attr = (plain if name in unspecialised else specialise)(value)
         signature[name] = kind
         if kind == "constexpr":
             constexprs[name] = value
@@ -141,7 +142,8 @@ class Stubbed:
     def recorder(self, kernel, args, grid, kwargs):
         if self.record:
             grid = list(grid(kwargs) if callable(grid) else grid)
-            sig, const, aligned, ints, options = describe(kernel.fn, args, dict(kwargs))
+            sig, const, aligned, ints, options = describe(kernel.fn, args, dict(kwargs),
+                                                          kernel.kwargs.get("do_not_specialize") or ())
             name = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
             self.launches.append(Launch(kernel=name, grid=grid, signature=sig, constexprs=const, aligned=aligned,
                                         ints=ints, options=options))

@@ -92,6 +92,19 @@ def test_unmatched_loops_count_once():
     assert cc.match_loops(sass, loops, definitions) == {}
 
 
+def test_a_do_not_specialize_parameter_is_recorded_as_the_jit_sees_it():
+    """An int argument equal to 1 is a constexpr to the JIT, unless the kernel names it in do_not_specialize
+    (`_chunk_backward`'s n1): then it stays an i32 argument without a divisibility hint, and its value is kept."""
+    pytest.importorskip("triton")
+
+    def kernel(x, n, m, BLOCK: "tl.constexpr"):
+        pass
+    signature, constexprs, aligned, ints, options = kernel_probe.describe(kernel, (1, 1, 32), {"BLOCK": 4,
+                                                                          "num_warps": 8}, unspecialised=("n",))
+    assert constexprs == {"x": 1, "BLOCK": 4} and signature["n"] == "i32" and signature["x"] == "constexpr"
+    assert aligned == ["m"] and ints == {"x": 1, "n": 1, "m": 32} and options == {"num_warps": 8}
+
+
 def test_occupancy_and_waves_by_hand():
     """65,536 registers: 241 (-> 248) x 32 x 8 warps = 63,488 fits once; 128 x 8 twice; 64 x 4 eight times; 100 KB
     of shared memory (+ 1 KB reserved) twice in 228 KB; 16 warps of 64 four times; a tiny kernel at the 32 cap.

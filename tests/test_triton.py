@@ -552,6 +552,7 @@ def test_compiled_blocks_keep_their_graphs_with_the_chunked_bank(residual, monke
 
 COMPILE_FOR_H100 = """
 import sys
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -584,9 +585,11 @@ for storage in ("*bf16", "*fp32"):
     T0, D0 = K.phase1_blocks(4096, 640)
     phase1 = {"BLOCK_C": K.CHUNK, "BLOCK_T": T0, "BLOCK_D": D0, "NUM_STAGES": K.STAGES, "D": 640}
     build(K._chunk_forward, storage, phase1, K.PHASE1_WARPS, ("o1_ptr",))
-    T1, D1 = K.backward_blocks(4096, 640)
-    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_T": T1, "BLOCK_D": D1, "NUM_STAGES": K.BACKWARD_STAGES, "D": 640}
-    cap = K.backward_registers(4096, 640, 2 if storage == "*bf16" else 4)
+    J1, D1 = K.backward_blocks(4096, 640)
+    bank = torch.bfloat16 if storage == "*bf16" else torch.float32
+    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_J": J1, "BLOCK_D": D1, "NUM_STAGES": K.BACKWARD_STAGES, "D": 640,
+             "PRECISION": K.backward_precision(bank)}
+    cap = K.backward_registers(2 if storage == "*bf16" else 4)
     build(K._chunk_backward, storage, chunk, K.WARPS, ("records",), maxnreg=cap)
     for extra in (False, True):
         consts = {"HAS_EXTRA": extra, "BLOCK_T": 4, "BLOCK_D": 1024, "NUM_STAGES": A.STAGES}

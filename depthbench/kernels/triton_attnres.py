@@ -62,9 +62,11 @@ BLOCK_SOURCES = 8      # _block_backward: sources whose gradients one pass over 
 STAGES, WEIGHT_ROWS = 2, 32  # the source loops' pipelining (tl.range's num_stages); the weights p's sources a step
 
 
-def jit(fn):
-    """triton.jit where triton imports; the plain function (never called) where it does not."""
-    return fn if triton is None else triton.jit(fn)
+def jit(fn=None, **options):
+    """triton.jit (options: its keywords; no fn: the decorator) where triton imports; else fn (never called)."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return fn if triton is None else triton.jit(fn, **options)
 
 
 def interpreted():
@@ -74,8 +76,7 @@ def interpreted():
 
 
 def runs_here(t):
-    """Whether the kernels can run on t's device: triton imports, and t is on CUDA (or on the CPU under the
-    interpreter)."""
+    """Whether the kernels can run on t's device: triton imports, t on CUDA (or on the CPU, interpreted)."""
     if triton is None:
         return False
     return t.is_cuda or (t.device.type == "cpu" and interpreted())
@@ -317,8 +318,7 @@ def _source_backward(v_ptr, j, records, scalars_ptr, gq_ptr, reads, count, parti
     """The pass of source j (its slot v_ptr (BT, D)) below the top of its block: dv_j = its block's partial sum
     (partial_ptr (BT, D) fp32) + the sum over the records written since (records .. + count, from the pointers
     given) that read j (reads[c] > j) of the pair's dv, from c's dmix (the bank's dtype), delta and lse (scalars_ptr
-    + 2 c BT) and gq (gq_ptr + c D), + with HAS_BASE the read-modify-write sum (base_ptr (BT, D) fp32); written once
-    to dv_ptr (BT, D) fp32."""
+    + 2 c BT) and gq (gq_ptr + c D), + with HAS_BASE the read-modify-write sum (base_ptr, fp32): once to dv_ptr."""
     pid = tl.program_id(0)
     rows, cols, row_ok, mask, offsets = _token_tile(pid, BT, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)

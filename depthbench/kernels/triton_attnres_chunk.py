@@ -21,7 +21,8 @@ Backward with the final lse and delta = <mix, dmix> (flash attention's), as trit
   gradient slots; the extra's written); writes its record (dmix in the bank's dtype, delta, lse) and its partial
   dgq rows into the chunk;
 - the chunk's pass (`_chunk_backward`, run by autograd after every consumer of the chunk, before any push it read):
-  each source 0 .. n1 - 1 read once, the chunk's records in registers: every consumer's pair gradient summed and
+  each source 0 .. n1 - 1 read once, a token's records read once (tensor-core products over blocks of 16 of its
+  sources, bf16 operands for a bf16 bank: `_chunk_backward`'s docstring): every consumer's pair gradient summed and
   added into the source's gradient slot (one read-modify-write a chunk), and each consumer's dgq rows, which
   `_chunk_query_gradients` adds to its phase-2 ones and turns into the chunk's rows of dqueries and dkey_gains
   (one launch a chunk for every consumer's dq and dg).
@@ -55,19 +56,16 @@ PROGRAMS = 264  # a backward pass's programs at most (the chunk's, a consumer's 
 PHASE1_TOKENS = 16   # _chunk_forward's tokens a program: the rows of its logits' product (tl.dot), one a thread at
 PHASE1_WARPS = 4     # 4 warps; its CHUNK x PHASE1_TOKENS x COLUMNS_TILE fp32 sums, 64 registers a thread
 COLUMNS_TILE = 64    # the columns of a source a loop step reads (a power of 2: 640 = 10 x 64, no padding)
+SOURCE_BLOCK = 16   # _chunk_backward's sources of a token a loop step: the rows of its tl.dot products
 COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its source loop not software-pipelined
-BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch, capped at 128 registers: 0 spills unpipelined, 8 bytes
-                      # pipelined; 2 programs of 8 warps a multiprocessor hide the loads' latency instead)
+BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch: pipelined, 179 registers and 127 KB of shared memory, 1
+                      # program a multiprocessor; unpipelined and capped at 128, 2 programs hide the loads' latency)
 WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
               # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
               # 179 (x 4 warps: 3 / 2 programs a multiprocessor), _merge_forward 74-76 / 79-101, _merge_backward
-              # 106-117 / 123-124 (2 tokens a tile: 2 programs), _chunk_backward 128 / 124 (unpipelined, capped at
-              # 128 by `backward_registers`: 2 programs; 228 / 243 and 1 program padded to 1,024 columns)
-
-
-def chunk_blocks(BT, D):
-    """(BLOCK_T, BLOCK_D) of the chunk's kernels: CHUNK tiles of BLOCK_T tokens stay TILE_ELEMENTS wide."""
-    return attnres.blocks(BT, D, CHUNK)
+              # 106-117 / 123-124 (2 tokens a tile: 2 programs); _chunk_backward (unpipelined) 178 uncapped, 128
+              # capped by `backward_registers` (2 programs; 16 bytes of stack: 4 values of the program's start
+              # kept for its last store, none spilled in a loop)
 
 
 def phase1_blocks(BT, D):
@@ -77,24 +75,29 @@ def phase1_blocks(BT, D):
 
 
 def chunk_programs(BT, D):
-    """The programs of the chunk's backward pass: one a tile of tokens, at most PROGRAMS (each then sums its
-    consumers' dgq over several tiles: fewer partial rows to write and read back)."""
-    return min(-(-BT // chunk_blocks(BT, D)[0]), PROGRAMS)
+    """The programs of the chunk's backward pass: one a token, at most PROGRAMS (each then sums its consumers' dgq
+    over several tokens: fewer partial rows to write and read back)."""
+    return min(BT, PROGRAMS)
 
 
 def backward_blocks(BT, D):
-    """(BLOCK_T, BLOCK_D) of the chunk's backward pass (`_chunk_backward`): chunk_blocks' tokens a tile, D in
-    COLUMN_TILES tiles of BLOCK_D columns (a power of 2, at least 16): 640 = 5 x 128, no padding."""
-    return chunk_blocks(BT, D)[0], max(16, next_power_of_2(-(-D // COLUMN_TILES)))
+    """(BLOCK_J, BLOCK_D) of the chunk's backward pass (`_chunk_backward`): SOURCE_BLOCK sources of a token a loop
+    step (the rows of its products), D in COLUMN_TILES tiles of BLOCK_D columns (a power of 2, at least 16):
+    640 = 5 x 128, no padding."""
+    return SOURCE_BLOCK, max(16, next_power_of_2(-(-D // COLUMN_TILES)))
 
 
-def backward_registers(BT, D, storage_bytes=2):
-    """`_chunk_backward`'s register cap (maxnreg): 128, 2 programs a multiprocessor at WARPS warps, for a 16-bit
-    bank whose tiles hold no more than the card's (CHUNK x 1 token x COLUMN_TILES x 128 columns: the records,
-    queries and dgq, 60 registers a thread); None (the compiler's choice) otherwise: an fp32 bank's cap spills (32
-    bytes under Triton 3.9), and so would larger tiles'."""
-    BLOCK_T, BLOCK_D = backward_blocks(BT, D)
-    return 128 if storage_bytes == 2 and BLOCK_T * BLOCK_D <= 128 else None
+def backward_registers(storage_bytes=2):
+    """`_chunk_backward`'s register cap (maxnreg): 128 for a 16-bit bank, 2 programs a multiprocessor at WARPS warps
+    (178 registers uncapped: 1); None (the compiler's choice) for an fp32 one, whose products run on CUDA cores."""
+    return 128 if storage_bytes == 2 else None
+
+
+def backward_precision(dtype):
+    """`_chunk_backward`'s products' input precision: "ieee" (exact fp32) for an fp32 bank; for a 16-bit one its
+    operands are in the bank's dtype (tensor cores, fp32 sums) and the precision is not read ("tf32": Triton's
+    default)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def merge_blocks(BT, D):
@@ -108,6 +111,11 @@ def merge_programs(BT, D):
     """The programs of a consumer's phase-2 backward pass: one a tile of tokens (`merge_blocks`), at most PROGRAMS
     (each sums the consumer's dgq over its tiles)."""
     return min(-(-BT // merge_blocks(BT, D)[0]), PROGRAMS)
+
+# Triton's interpreter multiplies the 16-bit operands of a tl.dot as their raw bits: under it `_product` multiplies
+# the operands, rounded to the bank's dtype as on a GPU, in fp32 (the same products, exact in fp32; the sums in
+# another order). A global, not a launch argument: the probe's recorded launches are the GPU's.
+UPCAST_DOTS = None if tl is None else tl.constexpr(attnres.interpreted())
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -256,47 +264,91 @@ def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_ex
 
 
 @jit
-def _chunk_column_tile(records, valid, rows, offsets, BT, D, lo, BLOCK_D: tl.constexpr):
-    """Columns [lo, lo + BLOCK_D) of the token tile `rows` (offsets: its first tile's (BLOCK_T, BLOCK_D)): their mask
-    and the valid consumers' dmix there (BLOCK_C, BLOCK_T, BLOCK_D) fp32."""
-    mask = (rows < BT)[:, None] & (lo + tl.arange(0, BLOCK_D) < D)[None, :]
-    dmix = tl.load(records + lo + tl.arange(0, valid.shape[0])[:, None, None] * (BT * D) + offsets[None, :, :],
-                   mask=valid[:, None, None] & mask[None, :, :], other=0.0).to(tl.float32)
-    return mask, dmix
+def _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, lo, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns [lo, lo + BLOCK_D) of the chunk's consumers' gq and dmix at token t, interleaved (2 BLOCK_C, BLOCK_D)
+    fp32: row 2c = consumer c's gq (g * q), row 2c + 1 its dmix (0 where its backward did not run); 0 in the padding.
+    One operand serves both products of a source block: <v, gq> and <v, dmix> in one `tl.dot`, and dv's two terms.
+    The scalar lo is added to the pointers (one offsets tensor for every tile: fewer registers held)."""
+    rows = tl.arange(0, 2 * BLOCK_C)
+    c = rows // 2
+    cols = tl.arange(0, BLOCK_D)
+    ok = (c < C)[:, None] & (cols < D - lo)[None, :]
+    is_q = (rows % 2 == 0)[:, None]
+    ran = (tl.load(ran_ptr + c, mask=c < C, other=0) != 0)[:, None]
+    at = c[:, None] * D + cols[None, :]
+    q_ptr += lo
+    g_ptr += lo
+    records += t * D + lo
+    gq = (tl.load(q_ptr + at, mask=ok & is_q, other=0.0).to(tl.float32)
+          * tl.load(g_ptr + at, mask=ok & is_q, other=0.0).to(tl.float32))
+    dmix = tl.load(records + c[:, None] * (BT * D) + cols[None, :], mask=ok & ran & ~is_q, other=0.0)
+    return gq + dmix.to(tl.float32)
 
 
 @jit
-def _tile_products(v, gq, dmix):
-    """A column tile's terms of a source's sums over D, not yet summed: v v (BLOCK_T, BLOCK_D), v gq and v dmix
-    (BLOCK_C, BLOCK_T, BLOCK_D): the tiles' terms are added before one sum over the columns."""
-    return v * v, v[None, :, :] * gq[:, None, :], v[None, :, :] * dmix
+def _stacked_tiles(q_ptr, g_ptr, records, ran_ptr, t, C, BT, D, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_stacked_rows` of token t in COLUMN_TILES column tiles, in the bank's dtype (records')."""
+    dtype = records.dtype.element_ty
+    return (_stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=0, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype),
+            _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=BLOCK_D, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype),
+            _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=2 * BLOCK_D, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype),
+            _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=3 * BLOCK_D, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype),
+            _stacked_rows(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, lo=4 * BLOCK_D, BLOCK_C=BLOCK_C,
+                          BLOCK_D=BLOCK_D).to(dtype))
 
 
 @jit
-def _tile_gradient(grad, slot, offsets, mask, gq, dmix, p, b, k, lo):
-    """A column tile of a source (slot + lo + offsets) and its gradient slot (grad + lo + offsets, fp32), the scalar
-    lo added first (one offsets tensor for every tile: ptxas spills where the tensor is shifted instead): dv = the
-    sum over consumers of p dmix + b gq + k v added into the slot -> the tile's share of dgq, the sum over tokens of
-    b v (BLOCK_C, BLOCK_D). v read again (an L1 hit, the loop's first read of it just before): not live in registers
-    across the sums over D."""
-    slot += lo
-    grad += lo
-    v = tl.load(slot + offsets, mask=mask, other=0.0).to(tl.float32)
-    dv = tl.sum(p[:, :, None] * dmix + b[:, :, None] * gq[:, None, :] + k[:, :, None] * v[None, :, :], axis=0)
-    tl.store(grad + offsets, tl.load(grad + offsets, mask=mask, other=0.0) + dv, mask=mask)
-    return tl.sum(b[:, :, None] * v[None, :, :], axis=1)
+def _product(a, b, acc, dtype: tl.constexpr, PRECISION: tl.constexpr):
+    """a b + acc (fp32) of a and b in `dtype` (the bank's): tensor cores for a 16-bit bank, exact fp32 ("ieee") for
+    an fp32 one; under the interpreter the rounded operands multiplied in fp32 (UPCAST_DOTS)."""
+    a = a.to(dtype)
+    b = b.to(dtype)
+    if UPCAST_DOTS:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@jit
+def _block_products(slot, offsets, src_ok, s, x, squares, lo, D, PRECISION: tl.constexpr):
+    """Column tile [lo, lo + BLOCK_D) of a block of sources (slot + offsets, (BLOCK_J, BLOCK_D)): x += v s^T
+    (BLOCK_J, 2 BLOCK_C), every consumer's <v, gq> and <v, dmix>, and squares += v v^T (BLOCK_J, BLOCK_J), whose
+    diagonal is each source's sum of squares (v exact in the bank's dtype: its squares exact in fp32)."""
+    mask = src_ok[:, None] & (tl.arange(0, offsets.shape[1]) < D - lo)[None, :]
+    v = tl.load(slot + lo + offsets, mask=mask, other=0.0)
+    return (_product(v, tl.trans(s), x, dtype=v.dtype, PRECISION=PRECISION),
+            _product(v, tl.trans(v), squares, dtype=v.dtype, PRECISION=PRECISION))
+
+
+@jit
+def _block_gradient(grad, slot, offsets, src_ok, a, s, bt, k, dgq, lo, D, PRECISION: tl.constexpr):
+    """Column tile [lo, lo + BLOCK_D) of a block of sources and of their gradient slots (grad + offsets, fp32):
+    dv = a s + k v added into the slots (their old values the products' accumulator; a: b and p interleaved as s'
+    rows are (BLOCK_J, 2 BLOCK_C), k (BLOCK_J, BLOCK_J) diagonal) -> dgq^T + v^T bt (BLOCK_D, BLOCK_C; bt = b
+    (BLOCK_J, BLOCK_C)). v read again (an L1 hit: the block's first read just before)."""
+    mask = src_ok[:, None] & (tl.arange(0, offsets.shape[1]) < D - lo)[None, :]
+    v = tl.load(slot + lo + offsets, mask=mask, other=0.0)
+    old = tl.load(grad + lo + offsets, mask=mask, other=0.0)
+    dv = _product(a, s, _product(k, v, old, dtype=v.dtype, PRECISION=PRECISION), dtype=v.dtype, PRECISION=PRECISION)
+    tl.store(grad + lo + offsets, dv, mask=mask)
+    return _product(tl.trans(v), bt, dgq, dtype=v.dtype, PRECISION=PRECISION)
 
 
 @jit
 def _store_dgq(dgq_rows, dgq, cons, C, D, lo, BLOCK_D: tl.constexpr):
-    """A column tile [lo, lo + BLOCK_D) of the consumers' dgq (BLOCK_C, BLOCK_D) into their rows dgq_rows (C, P, D)."""
+    """A column tile [lo, lo + BLOCK_D) of the consumers' dgq^T (BLOCK_D, BLOCK_C) into their rows (C, P, D):
+    dgq_rows points at the program's row with each consumer's stride applied, (1, BLOCK_C)."""
     cols = lo + tl.arange(0, BLOCK_D)
-    tl.store(dgq_rows + cols[None, :], dgq, mask=(cons < C)[:, None] & (cols < D)[None, :])
+    tl.store(dgq_rows + cols[:, None], dgq, mask=(cons < C)[None, :] & (cols < D)[:, None])
 
 
 @jit
 def _store_dgq_tiles(dgq_rows, dgq0, dgq1, dgq2, dgq3, dgq4, cons, C, D, BLOCK_D: tl.constexpr):
-    """The COLUMN_TILES column tiles of the consumers' dgq into their rows dgq_rows (C, P, D)."""
+    """The COLUMN_TILES column tiles of the consumers' dgq^T into their rows (C, P, D)."""
     _store_dgq(dgq_rows, dgq0, cons, C, D=D, lo=0, BLOCK_D=BLOCK_D)
     _store_dgq(dgq_rows, dgq1, cons, C, D=D, lo=BLOCK_D, BLOCK_D=BLOCK_D)
     _store_dgq(dgq_rows, dgq2, cons, C, D=D, lo=2 * BLOCK_D, BLOCK_D=BLOCK_D)
@@ -305,73 +357,74 @@ def _store_dgq_tiles(dgq_rows, dgq0, dgq1, dgq2, dgq3, dgq4, cons, C, D, BLOCK_D
 
 
 @jit
-def _chunk_query_tiles(q_ptr, g_ptr, cons, C, D, BLOCK_D: tl.constexpr):
-    """gq = g * q of the chunk's C consumers in COLUMN_TILES column tiles (BLOCK_C, BLOCK_D) fp32, 0 in the padding."""
-    cols = tl.arange(0, BLOCK_D)
-    return (_chunk_queries(q_ptr, g_ptr, cons, cols=cols, C=C, D=D),
-            _chunk_queries(q_ptr, g_ptr, cons, cols=BLOCK_D + cols, C=C, D=D),
-            _chunk_queries(q_ptr, g_ptr, cons, cols=2 * BLOCK_D + cols, C=C, D=D),
-            _chunk_queries(q_ptr, g_ptr, cons, cols=3 * BLOCK_D + cols, C=C, D=D),
-            _chunk_queries(q_ptr, g_ptr, cons, cols=4 * BLOCK_D + cols, C=C, D=D))
+def _block_weights(x, squares, src_ok, valid, lse, delta, D: tl.constexpr, eps):
+    """A block's x = [<v, gq>, <v, dmix>] interleaved (BLOCK_J, 2 BLOCK_C) and squares = v v^T -> (a, b, k):
+    a = [b, p] interleaved as x (b = ds r, the gradient through u; p the weights, the gradient through dmix), b
+    (BLOCK_J, BLOCK_C), k = diag(-sum_c ds u r^3 / D) (through r: as _source_gradient; a diagonal matrix, so that
+    k v is a product); p and b 0 for sources past n1 and idle consumers."""
+    diagonal = tl.arange(0, squares.shape[0])
+    on_diagonal = diagonal[:, None] == diagonal[None, :]
+    r = 1.0 / tl.sqrt(tl.sum(tl.where(on_diagonal, squares, 0.0), axis=1) / D + eps)
+    u, vd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))              # (BLOCK_J, BLOCK_C) each
+    p = tl.where(src_ok[:, None] & valid[None, :], tl.exp(r[:, None] * u - lse[None, :]), 0.0)
+    ds = p * (vd - delta[None, :])
+    b = ds * r[:, None]
+    k = tl.where(on_diagonal, (tl.sum(-ds * u, axis=1) * (r * r * r) / D)[:, None], 0.0)
+    return tl.reshape(tl.join(b, p), x.shape), b, k
 
 
-@jit
+@jit(do_not_specialize=["n1"])   # n1 = 1 (Block AttnRes' first chunks) as a constant: the source loop gone, spills
 def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr, n1, C, P, BT, D: tl.constexpr, eps,
-                    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The chunk's pass, P programs each over the token tiles pid, pid + P, ...: for each source j < n1 (V, its
-    gradient slot in dV, fp32), the sum over the chunk's consumers that ran their backward (ran_ptr[c] != 0) of the
-    pair's dv, from their records (records (C, BT, D), scalars (C, 2, BT): delta, lse), added into dV[j] once; each
-    consumer's share of dgq over the program's tiles to dgq_ptr (C, P, D), row pid. D in COLUMN_TILES = 5 tiles of
-    BLOCK_D columns (`backward_blocks`: 640 = 5 x 128, where one tile padded to 1,024 held 37.5% masked lanes of the
-    records, queries and dgq in registers); the tiles' terms added before each sum over D (one reduction, as one
-    tile's). Tile i is read at a constant i BLOCK_D past the first tile's offsets (one offsets tensor in registers)."""
+                    BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """The chunk's pass, P programs each over the tokens pid, pid + P, ...: for each source j < n1 (V, its gradient
+    slot in dV, fp32), the sum over the chunk's consumers that ran their backward (ran_ptr[c] != 0) of the pair's dv,
+    from their records (records (C, BT, D), scalars (C, 2, BT): delta, lse), added into dV[j] once; each consumer's
+    share of dgq over the program's tokens to dgq_ptr (C, P, D), row pid. A token's sources in blocks of BLOCK_J,
+    every sum over D, the consumers or the block's sources a product (`_product`): x = v s^T (<v, gq> and <v, dmix>,
+    `_stacked_rows`), v v^T, dv = a s + k v, dgq^T += v^T b; D in COLUMN_TILES tiles of BLOCK_D columns.
+    PRECISION (`backward_precision`): an fp32 bank's products exact ("ieee"); a 16-bit bank's on tensor cores, fp32
+    sums, the operands in its dtype: v, dmix exact, gq, p, b and k rounded (2^-9 a term; tests: cosine 0.999)."""
     pid = tl.program_id(0)
     cons = tl.arange(0, BLOCK_C)
-    gq0, gq1, gq2, gq3, gq4 = _chunk_query_tiles(q_ptr, g_ptr, cons, C=C, D=D, BLOCK_D=BLOCK_D)
+    srcs = tl.arange(0, BLOCK_J)
     valid = (cons < C) & (tl.load(ran_ptr + cons, mask=cons < C, other=0) != 0)
-    dgq0 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    dgq1 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    dgq2 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    dgq3 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    dgq4 = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    for tile in range(pid, tl.cdiv(BT, BLOCK_T), P):
-        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        c_rows = valid[:, None] & (rows < BT)[None, :]
-        offsets = rows[:, None] * D + tl.arange(0, BLOCK_D)[None, :]
-        mask0, dmix0 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=0, BLOCK_D=BLOCK_D)
-        mask1, dmix1 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=BLOCK_D, BLOCK_D=BLOCK_D)
-        mask2, dmix2 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=2 * BLOCK_D, BLOCK_D=BLOCK_D)
-        mask3, dmix3 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=3 * BLOCK_D, BLOCK_D=BLOCK_D)
-        mask4, dmix4 = _chunk_column_tile(records, valid, rows, offsets, BT=BT, D=D, lo=4 * BLOCK_D, BLOCK_D=BLOCK_D)
-        delta = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + rows[None, :], mask=c_rows, other=0.0)
-        lse = tl.load(scalars_ptr + cons[:, None] * (2 * BT) + BT + rows[None, :], mask=c_rows, other=0.0)
-        slot = V
-        grad = dV
-        for j in tl.range(0, n1, num_stages=NUM_STAGES):
-            v0 = tl.load(slot + offsets, mask=mask0, other=0.0).to(tl.float32)
-            v1 = tl.load(slot + BLOCK_D + offsets, mask=mask1, other=0.0).to(tl.float32)
-            v2 = tl.load(slot + 2 * BLOCK_D + offsets, mask=mask2, other=0.0).to(tl.float32)
-            v3 = tl.load(slot + 3 * BLOCK_D + offsets, mask=mask3, other=0.0).to(tl.float32)
-            v4 = tl.load(slot + 4 * BLOCK_D + offsets, mask=mask4, other=0.0).to(tl.float32)
-            squares, vq, vd = _tile_products(v0, gq0, dmix0)
-            squares1, vq1, vd1 = _tile_products(v1, gq1, dmix1)
-            squares2, vq2, vd2 = _tile_products(v2, gq2, dmix2)
-            squares3, vq3, vd3 = _tile_products(v3, gq3, dmix3)
-            squares4, vq4, vd4 = _tile_products(v4, gq4, dmix4)
-            r = 1.0 / tl.sqrt(tl.sum(squares + squares1 + squares2 + squares3 + squares4, axis=1) / D + eps)
-            u = tl.sum(vq + vq1 + vq2 + vq3 + vq4, axis=2)                          # (BLOCK_C, BLOCK_T)
-            p = tl.where(c_rows, tl.exp(r[None, :] * u - lse), 0.0)
-            ds = p * (tl.sum(vd + vd1 + vd2 + vd3 + vd4, axis=2) - delta)
-            b = ds * r[None, :]
-            k = -ds * u * (r * r * r)[None, :] / D                                  # through r: as _source_gradient
-            dgq0 += _tile_gradient(grad, slot, offsets, mask0, gq=gq0, dmix=dmix0, p=p, b=b, k=k, lo=0)
-            dgq1 += _tile_gradient(grad, slot, offsets, mask1, gq=gq1, dmix=dmix1, p=p, b=b, k=k, lo=BLOCK_D)
-            dgq2 += _tile_gradient(grad, slot, offsets, mask2, gq=gq2, dmix=dmix2, p=p, b=b, k=k, lo=2 * BLOCK_D)
-            dgq3 += _tile_gradient(grad, slot, offsets, mask3, gq=gq3, dmix=dmix3, p=p, b=b, k=k, lo=3 * BLOCK_D)
-            dgq4 += _tile_gradient(grad, slot, offsets, mask4, gq=gq4, dmix=dmix4, p=p, b=b, k=k, lo=4 * BLOCK_D)
-            slot += BT * D
-            grad += BT * D
-    _store_dgq_tiles(dgq_ptr + cons[:, None] * (P * D) + pid * D, dgq0, dgq1, dgq2, dgq3=dgq3, dgq4=dgq4, cons=cons,
+    dgq0 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    dgq1 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    dgq2 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    dgq3 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    dgq4 = tl.zeros((BLOCK_D, BLOCK_C), tl.float32)
+    offsets = srcs[:, None] * (BT * D) + tl.arange(0, BLOCK_D)[None, :]     # a block's slots from its first
+    for t in range(pid, BT, P):
+        s0, s1, s2, s3, s4 = _stacked_tiles(q_ptr, g_ptr, records, ran_ptr, t=t, C=C, BT=BT, D=D, BLOCK_C=BLOCK_C,
+                                            BLOCK_D=BLOCK_D)
+        delta = tl.load(scalars_ptr + cons * (2 * BT) + t, mask=valid, other=0.0)
+        lse = tl.load(scalars_ptr + cons * (2 * BT) + BT + t, mask=valid, other=0.0)
+        slot = V + t * D                                     # advanced BLOCK_J slots a block
+        grad = dV + t * D
+        for j0 in tl.range(0, n1, BLOCK_J, num_stages=NUM_STAGES):
+            ok = j0 + srcs < n1
+            x = tl.zeros((BLOCK_J, 2 * BLOCK_C), tl.float32)
+            sq = tl.zeros((BLOCK_J, BLOCK_J), tl.float32)
+            x, sq = _block_products(slot, offsets, ok, s0, x=x, squares=sq, lo=0, D=D, PRECISION=PRECISION)
+            x, sq = _block_products(slot, offsets, ok, s1, x=x, squares=sq, lo=BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq = _block_products(slot, offsets, ok, s2, x=x, squares=sq, lo=2 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq = _block_products(slot, offsets, ok, s3, x=x, squares=sq, lo=3 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq = _block_products(slot, offsets, ok, s4, x=x, squares=sq, lo=4 * BLOCK_D, D=D, PRECISION=PRECISION)
+            a, b, k = _block_weights(x, sq, ok, valid, lse=lse, delta=delta, D=D, eps=eps)
+            dgq0 = _block_gradient(grad, slot, offsets, ok, a=a, s=s0, bt=b, k=k, dgq=dgq0, lo=0, D=D,
+                                   PRECISION=PRECISION)
+            dgq1 = _block_gradient(grad, slot, offsets, ok, a=a, s=s1, bt=b, k=k, dgq=dgq1, lo=BLOCK_D, D=D,
+                                   PRECISION=PRECISION)
+            dgq2 = _block_gradient(grad, slot, offsets, ok, a=a, s=s2, bt=b, k=k, dgq=dgq2, lo=2 * BLOCK_D, D=D,
+                                   PRECISION=PRECISION)
+            dgq3 = _block_gradient(grad, slot, offsets, ok, a=a, s=s3, bt=b, k=k, dgq=dgq3, lo=3 * BLOCK_D, D=D,
+                                   PRECISION=PRECISION)
+            dgq4 = _block_gradient(grad, slot, offsets, ok, a=a, s=s4, bt=b, k=k, dgq=dgq4, lo=4 * BLOCK_D, D=D,
+                                   PRECISION=PRECISION)
+            slot += BLOCK_J * BT * D
+            grad += BLOCK_J * BT * D
+    _store_dgq_tiles(dgq_ptr + cons[None, :] * (P * D) + pid * D, dgq0, dgq1, dgq2, dgq3=dgq3, dgq4=dgq4, cons=cons,
                      C=C, D=D, BLOCK_D=BLOCK_D)
 
 
@@ -448,14 +501,14 @@ class ChunkPass(torch.autograd.Function):
             return None, None, None, None, None
         V, dV = bank.slots[0], bank.gradients()[0]
         B, T, D = V.shape[1:]
-        BLOCK_T, BLOCK_D = backward_blocks(B * T, D)
+        BLOCK_J, BLOCK_D = backward_blocks(B * T, D)
         P = chunk_programs(B * T, D)
         dgq_rows = chunk.lse1.new_empty((chunk.C, P, D))
         _chunk_backward[(P,)](V, queries[chunk.r0], key_gains[chunk.r0], chunk.records, scalars_ptr=chunk.scalars,
                               ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
-                              D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-                              NUM_STAGES=BACKWARD_STAGES, num_warps=WARPS,
-                              maxnreg=backward_registers(B * T, D, V.element_size()))
+                              D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
+                              NUM_STAGES=BACKWARD_STAGES, PRECISION=backward_precision(V.dtype), num_warps=WARPS,
+                              maxnreg=backward_registers(V.element_size()))
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
         _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, chunk.merge_rows, chunk.ran,
