@@ -3,7 +3,8 @@ depthbench/kernels/triton_hc_read_ops.py: HC's and mHC's fused read (triton_hc_r
 ops (graph_ops.py), so that a compiled block holds its read in its graph: `mhc_read_forward` / `hc_read_forward` (the
 maps, the width connection and the branch's norm: one launch, or two) and their backward ops (one launch where H_pre
 and H_res feed nothing else, a model's case; else three), joined by graph_ops.autograd_op (`mhc_read_call`,
-`hc_read_call`: the ops while dynamo traces, an autograd.Function of the same functions in eager). What the
+`hc_read_call`: autograd Functions calling the ops while dynamo traces, the host functions in eager; while dynamo
+traces, H_pre's and H_res' gradients go through a second Function, `maps_gradient`). What the
 backward needs beyond the inputs (the logits, m, r, rb) leaves the forward op as outputs, so no Python state spans
 the two. `hc_read` is ops.hc_read's body (BODIES). The file's 700 lines were full: the kernels and their launch helpers
 stay in triton_hc_read.py.
