@@ -11,3 +11,33 @@ absent flag would be set again here, and a pytest launched without it would laun
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402  (after the flag: nothing here imports triton)
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+SMOKE_TEST = "test_tiny_smoke_answers_every_question"  # tests/test_launch.py's check of the rehearsal's summary.json
+
+
+def run_smoke(out, budget, timeout):
+    """`bash scripts/gpu_smoke.sh --tiny` into `out` within `budget` seconds, launched as a user would: without this
+    file's interpreter flag (gpu_smoke sets it for the stages that run Triton), one thread."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "OUT": str(out),
+           "SMOKE_BUDGET_S": str(budget)}
+    return subprocess.run(["bash", "scripts/gpu_smoke.sh", "--tiny"], cwd=Path(__file__).resolve().parent,
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_smoke(tmp_path_factory):
+    """One whole tiny smoke per session (the GPU smoke rehearsed on the CPU, ~2-3 minutes) -> (its CompletedProcess,
+    its $OUT): tests/test_launch.py checks its summary.json, and tests/test_triton_hc.py the kernels.json of its
+    kernels stage (scripts/kernel_bench.py --tiny, the command that test would otherwise run again)."""
+    out = tmp_path_factory.mktemp("smoke")
+    return run_smoke(out, 900, 1200), out
+
+
+def runs_the_smoke(request):
+    """Whether this session runs the tiny smoke's own test (then tiny_smoke runs once for it anyway)."""
+    return any(item.name == SMOKE_TEST for item in request.session.items)

@@ -258,14 +258,17 @@ def top_kernels(prof, cuda, k=TOP_KERNELS):
     return [{"name": name[:160], "calls": calls, "ms": round(us / 1e3, 3)} for name, (calls, us) in ranked]
 
 
-def run_measured(jobs, dev):
-    """measure() every job: in this process on CUDA, in a fresh process per job on CPU."""
+def run_measured(jobs, dev, in_process=False):
+    """measure() every job: in this process on CUDA (and on CPU with in_process: --in-process), else in a fresh
+    process per job on CPU."""
     results = []
     for job in jobs:
         print(f"measuring {job['residual']} L{job['n_layer']} d{job['d_model']} ...", file=sys.stderr, flush=True)
         try:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+                results.append(measure(job))
+            elif in_process:
                 results.append(measure(job))
             else:
                 results.append(in_fresh_process(measure, job))
@@ -517,6 +520,9 @@ def build_parser():
     p.add_argument("--kernel-profile", action="store_true", help="one more training step under torch.profiler: "
                    "kernels per step, the GPU busy share (kernel time over the step) and the 15 kernels with the "
                    "most time (CPU: leaf aten ops, no share)")
+    p.add_argument("--in-process", action="store_true", help="CPU: measure every row in this process, as on CUDA, "
+                   "not each in a fresh one (a second sooner per row, the allocator shared; scripts/gpu_smoke.py "
+                   "--tiny)")
     return p
 
 
@@ -585,7 +591,7 @@ def measure_rows(args, rows, dev, dtype):
             for row in rows]
     peak = peak_flops(dev, DTYPES[dtype])
     kind = "cuda max_memory_allocated" if dev.type == "cuda" else "cpu model + peak tensor bytes (TensorBytes)"
-    for row, got in zip(rows, run_measured(jobs, dev)):
+    for row, got in zip(rows, run_measured(jobs, dev, in_process=args.in_process)):
         row.update(got, peak_mem_kind=kind)
         if "fwdbwd_ms" in got:
             row["tok_per_s"] = row["batch"] * row["seq"] / (got["fwdbwd_ms"] / 1e3)

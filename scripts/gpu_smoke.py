@@ -75,6 +75,9 @@ TINY_CAP_SCALE = 4
 FIRST_CARD = ["preln", "attnres"]  # the card's first table rows (Pre-LN the ratio's base); the others come next
 LAUNCH_CAP_S = 90  # each whole-model compile of the launch-overhead check: its compile time grows with depth
 OLDEST_TORCH = (2, 6)  # the README's supported versions start here
+# --tiny's profile_gpu.py runs: the CPU, one thread, every row measured in its one process, as on CUDA (without
+# --in-process the CPU starts a process per row, a second torch import each: most of a tiny row's time)
+TINY_PROFILE = ["--device", "cpu", "--threads", "1", "--in-process"]
 GB = 1e9
 
 
@@ -224,8 +227,8 @@ def ddp_vs_fsdp2(s):
 
 
 def profile_args(s, designs, kernels):
-    shape = ["--shapes", "2x64", "--seq", "32", "--batch", "2", "--vocab", "256", "--device", "cpu",
-             "--threads", "1"] if s.tiny else ["--shapes", "16x1216", "--seq", "2048", "--batch", "4"]
+    shape = ["--shapes", "2x64", "--seq", "32", "--batch", "2", "--vocab", "256", *TINY_PROFILE] if s.tiny else [
+        "--shapes", "16x1216", "--seq", "2048", "--batch", "4"]
     return [sys.executable, "profile_gpu.py", *shape, "--residual", ",".join(designs), "--repeats", "3",
             "--kernels", kernels, "--out", str(s.work / "profile.json")]
 
@@ -267,7 +270,7 @@ def design_summary(s, ms, reason=None):
 # ----------------------------------------------------------------------------- the card's table (L70 d640 T2048)
 
 CARD_SHAPE = ["--shapes", "70x640", "--seq", "2048"]
-TINY_CARD_SHAPE = ["--shapes", "4x64", "--seq", "32", "--vocab", "256", "--device", "cpu", "--threads", "1"]
+TINY_CARD_SHAPE = ["--shapes", "4x64", "--seq", "32", "--vocab", "256", *TINY_PROFILE]
 PLAN_PROBE = """import json, sys, train
 args, cuda = train.parse_args(sys.argv[1:])
 print(json.dumps({r.residual: r.batch_size for r in train.resolve_grid(args, 1)}))"""
@@ -485,8 +488,7 @@ def memory_plan(s):
     out = s.summary["memory_plan"]
     for L, shape in MEMORY_SHAPES[s.tiny]:
         if s.tiny:
-            argv = ["--shapes", shape, "--seq", "32", "--batch", "2", "--vocab", "256", "--device", "cpu",
-                    "--threads", "1"]
+            argv = ["--shapes", shape, "--seq", "32", "--batch", "2", "--vocab", "256", *TINY_PROFILE]
         else:
             argv = ["--shapes", shape, "--seq", "2048", "--batch", "8"]
         designs = TINY_DESIGNS if s.tiny else DESIGNS

@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_smoke  # noqa: E402  (scripts/ is not a package)
+from conftest import run_smoke  # noqa: E402  (the repository root's: one way to launch the smoke)
 
 # 2 layers, d=64 (4 heads of 16): 100,608 backbone params; 8 sequences of 32 tokens per step in 2 micro-batches
 TINY = ["--layers", "2", "--params", "100k", "--seq-len", "32", "--global-batch", "8", "--batch-size", "4",
@@ -25,23 +26,18 @@ TINY = ["--layers", "2", "--params", "100k", "--seq-len", "32", "--global-batch"
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
 
 
-def smoke(out, budget, timeout):
-    return subprocess.run(["bash", "scripts/gpu_smoke.sh", "--tiny"], cwd=ROOT, capture_output=True, text=True,
-                          env={**ENV, "OUT": str(out), "SMOKE_BUDGET_S": str(budget)}, timeout=timeout)
-
-
 @pytest.mark.slow
-def test_tiny_smoke_answers_every_question(tmp_path):
+def test_tiny_smoke_answers_every_question(tiny_smoke):
     """--tiny runs every check on the CPU: each question's key holds a number, or null with a reason where a CPU
     cannot answer; the exact equivalences hold (the fast kernels against the reference, resumed fp32 twice, DDP vs
     FSDP2 at 2 gloo ranks); the kernel level comes first (every family's kernels against ops.py, interpreted, the
     host's costs), then the card's table (Pre-LN first, at micro-batch 2 and at the plan's, with the roofline beside
     each row); the correctness check runs the Triton kernels (interpreted); only summary.json, smoke.log,
     kernels.json and table.md are left in $OUT."""
-    r = smoke(tmp_path, 900, 1200)
+    r, out = tiny_smoke  # conftest.py's one run of the session (tests/test_triton_hc.py reads its kernels.json)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.json", "smoke.log", "summary.json", "table.md"]
-    s = json.loads((tmp_path / "summary.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == ["kernels.json", "smoke.log", "summary.json", "table.md"]
+    s = json.loads((out / "summary.json").read_text())
     assert s["mode"] == "tiny" and [c["status"] for c in s["checks"]] == ["ok"] * len(gpu_smoke.sequence(tiny=True))
     assert [c["check"] for c in s["checks"][:6]] == ["environment", "kernels", "card_first", "card_rest",
                                                      "correctness", "card_planned"]  # the kernel level first
@@ -55,7 +51,7 @@ def test_tiny_smoke_answers_every_question(tmp_path):
     assert {("preln", 2), ("hc", 2), ("preln", plan["hc"]), ("hc", plan["hc"])} <= set(rows)
     assert all(r["x_preln"] == r["kernels_x_preln"] == 1.0 for (d, _), r in rows.items() if d == "preln")
     assert all(r["step_ms"] > 0 and r["kernels"] > 0 and r["roofline_gpu_ms"] > 0 for r in rows.values())
-    table = (tmp_path / "table.md").read_text()
+    table = (out / "table.md").read_text()
     assert table.startswith("### ") and table.count("\n| hc | ") == 2  # docs/speed.md's "GPU runs" format
     for design, passes in s["kernels"]["designs"].items():     # HC's and mHC's kernels alone (interpreted)
         assert passes["read_backward"]["kernels"] == [f"_{design}_bwd"] and passes["paths_min_cosine"] >= 0.999
@@ -70,7 +66,7 @@ def test_tiny_smoke_answers_every_question(tmp_path):
         assert r["forward_vs_reference"]["min_cosine"] >= 0.999 and r["gradients_vs_reference"]["min_cosine"] >= 0.999
         assert r["forward"]["ms"] > 0 and r["backward"]["gb_per_s"] >= 0 and r["push_host_us"] > 0, design
     assert s["kernels"]["host"]["bare_launch"]["us_per_launch"] > 0
-    whole = json.loads((tmp_path / "kernels.json").read_text())
+    whole = json.loads((out / "kernels.json").read_text())
     assert "_chunk_forward" in whole["depth"]["attnres"]["forward"]["kernels"]  # the chunked bank's two phases
     assert s["launch_overhead"]["fastest"] in ("blocks", "model", "graphs")
     assert s["throughput"]["tokens_per_s"] > 0 and 0 < s["throughput"]["mfu"] < 1
@@ -94,7 +90,8 @@ def test_tiny_smoke_answers_every_question(tmp_path):
 def test_smoke_stops_at_its_budget_with_what_it_has(tmp_path):
     """A budget that ends early: the check it ends in is killed (or, with under 5 s left, not started), later ones
     are skipped, summary.json keeps every key (null with the reason) and the exit status says it did not finish."""
-    r = smoke(tmp_path, 20, 120)
+    budget = 12  # the environment check (~2 s), then kernel_bench, killed at the budget (under load: not started)
+    r = run_smoke(tmp_path, budget, 120)
     assert r.returncode == 1, r.stdout + r.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())
     statuses = [c["status"] for c in s["checks"]]
@@ -102,7 +99,7 @@ def test_smoke_stops_at_its_budget_with_what_it_has(tmp_path):
     assert s["design_step"]["use"] is None and "reason" in s["design_step"]
     assert {"smoke.log", "summary.json"} <= {p.name for p in tmp_path.iterdir()} <= {
         "smoke.log", "summary.json", "kernels.json", "table.md"}
-    assert s["elapsed_s"] < 20 + 30  # the killed check's grace period, not a speed claim
+    assert s["elapsed_s"] < budget + 30  # the killed check's grace period, not a speed claim
 
 
 def test_gpu_smoke_runs_the_kernel_level_first_within_stage_budgets():

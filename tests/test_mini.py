@@ -63,7 +63,7 @@ def test_toy_suite_sweeps_selects_and_resumes(tmp_path):
     being at an edge, once more x3 beyond it); the cell's LR is the argmin of those final losses; the second
     seed trains only at it; diagnostics, figures and summary.md follow; the same command again does nothing."""
     argv = [sys.executable, "mini.py", "--designs", "preln,attnres", "--ar", "32,9.1", "--seeds", "0,1",
-            "--deep-seeds", "", "--steps", "2", "--lr-sweep", "1e-3,1e-2", "--full-sweep", "--diag-samples", "8",
+            "--deep-seeds", "", "--steps", "2", "--lr-sweep", "1e-3,1e-2", "--full-sweep", "--diag-samples", "2",
             "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -312,7 +312,7 @@ def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
     in summary.md and the suite figures."""
     argv = [sys.executable, "mini.py", "--designs", "preln,sandwich,lns,deepnorm", "--ar", "32", "--seeds", "0,1",
             "--deep-seeds", "", "--steps", "4", "--lr", "3e-3", "--design-lr", "deepnorm=1e6", "--probes", "text",
-            "--text", str(AUSTEN), "--diag-samples", "8", "--out", str(tmp_path)]
+            "--text", str(AUSTEN), "--diag-samples", "2", "--out", str(tmp_path)]
     r = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -172,16 +172,21 @@ def test_analytic_json_acceptance_and_atomic_write(tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.slow
-def test_tiny_measured_run_every_design(tmp_path):
-    """A real measured CPU run: finite positive timings for every registered design, the table on stdout."""
+@pytest.mark.parametrize("flags, designs", [(["--in-process"], list(RESIDUALS)), ([], ["preln", "hc"])],
+                         ids=["every-design-in-process", "a-process-per-row"])
+def test_tiny_measured_run_every_design(tmp_path, flags, designs):
+    """A real measured CPU run: finite positive timings for every registered design, the table on stdout; every
+    design with its rows measured in profile_gpu's own process (--in-process: a process per row would be 18 more
+    torch imports), and two designs in the CPU's default, a fresh process per row (the same measure(), its job and
+    its numbers across a process boundary)."""
     out = tmp_path / "m.json"
     p = subprocess.run([sys.executable, "profile_gpu.py", "--shapes", "2x64", "--seq", "32", "--batch", "2",
-                        "--repeats", "2", "--threads", "1", "--out", str(out)],
+                        "--repeats", "2", "--threads", "1", "--residual", ",".join(designs), *flags, "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     assert doc["device"].startswith("cpu") and doc["dtype"] == "float32" and doc["peak_flops"] > 0
-    assert [r["residual"] for r in doc["rows"]] == list(RESIDUALS)
+    assert [r["residual"] for r in doc["rows"]] == designs
     for r in doc["rows"]:
         assert "error" not in r, r
         for k in ["fwd_ms", "fwdbwd_ms", "tok_per_s", "utilization"]:
@@ -190,7 +195,7 @@ def test_tiny_measured_run_every_design(tmp_path):
         assert r["weight_bytes"] < r["peak_mem_bytes"] and 2 * r["weight_bytes"] < r["peak_mem_train_bytes"], r
         assert r["peak_mem_kind"].startswith("cpu")
     lines = p.stdout.splitlines()
-    assert all(any(line.startswith(res + " ") for line in lines) for res in RESIDUALS)
+    assert all(any(line.startswith(res + " ") for line in lines) for res in designs)
 
 
 def test_tensor_bytes_counts_live_storage_and_shows_the_chunked_loss_saving():

@@ -653,7 +653,8 @@ def test_a_read_only_folder_is_refused_before_training(tmp_path, capsys, monkeyp
 @fault("profile_gpu.py when every row fails to measure (simulated)", "exit 1 and a last line saying so")
 def test_profile_fails_when_every_row_failed(capsys, monkeypatch):
     monkeypatch.setattr(profile_gpu, "peak_flops", lambda dev, dtype: 1e9)
-    monkeypatch.setattr(profile_gpu, "run_measured", lambda jobs, dev: [{"error": "RuntimeError: no memory"}] * len(jobs))
+    failed = {"error": "RuntimeError: no memory"}
+    monkeypatch.setattr(profile_gpu, "run_measured", lambda jobs, dev, in_process=False: [failed] * len(jobs))
     with pytest.raises(SystemExit) as e:
         profile_gpu.main(["--shapes", "2x64", "--residual", "preln,hc", "--device", "cpu", "--vocab", "64"])
     assert e.value.code == 1 and "every row failed" in capsys.readouterr().err.strip().splitlines()[-1]
@@ -885,8 +886,9 @@ def processes_naming(path):
        "suite; the same command again resumes that run from its checkpoint and finishes it")
 def test_sigterm_to_the_mini_suite_stops_its_runs_and_a_rerun_resumes(tmp_path):
     out = tmp_path / "suite"
+    steps = 100  # the signal lands mid-run (~15 s of steps after the first on an idle core); the rerun trains the rest
     argv = [sys.executable, "-B", "mini.py", "--probes", "synthetic", "--designs", "preln", "--ar", "9.1", "--seeds",
-            "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", "400", "--jobs", "1", "--out", str(out)]
+            "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", str(steps), "--jobs", "1", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for _ in range(1200):  # until the run has taken a step: its first step line (the header's "tokens/step " is not)
@@ -904,7 +906,7 @@ def test_sigterm_to_the_mini_suite_stops_its_runs_and_a_rerun_resumes(tmp_path):
     assert not processes_naming(out), "a train.py of the suite outlived it"
     (run,) = (out / "synthetic").iterdir()
     stopped_at = torch.load(run / "ckpt.pt", weights_only=True)["step"]
-    assert 0 < stopped_at < 400 and "interrupted at step" in logs[0].read_text()
+    assert 0 < stopped_at < steps and "interrupted at step" in logs[0].read_text()
     again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {run / 'ckpt.pt'} at step {stopped_at}" in logs[0].read_text()

@@ -803,17 +803,31 @@ def test_kernel_bench_rejects_bad_arguments(argv, words, capsys):
     assert e.value.code == 2 and words in err[-1] and "Traceback" not in "".join(err)
 
 
-@pytest.mark.slow
-def test_kernel_bench_rehearses_every_pass(tmp_path):
-    """scripts/kernel_bench.py --tiny (the interpreter, 39 tokens, d80): for HC and mHC, each pass launches the
-    Triton kernels whose rows triton_hc.traffic counts for it (the estimate beside each time is of those launches),
-    the read's backward is one kernel one way and three the other (its forward one and two), and the two backwards'
-    gradients agree."""
+def kernel_bench_tiny(request, tmp_path):
+    """scripts/kernel_bench.py --tiny's JSON, from a process that exited 0: where this session runs the tiny GPU
+    smoke's test, the kernels.json of the smoke's kernels stage (that same command, its status "ok" only when it
+    exited 0; conftest.py's tiny_smoke runs the smoke once for both), else a run of its own."""
+    from conftest import runs_the_smoke
+    if runs_the_smoke(request):
+        _, smoke_out = request.getfixturevalue("tiny_smoke")
+        summary = json.loads((smoke_out / "summary.json").read_text())
+        (status,) = [c["status"] for c in summary["checks"] if c["check"] == "kernels"]
+        assert status == "ok", (smoke_out / "smoke.log").read_text()[-4000:]
+        return json.loads((smoke_out / "kernels.json").read_text())
     out = tmp_path / "k.json"
     run = subprocess.run([sys.executable, "scripts/kernel_bench.py", "--tiny", "--json", str(out)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_kernel_bench_rehearses_every_pass(request, tmp_path):
+    """scripts/kernel_bench.py --tiny (the interpreter, 39 tokens, d80): for HC and mHC, each pass launches the
+    Triton kernels whose rows triton_hc.traffic counts for it (the estimate beside each time is of those launches),
+    the read's backward is one kernel one way and three the other (its forward one and two), and the two backwards'
+    gradients agree."""
+    doc = kernel_bench_tiny(request, tmp_path)
     assert set(doc["designs"]) == {"hc", "mhc"} and doc["tokens"] == 39 and doc["d_model"] == 80
     for design, passes in doc["designs"].items():
         for name in ("read_forward", "read_backward", "depth_forward", "depth_backward"):
