@@ -29,7 +29,6 @@ import data
 from depthbench.training import costs, recipe, schedules
 from depthbench.evaluation import observe
 import train
-from conftest import QUICK_START_TEST, finished  # the repository root's: the README run it started
 from data import BatchLoader
 from depthbench.evaluation.synthetic import SyntheticTask, verdict
 from depthbench.training.compiled import compile_model
@@ -197,15 +196,10 @@ def test_readme_quick_start_prints_the_result_the_readme_quotes(tmp_path):
     each gap's accuracy within 3 points. The run is deterministic on one machine; a CPU with other vector units
     rounds its fp32 sums otherwise and the run drifts: on an AVX-512 one (2026-12-07) 98/92/43/20% against the
     README's 98/91/34/19%, the same verdicts. So a change to the default run updates both."""
-    done = finished(QUICK_START_TEST, timeout=1800)      # started when the tests were collected (conftest.py)
-    if done is None:
-        started = time.time()
-        r = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=1800)
-        seconds = time.time() - started
-    else:
-        r, _, seconds = done
-    print(f"python train.py took {seconds:.0f} s (beside other tests where conftest.py started it)")
+    started = time.time()
+    r = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800)
+    print(f"python train.py took {time.time() - started:.0f} s")
     assert r.returncode == 0, r.stderr
     last = [line for line in r.stdout.splitlines() if line.strip()][-1]
     assert last.startswith("result: ")
