@@ -145,5 +145,4 @@ def autograd_function(name, forward, backward, setup_context):
     def apply(*args):
         layout, leaves = flatten(None, args)
         return function.apply(layout, *leaves)
-    apply.function = function
     return apply
