@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shapes
 from depthbench.training.costs import analytic, gpu_peak, step_peak
-from depthbench.training.compiled import compile_model, eager
+from depthbench.training.compiled import capture_step, compile_model, eager
 from depthbench.training.recipe import RunConfig
 from model import GPT, GPTConfig
 from depthbench.files.common import (ArgParser, check_options, comma_list, design_options, first_line, json_object, pick_device,
@@ -163,18 +163,7 @@ def measure(job):
         with torch.inference_mode(), amp, eager():
             model(idx)
 
-    if dev.type == "cuda":  # as train.py: compiled on CUDA only; the jobs share this process, and without a reset
-        torch._dynamo.reset()  # each design and shape would count against dynamo's recompile limit, then run eager
-    trained = compile_model(model, job.get("compile", "blocks")) if dev.type == "cuda" else model
-
-    def train_step():
-        if dev.type == "cuda" and job.get("compile") == "graphs":  # a new step for cudagraph trees (the last
-            torch.compiler.cudagraph_mark_step_begin()              # step's outputs may be overwritten)
-        with amp:
-            _, loss = trained(idx, idx, logits=False)  # train.py's loss (any targets do for timing)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
+    train_step = training_step(model, idx, amp, job.get("compile", "blocks"))
     resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers(), idx])
 
     def window(fn):
@@ -204,6 +193,44 @@ def measure(job):
     if job.get("kernel_profile") and "fwdbwd_ms" in out:
         out.update(kernel_profile(train_step, dev))
     return {**out, "error": "; ".join(errors)} if errors else out
+
+
+def training_step(model, idx, amp, scope):
+    """The timed training step (a function of no arguments): forward with train.py's loss and backward under `amp`,
+    compiled by `scope` on CUDA as train.py compiles (the CPU runs eager), then the gradients dropped; "capture"
+    compiles the blocks and replays the step as one CUDA graph (`captured`)."""
+    cuda = idx.device.type == "cuda"
+    if cuda:  # as train.py: compiled on CUDA only; the jobs share this process, and without a reset
+        torch._dynamo.reset()  # each design and shape would count against dynamo's recompile limit, then run eager
+    trained = model
+    if cuda:
+        trained = compile_model(model, "blocks" if scope == "capture" else scope)
+
+    def forward_backward():
+        if cuda and scope == "graphs":                     # a new step for cudagraph trees (the last
+            torch.compiler.cudagraph_mark_step_begin()     # step's outputs may be overwritten)
+        with amp:
+            _, loss = trained(idx, idx, logits=False)  # train.py's loss (any targets do for timing)
+        loss.backward()
+
+    def train_step():
+        forward_backward()
+        model.zero_grad(set_to_none=True)
+    return captured(forward_backward) if cuda and scope == "capture" else train_step
+
+
+def captured(forward_backward):
+    """--compile capture: the blocks compiled as "blocks" and forward_backward recorded as one CUDA graph
+    (compiled.capture_step) at its first call, inside the first timed window (so that window's memory peak holds
+    the graph's pool), then replayed: one launch a step. The gradients add up from replay to replay (no zeroing
+    between, which would be ~10 launches a block outside the graph; their values do not matter for timing)."""
+    replay = []
+
+    def step():
+        if not replay:
+            replay.append(capture_step(forward_backward))
+        replay[0]()
+    return step
 
 
 # aten ops that only make a new view of a tensor or read its metadata: no kernel on a GPU
@@ -513,10 +540,12 @@ def build_parser():
                    "(interleaved), Pre-LN vs HF Llama (if transformers is installed), compile break-even, loss memory")
     p.add_argument("--quick", action="store_true", help="with --bench: the step ratios and HF only")
     p.add_kernels()
-    p.add_argument("--compile", default="blocks", choices=["blocks", "model", "graphs"], help="what is compiled on "
-                   "CUDA (the CPU runs eager): blocks, each block on its own, as train.py (default); model, the whole "
-                   "model as one graph; graphs, the whole model under CUDA graphs (mode reduce-overhead): issue 52's "
-                   "launch-overhead experiment, opt-in")
+    p.add_argument("--compile", default="blocks", choices=["blocks", "model", "graphs", "capture"],
+                   help="what is compiled on CUDA (the CPU runs eager): blocks, each block on its own, as train.py "
+                   "(default); model, the whole model as one graph; graphs, the whole model under CUDA graphs (mode "
+                   "reduce-overhead): issue 52's launch-overhead experiment; capture, blocks with the whole training "
+                   "step (forward and backward, eager parts included) recorded as one CUDA graph and replayed: "
+                   "issue 68's host time, opt-in")
     p.add_argument("--kernel-profile", action="store_true", help="one more training step under torch.profiler: "
                    "kernels per step, the GPU busy share (kernel time over the step) and the 15 kernels with the "
                    "most time (CPU: leaf aten ops, no share)")

@@ -23,6 +23,8 @@ ends. summary.json answers, in order, each as a number or as null with a reason:
                    the step), GPU kernels per step, peak memory, and scripts/roofline.py's estimate for this GPU
                    beside each (today's path / GPU path); the 15 kernels with the most time in each row's step
                    (top_kernels: name, calls, ms)
+  card_captured    card_first's two with each step one CUDA graph, replayed (profile_gpu.py --compile capture): step
+                   ms and x Pre-LN without the host's Python per step (issue 68; scripts/capture_check.py's CPU check)
   correctness      every design on CUDA against the CPU reference (scripts/cuda_check.py): fp32, bf16, compiled ==
                    eager, each kernels namespace ("fast", and "triton" where the model accepts it)
   launch_overhead  Pre-LN at the card's shape compiled per block, as the whole model, and under CUDA graphs
@@ -70,9 +72,11 @@ TINY_CARD_DESIGNS = ["preln", "hc"]  # --tiny: a process per design on the CPU; 
 DEFAULT_BUDGET_S = "480"
 # each stage's own time budget in seconds on a GPU (x TINY_CAP_SCALE with --tiny), within the whole budget: a stage
 # past it is killed and the next one starts with what is left; none named: the whole budget's rest
-STAGE_CAPS = {"kernels": 150, "card_first": 120, "card_rest": 150, "correctness": 90, "card_planned": 120}
+STAGE_CAPS = {"kernels": 150, "card_first": 120, "card_captured": 100, "card_rest": 150, "correctness": 90,
+              "card_planned": 120}
 TINY_CAP_SCALE = 4
 FIRST_CARD = ["preln", "attnres"]  # the card's first table rows (Pre-LN the ratio's base); the others come next
+CAPTURED_FIELDS = {"step_ms": "fwdbwd_ms", "busy_share": "busy_share", "kernels": "kernels"}  # summary <- profile
 LAUNCH_CAP_S = 90  # each whole-model compile of the launch-overhead check: its compile time grows with depth
 OLDEST_TORCH = (2, 6)  # the README's supported versions start here
 # --tiny's profile_gpu.py runs: the CPU, one thread, every row measured in its one process, as on CUDA (without
@@ -305,6 +309,25 @@ def card_designs(s):
 def card_first(s):
     """The card's first rows at micro-batch 2: Pre-LN and Full AttnRes (--tiny: Pre-LN), with the kernel profile."""
     return card_table(s, planned=False, designs=[d for d in card_designs(s) if d in FIRST_CARD])
+
+
+def card_captured(s):
+    """card_first's designs, each step one CUDA graph (profile_gpu.py --compile capture; a process each, Pre-LN, the
+    ratio's base, first), beside their step-by-step rows (--tiny: Pre-LN and HC in one process, the CPU running
+    each step itself: a rehearsal; HC's step-by-step row comes later)."""
+    rows, failed = {}, []
+    for group in [TINY_CARD_DESIGNS] if s.tiny else [[design] for design in FIRST_CARD]:
+        res, measured = card_run(s, group, 2, ["--compile", "capture"])
+        rows.update({d: {key: r.get(source) for key, source in CAPTURED_FIELDS.items()} for d, r in measured.items()})
+        failed += [why(res)] if res.rc else []
+    stepwise = {r["design"]: r["step_ms"] for r in s.summary["card"]["rows"] if r["batch"] == 2}
+    base = rows.get("preln", {}).get("step_ms")
+    for design, row in rows.items():
+        row.update(x_preln=round(row["step_ms"] / base, 3) if row["step_ms"] and base else None,
+                   stepwise_step_ms=stepwise.get(design))
+    s.summary["captured"] = {"rows": rows, "reason": "; ".join(failed) or None}
+    save(s)
+    return s.summary["captured"]["reason"]
 
 
 def card_rest(s):
@@ -580,11 +603,12 @@ def liger_wheel(s):
 def sequence(tiny):
     """(name, fn) in the order they run, the most informative first (issue 68 item 5): the kernel level (every hot
     kernel against the reference at the card's shape, each alone, the host's costs: scripts/kernel_bench.py), then
-    Pre-LN and Full AttnRes at micro-batch 2 with the kernel profile, then the card's other designs, whole-model
+    Pre-LN and Full AttnRes at micro-batch 2 with the kernel profile, the same two with each step one CUDA graph
+    (the host's share of their steps), then the card's other designs, whole-model
     correctness on the device, the plan's micro-batch, the launch-overhead experiment, then the 400M checks. --tiny
     leaves out the L70 train.py runs, which on the CPU (no compile) would answer nothing."""
     checks = [("environment", environment), ("kernels", kernels), ("card_first", card_first),
-              ("card_rest", card_rest), ("correctness", correctness),
+              ("card_captured", card_captured), ("card_rest", card_rest), ("correctness", correctness),
               ("card_planned", lambda s: card_table(s, planned=True)),
               ("launch_overhead", launch_overhead), ("throughput", throughput), ("bf16_vs_fp32", bf16_vs_fp32),
               ("ddp_vs_fsdp2", ddp_vs_fsdp2)]
@@ -612,6 +636,7 @@ def empty_summary(s, budget):
             "correctness": {"ok": None, "reason": pending},
             "card": {"shape": card, "rows": [], "planned_batch": None},
             "kernels": {"reason": pending}, "launch_overhead": {"fastest": None, "reason": pending},
+            "captured": {"rows": {}, "reason": pending},
             "compile_s": {**dict.fromkeys(["preln_L24", "mhc_L24", "preln_L70", "mhc_L70"]), **compiled},
             "design_step": {"fast": {}, "reference": {}, "use": None, "reason": pending}, "checks": []}
 

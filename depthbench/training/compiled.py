@@ -1,5 +1,6 @@
 """
-compiled.py: torch.compile for train.py, profile_gpu.py and scripts/compile_depth.py (docs/speed.md#compile).
+compiled.py: torch.compile for train.py, profile_gpu.py and scripts/compile_depth.py (docs/speed.md#compile), and a
+training step recorded as one CUDA graph (`capture_step`, profile_gpu.py --compile capture).
 """
 import contextlib
 
@@ -44,3 +45,33 @@ def eager():
     """A context in which compiled code runs eagerly (torch.compiler.set_stance, PyTorch 2.6+)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if set_stance else contextlib.nullcontext()
+
+
+CAPTURE_WARMUP = 3   # steps before a capture: compiling, autotuning and the allocator's first blocks happen in them
+
+
+def capture_step(step, warmup=CAPTURE_WARMUP):
+    """step (no arguments: the forward and backward of one micro-batch, reading its inputs from tensors that stay in
+    place and adding into the parameters' .grad) -> a function of no arguments that runs it again: every kernel the
+    step launched while it was captured (torch.cuda.graph), launched by one call, without the step's Python: HC's
+    ops, AttnRes' eager bank and MoDA's pushes then cost the host what Pre-LN's blocks cost, one replay (issue 68's
+    host criterion; docs/speed.md, "The step as one CUDA graph"; measured by the first GPU's script). CUDA only.
+
+    PyTorch's recipe: `warmup` steps on a side stream first (compiling, autotuning and the allocator's first blocks
+    happen there, not in the graph); their .grad tensors stay, and the caller zeroes them in place
+    (zero_grad(set_to_none=False)) between steps, since the graph adds into those very tensors. What a replay does
+    not redo is the step's Python: the step must launch the same kernels with the same shapes every time and never
+    wait for the GPU (.item(), a shape read from data). scripts/capture_check.py checks both on the CPU for every
+    design (tests/test_capture.py)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("capture_step records CUDA kernels: it needs a GPU (torch.cuda.is_available() is False)")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
