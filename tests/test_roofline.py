@@ -253,7 +253,8 @@ def test_each_probed_kernel_has_its_own_traffic_rows(design):
     """At the card's shape every traffic row of the design's step names what moves it: the tagged rows' bytes and
     launches add up to gpu_traffic's totals; the Triton tags (a leading underscore) are the kernels the committed
     probe recorded for the design, each an attribute of the kernel files, each launched as often as the probe saw it
-    (MoDA's slot pass: half a launch a slot, 69.5 for 69 pairs); the torch ops' tags are no kernel's name."""
+    (MoDA's slot pass: half a launch a slot, 69.5 for 69 pairs), and none booked over twice the bytes its compiled
+    loads and stores name (a row on the wrong kernel); the torch ops' tags are no kernel's name."""
     from depthbench.kernels import triton_attnres, triton_attnres_chunk, triton_hc, triton_hc_read, triton_moda
     modules = (triton_attnres, triton_attnres_chunk, triton_hc, triton_hc_read, triton_moda)
     rows, _ = roofline.traffic_rows(design, roofline.CARD)
@@ -270,6 +271,8 @@ def test_each_probed_kernel_has_its_own_traffic_rows(design):
         assert abs(counted - seen) <= 0.5, (kernel, counted, seen)
     own, torch_bytes, _ = roofline.booked(design, roofline.CARD, list(probed))
     assert sum(own.values()) + torch_bytes == total
+    named = {r["kernel"]: r["access_bytes"] for r in PROBE["rows"] if r["design"] == design}
+    assert all(own[k] <= 2 * named[k] for k in own), own        # a kernel moves no bytes its code does not name
 
 
 @pytest.mark.parametrize("design", TIMED)
