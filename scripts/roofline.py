@@ -29,7 +29,7 @@ Two paths per design:
   gpu     fused kernels (issue 52's GPU bodies): the backbone is Pre-LN's, plus the mixing's HBM bytes in bf16 at
           the lower bound of the first GPU measurement's notes and a few launches per sublayer (FUSED_LAUNCHES); where
           depthbench/kernels/triton_attnres_chunk.py, triton_hc.py or triton_moda.py import, their traffic()
-          functions replace the analytic bytes and launches (`gpu_traffic`: the plug-in point)
+          functions replace the analytic bytes and launches (`traffic_rows`: the plug-in point)
 
 The time model (issue 68; docs/speed.md#the-time-model), printed after the table where scripts/kernel_probe.py's
 JSON is at hand (--probe, default docs/kernel_probe*.json) for this shape, on an H100 SXM: per Triton kernel

@@ -1,6 +1,7 @@
 """scripts/roofline.py, the H200 step estimate without a GPU: its arithmetic on cases checkable by hand, its
 calibration reproducing the rows it was fitted on, the plug-in point of the Triton modules' traffic() functions,
-and the GPU path's peak memory (GPU_ACT_BYTES against a fresh measurement under the interpreter: slow).
+the time model (each probed kernel's bytes its own traffic rows, the committed docs/kernel_probe*.json against the
+rows' tags) and the GPU path's peak memory (GPU_ACT_BYTES against a fresh measurement under the interpreter: slow).
 
     python -m pytest -q -m "not slow" tests/test_roofline.py       # ~3 s: no model is built
 """
