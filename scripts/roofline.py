@@ -29,11 +29,12 @@ Two paths per design:
   gpu     fused kernels (issue 52's GPU bodies): the backbone is Pre-LN's, plus the mixing's HBM bytes in bf16 at
           the lower bound of the first GPU measurement's notes and a few launches per sublayer (FUSED_LAUNCHES); where
           depthbench/kernels/triton_attnres_chunk.py, triton_hc.py or triton_moda.py import, their traffic()
-          functions replace the analytic bytes and launches (`gpu_traffic`: the plug-in point)
+          functions replace the analytic bytes and launches (`traffic_rows`: the plug-in point)
 
 The time model (issue 68; docs/speed.md#the-time-model), printed after the table where scripts/kernel_probe.py's
 JSON is at hand (--probe, default docs/kernel_probe*.json) for this shape, on an H100 SXM: per Triton kernel
-max(bytes / (eta_gpu x HBM peak), issue floor, FLOPs / peak) with the binding term named, plus the host time the
+max(bytes / (eta_gpu x HBM peak), issue floor, FLOPs / peak) with the binding term named (its bytes: the traffic
+rows tagged with its name; the torch ops' rows an entry of their own, bound on bytes), plus the host time the
 probe measured beyond Pre-LN's (its training step compiled per block as train.py runs it, where measured; the eager
 step's account beside it), over Pre-LN's step, against issue 68's targets (TIME_TARGETS).
 
@@ -105,6 +106,8 @@ REPLACES_NORM_ADD = ("hc", "mhc")
 PEAK_FLOPS = {"bf16": 989e12, "tf32": 495e12, "fp32": 67e12}
 TIME_TARGETS = {"preln": 1.0, "hc": 1.15, "mhc": 1.15, "attnres": 1.5, "block_attnres": 1.10, "moda": 1.5}
 DOCS = Path(__file__).resolve().parents[1] / "docs"   # docs/kernel_probe*.json: scripts/kernel_probe.py's card runs
+TORCH_OPS = "torch ops"            # the time model's entry for the traffic rows no Triton kernel moves
+NAMED_OFF = 2.0                    # a kernel whose loads name this many times its own rows' bytes (or 1 / it) is noted
 
 
 def d_ff(width):
@@ -156,18 +159,15 @@ def today_kernels(design, shape, fusion):
 
 
 def gpu_traffic(design, shape):
-    """(bytes, extra launches) of the fused GPU path's mixing: depthbench/kernels/triton_*.py's traffic() where it imports (the
-    plug-in point), else the analytic bound (FUSED_PASSES in bf16, FUSED_LAUNCHES) -> (bytes, launches, source)."""
-    L, tokens, D = shape["layers"], shape["batch"] * shape["seq"], shape["width"]
+    """(bytes, extra launches) of the fused GPU path's mixing: depthbench/kernels/triton_*.py's traffic rows where they
+    import (`traffic_rows`: the plug-in point), else the analytic bound (FUSED_PASSES in bf16, FUSED_LAUNCHES) ->
+    (bytes, launches, source)."""
+    L = shape["layers"]
     try:
-        if design in ("hc", "mhc"):
-            rows = importlib.import_module("depthbench.kernels.triton_hc").traffic(design, tokens, D)
-            return (2 * L * sum(r["read"] + r["written"] for r in rows), 2 * L * sum(r["launches"] for r in rows),
-                    "depthbench.kernels.triton_hc.traffic")
-        if design in ("attnres", "block_attnres"):
-            return attnres_traffic(design, L, tokens, D) + ("depthbench.kernels.triton_attnres_chunk.step_traffic",)
-        if design == "moda":
-            return moda_traffic(L, tokens, D, shape["heads"]) + ("depthbench.kernels.triton_moda.traffic",)
+        made = traffic_rows(design, shape)
+        if made is not None:
+            rows, source = made
+            return sum(r["read"] + r["written"] for r in rows), sum(r["launches"] for r in rows), source
     except ImportError as error:                  # no triton here: the bound, and say so (once per design)
         if design not in FALLBACKS:
             FALLBACKS.add(design)
@@ -175,6 +175,27 @@ def gpu_traffic(design, shape):
     units = {"hc": 2 * L, "mhc": 2 * L, "attnres": 2 * L + 1, "block_attnres": 2 * L + 1, "moda": L}
     return (mixing_bytes(design, shape, FUSED_PASSES, 2), FUSED_LAUNCHES.get(design, 0) * units.get(design, 0),
             "analytic bound")
+
+
+def traffic_rows(design, shape):
+    """(rows, source) of one step of the design's GPU path: its kernel file's traffic rows (each {read, written,
+    launches, launch}: `launch` the Triton kernel or torch op that moves the row's bytes) times the step's count of
+    each, and the function that made them; None for a design without a kernel file (Pre-LN)."""
+    L, tokens, D = shape["layers"], shape["batch"] * shape["seq"], shape["width"]
+    if design in ("hc", "mhc"):                     # one sublayer's rows, 2L sublayers
+        rows = importlib.import_module("depthbench.kernels.triton_hc").traffic(design, tokens, D)
+        return [scaled(r, 2 * L) for r in rows], "depthbench.kernels.triton_hc.traffic"
+    if design in ("attnres", "block_attnres"):
+        return attnres_rows(design, L, tokens, D), "depthbench.kernels.triton_attnres_chunk.step_traffic"
+    if design == "moda":
+        return moda_rows(L, tokens, D, shape["heads"]), "depthbench.kernels.triton_moda.traffic"
+    return None
+
+
+def scaled(row, times):
+    """A traffic row moved `times` in a step: its bytes and launches times that, its tags as they are."""
+    return {**row, "read": times * row["read"], "written": times * row["written"],
+            "launches": times * row["launches"]}
 
 
 def attnres_reads(design, L):
@@ -189,28 +210,27 @@ def attnres_reads(design, L):
     return [(k, 1 + sum(i < k for i in opens)) for k in range(1, n_sub + 1)], 1 + len(opens)
 
 
-def attnres_traffic(design, L, tokens, D):
+def attnres_rows(design, L, tokens, D):
     """depthbench.kernels.triton_attnres_chunk's step_traffic of the design's bank (its consumers' reads, its size),
-    the bank in bf16: the two-phase mix residuals.py's Full and Block AttnRes run -> (bytes, launches)."""
+    the bank in bf16: the two-phase mix residuals.py's Full and Block AttnRes run, one row a launch or op."""
     module = importlib.import_module("depthbench.kernels.triton_attnres_chunk")
     reads = [n for k, n in attnres_reads(design, L)[0]]
     n_max = 2 * L + 1 if design == "attnres" else BLOCK_GROUPS + 1         # residuals.py's bank sizes
-    rows = module.step_traffic(reads, n_max, tokens, D, extra=design == "block_attnres")
-    return sum(r["read"] + r["written"] for r in rows), sum(r["launches"] for r in rows)
+    return module.step_traffic(reads, n_max, tokens, D, extra=design == "block_attnres")
 
 
-def moda_traffic(L, tokens, D, heads):
-    """Sum of depthbench.kernels.triton_moda.traffic over MoDA's consumers (block b = 1 .. L - 1 reads 2b slots) and
-    one push per slot (2L - 1: two per block, the last block's MLP writes none); as many kv heads as heads."""
-    traffic = importlib.import_module("depthbench.kernels.triton_moda").traffic
+def moda_rows(L, tokens, D, heads):
+    """depthbench.kernels.triton_moda.traffic's rows over MoDA's consumers (block b = 1 .. L - 1 reads 2b slots: its
+    CONSUMER_PARTS) and its slots (2L - 1: two per block, the last block's MLP writes none; SLOT_PARTS once each);
+    as many kv heads as heads."""
+    moda = importlib.import_module("depthbench.kernels.triton_moda")
     hd = D // heads
-    total, launches = 0, 0
+    rows = []
     for b in range(1, L):
-        parts = traffic(2 * b, tokens, heads=heads, kv_heads=heads, head_dim=hd)
-        total += sum(parts[k]["read"] + parts[k]["written"] for k in ("forward", "backward", "deferred"))
-        launches += sum(parts[k]["launches"] for k in ("forward", "backward", "deferred"))
-    push = traffic(0, tokens, heads=heads, kv_heads=heads, head_dim=hd)["push"]
-    return total + (2 * L - 1) * (push["read"] + push["written"]), launches + (2 * L - 1) * push["launches"]
+        parts = moda.traffic(2 * b, tokens, heads=heads, kv_heads=heads, head_dim=hd)
+        rows += [parts[k] for k in moda.CONSUMER_PARTS]
+    parts = moda.traffic(0, tokens, heads=heads, kv_heads=heads, head_dim=hd)
+    return rows + [scaled(parts[k], 2 * L - 1) for k in moda.SLOT_PARTS]
 
 
 def kept_per_token(act_bytes, shape):
@@ -409,22 +429,70 @@ def host_time(design, rows, host, shape):
             "eager_total": eager_total, "compiled": True}
 
 
+class AccountError(ValueError):
+    """A design's traffic rows and the probe's kernels do not pair up: the time model cannot book a kernel's bytes."""
+
+
+def is_triton(launch):
+    """Whether a traffic row's launch tag names a Triton kernel: the kernel files name their @triton.jit functions
+    with a leading underscore (`_chunk_forward`, as scripts/kernel_probe.py records them); torch ops' tags have none
+    ("copy", "dW GEMM (and cast)")."""
+    return launch.startswith("_")
+
+
+def booked(design, shape, kernels):
+    """The design's step traffic by what moves it -> ({Triton kernel: bytes}, torch ops' bytes, torch ops'
+    launches), each kernel's bytes the sum of the traffic rows tagged with its name. AccountError, in one line,
+    where a row has no tag, a probe kernel (of `kernels`, the probe's names) has no row, or rows name a Triton kernel
+    the probe did not record."""
+    try:
+        made = traffic_rows(design, shape)
+    except ImportError as error:
+        raise AccountError(f"time model: {design}'s traffic rows did not import ({error})") from error
+    rows = made[0] if made else []
+    if any("launch" not in r for r in rows):
+        raise AccountError(f"time model: {design}: a traffic row names no launch (`moved`'s / `row`'s launch=)")
+    own, torch_bytes, torch_launches = {}, 0, 0
+    for r in rows:
+        if is_triton(r["launch"]):
+            own[r["launch"]] = own.get(r["launch"], 0) + r["read"] + r["written"]
+        else:
+            torch_bytes += r["read"] + r["written"]
+            torch_launches += r["launches"]
+    problems = [f"the probe's kernel {k} has no traffic row" for k in sorted(set(kernels) - set(own))]
+    problems += [f"traffic rows name Triton kernel {k}, which the probe did not record" for k in
+                 sorted(set(own) - set(kernels))]
+    if problems:
+        raise AccountError(f"time model: {design}: {'; '.join(problems)} (tag each row with the kernel that moves "
+                           f"it, or run scripts/kernel_probe.py again)")
+    return own, torch_bytes, torch_launches
+
+
 def time_model(design, shape, c, probe):
     """{step_ms, device_ms, host_ms, kernels: [{kernel, bytes, issue, flops, binds, ...}]} of `design` on the
-    probe's GPU: Pre-LN's backbone and launches (less what HC's and mHC's kernels replace), the torch launches its
-    traffic counts beyond its Triton kernels at tau, each Triton kernel's max(bytes, issue, FLOPs) term, and host
-    time. The design's bytes (traffic(), the honest account) are split among its Triton kernels in proportion to
-    the global bytes their compiled loads and stores name."""
+    probe's GPU: Pre-LN's backbone and launches (less what HC's and mHC's kernels replace), each Triton kernel's
+    max(bytes, issue, FLOPs) term, the torch ops' bytes and launches, and host time. A kernel's bytes are its own
+    traffic rows' (`booked`: the honest account, each row tagged with the launch that moves it), so one kernel's code
+    moves no other's time; `named_x` beside them: the global bytes its compiled loads and stores name over those
+    (far above 1: re-reads through L2, or bytes the account misses). The torch ops' rows (copies, zeros, autograd's
+    adds, cuBLAS' dW) are a visible "torch ops" entry bound on their bytes at the same eta x HBM, their launches x tau
+    in the launch gap as Pre-LN's own torch launches are (an entry, not a hidden glue term, so the table shows what
+    the kernels leave to torch)."""
     base = backbone(shape, c) + today_kernels("preln", shape, c["fusion"]) * c["tau"]
     if design == "preln":
         return {"step_ms": 1e3 * base, "device_ms": 1e3 * base, "host_ms": 0.0, "kernels": []}
     rows = [r for r in probe["rows"] if r["design"] == design]
-    mix, launches, _ = gpu_traffic(design, shape)
+    own, torch_bytes, torch_launches = booked(design, shape, [r["kernel"] for r in rows])
     gone_bytes, gone_launches = replaced(design, shape)
-    named = sum(r["access_bytes"] for r in rows) or 1
-    kernels = [{"kernel": r["kernel"], **kernel_time(r, mix * r["access_bytes"] / named, c)} for r in rows]
-    glue = max(0, launches - sum(r["launches"] for r in rows)) - gone_launches
-    device = base + glue * c["tau"] - gone_bytes / (c["eta_gpu"] * c["hbm"]) + sum(k["seconds"] for k in kernels)
+    bandwidth = c["eta_gpu"] * c["hbm"]
+    kernels = [{"kernel": r["kernel"], "own_bytes": own[r["kernel"]],
+                "named_x": r["access_bytes"] / max(own[r["kernel"]], 1), **kernel_time(r, own[r["kernel"]], c)}
+               for r in rows]
+    torch_s = torch_bytes / bandwidth
+    kernels.append({"kernel": TORCH_OPS, "own_bytes": torch_bytes, "launches": torch_launches, "bytes": torch_s,
+                    "issue": 0.0, "flops": 0.0, "binds": "bytes", "seconds": torch_s})
+    glue = torch_launches - gone_launches
+    device = base + glue * c["tau"] - gone_bytes / bandwidth + sum(k["seconds"] for k in kernels)
     host = host_time(design, rows, probe["host"], shape) if probe.get("host") else {"total": 0.0}
     return {"step_ms": 1e3 * (device + host["total"]), "device_ms": 1e3 * device, "host_ms": 1e3 * host["total"],
             "host": {k: 1e3 * v for k, v in host.items() if k != "compiled"}, "kernels": kernels}
@@ -468,7 +536,23 @@ def time_report(shape, probe, eta_gpu, designs=DESIGNS):
                           for k in sorted(r["kernels"], key=lambda k: -k["seconds"]))
         print(f"| {d} | {r['step_ms']:.1f} | {ratio:.2f} | {TIME_TARGETS[d]:.2f} | {'yes' if r['meets'] else 'NO'} | "
               f"{r['device_ms']:.1f} | {host_parts(r)} | {parts or '-'} |")
+    off = named_off(rows)
+    if off:
+        print(f"(bytes: each kernel's own traffic rows; its compiled loads and stores name over {NAMED_OFF:.0f}x or "
+              f"under 1/{NAMED_OFF:.0f} of them: {off})")
     return rows
+
+
+def named_off(rows):
+    """The kernels whose compiled loads and stores name more than NAMED_OFF times their own traffic rows' bytes, or
+    less than 1 / NAMED_OFF of them, as "design kernel: named GB / own GB" joined by commas."""
+    off = []
+    for d, r in rows.items():
+        for k in r["kernels"]:
+            x = k.get("named_x")
+            if x is not None and not 1 / NAMED_OFF <= x <= NAMED_OFF:
+                off.append(f"{d} {k['kernel']} {x * k['own_bytes'] / 1e9:.1f} / {k['own_bytes'] / 1e9:.1f} GB")
+    return ", ".join(off)
 
 
 def main(argv=None):
@@ -501,7 +585,10 @@ def main(argv=None):
     doc = {"shape": shape, "constants": c, "estimates": rows}
     probe = load_probe(args.probe or sorted(DOCS.glob("kernel_probe*.json")))
     if probe and all(probe["shape"][k] == shape[k] for k in probe["shape"] if k in shape):
-        doc["time_model"] = time_report(shape, probe, args.eta_gpu)
+        try:
+            doc["time_model"] = time_report(shape, probe, args.eta_gpu)
+        except AccountError as error:             # a kernel's bytes cannot be booked: say which, once
+            p.error(str(error))
     elif probe:
         print(f"\ntime model: the probe ran at {probe['shape']}, not this shape (run scripts/kernel_probe.py there)")
     if args.loo:

@@ -1,6 +1,7 @@
 """scripts/roofline.py, the H200 step estimate without a GPU: its arithmetic on cases checkable by hand, its
 calibration reproducing the rows it was fitted on, the plug-in point of the Triton modules' traffic() functions,
-and the GPU path's peak memory (GPU_ACT_BYTES against a fresh measurement under the interpreter: slow).
+the time model (each probed kernel's bytes its own traffic rows, the committed docs/kernel_probe*.json against the
+rows' tags) and the GPU path's peak memory (GPU_ACT_BYTES against a fresh measurement under the interpreter: slow).
 
     python -m pytest -q -m "not slow" tests/test_roofline.py       # ~3 s: no model is built
 """
@@ -209,30 +210,102 @@ def test_a_kernels_time_is_the_largest_of_its_terms():
 
 
 def test_the_time_model_adds_each_kernels_max_and_the_host(monkeypatch):
-    """HC with two Triton kernels whose loads and stores name 1 : 3 of the bytes: traffic()'s 8 GB split 2 : 6 GB;
-    its 10 traffic launches less the 4 Triton ones are torch launches at tau, less the 2L norm-and-add launches and
-    bytes HC replaces; host: the eager step beyond Pre-LN's (scaled by depth), 4 launches x 10 arguments x the
-    per-argument cost, and 1 break a block beyond Pre-LN's x L x the break's cost."""
+    """HC with two Triton kernels: _a's traffic rows move 2 GB (one row), _b's 6 GB (two rows), whatever their loads
+    name (1 : 3 here, 1 : 1 below: the same times); the torch ops' 1 GB is an entry of its own, bound on bytes, and its
+    6 launches are at tau, less the 2L norm-and-add launches and bytes HC replaces; host: the eager step beyond
+    Pre-LN's (scaled by depth), 4 launches x 10 arguments x the per-argument cost, and 1 break a block beyond Pre-LN's
+    x L x the break's cost."""
     rate = 132 * 4 * 1.755e9
     c = {**roofline.calibrate("attnres", gpu="H100"), "eta_gpu": 0.5}
     shape = {**roofline.CARD, "layers": 2}
-    monkeypatch.setattr(roofline, "gpu_traffic", lambda design, shape: (8e9, 10, "fake"))
+    rows = [{"launch": "_a", "read": 2e9, "written": 0, "launches": 2},
+            {"launch": "_b", "read": 3e9, "written": 2e9, "launches": 1},
+            {"launch": "_b", "read": 0, "written": 1e9, "launches": 1},
+            {"launch": "copy", "read": 0.5e9, "written": 0.5e9, "launches": 6}]
+    monkeypatch.setattr(roofline, "traffic_rows", lambda design, shape: (rows, "fake"))
     host = {"shape": {"layers": 1}, "per_argument_us": 2.0, "break_us": 100.0,
             "designs": {"preln": {"eager_ms": 10.0, "breaks_per_block": 0}, "hc": {"eager_ms": 15.0,
                                                                                    "breaks_per_block": 1}}}
-    probe = {"rows": [probe_row("a", access_bytes=1.0, warp_instructions=1e-3 * rate),
-                      probe_row("b", access_bytes=3.0)], "host": host}
+    probe = {"rows": [probe_row("_a", access_bytes=1.0, warp_instructions=1e-3 * rate),
+                      probe_row("_b", access_bytes=3.0)], "host": host}
     got = roofline.time_model("hc", shape, c, probe)
     bw = 0.5 * c["hbm"]
     base = roofline.backbone(shape, c) + roofline.today_kernels("preln", shape, c["fusion"]) * c["tau"]
     gone_bytes, gone_launches = roofline.replaced("hc", shape)
-    kernels = max(2e9 / bw, 1e-3) + 6e9 / bw
-    device = base + (10 - 4 - gone_launches) * c["tau"] - gone_bytes / bw + kernels
+    kernels = max(2e9 / bw, 1e-3) + 6e9 / bw + 1e9 / bw
+    device = base + (6 - gone_launches) * c["tau"] - gone_bytes / bw + kernels
     host_s = (15.0 - 10.0) / 1e3 * 2 + 4 * 10 * 2e-6 + 1 * 2 * 100e-6
     assert got["device_ms"] == pytest.approx(1e3 * device) and got["host_ms"] == pytest.approx(1e3 * host_s)
     assert got["step_ms"] == pytest.approx(1e3 * (device + host_s))
-    assert [k["binds"] for k in got["kernels"]] == ["issue" if 1e-3 > 2e9 / bw else "bytes", "bytes"]
+    assert [(k["kernel"], k["binds"]) for k in got["kernels"]] == [
+        ("_a", "issue" if 1e-3 > 2e9 / bw else "bytes"), ("_b", "bytes"), (roofline.TORCH_OPS, "bytes")]
+    assert [k["named_x"] for k in got["kernels"][:2]] == [1.0 / 2e9, 3.0 / 6e9]
+    probe["rows"][1]["access_bytes"] = 1.0
+    assert roofline.time_model("hc", shape, c, probe)["device_ms"] == pytest.approx(got["device_ms"], rel=1e-15)
     assert roofline.time_model("preln", shape, c, probe)["step_ms"] == pytest.approx(1e3 * base)
+
+
+PROBE = roofline.load_probe(sorted(roofline.DOCS.glob("kernel_probe*.json")))
+TIMED = [d for d in roofline.DESIGNS if d != "preln"]
+
+
+@pytest.mark.parametrize("design", TIMED)
+def test_each_probed_kernel_has_its_own_traffic_rows(design):
+    """At the card's shape every traffic row of the design's step names what moves it: the tagged rows' bytes and
+    launches add up to gpu_traffic's totals; the Triton tags (a leading underscore) are the kernels the committed
+    probe recorded for the design, each an attribute of the kernel files, each launched as often as the probe saw it
+    (MoDA's slot pass: half a launch a slot, 69.5 for 69 pairs), and none booked over twice the bytes its compiled
+    loads and stores name (a row on the wrong kernel); the torch ops' tags are no kernel's name."""
+    from depthbench.kernels import triton_attnres, triton_attnres_chunk, triton_hc, triton_hc_read, triton_moda
+    modules = (triton_attnres, triton_attnres_chunk, triton_hc, triton_hc_read, triton_moda)
+    rows, _ = roofline.traffic_rows(design, roofline.CARD)
+    total, launches, _ = roofline.gpu_traffic(design, roofline.CARD)
+    assert sum(r["read"] + r["written"] for r in rows) == total and sum(r["launches"] for r in rows) == launches
+    probed = {r["kernel"]: r["launches"] for r in PROBE["rows"] if r["design"] == design}
+    tags = {r["launch"] for r in rows}
+    kernels = {tag for tag in tags if roofline.is_triton(tag)}
+    assert kernels == set(probed)
+    assert all(any(hasattr(m, k) for m in modules) for k in kernels)
+    assert not any(hasattr(m, tag) for m in modules for tag in tags - kernels)
+    for kernel, seen in probed.items():
+        counted = sum(r["launches"] for r in rows if r["launch"] == kernel)
+        assert abs(counted - seen) <= 0.5, (kernel, counted, seen)
+    own, torch_bytes, _ = roofline.booked(design, roofline.CARD, list(probed))
+    assert sum(own.values()) + torch_bytes == total
+    named = {r["kernel"]: r["access_bytes"] for r in PROBE["rows"] if r["design"] == design}
+    assert all(own[k] <= 2 * named[k] for k in own), own        # a kernel moves no bytes its code does not name
+
+
+@pytest.mark.parametrize("design", TIMED)
+def test_a_kernels_named_bytes_move_no_other_kernels_time(design):
+    """Re-tiling one kernel so its loads name a fifth of the bytes (its code changed, its siblings' did not) leaves
+    every kernel's modelled seconds as they were: each kernel's bytes are its own traffic rows'. (Split in proportion
+    to the named bytes, as before, the siblings' ms rose.)"""
+    c = {**roofline.calibrate("attnres", gpu="H100"), "eta_gpu": roofline.ETA_GPU}
+    before = roofline.time_model(design, roofline.CARD, c, PROBE)["kernels"]
+    for changed in [r["kernel"] for r in PROBE["rows"] if r["design"] == design]:
+        rows = [dict(r, access_bytes=r["access_bytes"] / 5) if r["design"] == design and r["kernel"] == changed
+                else r for r in PROBE["rows"]]
+        after = roofline.time_model(design, roofline.CARD, c, {**PROBE, "rows": rows})["kernels"]
+        assert [(k["kernel"], k["seconds"]) for k in after] == [(k["kernel"], k["seconds"]) for k in before], changed
+
+
+def test_a_kernel_without_its_rows_is_reported_in_one_line(tmp_path, capsys):
+    """A probe kernel with no traffic row, and traffic rows of a Triton kernel the probe did not record, are errors
+    the model names (not a 0 ms kernel, not bytes left out); the command says so in one line and exits 2."""
+    c = {**roofline.calibrate("attnres", gpu="H100"), "eta_gpu": roofline.ETA_GPU}
+    ghost = dict(next(r for r in PROBE["rows"] if r["design"] == "hc"), kernel="_ghost_bwd")
+    with pytest.raises(roofline.AccountError, match="hc: the probe's kernel _ghost_bwd has no traffic row"):
+        roofline.time_model("hc", roofline.CARD, c, {**PROBE, "rows": PROBE["rows"] + [ghost]})
+    fewer = [r for r in PROBE["rows"] if not (r["design"] == "mhc" and r["kernel"] == "_depth_bwd")]
+    with pytest.raises(roofline.AccountError, match="mhc: traffic rows name Triton kernel _depth_bwd, which the probe"):
+        roofline.time_model("mhc", roofline.CARD, c, {**PROBE, "rows": fewer})
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({**PROBE, "rows": PROBE["rows"] + [ghost]}))
+    with pytest.raises(SystemExit) as out:
+        roofline.main(["--probe", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert out.value.code == 2 and len(err) == 1 and "_ghost_bwd" in err[0], err
 
 
 def test_the_host_term_is_the_compiled_step_beyond_preln_where_measured():

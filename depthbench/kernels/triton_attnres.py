@@ -603,34 +603,33 @@ def traffic(n, tokens, D, extra=False, storage_bytes=2, deferred=True):
     `storage_bytes` per element (2: bf16, 4: fp32); q, g, mix, dmix, lse, p, delta and gradients fp32. With
     m = n + extra, S = tokens D, P = the programs of a launch (tokens / BLOCK_T), E = 4 S if extra else 0:
 
-        forward   read     n S storage_bytes + E + 8 D (q, g) + 4 tokens m (p: the logits read back)
+        forward   `_mix_forward` read n S storage_bytes + E + 8 D (q, g) + 4 tokens m (p: the logits read back)
                   written  4 S (mix) + 4 tokens (lse) + 8 tokens m (p: the logits, then exp(s - lse))
-                  launches 1: _mix_forward
-        backward  (the consumer's pass) read n S storage_bytes + E + 8 S (mix, dmix) + 4 tokens (lse) + 8 D
-                  written  E (the extra's dv) + 4 P D (dgq's partial rows); then _query_gradients reads 4 P D + 8 D
-                  and writes 8 D (dq, dg); launches 2
+        backward  `_mix_backward`, the consumer's pass: read n S storage_bytes + E + 8 S (mix, dmix) + 4 tokens
+                  (lse) + 8 D, written E (the extra's dv) + 4 P D (dgq's partial rows)
                   deferred: also written S storage_bytes + 8 tokens + 4 D + 4 (its record: dmix, delta, lse, gq, n)
                   read-modify-write: also read 4 n S (the gradient slots), written 4 n S
+        query     `_query_gradients` reads 4 P D + 8 D and writes 8 D (dq, dg)
 
-    -> {"forward" | "backward": {"read": bytes, "written": bytes, "launches": count}}. The records' reads are the
-    sources' passes' (`step_traffic`)."""
+    -> {"forward" | "backward" | "query": `moved`, one launch each}. The records' reads are the sources' passes'
+    (`step_traffic`)."""
     S, m = tokens * D, n + int(extra)
     P = -(-tokens // blocks(tokens, D)[0])
     E = 4 * S * int(extra)
-    forward = {"read": n * S * storage_bytes + E + 8 * D + 4 * tokens * m,
-               "written": 4 * S + 4 * tokens + 8 * tokens * m, "launches": 1}
-    backward = {"read": n * S * storage_bytes + E + 8 * S + 4 * tokens + 8 * D + 4 * P * D + 8 * D,
-                "written": E + 4 * P * D + 8 * D, "launches": 2}
-    if deferred:
-        backward["written"] += S * storage_bytes + 8 * tokens + 4 * D + 4
-    else:
-        backward["read"] += 4 * n * S
-        backward["written"] += 4 * n * S
-    return {"forward": forward, "backward": backward}
+    forward = moved(n * S * storage_bytes + E + 8 * D + 4 * tokens * m, 4 * S + 4 * tokens + 8 * tokens * m,
+                    launch="_mix_forward")
+    record = S * storage_bytes + 8 * tokens + 4 * D + 4 if deferred else 0      # deferred: its record
+    slots = 0 if deferred else 4 * n * S                                        # else the gradient slots, both ways
+    backward = moved(n * S * storage_bytes + E + 8 * S + 4 * tokens + 8 * D + slots, E + 4 * P * D + record + slots,
+                     launch="_mix_backward")
+    return {"forward": forward, "backward": backward, "query": moved(4 * P * D + 8 * D, 8 * D,
+                                                                     launch="_query_gradients")}
 
 
-def moved(read=0, written=0, launches=1):
-    return {"read": read, "written": written, "launches": launches}
+def moved(read=0, written=0, launches=1, *, launch):
+    """A row of the byte accounts here and in triton_attnres_chunk.py and triton_moda.py; launch: what moves its
+    bytes, a Triton kernel by its function name (as scripts/kernel_probe.py names it) or a torch op ("copy")."""
+    return {"read": read, "written": written, "launches": launches, "launch": launch}
 
 
 class Schedule:
@@ -646,25 +645,26 @@ class Schedule:
         return records * (self.S * self.sb + 8 * self.tokens + 4 * self.D)
 
     def push_backward(self, j):
-        """[moved] of push j's backward: the block pass at the top of a new block; below it the source pass over the
-        records since (none: its partial sum as it is); a torch add for the gradient slot where no kernel took it."""
+        """[moved] of push j's backward: the block pass (`_block_backward`) at the top of a new block; below it the
+        source pass (`_source_backward`) over the records since (none: its partial sum as it is); a torch "add" for
+        the gradient slot where no kernel took it; nothing where no consumer left a record."""
         S, count, rows = self.S, len(self.records), []
         lo, hi, start = self.part or (0, -1, 0)
         base_left = self.gradient_bank
         if not count:
-            return [moved(launches=0)]
+            return []
         if not lo <= j < hi:
             lo = max(0, j - BLOCK_SOURCES + 1)
             self.part, g = (lo, j, count), j - lo + 1
             rows.append(moved(g * S * self.sb + self.record_bytes(sum(n > lo for n in self.records)) + 4 * count,
-                              4 * g * S))
+                              4 * g * S, launch="_block_backward"))
         elif count > start:
             used = sum(n > j for n in self.records[start:])
             rows.append(moved(S * self.sb + 4 * S * (1 + self.gradient_bank) + self.record_bytes(used)
-                              + 4 * (count - start), 4 * S))
+                              + 4 * (count - start), 4 * S, launch="_source_backward"))
             base_left = False
         if base_left:
-            rows.append(moved(8 * S, 4 * S))
+            rows.append(moved(8 * S, 4 * S, launch="add"))
         return rows
 
 
@@ -672,9 +672,10 @@ def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
     """[moved] of a whole step of one bank: `reads` = the bank sources each mixing consumer reads, in forward order
     (each reads every source pushed before it, as Full and Block AttnRes do; consumer 0 reads its newest source,
     `read_traffic`), the bank n_max slots (so `record_capacity` records), every source read by some consumer.
-    Backward runs the consumers deepest first, and push j right after the first consumer that read it."""
+    Backward runs the consumers deepest first, and push j right after the first consumer that read it; each push's
+    "copy" in, and the gradient bank's "zeros" at the first read-modify-write consumer."""
     plan = Schedule(tokens, D, storage_bytes)
-    rows = list(read_traffic(tokens, D, storage_bytes).values())
+    rows = read_traffic(tokens, D, storage_bytes)
     pushes = max(reads)
     first = {j: min(i for i, n in enumerate(reads) if n > j) for j in range(pushes)}
     for i in reversed(range(len(reads))):
@@ -684,17 +685,16 @@ def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
             plan.records.append(reads[i])
         elif not plan.gradient_bank:
             plan.gradient_bank = True
-            rows.append(moved(0, 4 * n_max * plan.S))                            # the gradient bank's zeroing
+            rows.append(moved(0, 4 * n_max * plan.S, launch="zeros"))            # the gradient bank's zeroing
         for j in sorted((j for j in first if first[j] == i), reverse=True):
-            rows.append(moved(4 * plan.S, plan.S * storage_bytes))               # its forward: the copy in
+            rows.append(moved(4 * plan.S, plan.S * storage_bytes, launch="copy"))  # its forward: the copy in
             rows += plan.push_backward(j)
     return rows
 
 
 def read_traffic(tokens, D, storage_bytes=2):
-    """One `newest()` read (sublayer 0's RMSNorm(e)): forward, a copy of the slot (1 launch); backward, its gradient
+    """[moved] of one `newest()` read (sublayer 0's RMSNorm(e)): forward, a copy of the slot; backward, its gradient
     kept in fp32 (a cast where the bank is bf16) and added to the push's (1 launch each)."""
     S, cast = tokens * D, int(storage_bytes < 4)
-    return {"forward": {"read": S * storage_bytes, "written": S * storage_bytes, "launches": 1},
-            "backward": {"read": S * storage_bytes * cast + 8 * S, "written": 4 * S * cast + 4 * S,
-                         "launches": 1 + cast}}
+    return ([moved(S * storage_bytes, S * storage_bytes, launch="copy")]
+            + [moved(S * storage_bytes, 4 * S, launch="cast")] * cast + [moved(8 * S, 4 * S, launch="add")])

@@ -647,47 +647,46 @@ def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
     m2, E = n2 + int(extra), 4 * S * int(extra)
     P = merge_programs(tokens, D)
     return [moved(S * storage_bytes + 4 * tokens * (1 + n1 + m2) + n2 * S * storage_bytes + E + 8 * D,
-                  4 * S + 4 * tokens * (1 + n1 + 2 * m2)),
+                  4 * S + 4 * tokens * (1 + n1 + 2 * m2), launch="_merge_forward"),
             moved(8 * S + 4 * tokens + 8 * D + n2 * S * storage_bytes + E + 4 * n2 * S,
-                  4 * n2 * S + E + S * storage_bytes + 8 * tokens + 4 + 4 * P * D)]
+                  4 * n2 * S + E + S * storage_bytes + 8 * tokens + 4 + 4 * P * D, launch="_merge_backward")]
 
 
 def chunk_traffic(n1, C, rows, tokens, D, storage_bytes=2):
     """[moved] of a chunk's phase 1 over n1 sources for C consumers, the queries and key gains (rows, D):
     forward `_chunk_forward` (read the sources twice, once for the logits and once for o1, q and g, and the logits
     back (once: its later column tiles' reads of them are the L2's); write o1 in the bank's dtype, lse1 and the
-    logits);
-    backward, the ran flags' zeroing (at its first consumer's backward), `_chunk_backward` (the sources once, the C
-    records, the gradient slots read and written once), dqueries' and dkey_gains' zeros, `_chunk_query_gradients`
-    (the chunk pass's P dgq rows and each consumer's phase-2 P2, the ran flags), and autograd's two adds of them
-    into the parameters' other gradients."""
+    logits); backward, the ran flags' "zeros" (at its first consumer's backward), `_chunk_backward` (the sources
+    once, the C records, the gradient slots read and written once), dqueries' and dkey_gains' "zeros",
+    `_chunk_query_gradients` (the chunk pass's P dgq rows and each consumer's phase-2 P2, the ran flags), and
+    autograd's two "add"s of them into the parameters' other gradients."""
     S, R = tokens * D, rows * D
     P, P2 = chunk_programs(tokens, D), merge_programs(tokens, D)
     return [moved(2 * n1 * S * storage_bytes + 8 * D * C + 4 * tokens * C * (1 + n1),
-                  C * S * storage_bytes + 4 * tokens * C * (1 + n1)),
-            moved(0, 4 * C),
+                  C * S * storage_bytes + 4 * tokens * C * (1 + n1), launch="_chunk_forward"),
+            moved(0, 4 * C, launch="zeros"),
             moved(n1 * S * storage_bytes + C * (S * storage_bytes + 8 * tokens + 4 + 8 * D) + 4 * n1 * S,
-                  4 * n1 * S + 4 * P * C * D),
-            moved(0, 8 * R, launches=2),
-            moved(4 * (P + P2) * C * D + 4 * C + 8 * D * C, 8 * D * C),
-            moved(16 * R, 8 * R, launches=2)]
+                  4 * n1 * S + 4 * P * C * D, launch="_chunk_backward"),
+            moved(0, 8 * R, launches=2, launch="zeros"),
+            moved(4 * (P + P2) * C * D + 4 * C + 8 * D * C, 8 * D * C, launch="_chunk_query_gradients"),
+            moved(16 * R, 8 * R, launches=2, launch="add")]
 
 
 def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
     """[moved] of a whole step of one bank served by chunks: `reads` = the bank sources consumer row i = 0, 1, ...
     reads (forward order; each reads every source pushed before it), the bank n_max slots; rows r0 = 0, CHUNK, ...
     start a chunk over the sources their consumer reads. Also: the read of sublayer 0's source (`read_traffic`),
-    each push's copy in (forward; its backward hands on its gradient slot: no launch), the gradient bank's zeroing
-    (at the first backward), and with an extra source (Block AttnRes' open sum, fp32), autograd's add of its two
+    each push's "copy" in (forward; its backward hands on its gradient slot: no launch), the gradient bank's "zeros"
+    (at the first backward), and with an extra source (Block AttnRes' open sum, fp32), autograd's "add" of its two
     gradients for every consumer but the last (the head): the mix's (`_merge_backward`'s d_extra) and that of its
     other use (the next write's sum, or the push that closes its group), outside any compiled graph, where Pre-LN's
     stream sums its two inside its norm's fused backward (read 8 S, written 4 S, a launch)."""
     S = tokens * D
-    rows = list(attnres.read_traffic(tokens, D, storage_bytes).values())
-    rows += [moved(4 * S, S * storage_bytes)] * max(reads)                       # the pushes' copies
-    rows.append(moved(0, 4 * n_max * S))                                         # the gradient bank's zeros
+    rows = attnres.read_traffic(tokens, D, storage_bytes)
+    rows += [moved(4 * S, S * storage_bytes, launch="copy")] * max(reads)        # the pushes' copies
+    rows.append(moved(0, 4 * n_max * S, launch="zeros"))                         # the gradient bank's zeros
     if extra:
-        rows += [moved(8 * S, 4 * S)] * (len(reads) - 1)                         # the open sum's two gradients
+        rows += [moved(8 * S, 4 * S, launch="add")] * (len(reads) - 1)           # the open sum's two gradients
     for r0 in range(0, len(reads), CHUNK):
         chunk = reads[r0:r0 + CHUNK]
         rows += chunk_traffic(chunk[0], len(chunk), len(reads), tokens, D=D, storage_bytes=storage_bytes)

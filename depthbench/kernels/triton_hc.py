@@ -494,10 +494,11 @@ def depth_connection(mixed, post, y):
 def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, recompute=True, fused=True,
             gemm_fp32_out=True):
     """HBM bytes each launch of one sublayer's connection reads and writes, and its launches, forward and backward:
-    a list of dicts {kernel, pass, launches, read, written}, for scripts/roofline.py. design "hc" or "mhc"; tokens
-    N = B T; stream_bytes: the streams' element size (2, the GPU path's default: bf16 under bf16 autocast,
-    `storage_dtype`; 4 without autocast); y_bytes: the branch output's (2 under bf16 autocast); recompute:
-    residuals.HC's (its default, on): read's maths runs again in the backward;
+    a list of dicts {kernel, pass, launches, read, written, launch} (`row`; launch: the Triton kernel, by function
+    name, or the torch op that moves the row's bytes; below in brackets where it is not the name beside the row),
+    for scripts/roofline.py. design "hc" or "mhc"; tokens N = B T; stream_bytes: the streams' element size (2, the
+    GPU path's default: bf16 under bf16 autocast, `storage_dtype`; 4 without autocast); y_bytes: the branch output's
+    (2 under bf16 autocast); recompute: residuals.HC's (its default, on): read's maths runs again in the backward;
     gemm_fp32_out: the fused read's dW GEMM writes fp32 from bf16 itself (torch.mm's out_dtype, on CUDA:
     triton_hc_read.GEMM_FP32_OUT), else it writes the streams' dtype and a cast follows (the CPU).
     Coefficients are fp32 (4 bytes), W an fp32 parameter. Every tensor a launch touches is counted once per launch
@@ -508,33 +509,31 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
         normed_projection, rows x K, M columns (mHC: N x nD, M = n^2 + 2n; HC: Nn x D, M = n + 2), X = rows K sb:
           forward   _proj_fwd  read X + 4 K M           write 4 rows M + 4 rows            (out, r)
           backward  _proj_bwd  read X + 4 K M + 8 rows M + 4 rows   write X                (dx)
-                    dW (torch: r g, then x^T (r g) in x's dtype)  read 4 rows M + 4 rows + X + sb rows M
-                    write 4 rows M + sb K M, 2 launches; when the streams are not fp32, +2: r g cast to x's dtype
-                    (read 4 rows M, write sb rows M) and dW to fp32 (read sb K M, write 4 K M)
-        sinkhorn:  forward  read R, write R;  backward  read 2R, write R, scratch 4 N (2 iters - 1) n both ways
-          (mHC runs it inside the fused read: below)
-        width_connection:  forward  read S + c + R, write S + N D sb   (mixed, branch)
-                           backward read 2S + N D sb + c + R, write S + c + R
-        depth_connection:  forward  read S + c + N D y_bytes, write S
-                           backward read S + c + N D y_bytes, write c + N D y_bytes  (dmixed is dout: no kernel)
-        maps (HC: torch glue between the kernels, `glue`): the tanh and affine maps, the copies that make pre and
-          res contiguous for the width kernel; their backward (autograd's select/slice backward, the sums of the
-          scales' gradients, the parameters' gradients)
-        dH (HC): H feeds both normed_projection and width_connection, so autograd adds their two dH: read 2S,
-          write S
-        fused (the default): the read through triton_hc_read.py (ops.hc_read) in place of the projection, the
-          glue, Sinkhorn, the width connection, the branch's norm, the dH add and the recompute (`fused_read`,
-          `width_norm`)
-        recompute (pieces only: ops.hc_read's torch.utils.checkpoint): the backward runs read's forward again first
-          (HC: _proj_fwd, the maps' glue, _width_fwd; mHC: _mhc_read_fwd, _width_fwd) and the branch's RMSNorm but
-          its gain (5 launches, +1 cast when the branch is not fp32), which Pre-LN runs once
-    """
+                    dW ["r g, dW GEMM (and casts)": torch, r g, then x^T (r g) in x's dtype)  read 4 rows M +
+                    4 rows + X + sb rows M, write 4 rows M + sb K M, 2 launches; when the streams are not fp32, +2:
+                    r g cast to x's dtype (read 4 rows M, write sb rows M) and dW to fp32 (read sb K M, write 4 K M)
+        sinkhorn:  _sinkhorn_fwd read R, write R; _sinkhorn_bwd read 2R, write R, scratch 4 N (2 iters - 1) n both
+          ways (mHC runs it inside the fused read: below)
+        width_connection:  _width_fwd read S + c + R, write S + N D sb (mixed, branch)
+                           _width_bwd read 2S + N D sb + c + R, write S + c + R
+        depth_connection:  _depth_fwd read S + c + N D y_bytes, write S
+                           _depth_bwd read S + c + N D y_bytes, write c + N D y_bytes (dmixed is dout: no kernel)
+        maps ["maps' elementwise ops"; HC: torch glue between the kernels, `glue`): the tanh and affine maps, the
+          copies that make pre and res contiguous for the width kernel; their backward (autograd's select/slice
+          backward, the sums of the scales' gradients, the parameters' gradients)
+        dH ["add"] (HC): H feeds normed_projection and width_connection: autograd adds their dH, read 2S, write S
+        fused (the default): the read through triton_hc_read.py (ops.hc_read) in place of the projection, the glue,
+          Sinkhorn, the width connection, the branch's norm, the dH add and the recompute (`fused_read`)
+        recompute (pieces only: ops.hc_read's torch.utils.checkpoint): the backward runs read's forward rows again
+          first (each on its kernel: _proj_fwd, mHC's _sinkhorn_fwd, the maps' glue, _width_fwd) and the branch's
+          RMSNorm but its gain ["RMSNorm's ops (and cast)": 5 launches, +1 cast when the branch is not fp32], which
+          Pre-LN runs once"""
     if design not in ("hc", "mhc"):
         raise ValueError(f"traffic: design is 'hc' or 'mhc', got {design!r}")
     N, D, sb = tokens, d_model, stream_bytes
     S, c = N * n * D * sb, N * n * 4
-    depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S),
-             row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes)]
+    depth = [row("depth_connection", "forward", S + c + N * D * y_bytes, S, launch="_depth_fwd"),
+             row("depth_connection", "backward", S + c + N * D * y_bytes, c + N * D * y_bytes, launch="_depth_bwd")]
     if fused:                                # triton_hc_read.py: the fused read, no checkpoint (nothing recomputed)
         fwd, bwd = fused_read(design, N=N, n=n, D=D, sb=sb, iters=iters, gemm_fp32_out=gemm_fp32_out)
         return fwd + depth + bwd
@@ -545,81 +544,83 @@ def traffic(design, tokens, d_model, n=4, stream_bytes=2, y_bytes=2, iters=20, r
 
 def pieces(design, N, n, D, sb, iters):
     """The read's rows of `traffic` through triton_hc.py's pieces (ops.hc_read on them): the projection, (mHC:
-    Sinkhorn,) the maps' glue, the width connection, dW, and autograd's add of the two dH -> (forward rows, backward
-    rows)."""
+    Sinkhorn,) the maps' glue, the width connection, dW, autograd's add of the two dH -> (forward, backward rows)."""
     S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
-    X = rows * K * sb
-    cast = sb != 4                                            # dW's casts: r g to x's dtype, dW back to fp32
+    X, cast = rows * K * sb, sb != 4                          # cast: dW's, r g to x's dtype and dW back to fp32
     dW = row("normed_projection.dW", "backward", 4 * rows * M + 4 * rows + cast * 4 * rows * M + X + rows * M * sb
              + cast * K * M * sb, 4 * rows * M + cast * sb * rows * M + K * M * sb + cast * 4 * K * M,
-             launches=2 + 2 * cast)
+             launches=2 + 2 * cast, launch="r g, dW GEMM (and casts)")
     glue_fwd, glue_bwd = glue(design, N, n, M)
     sinkhorn = ([], [])
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)                 # Sinkhorn's divisors, n padded to a power of 2
-        sinkhorn = ([row("sinkhorn", "forward", R, R)], [row("sinkhorn", "backward", 2 * R + scratch, R + scratch)])
-    fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows)] + sinkhorn[0] + \
-        [glue_fwd, row("width_connection", "forward", S + c + R, S + N * D * sb)]
-    bwd = [row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R), glue_bwd] + sinkhorn[1] + \
-        [row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X), dW,
-         row("dH (autograd's add)", "backward", 2 * S, S)]
+        sinkhorn = ([row("sinkhorn", "forward", R, R, launch="_sinkhorn_fwd")],
+                    [row("sinkhorn", "backward", 2 * R + scratch, R + scratch, launch="_sinkhorn_bwd")])
+    proj_bwd = row("normed_projection", "backward", X + 4 * K * M + 8 * rows * M + 4 * rows, X, launch="_proj_bwd")
+    fwd = [row("normed_projection", "forward", X + 4 * K * M, 4 * rows * M + 4 * rows, launch="_proj_fwd")] + \
+        sinkhorn[0] + [glue_fwd, row("width_connection", "forward", S + c + R, S + N * D * sb, launch="_width_fwd")]
+    bwd = [row("width_connection", "backward", 2 * S + N * D * sb + c + R, S + c + R, launch="_width_bwd"),
+           glue_bwd] + sinkhorn[1] + [proj_bwd, dW, row("dH (autograd's add)", "backward", 2 * S, S, launch="add")]
     return fwd, bwd
 
 
 def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
     """The fused read's rows of `traffic`, S = N n D sb, c = N n 4, R = N n^2 4, the projection's rows x K and
     X = rows K sb (mHC: N x nD; HC: N n x D), M its columns (the backward in one launch: where H_pre and H_res have
-    no other use, a model's). Both forward: then per token the width connection and the branch's norm (the branch
-    never stored; the gain D floats): read S + c + R + 4 D, write S (mixed) + N D sb (h) + 4 N (rb), in the same
-    launch (_mhc_fwd, _hc_fwd: the streams read twice, counted twice, an upper bound as they are mostly in L2; HC
-    where n divides BLOCK_ROWS, else _width_norm_fwd after _hc_read_fwd). The maps:
-      mHC forward   _mhc_read_fwd  read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits,
-                    res, m and r (2c + 2R + 4 N M + 4 N)
+    no other use, a model's). Forward, one launch (`_mhc_fwd`, `_hc_fwd`; HC where n does not divide BLOCK_ROWS:
+    `_hc_read_fwd`, then `_width_norm_fwd` for the second part): the maps, then per token the width connection and
+    the branch's norm (the branch never stored; the gain D floats): read S + c + R + 4 D, write S (mixed) + N D sb
+    (h) + 4 N (rb) (the streams read twice, counted twice: an upper bound, they are mostly in L2). The maps:
+      mHC forward   read X + 4 K M + R (the logits back, for Sinkhorn), write pre, post, logits, res, m and r
+                    (2c + 2R + 4 N M + 4 N)
           backward  _mhc_bwd  per token: read H, dmixed (2S), dout, pre, rb, the gain; write dpre, dres, c; the
                     maps: read logits, dres, dlogits back (3R), pre, post, their gradients (4c), m, r, Sinkhorn's
                     scratch (4 N (2 iters - 1) pow2(n)), write dlogits, r dm (sb N M), the scratch; by tiles, the
                     per-token reads again (from HBM: an upper bound, they are mostly in L2), res, m, r, phi (4 K M),
-                    write dH (S); rows of the maps' and gain's sums (4 ceil(N / 16) (2 MP + D)), one torch sum;
-                    dphi: one GEMM (read X + sb N M, write 4 K M; without gemm_fp32_out sb K M, then a cast)
-      HC  forward   _hc_read_fwd  read X + 4 K M (W from dynamic_alpha and dynamic_beta, no concatenation),
-                    write pre, post, res, m and r (2c + R + 4 rows M + 4 rows)
+                    write dH (S); rows of the maps' and gain's sums (4 ceil(N / 16) (2 MP + D)), one torch "sum";
+                    dphi: "dW GEMM (and cast)" (read X + sb N M, write 4 K M; without gemm_fp32_out sb K M, a cast)
+      HC  forward   read X + 4 K M (W from dynamic_alpha and dynamic_beta, no concatenation), write pre, post, res,
+                    m and r (2c + R + 4 rows M + 4 rows)
           backward  _hc_bwd  as _mhc_bwd, with HC's maps (read dpre, dpost, dres, m and r; write dm, read back by the
                     tiles, and r dm) and its sums in the parameters' layout (n^2 + 2n + 2 and D a row); dW^T as mHC's
-                    dphi, its first n + 1 rows copied into dynamic_alpha's gradient's layout (the last is beta's)
+                    dphi, its first n + 1 rows "copy"-ed into dynamic_alpha's gradient's layout (the last is beta's)
     -> (forward rows, backward rows)."""
     S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
     X, MP, cast = rows * K * sb, pow2(M, 16), sb != 4 and not gemm_fp32_out
     out = 4 if gemm_fp32_out else sb                                   # the GEMM's output element
     dW = row("dW (torch GEMM)", "backward", X + rows * M * sb + cast * K * M * sb, K * M * out + cast * 4 * K * M,
-             launches=1 + cast)
+             launches=1 + cast, launch="dW GEMM (and cast)")
     width = 2 * S + c + 4 * N + N * D * sb + 4 * D              # H, dmixed, pre, rb or c, dout and the gain, once
     wr, ww = S + c + R + 4 * D, S + N * D * sb + 4 * N             # the width connection's and norm's, forward
     programs = -(-N // BLOCK_ROWS)
     if design == "mhc":
         scratch = 4 * N * (2 * iters - 1) * pow2(n)
         sums = 4 * programs * (2 * MP + D)
-        fwd = [row("mhc_fwd", "forward", X + 4 * K * M + R + wr, 2 * c + 2 * R + 4 * N * M + 4 * N + ww)]
+        fwd = [row("mhc_fwd", "forward", X + 4 * K * M + R + wr, 2 * c + 2 * R + 4 * N * M + 4 * N + ww,
+                   launch="_mhc_fwd")]
         maps = 3 * R + scratch + 4 * c + 4 * N * M + 4 * N
         return fwd, [row("mhc_bwd", "backward", 2 * width + maps + R + 4 * N * M + 8 * N + 4 * K * M,
-                         c + R + 4 * N + R + scratch + sb * N * M + sums + S),
-                     row("mhc_bwd.sums (torch)", "backward", sums, 4 * (2 * MP + D)), dW]
+                         c + R + 4 * N + R + scratch + sb * N * M + sums + S, launch="_mhc_bwd"),
+                     row("mhc_bwd.sums (torch)", "backward", sums, 4 * (2 * MP + D), launch="sum"), dW]
     sums = 4 * programs * (n * n + 2 * n + 2 + D)
     read = X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows
-    fwd = [row("hc_fwd", "forward", read[0] + wr, read[1] + ww)] if BLOCK_ROWS % n == 0 else [
-        row("hc_read", "forward", *read), row("width_norm", "forward", wr, ww)]
+    fwd = [row("hc_fwd", "forward", read[0] + wr, read[1] + ww, launch="_hc_fwd")] if BLOCK_ROWS % n == 0 else [
+        row("hc_read", "forward", *read, launch="_hc_read_fwd"),
+        row("width_norm", "forward", wr, ww, launch="_width_norm_fwd")]
     maps = 2 * c + R + 4 * rows * M + 4 * rows                             # dpre, dpost, dres, m and r
     return fwd, [row("hc_bwd", "backward", 2 * width + maps + R + 8 * rows * M + 4 * rows + 4 * K * M,
-                     c + R + 4 * N + 4 * rows * M + sb * rows * M + sums + S),
-                 row("hc_bwd.sums (torch)", "backward", sums, 4 * (n * n + 2 * n + 2 + D)), dW,
+                     c + R + 4 * N + 4 * rows * M + sb * rows * M + sums + S, launch="_hc_bwd"),
+                 row("hc_bwd.sums (torch)", "backward", sums, 4 * (n * n + 2 * n + 2 + D), launch="sum"), dW,
                  row("dW^T's rows into dynamic_alpha's gradient (a torch copy)", "backward", 4 * K * (n + 1),
-                     4 * K * (n + 1))]
+                     4 * K * (n + 1), launch="copy")]
 
 
-def row(kernel, pass_, read, written, launches=1):
-    """One line of `traffic`."""
-    return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written}
+def row(kernel, pass_, read, written, launches=1, *, launch):
+    """One line of `traffic`; launch: what moves its bytes, a Triton kernel by its function name (`_hc_bwd`, as
+    scripts/kernel_probe.py names it: the roofline's time model books the row on it) or a torch op ("sum")."""
+    return {"kernel": kernel, "pass": pass_, "launches": launches, "read": read, "written": written, "launch": launch}
 
 
 def glue(design, N, n, M):
@@ -638,8 +639,8 @@ def glue(design, N, n, M):
         fwd, bwd = (8, 2 * b + 4 * a + 6 * n + 2 * c), (17, 9 * n + 13 * a + 8 * b + c)
     else:
         fwd, bwd = (9, 14 * n + 4 * c), (25, 24 * n + 8 * c + 9 * M)
-    return (row("maps (torch)", "forward", 4 * N * fwd[1], 0, launches=fwd[0]),
-            row("maps (torch)", "backward", 4 * N * bwd[1], 0, launches=bwd[0]))
+    return (row("maps (torch)", "forward", 4 * N * fwd[1], 0, launches=fwd[0], launch="maps' elementwise ops"),
+            row("maps (torch)", "backward", 4 * N * bwd[1], 0, launches=bwd[0], launch="maps' elementwise ops"))
 
 
 def norm_recompute(N, D, sb):
@@ -648,7 +649,7 @@ def norm_recompute(N, D, sb):
     (checkpoint's recompute stops once the last saved tensor is back: that op's inputs)."""
     cast = sb != 4
     return row("RMSNorm (torch, recompute)", "backward (recompute)", 12 * N * D + 12 * N + cast * N * D * sb,
-               8 * N * D + 12 * N + cast * 4 * N * D, launches=5 + cast)
+               8 * N * D + 12 * N + cast * 4 * N * D, launches=5 + cast, launch="RMSNorm's ops (and cast)")
 
 
 # ----------------------------------------------------------------------------- the same check on a device

@@ -39,7 +39,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations ar
 import torch
 
 from depthbench.kernels import cpu
-from depthbench.kernels.triton_attnres import jit, next_power_of_2, runs_here, storage_dtype, tl, triton
+from depthbench.kernels.triton_attnres import jit, moved, next_power_of_2, runs_here, storage_dtype, tl, triton
 from ops import fp32_maths
 
 # Rows (query tokens x the G query heads of a kv head) one program holds, and its warps. Each row's head width,
@@ -516,38 +516,43 @@ def joint_attention(q, k, v, depth):
 
 # ----------------------------------------------------------------------------- what MoDA moves (the roofline)
 
+CONSUMER_PARTS = ("forward", "backward", "heads", "deferred")   # traffic's parts a consumer moves
+SLOT_PARTS = ("push", "slot")                                   # and those each slot moves, once
+
+
 def traffic(n, tokens, heads, kv_heads, head_dim, storage_bytes=2):
     """HBM bytes read and written, and kernel launches, of the GPU body beyond Pre-LN's attention (the fused
     sequence kernel, forward and backward, is Pre-LN's own), for one consumer that reads n slots, `tokens` = B T;
     q, k, v, o, their gradients, the records and the slots in storage_bytes (sb; bf16 under autocast); lse and Delta
     fp32. With Q = tokens heads head_dim (a query-side tensor), S = tokens kv_heads head_dim (one slot's key or
-    value), R = tokens heads (rows), X = 2 sb (S + Q) when kv_heads < heads (k and v expanded to the query heads
-    for the fused kernel, and their gradients folded back), else 0:
+    value), R = tokens heads (rows), X = 2 sb (S + Q) when kv_heads < heads, else 0:
 
         forward   `_depth_forward`: read q, o_s (2 Q sb), the slots' keys and values (2 n S sb), lse_s (4 R);
-                  written o (Q sb), lse and share (8 R); + X; launches 1 (+ 2 expansions)
+                  written o (Q sb), lse and share (8 R); launches 1
         backward  `_depth_backward`: read q, o, do, dq_s (4 Q sb), 2 n S sb, lse (4 R); written dq (Q sb) and the
-                  record (q, do: 2 Q sb; lse, Delta: 8 R; n: 4 bytes); + X; launches 1 (+ 2 folds)
-        deferred  what this consumer adds to the slot passes: each pass over a pair of its slots (n / 2 passes; one
-                  per slot when n is odd) reads its record, 2 Q sb + 8 R
-        push      each slot, once, whatever its consumers. Forward: residuals.MoDA.write's contiguous copies of the
-                  key and value (read and write 2 S sb) and the copy into the bank (the same); launches 4. Backward:
-                  half a slot pass (the slot's key and value read, 2 S sb; their gradients written, 2 S sb) and the
-                  gradients' way back into the projections (the view's reshape copy, the sum with attention's own dk,
-                  dv or the W_kv slices' scatter: about read 4 S sb, written 2 S sb, 3 launches); launches 3.5
+                  record (q, do: 2 Q sb; lse, Delta: 8 R; n: 4 bytes); launches 1
+        heads     torch ("expand and fold heads"): with kv_heads < heads, k and v expanded to the query heads for the
+                  fused kernel (2 launches), their gradients folded back (2): read 2 X, written 2 X
+        deferred  `_slot_backward`, what this consumer adds to the slot passes: each pass over a pair of its slots
+                  (n / 2 passes; one per slot when n is odd) reads its record, 2 Q sb + 8 R
+        push      each slot, once, whatever its consumers, torch ("push's copies and sums"). Forward:
+                  residuals.MoDA.write's contiguous copies of the key and value (read and write 2 S sb) and the copy
+                  into the bank (the same); launches 4. Backward: the gradients' way back into the projections (the
+                  view's reshape copy, the sum with attention's own dk, dv or the W_kv slices' scatter: about read
+                  4 S sb, written 2 S sb); launches 3
+        slot      each slot, once: `_slot_backward`'s half a slot pass (the slot's key and value read, 2 S sb; their
+                  gradients written, 2 S sb); launches 0.5
 
-    -> {"forward" | "backward" | "deferred" | "push": {"read": bytes, "written": bytes, "launches": count}}. A step:
-    the sum over the consumers of forward, backward and deferred, plus push per slot. Per (consumer, slot) and
-    element of the slot's key and value: forward 2 sb, backward 2 sb, the slot pass G sb / 2 (G = heads / kv_heads;
-    the record read once for a pair of slots)."""
+    -> {part: `moved`} (CONSUMER_PARTS, SLOT_PARTS). A step: the sum over the consumers of CONSUMER_PARTS, plus
+    SLOT_PARTS per slot. Per (consumer, slot) and element of the slot's key and value: forward 2 sb, backward 2 sb,
+    the slot pass G sb / 2 (G = heads / kv_heads; the record read once for a pair of slots)."""
     Q, S, R, sb = tokens * heads * head_dim, tokens * kv_heads * head_dim, tokens * heads, storage_bytes
-    gqa = kv_heads < heads
-    X = 2 * sb * (S + Q) * int(gqa)
-    forward = {"read": 2 * Q * sb + 2 * n * S * sb + 4 * R + X, "written": Q * sb + 8 * R + X,
-               "launches": 1 + 2 * int(gqa)}
-    backward = {"read": 4 * Q * sb + 2 * n * S * sb + 4 * R + X, "written": 3 * Q * sb + 8 * R + 4 + X,
-                "launches": 1 + 2 * int(gqa)}
-    deferred = {"read": -(-n // 2) * (2 * Q * sb + 8 * R), "written": 0, "launches": 0}
-    push = {"read": 4 * S * sb + 2 * S * sb + 4 * S * sb, "written": 4 * S * sb + 2 * S * sb + 2 * S * sb,
-            "launches": 7.5}
-    return {"forward": forward, "backward": backward, "deferred": deferred, "push": push}
+    gqa = int(kv_heads < heads)
+    X = 2 * sb * (S + Q) * gqa
+    return {"forward": moved(2 * Q * sb + 2 * n * S * sb + 4 * R, Q * sb + 8 * R, launch="_depth_forward"),
+            "backward": moved(4 * Q * sb + 2 * n * S * sb + 4 * R, 3 * Q * sb + 8 * R + 4, launch="_depth_backward"),
+            "heads": moved(2 * X, 2 * X, launches=4 * gqa, launch="expand and fold heads"),
+            "deferred": moved(-(-n // 2) * (2 * Q * sb + 8 * R), 0, launches=0, launch="_slot_backward"),
+            "push": moved(4 * S * sb + 4 * S * sb, 4 * S * sb + 2 * S * sb, launches=7,
+                          launch="push's copies and sums"),
+            "slot": moved(2 * S * sb, 2 * S * sb, launches=0.5, launch="_slot_backward")}
