@@ -328,3 +328,30 @@ def test_the_host_term_is_the_compiled_step_beyond_preln_where_measured():
     eager = roofline.host_time("attnres", rows, host, shape)
     assert not eager["compiled"] and eager["total"] == pytest.approx(got["eager_total"])
     assert "eager" in roofline.host_header({"host": host}).split("|")[0]
+
+
+def test_the_step_as_one_cuda_graph_has_no_host_term_and_the_graphs_gap(capsys):
+    """The captured table: every design's step is its device time with tau replaced by the graph's gap between
+    kernels, its Triton kernels' launches at that gap too, whatever the host measured (the probe's host numbers inflated 100x change nothing); Pre-LN's is its
+    backbone and its kernels at that gap; a larger gap adds the same per kernel to every design, so where a design
+    launches more than Pre-LN its step grows more. The table prints each design's ratio against its target."""
+    c = {**roofline.calibrate("attnres", gpu="H100"), "eta_gpu": roofline.ETA_GPU}
+    designs = ["preln", *TIMED]
+    slow_host = {**PROBE["host"], "designs": {d: {k: 100 * v if isinstance(v, float) else v for k, v in h.items()}
+                                              for d, h in PROBE["host"]["designs"].items()}}
+    got = roofline.captured_report(roofline.CARD, PROBE, c, designs, gap_s=1e-6)
+    assert roofline.captured_report(roofline.CARD, {**PROBE, "host": slow_host}, c, designs, gap_s=1e-6) == got
+    kernels = roofline.today_kernels("preln", roofline.CARD, c["fusion"])
+    assert got["preln"]["step_ms"] == pytest.approx(1e3 * (roofline.backbone(roofline.CARD, c) + kernels * 1e-6))
+    for design in TIMED:
+        device = roofline.time_model(design, roofline.CARD, {**c, "tau": 1e-6}, {**PROBE, "host": None})
+        launches = sum(r["launches"] for r in PROBE["rows"] if r["design"] == design)    # its Triton kernels
+        assert got[design]["step_ms"] == pytest.approx(device["device_ms"] + 1e3 * launches * 1e-6)
+        assert got[design]["x_preln"] == pytest.approx(got[design]["step_ms"] / got["preln"]["step_ms"])
+        assert got[design]["meets"] == (got[design]["x_preln"] <= roofline.TIME_TARGETS[design])
+    wider = roofline.captured_report(roofline.CARD, PROBE, c, designs, gap_s=3e-6)
+    for design in TIMED:
+        extra = wider[design]["step_ms"] - got[design]["step_ms"]
+        assert extra > wider["preln"]["step_ms"] - got["preln"]["step_ms"], design   # each launches more than Pre-LN
+    table = capsys.readouterr().out
+    assert "the step as one CUDA graph" in table and f"| hc | {got['hc']['step_ms']:.1f} |" in table
