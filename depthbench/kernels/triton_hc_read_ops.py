@@ -97,19 +97,32 @@ def mhc_read_backward(H, params, kept, grads, iters):
     return dH.view(H.shape), weight_gradient(x, rg, phi), torch.cat([part.sum(0), dgain.float()])
 
 
+def _mhc_save(ctx, H, params, maps, kept, iters):
+    """What mHC's read backward needs, saved by both of its Functions (the read's and maps_gradient's): H, the six
+    params, H_pre, H_post, H_res, then the logits, m, r and rb (kept: H_post and those four), and Sinkhorn's iters."""
+    (pre, res), (post, *rest) = maps, kept
+    ctx.save_for_backward(H, *params, pre, post, res, *rest)
+    ctx.iters = iters
+
+
+def _mhc_backward(ctx, grads):
+    """mhc_read_backward on what _mhc_save kept, for grads (dh, dpre, dpost, dres, dmixed) -> (dH, params' grads)."""
+    H, *saved = ctx.saved_tensors
+    params, kept = saved[:6], saved[6:]
+    dH, dphi, sums = call(mhc_read_backward, H, params, kept, grads=grads, iters=ctx.iters)
+    return dH, _mhc_parameter_gradients(dphi, sums, params[5])
+
+
 def _mhc_setup(ctx, inputs, output):
-    H, params, _, ctx.iters = inputs
+    H, params, _, iters = inputs
     _, pre, post, res, _, logits, m, r, rb = output
-    ctx.save_for_backward(H, *params, pre, post, res, logits, m, r, rb)
+    _mhc_save(ctx, H, params, (pre, res), kept=(post, logits, m, r, rb), iters=iters)
     split_maps(ctx, (pre, res), kept=(logits, m, r, rb))
 
 
 def _mhc_gradients(ctx, dh, dpre, dpost, dres, dmixed, *_kept):
-    H, *saved = ctx.saved_tensors
-    params, kept = saved[:6], saved[6:]
     grads = [dh, None, dpost, None, dmixed] if ctx.split else [dh, dpre, dpost, dres, dmixed]
-    dH, dphi, sums = call(mhc_read_backward, H, params, kept, grads=grads, iters=ctx.iters)
-    return dH, _mhc_parameter_gradients(dphi, sums, params[5]), None, None
+    return (*_mhc_backward(ctx, grads), None, None)
 
 
 def _mhc_parameter_gradients(dphi, sums, gain):
@@ -120,15 +133,13 @@ def _mhc_parameter_gradients(dphi, sums, gain):
 
 
 def _mhc_maps_setup(ctx, inputs, output):
-    (pre, res), H, params, (post, logits, m, r, rb, ctx.iters) = inputs
-    ctx.save_for_backward(H, *params, pre, post, res, logits, m, r, rb)          # as _mhc_setup
+    maps, H, params, kept, iters = inputs
+    _mhc_save(ctx, H, params, maps, kept, iters)
 
 
 def _mhc_maps_gradients(ctx, dpre, dres):
-    H, *saved = ctx.saved_tensors
-    params, kept = saved[:6], saved[6:]
-    dH, dphi, sums = call(mhc_read_backward, H, params, kept, grads=[None, dpre, None, dres, None], iters=ctx.iters)
-    return [None, None], dH, _mhc_parameter_gradients(dphi, sums, params[5]), [None] * 6
+    dH, params_grads = _mhc_backward(ctx, [None, dpre, None, dres, None])
+    return [None, None], dH, params_grads, [None] * 5, None
 
 
 mhc_read_call = autograd_op(mhc_read_forward, _mhc_gradients, _mhc_setup)   # compiled: the op; eager: its body
@@ -199,18 +210,31 @@ def three_kernels(saved, grads):
     return dH.view(rows, D), sums, rg, dgain
 
 
+def _hc_save(ctx, H, params, maps, kept):
+    """What HC's read backward needs, saved by both of its Functions (the read's and maps_gradient's): H, the
+    dynamic_alpha, dynamic_beta, the two scales and the gain of params (the static maps are not read), H_pre and
+    H_res (maps), then m, r and rb (kept)."""
+    A, B, _, _, alpha_scale, beta_scale, gain = params
+    ctx.save_for_backward(H, A, B, alpha_scale, beta_scale, gain, *maps, *kept)
+
+
+def _hc_backward(ctx, grads):
+    """hc_read_backward on what _hc_save kept, for grads (dh, dpre, dpost, dres, dmixed) -> (dH, params' grads)."""
+    H, *saved = ctx.saved_tensors
+    dH, dWt, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=grads)
+    return dH, _hc_parameter_gradients(dWt, sums, gain=saved[4])
+
+
 def _hc_setup(ctx, inputs, output):
-    H, (A, B, _, _, alpha_scale, beta_scale, gain), _ = inputs
+    H, params, _ = inputs
     _, pre, _, res, _, m, r, rb = output
-    ctx.save_for_backward(H, A, B, alpha_scale, beta_scale, gain, pre, res, m, r, rb)
+    _hc_save(ctx, H, params, (pre, res), kept=(m, r, rb))
     split_maps(ctx, (pre, res), kept=(m, r, rb))
 
 
 def _hc_gradients(ctx, dh, dpre, dpost, dres, dmixed, *_kept):
-    H, *saved = ctx.saved_tensors
     grads = [dh, None, dpost, None, dmixed] if ctx.split else [dh, dpre, dpost, dres, dmixed]
-    dH, dWt, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=grads)
-    return dH, _hc_parameter_gradients(dWt, sums, gain=saved[4]), None
+    return (*_hc_backward(ctx, grads), None)
 
 
 def _hc_parameter_gradients(dWt, sums, gain):
@@ -222,14 +246,13 @@ def _hc_parameter_gradients(dWt, sums, gain):
 
 
 def _hc_maps_setup(ctx, inputs, output):
-    (pre, res), H, (A, B, _, _, alpha_scale, beta_scale, gain), (m, r, rb) = inputs
-    ctx.save_for_backward(H, A, B, alpha_scale, beta_scale, gain, pre, res, m, r, rb)     # as _hc_setup
+    maps, H, params, kept = inputs
+    _hc_save(ctx, H, params, maps, kept)
 
 
 def _hc_maps_gradients(ctx, dpre, dres):
-    H, *saved = ctx.saved_tensors
-    dH, dWt, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=[None, dpre, None, dres, None])
-    return [None, None], dH, _hc_parameter_gradients(dWt, sums, gain=saved[4]), [None] * 3
+    dH, params_grads = _hc_backward(ctx, [None, dpre, None, dres, None])
+    return [None, None], dH, params_grads, [None] * 3
 
 
 hc_read_call = autograd_op(hc_read_forward, _hc_gradients, _hc_setup)   # compiled: the op; eager: its body
@@ -249,9 +272,10 @@ def split_maps(ctx, maps, kept):
     ctx.set_materialize_grads(False)
 
 
-def maps_gradient(maps_call, outputs, inputs, rest):
+def maps_gradient(maps_call, outputs, inputs):
     """The read's outputs (h, H_pre, H_post, H_res, mixed); while dynamo traces, H_pre's and H_res' gradients go
-    through `maps_call`, a second Function (copies of the two whose backward is the read's backward op for dpre and
+    through `maps_call` (called with the two, then `inputs`: H, params, the tensors the backward keeps and, mHC,
+    Sinkhorn's iters), a second Function (copies of the two whose backward is the read's backward op for dpre and
     dres alone), and the read's Function, which marks the two non-differentiable there (`split_maps`), gets dh, dpost
     and dmixed only and runs the one-launch backward: a backward is linear in the output gradients, so the two
     Functions' sum is the read's gradient. Why: dynamo traces a Function's backward before it knows which outputs
@@ -261,8 +285,7 @@ def maps_gradient(maps_call, outputs, inputs, rest):
     if not torch.compiler.is_compiling():
         return outputs
     h, pre, post, res, mixed = outputs
-    H, params = inputs
-    pre, res = maps_call([pre, res], H, params, rest)   # rest: what the backward keeps beyond the two (mHC: iters)
+    pre, res = maps_call([pre, res], *inputs)
     return h, pre, post, res, mixed
 
 
@@ -278,11 +301,11 @@ def hc_read(design, H, site):
     if type(design).__name__ == "MHC":
         params = [c.phi, c.b, c.alpha_pre, c.alpha_post, c.alpha_res, gain]
         h, pre, post, res, mixed, logits, m, r, rb = mhc_read_call(H, params, eps, design.sinkhorn_iters)
-        rest = [post, logits, m, r, rb, design.sinkhorn_iters]
-        return maps_gradient(mhc_maps_call, (h, pre, post, res, mixed), (H, params), rest)
+        inputs = (H, params, [post, logits, m, r, rb], design.sinkhorn_iters)
+        return maps_gradient(mhc_maps_call, (h, pre, post, res, mixed), inputs)
     params = [c.dynamic_alpha, c.dynamic_beta, c.static_alpha, c.static_beta, c.alpha_scale, c.beta_scale, gain]
     h, pre, post, res, mixed, m, r, rb = hc_read_call(H, params, eps)
-    return maps_gradient(hc_maps_call, (h, pre, post, res, mixed), (H, params), [m, r, rb])
+    return maps_gradient(hc_maps_call, (h, pre, post, res, mixed), (H, params, [m, r, rb]))
 
 
 BODIES = {"hc_read": hc_read}   # ops.TWO_BODIES names -> their GPU body (kernels.triton_bodies)
