@@ -134,7 +134,7 @@ def _mhc_parameter_gradients(dphi, sums, gain):
 
 def _mhc_maps_setup(ctx, inputs, output):
     maps, H, params, kept, iters = inputs
-    _mhc_save(ctx, H, params, maps, kept, iters)
+    _mhc_save(ctx, H, params, maps, kept=kept, iters=iters)
 
 
 def _mhc_maps_gradients(ctx, dpre, dres):
@@ -247,7 +247,7 @@ def _hc_parameter_gradients(dWt, sums, gain):
 
 def _hc_maps_setup(ctx, inputs, output):
     maps, H, params, kept = inputs
-    _hc_save(ctx, H, params, maps, kept)
+    _hc_save(ctx, H, params, maps, kept=kept)
 
 
 def _hc_maps_gradients(ctx, dpre, dres):
