@@ -293,6 +293,8 @@ class KernelRow:
     access_bytes: float         # per step: bytes the loads and stores name (predicated lanes counted)
     trips_known: bool           # every loop's trip count evaluated (else a loop counts once: a lower bound)
     arguments: int              # arguments a launch passes that are not constexprs (the host specialises each)
+    local_accesses: int = 0     # STL / LDL instructions (spills, a stack frame's traffic), the most of any variant
+    loop_local_accesses: int = 0   # of them inside a loop, the most of any variant: a spill each iteration pays
 
     def issue_floor_s(self, gpu=H100):
         """Seconds the step's warp-instructions of this kernel take at one a clock per scheduler on every SM."""
@@ -342,7 +344,9 @@ def kernel_row(design, name, launches, variants):
         loads=hot.sass.loads, loop_instructions=body.instructions, loop_barriers=body.barriers,
         warp_instructions=total["instructions"], fp32_flops=total["flops"], dot_flops=total["dots"],
         access_bytes=total["memory"], trips_known=total["known"],
-        arguments=sum(kind != "constexpr" for kind in hot_launch.signature.values()))
+        arguments=sum(kind != "constexpr" for kind in hot_launch.signature.values()),
+        local_accesses=max(sum(v.sass.local.values()) for v in used),
+        loop_local_accesses=max(sum(n for where, n in v.sass.local.items() if where >= 0) for v in used))
 
 
 def probe_design(design, shape, tools, variants, log=print):
@@ -561,13 +565,15 @@ def ctas_column(row):
 
 def report(rows, host=None):
     """The probe's table (one row per design and kernel) and, with `host`, the host-time lines."""
-    print("| design | kernel | launches | regs x warps | stack+local B | shared KB | CTAs/SM | programs | waves | async "
-          "copies | loads (bits: LDGs) | loop instr / barriers | warp-instr / step | issue floor ms |")
+    print("| design | kernel | launches | regs x warps | stack+local B (STL/LDL, in loops) | shared KB | CTAs/SM | "
+          "programs | waves | async copies | loads (bits: LDGs) | loop instr / barriers | warp-instr / step | issue "
+          "floor ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         loads = " ".join(f"{bits}: {n}" for bits, n in sorted(r.loads.items(), key=lambda x: -int(x[0])))
         floor = f"{1e3 * r.issue_floor_s():.2f}" + ("" if r.trips_known else " (>=)")
-        print(f"| {r.design} | {r.kernel} | {r.launches} | {r.registers} x {r.warps} | {r.spills} | "
+        print(f"| {r.design} | {r.kernel} | {r.launches} | {r.registers} x {r.warps} | {r.spills} "
+              f"({r.local_accesses}, {r.loop_local_accesses}) | "
               f"{r.shared / 1024:.1f} | {ctas_column(r)} | {r.programs:,} | {r.waves} | {r.async_copies} | {loads} | "
               f"{r.loop_instructions} / {r.loop_barriers} | {r.warp_instructions / 1e9:.2f} G | {floor} |")
     if host:

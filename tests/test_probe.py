@@ -73,6 +73,25 @@ def test_the_sass_reader_finds_the_loops_their_bodies_and_the_widths():
     assert sass.flops == {0: {"FFMA": 1}, 1: {"FADD": 1}}
 
 
+# a spill inside a loop (STL before its work, LDL after), a stack frame's store and load outside it
+SPILLING = """
+        /*0000*/                   STL [R1], R2 ;
+        /*0010*/                   STL.64 [R1+0x8], R6 ;
+        /*0020*/                   FADD R3, R3, R4 ;
+        /*0030*/                   LDL R5, [R1+0x4] ;
+        /*0040*/              @!P0 BRA 0x10 ;
+        /*0050*/                   LDL.64 R6, [R1+0x8] ;
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_local_memory_accesses_are_counted_inside_and_outside_loops():
+    """STL and LDL (any width) are local memory: 2 in the loop 0x10-0x40 (a spill each iteration pays), 2 outside;
+    the reader of a kernel without them (SASS above) finds none."""
+    assert cc.read_sass(SPILLING).local == {0: 2, -1: 2}
+    assert cc.read_sass(SASS).local == {}
+
+
 def test_trips_come_from_the_launch_ints_through_the_ttir():
     """At n = 7 and D = 640 (cdiv 5): a thread executes 6 + 7 x 4 + 7 x 5 x 2 = 104 instructions, 7 x 2 + 7 x 5 =
     49 fp32 FLOPs, 7 x 16 + 6 bytes; the dot (16 x 64 x 32, bf16) runs 7 times a program. At D = 512: 4 inner trips."""

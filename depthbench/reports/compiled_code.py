@@ -34,6 +34,8 @@ class Sass:
     async_copies: int           # LDGSTS / UTMALDG instructions inside loops
     flops: dict                 # {loop index (-1: outside loops): {fp opcode: count}}
     memory: dict                # {loop index (-1: outside): global bytes a thread loads or stores there}
+    local: dict = field(default_factory=dict)   # {loop index (-1: outside): STL / LDL instructions (local memory:
+                                                # spills, or a stack frame's traffic)}
 
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -72,10 +74,11 @@ def innermost(loops, address):
 
 
 def read_sass(text):
-    """Sass: per-loop bodies, barriers, load widths, async copies and fp instructions, of one kernel's SASS."""
+    """Sass: per-loop bodies, barriers, load widths, async copies, fp instructions and local memory accesses, of one
+    kernel's SASS."""
     instructions = parse_sass(text)
     loops = sass_loops(instructions)
-    outside, loads, async_copies, flops, memory = 0, {}, 0, {}, {}
+    outside, loads, async_copies, flops, memory, local = 0, {}, 0, {}, {}, {}
     for address, opcode, _ in instructions:
         where = innermost(loops, address)
         if where < 0:
@@ -88,11 +91,14 @@ def read_sass(text):
             loads[width_bits(opcode)] = loads.get(width_bits(opcode), 0) + 1
         if opcode.startswith(("LDG", "STG", "RED", "ATOMG")):
             memory[where] = memory.get(where, 0) + width_bits(opcode) // 8
+        if opcode.startswith(("STL", "LDL")):
+            local[where] = local.get(where, 0) + 1
         base = opcode.split(".")[0]
         if base in FLOP_WEIGHT:
             flops.setdefault(where, {}).setdefault(base, 0)
             flops[where][base] += 1
-    return Sass(outside=outside, loops=loops, loads=loads, async_copies=async_copies, flops=flops, memory=memory)
+    return Sass(outside=outside, loops=loops, loads=loads, async_copies=async_copies, flops=flops, memory=memory,
+                local=local)
 
 
 def width_bits(opcode):
