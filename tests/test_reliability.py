@@ -886,9 +886,13 @@ def processes_naming(path):
        "suite; the same command again resumes that run from its checkpoint and finishes it")
 def test_sigterm_to_the_mini_suite_stops_its_runs_and_a_rerun_resumes(tmp_path):
     out = tmp_path / "suite"
-    steps = 100  # the signal lands mid-run (~15 s of steps after the first on an idle core); the rerun trains the rest
+    # the signal lands mid-run: it is sent at the first step's line, with ~6 s of steps left on an idle core (0.15 s
+    # a step; under load every step is slower alike), as in the kill -9 test below; the rerun trains the rest. Its
+    # diagnostics at 2 windows, as there: what it resumes is the property, not diagnose.py (32 windows took ~12 s)
+    steps = 40
     argv = [sys.executable, "-B", "mini.py", "--probes", "synthetic", "--designs", "preln", "--ar", "9.1", "--seeds",
-            "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", str(steps), "--jobs", "1", "--out", str(out)]
+            "0", "--deep-seeds", "", "--lr", "3e-3", "--steps", str(steps), "--diag-samples", "2", "--jobs", "1",
+            "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for _ in range(1200):  # until the run has taken a step: its first step line (the header's "tokens/step " is not)
