@@ -1,7 +1,6 @@
 """The memory plan (depthbench/training/costs.py, docs/training.md#memory) against what a training forward keeps,
 measured on the CPU (costs.kept_bytes), and HC/mHC's recomputation (`recompute`), which keeps less and changes nothing
 else."""
-import gc
 import itertools
 from types import SimpleNamespace
 
@@ -11,6 +10,10 @@ import torch
 import shapes
 from depthbench.training import costs, recipe
 from model import GPT, GPTConfig
+
+# kept_bytes' gc.collect() (no earlier garbage collected inside its window) then walks only each test's own objects,
+# not the whole suite's heap: ~0.7 s a collection after the suite's collection, ~300 measurements in this file
+pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 # (L, d, T, heads): none of them a shape scripts/calibrate_memory.py fitted the constants on (L2/4, d64/128, T32)
 SHAPES = [(3, 96, 48, 6), (5, 64, 24, 2), (2, 160, 64, 10)]
@@ -32,14 +35,7 @@ def kept(model, B, T, bf16, tries=1):
     the file alone or with its neighbours reproduced; so a check that finds a measurement off takes it again as the
     least of two (`within_or_again`). Repeated measurements agree to the byte otherwise."""
     idx = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    # every object made so far out of the collector's reach while we measure: kept_bytes' gc.collect() then walks only
-    # what came after, and no earlier garbage can be collected inside its window either. After the whole suite's
-    # collection a full gc.collect() took ~0.7 s, and this file measures ~300 times (checkpointed blocks: 49 -> 6 s)
-    gc.freeze()
-    try:
-        return min(costs.kept_bytes(model, idx, bf16=bf16) for _ in range(tries))
-    finally:
-        gc.unfreeze()
+    return min(costs.kept_bytes(model, idx, bf16=bf16) for _ in range(tries))
 
 
 def within_or_again(measure, faults):

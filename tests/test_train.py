@@ -504,7 +504,7 @@ def test_a_config_from_any_version_becomes_a_run_config():
 
 
 @pytest.mark.slow
-def test_every_suite_row_and_design_fits_80gb_at_its_default(monkeypatch):
+def test_every_suite_row_and_design_fits_80gb_at_its_default(monkeypatch, frozen_heap):
     """The 400m recipe's default micro-batch: a power of two up to the paper's, dividing the global batch over 8
     ranks, whose memory plan fits an 80 GB GPU, for every row of every suite and every design."""
     monkeypatch.setattr(recipe, "count_params", functools.lru_cache(recipe.count_params))  # one meta build per shape
