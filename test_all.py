@@ -1133,18 +1133,22 @@ def test_released_shapes_follow_the_paper_rows_with_their_designs():
 
 
 @pytest.mark.slow
-def test_shapes_cli_suite_json():
-    """`shapes.py --suite 1.6b --json`: three rows, 8 KV heads, the exact totals; no name lists suites."""
+def test_shapes_cli_suite_json(capsys):
+    """`shapes.py --suite 1.6b --json`, a process as typed: three rows, 8 KV heads, the exact totals. The same main in
+    this process (a process more is ~4 s of imports, nothing they test): no name lists suites; an unknown name is
+    one line, exit 2, nothing on stdout."""
     import json
     r = run("shapes.py", "--suite", "1.6b", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert [(x["d_ff"], x["n_kv_head"], x["params"], x["steps"]) for x in rows] == [
         (6144, 8, 1_615_349_760, 30400), (5184, 8, 1_607_179_968, 30400), (4512, 8, 1_617_192_544, 30400)]
-    listing = run("shapes.py", "--suite")
-    assert [line.split()[0] for line in listing.stdout.splitlines()] == list(shapes.SUITES)
-    bad = run("shapes.py", "--suite", "nosuch")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not bad.stdout
+    shapes.main(["--suite"])
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == list(shapes.SUITES)
+    with pytest.raises(SystemExit) as bad:
+        shapes.main(["--suite", "nosuch"])
+    out, err = capsys.readouterr()
+    assert bad.value.code == 2 and err.count("\n") == 1 and not out, err
 
 
 # ----------------------------------------------------------------------------- precision under bf16 autocast

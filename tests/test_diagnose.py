@@ -400,9 +400,11 @@ def test_token_shard_windows_follow_the_release_rule(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
+def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path, capsys):
     """No --num-samples/--seq-len: each metric gets the release's windows x tokens (capped at the run's length),
-    metrics with one setting share one sweep; --token-data-glob gives the release's windows; bf16 needs CUDA."""
+    metrics with one setting share one sweep; --token-data-glob gives the release's windows (a process, as typed);
+    the help says the same; bf16 needs CUDA (those two in this process: the same main, without ~4 s of imports
+    each; every script's --help also runs as a process in tests/test_first_day.py)."""
     import numpy as np
     for f in range(2):
         np.save(tmp_path / f"eval_{f}.npy", np.random.default_rng(f).integers(0, V, 4000).astype(np.uint16))
@@ -415,13 +417,16 @@ def test_cli_defaults_are_the_release_protocol_per_metric(tmp_path):
         "angular": (128, 512), "lens": (32, 512), "causal": (16, 256), "pruning": (16, 256), "perm": (12, 256)}
     assert "the release's rule, seed 42" in meta["samples"]["causal"]["calibration"]
     assert set(meta["timings_s"]) == {"128x512", "32x512", "16x256", "12x256"}
-    help_text = run_cli("--help").stdout
+    with pytest.raises(SystemExit):
+        dg.main(["--help"])
     want = ("angular, attnres, dense, erank, deadzone 128 x 512; causal, pruning 16 x 256; perm 12 x 256; lens 32 x 512; "
             "collapse 256 x 512")
-    assert want in " ".join(help_text.split())
-    r = run_cli("--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--calib", "synthetic",
-                "--dtype", "bf16", "--device", "cpu", "--metrics", "angular")
-    assert r.returncode == 2 and "--dtype bf16 runs on CUDA" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert want in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as e:
+        dg.main(["--init", "preln", "--layers", "2", "--width", "32", "--heads", "2", "--calib", "synthetic",
+                 "--dtype", "bf16", "--device", "cpu", "--metrics", "angular"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--dtype bf16 runs on CUDA" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow

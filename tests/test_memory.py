@@ -11,6 +11,10 @@ import shapes
 from depthbench.training import costs, recipe
 from model import GPT, GPTConfig
 
+# kept_bytes' gc.collect() (no earlier garbage collected inside its window) then walks only each test's own objects,
+# not the whole suite's heap: ~0.7 s a collection after the suite's collection, ~300 measurements in this file
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 # (L, d, T, heads): none of them a shape scripts/calibrate_memory.py fitted the constants on (L2/4, d64/128, T32)
 SHAPES = [(3, 96, 48, 6), (5, 64, 24, 2), (2, 160, 64, 10)]
 

@@ -306,21 +306,23 @@ AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 @pytest.mark.slow
 @pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs the Austen corpus in ../shared/data/austen")
 def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
-    """The text toy grid with four designs, DeepNorm forced to diverge (--design-lr at an absurd LR): the suite does
+    """The text toy grid with three designs, DeepNorm forced to diverge (--design-lr at an absurd LR): the suite does
     not fail, its two DeepNorm runs are reported diverged (progress lines, summary.md with the step, paired against
-    Pre-LN as higher on every seed), and the other three designs' cells complete: both seeds trained, diagnosed,
-    in summary.md and the suite figures."""
-    argv = [sys.executable, "mini.py", "--designs", "preln,sandwich,lns,deepnorm", "--ar", "32", "--seeds", "0,1",
+    Pre-LN as higher on every seed), and the other two designs' cells complete: both seeds trained, diagnosed, in
+    summary.md (LNS paired against Pre-LN) and the suite figures. Two designs beside the diverged one show all of
+    it (Pre-LN to pair with, one more to be paired); a third (Sandwich-LN) added 2 runs and 2 diagnoses, nothing
+    the others do not show, and ~20 s (53 -> 32 s)."""
+    argv = [sys.executable, "mini.py", "--designs", "preln,lns,deepnorm", "--ar", "32", "--seeds", "0,1",
             "--deep-seeds", "", "--steps", "4", "--lr", "3e-3", "--design-lr", "deepnorm=1e6", "--probes", "text",
             "--text", str(AUSTEN), "--diag-samples", "2", "--out", str(tmp_path)]
     r = subprocess.run(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[train] 8 runs, 2 at a time" in r.stdout and "[diagnose] 6 runs, 2 at a time" in r.stdout
+    assert "[train] 6 runs, 2 at a time" in r.stdout and "[diagnose] 4 runs, 2 at a time" in r.stdout
     assert r.stdout.count(": diverged in ") == 2 and r.stdout.count("text deepnorm ar=32") == 2
     runs = {(run["config"]["residual"], run["config"]["seed"]): run
             for run in (json.loads(p.read_text()) for p in (tmp_path / "text").glob("*/run.json"))}
-    assert len(runs) == 8
+    assert len(runs) == 6
     for (res, seed), run in runs.items():
         assert run["diverged"] == (res == "deepnorm") and run["finished"] == (res != "deepnorm")
         assert run["config"]["lr"] == (1e6 if res == "deepnorm" else 3e-3)
@@ -330,7 +332,7 @@ def test_toy_suite_with_a_design_forced_to_diverge(tmp_path):
     deep_row = next(line for line in table.splitlines() if line.startswith("| deepnorm |"))
     assert f"| 0 + 2 diverged (seed 0 at step {steps[0]}, seed 1 at step {steps[1]}) | — |" in deep_row
     assert "| lower on 0/2 (diverged on seed 0, 1) | worse |" in deep_row
-    for res in ("preln", "sandwich", "lns"):
+    for res in ("preln", "lns"):
         row = next(line for line in table.splitlines() if line.startswith(f"| {res} |"))
         losses = [runs[(res, s)]["final"]["val_loss"] for s in (0, 1)]
         assert f"| 3e-3 | 2 | {suite_tables.spread(losses)} |" in row

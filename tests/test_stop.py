@@ -194,10 +194,13 @@ def test_sigterm_mid_accumulation_in_a_real_process(tmp_path):
     resume = shlex.join(["train.py", *LONG, "--out", str(tmp_path / "b"), "--resume"])
     assert code == 143 and err.splitlines() == [f"interrupted at step {step}: saved ckpt.pt; resume with: python {resume}"]
     assert f"step {step + 1} dropped after micro-batch " in out
-    for folder, extra in (("a", []), ("b", ["--resume"])):
-        r = subprocess.run(cmd + ["--out", str(tmp_path / folder), *extra], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stderr[-2000:]
+    # the uninterrupted run and the resume side by side: one thread each, two cores (one after the other, one idled)
+    runs = [subprocess.Popen(cmd + ["--out", str(tmp_path / folder), *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            for folder, extra in (("a", []), ("b", ["--resume"]))]
+    for p in runs:
+        err = p.communicate(timeout=300)[1]
+        assert p.returncode == 0, err[-2000:]
     same_run(tmp_path / "a", tmp_path / "b")
 
 
