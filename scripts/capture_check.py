@@ -2,7 +2,7 @@
 Whether a design's training step can be recorded as one CUDA graph and replayed (depthbench/training/compiled.py
 `capture_step`, profile_gpu.py --compile capture), checked on the CPU (issue 68: the host's time per step).
 
-    python scripts/capture_check.py                        # every design with Triton kernels, L4 d64 B2 T16
+    python scripts/capture_check.py                        # every design, eager and compiled, L4 d64 B2 T16
     python scripts/capture_check.py --designs hc,attnres --layers 6 --steps 4
 
 A replay launches what the captured step launched, with the same arguments and the same memory, and runs none of
@@ -13,12 +13,13 @@ the step's Python. So a step can be replayed in place of running it when
      the host's memory, aten's lift_fresh);
   2. it launches the same Triton kernels every step, in the same order, with the same grids and the same arguments
      as the JIT sees them (dtypes, 16-byte alignment, integers, constexprs, launch options).
-Each design's Triton path (kernels "triton") runs `--steps` eager training steps under TRITON_INTERPRET=1, every
-launch recorded and none run (scripts/kernel_probe.py's Stubbed, the backbone's branches its stand-ins), every aten
-op watched by a dispatch mode. The first step is the warm-up, as capture_step's are: what it creates once (a cache,
-the gradients) is not compared. The step is eager here; compiled per block on a GPU it runs the same host
-functions (HC's and mHC's ops call them, AttnRes' and MoDA's bodies run eagerly between graphs) around inductor's
-own code, which neither reads a result on the host nor changes its launches from step to step.
+Each design's Triton path (kernels "triton") runs `--steps` training steps under TRITON_INTERPRET=1, eager and
+compiled per block as profile_gpu.py --compile capture compiles them (`--modes`; inductor generates CPU code here),
+every launch recorded and none run (scripts/kernel_probe.py's Stubbed, the backbone's branches its stand-ins), every
+aten op of the steps after the first watched by a dispatch mode. The first step is the warm-up, as capture_step's
+are: what it creates once (a compile, a cache, the gradients) is neither recorded in a graph nor compared. Compiled,
+an op's host function (HC's and mHC's read and write) runs inside its node, where the dispatch mode does not see;
+the eager steps run the same host functions in its sight.
 
 What it cannot see: a copy between devices (every tensor is on the CPU here), a `.tolist()` of a CPU tensor (it
 dispatches no op), and work outside the step (the optimizer, the data): capture_step records the forward and the
@@ -33,9 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root
 sys.path.insert(0, str(ROOT / "scripts"))
-from depthbench.files.common import ArgParser  # noqa: E402
+from depthbench.files.common import ArgParser, comma_list  # noqa: E402
 
 DESIGNS = ["preln", "hc", "mhc", "attnres", "block_attnres", "moda"]
+MODES = ("eager", "compiled")
 SHAPE = {"layers": 4, "width": 64, "heads": 4, "batch": 2, "seq": 16}
 # aten ops after which the host holds a value the GPU computed (it must wait for it), or whose output's shape does
 # (the allocation waits for the GPU); and lift_fresh, torch.tensor's copy of Python data into a tensor
@@ -52,9 +54,10 @@ class Verdict:
     design: str
     steps: int                                      # steps run, the first a warm-up
     launches: list = field(default_factory=list)    # per step after the warm-up, its Triton launches' count
-    waits: dict = field(default_factory=dict)       # aten op -> times a step waited on the GPU for it (all steps)
+    waits: dict = field(default_factory=dict)       # aten op -> times a compared step waited on the GPU for it
     difference: str = ""                            # the first launch that differs between two steps ("": none;
                                                     # steps numbered as run, 1 the warm-up)
+    compiled: bool = False                          # the blocks compiled (else eager)
 
     @property
     def replayable(self):
@@ -111,33 +114,40 @@ def first_difference(steps, first=2):
     return ""
 
 
-def check(design, shape=SHAPE, steps=3):
-    """The Verdict of `design`'s Triton path at `shape`: `steps` eager training steps (bf16 autocast), the first a
-    warm-up, the launches of the others compared and every step's waiting ops counted. This process must run
-    under TRITON_INTERPRET=1 (kernel_probe.Stubbed)."""
+def check(design, shape=SHAPE, steps=3, compiled=False):
+    """The Verdict of `design`'s Triton path at `shape`: `steps` training steps (bf16 autocast), eager or (compiled)
+    per block as profile_gpu.py --compile capture compiles them (inductor generating CPU code here), the first a
+    warm-up (it compiles), the launches of the others compared and their waiting ops counted (the warm-up's, before
+    the recording, would not be replayed). This process must run under TRITON_INTERPRET=1 (kernel_probe.Stubbed)."""
+    import contextlib
     import kernel_probe
+    from depthbench.training.compiled import compile_model
     net, idx = kernel_probe.build(design, shape)
     recorded, mode = [], watcher()
-    with kernel_probe.Stubbed() as stub, mode:
-        for _ in range(steps):
+    with kernel_probe.Stubbed() as stub:
+        if compiled:
+            compile_model(net, "blocks")
+        for number in range(steps):
             stub.launches = []
-            kernel_probe.step(net, idx)
+            with mode if number else contextlib.nullcontext():
+                kernel_probe.step(net, idx)
             net.zero_grad(set_to_none=False)       # capture_step's caller keeps the gradients' tensors
             recorded.append(stub.launches)
     compared = recorded[1:]                       # step 1 is the warm-up
     return Verdict(design=design, steps=steps, launches=[len(x) for x in compared], waits=dict(mode.waits),
-                   difference=first_difference(compared, first=2))
+                   difference=first_difference(compared, first=2), compiled=compiled)
 
 
 def line(verdict):
     """One line a design: replayable or why not."""
     launches = f"{verdict.launches[0]} Triton launches a step" if verdict.launches else "no step compared"
+    name = f"{verdict.design} ({'compiled per block' if verdict.compiled else 'eager'})"
     if verdict.replayable:
-        return f"{verdict.design}: replayable ({launches}, the same in {len(verdict.launches)} steps after a warm-up; " \
-               f"no wait on the GPU)"
+        return f"{name}: replayable ({launches}, the same in {len(verdict.launches)} steps after a warm-up; no wait on " \
+               f"the GPU)"
     why = [f"waits on the GPU at {op} x{n}" for op, n in sorted(verdict.waits.items())]
     why += [verdict.difference] if verdict.difference else []
-    return f"{verdict.design}: NOT replayable: {'; '.join(why)}"
+    return f"{name}: NOT replayable: {'; '.join(why)}"
 
 
 def parse(argv):
@@ -148,6 +158,8 @@ def parse(argv):
         p.add_argument(f"--{key}", type=int, default=value, help=f"default {value}")
     p.add_argument("--steps", type=int, default=3, help="training steps a design runs, the first a warm-up "
                    "(default 3: two compared)")
+    p.add_argument("--modes", type=comma_list(str), default=list(MODES), help="eager, compiled (per block, as "
+                   "profile_gpu.py --compile capture compiles), or both (the default), comma-separated")
     args = p.parse_args(argv)
     args.designs = [d.strip() for d in args.designs.split(",") if d.strip()]
     unknown = sorted(set(args.designs) - set(DESIGNS))
@@ -155,6 +167,8 @@ def parse(argv):
         p.error(f"--designs: {', '.join(unknown) or 'none given'} (choose from {', '.join(DESIGNS)})")
     if min(getattr(args, k) for k in SHAPE) < 1:
         p.error(f"--{', --'.join(SHAPE)} must be >= 1")
+    if not args.modes or set(args.modes) - set(MODES):
+        p.error(f"--modes {','.join(args.modes)}: of {', '.join(MODES)}")
     if args.steps < 3:
         p.error(f"--steps {args.steps}: at least 3 (a warm-up and two steps to compare)")
     if args.width % args.heads:
@@ -171,7 +185,9 @@ def main(argv=None):
         print("capture_check.py: triton does not import (pip install triton; its interpreter runs here)",
               file=sys.stderr)
         return 2
-    verdicts = [check(d, {k: getattr(args, k) for k in SHAPE}, steps=args.steps) for d in args.designs]
+    shape = {k: getattr(args, k) for k in SHAPE}
+    verdicts = [check(d, shape, steps=args.steps, compiled=mode == "compiled") for d in args.designs
+                for mode in args.modes]
     for verdict in verdicts:
         print(line(verdict), flush=True)
     return 0 if all(v.replayable for v in verdicts) else 1

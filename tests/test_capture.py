@@ -71,14 +71,17 @@ def run_check(*args, code=None):
 
 @pytest.mark.slow
 def test_every_designs_step_can_be_replayed():
-    """Each design's Triton path at L3: no wait on the GPU, the same Triton launches in steps 2 and 3 (and some:
-    a design whose launches vanished would pass with none); exit 0."""
+    """Each design's Triton path at L3, eager and compiled per block: no wait on the GPU, the same Triton launches
+    in steps 2 and 3 (and some: a design whose launches vanished would pass with none), as many compiled as eager;
+    exit 0."""
     done = run_check("--layers", "3")
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     lines = dict(line.split(": ", 1) for line in done.stdout.splitlines())
-    assert set(lines) == set(capture_check.DESIGNS)
+    assert set(lines) == {f"{d} ({mode})" for d in capture_check.DESIGNS for mode in ("eager", "compiled per block")}
     for design in TRITON_DESIGNS:
-        assert lines[design].startswith("replayable (") and not lines[design].startswith("replayable (0 "), lines
+        eager, compiled = lines[f"{design} (eager)"], lines[f"{design} (compiled per block)"]
+        assert eager.startswith("replayable (") and not eager.startswith("replayable (0 "), lines
+        assert compiled.split(" Triton")[0] == eager.split(" Triton")[0], (eager, compiled)
 
 
 BROKEN = """
@@ -95,18 +98,22 @@ def alternating(BT, D):                      # phase 1's tokens a program change
 read.weight_gradient, chunk.phase1_blocks = waits, alternating
 print(cc.line(cc.check("hc")))
 print(cc.line(cc.check("attnres")))
+print(cc.line(cc.check("attnres", compiled=True)))
 """
 
 
 @pytest.mark.slow
 def test_a_wait_and_a_launch_that_changes_are_found():
     """HC's weight gradient made to read .item(), Full AttnRes' phase 1 made to halve its tokens a program every
-    other step: each design is NOT replayable, for that reason."""
+    other step: each design is NOT replayable, for that reason; Full AttnRes' compiled per block too (its bank runs
+    eagerly between the graphs)."""
     done = run_check(code=BROKEN)
     assert done.returncode == 0, done.stderr[-2000:]
-    hc, attnres = done.stdout.splitlines()
-    assert hc.startswith("hc: NOT replayable: waits on the GPU at aten::_local_scalar_dense"), hc
-    assert attnres.startswith("attnres: NOT replayable: step 3's launch 0 (_chunk_forward)") and "grid" in attnres
+    hc, attnres, compiled = done.stdout.splitlines()
+    assert hc.startswith("hc (eager): NOT replayable: waits on the GPU at aten::_local_scalar_dense"), hc
+    for line, mode in ((attnres, "eager"), (compiled, "compiled per block")):
+        assert line.startswith(f"attnres ({mode}): NOT replayable: step 3's launch 0 (_chunk_forward)"), line
+        assert "grid" in line
 
 
 def test_bad_arguments_exit_2_in_one_line():
