@@ -319,7 +319,7 @@ def card_captured(s):
     for group in [TINY_CARD_DESIGNS] if s.tiny else [[design] for design in FIRST_CARD]:
         res, measured = card_run(s, group, 2, ["--compile", "capture"])
         rows.update({d: {key: r.get(source) for key, source in CAPTURED_FIELDS.items()} for d, r in measured.items()})
-        failed += [why(res)] if res.rc else []
+        failed += [why(res)] if res.rc != 0 else []       # None: killed at its cap or the budget
     stepwise = {r["design"]: r["step_ms"] for r in s.summary["card"]["rows"] if r["batch"] == 2}
     base = rows.get("preln", {}).get("step_ms")
     for design, row in rows.items():

@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_smoke  # noqa: E402  (scripts/ is not a package)
+from smoke_run import Result  # noqa: E402
 from conftest import run_smoke  # noqa: E402  (the repository root's: one way to launch the smoke)
 
 # 2 layers, d=64 (4 heads of 16): 100,608 backbone params; 8 sequences of 32 tokens per step in 2 micro-batches
@@ -183,3 +184,19 @@ def test_two_nodes_of_one_process_match_one_process(tmp_path):
     assert two["config"]["world_size"] == 2 and one["config"]["world_size"] == 1 and len(a) == len(b) == 3
     assert b == pytest.approx(a, abs=1e-4)
     assert two["final"]["val_loss"] == pytest.approx(one["final"]["val_loss"], abs=1e-4)
+
+
+def test_card_captured_keeps_pre_lns_row_when_the_next_run_is_killed(tmp_path, monkeypatch):
+    """card_captured on a GPU: a process per design, Pre-LN first. Full AttnRes' run killed at its cap (rc None)
+    leaves Pre-LN's row (x Pre-LN 1.0, its step-by-step step beside it) and names the kill as the stage's reason;
+    the rows' ratios are over Pre-LN's captured step."""
+    s = gpu_smoke.Smoke(out=tmp_path, work=tmp_path, tiny=False, ngpu=1, deadline=float("inf"))
+    s.summary = {"card": {"rows": [{"design": "preln", "batch": 2, "step_ms": 90.0}]}, "budget_s": 0}
+    runs = {"preln": (Result(0, "", 1.0), {"preln": {"fwdbwd_ms": 60.0, "busy_share": 0.9, "kernels": 9}}),
+            "attnres": (Result(None, "", 100.0), {})}
+    monkeypatch.setattr(gpu_smoke, "card_run", lambda s, group, batch, extra: runs[group[0]])
+    monkeypatch.setattr(gpu_smoke, "save", lambda s: None)
+    reason = gpu_smoke.card_captured(s)
+    assert reason and "killed after 100 s" in reason
+    assert s.summary["captured"]["rows"] == {"preln": {"step_ms": 60.0, "busy_share": 0.9, "kernels": 9,
+                                                       "x_preln": 1.0, "stepwise_step_ms": 90.0}}
