@@ -200,10 +200,9 @@ def training_step(model, idx, amp, scope):
     compiled by `scope` on CUDA as train.py compiles (the CPU runs eager), then the gradients dropped; "capture"
     compiles the blocks and replays the step as one CUDA graph (`captured`)."""
     cuda = idx.device.type == "cuda"
+    trained = model
     if cuda:  # as train.py: compiled on CUDA only; the jobs share this process, and without a reset
         torch._dynamo.reset()  # each design and shape would count against dynamo's recompile limit, then run eager
-    trained = model
-    if cuda:
         trained = compile_model(model, "blocks" if scope == "capture" else scope)
 
     def forward_backward():
