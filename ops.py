@@ -257,9 +257,13 @@ class DepthBank:
     def mix(self, query, key_gain, eps, extra=None, topk_fraction=1.0, site=None):
         """depth_mix over the sources, and `extra` (a group's open partial sum) after them if given; topk_fraction < 1
         keeps the topk_count of them per token (the release's AttnRes top-k). site: the consumer's Site (its row of
-        the queries given to `start`, for the Triton body); the list ignores it."""
+        the queries given to `start`, for the Triton body); the list ignores it. -> (mix, weights, extra as the mix
+        passes it on): the caller's later uses of the extra take the one passed on, so that a fast body can add their
+        gradient to the mix's own where it computes that (the Triton chunked bank does, in one kernel); here it is
+        `extra` itself (None without one) and autograd adds the two."""
         sources = self.sources if extra is None else self.sources + [extra]
-        return depth_mix(query, key_gain, sources, eps, keep=topk_count(len(sources), topk_fraction))
+        mix, weights = depth_mix(query, key_gain, sources, eps, keep=topk_count(len(sources), topk_fraction))
+        return mix, weights, extra
 
     @torch.compiler.disable
     def weighted_sum(self, weights):

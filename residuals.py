@@ -698,7 +698,8 @@ class FullAttnRes(PreLN):
         return {"queries": self.queries, "key_gains": self.key_gains}
 
     def mix(self, sources, site, extra=None):
-        """The raw depth mix (B, T, D) that the site's consumer normalises, and its weights (B, T, sources)."""
+        """The raw depth mix (B, T, D) that the site's consumer normalises, its weights (B, T, sources), and the extra
+        source as the mix passes it on (ops.DepthBank.mix: Block AttnRes' open sum, None without one)."""
         query = site.pick(self.queries)
         if self.logit_scales is not None:                 # the release's learnt logit scale: q_k exp(s_k)
             query = query * site.pick(self.logit_scales).exp()
@@ -851,11 +852,13 @@ class BlockAttnRes(FullAttnRes):
         bank, partial = s
         if site.first:
             return site.norm(bank.newest()), {}                                        # RMSNorm_0(e)
-        mix = self.mix(bank, site, extra=partial)[0]                                 # the open (or just closed) group
-        return rms_norm(mix, site.norm.weight, self.eps), {}
+        mix, _, partial = self.mix(bank, site, extra=partial)                        # the open (or just closed) group
+        return rms_norm(mix, site.norm.weight, self.eps), {"partial": partial}
 
     def write(self, s, site, y, ctx):
-        bank, partial = s
+        # the open sum as the read's mix passed it on: the same values; the fast bank then adds the gradient of this
+        # use to the mix's own in its backward kernel, where autograd would add the two in a launch of its own
+        bank, partial = s[0], ctx.get("partial", s[1])
         y = y.float()                                     # a source is residual state: fp32 (ops.py's precision rule)
         if partial is None:                               # the first sublayer: y opens group 0
             return bank, y

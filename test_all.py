@@ -312,8 +312,8 @@ def test_a_bank_forked_by_a_second_continuation_keeps_both():
         s2 = s1.push(b)
         s3 = s1.push(c)
         for state, sources in ((s3, [e, a, c]), (s2, [e, a, b])):
-            mix, p = state.mix(query, gain, 1e-5)
-            want, p_want = ops.DepthBank(sources).mix(query, gain, 1e-5)
+            mix, p, _ = state.mix(query, gain, 1e-5)
+            want, p_want, _ = ops.DepthBank(sources).mix(query, gain, 1e-5)
             torch.testing.assert_close(mix, want)
             torch.testing.assert_close(p, p_want)
         assert s3.bank is not s2.bank and s3.push(b).bank is s3.bank     # forked once, then its own history
@@ -1211,9 +1211,9 @@ def test_attnres_depth_logits_are_fp32_under_autocast(fast):
         for v in src[1:]:
             bank = bank.push(v)
         return bank.mix(q, g, 1e-5)
-    mix, p = depth_mix()
+    mix, p, _ = depth_mix()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mix_a, p_a = depth_mix()
+        mix_a, p_a, _ = depth_mix()
     assert p_a.dtype == mix_a.dtype == torch.float32
     torch.testing.assert_close(p_a, p, rtol=0, atol=1e-6)
 

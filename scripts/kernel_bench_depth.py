@@ -258,8 +258,8 @@ def attnres_build(case, inputs, device, fast):
             with autocast:
                 for r, n in enumerate(case.reads):
                     site = Site(r + 1, None, row=r).to(device)
-                    mix, _ = states[n - 1].mix(site.pick(queries), site.pick(gains), 1e-5, extra=extras[r],
-                                               site=site)
+                    mix, _, _ = states[n - 1].mix(site.pick(queries), site.pick(gains), 1e-5, extra=extras[r],
+                                                  site=site)
                     outs.append(mix)
             return outs
         leaves = sources + [queries, gains] + [e for e in extras if e is not None]

@@ -52,7 +52,7 @@ def sources(n, T, D=48, B=1, seed=0, dtype=torch.float32):
 
 
 def triton_mix(vs, query, gain, extra=None):
-    """The Triton bank's mix over vs (and extra): (mix, p)."""
+    """The Triton bank's mix over vs (and extra): (mix, p, the extra passed on)."""
     bank = attnres.DepthBank.start(vs[0], n_max=len(vs) + 1)
     assert isinstance(bank, attnres.DepthBank)                  # the kernels run, not cpu.py's fallback
     for v in vs[1:]:
@@ -88,8 +88,9 @@ def case(name, dtype=torch.float32):
 def test_mix_forward_equals_reference(name):
     """_mix_forward's mix and weights p == ops.depth_mix's, fp32 to 1e-5."""
     vs, query, gain, extra = case(name)
-    mix, p = triton_mix(vs, query, gain, extra)
-    want_mix, want_p = reference_mix(vs, query, gain, extra)
+    mix, p, passed = triton_mix(vs, query, gain, extra)
+    want_mix, want_p, _ = reference_mix(vs, query, gain, extra)
+    assert passed is extra
     torch.testing.assert_close(mix, want_mix, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(p, want_p, rtol=1e-5, atol=1e-5)
 
@@ -380,7 +381,9 @@ def chunk_step(reads, inputs, fast=True, pick=True):
     """A step's use of the chunked bank as residuals.py's AttnRes makes it (`bank_step` with the queries and key gains
     stacked (rows, D), each consumer's row picked, its Site given to the mix); fast False: ops.DepthBank's.
     pick False: each consumer's query and gain are the leaves of their own equal to its rows (no glue around the
-    bank). -> (outputs, p of each mix, leaves: the sources, the stacked queries and gains, the extras)."""
+    bank). An extra but the last has a second use, as Block AttnRes' open sum has (its next write's sum, or the push
+    that closes its group): the extra as the mix passed it on is an output too, after the mix. -> (outputs, p of
+    each mix, leaves: the sources, the stacked queries and gains, the extras)."""
     vs, per, Q, G = inputs
     extras = [e for q, g, e in per if e is not None]
     state = chunked.DepthBank.start(vs[0], n_max=max(reads), queries=Q, key_gains=G) if fast else ops.DepthBank([vs[0]])
@@ -390,10 +393,12 @@ def chunk_step(reads, inputs, fast=True, pick=True):
             states.append(states[-1].push(vs[len(states)]))
         state = states[n - 1]
         site = Site(r + 1, None, row=r)
-        mix, p = state.mix(site.pick(Q) if pick else query, site.pick(G) if pick else gain, 1e-5, extra=extra,
-                           site=site)
+        mix, p, passed = state.mix(site.pick(Q) if pick else query, site.pick(G) if pick else gain, 1e-5,
+                                   extra=extra, site=site)
         outputs.append(mix)
         weights.append(p)
+        if extra is not None and r < len(reads) - 1:
+            outputs.append(passed)
     return outputs, weights, vs + [Q, G] + extras
 
 
@@ -469,6 +474,27 @@ def test_chunked_bank_with_consumers_outside_the_loss():
 
 
 @needs_interpreter
+def test_an_extra_passed_on_keeps_its_gradient_when_its_mix_is_unused():
+    """Block AttnRes' pattern with the loss on every extra passed on but only on every other mix: a consumer whose
+    mix the loss does not take still hands its extra the gradient of the extra's later use (Merge's backward without
+    dmix), and one whose mix it takes adds the two in its kernel; every gradient is ops.DepthBank's (fp32, 1e-5 of
+    its largest entry)."""
+    reads, has_extra, n_max = CHUNKED["block"]
+    inputs = chunk_inputs(reads, has_extra)
+    got, want = chunk_step(reads, inputs), chunk_step(reads, inputs, fast=False)
+    mixes = [1 + 2 * r for r in range(len(reads) - 1)] + [len(got[0]) - 1]        # outputs: e, then mix, passed, ...
+    taken = [i for i in mixes[::2]] + [i + 1 for i in mixes[:-1]]
+    weights = [torch.randn(got[0][i].shape, generator=torch.Generator().manual_seed(i)) for i in taken]
+    a = torch.autograd.grad([got[0][i] for i in taken], got[2], weights, allow_unused=True)
+    b = torch.autograd.grad([want[0][i] for i in taken], want[2], weights, allow_unused=True)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if y is None:
+            assert x is None or not x.any(), i
+            continue
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * max(y.abs().max().item(), 1), msg=f"leaf {i}")
+
+
+@needs_interpreter
 @pytest.mark.parametrize("shape", [(1, 5, 48), pytest.param((2, 19, 160), marks=pytest.mark.slow)])
 def test_chunked_bank_under_bf16_autocast_is_the_reference_to_bf16(shape):
     """Under bf16 autocast (the bank, o1 and the records in bf16) the two-phase mix of Block AttnRes' pattern is
@@ -495,8 +521,8 @@ def test_chunked_step_traffic_counts_the_launches(pattern, monkeypatch):
     glue included, forward and backward together; the consumers' queries and gains are leaves of their own (no
     pick around the bank), so the stacked ones get only the chunks' gradients (phase 2's included: its dgq rows are
     summed by the chunk's pass): autograd adds all but the first chunk's pair into them, two launches fewer than
-    step_traffic counts. Each extra source but the last has a second use, as Block AttnRes' open sum has (the next
-    write's sum or a push): autograd adds its two gradients, a launch step_traffic counts."""
+    step_traffic counts. Each extra source but the last has a second use (`chunk_step`), whose gradient its mix's
+    backward adds: no launch of autograd's for it, and none counted."""
     reads, has_extra, n_max = CHUNKED[pattern]
     monkeypatch.setattr(attnres, "interpreted", lambda: True)
     names = []
@@ -506,12 +532,10 @@ def test_chunked_step_traffic_counts_the_launches(pattern, monkeypatch):
         for name in kernels_:
             monkeypatch.setattr(module, name, counted(getattr(module, name), names))
     inputs = chunk_inputs(reads, has_extra)
-    weights = [torch.ones(1, 5, 48) for _ in range(len(reads) + 1)]
-    reused = [e for q, g, e in inputs[1] if e is not None][:-1]                   # the open sums' other use
-    weights += [torch.ones_like(e) for e in reused]
+    weights = [torch.ones(1, 5, 48) for _ in range(len(reads) + 1 + has_extra * (len(reads) - 1))]
     with Launches(names):
         outputs, _, leaves = chunk_step(reads, inputs, pick=False)
-        torch.autograd.backward(outputs + reused, weights)
+        torch.autograd.backward(outputs, weights)
     expect = chunked.step_traffic(reads, max(reads), 5, 48, extra=has_extra, storage_bytes=4)
     assert len(names) == sum(row["launches"] for row in expect) - 2, " ".join(names)
     assert all(v.grad.abs().max() > 0 for v in leaves)

@@ -434,7 +434,7 @@ class DepthBank:
         with fp32_maths(query):
             gq = key_gain.float() * query.float()
             mix, p = Mix.apply(self.bank, (self.n, keep), gq, self.token, extra)
-        return mix, p.movedim(0, -1)
+        return mix, p.movedim(0, -1), extra                                     # ops.DepthBank.mix's triple
 
     @torch.compiler.disable
     def weighted_sum(self, weights):

@@ -9,8 +9,8 @@ The maths is ops.depth_mix, for one consumer with the query row q, the key gain 
     r_j = rsqrt(mean(v_j^2) + eps),  u_j = <v_j, gq>,  s_j = r_j u_j          (the logit: <q, g * RMSNorm(v_j)>)
     p_j = softmax_j(s),  mix = sum_j p_j v_j,  lse = log sum_j exp(s_j)
 
-The output norm, RMSNorm_k(mix), stays outside (residuals.py applies it). Launches: one per consumer forward, two
-backward, one per push forward and at most one backward, no torch glue (each kernel reads q and g itself).
+RMSNorm_k(mix) stays outside (residuals.py). Launches: one per consumer forward, two backward, one per push forward
+and at most one backward, no torch glue (each kernel reads q and g itself).
 
 Kernels (each equals the named reference, proved by the named test of tests/test_triton.py):
 - `_mix_forward`: a program per BLOCK_T tokens, the width D in registers; one pass over the sources with an online
@@ -37,9 +37,8 @@ Kernels (each equals the named reference, proved by the named test of tests/test
   `test_model_equals_reference`, `test_model_under_bf16_autocast_is_the_reference_to_bf16`.
 
 Storage (`storage_dtype`): the sources in bf16 under bf16 autocast, else the first source's dtype; gradients in
-fp32. The release's top-k variant runs cpu.py's mix on the same bank; DenseFormer's and MUDD's banks (eps None) and
-a bank where no kernel runs are cpu.py's own (`DepthBank.start`). `traffic` and `step_traffic` count what each
-launch moves (`test_step_traffic_counts_the_launches` counts the launches).
+fp32. The release's top-k runs cpu.py's mix on the same bank; DenseFormer's and MUDD's banks (eps None) and a bank
+no kernel runs on are cpu.py's (`DepthBank.start`). `traffic` and `step_traffic` count what each launch moves.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations are read as text: no triton, no error
 
@@ -204,11 +203,11 @@ def _source_gradient(v, gq, dmix, lse, delta, D, eps):
 
 
 @jit
-def _backward_pass(V, extra, dV, d_extra, n, offsets, mask, gq, dmix, lse, delta, BT, D, eps, DEFER: tl.constexpr,
-                   HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """A consumer's backward over the n sources of V and the extra -> its dgq share (BLOCK_T, BLOCK_D); the extra's
-    dv to d_extra; each source's dv, DEFER False, added into its fp32 gradient slot of dV (its one read-modify-write),
-    DEFER True, not kept (the record's). Of _mix_backward and a chunk's phase 2 (triton_attnres_chunk)."""
+def _backward_pass(V, extra, dV, d_extra, incoming, n, offsets, mask, gq, dmix, lse, delta, BT, D, eps,
+                   DEFER: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_INCOMING: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """A consumer's backward over V's n sources and the extra -> its dgq share (BLOCK_T, BLOCK_D); the extra's dv (+
+    `incoming`, with HAS_INCOMING) to d_extra; each source's dv into its fp32 gradient slot of dV, or not (DEFER)."""
     dgq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     slot, grad = V, dV
     for j in tl.range(0, n, num_stages=NUM_STAGES):                 # pipelined: the next source's copy in flight
@@ -223,6 +222,8 @@ def _backward_pass(V, extra, dV, d_extra, n, offsets, mask, gq, dmix, lse, delta
     if HAS_EXTRA:
         v = tl.load(extra + offsets, mask=mask, other=0.0).to(tl.float32)
         dv, b = _source_gradient(v, gq, dmix, lse=lse, delta=delta, D=D, eps=eps)
+        if HAS_INCOMING:
+            dv += tl.load(incoming + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(d_extra + offsets, dv, mask=mask)                   # cast to the extra's dtype by the store
         dgq += b[:, None] * v
     return dgq
@@ -241,9 +242,9 @@ def _mix_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extr
     dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)    # <mix, dmix> = sum_j p_j dp_j
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    dgq = _backward_pass(V, extra, dV, d_extra, n=n, offsets=offsets, mask=mask, gq=gq, dmix=dmix, lse=lse,
-                         delta=delta, BT=BT, D=D, eps=eps, DEFER=DEFER, HAS_EXTRA=HAS_EXTRA, BLOCK_T=BLOCK_T,
-                         BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES)
+    dgq = _backward_pass(V, extra, dV, d_extra, incoming=d_extra, n=n, offsets=offsets, mask=mask, gq=gq, dmix=dmix,
+                         lse=lse, delta=delta, BT=BT, D=D, eps=eps, DEFER=DEFER, HAS_EXTRA=HAS_EXTRA,
+                         HAS_INCOMING=False, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES)
     if DEFER:
         tl.store(dV + offsets, dmix, mask=mask)                      # the record, dmix in the bank's dtype
         tl.store(scalars_ptr + rows, delta, mask=row_ok)
@@ -559,9 +560,8 @@ def keys_inv_rms(bank, m):
 
 
 class DepthBank(kernels.DepthBank):
-    """kernels.DepthBank (the same bank, reads and top-k mix) whose `mix` runs the Triton kernels and whose pushes hand
-    on the deferred gradients, on a bank stored in bf16 under bf16 autocast (`storage_dtype`). `start` without a key
-    norm (eps None), or on a device the kernels cannot run on, returns kernels.DepthBank itself."""
+    """kernels.DepthBank whose `mix` runs the Triton kernels and whose pushes hand on the deferred gradients, stored in
+    bf16 under bf16 autocast (`storage_dtype`); `start` without a key norm (eps None) or where no kernel runs: cpu's."""
 
     @classmethod
     def start(cls, first, n_max, eps=1e-5):
@@ -592,7 +592,7 @@ class DepthBank(kernels.DepthBank):
             keys_inv_rms(self.bank, self.n)
             return super().mix(query, key_gain, eps, extra=extra, topk_fraction=topk_fraction)   # top-k: torch body
         mix, p = Mix.apply(self.bank, self.n, query.contiguous(), key_gain.contiguous(), self.token, extra)
-        return mix, p.movedim(0, -1)
+        return mix, p.movedim(0, -1), extra                 # the extra's other uses: autograd adds their gradient
 
 
 # ----------------------------------------------------------------------------- what a step moves (the roofline)

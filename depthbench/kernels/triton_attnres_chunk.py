@@ -235,13 +235,13 @@ def _merge_forward(V, extra, q_ptr, g_ptr, o1_ptr, lse1_ptr, logits1_ptr, mix_pt
 
 
 @jit
-def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, dgq_ptr, record_ptr,
-                    scalars_ptr, ran_ptr, n2, P, BT, D, eps,
-                    HAS_EXTRA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_extra, incoming, dgq_ptr, record_ptr,
+                    scalars_ptr, ran_ptr, n2, P, BT, D, eps, HAS_EXTRA: tl.constexpr, HAS_INCOMING: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The consumer's pass, P programs each over the token tiles pid, pid + P, ...: its phase-2 sources' dv added
-    into their gradient slots (dV from slot n1, fp32), the extra's dv to d_extra, its share of dgq over the program's
-    tiles to row pid of dgq_ptr; its record for the chunk's pass: dmix (record_ptr, the bank's dtype), delta and lse
-    (scalars_ptr (2, BT)), and 1 at ran_ptr."""
+    into their gradient slots (dV from slot n1, fp32), the extra's dv (+ `incoming`, with HAS_INCOMING) to d_extra,
+    its share of dgq over the program's tiles to row pid of dgq_ptr; its record for the chunk's pass: dmix
+    (record_ptr, the bank's dtype), delta and lse (scalars_ptr (2, BT)), and 1 at ran_ptr."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     gq = _key_query(q_ptr, g_ptr, cols, D)
@@ -252,9 +252,10 @@ def _merge_backward(V, extra, q_ptr, g_ptr, mix_ptr, dmix_ptr, lse_ptr, dV, d_ex
         dmix = tl.load(dmix_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         delta = tl.sum(tl.load(mix_ptr + offsets, mask=mask, other=0.0) * dmix, axis=1)   # <mix, dmix> = sum p_j dp_j
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        dgq += tl.sum(_backward_pass(V, extra, dV, d_extra, n=n2, offsets=offsets, mask=mask, gq=gq, dmix=dmix,
-                                     lse=lse, delta=delta, BT=BT, D=D, eps=eps, DEFER=False, HAS_EXTRA=HAS_EXTRA,
-                                     BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES), axis=0)
+        dgq += tl.sum(_backward_pass(V, extra, dV, d_extra, incoming=incoming, n=n2, offsets=offsets, mask=mask,
+                                     gq=gq, dmix=dmix, lse=lse, delta=delta, BT=BT, D=D, eps=eps, DEFER=False,
+                                     HAS_EXTRA=HAS_EXTRA, HAS_INCOMING=HAS_INCOMING, BLOCK_T=BLOCK_T,
+                                     BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES), axis=0)
         tl.store(record_ptr + offsets, dmix, mask=mask)
         tl.store(scalars_ptr + rows, delta, mask=row_ok)
         tl.store(scalars_ptr + BT + rows, lse, mask=row_ok)
@@ -524,8 +525,9 @@ class ChunkPass(torch.autograd.Function):
 
 class Merge(torch.autograd.Function):
     """Phase 2 of consumer i of the chunk over the bank's first n sources and the extra. (bank, chunk, i, n, query,
-    key_gain, token, chunk_token, extra) -> (mix (B, T, D) fp32, p (m, B, T) not differentiable); query and
-    key_gain are row r0 + i of the queries and key gains the chunk's phase 1 took, detached.
+    key_gain, token, chunk_token, extra) -> (mix (B, T, D) fp32, p (m, B, T) not differentiable, the extra passed
+    on: the kernel adds its later uses' gradient to the mix's); query and key_gain are row r0 + i of the queries and
+    key gains the chunk's phase 1 took, detached.
     Backward: the extra's gradient; its phase-2 sources' gradients into the gradient slots; its record for the
     chunk's pass, with its partial dgq rows: the chunk's pass hands the queries and key gains this pass's share
     of their gradients with its own (so none here: no launch per consumer for dq, dg). No gradient for the tokens
@@ -551,12 +553,12 @@ class Merge(torch.autograd.Function):
         ctx.extra_dtype = None if extra is None else extra.dtype
         ctx.mark_non_differentiable(p)
         ctx.set_materialize_grads(False)
-        return mix, p
+        return mix, p, extra                               # extra returned as it is: autograd makes it a view
 
     @staticmethod
-    def backward(ctx, dmix, _):
-        if dmix is None:
-            return (None,) * 9
+    def backward(ctx, dmix, _, d_passed):
+        if dmix is None:                                   # the mix unused: the extra's gradient is its other uses'
+            return (None,) * 8 + (d_passed,)
         bank, chunk = ctx.bank, ctx.chunk
         query, key_gain, mix, lse, *extra = ctx.saved_tensors
         V, dV = bank.slots[0], bank.gradients()[0]
@@ -568,10 +570,12 @@ class Merge(torch.autograd.Function):
         d_extra = torch.empty(mix.shape, dtype=ctx.extra_dtype, device=mix.device) if extra else None
         V2, dV2 = (V[n1], dV[n1]) if n2 else (V, dV)                 # from slot n1 (placeholders without sources)
         extra_in, d_extra_in = (extra[0], d_extra) if extra else (V, dV)
+        incoming = d_extra_in if d_passed is None else d_passed.contiguous()      # the extra's other uses' gradient
         _merge_backward[(programs,)](V2, extra_in, query, key_gain, mix_ptr=mix, dmix_ptr=dmix.contiguous(),
-                                     lse_ptr=lse, dV=dV2, d_extra=d_extra_in, dgq_ptr=dgq_rows, record_ptr=record,
-                                     scalars_ptr=scalars, ran_ptr=ran, n2=n2, P=programs, BT=B * T, D=D,
-                                     eps=bank.norm_eps, HAS_EXTRA=bool(extra), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+                                     lse_ptr=lse, dV=dV2, d_extra=d_extra_in, incoming=incoming, dgq_ptr=dgq_rows,
+                                     record_ptr=record, scalars_ptr=scalars, ran_ptr=ran, n2=n2, P=programs,
+                                     BT=B * T, D=D, eps=bank.norm_eps, HAS_EXTRA=bool(extra),
+                                     HAS_INCOMING=d_passed is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
                                      NUM_STAGES=STAGES, num_warps=WARPS)
         return None, None, None, None, None, None, None, None, d_extra       # dq, dg: by the chunk's pass
 
@@ -601,7 +605,8 @@ class DepthBank(attnres.DepthBank):
         """triton_attnres.DepthBank's mix; site: the consumer's Site, whose `row_index` (an int, read here in eager
         code: a compiled block would guard on it) is its row of the bank's queries. The two phases read that row of
         the queries and key gains the bank was started with (query and key_gain are those rows: residuals.py's
-        Site.pick) and hand them their gradients in the chunk's pass, not through query and key_gain."""
+        Site.pick) and hand them their gradients in the chunk's pass, not through query and key_gain. The extra is
+        passed on by Merge: the gradient of its later uses (Block AttnRes' next write) meets the mix's in its kernel."""
         m = self.n + (extra is not None)
         params = getattr(self.bank, "queries", None)
         if site is None or params is None or topk_count(m, topk_fraction) < m:
@@ -613,9 +618,9 @@ class DepthBank(attnres.DepthBank):
         if chunk is None:
             return super().mix(query, key_gain, eps, extra=extra)
         queries, key_gains = params
-        mix, p = Merge.apply(self.bank, chunk, row - chunk.r0, self.n, queries[row].detach(),
-                             key_gains[row].detach(), self.token, chunk.token, extra)
-        return mix, p.movedim(0, -1)
+        mix, p, passed = Merge.apply(self.bank, chunk, row - chunk.r0, self.n, queries[row].detach(),
+                                     key_gains[row].detach(), self.token, chunk.token, extra)
+        return mix, p.movedim(0, -1), passed
 
     def chunk(self, row, queries, key_gains):
         """The Chunk serving `row`: phase 1 runs at the chunk's first row (again, when a checkpointed block recomputes
@@ -631,16 +636,17 @@ class DepthBank(attnres.DepthBank):
 
 # ----------------------------------------------------------------------------- what a step moves (the roofline)
 
-def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
+def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2, incoming=False):
     """[moved] of one consumer's launch each way over phase 1's n1 sources and its n: phase 2's forward
     (`_merge_forward`) and backward (`_merge_backward`; its dgq rows are summed by the chunk's pass, `chunk_traffic`).
     With S = tokens D, n2 = n - n1 sources pushed since phase 1, m2 = n2 + extra, E = 4 S if extra else 0, P = the
-    backward's programs (`merge_programs`):
+    backward's programs (`merge_programs`), I = E with `incoming` (the extra has later uses: their gradient is read and
+    added to the extra's), else 0:
 
         forward   read     S sb (o1) + 4 tokens (lse1, phase 1's logits n1 times, its own logits m2 times)
                            + n2 S sb + E + 8 D (q, g)
                   written  4 S (mix) + 4 tokens (lse, p: n1 + m2, its logits first: m2)
-        backward  read     8 S (mix, dmix) + 4 tokens (lse) + 8 D + n2 S sb + E + 4 n2 S (the gradient slots)
+        backward  read     8 S (mix, dmix) + 4 tokens (lse) + 8 D + n2 S sb + E + I + 4 n2 S (the gradient slots)
                   written  4 n2 S + E (the extra's dv) + S sb + 8 tokens + 4 (its record: dmix, delta, lse, ran)
                            + 4 P D (dgq's rows)."""
     S, n2 = tokens * D, n - n1
@@ -648,7 +654,7 @@ def phase_traffic(n1, n, tokens, D, extra=False, storage_bytes=2):
     P = merge_programs(tokens, D)
     return [moved(S * storage_bytes + 4 * tokens * (1 + n1 + m2) + n2 * S * storage_bytes + E + 8 * D,
                   4 * S + 4 * tokens * (1 + n1 + 2 * m2), launch="_merge_forward"),
-            moved(8 * S + 4 * tokens + 8 * D + n2 * S * storage_bytes + E + 4 * n2 * S,
+            moved(8 * S + 4 * tokens + 8 * D + n2 * S * storage_bytes + E * (1 + int(incoming)) + 4 * n2 * S,
                   4 * n2 * S + E + S * storage_bytes + 8 * tokens + 4 + 4 * P * D, launch="_merge_backward")]
 
 
@@ -677,19 +683,18 @@ def step_traffic(reads, n_max, tokens, D, extra=False, storage_bytes=2):
     reads (forward order; each reads every source pushed before it), the bank n_max slots; rows r0 = 0, CHUNK, ...
     start a chunk over the sources their consumer reads. Also: the read of sublayer 0's source (`read_traffic`),
     each push's "copy" in (forward; its backward hands on its gradient slot: no launch), the gradient bank's "zeros"
-    (at the first backward), and with an extra source (Block AttnRes' open sum, fp32), autograd's "add" of its two
-    gradients for every consumer but the last (the head): the mix's (`_merge_backward`'s d_extra) and that of its
-    other use (the next write's sum, or the push that closes its group), outside any compiled graph, where Pre-LN's
-    stream sums its two inside its norm's fused backward (read 8 S, written 4 S, a launch)."""
+    (at the first backward). With an extra source (Block AttnRes' open sum, fp32), every consumer but the last (the
+    head) passes it on to a second use (the next write's sum, or the push that closes its group): that use's gradient
+    is read by the consumer's `_merge_backward` and added to the mix's there (`phase_traffic`'s incoming), where
+    autograd would add the two in a launch of its own (read 8 S, written 4 S), outside any compiled graph."""
     S = tokens * D
     rows = attnres.read_traffic(tokens, D, storage_bytes)
     rows += [moved(4 * S, S * storage_bytes, launch="copy")] * max(reads)        # the pushes' copies
     rows.append(moved(0, 4 * n_max * S, launch="zeros"))                         # the gradient bank's zeros
-    if extra:
-        rows += [moved(8 * S, 4 * S, launch="add")] * (len(reads) - 1)           # the open sum's two gradients
     for r0 in range(0, len(reads), CHUNK):
         chunk = reads[r0:r0 + CHUNK]
         rows += chunk_traffic(chunk[0], len(chunk), len(reads), tokens, D=D, storage_bytes=storage_bytes)
-        for n in chunk:
-            rows += phase_traffic(chunk[0], n, tokens, D, extra=extra, storage_bytes=storage_bytes)
+        for row, n in enumerate(chunk, start=r0):
+            rows += phase_traffic(chunk[0], n, tokens, D, extra=extra, storage_bytes=storage_bytes,
+                                  incoming=extra and row < len(reads) - 1)
     return rows
