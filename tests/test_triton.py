@@ -587,7 +587,8 @@ for storage in ("*bf16", "*fp32"):
     build(K._chunk_forward, storage, phase1, K.PHASE1_WARPS, ("o1_ptr",))
     J1, D1 = K.backward_blocks(4096, 640)
     bank = torch.bfloat16 if storage == "*bf16" else torch.float32
-    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_J": J1, "BLOCK_D": D1, "NUM_STAGES": K.BACKWARD_STAGES, "D": 640,
+    stages = K.backward_stages(2 if storage == "*bf16" else 4)
+    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_J": J1, "BLOCK_D": D1, "NUM_STAGES": stages, "D": 640,
              "PRECISION": K.backward_precision(bank)}
     cap = K.backward_registers(2 if storage == "*bf16" else 4)
     build(K._chunk_backward, storage, chunk, K.WARPS, ("records",), maxnreg=cap)
