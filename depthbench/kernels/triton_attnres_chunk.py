@@ -61,10 +61,9 @@ COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its sou
 WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
               # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
               # 179 (x 4 warps: 3 / 2 programs a multiprocessor), _merge_forward 74-76 / 79-101, _merge_backward
-              # 106-117 / 123-124 (2 tokens a tile: 2 programs); _chunk_backward (2026-12-08; pipelined under 3.9,
-              # not under 3.6: `backward_stages`) 176 uncapped, 128 capped by `backward_registers` (2 programs;
-              # stack 8 / 160 bytes, its accesses in a loop 0 / 48; 16 / 232 bytes and 0 / 85 before its slots'
-              # atomic adds)
+              # 106-117 / 123-124 (2 tokens a tile: 2 programs); _chunk_backward (`backward_stages`) 176 uncapped,
+              # 128 capped by `backward_registers` (2 programs; stack 8 / 160 bytes, 0 / 48 accesses in a loop;
+              # 16 / 232 bytes, 0 / 85 before its atomic adds, 2026-12-08)
 
 
 def phase1_blocks(BT, D):
@@ -87,10 +86,8 @@ def backward_blocks(BT, D):
 
 
 def backward_stages(storage_bytes=2):
-    """`_chunk_backward`'s source loop's num_stages: 3 for a 16-bit bank (software-pipelined: the next block's v
-    copied into shared memory while this one's are used, 2 buffers of 20 KB; 88 KB a program, 2 a multiprocessor at
-    the card's launch, ptxas sm90, Triton 3.9; Triton 3.6 does not pipeline a loop with the slots' atomic adds), 1 for
-    an fp32 one (pipelined: 1,048 bytes of stack against 296)."""
+    """`_chunk_backward`'s source loop's num_stages: 3 for a 16-bit bank (2 buffers of the next block's v: 88 KB, 2
+    programs a multiprocessor; Triton 3.6 leaves it unpipelined), 1 for an fp32 one (1,048 bytes of stack: 296)."""
     return 3 if storage_bytes == 2 else 1
 
 
@@ -321,24 +318,22 @@ def _product(a, b, acc, dtype: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @jit
-def _block_products(slot, offsets, src_ok, s, x, squares, lo, D, PRECISION: tl.constexpr):
-    """Column tile [lo, lo + BLOCK_D) of a block of sources (slot + offsets, (BLOCK_J, BLOCK_D)): x += v s^T
-    (BLOCK_J, 2 BLOCK_C), every consumer's <v, gq> and <v, dmix>, and squares += v v^T (BLOCK_J, BLOCK_J), whose
-    diagonal is each source's sum of squares (v exact in the bank's dtype: its squares exact in fp32) -> (x, squares,
-    v): v for `_block_gradient` (read once: pipelined, one shared-memory buffer a tile serves every product)."""
+def _block_products(slot, offsets, src_ok, s, x, sq, lo, D, PRECISION: tl.constexpr):
+    """Column tile [lo, lo + BLOCK_D) of a block of sources v (slot + offsets, (BLOCK_J, BLOCK_D)): x += v s^T
+    (BLOCK_J, 2 BLOCK_C), every consumer's <v, gq> and <v, dmix>, and sq += v v^T (BLOCK_J, BLOCK_J), whose diagonal
+    is each source's sum of squares (v exact in the bank's dtype: its squares exact in fp32) -> (x, sq, v)."""
     mask = src_ok[:, None] & (tl.arange(0, offsets.shape[1]) < D - lo)[None, :]
     v = tl.load(slot + lo + offsets, mask=mask, other=0.0)
     return (_product(v, tl.trans(s), x, dtype=v.dtype, PRECISION=PRECISION),
-            _product(v, tl.trans(v), squares, dtype=v.dtype, PRECISION=PRECISION), v)
+            _product(v, tl.trans(v), sq, dtype=v.dtype, PRECISION=PRECISION), v)
 
 
 @jit
 def _block_gradient(grad, v, offsets, src_ok, a, s, bt, k, dgq, lo, D, PRECISION: tl.constexpr):
-    """Column tile [lo, lo + BLOCK_D) of a block of sources v (`_block_products`') and of their gradient slots
-    (grad + offsets, fp32): dv = a s + k v added into the slots by an atomic add (a reduction in L2: the slots never
-    read by the program, so the pipelined loop stages v alone; each slot's element is one thread's, no race; a: b and p
-    interleaved as s' rows are (BLOCK_J, 2 BLOCK_C), k (BLOCK_J, BLOCK_J) diagonal) -> dgq^T + v^T bt (BLOCK_D,
-    BLOCK_C; bt = b (BLOCK_J, BLOCK_C))."""
+    """Column tile [lo, lo + BLOCK_D) of a block of sources v (read once, `_block_products`') and of their fp32
+    gradient slots (grad + offsets): dv = a s + k v added by an atomic add (no read of the slots: the pipelined loop
+    stages v alone; an element is one thread's; a: b and p interleaved as s' rows are (BLOCK_J, 2 BLOCK_C), k
+    (BLOCK_J, BLOCK_J) diagonal) -> dgq^T + v^T bt (BLOCK_D, BLOCK_C; bt = b (BLOCK_J, BLOCK_C))."""
     mask = src_ok[:, None] & (tl.arange(0, offsets.shape[1]) < D - lo)[None, :]
     dv = _product(a, s, _product(k, v, tl.zeros(v.shape, tl.float32), dtype=v.dtype, PRECISION=PRECISION),
                   dtype=v.dtype, PRECISION=PRECISION)
@@ -414,16 +409,11 @@ def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr,
             ok = j0 + srcs < n1
             x = tl.zeros((BLOCK_J, 2 * BLOCK_C), tl.float32)
             sq = tl.zeros((BLOCK_J, BLOCK_J), tl.float32)
-            x, sq, v0 = _block_products(slot, offsets, ok, s0, x=x, squares=sq, lo=0, D=D,
-                                        PRECISION=PRECISION)
-            x, sq, v1 = _block_products(slot, offsets, ok, s1, x=x, squares=sq, lo=BLOCK_D, D=D,
-                                        PRECISION=PRECISION)
-            x, sq, v2 = _block_products(slot, offsets, ok, s2, x=x, squares=sq, lo=2 * BLOCK_D, D=D,
-                                        PRECISION=PRECISION)
-            x, sq, v3 = _block_products(slot, offsets, ok, s3, x=x, squares=sq, lo=3 * BLOCK_D, D=D,
-                                        PRECISION=PRECISION)
-            x, sq, v4 = _block_products(slot, offsets, ok, s4, x=x, squares=sq, lo=4 * BLOCK_D, D=D,
-                                        PRECISION=PRECISION)
+            x, sq, v0 = _block_products(slot, offsets, ok, s0, x=x, sq=sq, lo=0, D=D, PRECISION=PRECISION)
+            x, sq, v1 = _block_products(slot, offsets, ok, s1, x=x, sq=sq, lo=BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq, v2 = _block_products(slot, offsets, ok, s2, x=x, sq=sq, lo=2 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq, v3 = _block_products(slot, offsets, ok, s3, x=x, sq=sq, lo=3 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq, v4 = _block_products(slot, offsets, ok, s4, x=x, sq=sq, lo=4 * BLOCK_D, D=D, PRECISION=PRECISION)
             a, b, k = _block_weights(x, sq, ok, valid, lse=lse, delta=delta, D=D, eps=eps)
             dgq0 = _block_gradient(grad, v0, offsets, ok, a=a, s=s0, bt=b, k=k, dgq=dgq0, lo=0, D=D,
                                    PRECISION=PRECISION)
