@@ -13,6 +13,7 @@ Checked with Triton 3.9 (here) and 3.6 (the GPU image's): under both, `test_kern
 kernel for sm90. Triton 3.6's interpreter fails with numpy 2.4 on any loop with a run-time bound (its `int()` of a
 one-element array: "only 0-dimensional arrays can be converted"), in its own code: run these tests with triton >= 3.9.
 """
+import json
 import os
 import subprocess
 import sys
@@ -611,7 +612,8 @@ for storage in ("*bf16", "*fp32"):
     build(K._chunk_forward, storage, phase1, K.PHASE1_WARPS, ("o1_ptr",))
     J1, D1 = K.backward_blocks(4096, 640)
     bank = torch.bfloat16 if storage == "*bf16" else torch.float32
-    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_J": J1, "BLOCK_D": D1, "NUM_STAGES": K.BACKWARD_STAGES, "D": 640,
+    stages = K.backward_stages(2 if storage == "*bf16" else 4)
+    chunk = {"BLOCK_C": K.CHUNK, "BLOCK_J": J1, "BLOCK_D": D1, "NUM_STAGES": stages, "D": 640,
              "PRECISION": K.backward_precision(bank)}
     cap = K.backward_registers(2 if storage == "*bf16" else 4)
     build(K._chunk_backward, storage, chunk, K.WARPS, ("records",), maxnreg=cap)
@@ -635,3 +637,41 @@ def test_kernels_compile_for_an_h100():
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], env=env, capture_output=True, text=True,
                           timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+CHUNK_BACKWARD_ON_AN_H100 = """
+import json, sys, torch
+sys.path.insert(0, "scripts")
+import kernel_probe as kp
+from depthbench.kernels import triton_attnres_chunk as K
+from depthbench.reports import compiled_code as cc
+fn = K._chunk_backward
+J, BD = K.backward_blocks(4096, 640)
+consts = {"D": 640, "BLOCK_C": K.CHUNK, "BLOCK_J": J, "BLOCK_D": BD, "NUM_STAGES": K.backward_stages(2),
+          "PRECISION": K.backward_precision(torch.bfloat16)}
+types = {"V": "*bf16", "records": "*bf16", "ran_ptr": "*i32", "n1": "i32", "C": "i32", "P": "i32", "BT": "i32",
+         "eps": "fp32"}
+sig = {a: "constexpr" if a in consts else types.get(a, "*fp32") for a in fn.arg_names}
+launch = kp.Launch(kernel=f"{fn.fn.__module__}:_chunk_backward", grid=[264], signature=sig, constexprs=consts,
+                   aligned=[a for a, t in sig.items() if t.startswith("*")] + ["BT"], ints={},
+                   options={"num_warps": K.WARPS, "maxnreg": K.backward_registers(2)})
+v = kp.probe_variant(launch, kp.find_tools())
+print(json.dumps({"ctas": cc.ctas_per_sm(v.registers, v.warps, v.shared), "async": v.async_ttgir,
+                  "loop_local": sum(n for where, n in v.sass.local.items() if where >= 0)}))
+"""
+
+
+@pytest.mark.slow
+def test_chunk_backward_on_an_h100_is_pipelined_at_two_programs_a_multiprocessor():
+    """`_chunk_backward` at the card's launch (d640, 4,096 tokens, bf16 bank: its blocks, stages, register cap and
+    warps) compiled for sm_90 (ptxas, no GPU) fits 2 programs on a multiprocessor; under Triton 3.9 its source loop
+    is software-pipelined (async copies) with no local memory touched inside a loop (Triton 3.6 pipelines no loop
+    with its atomic adds: docs/speed.md)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", CHUNK_BACKWARD_ON_AN_H100], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["ctas"] >= 2
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9):
+        assert got["async"] > 0 and got["loop_local"] == 0

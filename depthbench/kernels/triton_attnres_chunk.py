@@ -57,15 +57,13 @@ PHASE1_TOKENS = 16   # _chunk_forward's tokens a program: the rows of its logits
 PHASE1_WARPS = 4     # 4 warps; its CHUNK x PHASE1_TOKENS x COLUMNS_TILE fp32 sums, 64 registers a thread
 COLUMNS_TILE = 64    # the columns of a source a loop step reads (a power of 2: 640 = 10 x 64, no padding)
 SOURCE_BLOCK = 16   # _chunk_backward's sources of a token a loop step: the rows of its tl.dot products
-COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its source loop not software-pipelined
-BACKWARD_STAGES = 1   # (ptxas sm90 at the card's launch: pipelined, 179 registers and 127 KB of shared memory, 1
-                      # program a multiprocessor; unpipelined and capped at 128, 2 programs hide the loads' latency)
+COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its source loop's stages: `backward_stages`
 WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
               # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
               # 179 (x 4 warps: 3 / 2 programs a multiprocessor), _merge_forward 74-76 / 79-101, _merge_backward
-              # 106-117 / 123-124 (2 tokens a tile: 2 programs); _chunk_backward (unpipelined) 178 uncapped, 128
-              # capped by `backward_registers` (2 programs; 16 bytes of stack: 4 values of the program's start
-              # kept for its last store, none spilled in a loop)
+              # 106-117 / 123-124 (2 tokens a tile: 2 programs); _chunk_backward (`backward_stages`) 176 uncapped,
+              # 128 capped by `backward_registers` (2 programs; stack 8 / 160 bytes, 0 / 48 accesses in a loop;
+              # 16 / 232 bytes, 0 / 85 before its atomic adds, 2026-12-08)
 
 
 def phase1_blocks(BT, D):
@@ -85,6 +83,12 @@ def backward_blocks(BT, D):
     step (the rows of its products), D in COLUMN_TILES tiles of BLOCK_D columns (a power of 2, at least 16):
     640 = 5 x 128, no padding."""
     return SOURCE_BLOCK, max(16, next_power_of_2(-(-D // COLUMN_TILES)))
+
+
+def backward_stages(storage_bytes=2):
+    """`_chunk_backward`'s source loop's num_stages: 3 for a 16-bit bank (2 buffers of the next block's v: 88 KB, 2
+    programs a multiprocessor; Triton 3.6 leaves it unpipelined), 1 for an fp32 one (1,048 bytes of stack: 296)."""
+    return 3 if storage_bytes == 2 else 1
 
 
 def backward_registers(storage_bytes=2):
@@ -315,27 +319,26 @@ def _product(a, b, acc, dtype: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @jit
-def _block_products(slot, offsets, src_ok, s, x, squares, lo, D, PRECISION: tl.constexpr):
-    """Column tile [lo, lo + BLOCK_D) of a block of sources (slot + offsets, (BLOCK_J, BLOCK_D)): x += v s^T
-    (BLOCK_J, 2 BLOCK_C), every consumer's <v, gq> and <v, dmix>, and squares += v v^T (BLOCK_J, BLOCK_J), whose
-    diagonal is each source's sum of squares (v exact in the bank's dtype: its squares exact in fp32)."""
+def _block_products(slot, offsets, src_ok, s, x, sq, lo, D, PRECISION: tl.constexpr):
+    """Column tile [lo, lo + BLOCK_D) of a block of sources v (slot + offsets, (BLOCK_J, BLOCK_D)): x += v s^T
+    (BLOCK_J, 2 BLOCK_C), every consumer's <v, gq> and <v, dmix>, and sq += v v^T (BLOCK_J, BLOCK_J), whose diagonal
+    is each source's sum of squares (v exact in the bank's dtype: its squares exact in fp32) -> (x, sq, v)."""
     mask = src_ok[:, None] & (tl.arange(0, offsets.shape[1]) < D - lo)[None, :]
     v = tl.load(slot + lo + offsets, mask=mask, other=0.0)
     return (_product(v, tl.trans(s), x, dtype=v.dtype, PRECISION=PRECISION),
-            _product(v, tl.trans(v), squares, dtype=v.dtype, PRECISION=PRECISION))
+            _product(v, tl.trans(v), sq, dtype=v.dtype, PRECISION=PRECISION), v)
 
 
 @jit
-def _block_gradient(grad, slot, offsets, src_ok, a, s, bt, k, dgq, lo, D, PRECISION: tl.constexpr):
-    """Column tile [lo, lo + BLOCK_D) of a block of sources and of their gradient slots (grad + offsets, fp32):
-    dv = a s + k v added into the slots (their old values the products' accumulator; a: b and p interleaved as s'
-    rows are (BLOCK_J, 2 BLOCK_C), k (BLOCK_J, BLOCK_J) diagonal) -> dgq^T + v^T bt (BLOCK_D, BLOCK_C; bt = b
-    (BLOCK_J, BLOCK_C)). v read again (an L1 hit: the block's first read just before)."""
+def _block_gradient(grad, v, offsets, src_ok, a, s, bt, k, dgq, lo, D, PRECISION: tl.constexpr):
+    """Column tile [lo, lo + BLOCK_D) of a block of sources v (read once, `_block_products`') and of their fp32
+    gradient slots (grad + offsets): dv = a s + k v added by an atomic add (no read of the slots: the pipelined loop
+    stages v alone; an element is one thread's; a: b and p interleaved as s' rows are (BLOCK_J, 2 BLOCK_C), k
+    (BLOCK_J, BLOCK_J) diagonal) -> dgq^T + v^T bt (BLOCK_D, BLOCK_C; bt = b (BLOCK_J, BLOCK_C))."""
     mask = src_ok[:, None] & (tl.arange(0, offsets.shape[1]) < D - lo)[None, :]
-    v = tl.load(slot + lo + offsets, mask=mask, other=0.0)
-    old = tl.load(grad + lo + offsets, mask=mask, other=0.0)
-    dv = _product(a, s, _product(k, v, old, dtype=v.dtype, PRECISION=PRECISION), dtype=v.dtype, PRECISION=PRECISION)
-    tl.store(grad + lo + offsets, dv, mask=mask)
+    dv = _product(a, s, _product(k, v, tl.zeros(v.shape, tl.float32), dtype=v.dtype, PRECISION=PRECISION),
+                  dtype=v.dtype, PRECISION=PRECISION)
+    tl.atomic_add(grad + lo + offsets, dv, mask=mask, sem="relaxed")
     return _product(tl.trans(v), bt, dgq, dtype=v.dtype, PRECISION=PRECISION)
 
 
@@ -407,21 +410,21 @@ def _chunk_backward(V, q_ptr, g_ptr, records, scalars_ptr, ran_ptr, dV, dgq_ptr,
             ok = j0 + srcs < n1
             x = tl.zeros((BLOCK_J, 2 * BLOCK_C), tl.float32)
             sq = tl.zeros((BLOCK_J, BLOCK_J), tl.float32)
-            x, sq = _block_products(slot, offsets, ok, s0, x=x, squares=sq, lo=0, D=D, PRECISION=PRECISION)
-            x, sq = _block_products(slot, offsets, ok, s1, x=x, squares=sq, lo=BLOCK_D, D=D, PRECISION=PRECISION)
-            x, sq = _block_products(slot, offsets, ok, s2, x=x, squares=sq, lo=2 * BLOCK_D, D=D, PRECISION=PRECISION)
-            x, sq = _block_products(slot, offsets, ok, s3, x=x, squares=sq, lo=3 * BLOCK_D, D=D, PRECISION=PRECISION)
-            x, sq = _block_products(slot, offsets, ok, s4, x=x, squares=sq, lo=4 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq, v0 = _block_products(slot, offsets, ok, s0, x=x, sq=sq, lo=0, D=D, PRECISION=PRECISION)
+            x, sq, v1 = _block_products(slot, offsets, ok, s1, x=x, sq=sq, lo=BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq, v2 = _block_products(slot, offsets, ok, s2, x=x, sq=sq, lo=2 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq, v3 = _block_products(slot, offsets, ok, s3, x=x, sq=sq, lo=3 * BLOCK_D, D=D, PRECISION=PRECISION)
+            x, sq, v4 = _block_products(slot, offsets, ok, s4, x=x, sq=sq, lo=4 * BLOCK_D, D=D, PRECISION=PRECISION)
             a, b, k = _block_weights(x, sq, ok, valid, lse=lse, delta=delta, D=D, eps=eps)
-            dgq0 = _block_gradient(grad, slot, offsets, ok, a=a, s=s0, bt=b, k=k, dgq=dgq0, lo=0, D=D,
+            dgq0 = _block_gradient(grad, v0, offsets, ok, a=a, s=s0, bt=b, k=k, dgq=dgq0, lo=0, D=D,
                                    PRECISION=PRECISION)
-            dgq1 = _block_gradient(grad, slot, offsets, ok, a=a, s=s1, bt=b, k=k, dgq=dgq1, lo=BLOCK_D, D=D,
+            dgq1 = _block_gradient(grad, v1, offsets, ok, a=a, s=s1, bt=b, k=k, dgq=dgq1, lo=BLOCK_D, D=D,
                                    PRECISION=PRECISION)
-            dgq2 = _block_gradient(grad, slot, offsets, ok, a=a, s=s2, bt=b, k=k, dgq=dgq2, lo=2 * BLOCK_D, D=D,
+            dgq2 = _block_gradient(grad, v2, offsets, ok, a=a, s=s2, bt=b, k=k, dgq=dgq2, lo=2 * BLOCK_D, D=D,
                                    PRECISION=PRECISION)
-            dgq3 = _block_gradient(grad, slot, offsets, ok, a=a, s=s3, bt=b, k=k, dgq=dgq3, lo=3 * BLOCK_D, D=D,
+            dgq3 = _block_gradient(grad, v3, offsets, ok, a=a, s=s3, bt=b, k=k, dgq=dgq3, lo=3 * BLOCK_D, D=D,
                                    PRECISION=PRECISION)
-            dgq4 = _block_gradient(grad, slot, offsets, ok, a=a, s=s4, bt=b, k=k, dgq=dgq4, lo=4 * BLOCK_D, D=D,
+            dgq4 = _block_gradient(grad, v4, offsets, ok, a=a, s=s4, bt=b, k=k, dgq=dgq4, lo=4 * BLOCK_D, D=D,
                                    PRECISION=PRECISION)
             slot += BLOCK_J * BT * D
             grad += BLOCK_J * BT * D
@@ -508,8 +511,8 @@ class ChunkPass(torch.autograd.Function):
         _chunk_backward[(P,)](V, queries[chunk.r0], key_gains[chunk.r0], chunk.records, scalars_ptr=chunk.scalars,
                               ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
                               D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
-                              NUM_STAGES=BACKWARD_STAGES, PRECISION=backward_precision(V.dtype), num_warps=WARPS,
-                              maxnreg=backward_registers(V.element_size()))
+                              NUM_STAGES=backward_stages(V.element_size()), PRECISION=backward_precision(V.dtype),
+                              num_warps=WARPS, maxnreg=backward_registers(V.element_size()))
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
         _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, chunk.merge_rows, chunk.ran,
