@@ -13,10 +13,17 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import gc  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402  (after the flag: nothing here imports triton)
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+# A suite started in the background (`pytest &` from a script: POSIX shells start such a job with Ctrl-C ignored)
+# hands that on to every process a test starts, so the Ctrl-C tests' scripts would never see their Ctrl-C and wait
+# for it until killed. Python's own handler here instead: a process started from this one begins with the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SMOKE_TEST = "test_tiny_smoke_answers_every_question"  # tests/test_launch.py's check of the rehearsal's summary.json
 

@@ -17,16 +17,15 @@ hands each mix its Site, whose int `row_index` is read here, in eager code (a co
   weighted sum o1_k) over the sources pushed since (n1 .. n_k - 1) and the extra -> mix, lse, p.
 
 Backward with the final lse and delta = <mix, dmix> (flash attention's), as triton_attnres.py's:
-- the consumer's pass (`_merge_backward`): the gradients of its phase-2 sources (read-modify-write of their fp32
-  gradient slots; the extra's written); writes its record (dmix in the bank's dtype, delta, lse) and its partial
-  dgq rows into the chunk;
+- the consumer's pass (`_merge_backward`): its phase-2 sources' gradients (read-modify-write of their fp32 slots;
+  the extra's written, its later uses' added: `Merge`); its record (dmix in the bank's dtype, delta, lse) and its
+  partial dgq rows into the chunk;
 - the chunk's pass (`_chunk_backward`, run by autograd after every consumer of the chunk, before any push it read):
   each source 0 .. n1 - 1 read once, a token's records read once (tensor-core products over blocks of 16 of its
   sources, bf16 operands for a bf16 bank: `_chunk_backward`'s docstring): every consumer's pair gradient summed and
-  added into the source's gradient slot (one read-modify-write a chunk), and each consumer's dgq rows, which
-  `_chunk_query_gradients` adds to its phase-2 ones and turns into the chunk's rows of dqueries and dkey_gains
-  (one launch a chunk for every consumer's dq and dg).
-The pushes' `source_gradient` (triton_attnres.py) hands each source its gradient slot. Memory: each chunk's o1
+  added into the source's gradient slot (an atomic add a chunk), and each consumer's dgq rows, which
+  `_chunk_query_gradients` adds to its phase-2 ones: the chunk's rows of dqueries and dkey_gains in one launch.
+The pushes' `source_gradient` (triton_attnres.py) hand each source its gradient slot. Memory: each chunk's o1
 (CHUNK slots in the bank's dtype) and logits live from its phase 1 to its backward; the records (CHUNK slots) from
 its first consumer's backward to its own, with their phase-2 dgq rows (CHUNK x at most PROGRAMS rows of D fp32); the
 gradient bank (n_max fp32 slots) from the first backward. The two backward passes run at most PROGRAMS programs,
@@ -35,9 +34,8 @@ each over several tiles of tokens (`chunk_programs`, `merge_programs`): fewer pa
 Equal to ops.depth_mix's mix, p and every gradient: tests/test_triton.py's `test_chunked_bank_equals_reference`
 (Full's and Block's patterns, consumers of older states, the card's depth, bf16), `test_model_equals_reference`
 (two chunks, checkpointed blocks) and `test_compiled_blocks_keep_their_graphs_with_the_chunked_bank`;
-`step_traffic` counts what each launch moves (the roofline's AttnRes rows), its launches counted against the
-code's by `test_chunked_step_traffic_counts_the_launches`. The release's variants (top-k, learnt logit scale) keep
-triton_attnres.py's mix (residuals.py hands their bank no queries).
+`step_traffic` counts what each launch moves (`test_chunked_step_traffic_counts_the_launches` its launches). The
+release's variants (top-k, learnt logit scale) keep triton_attnres.py's mix (residuals.py hands them no queries).
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations are read as text: no triton, no error
 
@@ -58,12 +56,10 @@ PHASE1_WARPS = 4     # 4 warps; its CHUNK x PHASE1_TOKENS x COLUMNS_TILE fp32 su
 COLUMNS_TILE = 64    # the columns of a source a loop step reads (a power of 2: 640 = 10 x 64, no padding)
 SOURCE_BLOCK = 16   # _chunk_backward's sources of a token a loop step: the rows of its tl.dot products
 COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its source loop's stages: `backward_stages`
-WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, 4,096 tokens,
-              # bf16 bank, pipelined, 2026-12-07), registers under Triton 3.9 / 3.6, no spill: _chunk_forward 138 /
-              # 179 (x 4 warps: 3 / 2 programs a multiprocessor), _merge_forward 74-76 / 79-101, _merge_backward
-              # 106-117 / 123-124 (2 tokens a tile: 2 programs); _chunk_backward (`backward_stages`) 176 uncapped,
-              # 128 capped by `backward_registers` (2 programs; stack 8 / 160 bytes, 0 / 48 accesses in a loop;
-              # 16 / 232 bytes, 0 / 85 before its atomic adds, 2026-12-08)
+WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, bf16 bank),
+              # registers under Triton 3.9 / 3.6: _chunk_forward 138 / 179 (x 4 warps: 3 / 2 programs an SM),
+              # _merge_forward 74-76 / 79-101, _merge_backward 106-117 / 123-124 (2 programs); _chunk_backward 128,
+              # capped (`backward_registers`; 2 programs; stack 8 / 160 bytes, 0 / 48 accesses in a loop; docs/speed.md)
 
 
 def phase1_blocks(BT, D):
