@@ -58,8 +58,8 @@ SOURCE_BLOCK = 16   # _chunk_backward's sources of a token a loop step: the rows
 COLUMN_TILES = 5   # _chunk_backward's column tiles (`backward_blocks`); its source loop's stages: `backward_stages`
 WARPS = 8     # every kernel here but phase 1 (PHASE1_WARPS). ptxas sm90 at the card's launch (d640, bf16 bank),
               # registers under Triton 3.9 / 3.6: _chunk_forward 138 / 179 (x 4 warps: 3 / 2 programs an SM),
-              # _merge_forward 74-76 / 79-101, _merge_backward 106-117 / 123-124 (2 programs); _chunk_backward 128,
-              # capped (`backward_registers`; 2 programs; stack 8 / 160 bytes, 0 / 48 accesses in a loop; docs/speed.md)
+              # _merge_forward 74-76 / 79-101, _merge_backward 106-117 / 123-124 (2 programs); _chunk_backward 254 /
+              # 255 at 4 warps (`backward_warps`; 2 programs; no local memory in a loop; docs/speed.md)
 
 
 def phase1_blocks(BT, D):
@@ -87,10 +87,10 @@ def backward_stages(storage_bytes=2):
     return 3 if storage_bytes == 2 else 1
 
 
-def backward_registers(storage_bytes=2):
-    """`_chunk_backward`'s register cap (maxnreg): 128 for a 16-bit bank, 2 programs a multiprocessor at WARPS warps
-    (178 registers uncapped: 1); None (the compiler's choice) for an fp32 one, whose products run on CUDA cores."""
-    return 128 if storage_bytes == 2 else None
+def backward_warps(storage_bytes=2):
+    """`_chunk_backward`'s warps: 4 for a 16-bit bank, registers uncapped (254, 2 programs a multiprocessor; at 8
+    warps capped at 128 its loop spilled under Triton 3.6, 48 accesses, and issued 60% more); WARPS for an fp32 one."""
+    return 4 if storage_bytes == 2 else WARPS
 
 
 def backward_precision(dtype):
@@ -508,7 +508,7 @@ class ChunkPass(torch.autograd.Function):
                               ran_ptr=chunk.ran, dV=dV, dgq_ptr=dgq_rows, n1=chunk.n1, C=chunk.C, P=P, BT=B * T,
                               D=D, eps=bank.norm_eps, BLOCK_C=CHUNK, BLOCK_J=BLOCK_J, BLOCK_D=BLOCK_D,
                               NUM_STAGES=backward_stages(V.element_size()), PRECISION=backward_precision(V.dtype),
-                              num_warps=WARPS, maxnreg=backward_registers(V.element_size()))
+                              num_warps=backward_warps(V.element_size()))
         dq, dg = torch.zeros_like(queries), torch.zeros_like(key_gains)
         BLOCK_C = min(COLUMNS, next_power_of_2(D))
         _chunk_query_gradients[(triton.cdiv(D, BLOCK_C), chunk.C)](dgq_rows, chunk.merge_rows, chunk.ran,
