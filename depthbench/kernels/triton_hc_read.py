@@ -467,7 +467,7 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
         dd = d0 + tl.arange(0, BK)
         tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=cb, tokens=tokens, live=live, dd=dd, D=D, n=n)
         wt = _w_tile(A, B, dd, cols=cols, K=D, M=M, SPLIT=True)                # W = [A | B], (BK, MP)
-        dwt = tl.full([MP, BK], 0.0, tl.float32)                               # the block's dW^T on channels dd
+        dwt = tl.full([BK, MP], 0.0, tl.float32)                               # the block's dW^T on channels dd
         for j in tl.static_range(n):
             dx = _width_share(Pre, Res, DMixed, db, tokens=tokens, live=live, at=at, tile=tile, D=D, j=j, n=n)
             row = tokens * n + j
@@ -478,9 +478,9 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
             coef = r * r * _sum(g * m, 1) / D
             dx += r[:, None] * _dot(g, tl.trans(wt), H) - x * coef[:, None]
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
-            dwt = _dot(tl.trans(g * r[:, None]), x, H, dwt)                    # += (MP, BT) @ (BT, BK)
-        tl.store(part + maps_sums + D + cols[:, None] * D + dd[None, :], dwt,
-                 mask=(cols < M)[:, None] & (dd < D)[None, :])
+            dwt = _dot(tl.trans(x), g * r[:, None], H, dwt)
+        tl.store(part + maps_sums + D + cols[None, :] * D + dd[:, None], dwt,
+                 mask=(cols < M)[None, :] & (dd < D)[:, None])
 
 
 def bwd_launch(x):
