@@ -486,7 +486,8 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
 def bwd_launch(x):
     """_mhc_bwd's and _hc_bwd's warps and registers a thread: at the card's shape (d640, BK 64, bf16 streams, the
     projection in tf32: `_dot`) capped at 128 x 8 warps, 2 CTAs an SM, the 256 programs in one wave, no spill (ptxas
-    for sm90, Triton 3.9 and 3.6; uncapped 142 / 136: 1 CTA); on fp32 streams (ieee) the cap would spill: none."""
+    for sm90, Triton 3.9 and 3.6; uncapped 142 / 136: 1 CTA; `_hc_bwd` with its dW tile: 158 uncapped, no spill at
+    the cap under 3.9, 80 bytes of stack under 3.6: docs/speed.md); on fp32 streams (ieee) the cap would spill: none."""
     return dict(num_warps=8, maxnreg=None if x.dtype == torch.float32 else 128)
 
 
