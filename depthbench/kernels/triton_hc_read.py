@@ -41,6 +41,7 @@ import torch
 from depthbench.kernels import triton_hc as hc
 from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, _dot, _normed_rows, _sinkhorn_block,
                                           _sinkhorn_block_bwd, _sum, _w_tile, jit, pow2, runs_here, stream_sizes, tl)
+from depthbench.kernels.triton_attnres_chunk import UPCAST_DOTS   # one definition of the interpreter's workaround
 from ops import fp32_maths
 
 EPS = 1e-6      # residuals.MHC.maps' norm eps and ops.sinkhorn's default, the ones its reference uses
@@ -442,7 +443,7 @@ def upstream(x, pre, grads):
 @jit
 def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, G, Cb, Sums, Asc, Bsc, N, D, M,
             n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-            MP: tl.constexpr):
+            MP: tl.constexpr, DW_BF16: tl.constexpr):
     """HC's whole read backward on tokens [pid BT, +BT), one launch (in place of _width_norm_bwd, _hc_read_bwd and
     _proj_bwd), _mhc_bwd's three stages: (1) `_width_block_bwd`; (2) the maps' backward on the block's
     BT n rows (`_hc_maps_bwd`, BR >= BT n; dm into G, read back by tiles below); (3) by tiles of BK channels, dH of
@@ -478,9 +479,23 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
             coef = r * r * _sum(g * m, 1) / D
             dx += r[:, None] * _dot(g, tl.trans(wt), H) - x * coef[:, None]
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
-            dwt = _dot(tl.trans(x), g * r[:, None], H, dwt)
+            if DW_BF16:                 # x exact in bf16; r dm rounded to it, as the cuBLAS GEMM's operand was
+                xb, rgb = x.to(tl.bfloat16), (g * r[:, None]).to(tl.bfloat16)
+                if UPCAST_DOTS:         # the interpreter's bf16 tl.dot is wrong: the rounded values in fp32
+                    xb, rgb = xb.to(tl.float32), rgb.to(tl.float32)
+                dwt = tl.dot(tl.trans(xb), rgb, dwt)
+            else:
+                dwt = _dot(tl.trans(x), g * r[:, None], H, dwt)
         tl.store(part + maps_sums + D + cols[None, :] * D + dd[:, None], dwt,
                  mask=(cols < M)[None, :] & (dd < D)[:, None])
+
+
+def dw_bf16(x):
+    """`_hc_bwd`'s dW tile from bf16 operands (r dm rounded, as the cuBLAS GEMM had it) instead of tf32: for bf16 or
+    fp16 streams under a Triton before 3.9 (the GPU image's 3.6), whose tf32 form spills 80 bytes in the tile loop
+    at the register cap; Triton 3.9's is clean in tf32 and spills in bf16 (ptxas sm90, docs/speed.md)."""
+    version = tuple(int(part) for part in hc.triton.__version__.split(".")[:2])
+    return x.dtype != torch.float32 and version < (3, 9)
 
 
 def bwd_launch(x):
@@ -531,7 +546,7 @@ def hc_backward(x, saved, grads):
     _hc_bwd[(programs,)](H=x, A=A, B=B, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed,
                          DPost=dpost, DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, Sums=sums, Asc=alpha_scale,
                          Bsc=beta_scale, N=N, D=D, M=M, n=n, NP=pow2(n), BT=BLOCK_ROWS, BR=pow2(BLOCK_ROWS * n),
-                         BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), **bwd_launch(x))
+                         BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), DW_BF16=dw_bf16(x), **bwd_launch(x))
     return dH, sums.sum(0)
 
 
