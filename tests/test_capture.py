@@ -96,7 +96,7 @@ def alternating(BT, D):                      # phase 1's tokens a program change
     rows, columns = blocks(BT, D)
     return (rows // 2 if len(calls) % 2 else rows), columns
 read.weight_gradient, chunk.phase1_blocks = waits, alternating
-print(cc.line(cc.check("hc")))
+print(cc.line(cc.check("mhc")))
 print(cc.line(cc.check("attnres")))
 print(cc.line(cc.check("attnres", compiled=True)))
 """
@@ -104,13 +104,13 @@ print(cc.line(cc.check("attnres", compiled=True)))
 
 @pytest.mark.slow
 def test_a_wait_and_a_launch_that_changes_are_found():
-    """HC's weight gradient made to read .item(), Full AttnRes' phase 1 made to halve its tokens a program every
-    other step: each design is NOT replayable, for that reason; Full AttnRes' compiled per block too (its bank runs
-    eagerly between the graphs)."""
+    """mHC's weight gradient (cuBLAS' dphi; HC's is summed in its kernel) made to read .item(), Full AttnRes' phase 1
+    made to halve its tokens a program every other step: each design is NOT replayable, for that reason; Full
+    AttnRes' compiled per block too (its bank runs eagerly between the graphs)."""
     done = run_check(code=BROKEN)
     assert done.returncode == 0, done.stderr[-2000:]
-    hc, attnres, compiled = done.stdout.splitlines()
-    assert hc.startswith("hc (eager): NOT replayable: waits on the GPU at aten::_local_scalar_dense"), hc
+    mhc, attnres, compiled = done.stdout.splitlines()
+    assert mhc.startswith("mhc (eager): NOT replayable: waits on the GPU at aten::_local_scalar_dense"), mhc
     for line, mode in ((attnres, "eager"), (compiled, "compiled per block")):
         assert line.startswith(f"attnres ({mode}): NOT replayable: step 3's launch 0 (_chunk_forward)"), line
         assert "grid" in line

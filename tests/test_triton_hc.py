@@ -277,6 +277,20 @@ def test_model_under_bf16_autocast_is_the_reference_to_bf16(residual):
         assert g.norm() <= 1e-6 or cosine(g1[n], g) >= 0.999, (n, cosine(g1[n], g))   # ~0: a saturated gate's
 
 
+@pytest.mark.parametrize("bf16_tile", [False, True])
+def test_hc_weight_gradient_tile_under_bf16_autocast_either_way(bf16_tile, monkeypatch):
+    """`_hc_bwd`'s dW tile in either form (`dw_bf16`: bf16 operands under the GPU image's Triton 3.6, tf32 under 3.9;
+    each version runs only one of them by itself): HC's tiny GPT under bf16 autocast against the reference, every
+    gradient at cosine >= 0.999 (but a ~0 one) and within 10% of its norm."""
+    monkeypatch.setattr(hcr, "dw_bf16", lambda x: bf16_tile and x.dtype != torch.float32)
+    idx = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+    got = loss_and_grads(with_triton_bodies(tiny_model("hc")), idx, bf16=True)
+    want = loss_and_grads(tiny_model("hc"), idx, bf16=True)
+    assert_step_equal_to_bf16(got, want)
+    for n, g in want[1].items():
+        assert g.norm() <= 1e-6 or cosine(got[1][n], g) >= 0.999, (n, cosine(got[1][n], g))
+
+
 # ----------------------------------------------------------------------------- the fused read (triton_hc_read.py)
 
 def read_both_ways(model, H, dtype, seed=0, used=(0, 1, 2, 3, 4)):
@@ -516,7 +530,7 @@ def kernel_signatures(stream, module):
                          Rb=f, NR="i32", K="i32", M="i32", eps="fp32", eps_norm="fp32"),
          dict(n=4, NP=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16, BD=1024)),
         ("_hc_bwd", dict(H=s, A=f, B=f, Pre=f, Res=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f, DH=s, DPre=f,
-                         DRes=f, G=f, Cb=f, RG=s, Sums=f, Asc=f, Bsc=f, N="i32", D="i32", M="i32"),
+                         DRes=f, G=f, Cb=f, Sums=f, Asc=f, Bsc=f, N="i32", D="i32", M="i32"),
          dict(n=4, NP=4, BT=module.BLOCK_ROWS, BR=4 * module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16))]
 
 

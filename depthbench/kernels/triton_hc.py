@@ -103,9 +103,9 @@ def _max(x, axis: tl.constexpr):
 
 
 @jit
-def _dot(a, b, X):
-    """tl.dot to fp32: exact ("ieee") on fp32 streams at X; tf32 (tensor cores) on bf16/fp16 ones, coarser anyway."""
-    return tl.dot(a, b, input_precision="ieee" if X.dtype.element_ty == tl.float32 else "tf32")
+def _dot(a, b, X, acc=None):
+    """tl.dot to fp32 (added to acc): exact ("ieee") on fp32 streams at X; tf32 (tensor cores) on bf16/fp16 ones."""
+    return tl.dot(a, b, acc, input_precision="ieee" if X.dtype.element_ty == tl.float32 else "tf32")
 
 
 # ----------------------------------------------------------------------------- normed_projection
@@ -583,8 +583,8 @@ def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
       HC  forward   read X + 4 K M (W from dynamic_alpha and dynamic_beta, no concatenation), write pre, post, res,
                     m and r (2c + R + 4 rows M + 4 rows)
           backward  _hc_bwd  as _mhc_bwd, with HC's maps (read dpre, dpost, dres, m and r; write dm, read back by the
-                    tiles, and r dm) and its sums in the parameters' layout (n^2 + 2n + 2 and D a row); dW^T as mHC's
-                    dphi, its first n + 1 rows "copy"-ed into dynamic_alpha's gradient's layout (the last is beta's)
+                    tiles) and its sums in the parameters' layout (n^2 + 2n + 2 and D a row), then each program's dW^T
+                    (4 M D a row; no GEMM, no r dm); dW^T's first n + 1 rows "copy"-ed into dynamic_alpha's layout
     -> (forward rows, backward rows)."""
     S, c, R = N * n * D * sb, N * n * 4, N * n * n * 4
     rows, K, M = (N, n * D, n * n + 2 * n) if design == "mhc" else (N * n, D, n + 2)
@@ -604,15 +604,15 @@ def fused_read(design, N, n, D, sb, iters, gemm_fp32_out=True):
         return fwd, [row("mhc_bwd", "backward", 2 * width + maps + R + 4 * N * M + 8 * N + 4 * K * M,
                          c + R + 4 * N + R + scratch + sb * N * M + sums + S, launch="_mhc_bwd"),
                      row("mhc_bwd.sums (torch)", "backward", sums, 4 * (2 * MP + D), launch="sum"), dW]
-    sums = 4 * programs * (n * n + 2 * n + 2 + D)
+    sums = 4 * programs * (n * n + 2 * n + 2 + D + M * D)                  # a program's dW^T (M, D) in its row
     read = X + 4 * K * M, 2 * c + R + 4 * rows * M + 4 * rows
     fwd = [row("hc_fwd", "forward", read[0] + wr, read[1] + ww, launch="_hc_fwd")] if BLOCK_ROWS % n == 0 else [
         row("hc_read", "forward", *read, launch="_hc_read_fwd"),
         row("width_norm", "forward", wr, ww, launch="_width_norm_fwd")]
     maps = 2 * c + R + 4 * rows * M + 4 * rows                             # dpre, dpost, dres, m and r
     return fwd, [row("hc_bwd", "backward", 2 * width + maps + R + 8 * rows * M + 4 * rows + 4 * K * M,
-                     c + R + 4 * N + 4 * rows * M + sb * rows * M + sums + S, launch="_hc_bwd"),
-                 row("hc_bwd.sums (torch)", "backward", sums, 4 * (n * n + 2 * n + 2 + D), launch="sum"), dW,
+                     c + R + 4 * N + 4 * rows * M + sums + S, launch="_hc_bwd"),
+                 row("hc_bwd.sums (torch)", "backward", sums, 4 * (n * n + 2 * n + 2 + D + M * D), launch="sum"),
                  row("dW^T's rows into dynamic_alpha's gradient (a torch copy)", "backward", 4 * K * (n + 1),
                      4 * K * (n + 1), launch="copy")]
 

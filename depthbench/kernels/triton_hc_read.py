@@ -19,8 +19,9 @@ the norm in the backward; here, per sublayer:
             of 16 tokens: by tiles of channels the width connection's and the norm's sums (dpre, dres and the norm's
             <w dout, branch>), the maps' (and Sinkhorn's, recomputed from the logits) backward to dm, then dH by
             tiles of channels, written once (the width share, r dm W^T, the norm's); the maps' and the gain's sums
-            in one row a program, laid out as the parameters (one torch sum); dW = x^T (r dm) by cuBLAS
-            (`weight_gradient`). Otherwise (diagnostics read them) three: `_width_norm_bwd`, `_mhc_read_bwd` /
+            in one row a program, laid out as the parameters (one torch sum); dW = x^T (r dm): mHC's by cuBLAS
+            (`weight_gradient`), HC's in `_hc_bwd`'s tiles (each program's share of dW^T in its row of sums: x is
+            read once). Otherwise (diagnostics read them) three: `_width_norm_bwd`, `_mhc_read_bwd` /
             `_hc_read_bwd`, triton_hc._proj_bwd with the width connection's dH added in (HAS_ACC). With
             ONE_LAUNCH_FORWARD / ONE_LAUNCH_BACKWARD off, always the split (scripts/kernel_bench.py times both)
 
@@ -40,6 +41,7 @@ import torch
 from depthbench.kernels import triton_hc as hc
 from depthbench.kernels.triton_hc import (BLOCK_K, BLOCK_ROWS, _dot, _normed_rows, _sinkhorn_block,
                                           _sinkhorn_block_bwd, _sum, _w_tile, jit, pow2, runs_here, stream_sizes, tl)
+from depthbench.kernels.triton_attnres_chunk import UPCAST_DOTS   # one definition of the interpreter's workaround
 from ops import fp32_maths
 
 EPS = 1e-6      # residuals.MHC.maps' norm eps and ops.sinkhorn's default, the ones its reference uses
@@ -194,9 +196,10 @@ def _hc_maps_fwd(X, A, B, Sa, Sb, Asc, Bsc, Pre, Post, Res, Mo, R, NR, K, M, eps
 
 
 @jit
-def _hc_maps_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, part, row0, count, NR, M,
+def _hc_maps_bwd(DPre, DPost, DRes, Mo, Asc, Bsc, G, part, row0, count, NR, M,
                  n: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr):
-    """_hc_read_bwd's work on rows [row0, row0 + count) (count <= BN), this block's sums at `part`."""
+    """_hc_read_bwd's work on rows [row0, row0 + count) (count <= BN) but r dm, this block's sums at `part` -> (the
+    rows, which are live, dm (BN, MP))."""
     rows = row0 + tl.arange(0, BN)
     ok = (tl.arange(0, BN) < count) & (rows < NR)
     live = ok[:, None]
@@ -211,9 +214,6 @@ def _hc_maps_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, part, row0, count, N
     scale = tl.where(alpha, tl.load(Asc), tl.load(Bsc))
     g = dz * scale[None, :] * (1.0 - th * th)
     tl.store(G + rows[:, None] * M + cols[None, :], g, mask=live & (cols < M)[None, :])
-    r = tl.load(R + rows, mask=ok, other=0.0)
-    tl.store(RG + rows[:, None] * M + cols[None, :], (g * r[:, None]).to(RG.dtype.element_ty),
-             mask=live & (cols < M)[None, :])
     for stream in tl.static_range(n):
         sums = _sum(tl.where((s == stream)[:, None], dz, 0.0), 0)                         # (MP,) over its rows
         tl.store(part + stream * (n + 1) + cols, sums, mask=alpha)
@@ -221,6 +221,7 @@ def _hc_maps_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, part, row0, count, N
     dzt = _sum(dz * th, 0)
     scales = tl.where(cols == 0, _sum(tl.where(alpha, dzt, 0.0), 0), _sum(tl.where(cols == n + 1, dzt, 0.0), 0))
     tl.store(part + n * (n + 2) + cols, scales, mask=cols < 2)
+    return rows, ok, g
 
 
 @jit
@@ -231,8 +232,11 @@ def _hc_read_bwd(DPre, DPost, DRes, Mo, R, Asc, Bsc, G, RG, Part, NR, M,
     floats, laid out as the parameters: static_alpha (n, n + 1), static_beta (n), alpha_scale, beta_scale): per
     stream s, the sum over its rows of dz; then sum dz tanh(m) over the alpha columns and over the last."""
     pid = tl.program_id(0).to(tl.int64)
-    _hc_maps_bwd(DPre, DPost, DRes, Mo, R=R, Asc=Asc, Bsc=Bsc, G=G, RG=RG, part=Part + pid * (n * n + 2 * n + 2),
-                 row0=pid * BN, count=BN, NR=NR, M=M, n=n, BN=BN, MP=MP)
+    rows, ok, g = _hc_maps_bwd(DPre, DPost, DRes, Mo, Asc=Asc, Bsc=Bsc, G=G, part=Part + pid * (n * n + 2 * n + 2),
+                               row0=pid * BN, count=BN, NR=NR, M=M, n=n, BN=BN, MP=MP)
+    cols, r = tl.arange(0, MP), tl.load(R + rows, mask=ok, other=0.0)
+    tl.store(RG + rows[:, None] * M + cols[None, :], (g * r[:, None]).to(RG.dtype.element_ty),
+             mask=ok[:, None] & (cols < M)[None, :])
 
 
 @jit
@@ -437,23 +441,25 @@ def upstream(x, pre, grads):
 
 
 @jit
-def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, G, Cb, RG, Sums, Asc, Bsc, N, D, M,
+def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRes, G, Cb, Sums, Asc, Bsc, N, D, M,
             n: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-            MP: tl.constexpr):
+            MP: tl.constexpr, DW_BF16: tl.constexpr):
     """HC's whole read backward on tokens [pid BT, +BT), one launch (in place of _width_norm_bwd, _hc_read_bwd and
     _proj_bwd), _mhc_bwd's three stages: (1) `_width_block_bwd`; (2) the maps' backward on the block's
     BT n rows (`_hc_maps_bwd`, BR >= BT n; dm into G, read back by tiles below); (3) by tiles of BK channels, dH of
     each stream j written once: pre[j] dbranch + sum_o res[o, j] dmixed_o + r_j (dm_j W^T) - x_j r_j^2 <dm_j, m_j>
-    / D (the projection is per stream row, K = D). Row pid of Sums: the maps' sums (n^2 + 2n + 2), then the gain's
-    (D)."""
+    / D (the projection is per stream row, K = D), and the block's share of dW^T = (r dm)^T x from the same x, r and
+    dm (no GEMM after: x read once). Row pid of Sums: the maps' sums (n^2 + 2n + 2), the gain's (D), then the
+    block's dW^T (M, D), so one torch sum over the programs gives all three."""
     pid = tl.program_id(0).to(tl.int64)
-    stride = n * n + 2 * n + 2 + D
-    c = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Dw=Sums + pid * stride + n * n
-                         + 2 * n + 2, t0=pid * BT, Wn=Wn, N=N, D=D, n=n, NP=NP, BK=BK, BT=BT)
+    maps_sums = n * n + 2 * n + 2
+    part = Sums + pid * (maps_sums + D + M * D)             # this program's row
+    c = _width_block_bwd(H, Pre, Rb, DOut, DMixed=DMixed, DPre=DPre, DRes=DRes, Dw=part + maps_sums, t0=pid * BT,
+                         Wn=Wn, N=N, D=D, n=n, NP=NP, BK=BK, BT=BT)
     tl.store(Cb + pid * BT + tl.arange(0, BT), c, mask=pid * BT + tl.arange(0, BT) < N)
     tl.debug_barrier()                         # dpre, dres and c are read back below by other threads
-    _hc_maps_bwd(DPre, DPost, DRes, Mo, R=R, Asc=Asc, Bsc=Bsc, G=G, RG=RG, part=Sums + pid * stride,
-                 row0=pid * BT * n, count=BT * n, NR=N * n, M=M, n=n, BN=BR, MP=MP)
+    _hc_maps_bwd(DPre, DPost, DRes, Mo, Asc=Asc, Bsc=Bsc, G=G, part=part, row0=pid * BT * n, count=BT * n, NR=N * n,
+                 M=M, n=n, BN=BR, MP=MP)
     tl.debug_barrier()                         # dm is read back below by other threads
     tokens = pid * BT + tl.arange(0, BT)
     live, cols = tokens < N, tl.arange(0, MP)
@@ -462,6 +468,7 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
         dd = d0 + tl.arange(0, BK)
         tile, at, db = _dbranch_tile(H, Pre, Wn, DOut, rb=rb, cb=cb, tokens=tokens, live=live, dd=dd, D=D, n=n)
         wt = _w_tile(A, B, dd, cols=cols, K=D, M=M, SPLIT=True)                # W = [A | B], (BK, MP)
+        dwt = tl.full([BK, MP], 0.0, tl.float32)                               # the block's dW^T on channels dd
         for j in tl.static_range(n):
             dx = _width_share(Pre, Res, DMixed, db, tokens=tokens, live=live, at=at, tile=tile, D=D, j=j, n=n)
             row = tokens * n + j
@@ -472,12 +479,30 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
             coef = r * r * _sum(g * m, 1) / D
             dx += r[:, None] * _dot(g, tl.trans(wt), H) - x * coef[:, None]
             tl.store(DH + at + j * D, dx.to(DH.dtype.element_ty), mask=tile)
+            if DW_BF16:                 # x exact in bf16; r dm rounded to it, as the cuBLAS GEMM's operand was
+                xb, rgb = x.to(tl.bfloat16), (g * r[:, None]).to(tl.bfloat16)
+                if UPCAST_DOTS:         # the interpreter's bf16 tl.dot is wrong: the rounded values in fp32
+                    xb, rgb = xb.to(tl.float32), rgb.to(tl.float32)
+                dwt = tl.dot(tl.trans(xb), rgb, dwt)
+            else:
+                dwt = _dot(tl.trans(x), g * r[:, None], H, dwt)
+        tl.store(part + maps_sums + D + cols[None, :] * D + dd[:, None], dwt,
+                 mask=(cols < M)[None, :] & (dd < D)[:, None])
+
+
+def dw_bf16(x):
+    """`_hc_bwd`'s dW tile from bf16 operands (r dm rounded, as the cuBLAS GEMM had it) instead of tf32: for bf16 or
+    fp16 streams under a Triton before 3.9 (the GPU image's 3.6), whose tf32 form spills 80 bytes in the tile loop
+    at the register cap; Triton 3.9's is clean in tf32 and spills in bf16 (ptxas sm90, docs/speed.md)."""
+    version = tuple(int(part) for part in hc.triton.__version__.split(".")[:2])
+    return x.dtype != torch.float32 and version < (3, 9)
 
 
 def bwd_launch(x):
     """_mhc_bwd's and _hc_bwd's warps and registers a thread: at the card's shape (d640, BK 64, bf16 streams, the
     projection in tf32: `_dot`) capped at 128 x 8 warps, 2 CTAs an SM, the 256 programs in one wave, no spill (ptxas
-    for sm90, Triton 3.9 and 3.6; uncapped 142 / 136: 1 CTA); on fp32 streams (ieee) the cap would spill: none."""
+    for sm90, Triton 3.9 and 3.6; uncapped 142 / 136: 1 CTA; `_hc_bwd` with its dW tile: 158 uncapped, no spill at
+    the cap under 3.9, 80 bytes of stack under 3.6: docs/speed.md); on fp32 streams (ieee) the cap would spill: none."""
     return dict(num_warps=8, maxnreg=None if x.dtype == torch.float32 else 128)
 
 
@@ -510,20 +535,19 @@ def mhc_backward(x, saved, grads, iters, sizes):
 def hc_backward(x, saved, grads):
     """_hc_bwd: HC's read backward in one launch where H_pre and H_res have no other use (grads: dh, None, dpost,
     None, dmixed) -> (dH in x's (N n, D) layout; the column sums of the per-program rows, [the maps' n^2 + 2n + 2 |
-    the gain's D]; r dm in x's dtype, dW's GEMM input)."""
+    the gain's D | dW^T (n + 2, D), row-major]: dW = x^T (r dm) summed in the kernel, no GEMM)."""
     _, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb = saved
     (rows, D), (N, n), M = x.shape, pre.shape, A.size(1) + 1
     dout, dpost, dmixed = upstream(x, pre, grads)
     programs = hc.triton.cdiv(N, BLOCK_ROWS)
     f32 = dict(device=x.device, dtype=torch.float32)
     dH, dpre, dres, g = torch.empty_like(x), torch.empty_like(pre), torch.empty_like(res), torch.empty_like(m)
-    sums = torch.empty(programs, n * n + 2 * n + 2 + D, **f32)
-    rg, cb = torch.empty(m.shape, device=x.device, dtype=x.dtype), torch.empty(N, **f32)
+    sums, cb = torch.empty(programs, n * n + 2 * n + 2 + D + M * D, **f32), torch.empty(N, **f32)
     _hc_bwd[(programs,)](H=x, A=A, B=B, Pre=pre, Res=res, Mo=m, R=r, Rb=rb, Wn=gain, DOut=dout, DMixed=dmixed,
-                         DPost=dpost, DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, RG=rg, Sums=sums, Asc=alpha_scale,
+                         DPost=dpost, DH=dH, DPre=dpre, DRes=dres, G=g, Cb=cb, Sums=sums, Asc=alpha_scale,
                          Bsc=beta_scale, N=N, D=D, M=M, n=n, NP=pow2(n), BT=BLOCK_ROWS, BR=pow2(BLOCK_ROWS * n),
-                         BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), **bwd_launch(x))
-    return dH, sums.sum(0), rg
+                         BK=min(BLOCK_K, pow2(D, 16)), MP=pow2(M, 16), DW_BF16=dw_bf16(x), **bwd_launch(x))
+    return dH, sums.sum(0)
 
 
 def projection_backward(x, W, g, m, r, dH):

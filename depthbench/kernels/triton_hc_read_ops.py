@@ -172,25 +172,30 @@ def hc_read_forward(H, params, eps):
     return (*outputs(h, pre, post, res, mixed=mixed, shape=H.shape), m, r, rb)
 
 
-@graph_op("hc_read_bwd", "(Tensor H, Tensor[] params, Tensor[] kept, Tensor?[] grads) -> (Tensor, Tensor, Tensor)",
-          lambda H, params, *_: (H.new_empty(H.shape), H.new_empty(params[0].size(1) + 1, H.size(-1)),
-                                 H.new_empty(H.size(-2) * (H.size(-2) + 2) + 2 + H.size(-1))))
+@graph_op("hc_read_bwd", "(Tensor H, Tensor[] params, Tensor[] kept, Tensor?[] grads) -> (Tensor, Tensor)",
+          lambda H, params, *_: (H.new_empty(H.shape), H.new_empty(hc_sums_size(H.size(-2), H.size(-1)))))
 def hc_read_backward(H, params, kept, grads):
     """The gradients (dh, dpre, dpost, dres, dmixed: None where an output fed nothing) of hc_read_forward's outputs;
-    params = [dynamic_alpha, dynamic_beta, the two scales, the gain], kept = [pre, res, m, r, rb] -> (dH, dW^T (n + 2,
-    D): one GEMM, x read once; its last row dynamic_beta's gradient, the rest transposed dynamic_alpha's; the sums
-    [static_alpha | static_beta | the scales | the gain's D]): one launch where H_pre and H_res feed nothing else."""
+    params = [dynamic_alpha, dynamic_beta, the two scales, the gain], kept = [pre, res, m, r, rb] -> (dH, the sums
+    [static_alpha | static_beta | the scales | the gain's D | dW^T (n + 2, D), row-major: its last row dynamic_beta's
+    gradient, the rest transposed dynamic_alpha's]): one launch where H_pre and H_res feed nothing else (dW^T summed
+    in it with the rest: x read once), else three and a GEMM."""
     (A, B, alpha_scale, beta_scale, gain), (pre, res, m, r, rb) = [p.contiguous() for p in params], kept
     (_, dpre, _, dres, _), (n, D) = grads, H.shape[-2:]
     x = H.reshape(-1, D).contiguous()
     pre, res = pre.reshape(-1, n), res.reshape(-1, n, n)
     saved = (x, A, B, alpha_scale, beta_scale, pre, res, m, r, gain, rb)
     if hcr.ONE_LAUNCH_BACKWARD and dpre is None and dres is None:   # H_pre, H_res feed nothing else: one launch
-        dH, sums, rg = hc_backward(x, saved, grads)
-    else:
-        dH, sums, rg, dgain = three_kernels(saved, grads)
-        sums = torch.cat([sums, dgain.float()])
-    return dH.view(H.shape), weight_gradient(x, rg, A, transposed=True), sums
+        dH, sums = hc_backward(x, saved, grads)
+        return dH.view(H.shape), sums
+    dH, sums, rg, dgain = three_kernels(saved, grads)
+    dWt = weight_gradient(x, rg, A, transposed=True)
+    return dH.view(H.shape), torch.cat([sums, dgain.float(), dWt.view(-1)])
+
+
+def hc_sums_size(n, D):
+    """hc_read_backward's sums: the static maps' n^2 + n, the two scales, the gain's D and dW^T's (n + 2) D."""
+    return n * (n + 2) + 2 + D + (n + 2) * D
 
 
 def three_kernels(saved, grads):
@@ -221,8 +226,8 @@ def _hc_save(ctx, H, params, maps, kept):
 def _hc_backward(ctx, grads):
     """hc_read_backward on what _hc_save kept, for grads (dh, dpre, dpost, dres, dmixed) -> (dH, params' grads)."""
     H, *saved = ctx.saved_tensors
-    dH, dWt, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=grads)
-    return dH, _hc_parameter_gradients(dWt, sums, gain=saved[4])
+    dH, sums = call(hc_read_backward, H, params=saved[:5], kept=saved[5:], grads=grads)
+    return dH, _hc_parameter_gradients(sums, H.shape[-2:], gain=saved[4])
 
 
 def _hc_setup(ctx, inputs, output):
@@ -237,12 +242,14 @@ def _hc_gradients(ctx, dh, dpre, dpost, dres, dmixed, *_kept):
     return (*_hc_backward(ctx, grads), None)
 
 
-def _hc_parameter_gradients(dWt, sums, gain):
-    """hc_read_backward's (dW^T, sums) -> the gradients of params = [dynamic_alpha, dynamic_beta, static_alpha,
-    static_beta, alpha_scale, beta_scale, the gain]."""
-    n = dWt.size(0) - 2
+def _hc_parameter_gradients(sums, shape, gain):
+    """hc_read_backward's sums, for streams of shape (n, D) -> the gradients of params = [dynamic_alpha,
+    dynamic_beta, static_alpha, static_beta, alpha_scale, beta_scale, the gain]."""
+    n, D = shape
+    at = n * (n + 2) + 2                                   # the gain's first, then dW^T's
+    dWt = sums[at + D:].view(n + 2, D)
     return [dWt[:n + 1].t(), dWt[n + 1], sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)],
-            sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[n * (n + 2) + 2:].to(gain.dtype)]
+            sums[n * (n + 2)], sums[n * (n + 2) + 1], sums[at:at + D].to(gain.dtype)]
 
 
 def _hc_maps_setup(ctx, inputs, output):
