@@ -529,9 +529,10 @@ def kernel_signatures(stream, module):
         ("_hc_fwd", dict(X=s, A=f, B=f, Sa=f, Sb=f, Asc=f, Bsc=f, Pre=f, Post=f, Res=f, Mo=f, R=f, Wn=f, Out=s, Mixed=s,
                          Rb=f, NR="i32", K="i32", M="i32", eps="fp32", eps_norm="fp32"),
          dict(n=4, NP=4, BN=module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16, BD=1024)),
-        ("_hc_bwd", dict(H=s, A=f, B=f, Pre=f, Res=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f, DH=s, DPre=f,
-                         DRes=f, G=f, Cb=f, Sums=f, Asc=f, Bsc=f, N="i32", D="i32", M="i32"),
-         dict(n=4, NP=4, BT=module.BLOCK_ROWS, BR=4 * module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16))]
+        *[("_hc_bwd", dict(H=s, A=f, B=f, Pre=f, Res=f, Mo=f, R=f, Rb=f, Wn=f, DOut=s, DMixed=s, DPost=f, DH=s,
+                           DPre=f, DRes=f, G=f, Cb=f, Sums=f, Asc=f, Bsc=f, N="i32", D="i32", M="i32"),
+           dict(n=4, NP=4, BT=module.BLOCK_ROWS, BR=4 * module.BLOCK_ROWS, BK=module.BLOCK_K, MP=16, DW_BF16=bf16))
+          for bf16 in ((False, True) if s == "*bf16" else (False,))]]     # its dW tile's two forms (`dw_bf16`)
 
 
 @pytest.mark.slow
