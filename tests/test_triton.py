@@ -455,6 +455,20 @@ def assert_chunked_equals_reference(pattern, shape=(1, 5, 48)):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * max(y.abs().max().item(), 1), msg=f"leaf {i}")
 
 
+def assert_taken_gradients_equal(got, want, taken):
+    """The gradients of a loss on the outputs `taken` (indices into `chunk_step`'s outputs, random weights) of the
+    chunked bank's step `got` and ops.DepthBank's `want`: every leaf's equal (fp32, 1e-5 of its largest entry, 1e-5
+    absolute under 1); a leaf the reference gives no gradient gets none, or zeros."""
+    weights = [torch.randn(got[0][i].shape, generator=torch.Generator().manual_seed(i)) for i in taken]
+    a = torch.autograd.grad([got[0][i] for i in taken], got[2], weights, allow_unused=True)
+    b = torch.autograd.grad([want[0][i] for i in taken], want[2], weights, allow_unused=True)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if y is None:
+            assert x is None or not x.any(), i
+            continue
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * max(y.abs().max().item(), 1), msg=f"leaf {i}")
+
+
 @needs_interpreter
 def test_chunked_bank_with_consumers_outside_the_loss():
     """Consumers whose mix the loss does not take (a chunk's first, one in its middle, and every one of the third
@@ -464,14 +478,7 @@ def test_chunked_bank_with_consumers_outside_the_loss():
     inputs = chunk_inputs(reads, has_extra)
     got, want = chunk_step(reads, inputs), chunk_step(reads, inputs, fast=False)
     taken = [i for i in range(len(got[0])) if i not in (1, 5) and not 17 <= i <= 20]
-    weights = [torch.randn(got[0][i].shape, generator=torch.Generator().manual_seed(i)) for i in taken]
-    a = torch.autograd.grad([got[0][i] for i in taken], got[2], weights, allow_unused=True)
-    b = torch.autograd.grad([want[0][i] for i in taken], want[2], weights, allow_unused=True)
-    for i, (x, y) in enumerate(zip(a, b)):
-        if y is None:
-            assert x is None or not x.any(), i
-            continue
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * max(y.abs().max().item(), 1), msg=f"leaf {i}")
+    assert_taken_gradients_equal(got, want, taken)
 
 
 @needs_interpreter
@@ -485,14 +492,7 @@ def test_an_extra_passed_on_keeps_its_gradient_when_its_mix_is_unused():
     got, want = chunk_step(reads, inputs), chunk_step(reads, inputs, fast=False)
     mixes = [1 + 2 * r for r in range(len(reads) - 1)] + [len(got[0]) - 1]        # outputs: e, then mix, passed, ...
     taken = [i for i in mixes[::2]] + [i + 1 for i in mixes[:-1]]
-    weights = [torch.randn(got[0][i].shape, generator=torch.Generator().manual_seed(i)) for i in taken]
-    a = torch.autograd.grad([got[0][i] for i in taken], got[2], weights, allow_unused=True)
-    b = torch.autograd.grad([want[0][i] for i in taken], want[2], weights, allow_unused=True)
-    for i, (x, y) in enumerate(zip(a, b)):
-        if y is None:
-            assert x is None or not x.any(), i
-            continue
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * max(y.abs().max().item(), 1), msg=f"leaf {i}")
+    assert_taken_gradients_equal(got, want, taken)
 
 
 @needs_interpreter
