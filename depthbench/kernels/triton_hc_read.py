@@ -490,12 +490,15 @@ def _hc_bwd(H, A, B, Pre, Res, Mo, R, Rb, Wn, DOut, DMixed, DPost, DH, DPre, DRe
                  mask=(cols < M)[None, :] & (dd < D)[:, None])
 
 
+# Triton's (major, minor), read once at import, not at each backward ((0, 0) where it does not import: no kernel runs)
+TRITON_VERSION = (0, 0) if hc.triton is None else tuple(int(part) for part in hc.triton.__version__.split(".")[:2])
+
+
 def dw_bf16(x):
     """`_hc_bwd`'s dW tile from bf16 operands (r dm rounded, as the cuBLAS GEMM had it) instead of tf32: for bf16 or
     fp16 streams under a Triton before 3.9 (the GPU image's 3.6), whose tf32 form spills 80 bytes in the tile loop
     at the register cap; Triton 3.9's is clean in tf32 and spills in bf16 (ptxas sm90, docs/speed.md)."""
-    version = tuple(int(part) for part in hc.triton.__version__.split(".")[:2])
-    return x.dtype != torch.float32 and version < (3, 9)
+    return x.dtype != torch.float32 and TRITON_VERSION < (3, 9)
 
 
 def bwd_launch(x):
